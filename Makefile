@@ -1,0 +1,44 @@
+# rollwire — every command the README names. `make help` lists them.
+PYTHON ?= python3
+VENV   := .venv
+BIN    := $(VENV)/bin
+STAMP  := $(VENV)/.installed
+BUF    := .tools/node_modules/.bin/buf
+PROTOS := $(wildcard proto/rollwire/v1/*.proto)
+
+.PHONY: help install test lint proto demo bench clean
+
+help:
+	@echo "make demo     run the local stack on the tiny model"
+	@echo "make test     lint the protos and run the test suite"
+	@echo "make install  create .venv (CPU torch first, then rollwire with pinned dependencies)"
+	@echo "make proto    regenerate the Python stubs from proto/"
+
+install: $(STAMP)
+
+# torch first, from the CPU wheel: an unpinned torch would pull a multi-GB CUDA build.
+$(STAMP): pyproject.toml constraints.txt
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install --quiet --upgrade pip
+	$(BIN)/pip install --quiet torch==2.13.0
+	$(BIN)/pip install --quiet -c constraints.txt -e '.[model,dev]'
+	touch $(STAMP)
+
+$(BUF): .tools/package.json .tools/package-lock.json
+	npm ci --prefix .tools --no-audit --no-fund --silent
+	touch $(BUF)
+
+lint: $(BUF)
+	$(BUF) lint
+
+test: install lint
+	$(BIN)/python -m pytest -q
+
+proto: install
+	$(BIN)/python -m grpc_tools.protoc -Iproto --python_out=client --pyi_out=client --grpc_python_out=client $(PROTOS)
+
+demo: install
+	bash scripts/demo.sh
+
+clean:
+	rm -rf $(VENV) .tools/node_modules .pytest_cache

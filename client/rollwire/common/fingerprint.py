@@ -1,0 +1,34 @@
+"""The base-model fingerprint that ties an adapter to the weights it was trained on.
+
+fingerprint = "sha256:" + hex digest over the model's config.json (canonical JSON) and the
+bytes of every *.safetensors file, in name order. Computed from the folder with hashlib
+alone, so the generator, the learner and the CLI (without torch) agree on it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+
+_CHUNK = 8 * 1024 * 1024
+
+
+def model_fingerprint(model_dir: str | Path) -> str:
+    """Fingerprint of a local HF model folder; raises FileNotFoundError when not one."""
+    root = Path(model_dir)
+    config_path = root / "config.json"
+    if not config_path.is_file():
+        raise FileNotFoundError(f"{root} has no config.json; point at a local Hugging Face model folder")
+    digest = hashlib.sha256()
+    config = json.loads(config_path.read_text())
+    digest.update(json.dumps(config, sort_keys=True, separators=(",", ":")).encode())
+    weights = sorted(root.glob("*.safetensors"))
+    if not weights:
+        raise FileNotFoundError(f"{root} has no *.safetensors weights")
+    for path in weights:
+        digest.update(path.name.encode())
+        with path.open("rb") as fh:
+            while block := fh.read(_CHUNK):
+                digest.update(block)
+    return "sha256:" + digest.hexdigest()[:32]

@@ -1,0 +1,255 @@
+from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class FinishReason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    FINISH_REASON_UNSPECIFIED: _ClassVar[FinishReason]
+    FINISH_REASON_EOS: _ClassVar[FinishReason]
+    FINISH_REASON_STOP: _ClassVar[FinishReason]
+    FINISH_REASON_LENGTH: _ClassVar[FinishReason]
+FINISH_REASON_UNSPECIFIED: FinishReason
+FINISH_REASON_EOS: FinishReason
+FINISH_REASON_STOP: FinishReason
+FINISH_REASON_LENGTH: FinishReason
+
+class TokenIds(_message.Message):
+    __slots__ = ("ids",)
+    IDS_FIELD_NUMBER: _ClassVar[int]
+    ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, ids: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class SamplingParams(_message.Message):
+    __slots__ = ("max_new_tokens", "temperature", "top_p", "top_k", "stop", "seed", "ignore_eos")
+    MAX_NEW_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
+    TOP_P_FIELD_NUMBER: _ClassVar[int]
+    TOP_K_FIELD_NUMBER: _ClassVar[int]
+    STOP_FIELD_NUMBER: _ClassVar[int]
+    SEED_FIELD_NUMBER: _ClassVar[int]
+    IGNORE_EOS_FIELD_NUMBER: _ClassVar[int]
+    max_new_tokens: int
+    temperature: float
+    top_p: float
+    top_k: int
+    stop: _containers.RepeatedScalarFieldContainer[str]
+    seed: int
+    ignore_eos: bool
+    def __init__(self, max_new_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., seed: _Optional[int] = ..., ignore_eos: _Optional[bool] = ...) -> None: ...
+
+class AdapterRef(_message.Message):
+    __slots__ = ("name", "version")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    version: int
+    def __init__(self, name: _Optional[str] = ..., version: _Optional[int] = ...) -> None: ...
+
+class GenerateRequest(_message.Message):
+    __slots__ = ("request_id", "text", "token_ids", "n", "sampling", "adapter", "group_key")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    TEXT_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    N_FIELD_NUMBER: _ClassVar[int]
+    SAMPLING_FIELD_NUMBER: _ClassVar[int]
+    ADAPTER_FIELD_NUMBER: _ClassVar[int]
+    GROUP_KEY_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    text: str
+    token_ids: TokenIds
+    n: int
+    sampling: SamplingParams
+    adapter: AdapterRef
+    group_key: str
+    def __init__(self, request_id: _Optional[str] = ..., text: _Optional[str] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., n: _Optional[int] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., adapter: _Optional[_Union[AdapterRef, _Mapping]] = ..., group_key: _Optional[str] = ...) -> None: ...
+
+class GenerationStarted(_message.Message):
+    __slots__ = ("request_id", "adapter", "prompt_token_ids", "replica")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    ADAPTER_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    REPLICA_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    adapter: AdapterRef
+    prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    replica: str
+    def __init__(self, request_id: _Optional[str] = ..., adapter: _Optional[_Union[AdapterRef, _Mapping]] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., replica: _Optional[str] = ...) -> None: ...
+
+class TokenChunk(_message.Message):
+    __slots__ = ("sample_index", "token_ids", "logprobs", "text", "adapter_version")
+    SAMPLE_INDEX_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    TEXT_FIELD_NUMBER: _ClassVar[int]
+    ADAPTER_VERSION_FIELD_NUMBER: _ClassVar[int]
+    sample_index: int
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    logprobs: _containers.RepeatedScalarFieldContainer[float]
+    text: str
+    adapter_version: int
+    def __init__(self, sample_index: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[float]] = ..., text: _Optional[str] = ..., adapter_version: _Optional[int] = ...) -> None: ...
+
+class SampleFinished(_message.Message):
+    __slots__ = ("sample_index", "finish_reason", "prompt_tokens", "completion_tokens")
+    SAMPLE_INDEX_FIELD_NUMBER: _ClassVar[int]
+    FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    COMPLETION_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    sample_index: int
+    finish_reason: FinishReason
+    prompt_tokens: int
+    completion_tokens: int
+    def __init__(self, sample_index: _Optional[int] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ...) -> None: ...
+
+class GroupRestarted(_message.Message):
+    __slots__ = ("attempt", "reason")
+    ATTEMPT_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    attempt: int
+    reason: str
+    def __init__(self, attempt: _Optional[int] = ..., reason: _Optional[str] = ...) -> None: ...
+
+class GenerateResponse(_message.Message):
+    __slots__ = ("started", "tokens", "finished", "restarted")
+    STARTED_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_FIELD_NUMBER: _ClassVar[int]
+    FINISHED_FIELD_NUMBER: _ClassVar[int]
+    RESTARTED_FIELD_NUMBER: _ClassVar[int]
+    started: GenerationStarted
+    tokens: TokenChunk
+    finished: SampleFinished
+    restarted: GroupRestarted
+    def __init__(self, started: _Optional[_Union[GenerationStarted, _Mapping]] = ..., tokens: _Optional[_Union[TokenChunk, _Mapping]] = ..., finished: _Optional[_Union[SampleFinished, _Mapping]] = ..., restarted: _Optional[_Union[GroupRestarted, _Mapping]] = ...) -> None: ...
+
+class LoraConfig(_message.Message):
+    __slots__ = ("r", "lora_alpha", "target_modules", "use_rslora")
+    R_FIELD_NUMBER: _ClassVar[int]
+    LORA_ALPHA_FIELD_NUMBER: _ClassVar[int]
+    TARGET_MODULES_FIELD_NUMBER: _ClassVar[int]
+    USE_RSLORA_FIELD_NUMBER: _ClassVar[int]
+    r: int
+    lora_alpha: float
+    target_modules: _containers.RepeatedScalarFieldContainer[str]
+    use_rslora: bool
+    def __init__(self, r: _Optional[int] = ..., lora_alpha: _Optional[float] = ..., target_modules: _Optional[_Iterable[str]] = ..., use_rslora: _Optional[bool] = ...) -> None: ...
+
+class AdapterManifest(_message.Message):
+    __slots__ = ("name", "version", "base_model_fingerprint", "lora_config", "byte_length", "sha256")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    BASE_MODEL_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
+    LORA_CONFIG_FIELD_NUMBER: _ClassVar[int]
+    BYTE_LENGTH_FIELD_NUMBER: _ClassVar[int]
+    SHA256_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    version: int
+    base_model_fingerprint: str
+    lora_config: LoraConfig
+    byte_length: int
+    sha256: str
+    def __init__(self, name: _Optional[str] = ..., version: _Optional[int] = ..., base_model_fingerprint: _Optional[str] = ..., lora_config: _Optional[_Union[LoraConfig, _Mapping]] = ..., byte_length: _Optional[int] = ..., sha256: _Optional[str] = ...) -> None: ...
+
+class PushAdapterRequest(_message.Message):
+    __slots__ = ("manifest", "chunk")
+    MANIFEST_FIELD_NUMBER: _ClassVar[int]
+    CHUNK_FIELD_NUMBER: _ClassVar[int]
+    manifest: AdapterManifest
+    chunk: bytes
+    def __init__(self, manifest: _Optional[_Union[AdapterManifest, _Mapping]] = ..., chunk: _Optional[bytes] = ...) -> None: ...
+
+class ReplicaPushResult(_message.Message):
+    __slots__ = ("replica", "code", "message")
+    REPLICA_FIELD_NUMBER: _ClassVar[int]
+    CODE_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    replica: str
+    code: str
+    message: str
+    def __init__(self, replica: _Optional[str] = ..., code: _Optional[str] = ..., message: _Optional[str] = ...) -> None: ...
+
+class PushAdapterResponse(_message.Message):
+    __slots__ = ("name", "version", "already_loaded", "loaded_versions", "replicas")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    ALREADY_LOADED_FIELD_NUMBER: _ClassVar[int]
+    LOADED_VERSIONS_FIELD_NUMBER: _ClassVar[int]
+    REPLICAS_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    version: int
+    already_loaded: bool
+    loaded_versions: _containers.RepeatedScalarFieldContainer[int]
+    replicas: _containers.RepeatedCompositeFieldContainer[ReplicaPushResult]
+    def __init__(self, name: _Optional[str] = ..., version: _Optional[int] = ..., already_loaded: _Optional[bool] = ..., loaded_versions: _Optional[_Iterable[int]] = ..., replicas: _Optional[_Iterable[_Union[ReplicaPushResult, _Mapping]]] = ...) -> None: ...
+
+class GetStatusRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class LoadedAdapter(_message.Message):
+    __slots__ = ("name", "versions")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    VERSIONS_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    versions: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, name: _Optional[str] = ..., versions: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class ReplicaStatus(_message.Message):
+    __slots__ = ("address", "replica", "healthy", "draining", "in_flight", "adapters", "detail")
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    REPLICA_FIELD_NUMBER: _ClassVar[int]
+    HEALTHY_FIELD_NUMBER: _ClassVar[int]
+    DRAINING_FIELD_NUMBER: _ClassVar[int]
+    IN_FLIGHT_FIELD_NUMBER: _ClassVar[int]
+    ADAPTERS_FIELD_NUMBER: _ClassVar[int]
+    DETAIL_FIELD_NUMBER: _ClassVar[int]
+    address: str
+    replica: str
+    healthy: bool
+    draining: bool
+    in_flight: int
+    adapters: _containers.RepeatedCompositeFieldContainer[LoadedAdapter]
+    detail: str
+    def __init__(self, address: _Optional[str] = ..., replica: _Optional[str] = ..., healthy: _Optional[bool] = ..., draining: _Optional[bool] = ..., in_flight: _Optional[int] = ..., adapters: _Optional[_Iterable[_Union[LoadedAdapter, _Mapping]]] = ..., detail: _Optional[str] = ...) -> None: ...
+
+class GetStatusResponse(_message.Message):
+    __slots__ = ("role", "replica", "model_fingerprint", "engine", "adapters", "in_flight", "queue_depth", "limits", "replicas", "server_version")
+    ROLE_FIELD_NUMBER: _ClassVar[int]
+    REPLICA_FIELD_NUMBER: _ClassVar[int]
+    MODEL_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
+    ENGINE_FIELD_NUMBER: _ClassVar[int]
+    ADAPTERS_FIELD_NUMBER: _ClassVar[int]
+    IN_FLIGHT_FIELD_NUMBER: _ClassVar[int]
+    QUEUE_DEPTH_FIELD_NUMBER: _ClassVar[int]
+    LIMITS_FIELD_NUMBER: _ClassVar[int]
+    REPLICAS_FIELD_NUMBER: _ClassVar[int]
+    SERVER_VERSION_FIELD_NUMBER: _ClassVar[int]
+    role: str
+    replica: str
+    model_fingerprint: str
+    engine: str
+    adapters: _containers.RepeatedCompositeFieldContainer[LoadedAdapter]
+    in_flight: int
+    queue_depth: int
+    limits: Limits
+    replicas: _containers.RepeatedCompositeFieldContainer[ReplicaStatus]
+    server_version: str
+    def __init__(self, role: _Optional[str] = ..., replica: _Optional[str] = ..., model_fingerprint: _Optional[str] = ..., engine: _Optional[str] = ..., adapters: _Optional[_Iterable[_Union[LoadedAdapter, _Mapping]]] = ..., in_flight: _Optional[int] = ..., queue_depth: _Optional[int] = ..., limits: _Optional[_Union[Limits, _Mapping]] = ..., replicas: _Optional[_Iterable[_Union[ReplicaStatus, _Mapping]]] = ..., server_version: _Optional[str] = ...) -> None: ...
+
+class Limits(_message.Message):
+    __slots__ = ("max_n", "max_new_tokens", "max_prompt_tokens", "max_adapter_bytes", "adapter_window")
+    MAX_N_FIELD_NUMBER: _ClassVar[int]
+    MAX_NEW_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    MAX_PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    MAX_ADAPTER_BYTES_FIELD_NUMBER: _ClassVar[int]
+    ADAPTER_WINDOW_FIELD_NUMBER: _ClassVar[int]
+    max_n: int
+    max_new_tokens: int
+    max_prompt_tokens: int
+    max_adapter_bytes: int
+    adapter_window: int
+    def __init__(self, max_n: _Optional[int] = ..., max_new_tokens: _Optional[int] = ..., max_prompt_tokens: _Optional[int] = ..., max_adapter_bytes: _Optional[int] = ..., adapter_window: _Optional[int] = ...) -> None: ...

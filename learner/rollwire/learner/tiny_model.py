@@ -1,0 +1,81 @@
+"""A tiny Hugging Face Llama with its own character-level tokenizer, built locally.
+
+No hub: the vocabulary is the printable ASCII characters plus newline and four specials,
+weights come from a fixed seed, and the folder is what `AutoModelForCausalLM` and
+`AutoTokenizer` load. Built twice with the same arguments, the files are byte-identical, so
+the base-model fingerprint is stable across machines with the same torch.
+"""
+
+from __future__ import annotations
+
+import string
+from dataclasses import dataclass
+from pathlib import Path
+
+SPECIALS = ["<pad>", "<s>", "</s>", "<unk>"]
+CHARS = [c for c in string.printable if c not in "\t\r\x0b\x0c"]  # 95 printable + "\n"
+
+
+@dataclass(frozen=True)
+class TinyModelSpec:
+    """Shape of the tiny model; the defaults train in seconds on a laptop CPU."""
+
+    hidden_size: int = 128
+    num_layers: int = 2
+    num_heads: int = 4
+    intermediate_size: int = 384
+    max_positions: int = 256
+    seed: int = 0
+
+
+def build_tokenizer():
+    """A char-level fast tokenizer: one token per character, left padding, no BOS added."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {tok: i for i, tok in enumerate(SPECIALS + CHARS)}
+    core = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    core.pre_tokenizer = pre_tokenizers.Split(pattern="", behavior="isolated")
+    core.decoder = decoders.Fuse()
+    return PreTrainedTokenizerFast(
+        tokenizer_object=core,
+        pad_token="<pad>",
+        bos_token="<s>",
+        eos_token="</s>",
+        unk_token="<unk>",
+        padding_side="left",
+        clean_up_tokenization_spaces=False,
+    )
+
+
+def build_tiny_model(out_dir: str | Path, spec: TinyModelSpec = TinyModelSpec()) -> Path:
+    """Write an untrained tiny Llama and its tokenizer to `out_dir`; returns the path."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    tokenizer = build_tokenizer()
+    config = LlamaConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=spec.hidden_size,
+        intermediate_size=spec.intermediate_size,
+        num_hidden_layers=spec.num_layers,
+        num_attention_heads=spec.num_heads,
+        num_key_value_heads=spec.num_heads,
+        max_position_embeddings=spec.max_positions,
+        pad_token_id=tokenizer.pad_token_id,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        tie_word_embeddings=False,
+    )
+    torch.manual_seed(spec.seed)
+    model = LlamaForCausalLM(config).eval()
+    save_model(model, tokenizer, out)
+    return out
+
+
+def save_model(model, tokenizer, out: Path) -> None:
+    """Save weights (safetensors) and tokenizer in the standard HF layout."""
+    model.save_pretrained(out, safe_serialization=True)
+    tokenizer.save_pretrained(out)

@@ -1,0 +1,300 @@
+"""Versioned LoRA adapters on one replica: validation, the version window, leases.
+
+Invariants:
+- versions of a name only increase; re-pushing a loaded version with the same digest is an
+  idempotent success, anything else at or below the newest version is refused;
+- every push is checked in full (length, digest, fingerprint, config, tensor names and
+  shapes against the base model) before the engine is touched, so a refused push leaves
+  the replica serving exactly what it served before;
+- the K newest versions of each name are servable; an older version stops being servable
+  at once and is unloaded from the engine when its last request finishes (leases);
+- engine handles are never reused, so no cache entry of an old policy can be served under
+  a new version.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import re
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from rollwire.common.errors import FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted
+from rollwire.common.safetensors_header import HeaderError, read_file_header, read_header
+from rollwire.server.types import AdapterSelection
+
+NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
+PEFT_PREFIX = "base_model.model."
+ALL_LINEAR = "all-linear"
+LORA_DTYPES = {"F32", "F16", "BF16"}
+
+
+@dataclass(frozen=True)
+class LoraShape:
+    """The LoRA hyper-parameters that decide tensor shapes and scaling."""
+
+    r: int
+    lora_alpha: float
+    target_modules: tuple[str, ...]
+    use_rslora: bool = False
+
+
+@dataclass(frozen=True)
+class Manifest:
+    """What a push declares before its bytes arrive."""
+
+    name: str
+    version: int
+    base_model_fingerprint: str
+    lora: LoraShape
+    byte_length: int
+    sha256: str
+
+
+def check_manifest(m: Manifest, *, fingerprint: str, max_bytes: int) -> None:
+    """Refuse a manifest before any byte is read; each failure has its own sentence."""
+    if not NAME_RE.match(m.name):
+        raise InvalidArgument(
+            f"adapter name {m.name!r} is invalid: use 1-64 letters, digits, '.', '_' or '-', starting with a letter or digit",
+            reason="BAD_ADAPTER_NAME",
+        )
+    if m.version < 1:
+        raise InvalidArgument("adapter version must be >= 1", reason="BAD_ADAPTER_VERSION")
+    if m.base_model_fingerprint != fingerprint:
+        raise FailedPrecondition(
+            f"adapter {m.name!r} v{m.version} was trained on base model {m.base_model_fingerprint or '(none given)'}, "
+            f"but this replica serves {fingerprint}; push an adapter of this base model",
+            reason="BASE_MODEL_MISMATCH",
+        )
+    if m.lora.r < 1 or m.lora.lora_alpha <= 0 or not m.lora.target_modules:
+        raise InvalidArgument(
+            "lora_config needs r >= 1, lora_alpha > 0 and at least one target module", reason="BAD_LORA_CONFIG"
+        )
+    if not re.fullmatch(r"[0-9a-f]{64}", m.sha256):
+        raise InvalidArgument("sha256 must be 64 lowercase hex digits", reason="BAD_DIGEST")
+    if m.byte_length < 1:
+        raise InvalidArgument("byte_length must be > 0", reason="BAD_LENGTH")
+    if m.byte_length > max_bytes:
+        raise ResourceExhausted(
+            f"adapter of {m.byte_length} bytes exceeds this replica's limit of {max_bytes} bytes",
+            reason="ADAPTER_TOO_LARGE",
+        )
+
+
+def check_payload(m: Manifest, payload: bytes, base_shapes: dict[str, tuple[int, int]]) -> None:
+    """Length, digest, then every tensor's name and shape against the base model."""
+    if len(payload) != m.byte_length:
+        raise InvalidArgument(
+            f"upload ended after {len(payload)} of the {m.byte_length} bytes the manifest declared; "
+            "the upload was truncated or the manifest is wrong",
+            reason="LENGTH_MISMATCH",
+        )
+    digest = hashlib.sha256(payload).hexdigest()
+    if digest != m.sha256:
+        raise InvalidArgument(
+            f"payload sha256 is {digest} but the manifest declared {m.sha256}; the bytes were corrupted or the manifest is stale",
+            reason="DIGEST_MISMATCH",
+        )
+    try:
+        tensors = read_header(payload)
+    except HeaderError as exc:
+        raise InvalidArgument(f"payload is not a safetensors file: {exc}", reason="BAD_PAYLOAD") from None
+    expected = expected_lora_shapes(m.lora, base_shapes)
+    if not expected:
+        raise InvalidArgument(
+            f"target_modules {list(m.lora.target_modules)} match no linear layer of the base model",
+            reason="BAD_LORA_CONFIG",
+        )
+    got = {name: shape for name, (dtype, shape) in tensors.items()}
+    unexpected = sorted(set(got) - set(expected))
+    missing = sorted(set(expected) - set(got))
+    if unexpected or missing:
+        raise InvalidArgument(
+            f"adapter tensors do not match the base model and lora_config: "
+            f"{len(missing)} missing (e.g. {missing[:2]}), {len(unexpected)} unexpected (e.g. {unexpected[:2]})",
+            reason="TENSOR_MISMATCH",
+        )
+    for name, shape in expected.items():
+        dtype = tensors[name][0]
+        if got[name] != shape or dtype not in LORA_DTYPES:
+            raise InvalidArgument(
+                f"tensor {name} has shape {list(got[name])} ({dtype}); the base model and r={m.lora.r} "
+                f"need {list(shape)} in F32, F16 or BF16",
+                reason="TENSOR_MISMATCH",
+            )
+
+
+def expected_lora_shapes(lora: LoraShape, base_shapes: dict[str, tuple[int, int]]) -> dict[str, tuple[int, int]]:
+    """PEFT state-dict key -> shape for every base linear layer the config targets."""
+    shapes: dict[str, tuple[int, int]] = {}
+    for module, (out_f, in_f) in base_shapes.items():
+        if targets(module, lora.target_modules):
+            shapes[f"{PEFT_PREFIX}{module}.lora_A.weight"] = (lora.r, in_f)
+            shapes[f"{PEFT_PREFIX}{module}.lora_B.weight"] = (out_f, lora.r)
+    return shapes
+
+
+def targets(module: str, target_modules: tuple[str, ...]) -> bool:
+    """PEFT's list matching: the module name equals a target or ends with '.' + target."""
+    if ALL_LINEAR in target_modules:
+        return True
+    return any(module == t or module.endswith("." + t) for t in target_modules)
+
+
+def base_linear_shapes(model_dir: str | Path) -> dict[str, tuple[int, int]]:
+    """Module name -> (out, in) of every linear layer LoRA may target, from weight headers.
+
+    Embeddings and the output head are excluded, as PEFT's "all-linear" excludes them.
+    """
+    shapes: dict[str, tuple[int, int]] = {}
+    for path in sorted(Path(model_dir).glob("*.safetensors")):
+        for name, (_, shape) in read_file_header(path).items():
+            if not name.endswith(".weight") or len(shape) != 2:
+                continue
+            module = name[: -len(".weight")]
+            if "embed" in module or module.endswith("lm_head"):
+                continue
+            shapes[module] = (shape[0], shape[1])
+    return shapes
+
+
+@dataclass
+class _Version:
+    version: int
+    sha256: str
+    handle: str
+    leases: int = 0
+    servable: bool = True
+
+
+@dataclass
+class PushOutcome:
+    """What a push did: whether it was already there, and what is loaded now."""
+
+    name: str
+    version: int
+    already_loaded: bool
+    loaded_versions: list[int] = field(default_factory=list)
+
+
+class AdapterRegistry:
+    """The replica's book of adapter versions; the engine holds the weights.
+
+    `load(handle, manifest, payload)` and `unload(handle)` are the engine's calls. All
+    bookkeeping runs on the event loop; a per-replica lock serialises pushes.
+    """
+
+    def __init__(
+        self,
+        load: Callable[[str, Manifest, bytes], Awaitable[None]],
+        unload: Callable[[str], Awaitable[None]],
+        window: int,
+    ) -> None:
+        self._load, self._unload, self.window = load, unload, window
+        self._versions: dict[str, list[_Version]] = {}
+        self._newest: dict[str, int] = {}
+        self._lock = asyncio.Lock()
+        self._counter = 0
+        self._pending_unloads: set[asyncio.Task] = set()
+
+    def check_version(self, m: Manifest) -> bool:
+        """True if this exact version is loaded (idempotent); raises if it may not be pushed."""
+        newest = self._newest.get(m.name, 0)
+        for v in self._versions.get(m.name, []):
+            if v.version == m.version and v.servable:
+                if v.sha256 == m.sha256:
+                    return True
+                raise FailedPrecondition(
+                    f"adapter {m.name!r} v{m.version} is already loaded with a different digest; "
+                    f"versions are immutable, push it as v{newest + 1}",
+                    reason="VERSION_CONFLICT",
+                )
+        if m.version <= newest:
+            raise FailedPrecondition(
+                f"adapter {m.name!r} v{m.version} is not above the newest version v{newest} this replica has "
+                f"accepted; versions only increase, push v{newest + 1} or higher",
+                reason="VERSION_NOT_MONOTONIC",
+            )
+        return False
+
+    async def push(self, m: Manifest, payload: bytes) -> PushOutcome:
+        """Load a checked payload as a new version and retire what leaves the window."""
+        async with self._lock:
+            if self.check_version(m):
+                return PushOutcome(m.name, m.version, True, self.loaded().get(m.name, []))
+            self._counter += 1
+            handle = f"rw{self._counter}"
+            await self._load(handle, m, payload)
+            versions = self._versions.setdefault(m.name, [])
+            versions.append(_Version(m.version, m.sha256, handle))
+            self._newest[m.name] = m.version
+            servable = [v for v in versions if v.servable]
+            for old in servable[: max(0, len(servable) - self.window)]:
+                old.servable = False
+                self._maybe_unload(m.name, old)
+            return PushOutcome(m.name, m.version, False, self.loaded().get(m.name, []))
+
+    def acquire(self, name: str, version: int) -> AdapterSelection:
+        """Resolve a request's adapter (version 0 = newest) and hold it until release."""
+        if not name:
+            return AdapterSelection()
+        versions = [v for v in self._versions.get(name, []) if v.servable]
+        if not versions:
+            known = ", ".join(sorted(self.loaded())) or "none"
+            raise NotFound(
+                f"no adapter named {name!r} is loaded on this replica (loaded: {known}); push it first",
+                reason="ADAPTER_NOT_FOUND",
+            )
+        if version == 0:
+            chosen = versions[-1]
+        else:
+            chosen = next((v for v in versions if v.version == version), None)
+            if chosen is None:
+                loaded = ", ".join(str(v.version) for v in versions)
+                if version < versions[0].version:
+                    raise FailedPrecondition(
+                        f"adapter {name!r} v{version} has left this replica's window of the {self.window} newest "
+                        f"versions (loaded: {loaded}); request a loaded version or the latest",
+                        reason="ADAPTER_VERSION_EVICTED",
+                    )
+                raise NotFound(
+                    f"adapter {name!r} v{version} is not loaded on this replica (loaded: {loaded}); "
+                    "it has not been pushed here yet",
+                    reason="ADAPTER_VERSION_NOT_FOUND",
+                )
+        chosen.leases += 1
+        return AdapterSelection(name, chosen.version, chosen.handle)
+
+    def release(self, sel: AdapterSelection) -> None:
+        """End a request's hold; unloads a retired version when its last request ends."""
+        if sel.handle is None:
+            return
+        for v in self._versions.get(sel.name, []):
+            if v.handle == sel.handle:
+                v.leases -= 1
+                self._maybe_unload(sel.name, v)
+                return
+
+    def loaded(self) -> dict[str, list[int]]:
+        """Servable versions per name, oldest first."""
+        out = {}
+        for name, versions in self._versions.items():
+            servable = [v.version for v in versions if v.servable]
+            if servable:
+                out[name] = servable
+        return out
+
+    def _maybe_unload(self, name: str, v: _Version) -> None:
+        if v.servable or v.leases > 0:
+            return
+        self._versions[name].remove(v)
+        task = asyncio.get_running_loop().create_task(self._unload(v.handle))
+        self._pending_unloads.add(task)
+        task.add_done_callback(self._pending_unloads.discard)
+
+    async def settle(self) -> None:
+        """Wait for pending unloads (tests and shutdown)."""
+        while self._pending_unloads:
+            await asyncio.gather(*list(self._pending_unloads), return_exceptions=True)

@@ -1,0 +1,56 @@
+"""`rollwire generator` (and later `rollwire proxy`): argument parsing only, imports stay light."""
+
+from __future__ import annotations
+
+import argparse
+
+
+def register(subparsers) -> None:
+    p = subparsers.add_parser(
+        "generator",
+        help="run a generator replica",
+        description="Serve GeneratorService from a local Hugging Face model folder.",
+    )
+    p.add_argument("--model", help="local HF model folder (config.json, *.safetensors, tokenizer)")
+    p.add_argument("--engine", choices=["transformers", "sglang"], help="model backend (default transformers)")
+    p.add_argument("--host", help="bind address (default 127.0.0.1)")
+    p.add_argument("--port", type=int, help="gRPC port (default 50051; 0 picks a free one)")
+    p.add_argument("--metrics-port", type=int, help="Prometheus port (default 9400; 0 picks a free one)")
+    p.add_argument("--replica-id", help="name in logs and status (default host:port)")
+    p.add_argument("--adapter-window", type=int, help="newest versions of each adapter kept loaded (default 3)")
+    p.add_argument("--config", help="TOML file with the generator config")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a config key, e.g. limits.max_n=16")
+    p.add_argument("--ready-file", help="write {port, metrics_port, pid} as JSON here once serving")
+    p.add_argument("--dry-run", action="store_true", help="print the resolved config and exit")
+    p.set_defaults(func=run_generator_command)
+
+
+def run_generator_command(args: argparse.Namespace) -> int:
+    from rollwire.common.config import ConfigError, dump_config, load_config
+    from rollwire.server.config import GeneratorConfig
+
+    flags = {
+        "model": args.model,
+        "engine": args.engine,
+        "host": args.host,
+        "port": args.port,
+        "metrics_port": args.metrics_port,
+        "replica_id": args.replica_id,
+        "adapter_window": args.adapter_window,
+    }
+    try:
+        config = load_config(GeneratorConfig, args.config, args.set, flags)
+    except ConfigError as exc:
+        print(f"error: {exc}")
+        return 2
+    if args.dry_run:
+        print(dump_config(config), end="")
+        return 0
+    import asyncio
+
+    from rollwire.common.logs import setup_logging
+    from rollwire.server.app import run_generator
+
+    setup_logging("generator", config.log_level)
+    asyncio.run(run_generator(config, args.ready_file))
+    return 0

@@ -1,0 +1,292 @@
+"""GeneratorService on one replica: the wire edge of the engine.
+
+Invariants: every request is validated before the engine sees it; every accepted request
+ends with all its samples finished or with one status; the in-flight gauge and the
+adapter lease are released on every exit path (completion, error, cancellation).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import math
+import time
+
+import grpc
+import structlog
+
+from rollwire.common.errors import InvalidArgument, ResourceExhausted, RollwireError, to_status
+from rollwire.common.logs import get_logger, request_id_from
+from rollwire.server import __version__
+from rollwire.server.adapters import (
+    AdapterRegistry,
+    LoraShape,
+    Manifest,
+    check_manifest,
+    check_payload,
+)
+from rollwire.server.config import GeneratorConfig
+from rollwire.server.engines.base import Engine
+from rollwire.server.metrics import GeneratorMetrics
+from rollwire.server.types import GroupRequest, SampleDone, SamplingParams, TokenDelta, coalesce
+from rollwire.v1 import generator_pb2 as pb
+from rollwire.v1 import generator_pb2_grpc
+
+log = get_logger(__name__)
+MAX_CHUNK = 1 << 20
+FINISH = {"eos": pb.FINISH_REASON_EOS, "stop": pb.FINISH_REASON_STOP, "length": pb.FINISH_REASON_LENGTH}
+
+
+class GeneratorServicer(generator_pb2_grpc.GeneratorServiceServicer):
+    def __init__(
+        self,
+        config: GeneratorConfig,
+        engine: Engine,
+        registry: AdapterRegistry,
+        metrics: GeneratorMetrics,
+        *,
+        fingerprint: str,
+        base_shapes: dict[str, tuple[int, int]],
+        replica: str,
+    ) -> None:
+        self.config, self.engine, self.registry, self.metrics = config, engine, registry, metrics
+        self.fingerprint, self.base_shapes, self.replica = fingerprint, base_shapes, replica
+        self.in_flight = 0
+
+    # -- Generate ----------------------------------------------------------------------
+    async def Generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext):
+        rid = request_id_from(context.invocation_metadata(), request.request_id)
+        structlog.contextvars.bind_contextvars(request_id=rid)
+        start, first_token_at, code = time.monotonic(), None, grpc.StatusCode.OK
+        selection = None
+        self.in_flight += 1
+        self.metrics.in_flight.inc()
+        try:
+            group = self._to_group(request, rid)
+            self._admit()
+            selection = self.registry.acquire(request.adapter.name, request.adapter.version)
+            group.adapter = selection
+            log.info("generate_start", n=group.n, prompt_tokens=len(group.prompt_ids), adapter=selection.name, version=selection.version)
+            yield pb.GenerateResponse(
+                started=pb.GenerationStarted(
+                    request_id=rid,
+                    adapter=pb.AdapterRef(name=selection.name, version=selection.version),
+                    prompt_token_ids=group.prompt_ids,
+                    replica=self.replica,
+                )
+            )
+            self.metrics.tokens.labels("prompt").inc(len(group.prompt_ids) * group.n)
+            async with contextlib.aclosing(self.engine.generate(group)) as stream:
+                async for events in stream:
+                    if first_token_at is None:
+                        first_token_at = time.monotonic()
+                        self.metrics.ttft.observe(first_token_at - start)
+                    for ev in coalesce(events):
+                        yield self._to_response(ev)
+        except RollwireError as err:
+            code = err.code
+            log.info("generate_refused", code=code.name, reason=err.reason, error=err.message)
+            await context.abort_with_status(to_status(err))
+        except asyncio.CancelledError:
+            code = grpc.StatusCode.CANCELLED
+            log.info("generate_cancelled")
+            raise
+        finally:
+            if selection is not None:
+                self.registry.release(selection)
+            self.in_flight -= 1
+            self.metrics.in_flight.dec()
+            self.metrics.requests.labels(code.name).inc()
+            self.metrics.latency.observe(time.monotonic() - start)
+            structlog.contextvars.unbind_contextvars("request_id")
+
+    def _admit(self) -> None:
+        stats = self.engine.stats()
+        if stats.queued >= self.config.limits.max_queue:
+            raise ResourceExhausted(
+                f"this replica has {stats.queued} groups waiting (limit {self.config.limits.max_queue}); retry shortly "
+                "or add replicas",
+                reason="QUEUE_FULL",
+                retry_after_s=1.0,
+            )
+
+    def _to_group(self, req: pb.GenerateRequest, rid: str) -> GroupRequest:
+        """Validate a request and convert it; each problem gets its own sentence."""
+        lim = self.config.limits
+        kind = req.WhichOneof("prompt")
+        if kind == "text":
+            prompt = self.engine.tokenize(req.text) if req.text else []
+        elif kind == "token_ids":
+            prompt = list(req.token_ids.ids)
+            bad = [t for t in prompt if not 0 <= t < self.engine.vocab_size]
+            if bad:
+                raise InvalidArgument(
+                    f"prompt token ids {bad[:5]} are outside the vocabulary [0, {self.engine.vocab_size})",
+                    reason="BAD_TOKEN_ID",
+                )
+        else:
+            prompt = []
+        if not prompt:
+            raise InvalidArgument("the prompt is empty: set `text` or `token_ids` to at least one token", reason="EMPTY_PROMPT")
+        if len(prompt) > lim.max_prompt_tokens:
+            raise InvalidArgument(
+                f"the prompt has {len(prompt)} tokens; this replica accepts at most {lim.max_prompt_tokens}",
+                reason="PROMPT_TOO_LONG",
+            )
+        if not 1 <= req.n <= lim.max_n:
+            raise InvalidArgument(f"n is {req.n}; it must be between 1 and {lim.max_n}", reason="BAD_N")
+        s = req.sampling
+        if not 1 <= s.max_new_tokens <= lim.max_new_tokens:
+            raise InvalidArgument(
+                f"sampling.max_new_tokens is {s.max_new_tokens}; it must be between 1 and {lim.max_new_tokens}",
+                reason="BAD_MAX_NEW_TOKENS",
+            )
+        if len(prompt) + s.max_new_tokens > self.engine.max_context:
+            raise InvalidArgument(
+                f"prompt ({len(prompt)} tokens) plus max_new_tokens ({s.max_new_tokens}) exceeds the model's "
+                f"context of {self.engine.max_context} tokens",
+                reason="CONTEXT_TOO_LONG",
+            )
+        temperature = s.temperature if s.HasField("temperature") else 1.0
+        if not math.isfinite(temperature) or temperature < 0:
+            raise InvalidArgument(
+                f"sampling.temperature is {temperature}; use 0 for greedy or a positive value", reason="BAD_TEMPERATURE"
+            )
+        top_p = s.top_p if s.HasField("top_p") else 1.0
+        if not (0 < top_p <= 1):
+            raise InvalidArgument(f"sampling.top_p is {top_p}; it must be in (0, 1]", reason="BAD_TOP_P")
+        if len(s.stop) > lim.max_stop_strings or any(not x or len(x) > 64 for x in s.stop):
+            raise InvalidArgument(
+                f"give at most {lim.max_stop_strings} stop strings of 1 to 64 characters", reason="BAD_STOP"
+            )
+        params = SamplingParams(
+            max_new_tokens=s.max_new_tokens,
+            temperature=temperature,
+            top_p=top_p,
+            top_k=s.top_k if s.HasField("top_k") else 0,
+            stop=tuple(s.stop),
+            seed=s.seed if s.HasField("seed") else None,
+            ignore_eos=s.ignore_eos,
+        )
+        return GroupRequest(rid, prompt, req.n, params)
+
+    def _to_response(self, ev) -> pb.GenerateResponse:
+        if isinstance(ev, TokenDelta):
+            self.metrics.tokens.labels("completion").inc(len(ev.token_ids))
+            return pb.GenerateResponse(
+                tokens=pb.TokenChunk(
+                    sample_index=ev.sample_index,
+                    token_ids=ev.token_ids,
+                    logprobs=ev.logprobs,
+                    text=ev.text,
+                    adapter_version=ev.version,
+                )
+            )
+        assert isinstance(ev, SampleDone)
+        return pb.GenerateResponse(
+            finished=pb.SampleFinished(
+                sample_index=ev.sample_index,
+                finish_reason=FINISH[ev.reason],
+                prompt_tokens=ev.prompt_tokens,
+                completion_tokens=ev.completion_tokens,
+            )
+        )
+
+    # -- PushAdapter -------------------------------------------------------------------
+    async def PushAdapter(self, request_iterator, context: grpc.aio.ServicerContext) -> pb.PushAdapterResponse:
+        rid = request_id_from(context.invocation_metadata())
+        structlog.contextvars.bind_contextvars(request_id=rid)
+        start, code, received = time.monotonic(), grpc.StatusCode.OK, 0
+        try:
+            manifest = None
+            chunks: list[bytes] = []
+            async for msg in request_iterator:
+                part = msg.WhichOneof("part")
+                if manifest is None:
+                    if part != "manifest":
+                        raise InvalidArgument("the first PushAdapter message must be the manifest", reason="NO_MANIFEST")
+                    manifest = _to_manifest(msg.manifest)
+                    check_manifest(manifest, fingerprint=self.fingerprint, max_bytes=self.config.limits.max_adapter_bytes)
+                    self.registry.check_version(manifest)
+                    continue
+                if part != "chunk":
+                    raise InvalidArgument("only the first PushAdapter message may be a manifest", reason="SECOND_MANIFEST")
+                if len(msg.chunk) > MAX_CHUNK:
+                    raise InvalidArgument(
+                        f"a chunk of {len(msg.chunk)} bytes exceeds the 1 MiB ({MAX_CHUNK} bytes) chunk limit; "
+                        "split the payload into smaller chunks",
+                        reason="CHUNK_TOO_LARGE",
+                    )
+                received += len(msg.chunk)
+                if received > manifest.byte_length:
+                    raise InvalidArgument(
+                        f"received more than the {manifest.byte_length} bytes the manifest declared", reason="LENGTH_MISMATCH"
+                    )
+                chunks.append(msg.chunk)
+            if manifest is None:
+                raise InvalidArgument("the upload was empty: send a manifest, then the chunks", reason="NO_MANIFEST")
+            payload = b"".join(chunks)
+            check_payload(manifest, payload, self.base_shapes)
+            outcome = await self.registry.push(manifest, payload)
+            self.metrics.set_adapters(self.registry.loaded())
+            log.info(
+                "adapter_pushed",
+                adapter=manifest.name,
+                version=manifest.version,
+                bytes=received,
+                already_loaded=outcome.already_loaded,
+                seconds=round(time.monotonic() - start, 4),
+            )
+            return pb.PushAdapterResponse(
+                name=outcome.name,
+                version=outcome.version,
+                already_loaded=outcome.already_loaded,
+                loaded_versions=outcome.loaded_versions,
+            )
+        except RollwireError as err:
+            code = err.code
+            log.info("adapter_push_refused", code=code.name, reason=err.reason, error=err.message)
+            await context.abort_with_status(to_status(err))
+        except asyncio.CancelledError:
+            code = grpc.StatusCode.CANCELLED
+            raise
+        finally:
+            self.metrics.pushes.labels(code.name).inc()
+            self.metrics.push_bytes.inc(received)
+            self.metrics.push_latency.observe(time.monotonic() - start)
+            structlog.contextvars.unbind_contextvars("request_id")
+
+    # -- GetStatus ---------------------------------------------------------------------
+    async def GetStatus(self, request: pb.GetStatusRequest, context) -> pb.GetStatusResponse:
+        return self.status()
+
+    def status(self) -> pb.GetStatusResponse:
+        stats = self.engine.stats()
+        lim = self.config.limits
+        return pb.GetStatusResponse(
+            role="generator",
+            replica=self.replica,
+            model_fingerprint=self.fingerprint,
+            engine=self.engine.name,
+            adapters=[pb.LoadedAdapter(name=n, versions=v) for n, v in sorted(self.registry.loaded().items())],
+            in_flight=self.in_flight,
+            queue_depth=stats.queued,
+            limits=pb.Limits(
+                max_n=lim.max_n,
+                max_new_tokens=lim.max_new_tokens,
+                max_prompt_tokens=lim.max_prompt_tokens,
+                max_adapter_bytes=lim.max_adapter_bytes,
+                adapter_window=self.config.adapter_window,
+            ),
+            server_version=__version__,
+        )
+
+
+def _to_manifest(m: pb.AdapterManifest) -> Manifest:
+    lora = LoraShape(
+        r=m.lora_config.r,
+        lora_alpha=m.lora_config.lora_alpha,
+        target_modules=tuple(m.lora_config.target_modules),
+        use_rslora=m.lora_config.use_rslora,
+    )
+    return Manifest(m.name, m.version, m.base_model_fingerprint, lora, m.byte_length, m.sha256.lower())

@@ -1,0 +1,86 @@
+"""Internal request and event types. Protos stay at the edge (servicer.py converts)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How every sample of a group is drawn; validated by the servicer."""
+
+    max_new_tokens: int
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    stop: tuple[str, ...] = ()
+    seed: int | None = None
+    ignore_eos: bool = False
+
+
+@dataclass(frozen=True)
+class AdapterSelection:
+    """A resolved adapter: the engine-level handle and the version it stands for."""
+
+    name: str = ""  # "" = base model
+    version: int = 0  # 0 for the base model
+    handle: str | None = None  # engine's name for the loaded weights; None = base
+
+
+@dataclass
+class GroupRequest:
+    """One GRPO group: `n` samples of one prompt, all generated on this replica."""
+
+    request_id: str
+    prompt_ids: list[int]
+    n: int
+    sampling: SamplingParams
+    adapter: AdapterSelection = field(default_factory=AdapterSelection)
+
+
+@dataclass
+class TokenDelta:
+    """New tokens of one sample."""
+
+    sample_index: int
+    token_ids: list[int]
+    logprobs: list[float]
+    text: str
+    version: int
+
+
+@dataclass
+class SampleDone:
+    """End of one sample; reason is "eos", "stop" or "length"."""
+
+    sample_index: int
+    reason: str
+    prompt_tokens: int
+    completion_tokens: int
+
+
+Event = TokenDelta | SampleDone
+
+
+def coalesce(events: list[Event]) -> list[Event]:
+    """Merge the token deltas of each sample that are ready together into one delta.
+
+    Order within a sample is kept and its SampleDone stays after its tokens, so several
+    tokens travel in one message when the client is slower than the engine.
+    """
+    merged: dict[int, TokenDelta] = {}
+    out: list[Event] = []
+    for ev in events:
+        if isinstance(ev, TokenDelta):
+            prev = merged.get(ev.sample_index)
+            if prev is not None and prev.version == ev.version:
+                prev.token_ids.extend(ev.token_ids)
+                prev.logprobs.extend(ev.logprobs)
+                prev.text += ev.text
+                continue
+            merged[ev.sample_index] = TokenDelta(ev.sample_index, list(ev.token_ids), list(ev.logprobs), ev.text, ev.version)
+            out.append(merged[ev.sample_index])
+        else:
+            merged.pop(ev.sample_index, None)
+            out.append(ev)
+    return out

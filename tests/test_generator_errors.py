@@ -1,0 +1,138 @@
+"""Every bad input gets its own status and sentence, and the replica keeps serving."""
+
+from __future__ import annotations
+
+import grpc
+import pytest
+from safetensors.torch import save
+
+from helpers import fingerprint, generate, make_adapter, push, push_messages, stub
+from rollwire.common.errors import from_rpc_error
+from rollwire.v1 import generator_pb2 as pb
+
+BAD_REQUESTS = {
+    "empty prompt": (dict(text=""), grpc.StatusCode.INVALID_ARGUMENT, "prompt is empty"),
+    "no prompt": (dict(text=None), grpc.StatusCode.INVALID_ARGUMENT, "prompt is empty"),
+    "token id outside vocab": (dict(token_ids=pb.TokenIds(ids=[5, 100000])), grpc.StatusCode.INVALID_ARGUMENT, "outside the vocabulary"),
+    "n of 0": (dict(n=0), grpc.StatusCode.INVALID_ARGUMENT, "n is 0"),
+    "n above limit": (dict(n=17), grpc.StatusCode.INVALID_ARGUMENT, "between 1 and 16"),
+    "max_new_tokens 0": (dict(max_new_tokens=0), grpc.StatusCode.INVALID_ARGUMENT, "max_new_tokens is 0"),
+    "max_new_tokens above limit": (dict(max_new_tokens=129), grpc.StatusCode.INVALID_ARGUMENT, "between 1 and 128"),
+    "negative temperature": (dict(temperature=-0.5), grpc.StatusCode.INVALID_ARGUMENT, "temperature is -0.5"),
+    "top_p of 0": (dict(top_p=0.0), grpc.StatusCode.INVALID_ARGUMENT, "top_p"),
+    "unknown adapter": (dict(adapter=pb.AdapterRef(name="nobody")), grpc.StatusCode.NOT_FOUND, "no adapter named 'nobody'"),
+}
+
+
+def build(text="ok", token_ids=None, n=1, max_new_tokens=4, temperature=None, top_p=None, adapter=None, **_):
+    req = pb.GenerateRequest(n=n, sampling=pb.SamplingParams(max_new_tokens=max_new_tokens))
+    if token_ids is not None:
+        req.token_ids.CopyFrom(token_ids)
+    elif text is not None:
+        req.text = text
+    if temperature is not None:
+        req.sampling.temperature = temperature
+    if top_p is not None:
+        req.sampling.top_p = top_p
+    if adapter is not None:
+        req.adapter.CopyFrom(adapter)
+    return req
+
+
+@pytest.mark.parametrize("case", list(BAD_REQUESTS))
+def test_bad_generate_request(generator, case):
+    fields, code, words = BAD_REQUESTS[case]
+    with pytest.raises(grpc.RpcError) as err:
+        list(stub(generator.target).Generate(build(**fields), timeout=30))
+    assert err.value.code() == code
+    assert words in err.value.details()
+    assert from_rpc_error(err.value).reason  # machine-readable ErrorInfo travels too
+    assert generate(generator.target, "still serving", max_new_tokens=2).finished[0].completion_tokens == 2
+
+
+@pytest.fixture(scope="module")
+def adapter(tiny_model):
+    return make_adapter(tiny_model, seed=7, r=4)
+
+
+def expect_push_error(target, messages, code, words):
+    with pytest.raises(grpc.RpcError) as err:
+        stub(target).PushAdapter(iter(messages), timeout=30)
+    assert err.value.code() == code, err.value.details()
+    assert words in err.value.details()
+    assert generate(target, "still serving", max_new_tokens=2).finished[0].completion_tokens == 2
+
+
+def test_wrong_digest(generator, adapter):
+    m = adapter.manifest("bad-digest", 1, fingerprint(generator.target), sha256="0" * 64)
+    expect_push_error(generator.target, push_messages(m, adapter.payload), grpc.StatusCode.INVALID_ARGUMENT, "sha256")
+
+
+def test_truncated_upload(generator, adapter):
+    m = adapter.manifest("truncated", 1, fingerprint(generator.target))
+    msgs = list(push_messages(m, adapter.payload[:-100], chunk=4096))
+    expect_push_error(generator.target, msgs, grpc.StatusCode.INVALID_ARGUMENT, "truncated")
+
+
+def test_chunk_over_the_limit(generator, adapter):
+    payload = adapter.payload + b"\0" * (2 << 20)
+    m = adapter.manifest("big-chunk", 1, fingerprint(generator.target), byte_length=len(payload))
+    msgs = [pb.PushAdapterRequest(manifest=m), pb.PushAdapterRequest(chunk=payload[: (1 << 20) + 1])]
+    expect_push_error(generator.target, msgs, grpc.StatusCode.INVALID_ARGUMENT, "1 MiB")
+
+
+def test_wrong_tensor_shapes(generator, adapter):
+    state = dict(adapter.state_dict)
+    key = next(k for k in state if k.endswith("q_proj.lora_A.weight"))
+    state[key] = state[key][:, :-1].contiguous()  # one input feature short
+    payload = save(state)
+    import hashlib
+
+    m = adapter.manifest(
+        "bad-shape", 1, fingerprint(generator.target), byte_length=len(payload), sha256=hashlib.sha256(payload).hexdigest()
+    )
+    expect_push_error(generator.target, push_messages(m, payload), grpc.StatusCode.INVALID_ARGUMENT, "shape")
+
+
+def test_rank_in_manifest_disagrees_with_tensors(generator, adapter):
+    m = adapter.manifest("bad-rank", 1, fingerprint(generator.target))
+    m.lora_config.r = 8
+    expect_push_error(generator.target, push_messages(m, adapter.payload), grpc.StatusCode.INVALID_ARGUMENT, "shape")
+
+
+def test_wrong_base_model(generator, adapter):
+    m = adapter.manifest("other-base", 1, "sha256:" + "ab" * 16)
+    expect_push_error(generator.target, push_messages(m, adapter.payload), grpc.StatusCode.FAILED_PRECONDITION, "base model")
+
+
+def test_version_below_newest(generator, adapter):
+    fp = fingerprint(generator.target)
+    push(generator.target, adapter.manifest("mono", 5, fp), adapter.payload)
+    m = adapter.manifest("mono", 4, fp)
+    expect_push_error(generator.target, push_messages(m, adapter.payload), grpc.StatusCode.FAILED_PRECONDITION, "only increase")
+
+
+def test_same_version_other_digest(generator, adapter, tiny_model):
+    fp = fingerprint(generator.target)
+    push(generator.target, adapter.manifest("immutable", 1, fp), adapter.payload)
+    other = make_adapter(tiny_model, seed=8, r=4)
+    m = other.manifest("immutable", 1, fp)
+    expect_push_error(generator.target, push_messages(m, other.payload), grpc.StatusCode.FAILED_PRECONDITION, "different digest")
+
+
+def test_chunk_before_manifest(generator, adapter):
+    msgs = [pb.PushAdapterRequest(chunk=b"abc")]
+    expect_push_error(generator.target, msgs, grpc.StatusCode.INVALID_ARGUMENT, "first PushAdapter message must be the manifest")
+
+
+def test_bad_adapter_name(generator, adapter):
+    m = adapter.manifest("no spaces/allowed", 1, fingerprint(generator.target))
+    expect_push_error(generator.target, push_messages(m, adapter.payload), grpc.StatusCode.INVALID_ARGUMENT, "adapter name")
+
+
+def test_not_safetensors(generator, adapter):
+    import hashlib
+
+    payload = b"this is not a safetensors file at all"
+    m = adapter.manifest("garbage", 1, fingerprint(generator.target), byte_length=len(payload), sha256=hashlib.sha256(payload).hexdigest())
+    expect_push_error(generator.target, push_messages(m, payload), grpc.StatusCode.INVALID_ARGUMENT, "not a safetensors")
