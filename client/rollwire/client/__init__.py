@@ -1,0 +1,81 @@
+"""The rollwire Python SDK: sync `Client` and asyncio `AsyncClient` for generators and proxies.
+
+Imports without torch. Results are plain dataclasses; failures are the typed exceptions of
+rollwire.common.errors (re-exported here), raised from every gRPC status.
+"""
+
+from rollwire.client._common import (
+    AdapterVersion,
+    Finished,
+    GenerateOptions,
+    GenerateResult,
+    GroupAccumulator,
+    LoraSpec,
+    PeftAdapter,
+    PushResult,
+    ReplicaPush,
+    RequestError,
+    Restarted,
+    RetryPolicy,
+    Sample,
+    Started,
+    StreamEvent,
+    TlsConfig,
+    Tokens,
+    is_retryable,
+    parse_adapter,
+    read_peft_dir,
+)
+from rollwire.client.aio import AsyncClient
+from rollwire.client.sync import Client
+from rollwire.common.errors import (
+    AlreadyExists,
+    Cancelled,
+    DeadlineExceeded,
+    FailedPrecondition,
+    Internal,
+    InvalidArgument,
+    NotFound,
+    PermissionDenied,
+    ResourceExhausted,
+    RollwireError,
+    Unauthenticated,
+    Unavailable,
+)
+
+__all__ = [
+    "AdapterVersion",
+    "AlreadyExists",
+    "AsyncClient",
+    "Cancelled",
+    "Client",
+    "DeadlineExceeded",
+    "FailedPrecondition",
+    "Finished",
+    "GenerateOptions",
+    "GenerateResult",
+    "GroupAccumulator",
+    "Internal",
+    "InvalidArgument",
+    "LoraSpec",
+    "NotFound",
+    "PeftAdapter",
+    "PermissionDenied",
+    "PushResult",
+    "ReplicaPush",
+    "RequestError",
+    "ResourceExhausted",
+    "Restarted",
+    "RetryPolicy",
+    "RollwireError",
+    "Sample",
+    "Started",
+    "StreamEvent",
+    "TlsConfig",
+    "Tokens",
+    "Unauthenticated",
+    "Unavailable",
+    "is_retryable",
+    "parse_adapter",
+    "read_peft_dir",
+]

@@ -1,0 +1,599 @@
+"""What the sync and async clients share: requests, channels, retries, results.
+
+Invariants:
+- a request is validated here before any byte leaves the process (`RequestError`);
+- the only failure ever retried is UNAVAILABLE before the first response message: nothing
+  was generated for the caller yet, and a push of the same version and digest is idempotent;
+- after a `GroupRestarted` every partial sample is discarded, so a complete result never
+  mixes tokens of two attempts;
+- protos stop here: the clients hand out the plain dataclasses below (status excepted).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import operator
+import random
+import re
+import time
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, TypedDict
+
+import grpc
+
+from rollwire.common.errors import Internal, InvalidArgument, RollwireError
+from rollwire.common.safetensors_header import HeaderError, read_header
+from rollwire.v1 import generator_pb2 as pb
+
+MAX_CHUNK_BYTES = 1 << 20
+"""Largest payload chunk of a PushAdapter stream (the contract's limit)."""
+MAX_MESSAGE_BYTES = 256 << 20
+"""Message size limit of SDK channels: far above any sane prompt, status or chunk."""
+DEFAULT_MAX_NEW_TOKENS = 128
+_UINT32 = (1 << 32) - 1
+_UINT64 = (1 << 64) - 1
+_INT32 = (1 << 31) - 1
+_NAME = re.compile(r"[A-Za-z0-9._-]{1,64}")
+_FINISH = {pb.FINISH_REASON_EOS: "eos", pb.FINISH_REASON_STOP: "stop", pb.FINISH_REASON_LENGTH: "length"}
+
+
+class RequestError(InvalidArgument, ValueError):
+    """A request the SDK refuses before sending it; an InvalidArgument and a ValueError."""
+
+
+def _protocol_error(message: str) -> Internal:
+    """The server broke the stream contract; says so instead of returning a wrong result."""
+    return Internal(f"the server broke the Generate stream contract: {message}", reason="STREAM_PROTOCOL")
+
+
+# ---------------------------------------------------------------- adapters and requests
+
+
+@dataclass(frozen=True, slots=True)
+class AdapterVersion:
+    """An adapter name and version; version 0 means "latest" in a selector."""
+
+    name: str
+    version: int = 0
+
+    def __str__(self) -> str:
+        return f"{self.name}@{self.version or 'latest'}"
+
+
+def check_adapter_name(name: str) -> str:
+    if not isinstance(name, str) or not _NAME.fullmatch(name):
+        raise RequestError(f"adapter name {name!r} must be 1-64 letters, digits, '-', '_' or '.'")
+    return name
+
+
+def parse_adapter(spec: str | AdapterVersion | None) -> AdapterVersion | None:
+    """"name" / "name@latest" -> newest version, "name@3" -> version 3, None -> base model."""
+    if spec is None or isinstance(spec, AdapterVersion):
+        return spec
+    if not isinstance(spec, str):
+        raise RequestError(f"adapter must be a string like 'name@3', got {type(spec).__name__}")
+    name, sep, version = spec.partition("@")
+    check_adapter_name(name)
+    if not sep or version == "latest":
+        return AdapterVersion(name, 0)
+    if not version.isdigit() or int(version) < 1 or int(version) > _UINT64:
+        raise RequestError(f"adapter {spec!r}: the version after '@' must be a whole number >= 1 or 'latest'")
+    return AdapterVersion(name, int(version))
+
+
+class GenerateOptions(TypedDict, total=False):
+    """Keyword options of `generate` / `generate_stream` besides prompt and n."""
+
+    max_new_tokens: int
+    temperature: float | None
+    top_p: float | None
+    top_k: int | None
+    stop: str | Sequence[str]
+    seed: int | None
+    ignore_eos: bool
+    adapter: str | AdapterVersion | None
+    group_key: str
+    request_id: str
+
+
+def _int(name: str, value: Any, low: int, high: int) -> int:
+    if isinstance(value, bool):
+        raise RequestError(f"{name} must be a whole number, got {value!r}")
+    try:
+        number = operator.index(value)
+    except TypeError:
+        raise RequestError(f"{name} must be a whole number, got {value!r}") from None
+    if not low <= number <= high:
+        raise RequestError(f"{name} must be between {low} and {high}, got {number}")
+    return number
+
+
+def _float(name: str, value: Any) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise RequestError(f"{name} must be a finite number, got {value!r}")
+    return float(value)
+
+
+def _set_prompt(request: pb.GenerateRequest, prompt: str | Sequence[int]) -> None:
+    if isinstance(prompt, str):
+        request.text = prompt
+        return
+    if isinstance(prompt, (bytes, bytearray)) or not isinstance(prompt, Iterable):
+        raise RequestError(f"prompt must be a str or a list of token ids, got {type(prompt).__name__}")
+    ids = [_int("prompt token id", token, 0, _INT32) for token in prompt]
+    if not ids:
+        raise RequestError("prompt token ids must hold at least one id")
+    request.token_ids.ids.extend(ids)
+
+
+def _sampling(
+    max_new_tokens: int,
+    temperature: float | None,
+    top_p: float | None,
+    top_k: int | None,
+    stop: str | Sequence[str],
+    seed: int | None,
+    ignore_eos: bool,
+) -> pb.SamplingParams:
+    params = pb.SamplingParams(max_new_tokens=_int("max_new_tokens", max_new_tokens, 1, _UINT32))
+    if temperature is not None:
+        if _float("temperature", temperature) < 0:
+            raise RequestError(f"temperature must be >= 0 (0 is greedy), got {temperature}")
+        params.temperature = temperature
+    if top_p is not None:
+        if not 0 < _float("top_p", top_p) <= 1:
+            raise RequestError(f"top_p must be in (0, 1], got {top_p}")
+        params.top_p = top_p
+    if top_k is not None:
+        params.top_k = _int("top_k", top_k, 0, _UINT32)
+    stops = [stop] if isinstance(stop, str) else list(stop)
+    if not all(isinstance(s, str) and s for s in stops):
+        raise RequestError(f"stop must be non-empty strings, got {stops!r}")
+    params.stop.extend(stops)
+    if seed is not None:
+        params.seed = _int("seed", seed, 0, _UINT64)
+    params.ignore_eos = bool(ignore_eos)
+    return params
+
+
+def build_generate_request(
+    prompt: str | Sequence[int],
+    n: int = 1,
+    *,
+    max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS,
+    temperature: float | None = None,
+    top_p: float | None = None,
+    top_k: int | None = None,
+    stop: str | Sequence[str] = (),
+    seed: int | None = None,
+    ignore_eos: bool = False,
+    adapter: str | AdapterVersion | None = None,
+    group_key: str = "",
+    request_id: str = "",
+) -> pb.GenerateRequest:
+    """One validated GenerateRequest; unset optional params stay unset on the wire."""
+    request = pb.GenerateRequest(n=_int("n", n, 1, _UINT32))
+    _set_prompt(request, prompt)
+    request.sampling.CopyFrom(_sampling(max_new_tokens, temperature, top_p, top_k, stop, seed, ignore_eos))
+    selector = parse_adapter(adapter)
+    if selector is not None:
+        request.adapter.name, request.adapter.version = selector.name, selector.version
+    if not isinstance(group_key, str) or not isinstance(request_id, str):
+        raise RequestError("group_key and request_id must be strings")
+    request.group_key, request.request_id = group_key, request_id
+    return request
+
+
+# ---------------------------------------------------------------- channels
+
+
+@dataclass(frozen=True)
+class TlsConfig:
+    """TLS for a channel: server roots, optional client cert+key for mutual TLS (PEM bytes)."""
+
+    root_certificates: bytes | None = None
+    """PEM roots that sign the server certificate; None trusts the system roots."""
+    certificate_chain: bytes | None = None
+    """Client certificate for mutual TLS; needs private_key."""
+    private_key: bytes | None = None
+    server_name: str | None = None
+    """Name to check the server certificate against, when it differs from the target host."""
+
+    def __post_init__(self) -> None:
+        if (self.certificate_chain is None) != (self.private_key is None):
+            raise RequestError("mutual TLS needs both a client certificate and its private key")
+
+    @classmethod
+    def from_files(
+        cls, root: str | Path | None = None, cert: str | Path | None = None, key: str | Path | None = None,
+        server_name: str | None = None,
+    ) -> TlsConfig:
+        def read(path: str | Path | None) -> bytes | None:
+            return None if path is None else Path(path).read_bytes()
+
+        return cls(read(root), read(cert), read(key), server_name)
+
+
+def check_target(target: str) -> str:
+    if not isinstance(target, str) or not target.strip():
+        raise RequestError(f"target must be an address like host:port, got {target!r}")
+    return target
+
+
+def open_channel(target: str, tls: TlsConfig | bool | None, api: Any = grpc) -> Any:
+    """A channel from `api` (the grpc module, or grpc.aio) with rollwire's options."""
+    check_target(target)
+    options = [("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+               ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES)]
+    if tls is None or tls is False:
+        return api.insecure_channel(target, options=options)
+    config = TlsConfig() if tls is True else tls
+    if config.server_name:
+        options.append(("grpc.ssl_target_name_override", config.server_name))
+    credentials = grpc.ssl_channel_credentials(config.root_certificates, config.private_key, config.certificate_chain)
+    return api.secure_channel(target, credentials, options=options)
+
+
+def call_metadata(token: str | None) -> tuple[tuple[str, str], ...]:
+    """Metadata sent on every call: the bearer token, when there is one."""
+    if not token:
+        return ()
+    if any(c.isspace() for c in token):
+        raise RequestError("the bearer token must not contain whitespace")
+    return (("authorization", f"Bearer {token}"),)
+
+
+def check_timeout(timeout: float | None, default: float) -> float:
+    value = default if timeout is None else timeout
+    if _float("timeout", value) <= 0:
+        raise RequestError(f"timeout must be > 0 seconds, got {value}")
+    return float(value)
+
+
+# ---------------------------------------------------------------- retries
+
+
+def is_retryable(error: RollwireError, received_response: bool) -> bool:
+    """The one retry predicate: UNAVAILABLE, and nothing received from the server yet."""
+    return error.code == grpc.StatusCode.UNAVAILABLE and not received_response
+
+
+@dataclass(frozen=True)
+class RetryPolicy:
+    """Bounded attempts with jittered exponential backoff, inside the call's deadline."""
+
+    max_attempts: int = 3
+    initial_backoff_s: float = 0.1
+    max_backoff_s: float = 2.0
+
+    def __post_init__(self) -> None:
+        _int("max_attempts", self.max_attempts, 1, 100)
+
+    def backoff_s(self, attempt: int, hint_s: float | None = None, rand: Any = random.random) -> float:
+        """Delay after failed attempt `attempt` (1-based): half to all of the exponential step."""
+        step = min(self.max_backoff_s, self.initial_backoff_s * 2 ** (attempt - 1))
+        return max(step * (0.5 + 0.5 * rand()), hint_s or 0.0)
+
+
+class Deadline:
+    """One deadline shared by every attempt of a call, so retries never extend it."""
+
+    def __init__(self, timeout_s: float) -> None:
+        self._end = time.monotonic() + timeout_s
+
+    def remaining(self) -> float:
+        return max(0.0, self._end - time.monotonic())
+
+
+def next_delay(
+    policy: RetryPolicy, error: RollwireError, *, attempt: int, received: bool, deadline: Deadline
+) -> float | None:
+    """Seconds to wait before trying again, or None when `error` is final."""
+    if attempt >= policy.max_attempts or not is_retryable(error, received):
+        return None
+    delay = policy.backoff_s(attempt, error.retry_after_s)
+    return delay if delay < deadline.remaining() else None
+
+
+# ---------------------------------------------------------------- stream events and results
+
+
+@dataclass(frozen=True, slots=True)
+class Started:
+    """First event of a stream (and of every restarted attempt)."""
+
+    request_id: str
+    replica: str
+    adapter: AdapterVersion | None
+    """Adapter in use with "latest" resolved; None for the base model."""
+    prompt_token_ids: list[int]
+
+
+@dataclass(frozen=True, slots=True)
+class Tokens:
+    """New tokens of one sample, with their behaviour logprobs."""
+
+    index: int
+    token_ids: list[int]
+    logprobs: list[float]
+    text: str
+    adapter_version: int
+
+
+@dataclass(frozen=True, slots=True)
+class Finished:
+    """End of one sample."""
+
+    index: int
+    finish_reason: str
+    """"eos", "stop" or "length"."""
+    prompt_tokens: int
+    completion_tokens: int
+
+
+@dataclass(frozen=True, slots=True)
+class Restarted:
+    """The group starts over elsewhere: every partial sample so far is void."""
+
+    attempt: int
+    reason: str
+
+
+StreamEvent = Started | Tokens | Finished | Restarted
+
+
+def event_from_pb(message: pb.GenerateResponse) -> StreamEvent:
+    """The dataclass for one GenerateResponse."""
+    kind = message.WhichOneof("event")
+    if kind == "started":
+        s = message.started
+        adapter = AdapterVersion(s.adapter.name, s.adapter.version) if s.adapter.name else None
+        return Started(s.request_id, s.replica, adapter, list(s.prompt_token_ids))
+    if kind == "tokens":
+        t = message.tokens
+        return Tokens(t.sample_index, list(t.token_ids), list(t.logprobs), t.text, t.adapter_version)
+    if kind == "finished":
+        f = message.finished
+        if f.finish_reason not in _FINISH:
+            raise _protocol_error(f"sample {f.sample_index} finished without a finish reason")
+        return Finished(f.sample_index, _FINISH[f.finish_reason], f.prompt_tokens, f.completion_tokens)
+    if kind == "restarted":
+        return Restarted(message.restarted.attempt, message.restarted.reason)
+    raise _protocol_error("a response message carries no event")
+
+
+@dataclass(frozen=True, slots=True)
+class Sample:
+    """One finished completion; token_ids, logprobs and token_versions are parallel."""
+
+    index: int
+    token_ids: list[int]
+    logprobs: list[float]
+    text: str
+    finish_reason: str
+    adapter_name: str
+    """Empty for the base model."""
+    adapter_version: int
+    """Oldest version among the sample's tokens (the one staleness is counted from)."""
+    token_versions: list[int]
+    prompt_tokens: int
+    completion_tokens: int
+
+
+@dataclass(frozen=True, slots=True)
+class GenerateResult:
+    """A complete group: every sample of one attempt, sorted by index."""
+
+    request_id: str
+    replica: str
+    adapter: AdapterVersion | None
+    prompt_token_ids: list[int]
+    samples: list[Sample]
+    restarts: int = 0
+    """How many times the group was restarted before this complete attempt."""
+
+
+@dataclass
+class _Partial:
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    versions: list[int] = field(default_factory=list)
+    text: list[str] = field(default_factory=list)
+
+
+class GroupAccumulator:
+    """Folds stream events into complete samples, enforcing the stream's order."""
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+        self.restarts = 0
+        self._reset()
+
+    def _reset(self) -> None:
+        self._started: Started | None = None
+        self._partial: dict[int, _Partial] = {}
+        self._done: dict[int, Sample] = {}
+
+    def add(self, event: StreamEvent) -> Sample | None:
+        """Take one event; returns the Sample it completes, if any."""
+        if isinstance(event, Restarted):
+            self.restarts += 1
+            self._reset()
+            return None
+        if isinstance(event, Started):
+            if self._started is not None:
+                raise _protocol_error("a second 'started' without 'restarted' before it")
+            self._started = event
+            return None
+        if self._started is None:
+            raise _protocol_error("sample events before 'started'")
+        if not 0 <= event.index < self.n or event.index in self._done:
+            raise _protocol_error(f"event for sample {event.index}, which is out of range or finished")
+        if isinstance(event, Tokens):
+            self._add_tokens(event)
+            return None
+        return self._finish(event)
+
+    def _add_tokens(self, event: Tokens) -> None:
+        if len(event.logprobs) != len(event.token_ids):
+            counts = f"{len(event.logprobs)} logprobs for {len(event.token_ids)} tokens"
+            raise _protocol_error(f"sample {event.index}: {counts}")
+        part = self._partial.setdefault(event.index, _Partial())
+        part.token_ids += event.token_ids
+        part.logprobs += event.logprobs
+        part.versions += [event.adapter_version] * len(event.token_ids)
+        part.text.append(event.text)
+
+    def _finish(self, event: Finished) -> Sample:
+        assert self._started is not None
+        part = self._partial.pop(event.index, _Partial())
+        adapter = self._started.adapter
+        version = min(part.versions) if part.versions else (adapter.version if adapter else 0)
+        sample = Sample(
+            index=event.index, token_ids=part.token_ids, logprobs=part.logprobs, text="".join(part.text),
+            finish_reason=event.finish_reason, adapter_name=adapter.name if adapter else "",
+            adapter_version=version, token_versions=part.versions,
+            prompt_tokens=event.prompt_tokens, completion_tokens=event.completion_tokens,
+        )
+        self._done[event.index] = sample
+        return sample
+
+    def result(self) -> GenerateResult:
+        """The complete group; raises Internal when the stream ended early."""
+        if self._started is None or len(self._done) != self.n:
+            raise _protocol_error(f"the stream ended with {len(self._done)} of {self.n} samples finished")
+        s = self._started
+        samples = [self._done[i] for i in range(self.n)]
+        return GenerateResult(s.request_id, s.replica, s.adapter, s.prompt_token_ids, samples, self.restarts)
+
+
+# ---------------------------------------------------------------- adapter push
+
+
+@dataclass(frozen=True)
+class LoraSpec:
+    """The shape of a LoRA adapter, as the wire's LoraConfig carries it."""
+
+    r: int
+    lora_alpha: float
+    target_modules: tuple[str, ...]
+    use_rslora: bool = False
+
+    @classmethod
+    def from_peft(cls, config: LoraSpec | Mapping[str, Any] | Any) -> LoraSpec:
+        """From a LoraSpec, an adapter_config.json dict, or a peft.LoraConfig object."""
+        if isinstance(config, LoraSpec):
+            return config
+        get = config.get if isinstance(config, Mapping) else lambda key, default=None: getattr(config, key, default)
+        modules = get("target_modules")
+        if isinstance(modules, str) and modules != "all-linear":
+            raise RequestError(f"target_modules {modules!r} is a pattern; list the module names or use 'all-linear'")
+        if not modules:
+            raise RequestError("the LoRA config has no target_modules; list the module names the adapter targets")
+        names = (modules,) if isinstance(modules, str) else tuple(sorted(modules))
+        alpha = _float("lora_alpha", get("lora_alpha"))
+        return cls(_int("r", get("r"), 1, _UINT32), alpha, names, bool(get("use_rslora", False)))
+
+    def to_pb(self) -> pb.LoraConfig:
+        return pb.LoraConfig(r=self.r, lora_alpha=self.lora_alpha, target_modules=list(self.target_modules),
+                             use_rslora=self.use_rslora)
+
+
+@dataclass(frozen=True)
+class PeftAdapter:
+    """A PEFT adapter folder read into memory, ready to push."""
+
+    payload: bytes
+    """adapter_model.safetensors, byte for byte."""
+    lora: LoraSpec
+    base_model_name_or_path: str | None
+
+    @property
+    def sha256(self) -> str:
+        return hashlib.sha256(self.payload).hexdigest()
+
+
+def read_peft_dir(path: str | Path) -> PeftAdapter:
+    """Read adapter_config.json and adapter_model.safetensors; refuses anything else."""
+    root = Path(path)
+    config_path, weights_path = root / "adapter_config.json", root / "adapter_model.safetensors"
+    if not config_path.is_file():
+        raise RequestError(f"{root} has no adapter_config.json; point at a folder saved by PEFT's save_pretrained")
+    if not weights_path.is_file():
+        raise RequestError(f"{root} has no adapter_model.safetensors; save the adapter with safe_serialization=True")
+    try:
+        config = json.loads(config_path.read_text())
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise RequestError(f"{config_path} is not valid JSON ({exc})") from None
+    if not isinstance(config, dict):
+        raise RequestError(f"{config_path} does not hold a JSON object")
+    if config.get("peft_type", "LORA") != "LORA":
+        raise RequestError(f"{config_path} describes a {config['peft_type']} adapter; only LoRA is served")
+    payload = weights_path.read_bytes()
+    try:
+        read_header(payload)
+    except HeaderError as exc:
+        raise RequestError(f"{weights_path} is not a valid safetensors file: {exc}") from None
+    return PeftAdapter(payload, LoraSpec.from_peft(config), config.get("base_model_name_or_path") or None)
+
+
+def build_manifest(
+    name: str, version: int, payload: bytes, lora_config: LoraSpec | Mapping[str, Any] | Any,
+    base_model_fingerprint: str,
+) -> pb.AdapterManifest:
+    """The manifest message that opens a push; checks what the server would refuse anyway."""
+    if not isinstance(payload, (bytes, bytearray, memoryview)) or not len(payload):
+        raise RequestError("the adapter payload must be non-empty bytes (a safetensors file)")
+    if not isinstance(base_model_fingerprint, str) or not base_model_fingerprint:
+        raise RequestError("base_model_fingerprint is required; take it from GetStatus or model_fingerprint()")
+    return pb.AdapterManifest(
+        name=check_adapter_name(name), version=_int("version", version, 1, _UINT64),
+        base_model_fingerprint=base_model_fingerprint, lora_config=LoraSpec.from_peft(lora_config).to_pb(),
+        byte_length=len(payload), sha256=hashlib.sha256(payload).hexdigest(),
+    )
+
+
+def check_chunk_size(chunk_size: int) -> int:
+    return _int("chunk_size", chunk_size, 1, MAX_CHUNK_BYTES)
+
+
+def push_requests(
+    manifest: pb.AdapterManifest, payload: bytes, chunk_size: int = MAX_CHUNK_BYTES
+) -> Iterator[pb.PushAdapterRequest]:
+    """The manifest, then the payload in chunks of at most `chunk_size` bytes."""
+    size = check_chunk_size(chunk_size)
+    yield pb.PushAdapterRequest(manifest=manifest)
+    view = memoryview(payload)
+    for start in range(0, len(view), size):
+        yield pb.PushAdapterRequest(chunk=bytes(view[start : start + size]))
+
+
+@dataclass(frozen=True, slots=True)
+class ReplicaPush:
+    """Outcome of a push on one replica behind a proxy."""
+
+    replica: str
+    code: str
+    """gRPC status code name; "OK" on success."""
+    message: str
+
+
+@dataclass(frozen=True, slots=True)
+class PushResult:
+    """A confirmed push: the version is loaded and served."""
+
+    name: str
+    version: int
+    already_loaded: bool
+    loaded_versions: list[int]
+    replicas: list[ReplicaPush]
+    """Filled by a proxy; empty from a replica."""
+
+
+def push_result_from_pb(message: pb.PushAdapterResponse) -> PushResult:
+    replicas = [ReplicaPush(r.replica, r.code, r.message) for r in message.replicas]
+    return PushResult(message.name, message.version, message.already_loaded, list(message.loaded_versions), replicas)

@@ -1,0 +1,368 @@
+"""The `rollwire` command: one console script, a subcommand per process.
+
+Startup imports grpc and the stubs only. Other packages add their subcommands through a
+`register(subparsers)` hook that imports nothing heavy, so `--help` answers fast and never
+imports torch. Every subcommand is `func(args) -> int`. Exit codes: 0 done, 1 an error
+status (printed as `error: CODE: message`), 2 bad usage.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import sys
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+from typing import Any, TextIO
+
+from rollwire.client._common import (
+    DEFAULT_MAX_NEW_TOKENS,
+    GenerateResult,
+    GroupAccumulator,
+    PeftAdapter,
+    PushResult,
+    RequestError,
+    Restarted,
+    Started,
+    StreamEvent,
+    TlsConfig,
+    Tokens,
+    parse_adapter,
+    read_peft_dir,
+)
+from rollwire.client.sync import Client
+from rollwire.common.errors import RollwireError
+
+PLUGINS = ("rollwire.server.cli", "rollwire.learner.cli")
+"""Modules whose `register(subparsers)` adds the generator, proxy, model and learner commands."""
+
+
+class UsageError(Exception):
+    """Bad usage found after parsing (a missing file, no fingerprint); exits 2."""
+
+
+# ---------------------------------------------------------------- entry point
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Parse, dispatch to `args.func`, and map failures to exit codes."""
+    args = build_parser().parse_args(argv)
+    try:
+        return int(args.func(args) or 0)
+    except UsageError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    except RequestError as exc:  # refused before sending: the usage was wrong
+        print(f"error: {exc.code.name}: {exc.message}", file=sys.stderr)
+        return 2
+    except RollwireError as exc:
+        print(f"error: {exc.code.name}: {exc.message}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        return 130
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="rollwire", description="rollout serving for asynchronous GRPO with LoRA")
+    commands = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    _add_generate(commands)
+    _add_push_adapter(commands)
+    _add_status(commands)
+    for module in PLUGINS:
+        register_plugin(module, commands)
+    return parser
+
+
+def register_plugin(module_name: str, commands: Any) -> bool:
+    """Call `module_name.register(commands)`; False when that module is not installed.
+
+    Only the absence of the module itself is forgiven: an ImportError raised inside it is a
+    bug that must show.
+    """
+    try:
+        module = importlib.import_module(module_name)
+    except ModuleNotFoundError as exc:
+        if exc.name and (module_name == exc.name or module_name.startswith(exc.name + ".")):
+            return False
+        raise
+    module.register(commands)
+    return True
+
+
+# ---------------------------------------------------------------- shared arguments
+
+
+def add_connection_args(parser: argparse.ArgumentParser, *, timeout: float) -> None:
+    """--target, --timeout, --token-file and TLS flags, read back by `client_from_args`."""
+    group = parser.add_argument_group("connection")
+    group.add_argument("--target", required=True, metavar="HOST:PORT", help="generator or proxy address")
+    group.add_argument("--timeout", type=_positive(float), default=timeout, metavar="SECONDS",
+                       help=f"deadline of the call, retries included (default {timeout:g})")
+    group.add_argument("--token-file", metavar="FILE", help="file holding the bearer token to send")
+    group.add_argument("--tls", action="store_true", help="use TLS, trusting the system roots")
+    group.add_argument("--tls-ca", metavar="PEM", help="use TLS, trusting these root certificates")
+    group.add_argument("--tls-cert", metavar="PEM", help="client certificate for mutual TLS")
+    group.add_argument("--tls-key", metavar="PEM", help="client private key for mutual TLS")
+
+
+def client_from_args(args: argparse.Namespace) -> Client:
+    return Client(args.target, timeout=args.timeout, token=_read_token(args.token_file), tls=_tls(args))
+
+
+def _read_token(path: str | None) -> str | None:
+    if path is None:
+        return None
+    try:
+        token = Path(path).read_text().strip()
+    except OSError as exc:
+        raise UsageError(f"cannot read the token file {path}: {exc.strerror}") from None
+    if not token:
+        raise UsageError(f"the token file {path} is empty")
+    return token
+
+
+def _tls(args: argparse.Namespace) -> TlsConfig | None:
+    if not (args.tls or args.tls_ca or args.tls_cert or args.tls_key):
+        return None
+    try:
+        return TlsConfig.from_files(args.tls_ca, args.tls_cert, args.tls_key)
+    except OSError as exc:
+        raise UsageError(f"cannot read {exc.filename}: {exc.strerror}") from None
+
+
+def _positive(kind: type) -> Any:
+    def convert(text: str) -> Any:
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+        if value <= 0:
+            raise argparse.ArgumentTypeError(f"{text} must be > 0")
+        return value
+
+    return convert
+
+
+def _adapter_arg(text: str) -> Any:
+    try:
+        return parse_adapter(text)
+    except RequestError as exc:
+        raise argparse.ArgumentTypeError(exc.message) from None
+
+
+# ---------------------------------------------------------------- generate
+
+
+def _add_generate(commands: Any) -> None:
+    p = commands.add_parser("generate", help="sample completions of one prompt",
+                            description="Sample n completions of PROMPT and print them as they arrive.")
+    add_connection_args(p, timeout=300.0)
+    p.add_argument("prompt", metavar="PROMPT", help="prompt text, '-' to read stdin, or ids with --token-ids")
+    p.add_argument("-n", type=_positive(int), default=1, help="samples in the group (default 1)")
+    p.add_argument("--max-new-tokens", type=_positive(int), default=DEFAULT_MAX_NEW_TOKENS, metavar="N",
+                   help=f"most tokens per sample (default {DEFAULT_MAX_NEW_TOKENS})")
+    p.add_argument("--temperature", type=float, metavar="T", help="0 is greedy (server default 1.0)")
+    p.add_argument("--top-p", type=float, metavar="P", help="nucleus mass in (0, 1]")
+    p.add_argument("--top-k", type=int, metavar="K", help="keep the K most likely tokens; 0 disables")
+    p.add_argument("--seed", type=int, metavar="S", help="reproducible sampling")
+    p.add_argument("--stop", action="append", default=[], metavar="STR", help="stop string; repeat for several")
+    p.add_argument("--ignore-eos", action="store_true", help="do not stop at end-of-sequence")
+    p.add_argument("--adapter", type=_adapter_arg, metavar="NAME@VERSION",
+                   help="adapter to sample from: NAME, NAME@latest or NAME@3 (default: base model)")
+    p.add_argument("--group-key", default="", help="affinity routing key at a proxy")
+    p.add_argument("--request-id", default="", help="id for logs across services")
+    p.add_argument("--token-ids", action="store_true", help="PROMPT is token ids separated by commas or spaces")
+    p.add_argument("--json", action="store_true", help="print one JSON object once the group is complete")
+    p.set_defaults(func=cmd_generate)
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    prompt = _prompt(args.prompt, args.token_ids)
+    options: dict[str, Any] = dict(
+        max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
+        stop=args.stop, seed=args.seed, ignore_eos=args.ignore_eos, adapter=args.adapter,
+        group_key=args.group_key, request_id=args.request_id,
+    )
+    with client_from_args(args) as client:
+        if args.json:
+            print(json.dumps(result_to_json(client.generate(prompt, args.n, **options))))
+        else:
+            print_stream(client.generate_stream(prompt, args.n, **options), args.n, sys.stdout, sys.stderr)
+    return 0
+
+
+def _prompt(text: str, as_ids: bool) -> str | list[int]:
+    if text == "-":
+        text = sys.stdin.read()
+    if not as_ids:
+        return text
+    try:
+        return [int(part) for part in text.replace(",", " ").split()]
+    except ValueError:
+        raise UsageError("with --token-ids, PROMPT must be whole numbers separated by commas or spaces") from None
+
+
+def print_stream(events: Iterable[StreamEvent], n: int, out: TextIO, info: TextIO) -> GenerateResult:
+    """Print a group as it arrives: one sample streams token by token, several print as they end."""
+    group = GroupAccumulator(n)
+    for event in events:
+        sample = group.add(event)
+        if isinstance(event, Started):
+            print(f"[request {event.request_id} on {event.replica or '?'}, {_adapter_text(event.adapter)}]", file=info)
+        elif isinstance(event, Restarted):
+            out.write("\n" if n == 1 else "")
+            print(f"[group restarted (attempt {event.attempt}): {event.reason}; partial output discarded]", file=info)
+        elif isinstance(event, Tokens) and n == 1:
+            out.write(event.text)
+            out.flush()
+        if sample is None:
+            continue
+        summary = f"{sample.finish_reason}, {sample.completion_tokens} tokens, adapter version {sample.adapter_version}"
+        if n == 1:
+            out.write("\n")
+            print(f"[{summary}]", file=info)
+        else:
+            print(f"--- sample {sample.index} ({summary}) ---\n{sample.text}", file=out, flush=True)
+    return group.result()
+
+
+def _adapter_text(adapter: Any) -> str:
+    return f"adapter {adapter}" if adapter else "base model"
+
+
+def result_to_json(result: GenerateResult) -> dict[str, Any]:
+    """The --json form of a complete group."""
+    adapter = {"name": result.adapter.name, "version": result.adapter.version} if result.adapter else None
+    samples = [
+        {"index": s.index, "text": s.text, "token_ids": s.token_ids, "logprobs": s.logprobs,
+         "finish_reason": s.finish_reason, "adapter_version": s.adapter_version}
+        for s in result.samples
+    ]
+    return {"request_id": result.request_id, "replica": result.replica, "adapter": adapter,
+            "prompt_token_ids": result.prompt_token_ids, "samples": samples}
+
+
+# ---------------------------------------------------------------- push-adapter
+
+
+def _add_push_adapter(commands: Any) -> None:
+    p = commands.add_parser("push-adapter", help="upload a PEFT LoRA adapter as a new version",
+                            description="Push the adapter saved in PEFT_DIR (adapter_config.json + "
+                                        "adapter_model.safetensors) as version V of NAME.")
+    add_connection_args(p, timeout=300.0)
+    p.add_argument("--name", required=True, help="adapter name")
+    p.add_argument("--version", required=True, type=_positive(int), metavar="V", help="version, >= 1, increasing")
+    base = p.add_mutually_exclusive_group()
+    base.add_argument("--base-model", metavar="DIR", help="local base model folder to fingerprint")
+    base.add_argument("--base-fingerprint", metavar="FP", help="base model fingerprint, as GetStatus reports it")
+    p.add_argument("peft_dir", metavar="PEFT_DIR", help="folder written by PEFT's save_pretrained")
+    p.set_defaults(func=cmd_push_adapter)
+
+
+def cmd_push_adapter(args: argparse.Namespace) -> int:
+    adapter = read_peft_dir(args.peft_dir)
+    fingerprint = base_fingerprint(adapter, args.base_model, args.base_fingerprint)
+    with client_from_args(args) as client:
+        result = client.push_adapter(args.name, args.version, adapter.payload, adapter.lora, fingerprint)
+    print(format_push(result))
+    return 0
+
+
+def base_fingerprint(adapter: PeftAdapter, base_model: str | None, fingerprint: str | None) -> str:
+    """The flag's fingerprint, else that of --base-model, else of the config's local base folder."""
+    from rollwire.common.fingerprint import model_fingerprint
+
+    if fingerprint:
+        return fingerprint
+    folder = base_model
+    if folder is None and adapter.base_model_name_or_path and Path(adapter.base_model_name_or_path).is_dir():
+        folder = adapter.base_model_name_or_path
+    if folder is None:
+        raise UsageError(
+            "cannot tell which base model the adapter belongs to: its base_model_name_or_path "
+            f"({adapter.base_model_name_or_path!r}) is not a local folder; "
+            "pass --base-model DIR or --base-fingerprint FP"
+        )
+    try:
+        return model_fingerprint(folder)
+    except FileNotFoundError as exc:
+        raise UsageError(str(exc)) from None
+
+
+def format_push(result: PushResult) -> str:
+    state = "was already loaded" if result.already_loaded else "is loaded"
+    lines = [f"adapter {result.name} version {result.version} {state}",
+             f"loaded versions: {', '.join(map(str, result.loaded_versions)) or '-'}"]
+    if result.replicas:
+        lines.append(_table(["REPLICA", "CODE", "MESSAGE"], [[r.replica, r.code, r.message] for r in result.replicas]))
+    return "\n".join(lines)
+
+
+# ---------------------------------------------------------------- status
+
+
+def _add_status(commands: Any) -> None:
+    p = commands.add_parser("status", help="show what a generator or proxy serves and how busy it is")
+    add_connection_args(p, timeout=10.0)
+    p.add_argument("--json", action="store_true", help="print the GetStatusResponse as JSON")
+    p.set_defaults(func=cmd_status)
+
+
+def cmd_status(args: argparse.Namespace) -> int:
+    with client_from_args(args) as client:
+        status = client.get_status()
+    if args.json:
+        from google.protobuf.json_format import MessageToDict
+
+        data = MessageToDict(status, preserving_proto_field_name=True, always_print_fields_with_no_presence=True)
+        print(json.dumps(data, indent=2))
+    else:
+        print(format_status(status))
+    return 0
+
+
+def format_status(status: Any) -> str:
+    """A GetStatusResponse as a readable report."""
+    lim = status.limits
+    rows = [
+        ["role", status.role], ["replica", status.replica], ["engine", status.engine],
+        ["server version", status.server_version], ["model fingerprint", status.model_fingerprint],
+        ["in flight", str(status.in_flight)], ["queue depth", str(status.queue_depth)],
+        ["limits", f"max_n={lim.max_n} max_new_tokens={lim.max_new_tokens} max_prompt_tokens={lim.max_prompt_tokens} "
+                   f"max_adapter_bytes={lim.max_adapter_bytes} adapter_window={lim.adapter_window}"],
+    ]
+    parts = [_table(None, rows), "", "adapters:"]
+    adapters = [[a.name, _versions(a.versions)] for a in status.adapters]
+    parts.append(_indent(_table(["NAME", "VERSIONS"], adapters)) if adapters else "  (none)")
+    if status.replicas:
+        header = ["ADDRESS", "REPLICA", "HEALTHY", "DRAINING", "IN FLIGHT", "ADAPTERS", "DETAIL"]
+        replicas = [
+            [r.address, r.replica, _yes(r.healthy), _yes(r.draining), str(r.in_flight),
+             " ".join(f"{a.name}@{_versions(a.versions)}" for a in r.adapters) or "-", r.detail]
+            for r in status.replicas
+        ]
+        parts += ["", "replicas:", _indent(_table(header, replicas))]
+    return "\n".join(parts)
+
+
+def _versions(versions: Iterable[int]) -> str:
+    return ",".join(map(str, versions)) or "-"
+
+
+def _yes(flag: bool) -> str:
+    return "yes" if flag else "no"
+
+
+def _indent(text: str) -> str:
+    return "\n".join("  " + line for line in text.splitlines())
+
+
+def _table(header: list[str] | None, rows: list[list[str]]) -> str:
+    all_rows = ([header] if header else []) + rows
+    widths = [max(len(row[i]) for row in all_rows) for i in range(len(all_rows[0]))]
+    return "\n".join("  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip() for row in all_rows)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
