@@ -1,0 +1,159 @@
+"""Pure parts of the generator: the sampling transform, coalescing, adapter checks, the registry."""
+
+from __future__ import annotations
+
+import hashlib
+import math
+
+import numpy as np
+import pytest
+import torch
+from safetensors.numpy import save
+
+from rollwire.common.errors import FailedPrecondition, InvalidArgument, NotFound
+from rollwire.server.adapters import AdapterRegistry, LoraShape, Manifest, check_manifest, check_payload, expected_lora_shapes
+from rollwire.server.sampling import draw, sample_seed, sampling_logprobs
+from rollwire.server.types import SampleDone, SamplingParams, TokenDelta, coalesce
+
+
+def test_top_k_and_top_p_by_hand():
+    logits = torch.tensor([[math.log(0.5), math.log(0.3), math.log(0.15), math.log(0.05)]])
+    # top_p=0.75: keep 0.5 and 0.3 (mass before the third token is 0.8 >= 0.75), renormalise.
+    lp = sampling_logprobs(logits, SamplingParams(1, top_p=0.75)).exp()[0]
+    assert torch.allclose(lp, torch.tensor([0.625, 0.375, 0.0, 0.0]), atol=1e-6)
+    # top_k=3 then renormalise over 0.95.
+    lp = sampling_logprobs(logits, SamplingParams(1, top_k=3)).exp()[0]
+    assert torch.allclose(lp, torch.tensor([0.5, 0.3, 0.15, 0.0]) / 0.95, atol=1e-6)
+    # temperature 2: softmax(log p / 2) is proportional to sqrt(p).
+    lp = sampling_logprobs(logits, SamplingParams(1, temperature=2.0)).exp()[0]
+    root = torch.tensor([0.5, 0.3, 0.15, 0.05]).sqrt()
+    assert torch.allclose(lp, root / root.sum(), atol=1e-6)
+    # top_p smaller than the top token's mass keeps exactly that token.
+    lp = sampling_logprobs(logits, SamplingParams(1, top_p=0.1)).exp()[0]
+    assert torch.allclose(lp, torch.tensor([1.0, 0, 0, 0]))
+
+
+def test_greedy_reports_untempered_logprob_and_draw_is_seeded():
+    logits = torch.tensor([[0.0, 2.0, 1.0]])
+    params = SamplingParams(1, temperature=0.0)
+    lp = sampling_logprobs(logits, params)
+    assert int(draw(lp, params, [torch.Generator()])[0]) == 1
+    assert torch.allclose(lp, torch.log_softmax(logits, -1))
+    params = SamplingParams(1)
+    lp = sampling_logprobs(torch.zeros(1, 50), params)
+    a = [int(draw(lp, params, [torch.Generator().manual_seed(sample_seed(7, 0))])[0]) for _ in range(3)]
+    assert len(set(a)) == 1
+    assert sample_seed(7, 0) != sample_seed(7, 1) != sample_seed(8, 0)
+
+
+def test_coalesce_merges_per_sample_and_keeps_finish_last():
+    events = [
+        TokenDelta(0, [1], [-0.1], "a", 2),
+        TokenDelta(1, [5], [-0.5], "x", 2),
+        TokenDelta(0, [2], [-0.2], "b", 2),
+        SampleDone(0, "length", 3, 2),
+        TokenDelta(1, [6], [-0.6], "y", 2),
+    ]
+    out = coalesce(events)
+    assert out[0] == TokenDelta(0, [1, 2], [-0.1, -0.2], "ab", 2)
+    assert out[1] == TokenDelta(1, [5, 6], [-0.5, -0.6], "xy", 2)
+    assert out[2] == SampleDone(0, "length", 3, 2)
+
+
+BASE = {"model.layers.0.self_attn.q_proj": (64, 32), "model.layers.0.mlp.down_proj": (32, 128)}
+
+
+def lora_payload(r: int, shapes=BASE, drop: str | None = None) -> bytes:
+    tensors = {}
+    for module, (out_f, in_f) in shapes.items():
+        tensors[f"base_model.model.{module}.lora_A.weight"] = np.zeros((r, in_f), np.float32)
+        tensors[f"base_model.model.{module}.lora_B.weight"] = np.zeros((out_f, r), np.float32)
+    tensors.pop(drop, None)
+    return save(tensors)
+
+
+def manifest(payload: bytes, r=4, targets=("q_proj", "down_proj"), **kw) -> Manifest:
+    fields = dict(name="a", version=1, base_model_fingerprint="fp", lora=LoraShape(r, 8.0, targets),
+                  byte_length=len(payload), sha256=hashlib.sha256(payload).hexdigest())
+    fields.update(kw)
+    return Manifest(**fields)
+
+
+def test_expected_shapes_follow_peft_matching():
+    lora = LoraShape(4, 8.0, ("q_proj",))
+    assert expected_lora_shapes(lora, BASE) == {
+        "base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight": (4, 32),
+        "base_model.model.model.layers.0.self_attn.q_proj.lora_B.weight": (64, 4),
+    }
+    assert len(expected_lora_shapes(LoraShape(4, 8.0, ("all-linear",)), BASE)) == 4
+    assert expected_lora_shapes(LoraShape(4, 8.0, ("proj",)), BASE) == {}  # suffix match is per dotted name
+
+
+def test_payload_checks():
+    good = lora_payload(4)
+    check_payload(manifest(good), good, BASE)
+    with pytest.raises(InvalidArgument, match="shape"):
+        check_payload(manifest(good, r=8), good, BASE)
+    missing = lora_payload(4, drop="base_model.model.model.layers.0.mlp.down_proj.lora_B.weight")
+    with pytest.raises(InvalidArgument, match="1 missing"):
+        check_payload(manifest(missing), missing, BASE)
+    with pytest.raises(InvalidArgument, match="match no linear layer"):
+        check_payload(manifest(good, targets=("nothing",)), good, BASE)
+    with pytest.raises(InvalidArgument, match="truncated"):
+        check_payload(manifest(good), good[:-4], BASE)
+
+
+def test_manifest_checks():
+    good = lora_payload(4)
+    check_manifest(manifest(good), fingerprint="fp", max_bytes=1 << 20)
+    with pytest.raises(FailedPrecondition, match="base model"):
+        check_manifest(manifest(good), fingerprint="other", max_bytes=1 << 20)
+    with pytest.raises(InvalidArgument, match="version"):
+        check_manifest(manifest(good, version=0), fingerprint="fp", max_bytes=1 << 20)
+    with pytest.raises(Exception, match="exceeds"):
+        check_manifest(manifest(good), fingerprint="fp", max_bytes=10)
+
+
+class EngineLog:
+    """Records the engine calls the registry makes (the registry is what is under test)."""
+
+    def __init__(self):
+        self.calls: list[tuple[str, str]] = []
+
+    async def load(self, handle, manifest, payload):
+        self.calls.append(("load", handle))
+
+    async def unload(self, handle):
+        self.calls.append(("unload", handle))
+
+
+async def test_registry_window_leases_and_handles():
+    engine = EngineLog()
+    reg = AdapterRegistry(engine.load, engine.unload, window=2)
+    payload = lora_payload(4)
+
+    def m(v, data=payload):
+        return manifest(data, version=v)
+
+    assert not (await reg.push(m(1), payload)).already_loaded
+    held = reg.acquire("a", 1)  # a request pinned to v1 is running
+    await reg.push(m(2), payload)
+    assert (await reg.push(m(2), payload)).already_loaded
+    await reg.push(m(3), payload)  # v1 leaves the window but is still in use
+    await reg.settle()
+    assert reg.loaded() == {"a": [2, 3]}
+    assert ("unload", held.handle) not in engine.calls
+    with pytest.raises(FailedPrecondition, match="left this replica's window"):
+        reg.acquire("a", 1)
+    reg.release(held)  # the last request on v1 ends: now it is unloaded
+    await reg.settle()
+    assert ("unload", held.handle) in engine.calls
+    handles = [h for op, h in engine.calls if op == "load"]
+    assert len(handles) == len(set(handles)) == 3  # never reused
+    with pytest.raises(FailedPrecondition, match="only increase"):
+        await reg.push(m(1), payload)
+    with pytest.raises(NotFound):
+        reg.acquire("a", 7)
+    with pytest.raises(NotFound):
+        reg.acquire("b", 0)
+    assert reg.acquire("a", 0).version == 3
