@@ -56,8 +56,9 @@ def rollwire_cmd(*args: str) -> list[str]:
     return [sys.executable, "-m", "rollwire.client.cli", *args]
 
 
-def start_service(args: list[str], workdir: Path, name: str, timeout: float = 90) -> Service:
-    """Start `rollwire <args> --ready-file F` and wait until it reports its ports."""
+def start_service(args: list[str], workdir: Path, name: str, timeout: float = 90, plaintext: bool = True) -> Service:
+    """Start `rollwire <args> --ready-file F` and wait until it reports its ports
+    (and, for a plaintext server, until a channel to it is ready)."""
     ready = workdir / f"{name}.ready.json"
     log_path = workdir / f"{name}.log"
     log = log_path.open("w")
@@ -72,14 +73,15 @@ def start_service(args: list[str], workdir: Path, name: str, timeout: float = 90
         time.sleep(0.05)
     info = json.loads(ready.read_text())
     svc = Service(proc, info["port"], info["metrics_port"], log_path)
-    with grpc.insecure_channel(svc.target) as ch:
-        grpc.channel_ready_future(ch).result(timeout=30)
+    if plaintext:
+        with grpc.insecure_channel(svc.target) as ch:
+            grpc.channel_ready_future(ch).result(timeout=30)
     return svc
 
 
-def start_generator(model: Path, workdir: Path, name: str = "generator", *extra: str) -> Service:
+def start_generator(model: Path, workdir: Path, name: str = "generator", *extra: str, plaintext: bool = True) -> Service:
     return start_service(
-        ["generator", "--model", str(model), "--port", "0", "--metrics-port", "0", *extra], workdir, name
+        ["generator", "--model", str(model), "--port", "0", "--metrics-port", "0", *extra], workdir, name, plaintext=plaintext
     )
 
 

@@ -19,6 +19,7 @@ from rollwire.common.logs import get_logger
 from rollwire.server.adapters import AdapterRegistry, base_linear_shapes
 from rollwire.server.config import GeneratorConfig
 from rollwire.server.metrics import GeneratorMetrics
+from rollwire.server.security import add_port, interceptors
 from rollwire.server.servicer import GeneratorServicer
 from rollwire.v1 import generator_pb2, generator_pb2_grpc
 
@@ -74,8 +75,8 @@ async def start_generator(config: GeneratorConfig) -> RunningGenerator:
     metrics.running.set_function(lambda: engine.stats().running)
     fingerprint = await asyncio.to_thread(model_fingerprint, config.model)
     registry = AdapterRegistry(engine.load_adapter, engine.unload_adapter, config.adapter_window)
-    server = grpc.aio.server(options=SERVER_OPTIONS)
-    port = server.add_insecure_port(f"{config.host}:{config.port}")
+    server = grpc.aio.server(options=SERVER_OPTIONS, interceptors=interceptors(config.auth))
+    port = add_port(server, f"{config.host}:{config.port}", config.tls)
     if port == 0:
         raise SystemExit(f"cannot listen on {config.host}:{config.port}; is the port in use?")
     replica = config.replica_id or f"{config.host}:{port}"

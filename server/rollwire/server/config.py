@@ -7,6 +7,7 @@ from typing import Literal
 from pydantic import Field
 
 from rollwire.common.config import Section
+from rollwire.server.security import AuthSection, TlsSection
 
 MiB = 1 << 20
 
@@ -44,3 +45,5 @@ class GeneratorConfig(Section):
     grace_seconds: float = Field(10.0, ge=0, description="On shutdown, how long in-flight requests may finish.")
     limits: Limits = Field(default_factory=Limits)
     transformers: TransformersSection = Field(default_factory=TransformersSection)
+    auth: AuthSection = Field(default_factory=AuthSection)
+    tls: TlsSection = Field(default_factory=TlsSection)
