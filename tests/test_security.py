@@ -4,8 +4,11 @@ from __future__ import annotations
 
 import subprocess
 
+import socket
+
 import grpc
 import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from conftest import start_generator
 from rollwire.client import Client, TlsConfig
@@ -22,6 +25,12 @@ def all_methods():
         for service in module.DESCRIPTOR.services_by_name.values():
             for method in service.methods:
                 yield f"/{service.full_name}/{method.name}", method
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def test_every_rpc_has_a_role():
@@ -108,6 +117,8 @@ def pki(tmp_path_factory):
 @pytest.mark.parametrize("mutual", [False, True], ids=["tls", "mtls"])
 def test_tls_round_trip_and_plaintext_refused(tiny_model, pki, tmp_path, mutual):
     args = ["--set", f"tls.cert_file={pki / 'server.pem'}", "--set", f"tls.key_file={pki / 'server.key'}"]
+    health_port = free_port()
+    args += ["--set", f"tls.health_port={health_port}"]
     if mutual:
         args += ["--set", f"tls.client_ca_file={pki / 'ca.pem'}"]
     svc = start_generator(tiny_model, tmp_path, "tls", *args, plaintext=False)
@@ -123,5 +134,8 @@ def test_tls_round_trip_and_plaintext_refused(tiny_model, pki, tmp_path, mutual)
             with Client(svc.target, tls=TlsConfig.from_files(pki / "ca.pem"), timeout=5, max_attempts=1) as c:
                 with pytest.raises(Unavailable):
                     c.get_status()  # no client certificate under mTLS
+        with grpc.insecure_channel(f"127.0.0.1:{health_port}") as ch:  # probes still work in plaintext
+            check = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(service=""), timeout=10)
+            assert check.status == health_pb2.HealthCheckResponse.SERVING
     finally:
         svc.stop()

@@ -19,7 +19,7 @@ from rollwire.common.logs import get_logger
 from rollwire.server.adapters import AdapterRegistry, base_linear_shapes
 from rollwire.server.config import GeneratorConfig
 from rollwire.server.metrics import GeneratorMetrics
-from rollwire.server.security import add_port, interceptors
+from rollwire.server.security import add_port, interceptors, start_health_port
 from rollwire.server.servicer import GeneratorServicer
 from rollwire.v1 import generator_pb2, generator_pb2_grpc
 
@@ -54,10 +54,13 @@ class RunningGenerator:
     port: int
     metrics_port: int
     metrics_server: object
+    probe_server: grpc.aio.Server | None = None
 
     async def stop(self, grace: float) -> None:
         await self.health.enter_graceful_shutdown()
         await self.server.stop(grace)
+        if self.probe_server:
+            await self.probe_server.stop(0)
         await self.servicer.engine.close()
         self.metrics_server.shutdown()
 
@@ -96,8 +99,9 @@ async def start_generator(config: GeneratorConfig) -> RunningGenerator:
     await server.start()
     for name in ("", SERVICE):
         await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+    probe_server = await start_health_port(health_servicer, config.host, config.tls)
     log.info("generator_ready", replica=replica, port=port, metrics_port=metrics_port, fingerprint=fingerprint)
-    return RunningGenerator(server, servicer, health_servicer, port, metrics_port, metrics_server)
+    return RunningGenerator(server, servicer, health_servicer, port, metrics_port, metrics_server, probe_server)
 
 
 async def run_generator(config: GeneratorConfig, ready_file: str | None = None) -> None:

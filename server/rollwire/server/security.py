@@ -45,6 +45,10 @@ class TlsSection(Section):
     cert_file: str = Field("", description="PEM server certificate chain; TLS is on when set.")
     key_file: str = Field("", description="PEM private key of the server certificate.")
     client_ca_file: str = Field("", description="PEM CA that signs client certificates; set to require mutual TLS.")
+    health_port: int = Field(
+        0, ge=0, le=65535,
+        description="Plaintext port serving only grpc.health.v1 (kubelet gRPC probes cannot speak TLS); 0 = off.",
+    )
 
 
 def read_tokens(path: str) -> set[str]:
@@ -157,3 +161,16 @@ def add_port(server: grpc.aio.Server, address: str, tls: TlsSection) -> int:
         [(key, cert)], root_certificates=client_ca, require_client_auth=client_ca is not None
     )
     return server.add_secure_port(address, credentials)
+
+
+async def start_health_port(health_servicer, host: str, tls: TlsSection) -> grpc.aio.Server | None:
+    """A plaintext server with only the health service, for probes, when TLS is on."""
+    from grpc_health.v1 import health_pb2_grpc
+
+    if not (tls.cert_file and tls.health_port):
+        return None
+    server = grpc.aio.server()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    server.add_insecure_port(f"{host}:{tls.health_port}")
+    await server.start()
+    return server
