@@ -2,16 +2,12 @@
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
-import time
-from dataclasses import dataclass
 from pathlib import Path
 
 import grpc
 import pytest
+
+from rollwire.common.services import ServiceProcess, rollwire_cmd, start  # noqa: F401 (re-exported for tests)
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -23,56 +19,12 @@ def tiny_model(tmp_path_factory) -> Path:
     return build_tiny_model(tmp_path_factory.mktemp("models") / "tiny")
 
 
-@dataclass
-class Service:
-    """A rollwire process started by a test; tests stop only what they started."""
-
-    proc: subprocess.Popen
-    port: int
-    metrics_port: int
-    log_path: Path
-
-    @property
-    def target(self) -> str:
-        return f"127.0.0.1:{self.port}"
-
-    def metrics(self) -> str:
-        import urllib.request
-
-        with urllib.request.urlopen(f"http://127.0.0.1:{self.metrics_port}/metrics", timeout=10) as r:
-            return r.read().decode()
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(20)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-
-
-def rollwire_cmd(*args: str) -> list[str]:
-    return [sys.executable, "-m", "rollwire.client.cli", *args]
+Service = ServiceProcess
 
 
 def start_service(args: list[str], workdir: Path, name: str, timeout: float = 90, plaintext: bool = True) -> Service:
-    """Start `rollwire <args> --ready-file F` and wait until it reports its ports
-    (and, for a plaintext server, until a channel to it is ready)."""
-    ready = workdir / f"{name}.ready.json"
-    log_path = workdir / f"{name}.log"
-    log = log_path.open("w")
-    proc = subprocess.Popen(rollwire_cmd(*args, "--ready-file", str(ready)), stdout=log, stderr=subprocess.STDOUT)
-    deadline = time.monotonic() + timeout
-    while not ready.exists():
-        if proc.poll() is not None:
-            raise RuntimeError(f"{name} exited with {proc.returncode}:\n{log_path.read_text()[-3000:]}")
-        if time.monotonic() > deadline:
-            proc.kill()
-            raise TimeoutError(f"{name} did not become ready in {timeout}s:\n{log_path.read_text()[-3000:]}")
-        time.sleep(0.05)
-    info = json.loads(ready.read_text())
-    svc = Service(proc, info["port"], info["metrics_port"], log_path)
+    """Start a rollwire process and wait until it serves (a plaintext one: until a channel is ready)."""
+    svc = start(args, workdir, name, timeout)
     if plaintext:
         with grpc.insecure_channel(svc.target) as ch:
             grpc.channel_ready_future(ch).result(timeout=30)
@@ -103,5 +55,3 @@ def reference_model(tiny_model):
     torch.manual_seed(0)
     return AutoModelForCausalLM.from_pretrained(tiny_model).eval()
 
-
-os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
