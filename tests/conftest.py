@@ -41,7 +41,7 @@ def start_generator(model: Path, workdir: Path, name: str = "generator", *extra:
 def generator(tiny_model, tmp_path_factory):
     """One generator replica shared by the tests that do not need special settings."""
     svc = start_generator(tiny_model, tmp_path_factory.mktemp("generator"), "generator", "--set", "limits.max_n=16",
-                          "--set", "limits.max_new_tokens=128")
+                          "--set", "limits.max_new_tokens=200")
     yield svc
     svc.stop()
 

@@ -158,18 +158,23 @@ def test_stop_strings_and_finish_reasons(generator):
 
 
 def test_cancel_mid_stream_frees_the_slot(generator):
-    request = pb.GenerateRequest(text="cancel me", n=4, sampling=pb.SamplingParams(max_new_tokens=128, ignore_eos=True))
-    stream = stub(generator.target).Generate(request, timeout=60)
-    next(stream), next(stream)
-    assert metric_value(generator.metrics(), "rollwire_generator_in_flight_requests") == 1
+    # 16 samples x 200 tokens take far longer than the cancel takes to arrive.
+    request = pb.GenerateRequest(text="cancel me", n=16, sampling=pb.SamplingParams(max_new_tokens=200, ignore_eos=True))
+    control = stub(generator.target)
+    stream = control.Generate(request, timeout=60)
+    assert next(stream).WhichOneof("event") == "started"
+    assert control.GetStatus(pb.GetStatusRequest(), timeout=5).in_flight == 1
     stream.cancel()
-    status = stub(generator.target)
     for _ in range(200):  # the server learns of the cancel asynchronously; bounded wait
-        if status.GetStatus(pb.GetStatusRequest(), timeout=5).in_flight == 0:
+        metrics = generator.metrics()
+        if metric_value(metrics, "rollwire_generator_in_flight_requests") == 0 == metric_value(
+            metrics, "rollwire_generator_running_groups"
+        ):
             break
         threading.Event().wait(0.02)
-    assert metric_value(generator.metrics(), "rollwire_generator_in_flight_requests") == 0
-    assert metric_value(generator.metrics(), "rollwire_generator_requests_total", 'code="CANCELLED"') >= 1
+    assert metric_value(metrics, "rollwire_generator_in_flight_requests") == 0
+    assert metric_value(metrics, "rollwire_generator_requests_total", 'code="CANCELLED"') >= 1
+    assert metric_value(metrics, "rollwire_generator_running_groups") == 0
     assert generate(generator.target, "after", max_new_tokens=3).finished[0].completion_tokens == 3
 
 

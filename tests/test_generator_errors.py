@@ -17,7 +17,7 @@ BAD_REQUESTS = {
     "n of 0": (dict(n=0), grpc.StatusCode.INVALID_ARGUMENT, "n is 0"),
     "n above limit": (dict(n=17), grpc.StatusCode.INVALID_ARGUMENT, "between 1 and 16"),
     "max_new_tokens 0": (dict(max_new_tokens=0), grpc.StatusCode.INVALID_ARGUMENT, "max_new_tokens is 0"),
-    "max_new_tokens above limit": (dict(max_new_tokens=129), grpc.StatusCode.INVALID_ARGUMENT, "between 1 and 128"),
+    "max_new_tokens above limit": (dict(max_new_tokens=201), grpc.StatusCode.INVALID_ARGUMENT, "between 1 and 200"),
     "negative temperature": (dict(temperature=-0.5), grpc.StatusCode.INVALID_ARGUMENT, "temperature is -0.5"),
     "top_p of 0": (dict(top_p=0.0), grpc.StatusCode.INVALID_ARGUMENT, "top_p"),
     "unknown adapter": (dict(adapter=pb.AdapterRef(name="nobody")), grpc.StatusCode.NOT_FOUND, "no adapter named 'nobody'"),

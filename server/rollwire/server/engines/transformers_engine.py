@@ -66,6 +66,8 @@ class _Row:
     generated: list[int] = field(default_factory=list)
     emitted_text: str = ""
     last_token: int = -1
+    prefix_offset: int = 0  # incremental detokenizing: tokens before this are already text
+    read_offset: int = 0
 
 
 @dataclass
@@ -350,11 +352,18 @@ class TransformersEngine:
         return batch if batch.rows else None
 
     def _new_text(self, row: _Row) -> str:
-        full = self.tokenizer.decode(row.generated, skip_special_tokens=True)
-        if full.endswith("\ufffd") or not full.startswith(row.emitted_text):
-            return ""  # an incomplete multi-byte character: wait for the next token
-        delta = full[len(row.emitted_text) :]
-        row.emitted_text = full
+        """Text added by the newest token, decoding only a short window (O(1) per token).
+
+        Decoding the window with its left context keeps spacing and multi-byte characters
+        right; an incomplete character (U+FFFD at the end) waits for the next token."""
+        decode = self.tokenizer.decode
+        before = decode(row.generated[row.prefix_offset : row.read_offset], skip_special_tokens=True)
+        after = decode(row.generated[row.prefix_offset :], skip_special_tokens=True)
+        if len(after) <= len(before) or after.endswith("\ufffd"):
+            return ""
+        delta = after[len(before) :]
+        row.prefix_offset, row.read_offset = row.read_offset, len(row.generated)
+        row.emitted_text += delta
         return delta
 
     def _finish_reason(self, row: _Row, token: int) -> str | None:
