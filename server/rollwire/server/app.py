@@ -41,6 +41,10 @@ def make_engine(config: GeneratorConfig, metrics: GeneratorMetrics):
         return TransformersEngine(
             config.model, max_batch_rows=t.max_batch_rows, threads=t.threads, device=t.device, on_forward=metrics.on_forward
         )
+    if config.engine == "sglang":
+        from rollwire.server.engines.sglang_engine import SGLangEngine
+
+        return SGLangEngine.from_config(config)
     raise NotImplementedError(f"engine {config.engine!r} is not available in this build")
 
 

@@ -13,6 +13,7 @@ def register(subparsers) -> None:
     )
     p.add_argument("--model", help="local HF model folder (config.json, *.safetensors, tokenizer)")
     p.add_argument("--engine", choices=["transformers", "sglang"], help="model backend (default transformers)")
+    p.add_argument("--sglang-url", help="with --engine sglang: use the SGLang server at this URL instead of launching one")
     p.add_argument("--host", help="bind address (default 127.0.0.1)")
     p.add_argument("--port", type=int, help="gRPC port (default 50051; 0 picks a free one)")
     p.add_argument("--metrics-port", type=int, help="Prometheus port (default 9400; 0 picks a free one)")
@@ -32,6 +33,7 @@ def run_generator_command(args: argparse.Namespace) -> int:
     flags = {
         "model": args.model,
         "engine": args.engine,
+        "sglang.url": args.sglang_url,
         "host": args.host,
         "port": args.port,
         "metrics_port": args.metrics_port,

@@ -31,6 +31,33 @@ class TransformersSection(Section):
     device: str = Field("cpu", description="torch device, e.g. cpu or cuda:0.")
 
 
+class SGLangSection(Section):
+    """Settings of the sglang engine: an SGLang server this replica launches, or one at `url`.
+
+    Secrets are read from files named here, never from the environment, and never logged.
+    """
+
+    url: str = Field("", description="Use the SGLang server at this URL (e.g. http://127.0.0.1:30000) instead of launching one; it must see adapter_dir (same host or shared volume).")
+    launch_command: list[str] = Field(default_factory=list, description="Command that starts SGLang; empty = [this python, -m, sglang.launch_server]. rollwire appends --model-path, --host, --port and the LoRA flags.")
+    extra_args: list[str] = Field(default_factory=list, description="More SGLang flags, e.g. [\"--mem-fraction-static\", \"0.5\"].")
+    host: str = Field("127.0.0.1", description="Address the launched SGLang server binds.")
+    port: int = Field(0, ge=0, le=65535, description="Port of the launched SGLang server; 0 picks a free one.")
+    max_lora_rank: int = Field(64, ge=1, description="Largest LoRA rank SGLang reserves memory for; pushes of a larger r are refused.")
+    lora_target_modules: list[str] = Field(default_factory=lambda: ["all"], description="Modules SGLang prepares LoRA buffers for (--lora-target-modules).")
+    max_loaded_adapters: int = Field(0, ge=0, description="Adapter versions SGLang holds at once; 0 = adapter_window + 1 (the window plus one for the swap).")
+    deterministic: bool = Field(False, description="Start SGLang with --enable-deterministic-inference; required to honour request seeds.")
+    random_seed: int | None = Field(None, description="SGLang's --random-seed.")
+    api_key_file: str = Field("", description="File holding SGLang's --api-key (generate endpoints).")
+    admin_api_key_file: str = Field("", description="File holding SGLang's --admin-api-key (adapter load/unload and abort).")
+    adapter_dir: str = Field("", description="Where pushed adapters are written for SGLang to load; empty = a fresh temporary folder.")
+    adapter_dir_on_server: str = Field("", description="adapter_dir as the SGLang server sees it, when it mounts it elsewhere; empty = the same path.")
+    startup_timeout_s: float = Field(900.0, gt=0, description="How long a launched SGLang may take to become healthy.")
+    request_timeout_s: float = Field(600.0, gt=0, description="Longest wait for the next chunk of a generation or for an adapter call.")
+    health_interval_s: float = Field(5.0, gt=0, description="How often an SGLang given by url is probed.")
+    max_restarts: int = Field(5, ge=0, description="Restarts of a crashed, launched SGLang before the replica gives up.")
+    max_concurrent_groups: int = Field(256, ge=1, description="Groups streamed from SGLang at once; more wait in rollwire's queue.")
+
+
 class GeneratorConfig(Section):
     """One generator replica: the model, where it listens, and its limits."""
 
@@ -45,5 +72,6 @@ class GeneratorConfig(Section):
     grace_seconds: float = Field(10.0, ge=0, description="On shutdown, how long in-flight requests may finish.")
     limits: Limits = Field(default_factory=Limits)
     transformers: TransformersSection = Field(default_factory=TransformersSection)
+    sglang: SGLangSection = Field(default_factory=SGLangSection)
     auth: AuthSection = Field(default_factory=AuthSection)
     tls: TlsSection = Field(default_factory=TlsSection)

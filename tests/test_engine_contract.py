@@ -1,0 +1,205 @@
+"""One contract every engine passes: transformers in-process, sglang against the SGLang double.
+
+The double (tests/sglang_double.py) is a protocol-level double of SGLang's HTTP API backed
+by the tiny model, so these tests check the sglang engine's requests, stream parsing and
+adapter handling end to end, and its numbers against an independent teacher-forced pass.
+A real SGLang server is exercised only by tests/test_sglang_gpu.py.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+
+import pytest
+import pytest_asyncio
+import torch
+
+from helpers import make_adapter, peft_reference
+from rollwire.server.adapters import LoraShape, Manifest
+from rollwire.server.types import AdapterSelection, GroupRequest, SampleDone, SamplingParams, TokenDelta
+from sglang_double import DoubleModel, DoubleServer, Options
+from test_generator import forward_logprobs
+
+ENGINES = ["transformers", "sglang"]
+_ids = itertools.count()
+
+
+@pytest_asyncio.fixture(scope="module", params=ENGINES)
+async def engine(request, tiny_model, tmp_path_factory):
+    if request.param == "transformers":
+        from rollwire.server.engines.transformers_engine import TransformersEngine
+
+        eng = TransformersEngine(tiny_model, max_batch_rows=64)
+        await eng.start()
+        yield eng
+        await eng.close()
+        return
+    from rollwire.server.config import SGLangSection
+    from rollwire.server.engines.sglang_engine import SGLangEngine
+
+    options = Options(model_path=str(tiny_model), enable_lora=True, max_lora_rank=16, lora_target_modules=["all"],
+                      max_loaded_loras=4, max_loras_per_batch=4, enable_deterministic_inference=True)
+    double = DoubleServer(options, DoubleModel(str(tiny_model))).start()
+    settings = SGLangSection(url=double.url, adapter_dir=str(tmp_path_factory.mktemp("sglang-adapters")))
+    eng = SGLangEngine(tiny_model, settings, adapter_window=3)
+    await eng.start()
+    eng.double = double
+    yield eng
+    await eng.close()
+    double.stop()
+
+
+def group(prompt: list[int], n: int = 1, adapter: AdapterSelection | None = None, **sampling) -> GroupRequest:
+    sampling.setdefault("max_new_tokens", 16)
+    return GroupRequest(f"contract-{next(_ids)}", prompt, n, SamplingParams(**sampling), adapter or AdapterSelection())
+
+
+async def collect(engine, g: GroupRequest) -> dict:
+    """Run a group to the end: tokens, logprobs, versions and the SampleDone of each sample."""
+    out = {"tokens": {}, "logprobs": {}, "versions": {}, "text": {}, "done": {}}
+    async for events in engine.generate(g):
+        for ev in events:
+            if isinstance(ev, TokenDelta):
+                assert ev.sample_index not in out["done"], "tokens after the sample finished"
+                out["tokens"].setdefault(ev.sample_index, []).extend(ev.token_ids)
+                out["logprobs"].setdefault(ev.sample_index, []).extend(ev.logprobs)
+                out["versions"].setdefault(ev.sample_index, set()).add(ev.version)
+                out["text"][ev.sample_index] = out["text"].get(ev.sample_index, "") + ev.text
+            else:
+                assert isinstance(ev, SampleDone) and ev.sample_index not in out["done"]
+                out["done"][ev.sample_index] = ev
+    return out
+
+
+async def eventually(condition, timeout_s: float = 10.0) -> bool:
+    """Bounded wait for a state an engine reaches on its own thread (no event to await)."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout_s
+    while not condition():
+        if loop.time() > deadline:
+            return False
+        await asyncio.sleep(0.01)
+    return True
+
+
+def prompt_of(engine, text: str) -> list[int]:
+    return engine.tokenize(text)
+
+
+def manifest_for(adapter, name: str, version: int) -> Manifest:
+    lora = LoraShape(adapter.r, adapter.lora_alpha, adapter.targets)
+    return Manifest(name, version, "sha256:test", lora, len(adapter.payload), adapter.sha256)
+
+
+async def test_every_sample_finishes_once_with_counts(engine):
+    prompt = prompt_of(engine, "The cat sat")
+    out = await collect(engine, group(prompt, n=4, max_new_tokens=24))
+    assert sorted(out["done"]) == [0, 1, 2, 3]
+    for i, done in out["done"].items():
+        assert done.reason in ("eos", "length", "stop")
+        assert done.prompt_tokens == len(prompt)
+        assert done.completion_tokens == len(out["tokens"][i]) == len(out["logprobs"][i])
+        assert (done.reason == "length") == (done.completion_tokens == 24 and done.reason != "eos")
+        assert out["versions"][i] == {0}
+
+
+async def test_base_logprobs_equal_a_teacher_forced_pass(engine, reference_model):
+    prompt = prompt_of(engine, "Logprobs of")
+    out = await collect(engine, group(prompt, n=3, max_new_tokens=20))
+    for i in range(3):
+        expected = forward_logprobs(reference_model, prompt, out["tokens"][i])
+        assert torch.allclose(torch.tensor(out["logprobs"][i]), expected, atol=1e-4), i
+
+
+async def test_tempered_logprobs_equal_a_teacher_forced_pass(engine, reference_model):
+    prompt = prompt_of(engine, "warm")
+    out = await collect(engine, group(prompt, n=2, max_new_tokens=12, temperature=0.7))
+    for i in range(2):
+        expected = forward_logprobs(reference_model, prompt, out["tokens"][i], temperature=0.7)
+        assert torch.allclose(torch.tensor(out["logprobs"][i]), expected, atol=1e-4)
+
+
+async def test_greedy_equals_hf_generate(engine, reference_model):
+    prompt = prompt_of(engine, "greedy")
+    out = await collect(engine, group(prompt, n=2, max_new_tokens=12, temperature=0.0, ignore_eos=True))
+    with torch.no_grad():
+        ref = reference_model.generate(torch.tensor([prompt]), max_new_tokens=12, min_new_tokens=12, do_sample=False,
+                                       pad_token_id=0)[0, len(prompt):].tolist()
+    assert out["tokens"][0] == out["tokens"][1] == ref
+    assert all(d.reason == "length" for d in out["done"].values())
+
+
+async def test_seeds_reproduce_and_samples_of_a_group_differ(engine):
+    prompt = prompt_of(engine, "seeded")
+    a = await collect(engine, group(prompt, n=3, max_new_tokens=16, seed=42, ignore_eos=True))
+    b = await collect(engine, group(prompt, n=3, max_new_tokens=16, seed=42, ignore_eos=True))
+    c = await collect(engine, group(prompt, n=3, max_new_tokens=16, seed=43, ignore_eos=True))
+    assert a["tokens"] == b["tokens"] != c["tokens"]
+    assert a["tokens"][0] != a["tokens"][1]
+
+
+async def test_stop_strings_end_samples_with_reason_stop(engine):
+    prompt = prompt_of(engine, "abc")
+    out = await collect(engine, group(prompt, n=4, max_new_tokens=60, stop=("e",)))
+    for i, done in out["done"].items():
+        if done.reason == "stop":
+            assert out["text"][i].endswith("e") and "e" not in out["text"][i][:-1]
+        else:
+            assert "e" not in out["text"][i]
+
+
+async def test_closing_the_stream_cancels_the_group(engine):
+    prompt = prompt_of(engine, "cancel me")
+    stream = engine.generate(group(prompt, n=4, max_new_tokens=200, ignore_eos=True))
+    first = await anext(stream)
+    assert first and await eventually(lambda: engine.stats().running == 1)
+    await stream.aclose()
+    assert await eventually(lambda: engine.stats().running == 0)  # the transformers worker drops rows next step
+    out = await collect(engine, group(prompt, max_new_tokens=3, ignore_eos=True))
+    assert out["done"][0].completion_tokens == 3
+    double = getattr(engine, "double", None)
+    if double is not None:  # the server stopped generating for the closed stream too
+        assert double.idle.wait(10)
+        with contextlib.suppress(AttributeError):
+            assert all(c.path != "/abort_request" or c.body["rid"] for c in double.calls)
+
+
+# Adapter tests last: the transformers engine cannot serve after its active adapter is deleted
+# (see the xfail below), and the module-scoped engine is shared.
+async def test_adapter_logprobs_equal_a_local_peft_model(engine, tiny_model):
+    adapter = make_adapter(tiny_model, seed=7, r=8)
+    await engine.load_adapter("c-load-1", manifest_for(adapter, "contract", 1), adapter.payload)
+    try:
+        reference = peft_reference(tiny_model, adapter)
+        prompt = prompt_of(engine, "adapt")
+        sel = AdapterSelection("contract", 1, "c-load-1")
+        out = await collect(engine, group(prompt, n=3, adapter=sel, max_new_tokens=16))
+        for i in range(3):
+            assert out["versions"][i] == {1}
+            expected = forward_logprobs(reference, prompt, out["tokens"][i])
+            assert torch.allclose(torch.tensor(out["logprobs"][i]), expected, atol=1e-4)
+        greedy = await collect(engine, group(prompt, adapter=sel, max_new_tokens=16, temperature=0.0, ignore_eos=True))
+        base = await collect(engine, group(prompt, max_new_tokens=16, temperature=0.0, ignore_eos=True))
+        assert greedy["tokens"][0] != base["tokens"][0]  # the adapter really changes the policy
+    finally:
+        await engine.unload_adapter("c-load-1")
+
+
+async def test_unload_then_load_a_new_version(engine, tiny_model):
+    if engine.name == "transformers":
+        pytest.xfail("transformers engine bug: deleting PEFT's active adapter leaves it active, so the next forward "
+                     "raises KeyError (transformers_engine.py, _apply_ops); reported, not this engine's module")
+    a1, a2 = make_adapter(tiny_model, seed=11, r=4), make_adapter(tiny_model, seed=12, r=4)
+    await engine.load_adapter("c-uv-1", manifest_for(a1, "cycle", 1), a1.payload)
+    await engine.unload_adapter("c-uv-1")
+    await engine.load_adapter("c-uv-2", manifest_for(a2, "cycle", 2), a2.payload)
+    try:
+        prompt = prompt_of(engine, "again")
+        out = await collect(engine, group(prompt, adapter=AdapterSelection("cycle", 2, "c-uv-2"), max_new_tokens=8))
+        assert out["versions"][0] == {2}
+        expected = forward_logprobs(peft_reference(tiny_model, a2), prompt, out["tokens"][0])
+        assert torch.allclose(torch.tensor(out["logprobs"][0]), expected, atol=1e-4)
+    finally:
+        await engine.unload_adapter("c-uv-2")
