@@ -252,6 +252,9 @@ class TransformersEngine:
             self._peft = get_peft_model(self.model, config, adapter_name=handle)
         else:
             self._peft.add_adapter(handle, config)
+            # PEFT keeps a deleted adapter "active" once the last one is gone, and its
+            # forward looks the active one up even with adapter_names: point it at a live one.
+            self._peft.set_adapter(handle)
         result = set_peft_model_state_dict(self._peft, tensors, adapter_name=handle)
         unexpected = getattr(result, "unexpected_keys", [])
         if unexpected:
@@ -259,14 +262,11 @@ class TransformersEngine:
             raise InvalidArgument(f"adapter has tensors the model does not: {unexpected[:3]}")
         self._peft.eval()
 
-    @property
-    def _forward_model(self):
-        return self._peft if self._peft is not None else self.model
-
     def _forward(self, rows: list[_Row], **inputs) -> torch.Tensor:
-        if self._peft is not None:
-            inputs["adapter_names"] = [r.adapter for r in rows]
-        out = self._forward_model(**inputs, use_cache=True)
+        model = self.model  # LoRA layers without a loaded adapter compute the base model
+        if self._peft is not None and self._peft.peft_config:
+            model, inputs["adapter_names"] = self._peft, [r.adapter for r in rows]
+        out = model(**inputs, use_cache=True)
         self.on_forward(len(rows))
         return out
 
