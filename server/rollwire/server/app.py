@@ -108,9 +108,19 @@ async def start_generator(config: GeneratorConfig) -> RunningGenerator:
     return RunningGenerator(server, servicer, health_servicer, port, metrics_port, metrics_server, probe_server)
 
 
-async def run_generator(config: GeneratorConfig, ready_file: str | None = None) -> None:
-    """Serve until SIGINT/SIGTERM, then stop taking work and let in-flight requests finish."""
+async def run_generator(config: GeneratorConfig, ready_file: str | None = None, registration=None) -> None:
+    """Serve until SIGINT/SIGTERM, then stop taking work and let in-flight requests finish.
+
+    With a `registration` (rollwire.server.proxy.registration.Registration) the replica joins
+    that proxy with heartbeats, and on shutdown has the proxy drain it before it stops.
+    """
     running = await start_generator(config)
+    heartbeat = None
+    if registration is not None:
+        from rollwire.server.proxy.registration import Heartbeat
+
+        heartbeat = Heartbeat(registration, registration.address or f"{config.host}:{running.port}")
+        heartbeat.start()
     if ready_file:
         write_ready_file(ready_file, {"port": running.port, "metrics_port": running.metrics_port, "pid": os.getpid()})
     stop = asyncio.Event()
@@ -119,6 +129,8 @@ async def run_generator(config: GeneratorConfig, ready_file: str | None = None) 
         loop.add_signal_handler(sig, stop.set)
     await stop.wait()
     log.info("generator_stopping", grace_seconds=config.grace_seconds)
+    if heartbeat is not None:
+        await heartbeat.leave(config.grace_seconds)
     await running.stop(config.grace_seconds)
 
 

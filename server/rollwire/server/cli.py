@@ -1,4 +1,4 @@
-"""`rollwire generator` (and later `rollwire proxy`): argument parsing only, imports stay light."""
+"""`rollwire generator` and `rollwire proxy`: argument parsing only, imports stay light."""
 
 from __future__ import annotations
 
@@ -23,7 +23,15 @@ def register(subparsers) -> None:
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a config key, e.g. limits.max_n=16")
     p.add_argument("--ready-file", help="write {port, metrics_port, pid} as JSON here once serving")
     p.add_argument("--dry-run", action="store_true", help="print the resolved config and exit")
+    p.add_argument("--register", metavar="PROXY_ADDR", help="join this routing proxy by itself, with heartbeats (default: off)")
+    p.add_argument("--register-ttl", type=int, default=15, metavar="SECONDS",
+                   help="the proxy forgets this replica this long after its last heartbeat (default 15)")
+    p.add_argument("--advertise", metavar="HOST:PORT", help="address the proxy dials to reach this replica (default host:port)")
     p.set_defaults(func=run_generator_command)
+
+    from rollwire.server.proxy.cli import add_proxy_command
+
+    add_proxy_command(subparsers)
 
 
 def run_generator_command(args: argparse.Namespace) -> int:
@@ -54,5 +62,14 @@ def run_generator_command(args: argparse.Namespace) -> int:
     from rollwire.server.app import run_generator
 
     setup_logging("generator", config.log_level)
-    asyncio.run(run_generator(config, args.ready_file))
+    asyncio.run(run_generator(config, args.ready_file, _registration(args)))
     return 0
+
+
+def _registration(args: argparse.Namespace):
+    """The proxy membership asked for with --register, or None."""
+    if not args.register:
+        return None
+    from rollwire.server.proxy.registration import Registration
+
+    return Registration(proxy=args.register, address=args.advertise or "", ttl_s=max(3, args.register_ttl))
