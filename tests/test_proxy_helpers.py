@@ -98,7 +98,7 @@ class GroupResult:
 
 
 def run_group(stub: generator_pb2_grpc.GeneratorServiceStub, req: pb.GenerateRequest, timeout: float = 30,
-              on_event: Callable[[pb.GenerateResponse], None] | None = None) -> GroupResult:
+              on_event: Callable[[pb.GenerateResponse], None] | None = None, metadata=()) -> GroupResult:
     """Read one Generate stream, asserting the protocol: `started` first and again after
     every `restarted` (which discards what came before); each sample finished exactly once."""
     sent_at = time.monotonic()
@@ -106,7 +106,7 @@ def run_group(stub: generator_pb2_grpc.GeneratorServiceStub, req: pb.GenerateReq
     tokens: dict[int, list[int]] = {}
     finished: dict[int, pb.SampleFinished] = {}
     versions: set[int] = set()
-    for msg in stub.Generate(req, timeout=timeout):
+    for msg in stub.Generate(req, timeout=timeout, metadata=metadata):
         kind = msg.WhichOneof("event")
         if on_event:
             on_event(msg)

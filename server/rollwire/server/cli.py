@@ -27,6 +27,8 @@ def register(subparsers) -> None:
     p.add_argument("--register-ttl", type=int, default=15, metavar="SECONDS",
                    help="the proxy forgets this replica this long after its last heartbeat (default 15)")
     p.add_argument("--advertise", metavar="HOST:PORT", help="address the proxy dials to reach this replica (default host:port)")
+    p.add_argument("--register-token-file", metavar="FILE", help="admin-role bearer token for a proxy that requires tokens")
+    p.add_argument("--register-tls-ca", metavar="PEM", help="roots of the proxy's certificate, for a proxy that listens with TLS")
     p.set_defaults(func=run_generator_command)
 
     from rollwire.server.proxy.cli import add_proxy_command
@@ -70,6 +72,14 @@ def _registration(args: argparse.Namespace):
     """The proxy membership asked for with --register, or None."""
     if not args.register:
         return None
-    from rollwire.server.proxy.registration import Registration
+    from pathlib import Path
 
-    return Registration(proxy=args.register, address=args.advertise or "", ttl_s=max(3, args.register_ttl))
+    from rollwire.server.proxy.registration import Registration
+    from rollwire.server.security import read_tokens
+
+    token = sorted(read_tokens(args.register_token_file))[0] if args.register_token_file else ""
+    try:
+        ca = Path(args.register_tls_ca).read_bytes() if args.register_tls_ca else None
+    except OSError as exc:
+        raise SystemExit(f"cannot read --register-tls-ca {args.register_tls_ca}: {exc.strerror}") from None
+    return Registration(args.register, args.advertise or "", max(3, args.register_ttl), token, ca)

@@ -1,7 +1,8 @@
 """Assembling and running the routing proxy: replica set, dispatcher, gRPC server, metrics.
 
 Invariants: the proxy serves GeneratorService, AdminService, gRPC health and reflection on
-one port; health for GeneratorService is SERVING exactly while some replica is routable;
+one port, with the same bearer-token roles and TLS as a generator (security.py); health for
+GeneratorService is SERVING exactly while some replica is routable;
 on SIGTERM it stops taking requests, lets in-flight groups finish for `grace_seconds`,
 then closes its replica connections.
 """
@@ -32,6 +33,8 @@ from rollwire.server.proxy.policies import make_policy
 from rollwire.server.proxy.replicas import SERVICE, ReplicaSet
 from rollwire.server.proxy.servicer import ProxyServicer
 from rollwire.server.proxy.spool import Spool
+from rollwire.server.proxy.upstream import Upstream
+from rollwire.server.security import add_port, interceptors, start_health_port
 from rollwire.v1 import admin_pb2, admin_pb2_grpc, generator_pb2_grpc
 
 log = get_logger(__name__)
@@ -56,11 +59,14 @@ class RunningProxy:
     metrics_server: object
     spool_dir: Path
     owns_spool: bool
+    probe_server: grpc.aio.Server | None = None
     tasks: list[asyncio.Task] = field(default_factory=list)
 
     async def stop(self, grace: float) -> None:
         await self.health.enter_graceful_shutdown()
         await self.server.stop(grace)
+        if self.probe_server:
+            await self.probe_server.stop(0)
         for task in self.tasks:
             task.cancel()
         await self.replicas.close()
@@ -88,13 +94,13 @@ async def start_proxy(config: ProxyConfig) -> RunningProxy:
         if dispatcher is not None:
             dispatcher.wake()
 
-    replicas = ReplicaSet(config, spool, metrics, on_change)
+    replicas = ReplicaSet(config, spool, metrics, on_change, Upstream.from_config(config.upstream))
     policy = make_policy(
         config.policy, affinity_load_factor=routing.affinity_load_factor, affinity_min_gap=routing.affinity_min_gap
     )
     dispatcher = Dispatcher(replicas, policy, routing, metrics)
-    server = grpc.aio.server(options=SERVER_OPTIONS)
-    port = server.add_insecure_port(f"{config.host}:{config.port}")
+    server = grpc.aio.server(options=SERVER_OPTIONS, interceptors=interceptors(config.auth))
+    port = add_port(server, f"{config.host}:{config.port}", config.tls)
     if port == 0:
         raise SystemExit(f"cannot listen on {config.host}:{config.port}; is the port in use?")
     proxy_id = config.proxy_id or f"proxy@{config.host}:{port}"
@@ -107,10 +113,11 @@ async def start_proxy(config: ProxyConfig) -> RunningProxy:
     await server.start()
     await health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)
     await health_servicer.set(SERVICE, health_pb2.HealthCheckResponse.NOT_SERVING)
+    probe_server = await start_health_port(health_servicer, config.host, config.tls)
     for address in config.generators:
         replicas.add(address, "static")
     running = RunningProxy(server, servicer, replicas, health_servicer, port, metrics_server.server_port, metrics_server,
-                           spool_dir, owns_spool)
+                           spool_dir, owns_spool, probe_server)
     if config.discover:
         discovery = DnsDiscovery(config.discover, config.discover_interval_s, lambda found: replicas.reconcile("dns", found))
         running.tasks.append(asyncio.create_task(discovery.run()))

@@ -8,6 +8,8 @@ from typing import Literal
 from pydantic import Field, field_validator
 
 from rollwire.common.config import Section
+from rollwire.server.proxy.upstream import UpstreamSection
+from rollwire.server.security import AuthSection, TlsSection
 
 MiB = 1 << 20
 ADDRESS_RE = re.compile(r"^(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9_.-]+):[0-9]{1,5}$")
@@ -96,6 +98,9 @@ class ProxyConfig(Section):
     routing: RoutingSection = Field(default_factory=RoutingSection)
     health: HealthSection = Field(default_factory=HealthSection)
     spool: SpoolSection = Field(default_factory=SpoolSection)
+    auth: AuthSection = Field(default_factory=AuthSection)
+    tls: TlsSection = Field(default_factory=TlsSection)
+    upstream: UpstreamSection = Field(default_factory=UpstreamSection)
 
     @field_validator("generators")
     @classmethod

@@ -124,7 +124,9 @@ class GroupRun:
     async def _attempt(self, lease: Lease) -> AsyncIterator[pb.GenerateResponse]:
         replica = lease.replica
         call = replica.generator.Generate(
-            self.request, timeout=max(0.001, self.deadline - time.monotonic()), metadata=((REQUEST_ID_KEY, self.request_id),)
+            self.request,
+            timeout=max(0.001, self.deadline - time.monotonic()),
+            metadata=((REQUEST_ID_KEY, self.request_id), *replica.metadata),
         )
         attempt = Attempt(call)
         replica.attempts.add(attempt)

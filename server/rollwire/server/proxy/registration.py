@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import grpc
 
@@ -31,12 +31,20 @@ class Registration:
     """HOST:PORT the proxy dials to reach this replica; empty = the bind address and port."""
     ttl_s: int = 15
     """The registration lapses this long after the last heartbeat."""
+    token: str = field(default="", repr=False)
+    """Bearer token with the admin role, when the proxy requires tokens."""
+    tls_ca: bytes | None = None
+    """PEM roots of the proxy's certificate, when the proxy listens with TLS."""
 
 
 class Heartbeat:
     def __init__(self, registration: Registration, address: str) -> None:
         self.registration, self.address = registration, address
-        self.channel = grpc.aio.insecure_channel(registration.proxy)
+        if registration.tls_ca is None:
+            self.channel = grpc.aio.insecure_channel(registration.proxy)
+        else:
+            self.channel = grpc.aio.secure_channel(registration.proxy, grpc.ssl_channel_credentials(registration.tls_ca))
+        self.metadata = (("authorization", f"Bearer {registration.token}"),) if registration.token else ()
         self.admin = admin_pb2_grpc.AdminServiceStub(self.channel)
         self._stop = asyncio.Event()
         self._task: asyncio.Task | None = None
@@ -49,7 +57,7 @@ class Heartbeat:
         request = apb.RegisterGeneratorRequest(address=self.address, ttl_seconds=self.registration.ttl_s)
         while not self._stop.is_set():
             try:
-                await self.admin.RegisterGenerator(request, timeout=interval)
+                await self.admin.RegisterGenerator(request, timeout=interval, metadata=self.metadata)
                 if not registered:
                     log.info("registered_with_proxy", proxy=self.registration.proxy, address=self.address)
                 registered = True
@@ -66,7 +74,9 @@ class Heartbeat:
             await self._task
         try:
             await self.admin.DrainGenerator(
-                apb.DrainGeneratorRequest(address=self.address, deregister=True), timeout=max(1.0, timeout_s)
+                apb.DrainGeneratorRequest(address=self.address, deregister=True),
+                timeout=max(1.0, timeout_s),
+                metadata=self.metadata,
             )
             log.info("left_proxy", proxy=self.registration.proxy)
         except grpc.aio.AioRpcError as exc:

@@ -22,17 +22,9 @@ from rollwire.common.logs import REQUEST_ID_KEY
 from rollwire.server.proxy.breaker import Breaker
 from rollwire.server.proxy.policies import Candidate
 from rollwire.server.proxy.spool import MAX_CHUNK, SpooledAdapter
+from rollwire.server.proxy.upstream import Upstream
 from rollwire.v1 import generator_pb2 as pb
 from rollwire.v1 import generator_pb2_grpc
-
-CHANNEL_OPTIONS = [
-    # a replica that restarts at the same address must be found again within a health interval
-    ("grpc.initial_reconnect_backoff_ms", 200),
-    ("grpc.min_reconnect_backoff_ms", 200),
-    ("grpc.max_reconnect_backoff_ms", 2000),
-    ("grpc.max_receive_message_length", 8 << 20),
-    ("grpc.max_send_message_length", 8 << 20),
-]
 
 
 @dataclass
@@ -66,9 +58,11 @@ class Attempt:
 
 
 class Replica:
-    def __init__(self, address: str, source: str, breaker: Breaker, expires_at: float | None = None) -> None:
+    def __init__(self, address: str, source: str, breaker: Breaker, upstream: Upstream, expires_at: float | None = None) -> None:
         self.address, self.source, self.breaker, self.expires_at = address, source, breaker, expires_at
-        self.channel = grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
+        self.channel = upstream.channel(address)
+        self.metadata = upstream.metadata
+        """Sent on every call to the replica: the proxy's own bearer token, if any."""
         self.generator = generator_pb2_grpc.GeneratorServiceStub(self.channel)
         self.health = health_pb2_grpc.HealthStub(self.channel)
         self.identity = self.fingerprint = self.engine = ""
@@ -139,9 +133,9 @@ class Replica:
     async def push(self, adapter: SpooledAdapter, payload: bytes, timeout: float, request_id: str) -> PushResult:
         """Upload one spooled version; the caller holds `push_lock`."""
         try:
-            reply = await self.generator.PushAdapter(
-                _push_messages(adapter.manifest, payload), timeout=timeout, metadata=((REQUEST_ID_KEY, request_id),)
-            )
+            metadata = ((REQUEST_ID_KEY, request_id), *self.metadata)
+            messages = _push_messages(adapter.manifest, payload)
+            reply = await self.generator.PushAdapter(messages, timeout=timeout, metadata=metadata)
         except grpc.aio.AioRpcError as exc:
             err = from_rpc_error(exc)
             return PushResult(self, exc.code(), err.message, err.reason, error=exc)

@@ -30,6 +30,7 @@ from rollwire.server.proxy.config import ProxyConfig
 from rollwire.server.proxy.metrics import ProxyMetrics
 from rollwire.server.proxy.replica import Replica
 from rollwire.server.proxy.spool import Spool
+from rollwire.server.proxy.upstream import Upstream
 from rollwire.v1 import generator_pb2 as pb
 
 log = get_logger(__name__)
@@ -39,8 +40,10 @@ ALREADY_AHEAD = {"VERSION_NOT_MONOTONIC", "VERSION_CONFLICT"}
 
 
 class ReplicaSet:
-    def __init__(self, config: ProxyConfig, spool: Spool, metrics: ProxyMetrics, on_change: Callable[[], None]) -> None:
+    def __init__(self, config: ProxyConfig, spool: Spool, metrics: ProxyMetrics, on_change: Callable[[], None],
+                 upstream: Upstream | None = None) -> None:
         self.config, self.spool, self.metrics, self.on_change = config, spool, metrics, on_change
+        self.upstream = upstream or Upstream()
         self.members: dict[str, Replica] = {}
         self._background: set[asyncio.Task] = set()
         self.fingerprint = ""  # the base model every member must serve, set by the first to sync
@@ -55,7 +58,8 @@ class ReplicaSet:
                 replica.expires_at = expires
             return replica, False
         hc = self.config.health
-        replica = Replica(address, source, Breaker(hc.eject_after_failures, hc.eject_s, hc.eject_max_s), expires)
+        breaker = Breaker(hc.eject_after_failures, hc.eject_s, hc.eject_max_s)
+        replica = Replica(address, source, breaker, self.upstream, expires)
         self.members[address] = replica
         replica.tasks = [asyncio.create_task(self._monitor(replica)), asyncio.create_task(self._watch_channel(replica))]
         self.metrics.replicas.set(len(self.members))
@@ -180,7 +184,7 @@ class ReplicaSet:
         its in-flight groups finish; one that does not answer at all is hung or gone."""
         try:
             reply = await replica.health.Check(
-                health_pb2.HealthCheckRequest(service=SERVICE), timeout=self.config.health.timeout_s
+                health_pb2.HealthCheckRequest(service=SERVICE), timeout=self.config.health.timeout_s, metadata=replica.metadata
             )
         except grpc.aio.AioRpcError as exc:
             return False, False, f"health check failed with {exc.code().name}: {exc.details()}"
@@ -204,7 +208,9 @@ class ReplicaSet:
         """Refresh what the replica holds, push what it lacks; routable once it holds it all."""
         async with replica.push_lock:
             try:
-                status = await replica.generator.GetStatus(pb.GetStatusRequest(), timeout=self.config.health.timeout_s)
+                status = await replica.generator.GetStatus(
+                    pb.GetStatusRequest(), timeout=self.config.health.timeout_s, metadata=replica.metadata
+                )
             except grpc.aio.AioRpcError as exc:
                 replica.detail = f"GetStatus failed with {exc.code().name}: {exc.details()}"
                 return
