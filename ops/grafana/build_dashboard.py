@@ -1,0 +1,123 @@
+"""Writes ops/grafana/dashboards/rollwire.json, the provisioning-ready rollwire dashboard.
+
+The panels are listed once, here; the JSON is generated from them and committed. Every
+query names only metrics the services export (docs/metrics.md), and each one returns a
+series on a running stack — tests/test_dashboard.py checks both against a real Prometheus.
+Queries on counters that may not have moved yet end in `or vector(0)`.
+
+Run: .venv/bin/python ops/grafana/build_dashboard.py
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+OUT = Path(__file__).resolve().parent / "dashboards" / "rollwire.json"
+W = "$__rate_interval"
+
+
+def q(p: float, metric: str, by: str = "le") -> str:
+    return f"histogram_quantile({p}, sum by ({by}) (rate({metric}_bucket[{W}])))"
+
+
+# (row, title, unit, [(expr, legend)])
+PANELS = [
+    ("Overview", "Groups per second (through the proxy)", "reqps",
+     [(f'sum(rate(rollwire_proxy_requests_total{{code="OK"}}[{W}])) or vector(0)', "groups/s")]),
+    ("Overview", "Tokens per second (all generators)", "short",
+     [(f'sum(rate(rollwire_generator_tokens_total{{kind="completion"}}[{W}]))', "completion tokens/s"),
+      (f'sum(rate(rollwire_generator_tokens_total{{kind="prompt"}}[{W}]))', "prompt tokens/s")]),
+    ("Overview", "Requests by status code", "reqps",
+     [(f"sum by (code) (rate(rollwire_proxy_requests_total[{W}]))", "proxy {{code}}"),
+      (f"sum by (code) (rate(rollwire_generator_requests_total[{W}]))", "generators {{code}}")]),
+    ("Proxy", "Request latency (p50, p99)", "s",
+     [(q(0.5, "rollwire_proxy_request_duration_seconds"), "p50"),
+      (q(0.99, "rollwire_proxy_request_duration_seconds"), "p99")]),
+    ("Proxy", "Queue depth and wait", "short",
+     [("rollwire_proxy_queue_depth", "queued groups"),
+      (q(0.99, "rollwire_proxy_queue_wait_seconds"), "p99 wait (s)")]),
+    ("Proxy", "In flight per replica", "short",
+     [("sum by (replica) (rollwire_proxy_in_flight_requests)", "{{replica}}")]),
+    ("Proxy", "Replica health (1 = healthy, routable)", "short",
+     [("rollwire_proxy_replica_healthy", "healthy {{replica}}"),
+      ("rollwire_proxy_replica_routable", "routable {{replica}}")]),
+    ("Proxy", "Adapter version per replica", "none",
+     [("max by (replica, adapter) (rollwire_proxy_replica_adapter_version)", "{{replica}} {{adapter}}")]),
+    ("Proxy", "Push fan-out latency (p50, p90)", "s",
+     [(q(0.5, "rollwire_proxy_push_fanout_duration_seconds"), "p50"),
+      (q(0.9, "rollwire_proxy_push_fanout_duration_seconds"), "p90")]),
+    ("Proxy", "Retries, restarts, ejections, refusals", "short",
+     [(f"sum(rate(rollwire_proxy_retries_total[{W}])) or vector(0)", "retries/s"),
+      (f"sum(rate(rollwire_proxy_restarts_total[{W}])) or vector(0)", "restarts/s"),
+      (f"sum(increase(rollwire_proxy_ejections_total[{W}])) or vector(0)", "ejections"),
+      (f"sum(rate(rollwire_proxy_refused_total[{W}])) or vector(0)", "refused/s")]),
+    ("Generators", "Time to first token (p50, p99)", "s",
+     [(q(0.5, "rollwire_generator_time_to_first_token_seconds"), "p50"),
+      (q(0.99, "rollwire_generator_time_to_first_token_seconds"), "p99")]),
+    ("Generators", "Request latency (p50, p99)", "s",
+     [(q(0.5, "rollwire_generator_request_duration_seconds"), "p50"),
+      (q(0.99, "rollwire_generator_request_duration_seconds"), "p99")]),
+    ("Generators", "Queue depth and in flight per replica", "short",
+     [("sum by (replica) (rollwire_generator_queue_depth)", "queued {{replica}}"),
+      ("sum by (replica) (rollwire_generator_in_flight_requests)", "in flight {{replica}}")]),
+    ("Generators", "Sequences per forward pass", "short",
+     [(f"sum(rate(rollwire_generator_batch_rows_sum[{W}])) / sum(rate(rollwire_generator_batch_rows_count[{W}]))",
+       "mean batch rows")]),
+    ("Generators", "Adapter version per replica", "none",
+     [("max by (replica, adapter) (rollwire_generator_adapter_version)", "{{replica}} {{adapter}}")]),
+    ("Generators", "Adapter push latency (p50, p90)", "s",
+     [(q(0.5, "rollwire_generator_adapter_push_duration_seconds"), "p50"),
+      (q(0.9, "rollwire_generator_adapter_push_duration_seconds"), "p90")]),
+]
+
+
+def panel(i: int, title: str, unit: str, targets: list[tuple[str, str]], x: int, y: int) -> dict:
+    return {
+        "id": i,
+        "type": "timeseries",
+        "title": title,
+        "datasource": {"type": "prometheus", "uid": "rollwire-prometheus"},
+        "gridPos": {"h": 8, "w": 8, "x": x, "y": y},
+        "fieldConfig": {"defaults": {"unit": unit}, "overrides": []},
+        "options": {"legend": {"displayMode": "list", "placement": "bottom"}},
+        "targets": [
+            {"refId": chr(ord("A") + k), "expr": expr, "legendFormat": legend, "datasource": {"uid": "rollwire-prometheus"}}
+            for k, (expr, legend) in enumerate(targets)
+        ],
+    }
+
+
+def build() -> dict:
+    panels, y, col, row, pid = [], 0, 0, None, 1
+    for row_title, title, unit, targets in PANELS:
+        if row_title != row:
+            row, y, col = row_title, y + (8 if col else 0), 0
+            panels.append({"id": pid, "type": "row", "title": row, "collapsed": False, "gridPos": {"h": 1, "w": 24, "x": 0, "y": y}})
+            pid, y = pid + 1, y + 1
+        elif col == 3:
+            y, col = y + 8, 0
+        panels.append(panel(pid, title, unit, targets, col * 8, y))
+        pid, col = pid + 1, col + 1
+    return {
+        "uid": "rollwire",
+        "title": "rollwire",
+        "tags": ["rollwire", "grpo"],
+        "timezone": "utc",
+        "schemaVersion": 39,
+        "version": 1,
+        "refresh": "10s",
+        "time": {"from": "now-30m", "to": "now"},
+        "templating": {"list": []},
+        "panels": panels,
+    }
+
+
+def main() -> None:
+    OUT.parent.mkdir(parents=True, exist_ok=True)
+    OUT.write_text(json.dumps(build(), indent=2) + "\n")
+    print(f"wrote {OUT}")
+
+
+if __name__ == "__main__":
+    main()
