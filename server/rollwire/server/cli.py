@@ -64,14 +64,16 @@ def run_generator_command(args: argparse.Namespace) -> int:
     from rollwire.server.app import run_generator
 
     setup_logging("generator", config.log_level)
-    asyncio.run(run_generator(config, args.ready_file, _registration(args)))
+    asyncio.run(run_generator(config, args.ready_file, _registration(args, config.host)))
     return 0
 
 
-def _registration(args: argparse.Namespace):
+def _registration(args: argparse.Namespace, host: str):
     """The proxy membership asked for with --register, or None."""
     if not args.register:
         return None
+    if host in ("0.0.0.0", "::", "") and not args.advertise:
+        raise SystemExit(f"--register: the proxy cannot dial {host!r}; give --advertise HOST:PORT, the address it can reach")
     from pathlib import Path
 
     from rollwire.server.proxy.registration import Registration
