@@ -50,11 +50,18 @@ def build_tokenizer():
 
 def build_tiny_model(out_dir: str | Path, spec: TinyModelSpec = TinyModelSpec()) -> Path:
     """Write an untrained tiny Llama and its tokenizer to `out_dir`; returns the path."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    model, tokenizer = new_tiny_model(spec)
+    save_model(model.eval(), tokenizer, out)
+    return out
+
+
+def new_tiny_model(spec: TinyModelSpec = TinyModelSpec()):
+    """An untrained tiny Llama (initialised from `spec.seed`) and its tokenizer, in memory."""
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
     tokenizer = build_tokenizer()
     config = LlamaConfig(
         vocab_size=len(tokenizer),
@@ -70,9 +77,7 @@ def build_tiny_model(out_dir: str | Path, spec: TinyModelSpec = TinyModelSpec())
         tie_word_embeddings=False,
     )
     torch.manual_seed(spec.seed)
-    model = LlamaForCausalLM(config).eval()
-    save_model(model, tokenizer, out)
-    return out
+    return LlamaForCausalLM(config), tokenizer
 
 
 def save_model(model, tokenizer, out: Path) -> None:

@@ -1,0 +1,202 @@
+"""Scored groups between the producer and the trainer, and the ledger that accounts for them.
+
+Invariants:
+- the buffer never lets a sample staler than `max_staleness` reach the loss: staleness is
+  (version being trained) - (oldest adapter version among the group's tokens), checked
+  when the batch is taken, against the version the batch will be trained at;
+- every requested group ends exactly once: trained, or dropped with a reason (stale,
+  zero_variance, refused, unavailable, reward_error, ...). The ledger checks
+  requested == in_flight + buffered + trained + dropped after every change.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections import Counter, deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+from rollwire.learner.task import Example
+
+
+@dataclass
+class ScoredSample:
+    """One completion with what the loss needs; token lists are parallel."""
+
+    token_ids: list[int]
+    logprobs: list[float]
+    """Behaviour logprobs, as the generator sampled them."""
+    token_versions: list[int]
+    """Adapter version that produced each token."""
+    text: str
+    finish_reason: str
+    reward: float
+    correct: bool
+
+
+@dataclass
+class ScoredGroup:
+    """A complete, scored GRPO group."""
+
+    example: Example
+    prompt_ids: list[int]
+    samples: list[ScoredSample]
+    adapter_version: int
+    """Version the request was served with ("latest" resolved); used when a sample has no tokens."""
+    replica: str = ""
+    created_at: float = field(default_factory=time.monotonic)
+
+    @property
+    def min_version(self) -> int:
+        versions = [v for s in self.samples for v in s.token_versions]
+        return min(versions) if versions else self.adapter_version
+
+    @property
+    def rewards(self) -> list[float]:
+        return [s.reward for s in self.samples]
+
+    @property
+    def zero_variance(self) -> bool:
+        rewards = self.rewards
+        return max(rewards) - min(rewards) < 1e-12
+
+
+def staleness(group: ScoredGroup, version: int) -> int:
+    """How many versions behind `version` the group's oldest token is."""
+    return version - group.min_version
+
+
+def split_stale(
+    groups: Sequence[ScoredGroup], version: int, max_staleness: int
+) -> tuple[list[ScoredGroup], list[ScoredGroup]]:
+    """(fresh, stale) for training at `version`; order is kept."""
+    fresh = [g for g in groups if staleness(g, version) <= max_staleness]
+    stale = [g for g in groups if staleness(g, version) > max_staleness]
+    return fresh, stale
+
+
+class Signal:
+    """Wakes every waiter when shared state changes; waiters re-check their own predicate."""
+
+    def __init__(self) -> None:
+        self._event = asyncio.Event()
+
+    def notify(self) -> None:
+        event, self._event = self._event, asyncio.Event()
+        event.set()
+
+    async def wait_for(self, predicate: Callable[[], bool]) -> None:
+        while not predicate():
+            await self._event.wait()
+
+
+class LedgerError(AssertionError):
+    """The group accounting no longer adds up: a rollout was lost or counted twice."""
+
+
+class GroupLedger:
+    """Counts every group from its request to its end; observers mirror it into metrics."""
+
+    def __init__(self) -> None:
+        self.requested = 0
+        self.in_flight = 0
+        self.buffered = 0
+        self.trained = 0
+        self.dropped: Counter[str] = Counter()
+        self.observers: list[Callable[[str, str, int], None]] = []
+        self.changed = Signal()
+
+    def request(self) -> None:
+        self.requested += 1
+        self.in_flight += 1
+        self._emit("requested", "", 1)
+
+    def generated(self) -> None:
+        """A request ended (with groups or an error); what became of it is counted next."""
+        self.in_flight -= 1
+        self.changed.notify()
+
+    def drop(self, reason: str, count: int = 1, *, from_buffer: bool = False) -> None:
+        if from_buffer:
+            self.buffered -= count
+        self.dropped[reason] += count
+        self._emit("dropped", reason, count)
+
+    def train(self, count: int) -> None:
+        """Groups taken from the buffer into an optimiser step."""
+        self.buffered -= count
+        self.trained += count
+        self._emit("trained", "", count)
+
+    @property
+    def pending(self) -> int:
+        """Groups requested and not yet trained or dropped."""
+        return self.in_flight + self.buffered
+
+    def check(self, *, idle: bool = False) -> None:
+        """Raise LedgerError unless every group is accounted for (and, when `idle`, none is pending)."""
+        total = self.in_flight + self.buffered + self.trained + sum(self.dropped.values())
+        if total != self.requested or min(self.in_flight, self.buffered) < 0 or (idle and self.pending):
+            raise LedgerError(
+                f"group ledger does not add up: requested {self.requested} != in_flight {self.in_flight} + "
+                f"buffered {self.buffered} + trained {self.trained} + dropped {dict(self.dropped)}"
+            )
+
+    def snapshot(self) -> dict:
+        return {"requested": self.requested, "in_flight": self.in_flight, "buffered": self.buffered,
+                "trained": self.trained, "dropped": dict(self.dropped)}
+
+    def _emit(self, event: str, reason: str, count: int) -> None:
+        for observer in self.observers:
+            observer(event, reason, count)
+        self.changed.notify()
+
+
+class Buffer:
+    """FIFO of scored groups; `take` returns only groups fresh enough for the version trained."""
+
+    def __init__(self, max_staleness: int, keep_zero_variance: bool, ledger: GroupLedger) -> None:
+        self.max_staleness = max_staleness
+        self.keep_zero_variance = keep_zero_variance
+        self.ledger = ledger
+        self.next_train_version = 0
+        """The earliest version the next batch can be trained at; set as a batch is taken."""
+        self._groups: deque[ScoredGroup] = deque()
+
+    def __len__(self) -> int:
+        return len(self._groups)
+
+    def put(self, group: ScoredGroup) -> bool:
+        """Add a scored group (its request already ended); False when dropped as zero-variance."""
+        if group.zero_variance and not self.keep_zero_variance:
+            self.ledger.drop("zero_variance")
+            return False
+        self._groups.append(group)
+        self.ledger.buffered += 1
+        self.ledger.changed.notify()
+        return True
+
+    def prune(self, version: int) -> list[ScoredGroup]:
+        """Drop (and count) every group too stale to train at `version`."""
+        fresh, stale = split_stale(self._groups, version, self.max_staleness)
+        if stale:
+            self._groups = deque(fresh)
+            self.ledger.drop("stale", len(stale), from_buffer=True)
+        return stale
+
+    async def take(self, count: int, version: int) -> list[ScoredGroup]:
+        """The `count` oldest groups fresh enough for `version`; waits until there are enough."""
+        await self.ledger.changed.wait_for(lambda: self.prune(version) is not None and len(self._groups) >= count)
+        batch = [self._groups.popleft() for _ in range(count)]
+        self.next_train_version = version + 1  # before anyone wakes: the producer's admission reads it
+        self.ledger.train(count)
+        return batch
+
+    def drain(self, reason: str) -> int:
+        """Drop everything left (at shutdown), counted under `reason`."""
+        count = len(self._groups)
+        self._groups.clear()
+        if count:
+            self.ledger.drop(reason, count, from_buffer=True)
+        return count

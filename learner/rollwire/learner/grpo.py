@@ -1,0 +1,104 @@
+"""The pure GRPO arithmetic: group-relative advantages and the clipped, truncated surrogate.
+
+No model, no I/O: tensors in, tensors out, so every formula is unit-tested by hand.
+
+- Advantage of sample i in a group: A_i = r_i - mean(r), divided by (std(r) + eps) when
+  `normalize_std` (population std, ddof 0). A group whose rewards are all equal has A = 0.
+- Per completion token t, with the behaviour logprob mu_t reported by the generator that
+  sampled it: rho_t = exp(logp_t - mu_t). The surrogate is PPO's
+  min(rho A, clip(rho, 1 - clip_low, 1 + clip_high) A); for A < 0 it is also bounded below
+  by ratio_cap * A (dual clip), which truncates the importance weight, so a token the policy
+  has moved far towards since it was sampled cannot dominate the step.
+- Optional KL to the reference (base) policy, per token, k3 estimator:
+  exp(ref - logp) - (ref - logp) - 1 (non-negative, unbiased under the current policy).
+- Aggregation is per token: the sum over every completion token of the batch divided by
+  the batch's token count (`normaliser`), so micro-batches accumulate to the full-batch loss.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+def group_advantages(rewards: torch.Tensor, normalize_std: bool = True, eps: float = 1e-6) -> torch.Tensor:
+    """[groups, n] rewards -> [groups, n] advantages, centred per group."""
+    rewards = rewards.float()
+    centred = rewards - rewards.mean(dim=1, keepdim=True)
+    if not normalize_std:
+        return centred
+    return centred / (rewards.std(dim=1, unbiased=False, keepdim=True) + eps)
+
+
+def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
+    """log p(token) under softmax(logits / T), in fp32: [B, T, V], [B, T] -> [B, T]."""
+    logprobs = torch.log_softmax(logits.float() / temperature, dim=-1)
+    return logprobs.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
+
+
+@dataclass
+class LossTerms:
+    """The loss to backpropagate and what to report about it (floats are detached)."""
+
+    loss: torch.Tensor
+    tokens: int
+    ratio_sum: float
+    ratio_min: float
+    ratio_max: float
+    clipped: int
+    """Tokens whose gradient the PPO clip removed."""
+    truncated: int
+    """Tokens whose importance weight hit ratio_cap."""
+    kl_sum: float
+
+
+def policy_loss(
+    logp: torch.Tensor,
+    behaviour_logp: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    *,
+    clip_low: float = 0.2,
+    clip_high: float = 0.2,
+    ratio_cap: float = 4.0,
+    ref_logp: torch.Tensor | None = None,
+    kl_coef: float = 0.0,
+    normaliser: float | None = None,
+) -> LossTerms:
+    """Clipped, truncated surrogate (+ optional KL), summed over masked tokens / normaliser.
+
+    All tensors are [B, T]; `advantages` is the sample's advantage repeated on its tokens.
+    """
+    mask = mask.float()
+    advantages = advantages.float()
+    ratio = torch.exp(logp - behaviour_logp.float())
+    unclipped = ratio * advantages
+    clipped = ratio.clamp(1 - clip_low, 1 + clip_high) * advantages
+    surrogate = torch.min(unclipped, clipped)
+    surrogate = torch.where(advantages < 0, torch.max(surrogate, ratio_cap * advantages), surrogate)
+    per_token = -surrogate
+    kl = torch.zeros_like(per_token)
+    if ref_logp is not None and kl_coef > 0:
+        log_ref_ratio = ref_logp.float() - logp
+        kl = torch.exp(log_ref_ratio) - log_ref_ratio - 1
+        per_token = per_token + kl_coef * kl
+    count = float(mask.sum())
+    denominator = normaliser if normaliser is not None else max(count, 1.0)
+    loss = (per_token * mask).sum() / denominator
+    with torch.no_grad():
+        real = mask > 0
+        r = ratio[real]
+        a = advantages[real]
+        was_clipped = ((a > 0) & (r > 1 + clip_high)) | ((a < 0) & (r < 1 - clip_low))
+        was_truncated = (a < 0) & (r > ratio_cap)
+    return LossTerms(
+        loss=loss,
+        tokens=int(count),
+        ratio_sum=float(r.sum()) if r.numel() else 0.0,
+        ratio_min=float(r.min()) if r.numel() else 1.0,
+        ratio_max=float(r.max()) if r.numel() else 1.0,
+        clipped=int(was_clipped.sum()),
+        truncated=int(was_truncated.sum()),
+        kl_sum=float((kl * mask).sum().detach()),
+    )

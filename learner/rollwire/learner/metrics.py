@@ -1,0 +1,88 @@
+"""Prometheus metrics of the learner (`rollwire_learner_*`), one registry per process.
+
+Labels come from fixed sets only: phase (wait, train, push), outcome, drop reason, reward
+name (from the config). Gauges hold the last step's value; counters and histograms
+accumulate over the run.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+
+from rollwire.learner.publisher import PushRecord
+from rollwire.learner.trainer import StepStats
+
+SECONDS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
+STALENESS = (0, 1, 2, 3, 4, 6, 8, 16, 32)
+
+
+class LearnerMetrics:
+    """Every metric the learner exports."""
+
+    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+        r = self.registry = registry or CollectorRegistry()
+        p = "rollwire_learner_"
+        self.steps = Counter(p + "steps_total", "Optimiser steps taken.", registry=r)
+        self.policy_version = Gauge(p + "policy_version", "Adapter version of the trainer's current weights.", registry=r)
+        self.served_version = Gauge(p + "served_version", "Newest adapter version the target confirmed serving.", registry=r)
+        self.reward_mean = Gauge(p + "reward_mean", "Mean reward of the last step's samples.", registry=r)
+        self.reward_std = Gauge(p + "reward_std", "Reward standard deviation of the last step's samples.", registry=r)
+        self.accuracy = Gauge(p + "accuracy", "Share of the last step's samples the task's verifier accepts.", registry=r)
+        self.eval_accuracy = Gauge(p + "eval_accuracy", "Greedy accuracy on the held-out prompts, last scored.", registry=r)
+        self.staleness = Histogram(
+            p + "staleness", "Versions between a trained group's oldest token and the weights it trained.",
+            buckets=STALENESS, registry=r,
+        )
+        self.ratio = Gauge(p + "importance_ratio", "Importance ratio pi/mu over the last step's tokens.", ["stat"], registry=r)
+        self.clip_fraction = Gauge(p + "clip_fraction", "Share of the last step's tokens the PPO clip zeroed.", registry=r)
+        self.truncated_fraction = Gauge(
+            p + "truncated_fraction", "Share of the last step's tokens whose importance weight hit ratio_cap.", registry=r
+        )
+        self.kl = Gauge(p + "kl", "Mean per-token KL to the base model (k3) in the last step.", registry=r)
+        self.loss = Gauge(p + "loss", "Loss of the last step.", registry=r)
+        self.grad_norm = Gauge(p + "grad_norm", "Gradient norm before clipping, last step.", registry=r)
+        self.phase = Histogram(p + "step_phase_seconds", "Time per step phase.", ["phase"], buckets=SECONDS, registry=r)
+        self.tokens = Counter(p + "tokens_total", "Completion tokens trained on.", registry=r)
+        self.tokens_per_second = Gauge(p + "tokens_per_second", "Completion tokens trained per second of the last step.", registry=r)
+        self.groups = Counter(p + "groups_total", "Groups by outcome (requested, trained).", ["outcome"], registry=r)
+        self.dropped = Counter(p + "groups_dropped_total", "Groups dropped, by reason.", ["reason"], registry=r)
+        self.pending = Gauge(p + "groups_pending", "Groups requested and not yet trained, by state.", ["state"], registry=r)
+        self.restarts = Counter(p + "group_restarts_total", "Groups the proxy restarted on another replica.", registry=r)
+        self.reward_errors = Counter(p + "reward_errors_total", "Reward functions that raised, by reward.", ["reward"], registry=r)
+        self.pushes = Counter(p + "pushes_total", "Adapter pushes by outcome (ok, superseded, retried, failed).", ["outcome"], registry=r)
+        self.push_seconds = Histogram(p + "push_seconds", "From push start to the version being served.", buckets=SECONDS, registry=r)
+
+    def serve(self, host: str, port: int) -> int:
+        """Start the /metrics endpoint; returns the bound port."""
+        server, _ = start_http_server(port, addr=host, registry=self.registry)
+        return server.server_port
+
+    def on_ledger(self, event: str, reason: str, count: int) -> None:
+        if event == "dropped":
+            self.dropped.labels(reason).inc(count)
+        else:
+            self.groups.labels(event).inc(count)
+
+    def on_push(self, record: PushRecord) -> None:
+        self.pushes.labels(record.outcome).inc()
+        if record.outcome == "ok":
+            self.push_seconds.observe(record.seconds)
+
+    def on_step(self, stats: StepStats, staleness: list[int], version: int) -> None:
+        self.steps.inc()
+        self.policy_version.set(version)
+        self.reward_mean.set(stats.reward_mean)
+        self.reward_std.set(stats.reward_std)
+        self.accuracy.set(stats.accuracy)
+        for value in staleness:
+            self.staleness.observe(value)
+        self.ratio.labels("mean").set(stats.ratio_mean)
+        self.ratio.labels("min").set(stats.ratio_min)
+        self.ratio.labels("max").set(stats.ratio_max)
+        self.clip_fraction.set(stats.clip_fraction)
+        self.truncated_fraction.set(stats.truncated_fraction)
+        self.kl.set(stats.kl)
+        self.loss.set(stats.loss)
+        self.grad_norm.set(stats.grad_norm)
+        self.tokens.inc(stats.tokens)
+        self.tokens_per_second.set(stats.tokens / max(stats.seconds, 1e-9))

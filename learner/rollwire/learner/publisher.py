@@ -1,0 +1,127 @@
+"""Pushing adapter versions to the target without holding up training.
+
+Invariants:
+- at most one push is in flight; a version published while another is being pushed waits
+  as the pending one, and a newer version replaces (supersedes) a pending one, counted;
+- versions are pushed in increasing order, so the target never sees one go backwards;
+- `served` only grows, and only when the target confirmed the version is served;
+- the synchronous mode uses the same path with `wait=True`: publish returns once the
+  version is served.
+Transient failures (UNAVAILABLE, DEADLINE_EXCEEDED, RESOURCE_EXHAUSTED, ABORTED) are
+retried until a newer version supersedes them; any other refusal is fatal and raised to
+the caller on its next publish or wait, with the target's own sentence.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import grpc
+
+from rollwire.common.errors import RollwireError
+from rollwire.common.logs import get_logger
+from rollwire.learner.buffer import Signal
+
+log = get_logger(__name__)
+TRANSIENT = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.RESOURCE_EXHAUSTED,
+             grpc.StatusCode.ABORTED}
+
+
+@dataclass(frozen=True)
+class PushRecord:
+    version: int
+    seconds: float
+    outcome: str
+    """ok | superseded | retried | failed."""
+
+
+class Publisher:
+    """Pushes `name` versions through `client`; `served` is the newest confirmed version."""
+
+    def __init__(self, client, name: str, fingerprint: str, lora_spec: dict, changed: Signal,
+                 retry_backoff_s: float = 0.5, on_push: Callable[[PushRecord], None] = lambda record: None) -> None:
+        self.client, self.name, self.fingerprint, self.lora_spec = client, name, fingerprint, lora_spec
+        self.changed = changed
+        self.retry_backoff_s = retry_backoff_s
+        self.on_push = on_push
+        self.served = 0
+        self._pending: tuple[int, bytes] | None = None
+        self._last: tuple[int, bytes] | None = None
+        self._worker: asyncio.Task | None = None
+        self._fatal: RollwireError | None = None
+
+    async def publish(self, version: int, payload: bytes, *, wait: bool = False) -> None:
+        """Queue `version` for pushing; with `wait`, return once it is served."""
+        self._raise_fatal()
+        if self._pending is not None:
+            self.on_push(PushRecord(self._pending[0], 0.0, "superseded"))
+        self._pending = (version, payload)
+        self._ensure_worker()
+        if wait:
+            await self.wait_served(version)
+
+    async def wait_served(self, version: int) -> None:
+        await self.changed.wait_for(lambda: self.served >= version or self._fatal is not None)
+        self._raise_fatal()
+
+    def republish(self) -> None:
+        """Push the newest served version again (replicas that lost it load it; others say already loaded)."""
+        if self._last is not None and self._pending is None and not self.busy:
+            self._pending = self._last
+            self._ensure_worker()
+
+    @property
+    def busy(self) -> bool:
+        return self._worker is not None and not self._worker.done()
+
+    async def close(self) -> None:
+        """Finish the push in flight and the pending one."""
+        if self._worker is not None:
+            await self._worker
+        self._raise_fatal()
+
+    def _raise_fatal(self) -> None:
+        if self._fatal is not None:
+            raise self._fatal
+
+    def _ensure_worker(self) -> None:
+        if not self.busy:
+            self._worker = asyncio.create_task(self._drain(), name="rollwire-publisher")
+
+    async def _drain(self) -> None:
+        while self._pending is not None and self._fatal is None:
+            version, payload = self._pending
+            self._pending = None
+            await self._push(version, payload)
+
+    async def _push(self, version: int, payload: bytes) -> None:
+        started = time.monotonic()
+        while True:
+            try:
+                result = await self.client.push_adapter(self.name, version, payload, self.lora_spec, self.fingerprint)
+                break
+            except RollwireError as exc:
+                if exc.code not in TRANSIENT:
+                    log.error("push_refused", version=version, code=exc.code.name, reason=exc.reason, error=exc.message)
+                    self.on_push(PushRecord(version, time.monotonic() - started, "failed"))
+                    self._fatal = exc
+                    self.changed.notify()
+                    return
+                log.warning("push_retry", version=version, code=exc.code.name, error=exc.message)
+                self.on_push(PushRecord(version, time.monotonic() - started, "retried"))
+                if self._pending is not None:  # a newer version will be pushed instead
+                    self.on_push(PushRecord(version, time.monotonic() - started, "superseded"))
+                    return
+                await asyncio.sleep(self.retry_backoff_s)
+        seconds = time.monotonic() - started
+        failed = [f"{r.replica}: {r.code} {r.message}" for r in result.replicas if r.code != "OK"]
+        if failed:
+            log.warning("push_partial", version=version, failed_replicas=failed)
+        log.info("pushed", version=version, seconds=round(seconds, 4), already_loaded=result.already_loaded)
+        self._last = (version, payload)
+        self.served = max(self.served, version)
+        self.on_push(PushRecord(version, seconds, "ok"))
+        self.changed.notify()

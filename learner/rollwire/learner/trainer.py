@@ -1,0 +1,205 @@
+"""The policy being trained: the base model with a PEFT LoRA adapter, AdamW, one GRPO step.
+
+Invariants:
+- logprobs are recomputed in fp32 over exactly the tokens the generator saw (the prompt
+  ids as the server tokenized them, then the sampled ids), each row attending to exactly
+  its own tokens from position 0 (right padding, never attended to). That is the
+  generator's layout, so at staleness 0 the importance ratio is 1 up to float noise;
+- the reference policy for the KL term is the same model with the adapter disabled: no
+  second copy of the weights;
+- `adapter_payload()` is what replicas load: the PEFT LoRA state dict in safetensors bytes.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from rollwire.learner.buffer import ScoredGroup
+from rollwire.learner.config import TrainSection
+from rollwire.learner.grpo import group_advantages, policy_loss, token_logprobs
+
+
+@dataclass
+class StepStats:
+    """What one optimiser step reports."""
+
+    loss: float
+    tokens: int
+    samples: int
+    ratio_mean: float
+    ratio_mean_fresh: float | None
+    """Mean ratio over tokens sampled by exactly the weights trained (staleness 0); None if none."""
+    fresh_tokens: int
+    ratio_min: float
+    ratio_max: float
+    clip_fraction: float
+    truncated_fraction: float
+    kl: float
+    grad_norm: float
+    reward_mean: float
+    reward_std: float
+    accuracy: float
+    seconds: float
+
+
+class Trainer:
+    """Owns the model, the optimiser and the LoRA weights; `step` runs off the event loop."""
+
+    def __init__(self, base_model: str | Path, cfg: TrainSection, temperature: float, seed: int) -> None:
+        from peft import LoraConfig, get_peft_model
+        from transformers import AutoModelForCausalLM
+
+        if cfg.threads:
+            torch.set_num_threads(cfg.threads)
+        torch.manual_seed(seed)
+        self.cfg = cfg
+        self.temperature = temperature
+        self.device = torch.device(cfg.device)
+        base = AutoModelForCausalLM.from_pretrained(base_model, dtype=torch.float32).to(self.device)
+        self.lora = LoraConfig(
+            r=cfg.lora_r, lora_alpha=cfg.lora_alpha, target_modules=list(cfg.target_modules), lora_dropout=0.0,
+            bias="none",
+        )
+        self.model = get_peft_model(base, self.lora)
+        self.model.train()
+        params = [p for p in self.model.parameters() if p.requires_grad]
+        self.optimizer = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
+
+    @property
+    def lora_spec(self) -> dict:
+        """The LoRA config as the push manifest carries it."""
+        return {"r": self.cfg.lora_r, "lora_alpha": self.cfg.lora_alpha,
+                "target_modules": sorted(self.cfg.target_modules), "use_rslora": False}
+
+    def adapter_payload(self) -> bytes:
+        """The adapter as replicas load it: PEFT state dict keys, safetensors bytes."""
+        from peft import get_peft_model_state_dict
+        from safetensors.torch import save
+
+        state = get_peft_model_state_dict(self.model)
+        return save({k: v.detach().to("cpu", torch.float32).contiguous() for k, v in state.items()})
+
+    def load_adapter(self, payload: bytes) -> None:
+        from peft import set_peft_model_state_dict
+        from safetensors.torch import load
+
+        result = set_peft_model_state_dict(self.model, {k: v.to(self.device) for k, v in load(payload).items()})
+        if getattr(result, "unexpected_keys", None):
+            raise ValueError(f"checkpoint adapter has tensors this model does not: {result.unexpected_keys[:3]}")
+
+    def step(self, groups: list[ScoredGroup], version: int) -> StepStats:
+        """One optimiser step on a batch of groups, trained at `version` (gradient accumulation)."""
+        started = time.monotonic()
+        rewards = torch.tensor([g.rewards for g in groups])
+        advantages = group_advantages(rewards, self.cfg.normalize_std)
+        total_tokens = sum(len(s.token_ids) for g in groups for s in g.samples)
+        self.optimizer.zero_grad(set_to_none=True)
+        totals = _Totals()
+        size = self.cfg.micro_batch_groups or len(groups)
+        for start in range(0, len(groups), size):
+            rows = _rows(groups[start : start + size], advantages[start : start + size], version)
+            terms, fresh_sum, fresh_count = self._loss(rows, normaliser=float(total_tokens))
+            terms.loss.backward()
+            totals.add(terms, fresh_sum, fresh_count)
+        params = [p for p in self.model.parameters() if p.requires_grad]
+        grad_norm = float(torch.nn.utils.clip_grad_norm_(params, self.cfg.max_grad_norm))
+        self.optimizer.step()
+        correct = [s.correct for g in groups for s in g.samples]
+        return StepStats(
+            loss=totals.loss, tokens=totals.tokens, samples=len(correct),
+            ratio_mean=totals.ratio_sum / max(totals.tokens, 1),
+            ratio_mean_fresh=totals.fresh_sum / totals.fresh_count if totals.fresh_count else None,
+            fresh_tokens=totals.fresh_count, ratio_min=totals.ratio_min, ratio_max=totals.ratio_max,
+            clip_fraction=totals.clipped / max(totals.tokens, 1), truncated_fraction=totals.truncated / max(totals.tokens, 1),
+            kl=totals.kl_sum / max(totals.tokens, 1), grad_norm=grad_norm,
+            reward_mean=float(rewards.mean()), reward_std=float(rewards.std(unbiased=False)),
+            accuracy=sum(correct) / max(len(correct), 1), seconds=time.monotonic() - started,
+        )
+
+    def _loss(self, rows: _Rows, normaliser: float):
+        ids, mask = rows.ids.to(self.device), rows.attention.to(self.device)
+        logits = self.model(input_ids=ids, attention_mask=mask).logits[:, :-1]
+        targets = ids[:, 1:]
+        logp = token_logprobs(logits, targets, self.temperature)
+        ref = None
+        if self.cfg.kl_coef > 0:
+            with torch.no_grad(), self.model.disable_adapter():
+                ref = token_logprobs(self.model(input_ids=ids, attention_mask=mask).logits[:, :-1], targets, self.temperature)
+        behaviour = rows.behaviour.to(self.device)
+        terms = policy_loss(
+            logp, behaviour, rows.advantages.to(self.device), rows.completion.to(self.device),
+            clip_low=self.cfg.clip_low, clip_high=self.cfg.clip_high, ratio_cap=self.cfg.ratio_cap,
+            ref_logp=ref, kl_coef=self.cfg.kl_coef, normaliser=normaliser,
+        )
+        with torch.no_grad():
+            fresh = rows.fresh.to(self.device)
+            fresh_sum = float((torch.exp(logp - behaviour) * fresh).sum())
+        return terms, fresh_sum, int(fresh.sum())
+
+    def recompute_logprobs(self, groups: list[ScoredGroup]) -> list[list[float]]:
+        """Current-policy logprobs of every sample's tokens (diagnostics and tests)."""
+        rows = _rows(groups, torch.zeros(len(groups), len(groups[0].samples)), version=-1)
+        with torch.no_grad():
+            logits = self.model(input_ids=rows.ids.to(self.device), attention_mask=rows.attention.to(self.device)).logits
+            logp = token_logprobs(logits[:, :-1], rows.ids[:, 1:].to(self.device), self.temperature).cpu()
+        return [logp[i][rows.completion[i] > 0].tolist() for i in range(len(logp))]
+
+
+@dataclass
+class _Rows:
+    """Right-padded sequences; per-token tensors are aligned with the shifted targets ids[:, 1:]."""
+
+    ids: torch.Tensor
+    attention: torch.Tensor
+    completion: torch.Tensor
+    behaviour: torch.Tensor
+    advantages: torch.Tensor
+    fresh: torch.Tensor
+    """Completion tokens sampled by exactly the version being trained."""
+
+
+def _rows(groups: list[ScoredGroup], advantages: torch.Tensor, version: int) -> _Rows:
+    seqs = [(g.prompt_ids, s, float(advantages[gi, si])) for gi, g in enumerate(groups) for si, s in enumerate(g.samples)]
+    width = max(len(p) + len(s.token_ids) for p, s, _ in seqs)
+    ids = torch.zeros(len(seqs), width, dtype=torch.long)
+    attention = torch.zeros(len(seqs), width, dtype=torch.long)
+    completion = torch.zeros(len(seqs), width - 1)
+    behaviour = torch.zeros(len(seqs), width - 1)
+    adv = torch.zeros(len(seqs), width - 1)
+    fresh = torch.zeros(len(seqs), width - 1)
+    for i, (prompt, sample, a) in enumerate(seqs):
+        seq = list(prompt) + list(sample.token_ids)
+        ids[i, : len(seq)] = torch.tensor(seq)
+        attention[i, : len(seq)] = 1
+        first, last = len(prompt) - 1, len(seq) - 1  # target index t-1 predicts token t
+        completion[i, first:last] = 1
+        behaviour[i, first:last] = torch.tensor(sample.logprobs)
+        adv[i, first:last] = a
+        fresh[i, first:last] = torch.tensor([float(v == version) for v in sample.token_versions])
+    return _Rows(ids, attention, completion, behaviour, adv, fresh)
+
+
+class _Totals:
+    """Sums LossTerms over micro-batches."""
+
+    def __init__(self) -> None:
+        self.loss = self.ratio_sum = self.kl_sum = 0.0
+        self.tokens = self.clipped = self.truncated = self.fresh_count = 0
+        self.fresh_sum = 0.0
+        self.ratio_min, self.ratio_max = float("inf"), float("-inf")
+
+    def add(self, terms, fresh_sum: float, fresh_count: int) -> None:
+        self.loss += float(terms.loss.detach())
+        self.fresh_sum += fresh_sum
+        self.fresh_count += fresh_count
+        self.tokens += terms.tokens
+        self.ratio_sum += terms.ratio_sum
+        self.clipped += terms.clipped
+        self.truncated += terms.truncated
+        self.kl_sum += terms.kl_sum
+        self.ratio_min = min(self.ratio_min, terms.ratio_min)
+        self.ratio_max = max(self.ratio_max, terms.ratio_max)
