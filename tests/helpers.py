@@ -105,17 +105,15 @@ def generate(target: str, prompt, n: int = 1, adapter: tuple[str, int] | None = 
         req.adapter.name, req.adapter.version = adapter
     g = Group(None, {}, {}, {}, {}, {})
     for msg in stub(target).Generate(req, timeout=timeout):
-        kind = msg.WhichOneof("event")
-        if kind == "started":
+        if msg.HasField("started"):
             g.started = msg.started
-        elif kind == "tokens":
-            t = msg.tokens
+        for t in msg.tokens:
             g.tokens.setdefault(t.sample_index, []).extend(t.token_ids)
             g.logprobs.setdefault(t.sample_index, []).extend(t.logprobs)
             g.versions.setdefault(t.sample_index, set()).add(t.adapter_version)
             g.text[t.sample_index] = g.text.get(t.sample_index, "") + t.text
-        elif kind == "finished":
-            g.finished[msg.finished.sample_index] = msg.finished
+        for f in msg.finished:
+            g.finished[f.sample_index] = f
     return g
 
 

@@ -69,7 +69,7 @@ def when_started(action):
     fired = []
 
     def hook(msg):
-        if msg.WhichOneof("event") == "started" and not fired:
+        if msg.HasField("started") and not fired:
             fired.append(msg.started.replica)
             action(msg.started.replica)
 

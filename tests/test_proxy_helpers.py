@@ -107,27 +107,25 @@ def run_group(stub: generator_pb2_grpc.GeneratorServiceStub, req: pb.GenerateReq
     finished: dict[int, pb.SampleFinished] = {}
     versions: set[int] = set()
     for msg in stub.Generate(req, timeout=timeout, metadata=metadata):
-        kind = msg.WhichOneof("event")
         if on_event:
             on_event(msg)
-        if kind == "restarted":
+        if msg.HasField("restarted"):
+            assert not (msg.HasField("started") or msg.tokens or msg.finished), "`restarted` must come alone"
             restarts += 1
             started, tokens, finished, versions = None, {}, {}, set()
             continue
-        if kind == "started":
+        if msg.HasField("started"):
             assert started is None, "a second `started` without `restarted` before it"
             started = msg.started
             starts.append(started.replica)
-            continue
-        assert started is not None, f"`{kind}` before `started`"
-        if kind == "tokens":
-            t = msg.tokens
+        assert started is not None, "tokens or finishes before `started`"
+        for t in msg.tokens:
             assert t.sample_index not in finished, "tokens after the sample finished"
             tokens.setdefault(t.sample_index, []).extend(t.token_ids)
             versions.add(t.adapter_version)
-        else:
-            assert msg.finished.sample_index not in finished, "a sample finished twice"
-            finished[msg.finished.sample_index] = msg.finished
+        for f in msg.finished:
+            assert f.sample_index not in finished, "a sample finished twice"
+            finished[f.sample_index] = f
     assert started is not None and sorted(finished) == list(range(req.n)), "the stream ended before every sample finished"
     for i, f in finished.items():
         assert len(tokens.get(i, [])) == f.completion_tokens

@@ -175,14 +175,14 @@ def started(replica="r0", adapter=("lora", 3), prompt=(1, 2, 3), request_id="req
 def tokens(i, ids, text, version=3, logprobs=None):
     lp = logprobs if logprobs is not None else [-0.5] * len(ids)
     return pb.GenerateResponse(
-        tokens=pb.TokenChunk(sample_index=i, token_ids=ids, logprobs=lp, text=text, adapter_version=version)
+        tokens=[pb.TokenChunk(sample_index=i, token_ids=ids, logprobs=lp, text=text, adapter_version=version)]
     )
 
 
 def finished(i, reason=pb.FINISH_REASON_EOS, completion=0, prompt=3):
     return pb.GenerateResponse(
-        finished=pb.SampleFinished(sample_index=i, finish_reason=reason, prompt_tokens=prompt,
-                                   completion_tokens=completion)
+        finished=[pb.SampleFinished(sample_index=i, finish_reason=reason, prompt_tokens=prompt,
+                                    completion_tokens=completion)]
     )
 
 
@@ -193,7 +193,8 @@ def restarted(attempt=2, reason="replica r0 died"):
 def fold(n, messages):
     group = GroupAccumulator(n)
     for message in messages:
-        group.add(common.event_from_pb(message))
+        for event in common.events_from_pb(message):
+            group.add(event)
     return group.result()
 
 
@@ -661,16 +662,17 @@ def test_json_result_shape():
 def test_printed_stream_restarts_cleanly(capsys):
     import io
 
-    events = [common.event_from_pb(m) for m in
+    events = [e for m in
               [started(), tokens(0, [1], "par"), restarted(), started(), tokens(0, [1], "Hel"),
-               tokens(0, [2], "lo"), finished(0, completion=2)]]
+               tokens(0, [2], "lo"), finished(0, completion=2)] for e in common.events_from_pb(m)]
     out, info = io.StringIO(), io.StringIO()
     result = cli.print_stream(events, 1, out, info)
     assert out.getvalue() == "par\nHello\n" and result.samples[0].text == "Hello"
     assert "restarted" in info.getvalue() and "eos, 2 tokens" in info.getvalue()
 
-    events = [common.event_from_pb(m) for m in
-              [started(), tokens(1, [1], "one"), tokens(0, [2], "zero"), finished(1), finished(0)]]
+    events = [e for m in
+              [started(), tokens(1, [1], "one"), tokens(0, [2], "zero"), finished(1), finished(0)]
+              for e in common.events_from_pb(m)]
     out = io.StringIO()
     cli.print_stream(events, 2, out, io.StringIO())
     text = out.getvalue()
@@ -692,3 +694,17 @@ def test_status_table():
         assert needle in text, needle
     assert re.search(r"^queue depth +1$", text, re.M)
     assert "(none)" in cli.format_status(pb.GetStatusResponse(role="generator"))
+
+
+def test_one_message_may_carry_several_samples_and_their_finishes():
+    both = pb.GenerateResponse(
+        tokens=[pb.TokenChunk(sample_index=1, token_ids=[7], logprobs=[-0.7], text="b", adapter_version=3),
+                pb.TokenChunk(sample_index=0, token_ids=[5, 6], logprobs=[-0.5, -0.6], text="aa", adapter_version=3)],
+        finished=[pb.SampleFinished(sample_index=1, finish_reason=pb.FINISH_REASON_LENGTH, prompt_tokens=3,
+                                    completion_tokens=1)],
+    )
+    events = common.events_from_pb(both)
+    assert [type(e).__name__ for e in events] == ["Tokens", "Tokens", "Finished"]
+    result = fold(2, [started(), both, tokens(0, [8], "c"), finished(0, completion=3)])
+    assert [s.token_ids for s in result.samples] == [[5, 6, 8], [7]]
+    assert result.samples[1].finish_reason == "length"

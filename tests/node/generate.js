@@ -31,27 +31,21 @@ const request = {
 const result = { started: null, samples: {}, restarts: 0 };
 const call = client.Generate(request, { deadline: new Date(Date.now() + 30000) });
 call.on('data', (message) => {
-  switch (message.event) {
-    case 'started':
-      result.started = message.started;
-      break;
-    case 'restarted': // discard partial samples: the group starts again elsewhere
-      result.restarts += 1;
-      result.samples = {};
-      break;
-    case 'tokens': {
-      const t = message.tokens;
-      const s = (result.samples[t.sample_index] ??= { tokens: [], logprobs: [], text: '' });
-      s.tokens.push(...t.token_ids);
-      s.logprobs.push(...t.logprobs);
-      s.text += t.text;
-      break;
-    }
-    case 'finished':
-      (result.samples[message.finished.sample_index] ??= { tokens: [], logprobs: [], text: '' }).finish_reason =
-        message.finished.finish_reason;
-      break;
+  // One message holds what became ready together: started, then tokens, then finishes.
+  if (message.restarted) { // discard partial samples: the group starts again elsewhere
+    result.restarts += 1;
+    result.samples = {};
+    return;
   }
+  if (message.started) result.started = message.started;
+  const sample = (i) => (result.samples[i] ??= { tokens: [], logprobs: [], text: '' });
+  for (const t of message.tokens) {
+    const s = sample(t.sample_index);
+    s.tokens.push(...t.token_ids);
+    s.logprobs.push(...t.logprobs);
+    s.text += t.text;
+  }
+  for (const f of message.finished) sample(f.sample_index).finish_reason = f.finish_reason;
 });
 call.on('status', (status) => {
   if (status.code === grpc.status.OK) {

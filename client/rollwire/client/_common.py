@@ -346,24 +346,24 @@ class Restarted:
 StreamEvent = Started | Tokens | Finished | Restarted
 
 
-def event_from_pb(message: pb.GenerateResponse) -> StreamEvent:
-    """The dataclass for one GenerateResponse."""
-    kind = message.WhichOneof("event")
-    if kind == "started":
+def events_from_pb(message: pb.GenerateResponse) -> list[StreamEvent]:
+    """The events one GenerateResponse carries, in the order they apply."""
+    if message.HasField("restarted"):
+        return [Restarted(message.restarted.attempt, message.restarted.reason)]
+    events: list[StreamEvent] = []
+    if message.HasField("started"):
         s = message.started
         adapter = AdapterVersion(s.adapter.name, s.adapter.version) if s.adapter.name else None
-        return Started(s.request_id, s.replica, adapter, list(s.prompt_token_ids))
-    if kind == "tokens":
-        t = message.tokens
-        return Tokens(t.sample_index, list(t.token_ids), list(t.logprobs), t.text, t.adapter_version)
-    if kind == "finished":
-        f = message.finished
+        events.append(Started(s.request_id, s.replica, adapter, list(s.prompt_token_ids)))
+    for t in message.tokens:
+        events.append(Tokens(t.sample_index, list(t.token_ids), list(t.logprobs), t.text, t.adapter_version))
+    for f in message.finished:
         if f.finish_reason not in _FINISH:
             raise _protocol_error(f"sample {f.sample_index} finished without a finish reason")
-        return Finished(f.sample_index, _FINISH[f.finish_reason], f.prompt_tokens, f.completion_tokens)
-    if kind == "restarted":
-        return Restarted(message.restarted.attempt, message.restarted.reason)
-    raise _protocol_error("a response message carries no event")
+        events.append(Finished(f.sample_index, _FINISH[f.finish_reason], f.prompt_tokens, f.completion_tokens))
+    if not events:
+        raise _protocol_error("a response message carries no event")
+    return events
 
 
 @dataclass(frozen=True, slots=True)

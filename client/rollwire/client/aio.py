@@ -31,7 +31,7 @@ from rollwire.client._common import (
     check_chunk_size,
     check_target,
     check_timeout,
-    event_from_pb,
+    events_from_pb,
     next_delay,
     open_channel,
     push_requests,
@@ -165,7 +165,8 @@ class AsyncClient:
             try:
                 async for message in call:
                     received = True
-                    yield event_from_pb(message)
+                    for event in events_from_pb(message):
+                        yield event
                 return
             except grpc.RpcError as exc:
                 error = from_rpc_error(exc)

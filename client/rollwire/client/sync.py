@@ -30,7 +30,7 @@ from rollwire.client._common import (
     call_metadata,
     check_chunk_size,
     check_timeout,
-    event_from_pb,
+    events_from_pb,
     next_delay,
     open_channel,
     push_requests,
@@ -152,7 +152,8 @@ class Client:
             try:
                 for message in call:
                     received = True
-                    yield event_from_pb(message)
+                    for event in events_from_pb(message):
+                        yield event
                 return
             except grpc.RpcError as exc:
                 error = from_rpc_error(exc)

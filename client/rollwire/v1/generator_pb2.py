@@ -24,15 +24,15 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1brollwire/v1/generator.proto\x12\x0brollwire.v1\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x05\"\xcc\x01\n\x0eSamplingParams\x12\x16\n\x0emax_new_tokens\x18\x01 \x01(\r\x12\x18\n\x0btemperature\x18\x02 \x01(\x02H\x00\x88\x01\x01\x12\x12\n\x05top_p\x18\x03 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_k\x18\x04 \x01(\rH\x02\x88\x01\x01\x12\x0c\n\x04stop\x18\x05 \x03(\t\x12\x11\n\x04seed\x18\x06 \x01(\x04H\x03\x88\x01\x01\x12\x12\n\nignore_eos\x18\x07 \x01(\x08\x42\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x07\n\x05_seed\"+\n\nAdapterRef\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0f\n\x07version\x18\x02 \x01(\x04\"\xe2\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12*\n\ttoken_ids\x18\x03 \x01(\x0b\x32\x15.rollwire.v1.TokenIdsH\x00\x12\t\n\x01n\x18\x04 \x01(\r\x12-\n\x08sampling\x18\x05 \x01(\x0b\x32\x1b.rollwire.v1.SamplingParams\x12(\n\x07\x61\x64\x61pter\x18\x06 \x01(\x0b\x32\x17.rollwire.v1.AdapterRef\x12\x11\n\tgroup_key\x18\x07 \x01(\tB\x08\n\x06prompt\"|\n\x11GenerationStarted\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12(\n\x07\x61\x64\x61pter\x18\x02 \x01(\x0b\x32\x17.rollwire.v1.AdapterRef\x12\x18\n\x10prompt_token_ids\x18\x03 \x03(\x05\x12\x0f\n\x07replica\x18\x04 \x01(\t\"n\n\nTokenChunk\x12\x14\n\x0csample_index\x18\x01 \x01(\r\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x10\n\x08logprobs\x18\x03 \x03(\x02\x12\x0c\n\x04text\x18\x04 \x01(\t\x12\x17\n\x0f\x61\x64\x61pter_version\x18\x05 \x01(\x04\"\x8a\x01\n\x0eSampleFinished\x12\x14\n\x0csample_index\x18\x01 \x01(\r\x12\x30\n\rfinish_reason\x18\x02 \x01(\x0e\x32\x19.rollwire.v1.FinishReason\x12\x15\n\rprompt_tokens\x18\x03 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x04 \x01(\r\"1\n\x0eGroupRestarted\x12\x0f\n\x07\x61ttempt\x18\x01 \x01(\r\x12\x0e\n\x06reason\x18\x02 \x01(\t\"\xdc\x01\n\x10GenerateResponse\x12\x31\n\x07started\x18\x01 \x01(\x0b\x32\x1e.rollwire.v1.GenerationStartedH\x00\x12)\n\x06tokens\x18\x02 \x01(\x0b\x32\x17.rollwire.v1.TokenChunkH\x00\x12/\n\x08\x66inished\x18\x03 \x01(\x0b\x32\x1b.rollwire.v1.SampleFinishedH\x00\x12\x30\n\trestarted\x18\x04 \x01(\x0b\x32\x1b.rollwire.v1.GroupRestartedH\x00\x42\x07\n\x05\x65vent\"W\n\nLoraConfig\x12\t\n\x01r\x18\x01 \x01(\r\x12\x12\n\nlora_alpha\x18\x02 \x01(\x02\x12\x16\n\x0etarget_modules\x18\x03 \x03(\t\x12\x12\n\nuse_rslora\x18\x04 \x01(\x08\"\xa3\x01\n\x0f\x41\x64\x61pterManifest\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0f\n\x07version\x18\x02 \x01(\x04\x12\x1e\n\x16\x62\x61se_model_fingerprint\x18\x03 \x01(\t\x12,\n\x0blora_config\x18\x04 \x01(\x0b\x32\x17.rollwire.v1.LoraConfig\x12\x13\n\x0b\x62yte_length\x18\x05 \x01(\x04\x12\x0e\n\x06sha256\x18\x06 \x01(\t\"_\n\x12PushAdapterRequest\x12\x30\n\x08manifest\x18\x01 \x01(\x0b\x32\x1c.rollwire.v1.AdapterManifestH\x00\x12\x0f\n\x05\x63hunk\x18\x02 \x01(\x0cH\x00\x42\x06\n\x04part\"C\n\x11ReplicaPushResult\x12\x0f\n\x07replica\x18\x01 \x01(\t\x12\x0c\n\x04\x63ode\x18\x02 \x01(\t\x12\x0f\n\x07message\x18\x03 \x01(\t\"\x97\x01\n\x13PushAdapterResponse\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0f\n\x07version\x18\x02 \x01(\x04\x12\x16\n\x0e\x61lready_loaded\x18\x03 \x01(\x08\x12\x17\n\x0floaded_versions\x18\x04 \x03(\x04\x12\x30\n\x08replicas\x18\x05 \x03(\x0b\x32\x1e.rollwire.v1.ReplicaPushResult\"\x12\n\x10GetStatusRequest\"/\n\rLoadedAdapter\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x10\n\x08versions\x18\x02 \x03(\x04\"\xa5\x01\n\rReplicaStatus\x12\x0f\n\x07\x61\x64\x64ress\x18\x01 \x01(\t\x12\x0f\n\x07replica\x18\x02 \x01(\t\x12\x0f\n\x07healthy\x18\x03 \x01(\x08\x12\x10\n\x08\x64raining\x18\x04 \x01(\x08\x12\x11\n\tin_flight\x18\x05 \x01(\r\x12,\n\x08\x61\x64\x61pters\x18\x06 \x03(\x0b\x32\x1a.rollwire.v1.LoadedAdapter\x12\x0e\n\x06\x64\x65tail\x18\x07 \x01(\t\"\x9e\x02\n\x11GetStatusResponse\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07replica\x18\x02 \x01(\t\x12\x19\n\x11model_fingerprint\x18\x03 \x01(\t\x12\x0e\n\x06\x65ngine\x18\x04 \x01(\t\x12,\n\x08\x61\x64\x61pters\x18\x05 \x03(\x0b\x32\x1a.rollwire.v1.LoadedAdapter\x12\x11\n\tin_flight\x18\x06 \x01(\r\x12\x13\n\x0bqueue_depth\x18\x07 \x01(\r\x12#\n\x06limits\x18\x08 \x01(\x0b\x32\x13.rollwire.v1.Limits\x12,\n\x08replicas\x18\t \x03(\x0b\x32\x1a.rollwire.v1.ReplicaStatus\x12\x16\n\x0eserver_version\x18\n \x01(\t\"}\n\x06Limits\x12\r\n\x05max_n\x18\x01 \x01(\r\x12\x16\n\x0emax_new_tokens\x18\x02 \x01(\r\x12\x19\n\x11max_prompt_tokens\x18\x03 \x01(\r\x12\x19\n\x11max_adapter_bytes\x18\x04 \x01(\x04\x12\x16\n\x0e\x61\x64\x61pter_window\x18\x05 \x01(\r*v\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x15\n\x11\x46INISH_REASON_EOS\x10\x01\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x02\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x03\x32\xfd\x01\n\x10GeneratorService\x12I\n\x08Generate\x12\x1c.rollwire.v1.GenerateRequest\x1a\x1d.rollwire.v1.GenerateResponse0\x01\x12R\n\x0bPushAdapter\x12\x1f.rollwire.v1.PushAdapterRequest\x1a .rollwire.v1.PushAdapterResponse(\x01\x12J\n\tGetStatus\x12\x1d.rollwire.v1.GetStatusRequest\x1a\x1e.rollwire.v1.GetStatusResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1brollwire/v1/generator.proto\x12\x0brollwire.v1\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x05\"\xcc\x01\n\x0eSamplingParams\x12\x16\n\x0emax_new_tokens\x18\x01 \x01(\r\x12\x18\n\x0btemperature\x18\x02 \x01(\x02H\x00\x88\x01\x01\x12\x12\n\x05top_p\x18\x03 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_k\x18\x04 \x01(\rH\x02\x88\x01\x01\x12\x0c\n\x04stop\x18\x05 \x03(\t\x12\x11\n\x04seed\x18\x06 \x01(\x04H\x03\x88\x01\x01\x12\x12\n\nignore_eos\x18\x07 \x01(\x08\x42\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x07\n\x05_seed\"+\n\nAdapterRef\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0f\n\x07version\x18\x02 \x01(\x04\"\xe2\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12*\n\ttoken_ids\x18\x03 \x01(\x0b\x32\x15.rollwire.v1.TokenIdsH\x00\x12\t\n\x01n\x18\x04 \x01(\r\x12-\n\x08sampling\x18\x05 \x01(\x0b\x32\x1b.rollwire.v1.SamplingParams\x12(\n\x07\x61\x64\x61pter\x18\x06 \x01(\x0b\x32\x17.rollwire.v1.AdapterRef\x12\x11\n\tgroup_key\x18\x07 \x01(\tB\x08\n\x06prompt\"|\n\x11GenerationStarted\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12(\n\x07\x61\x64\x61pter\x18\x02 \x01(\x0b\x32\x17.rollwire.v1.AdapterRef\x12\x18\n\x10prompt_token_ids\x18\x03 \x03(\x05\x12\x0f\n\x07replica\x18\x04 \x01(\t\"n\n\nTokenChunk\x12\x14\n\x0csample_index\x18\x01 \x01(\r\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x10\n\x08logprobs\x18\x03 \x03(\x02\x12\x0c\n\x04text\x18\x04 \x01(\t\x12\x17\n\x0f\x61\x64\x61pter_version\x18\x05 \x01(\x04\"\x8a\x01\n\x0eSampleFinished\x12\x14\n\x0csample_index\x18\x01 \x01(\r\x12\x30\n\rfinish_reason\x18\x02 \x01(\x0e\x32\x19.rollwire.v1.FinishReason\x12\x15\n\rprompt_tokens\x18\x03 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x04 \x01(\r\"1\n\x0eGroupRestarted\x12\x0f\n\x07\x61ttempt\x18\x01 \x01(\r\x12\x0e\n\x06reason\x18\x02 \x01(\t\"\xcb\x01\n\x10GenerateResponse\x12/\n\x07started\x18\x01 \x01(\x0b\x32\x1e.rollwire.v1.GenerationStarted\x12\'\n\x06tokens\x18\x02 \x03(\x0b\x32\x17.rollwire.v1.TokenChunk\x12-\n\x08\x66inished\x18\x03 \x03(\x0b\x32\x1b.rollwire.v1.SampleFinished\x12.\n\trestarted\x18\x04 \x01(\x0b\x32\x1b.rollwire.v1.GroupRestarted\"W\n\nLoraConfig\x12\t\n\x01r\x18\x01 \x01(\r\x12\x12\n\nlora_alpha\x18\x02 \x01(\x02\x12\x16\n\x0etarget_modules\x18\x03 \x03(\t\x12\x12\n\nuse_rslora\x18\x04 \x01(\x08\"\xa3\x01\n\x0f\x41\x64\x61pterManifest\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0f\n\x07version\x18\x02 \x01(\x04\x12\x1e\n\x16\x62\x61se_model_fingerprint\x18\x03 \x01(\t\x12,\n\x0blora_config\x18\x04 \x01(\x0b\x32\x17.rollwire.v1.LoraConfig\x12\x13\n\x0b\x62yte_length\x18\x05 \x01(\x04\x12\x0e\n\x06sha256\x18\x06 \x01(\t\"_\n\x12PushAdapterRequest\x12\x30\n\x08manifest\x18\x01 \x01(\x0b\x32\x1c.rollwire.v1.AdapterManifestH\x00\x12\x0f\n\x05\x63hunk\x18\x02 \x01(\x0cH\x00\x42\x06\n\x04part\"C\n\x11ReplicaPushResult\x12\x0f\n\x07replica\x18\x01 \x01(\t\x12\x0c\n\x04\x63ode\x18\x02 \x01(\t\x12\x0f\n\x07message\x18\x03 \x01(\t\"\x97\x01\n\x13PushAdapterResponse\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0f\n\x07version\x18\x02 \x01(\x04\x12\x16\n\x0e\x61lready_loaded\x18\x03 \x01(\x08\x12\x17\n\x0floaded_versions\x18\x04 \x03(\x04\x12\x30\n\x08replicas\x18\x05 \x03(\x0b\x32\x1e.rollwire.v1.ReplicaPushResult\"\x12\n\x10GetStatusRequest\"/\n\rLoadedAdapter\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x10\n\x08versions\x18\x02 \x03(\x04\"\xa5\x01\n\rReplicaStatus\x12\x0f\n\x07\x61\x64\x64ress\x18\x01 \x01(\t\x12\x0f\n\x07replica\x18\x02 \x01(\t\x12\x0f\n\x07healthy\x18\x03 \x01(\x08\x12\x10\n\x08\x64raining\x18\x04 \x01(\x08\x12\x11\n\tin_flight\x18\x05 \x01(\r\x12,\n\x08\x61\x64\x61pters\x18\x06 \x03(\x0b\x32\x1a.rollwire.v1.LoadedAdapter\x12\x0e\n\x06\x64\x65tail\x18\x07 \x01(\t\"\x9e\x02\n\x11GetStatusResponse\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07replica\x18\x02 \x01(\t\x12\x19\n\x11model_fingerprint\x18\x03 \x01(\t\x12\x0e\n\x06\x65ngine\x18\x04 \x01(\t\x12,\n\x08\x61\x64\x61pters\x18\x05 \x03(\x0b\x32\x1a.rollwire.v1.LoadedAdapter\x12\x11\n\tin_flight\x18\x06 \x01(\r\x12\x13\n\x0bqueue_depth\x18\x07 \x01(\r\x12#\n\x06limits\x18\x08 \x01(\x0b\x32\x13.rollwire.v1.Limits\x12,\n\x08replicas\x18\t \x03(\x0b\x32\x1a.rollwire.v1.ReplicaStatus\x12\x16\n\x0eserver_version\x18\n \x01(\t\"}\n\x06Limits\x12\r\n\x05max_n\x18\x01 \x01(\r\x12\x16\n\x0emax_new_tokens\x18\x02 \x01(\r\x12\x19\n\x11max_prompt_tokens\x18\x03 \x01(\r\x12\x19\n\x11max_adapter_bytes\x18\x04 \x01(\x04\x12\x16\n\x0e\x61\x64\x61pter_window\x18\x05 \x01(\r*v\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x15\n\x11\x46INISH_REASON_EOS\x10\x01\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x02\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x03\x32\xfd\x01\n\x10GeneratorService\x12I\n\x08Generate\x12\x1c.rollwire.v1.GenerateRequest\x1a\x1d.rollwire.v1.GenerateResponse0\x01\x12R\n\x0bPushAdapter\x12\x1f.rollwire.v1.PushAdapterRequest\x1a .rollwire.v1.PushAdapterResponse(\x01\x12J\n\tGetStatus\x12\x1d.rollwire.v1.GetStatusRequest\x1a\x1e.rollwire.v1.GetStatusResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'rollwire.v1.generator_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_FINISHREASON']._serialized_start=2431
-  _globals['_FINISHREASON']._serialized_end=2549
+  _globals['_FINISHREASON']._serialized_start=2414
+  _globals['_FINISHREASON']._serialized_end=2532
   _globals['_TOKENIDS']._serialized_start=44
   _globals['_TOKENIDS']._serialized_end=67
   _globals['_SAMPLINGPARAMS']._serialized_start=70
@@ -50,27 +50,27 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_GROUPRESTARTED']._serialized_start=929
   _globals['_GROUPRESTARTED']._serialized_end=978
   _globals['_GENERATERESPONSE']._serialized_start=981
-  _globals['_GENERATERESPONSE']._serialized_end=1201
-  _globals['_LORACONFIG']._serialized_start=1203
-  _globals['_LORACONFIG']._serialized_end=1290
-  _globals['_ADAPTERMANIFEST']._serialized_start=1293
-  _globals['_ADAPTERMANIFEST']._serialized_end=1456
-  _globals['_PUSHADAPTERREQUEST']._serialized_start=1458
-  _globals['_PUSHADAPTERREQUEST']._serialized_end=1553
-  _globals['_REPLICAPUSHRESULT']._serialized_start=1555
-  _globals['_REPLICAPUSHRESULT']._serialized_end=1622
-  _globals['_PUSHADAPTERRESPONSE']._serialized_start=1625
-  _globals['_PUSHADAPTERRESPONSE']._serialized_end=1776
-  _globals['_GETSTATUSREQUEST']._serialized_start=1778
-  _globals['_GETSTATUSREQUEST']._serialized_end=1796
-  _globals['_LOADEDADAPTER']._serialized_start=1798
-  _globals['_LOADEDADAPTER']._serialized_end=1845
-  _globals['_REPLICASTATUS']._serialized_start=1848
-  _globals['_REPLICASTATUS']._serialized_end=2013
-  _globals['_GETSTATUSRESPONSE']._serialized_start=2016
-  _globals['_GETSTATUSRESPONSE']._serialized_end=2302
-  _globals['_LIMITS']._serialized_start=2304
-  _globals['_LIMITS']._serialized_end=2429
-  _globals['_GENERATORSERVICE']._serialized_start=2552
-  _globals['_GENERATORSERVICE']._serialized_end=2805
+  _globals['_GENERATERESPONSE']._serialized_end=1184
+  _globals['_LORACONFIG']._serialized_start=1186
+  _globals['_LORACONFIG']._serialized_end=1273
+  _globals['_ADAPTERMANIFEST']._serialized_start=1276
+  _globals['_ADAPTERMANIFEST']._serialized_end=1439
+  _globals['_PUSHADAPTERREQUEST']._serialized_start=1441
+  _globals['_PUSHADAPTERREQUEST']._serialized_end=1536
+  _globals['_REPLICAPUSHRESULT']._serialized_start=1538
+  _globals['_REPLICAPUSHRESULT']._serialized_end=1605
+  _globals['_PUSHADAPTERRESPONSE']._serialized_start=1608
+  _globals['_PUSHADAPTERRESPONSE']._serialized_end=1759
+  _globals['_GETSTATUSREQUEST']._serialized_start=1761
+  _globals['_GETSTATUSREQUEST']._serialized_end=1779
+  _globals['_LOADEDADAPTER']._serialized_start=1781
+  _globals['_LOADEDADAPTER']._serialized_end=1828
+  _globals['_REPLICASTATUS']._serialized_start=1831
+  _globals['_REPLICASTATUS']._serialized_end=1996
+  _globals['_GETSTATUSRESPONSE']._serialized_start=1999
+  _globals['_GETSTATUSRESPONSE']._serialized_end=2285
+  _globals['_LIMITS']._serialized_start=2287
+  _globals['_LIMITS']._serialized_end=2412
+  _globals['_GENERATORSERVICE']._serialized_start=2535
+  _globals['_GENERATORSERVICE']._serialized_end=2788
 # @@protoc_insertion_point(module_scope)

@@ -121,10 +121,10 @@ class GenerateResponse(_message.Message):
     FINISHED_FIELD_NUMBER: _ClassVar[int]
     RESTARTED_FIELD_NUMBER: _ClassVar[int]
     started: GenerationStarted
-    tokens: TokenChunk
-    finished: SampleFinished
+    tokens: _containers.RepeatedCompositeFieldContainer[TokenChunk]
+    finished: _containers.RepeatedCompositeFieldContainer[SampleFinished]
     restarted: GroupRestarted
-    def __init__(self, started: _Optional[_Union[GenerationStarted, _Mapping]] = ..., tokens: _Optional[_Union[TokenChunk, _Mapping]] = ..., finished: _Optional[_Union[SampleFinished, _Mapping]] = ..., restarted: _Optional[_Union[GroupRestarted, _Mapping]] = ...) -> None: ...
+    def __init__(self, started: _Optional[_Union[GenerationStarted, _Mapping]] = ..., tokens: _Optional[_Iterable[_Union[TokenChunk, _Mapping]]] = ..., finished: _Optional[_Iterable[_Union[SampleFinished, _Mapping]]] = ..., restarted: _Optional[_Union[GroupRestarted, _Mapping]] = ...) -> None: ...
 
 class LoraConfig(_message.Message):
     __slots__ = ("r", "lora_alpha", "target_modules", "use_rslora")

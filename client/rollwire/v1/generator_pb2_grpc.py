@@ -59,8 +59,8 @@ class GeneratorServiceServicer:
     def Generate(self, request, context):
         """Generate samples `n` completions of one prompt and streams them back as
         token deltas with their logprobs and the adapter version that produced
-        them. The first message is always `started`; each sample ends with a
-        `finished` event. A proxy may send `restarted`, after which every partial
+        them. The first message carries `started`; each sample ends with one
+        `finished` entry. A proxy may send `restarted`, after which every partial
         sample received so far must be discarded.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)

@@ -28,7 +28,7 @@ from rollwire.server.adapters import (
 from rollwire.server.config import GeneratorConfig
 from rollwire.server.engines.base import Engine
 from rollwire.server.metrics import GeneratorMetrics
-from rollwire.server.types import GroupRequest, SampleDone, SamplingParams, TokenDelta, coalesce
+from rollwire.server.types import GroupRequest, SamplingParams, TokenDelta, coalesce
 from rollwire.v1 import generator_pb2 as pb
 from rollwire.v1 import generator_pb2_grpc
 
@@ -81,8 +81,7 @@ class GeneratorServicer(generator_pb2_grpc.GeneratorServiceServicer):
                     if first_token_at is None:
                         first_token_at = time.monotonic()
                         self.metrics.ttft.observe(first_token_at - start)
-                    for ev in coalesce(events):
-                        yield self._to_response(ev)
+                    yield self._to_response(events)
         except RollwireError as err:
             code = err.code
             log.info("generate_refused", code=code.name, reason=err.reason, error=err.message)
@@ -170,27 +169,27 @@ class GeneratorServicer(generator_pb2_grpc.GeneratorServiceServicer):
         )
         return GroupRequest(rid, prompt, req.n, params)
 
-    def _to_response(self, ev) -> pb.GenerateResponse:
-        if isinstance(ev, TokenDelta):
-            self.metrics.tokens.labels("completion").inc(len(ev.token_ids))
-            return pb.GenerateResponse(
-                tokens=pb.TokenChunk(
+    def _to_response(self, events: list) -> pb.GenerateResponse:
+        """One message for everything ready together: a chunk per sample, then finishes."""
+        msg = pb.GenerateResponse()
+        for ev in coalesce(events):
+            if isinstance(ev, TokenDelta):
+                self.metrics.tokens.labels("completion").inc(len(ev.token_ids))
+                msg.tokens.add(
                     sample_index=ev.sample_index,
                     token_ids=ev.token_ids,
                     logprobs=ev.logprobs,
                     text=ev.text,
                     adapter_version=ev.version,
                 )
-            )
-        assert isinstance(ev, SampleDone)
-        return pb.GenerateResponse(
-            finished=pb.SampleFinished(
-                sample_index=ev.sample_index,
-                finish_reason=FINISH[ev.reason],
-                prompt_tokens=ev.prompt_tokens,
-                completion_tokens=ev.completion_tokens,
-            )
-        )
+            else:
+                msg.finished.add(
+                    sample_index=ev.sample_index,
+                    finish_reason=FINISH[ev.reason],
+                    prompt_tokens=ev.prompt_tokens,
+                    completion_tokens=ev.completion_tokens,
+                )
+        return msg
 
     # -- PushAdapter -------------------------------------------------------------------
     async def PushAdapter(self, request_iterator, context: grpc.aio.ServicerContext) -> pb.PushAdapterResponse:

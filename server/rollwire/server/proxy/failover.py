@@ -133,7 +133,7 @@ class GroupRun:
         held, visible = None, False
         try:
             async for message in call:
-                if not visible and message.WhichOneof("event") == "started":
+                if not visible and message.HasField("started") and not (message.tokens or message.finished):
                     held = message
                     continue
                 if not visible:
