@@ -78,3 +78,26 @@ def test_autoscaler_targets_a_metric_generators_export(generator):
     assert metric_value(exported, metric) >= 0
     rules = yaml.safe_load(by_kind("ConfigMap")["rollwire-prometheus-adapter-rules"]["data"]["config.yaml"])
     assert any(rule["name"]["as"] == metric for rule in rules["rules"])
+
+
+def test_proxy_config_map_is_a_valid_proxy_config_that_can_reach_the_generators(tmp_path):
+    from rollwire.server.proxy.config import ProxyConfig
+
+    maps = by_kind("ConfigMap")
+    (tmp_path / "proxy.toml").write_text(maps["rollwire-proxy-config"]["data"]["proxy.toml"])
+    (tmp_path / "generator.toml").write_text(maps["rollwire-generator-config"]["data"]["generator.toml"])
+    proxy = load_config(ProxyConfig, tmp_path / "proxy.toml")
+    generator = load_config(GeneratorConfig, tmp_path / "generator.toml")
+    spec = by_kind("Deployment")["rollwire-proxy"]["spec"]["template"]["spec"]
+    container = spec["containers"][0]
+    ports = {p["name"]: p["containerPort"] for p in container["ports"]}
+    assert (ports["grpc"], ports["metrics"], ports["health"]) == (proxy.port, proxy.metrics_port, proxy.tls.health_port)
+    assert container["readinessProbe"]["grpc"]["port"] == proxy.tls.health_port
+    assert proxy.discover.endswith(f"rollwire-generator.rollwire.svc.cluster.local:{generator.port}")
+    if generator.auth.admin_tokens_file:  # the proxy pushes adapters: it needs an admin token
+        assert proxy.upstream.token_file == generator.auth.admin_tokens_file
+    if generator.tls.cert_file:
+        assert proxy.upstream.ca_file
+    mounts = [m["mountPath"] for m in container["volumeMounts"]]
+    assert any(proxy.spool.dir.startswith(m) for m in mounts)
+    assert proxy.spool.keep_versions >= generator.adapter_window

@@ -24,7 +24,7 @@ def register(subparsers) -> None:
     p.add_argument("--ready-file", help="write {port, metrics_port, pid} as JSON here once serving")
     p.add_argument("--dry-run", action="store_true", help="print the resolved config and exit")
     p.add_argument("--register", metavar="PROXY_ADDR", help="join this routing proxy by itself, with heartbeats (default: off)")
-    p.add_argument("--register-ttl", type=int, default=15, metavar="SECONDS",
+    p.add_argument("--register-ttl", type=int, metavar="SECONDS",
                    help="the proxy forgets this replica this long after its last heartbeat (default 15)")
     p.add_argument("--advertise", metavar="HOST:PORT", help="address the proxy dials to reach this replica (default host:port)")
     p.add_argument("--register-token-file", metavar="FILE", help="admin-role bearer token for a proxy that requires tokens")
@@ -49,6 +49,11 @@ def run_generator_command(args: argparse.Namespace) -> int:
         "metrics_port": args.metrics_port,
         "replica_id": args.replica_id,
         "adapter_window": args.adapter_window,
+        "registration.proxy": args.register,
+        "registration.ttl_seconds": args.register_ttl,
+        "registration.advertise": args.advertise,
+        "registration.token_file": args.register_token_file,
+        "registration.tls_ca_file": args.register_tls_ca,
     }
     try:
         config = load_config(GeneratorConfig, args.config, args.set, flags)
@@ -64,24 +69,25 @@ def run_generator_command(args: argparse.Namespace) -> int:
     from rollwire.server.app import run_generator
 
     setup_logging("generator", config.log_level)
-    asyncio.run(run_generator(config, args.ready_file, _registration(args, config.host)))
+    asyncio.run(run_generator(config, args.ready_file, _registration(config)))
     return 0
 
 
-def _registration(args: argparse.Namespace, host: str):
-    """The proxy membership asked for with --register, or None."""
-    if not args.register:
+def _registration(config):
+    """The proxy membership asked for in config.registration (or --register), or None."""
+    reg = config.registration
+    if not reg.proxy:
         return None
-    if host in ("0.0.0.0", "::", "") and not args.advertise:
-        raise SystemExit(f"--register: the proxy cannot dial {host!r}; give --advertise HOST:PORT, the address it can reach")
+    if config.host in ("0.0.0.0", "::", "") and not reg.advertise:
+        raise SystemExit(f"--register: the proxy cannot dial {config.host!r}; give --advertise HOST:PORT, the address it can reach")
     from pathlib import Path
 
     from rollwire.server.proxy.registration import Registration
     from rollwire.server.security import read_tokens
 
-    token = sorted(read_tokens(args.register_token_file))[0] if args.register_token_file else ""
+    token = sorted(read_tokens(reg.token_file))[0] if reg.token_file else ""
     try:
-        ca = Path(args.register_tls_ca).read_bytes() if args.register_tls_ca else None
+        ca = Path(reg.tls_ca_file).read_bytes() if reg.tls_ca_file else None
     except OSError as exc:
-        raise SystemExit(f"cannot read --register-tls-ca {args.register_tls_ca}: {exc.strerror}") from None
-    return Registration(args.register, args.advertise or "", max(3, args.register_ttl), token, ca)
+        raise SystemExit(f"cannot read registration.tls_ca_file {reg.tls_ca_file}: {exc.strerror}") from None
+    return Registration(reg.proxy, reg.advertise, reg.ttl_seconds, token, ca)

@@ -58,6 +58,16 @@ class SGLangSection(Section):
     max_concurrent_groups: int = Field(256, ge=1, description="Groups streamed from SGLang at once; more wait in rollwire's queue.")
 
 
+class RegisterSection(Section):
+    """Self-registration with a routing proxy (heartbeats); off unless `proxy` is set."""
+
+    proxy: str = Field("", description="HOST:PORT of the proxy to join; empty = do not register.")
+    ttl_seconds: int = Field(15, ge=3, description="The proxy forgets this replica this long after its last heartbeat.")
+    advertise: str = Field("", description="HOST:PORT the proxy dials to reach this replica; defaults to host:port.")
+    token_file: str = Field("", description="Admin-role bearer token for a proxy that requires tokens.")
+    tls_ca_file: str = Field("", description="PEM roots of the proxy's certificate, for a proxy that listens with TLS.")
+
+
 class GeneratorConfig(Section):
     """One generator replica: the model, where it listens, and its limits."""
 
@@ -75,3 +85,4 @@ class GeneratorConfig(Section):
     sglang: SGLangSection = Field(default_factory=SGLangSection)
     auth: AuthSection = Field(default_factory=AuthSection)
     tls: TlsSection = Field(default_factory=TlsSection)
+    registration: RegisterSection = Field(default_factory=RegisterSection)
