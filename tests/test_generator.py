@@ -175,7 +175,7 @@ def test_cancel_mid_stream_frees_the_slot(generator):
     assert metric_value(metrics, "rollwire_generator_in_flight_requests") == 0
     assert metric_value(metrics, "rollwire_generator_requests_total", 'code="CANCELLED"') >= 1
     assert metric_value(metrics, "rollwire_generator_running_groups") == 0
-    assert generate(generator.target, "after", max_new_tokens=3).finished[0].completion_tokens == 3
+    assert generate(generator.target, "after", max_new_tokens=3, ignore_eos=True).finished[0].completion_tokens == 3
 
 
 def test_concurrent_groups_share_forward_passes(generator):

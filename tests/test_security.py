@@ -89,7 +89,7 @@ def test_missing_wrong_and_wrong_role_tokens_are_refused(secured, method, desc):
 
 def test_roles_through_the_sdk(secured):
     with Client(secured.target, token=GENERATE_TOKEN, timeout=30) as c:
-        assert c.generate("ok", max_new_tokens=2).samples[0].completion_tokens == 2
+        assert c.generate("ok", max_new_tokens=2, ignore_eos=True).samples[0].completion_tokens == 2
         with pytest.raises(PermissionDenied, match="admin role"):
             c.push_adapter("x", 1, b"\0" * 16, {"r": 4, "lora_alpha": 8, "target_modules": ["q_proj"]}, "sha256:0")
     with Client(secured.target, timeout=30) as c, pytest.raises(Unauthenticated, match="bearer token"):
@@ -127,7 +127,7 @@ def test_tls_round_trip_and_plaintext_refused(tiny_model, pki, tmp_path, mutual)
             pki / "ca.pem", pki / "client.pem" if mutual else None, pki / "client.key" if mutual else None
         )
         with Client(svc.target, tls=client_tls, timeout=30, max_attempts=1) as c:
-            assert c.generate("secure", max_new_tokens=3).samples[0].completion_tokens == 3
+            assert c.generate("secure", max_new_tokens=3, ignore_eos=True).samples[0].completion_tokens == 3
         with Client(svc.target, timeout=5, max_attempts=1) as c, pytest.raises(Unavailable):
             c.get_status()  # plaintext is refused when TLS is on
         if mutual:
