@@ -6,10 +6,10 @@ STAMP  := $(VENV)/.installed
 BUF    := .tools/node_modules/.bin/buf
 PROTOS := $(wildcard proto/rollwire/v1/*.proto)
 
-.PHONY: help install test lint proto demo bench clean
+.PHONY: help install system-deps test lint proto demo bench clean
 
 help:
-	@echo "make demo     run the local stack on the tiny model"
+	@echo "make demo     teach the tiny model, run 2 replicas + proxy + learner, watch GRPO learn"
 	@echo "make test     lint the protos and run the test suite"
 	@echo "make install  create .venv (CPU torch first, then rollwire with pinned dependencies)"
 	@echo "make proto    regenerate the Python stubs from proto/"
@@ -31,14 +31,20 @@ $(BUF): .tools/package.json .tools/package-lock.json
 lint: $(BUF)
 	$(BUF) lint
 
-test: install lint
+# Prometheus (Debian's package) for the dashboard test; openssl for the TLS tests.
+SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
+system-deps:
+	@command -v prometheus >/dev/null && command -v openssl >/dev/null || \
+	  { $(SUDO) apt-get update -qq && $(SUDO) apt-get install -y -qq --no-install-recommends prometheus openssl; }
+
+test: install lint system-deps
 	$(BIN)/python -m pytest -q
 
 proto: install
 	$(BIN)/python -m grpc_tools.protoc -Iproto --python_out=client --pyi_out=client --grpc_python_out=client $(PROTOS)
 
 demo: install
-	bash scripts/demo.sh
+	$(BIN)/python -m rollwire.learner.demo
 
 clean:
 	rm -rf $(VENV) .tools/node_modules .pytest_cache

@@ -69,6 +69,26 @@ PANELS = [
     ("Generators", "Adapter push latency (p50, p90)", "s",
      [(q(0.5, "rollwire_generator_adapter_push_duration_seconds"), "p50"),
       (q(0.9, "rollwire_generator_adapter_push_duration_seconds"), "p90")]),
+    ("Learner", "Reward (mean and std of the last step)", "short",
+     [("rollwire_learner_reward_mean", "mean"), ("rollwire_learner_reward_std", "std")]),
+    ("Learner", "Accuracy (rollouts and held-out)", "percentunit",
+     [("rollwire_learner_accuracy", "rollouts"), ("rollwire_learner_eval_accuracy", "held-out (greedy)")]),
+    ("Learner", "Staleness of trained groups (versions)", "short",
+     [(q(0.5, "rollwire_learner_staleness"), "p50"), (q(0.9, "rollwire_learner_staleness"), "p90"),
+      (f"sum(rate(rollwire_learner_staleness_sum[{W}])) / sum(rate(rollwire_learner_staleness_count[{W}]))", "mean")]),
+    ("Learner", "Step time by phase", "s",
+     [(f"sum by (phase) (rate(rollwire_learner_step_phase_seconds_sum[{W}])) / "
+       f"sum by (phase) (rate(rollwire_learner_step_phase_seconds_count[{W}]))", "{{phase}}")]),
+    ("Learner", "Policy version: trained vs served", "none",
+     [("rollwire_learner_policy_version", "trained"), ("rollwire_learner_served_version", "served")]),
+    ("Learner", "Adapter push latency (p50, p90)", "s",
+     [(q(0.5, "rollwire_learner_push_seconds"), "p50"), (q(0.9, "rollwire_learner_push_seconds"), "p90")]),
+    ("Learner", "Importance ratio pi/mu (last step)", "short",
+     [("rollwire_learner_importance_ratio", "{{stat}}")]),
+    ("Learner", "Trained tokens per second", "short",
+     [("rollwire_learner_tokens_per_second", "tokens/s")]),
+    ("Learner", "Groups dropped by reason", "short",
+     [(f"sum by (reason) (increase(rollwire_learner_groups_dropped_total[{W}])) or vector(0)", "{{reason}}")]),
 ]
 
 
