@@ -2,7 +2,9 @@
 
 fingerprint = "sha256:" + hex digest over the model's config.json (canonical JSON) and the
 bytes of every *.safetensors file, in name order. Computed from the folder with hashlib
-alone, so the generator, the learner and the CLI (without torch) agree on it.
+alone, so the generator, the learner and the CLI (without torch) agree on it. A folder with
+no weights has a fingerprint only when asked for `config_only` (the scripted benchmark
+engine): the same digest over config.json alone.
 """
 
 from __future__ import annotations
@@ -14,8 +16,9 @@ from pathlib import Path
 _CHUNK = 8 * 1024 * 1024
 
 
-def model_fingerprint(model_dir: str | Path) -> str:
-    """Fingerprint of a local HF model folder; raises FileNotFoundError when not one."""
+def model_fingerprint(model_dir: str | Path, *, config_only: bool = False) -> str:
+    """Fingerprint of a local HF model folder; raises FileNotFoundError when not one
+    (with `config_only`, a folder holding only config.json is one)."""
     root = Path(model_dir)
     config_path = root / "config.json"
     if not config_path.is_file():
@@ -24,7 +27,7 @@ def model_fingerprint(model_dir: str | Path) -> str:
     config = json.loads(config_path.read_text())
     digest.update(json.dumps(config, sort_keys=True, separators=(",", ":")).encode())
     weights = sorted(root.glob("*.safetensors"))
-    if not weights:
+    if not weights and not config_only:
         raise FileNotFoundError(f"{root} has no *.safetensors weights")
     for path in weights:
         digest.update(path.name.encode())

@@ -45,6 +45,13 @@ def make_engine(config: GeneratorConfig, metrics: GeneratorMetrics):
         from rollwire.server.engines.sglang_engine import SGLangEngine
 
         return SGLangEngine.from_config(config)
+    if config.engine == "scripted":
+        from rollwire.server.engines.scripted import ScriptedEngine
+
+        s = config.scripted
+        return ScriptedEngine(
+            config.model, tokens_per_s=s.tokens_per_s, logprob=s.logprob, max_concurrent_groups=s.max_concurrent_groups
+        )
     raise NotImplementedError(f"engine {config.engine!r} is not available in this build")
 
 
@@ -80,7 +87,8 @@ async def start_generator(config: GeneratorConfig) -> RunningGenerator:
     await engine.start()
     metrics.queue_depth.set_function(lambda: engine.stats().queued)
     metrics.running.set_function(lambda: engine.stats().running)
-    fingerprint = await asyncio.to_thread(model_fingerprint, config.model)
+    config_only = config.engine == "scripted"  # the benchmark engine may serve a folder without weights
+    fingerprint = await asyncio.to_thread(model_fingerprint, config.model, config_only=config_only)
     registry = AdapterRegistry(engine.load_adapter, engine.unload_adapter, config.adapter_window)
     server = grpc.aio.server(options=SERVER_OPTIONS, interceptors=interceptors(config.auth))
     port = add_port(server, f"{config.host}:{config.port}", config.tls)
@@ -93,7 +101,7 @@ async def start_generator(config: GeneratorConfig) -> RunningGenerator:
         registry,
         metrics,
         fingerprint=fingerprint,
-        base_shapes=base_linear_shapes(config.model),
+        base_shapes=base_linear_shapes(config.model, config_only=config_only),
         replica=replica,
     )
     generator_pb2_grpc.add_GeneratorServiceServicer_to_server(servicer, server)

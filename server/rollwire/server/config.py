@@ -58,6 +58,14 @@ class SGLangSection(Section):
     max_concurrent_groups: int = Field(256, ge=1, description="Groups streamed from SGLang at once; more wait in rollwire's queue.")
 
 
+class ScriptedSection(Section):
+    """Settings of the scripted benchmark engine: tokens at a set rate, no model (engines/scripted.py)."""
+
+    tokens_per_s: float = Field(100.0, ge=0, description="Tokens per second per sample, all n samples of a group together; 0 = as fast as the event loop runs.")
+    logprob: float = Field(-1.0, le=0, description="The logprob reported for every token.")
+    max_concurrent_groups: int = Field(256, ge=1, description="Groups generating at once; more wait in the engine's queue.")
+
+
 class RegisterSection(Section):
     """Self-registration with a routing proxy (heartbeats); off unless `proxy` is set."""
 
@@ -72,7 +80,9 @@ class GeneratorConfig(Section):
     """One generator replica: the model, where it listens, and its limits."""
 
     model: str = Field("", description="Local Hugging Face model folder (config.json + *.safetensors + tokenizer).")
-    engine: Literal["transformers", "sglang"] = Field("transformers", description="Model backend.")
+    engine: Literal["transformers", "sglang", "scripted"] = Field(
+        "transformers", description="Model backend; scripted is a benchmark engine with no model (needs only config.json)."
+    )
     host: str = Field("127.0.0.1", description="Address the gRPC server binds; 0.0.0.0 to accept remote clients.")
     port: int = Field(50051, ge=0, le=65535, description="gRPC port; 0 picks a free one.")
     metrics_port: int = Field(9400, ge=0, le=65535, description="Prometheus /metrics port; 0 picks a free one.")
@@ -83,6 +93,7 @@ class GeneratorConfig(Section):
     limits: Limits = Field(default_factory=Limits)
     transformers: TransformersSection = Field(default_factory=TransformersSection)
     sglang: SGLangSection = Field(default_factory=SGLangSection)
+    scripted: ScriptedSection = Field(default_factory=ScriptedSection)
     auth: AuthSection = Field(default_factory=AuthSection)
     tls: TlsSection = Field(default_factory=TlsSection)
     registration: RegisterSection = Field(default_factory=RegisterSection)
