@@ -109,7 +109,7 @@ class Session:
         self.producer = Producer(
             self.client, self.stream, build_rewards(cfg.rewards), self.buffer, self.ledger, cfg.rollout,
             f"{cfg.adapter_name}@latest", cfg.seed, self._admit, self.publisher.republish,
-            on_group=lambda g, restarts: self.metrics.restarts.inc(restarts),
+            on_group=self._on_group,
             on_reward_error=lambda name: self.metrics.reward_errors.labels(name).inc(),
         )
         self.steps_log = (self.run_dir / "steps.jsonl").open("a")
@@ -120,6 +120,7 @@ class Session:
         self.ratios_fresh: list[float] = []
         self.push_latencies: list[float] = []
         self.evals: list[dict] = []
+        self.scored: list[tuple[float, bool]] = []  # (reward, correct) of every sample scored since the last step
         self.stop_reason = ""
         self.stopping = asyncio.Event()
         self.last_checkpoint_step = self.step
@@ -210,7 +211,10 @@ class Session:
         self.metrics.pending.labels("in_flight").set(self.ledger.in_flight)
         self.metrics.pending.labels("buffered").set(self.ledger.buffered)
         self.ledger.check()
-        line = {"step": self.step, "version": self.version, "served": self.publisher.served,
+        scored, self.scored = self.scored, []
+        rollout = {"rollout_reward_mean": sum(r for r, _ in scored) / len(scored) if scored else None,
+                   "rollout_accuracy": sum(c for _, c in scored) / len(scored) if scored else None}
+        line = {"step": self.step, "version": self.version, "served": self.publisher.served, **rollout,
                 "elapsed_s": round(time.monotonic() - self.started, 3), "staleness_mean": sum(stale) / len(stale),
                 "staleness_max": max(stale), "phase_seconds": {k: round(v, 4) for k, v in seconds.items()},
                 "groups": self.ledger.snapshot(), **{k: _round(v) for k, v in vars(stats).items()}}
@@ -251,6 +255,8 @@ class Session:
                   "answered": result.answered, "failed": result.failed,
                   "elapsed_s": round(time.monotonic() - self.started, 3)}
         self.evals.append(record)
+        with (self.run_dir / "evals.jsonl").open("a") as f:
+            f.write(json.dumps(record) + "\n")
         if result.accuracy is not None:
             self.metrics.eval_accuracy.set(result.accuracy)
         log.info("evaluated", seconds=round(time.monotonic() - started, 2), **record)
@@ -299,6 +305,10 @@ class Session:
     async def close(self) -> None:
         self.steps_log.close()
         await self.client.close()
+
+    def _on_group(self, group: ScoredGroup, restarts: int) -> None:
+        self.metrics.restarts.inc(restarts)
+        self.scored += [(s.reward, s.correct) for s in group.samples]
 
     def _on_push(self, record: PushRecord) -> None:
         self.metrics.on_push(record)

@@ -1,0 +1,50 @@
+"""Kill the learner mid-run, resume it: versions keep increasing and the replicas accept them."""
+
+from __future__ import annotations
+
+import pytest
+from learner_fixtures import (
+    adapter_versions,
+    learner_args,
+    log_events,
+    run_learner,
+    steps,
+    summary,
+    wait_for_steps,
+)
+
+from rollwire.common.services import start
+from rollwire.learner.checkpoint import load_latest
+
+pytest_plugins = ["learner_fixtures"]  # one taught model and one shared stack per session
+pytestmark = pytest.mark.slow
+
+
+def test_killed_learner_resumes_with_increasing_versions(stack, taught_model, tmp_path):
+    run = tmp_path / "run"
+    args = learner_args(stack.proxy.target, taught_model, run, "policy-resume", "checkpoint.every_steps=3",
+                        "eval.at_start=false", "eval.at_end=false")
+    first = start([*args, "max_steps=1000"], tmp_path, "learner-1", timeout=120)
+    wait_for_steps(run, 8, first.proc)
+    first.kill()  # SIGKILL: no final checkpoint, pushes after the last checkpoint are on the replicas
+    before = steps(run)
+    saved = load_latest(run / "checkpoints").state
+    pushed = adapter_versions(stack.proxy.target, "policy-resume")
+    assert max(pushed) >= saved.version  # usually above it: pushes after the last checkpoint
+
+    with pytest.raises(AssertionError, match="--resume"):
+        run_learner([*args, "max_steps=1"])  # an earlier run's checkpoints are never overwritten silently
+
+    result = run_learner([*args, "max_steps=4", "--resume"])
+    ready = log_events(result.stderr, "learner_ready")[0]
+    assert ready["resumed_from"].endswith(f"step-{saved.step:06d}")
+    assert ready["data_cursor"] == saved.data_cursor > 0
+    s = summary(run)
+    assert s["first_version"] == max(pushed) + 1  # strictly above every version the replicas saw
+    assert s["step"] == saved.step + 4 and s["steps"] == 4
+    assert s["served_version"] == s["last_version"] == s["first_version"] + 4  # the replicas accepted every push
+    assert not log_events(result.stderr, "push_refused")
+    after = steps(run)[len(before):]
+    versions = [line["version"] for line in before + after]
+    assert versions == sorted(set(versions)), versions
+    assert adapter_versions(stack.proxy.target, "policy-resume")[-1] == s["last_version"]
