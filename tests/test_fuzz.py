@@ -1,8 +1,7 @@
-"""Property-based fuzzing: random and malformed messages to a real generator.
+"""Property-based fuzzing: random and malformed messages to a real generator and a proxy.
 
 Every request is answered with a status (never a hang, never a crash), and a good request
-afterwards still succeeds. Targets are the services a test started; extra targets (the
-proxy) join through the `fuzz_targets` fixture.
+afterwards still succeeds on each.
 """
 
 from __future__ import annotations
@@ -12,6 +11,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from conftest import start_service
 from helpers import generate
 from rollwire.v1 import generator_pb2 as pb
 from rollwire.v1 import generator_pb2_grpc
@@ -55,8 +55,12 @@ requests = st.builds(
 
 
 @pytest.fixture(scope="module")
-def fuzz_targets(generator):
-    return [generator]
+def fuzz_targets(generator, tmp_path_factory):
+    """The shared replica, and a proxy in front of it: both get every fuzzed message."""
+    proxy = start_service(["proxy", "--port", "0", "--metrics-port", "0", "--generator", generator.target],
+                          tmp_path_factory.mktemp("fuzz"), "fuzz-proxy")
+    yield [generator, proxy]
+    proxy.stop()
 
 
 def outcome(call) -> grpc.StatusCode:

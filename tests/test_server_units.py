@@ -157,3 +157,13 @@ async def test_registry_window_leases_and_handles():
     with pytest.raises(NotFound):
         reg.acquire("b", 0)
     assert reg.acquire("a", 0).version == 3
+
+
+def test_request_ids_are_kept_only_when_safe_to_forward_and_log():
+    from rollwire.common.logs import request_id_from
+
+    assert request_id_from([("x-request-id", "abc-123")], "field") == "abc-123"
+    assert request_id_from([], "from-field") == "from-field"
+    for bad in ("\x1f", "has space", "x" * 65, ""):
+        rid = request_id_from([("x-request-id", bad)], bad)
+        assert rid != bad and len(rid) == 16

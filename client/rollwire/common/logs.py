@@ -7,6 +7,7 @@ request is handled carries it, and the proxy forwards it to replicas as `x-reque
 from __future__ import annotations
 
 import logging
+import re
 import sys
 import uuid
 
@@ -37,12 +38,18 @@ def new_request_id() -> str:
     return uuid.uuid4().hex[:16]
 
 
+_ID_RE = re.compile(r"^[A-Za-z0-9._:/+=@-]{1,64}$")
+
+
 def request_id_from(metadata, fallback: str = "") -> str:
-    """The request id from gRPC invocation metadata, else `fallback`, else a new one."""
+    """The request id from gRPC invocation metadata, else `fallback`, else a new one.
+
+    Ids travel on as metadata and into logs, so only 1-64 printable characters of a safe
+    set are kept; anything else is replaced by a fresh id rather than refused."""
     for key, value in metadata or ():
-        if key == REQUEST_ID_KEY and value:
-            return str(value)[:64]
-    return fallback[:64] or new_request_id()
+        if key == REQUEST_ID_KEY and value and _ID_RE.match(str(value)):
+            return str(value)
+    return fallback if _ID_RE.match(fallback) else new_request_id()
 
 
 def get_logger(name: str):
