@@ -86,6 +86,9 @@ def run_learner(args: argparse.Namespace) -> int:
     except LearnerError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1
+    except asyncio.CancelledError:  # a second Ctrl-C: stopped without waiting for the last push
+        print("learner: stopped", file=sys.stderr)
+        return 130
     if config.progress and sys.stdout.isatty():
         print()
     before, after = summary["accuracy_before"], summary["accuracy_after"]

@@ -37,6 +37,10 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    # Ctrl-C (even when started in the background, where SIGINT may be ignored) and SIGTERM
+    # both end up in the KeyboardInterrupt path below, which stops every process it started.
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    signal.signal(signal.SIGTERM, signal.default_int_handler)
     run = new_run_folder(Path(args.runs_dir))
     services: list[ServiceProcess] = []
     say(f"rollwire demo: {args.replicas} generator replicas behind a proxy, {args.budget_s:.0f} s of GRPO training")
@@ -72,8 +76,12 @@ def say(line: str) -> None:
 
 
 def new_run_folder(runs: Path) -> Path:
-    run = runs / datetime.now().strftime("%Y%m%d-%H%M%S")
-    run.mkdir(parents=True, exist_ok=False)
+    stamp = datetime.now().strftime("%Y%m%d-%H%M%S")
+    run, n = runs / stamp, 1
+    while run.exists():  # two runs in the same second
+        n += 1
+        run = runs / f"{stamp}-{n}"
+    run.mkdir(parents=True)
     latest = runs / "latest"
     if latest.is_symlink() or latest.exists():
         latest.unlink()
@@ -209,13 +217,11 @@ def print_table(s: dict, run: Path) -> None:
 
 
 def stop_all(services: list[ServiceProcess]) -> None:
-    """Learner first (it checkpoints and pushes its last version), then the proxy and replicas."""
-    for svc in reversed(services):
-        if svc.proc.poll() is None:
-            svc.proc.send_signal(signal.SIGTERM)
+    """One at a time, in reverse order of starting: the learner (it checkpoints and pushes its
+    last version) while the proxy still serves, then the proxy, then the replicas."""
     for svc in reversed(services):
         try:
-            svc.stop(timeout=60)
+            svc.stop(timeout=30 if svc.name == "learner" else 15)
         except KeyboardInterrupt:
             svc.kill()
 

@@ -52,9 +52,15 @@ async def run_learner(cfg: LearnerConfig, *, resume: bool = False, ready_file: s
     session = await Session.open(cfg, resume)
     try:
         metrics_port = session.metrics.serve(cfg.metrics_host, cfg.metrics_port)
-        loop = asyncio.get_running_loop()
+        loop, main = asyncio.get_running_loop(), asyncio.current_task()
+
+        def on_signal() -> None:  # the first signal stops cleanly (checkpoint), a second one at once
+            if session.stopping.is_set():
+                main.cancel()
+            session.request_stop("signal")
+
         for sig in (signal.SIGINT, signal.SIGTERM):
-            loop.add_signal_handler(sig, session.request_stop, "signal")
+            loop.add_signal_handler(sig, on_signal)
         if ready_file:
             write_ready_file(ready_file, {"port": 0, "metrics_port": metrics_port, "pid": os.getpid()})
         log.info("learner_serving_metrics", port=metrics_port)

@@ -266,10 +266,12 @@ class Session:
         """Stop producing, count what is left, finish pushing, checkpoint."""
         await self.producer.stop()
         self.buffer.drain("shutdown")
+        # Interrupted: the stack is likely going down too, so the last push gets a short chance.
+        flush_s = 5.0 if self.stop_reason == "signal" else self.cfg.client.timeout_s
         try:
-            await asyncio.wait_for(self.publisher.close(), timeout=self.cfg.client.timeout_s)
+            await asyncio.wait_for(self.publisher.close(), timeout=flush_s)
         except asyncio.TimeoutError:
-            log.error("final_push_timed_out", version=self.version)
+            log.error("final_push_timed_out", version=self.version, waited_s=flush_s)
         finally:
             if self.step > self.last_checkpoint_step or not checkpoint.load_latest(self.checkpoint_dir):
                 self.save_checkpoint()

@@ -1,0 +1,151 @@
+"""Producer and publisher against fake clients: every failure counted, pushes ordered and bounded."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+
+import pytest
+
+from rollwire.client._common import AdapterVersion, GenerateResult, Sample
+from rollwire.common.errors import FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted, Unavailable
+from rollwire.learner.buffer import Buffer, GroupLedger, Signal
+from rollwire.learner.config import RewardSpec, RolloutSection
+from rollwire.learner.producer import Producer
+from rollwire.learner.publisher import Publisher
+from rollwire.learner.rewards import build_rewards
+from rollwire.learner.task import DataStream, Example
+
+
+def result(prompt: str, texts: list[str], version: int = 3) -> GenerateResult:
+    samples = [Sample(i, [4 + i, 2], [-0.1, -0.2], t, "eos", "policy", version, [version, version], 6, 2)
+               for i, t in enumerate(texts)]
+    return GenerateResult("r", "replica-1", AdapterVersion("policy", version), [9] * 6, samples)
+
+
+class FakeGenerator:
+    """Answers by prompt: an exception to raise, or the texts of the samples."""
+
+    def __init__(self, answers: dict) -> None:
+        self.answers = answers
+        self.requests = []
+
+    async def generate(self, prompt, n, **options):
+        self.requests.append((prompt, options))
+        await asyncio.sleep(0)
+        answer = self.answers[prompt]
+        if isinstance(answer, Exception):
+            raise answer
+        return result(prompt, answer)
+
+
+def producer_for(answers: dict, examples: list[Example], rewards=None, in_flight=4):
+    ledger = GroupLedger()
+    buffer = Buffer(max_staleness=1, keep_zero_variance=False, ledger=ledger)
+    missing = []
+    producer = Producer(
+        FakeGenerator(answers), DataStream(examples, seed=0), build_rewards(rewards or [RewardSpec()]), buffer, ledger,
+        RolloutSection(n=2, groups_in_flight=in_flight, retry_backoff_s=0.01), "policy@latest", seed=0,
+        admit=lambda: True, on_adapter_missing=lambda: missing.append(1),
+    )
+    return producer, ledger, buffer, missing
+
+
+async def run_until(ledger: GroupLedger, producer: Producer, requested: int) -> None:
+    producer.start()
+    await asyncio.wait_for(ledger.changed.wait_for(lambda: ledger.requested >= requested and ledger.in_flight == 0), 5)
+    await producer.stop()
+
+
+async def test_every_failure_is_dropped_with_its_reason():
+    examples = [Example(i, p, "1") for i, p in enumerate(["ok", "long", "down", "busy", "gone", "old", "flaky"])]
+    answers = {
+        "ok": ["1", "2"], "long": InvalidArgument("prompt too long"), "down": Unavailable("no replica"),
+        "busy": ResourceExhausted("queue full"), "gone": NotFound("no adapter"),
+        "old": FailedPrecondition("evicted"), "flaky": ["1", "2"],
+    }
+    flaky = RewardSpec(kind="python", name="flaky", function="test_learner_pipeline:_raise_on_flaky")
+    producer, ledger, buffer, missing = producer_for(answers, examples, [RewardSpec(), flaky], in_flight=7)
+    await run_until(ledger, producer, 7)
+    assert len(buffer) == 1
+    assert dict(ledger.dropped) == {"refused": 2, "unavailable": 1, "busy": 1, "adapter_missing": 1, "reward_error": 1}
+    assert missing == [1]  # the publisher is asked to push the newest version again
+    ledger.check()
+
+
+def _raise_on_flaky(completion, example):
+    if example.prompt == "flaky":
+        raise RuntimeError("cannot score this one")
+    return 0.0
+
+
+async def test_requests_are_seeded_by_data_position_and_bounded_in_flight():
+    examples = [Example(i, f"p{i}", "1") for i in range(3)]
+    producer, ledger, buffer, _ = producer_for({f"p{i}": ["1", "0"] for i in range(3)}, examples, in_flight=2)
+    producer.start()
+    await asyncio.wait_for(ledger.changed.wait_for(lambda: ledger.buffered == 2), 5)
+    await asyncio.sleep(0.05)
+    assert ledger.requested == 2  # nothing more until the trainer takes a group
+    await producer.stop()
+    seeds = [options["seed"] for _, options in producer.client.requests]
+    assert len(set(seeds)) == 2 and all(options["adapter"] == "policy@latest" for _, options in producer.client.requests)
+    assert all(options["temperature"] == 1.0 for _, options in producer.client.requests)
+
+
+class FakeTarget:
+    """Records pushes; each push waits for the test to release it."""
+
+    def __init__(self, failures: list[Exception] | None = None) -> None:
+        self.pushed: list[int] = []
+        self.in_flight = 0
+        self.max_in_flight = 0
+        self.release = asyncio.Event()
+        self.failures = list(failures or [])
+
+    async def push_adapter(self, name, version, payload, lora, fingerprint):
+        self.in_flight += 1
+        self.max_in_flight = max(self.max_in_flight, self.in_flight)
+        try:
+            await self.release.wait()
+            if self.failures:
+                raise self.failures.pop(0)
+            self.pushed.append(version)
+            return dataclasses.make_dataclass("R", ["replicas", "already_loaded"])([], False)
+        finally:
+            self.in_flight -= 1
+
+
+async def test_one_push_in_flight_and_a_newer_version_supersedes_the_pending_one():
+    target, records = FakeTarget(), []
+    pub = Publisher(target, "policy", "fp", {}, Signal(), 0.01, records.append)
+    await pub.publish(1, b"x")
+    await asyncio.sleep(0.01)  # v1 is now being pushed
+    for v in (2, 3, 4):
+        await pub.publish(v, b"x")  # never blocks the trainer
+    await asyncio.sleep(0.01)
+    target.release.set()
+    await pub.close()
+    assert target.pushed == [1, 4] and target.max_in_flight == 1
+    assert pub.served == 4
+    assert [(r.version, r.outcome) for r in records if r.outcome != "ok"] == [(2, "superseded"), (3, "superseded")]
+
+
+async def test_sync_publish_waits_until_served_and_retries_unavailable():
+    target = FakeTarget([Unavailable("replica restarting")])
+    pub = Publisher(target, "policy", "fp", {}, Signal(), 0.01)
+    waiting = asyncio.ensure_future(pub.publish(1, b"x", wait=True))
+    await asyncio.sleep(0.02)
+    assert not waiting.done()
+    target.release.set()
+    await asyncio.wait_for(waiting, 2)
+    assert target.pushed == [1] and pub.served == 1
+
+
+async def test_a_refused_push_is_raised_to_the_trainer():
+    target = FakeTarget([FailedPrecondition("adapter was trained on another base model")])
+    target.release.set()
+    pub = Publisher(target, "policy", "fp", {}, Signal(), 0.01)
+    with pytest.raises(FailedPrecondition, match="another base model"):
+        await pub.publish(1, b"x", wait=True)
+    with pytest.raises(FailedPrecondition):
+        await pub.publish(2, b"x")
