@@ -13,6 +13,7 @@ help:
 	@echo "make test     lint the protos and run the test suite"
 	@echo "make install  create .venv (CPU torch first, then rollwire with pinned dependencies)"
 	@echo "make proto    regenerate the Python stubs from proto/"
+	@echo "make bench    run every benchmark (about 15 min on 2 cores) and rewrite docs/benchmarks.md"
 
 install: $(STAMP)
 
@@ -45,6 +46,15 @@ proto: install
 
 demo: install
 	$(BIN)/python -m rollwire.learner.demo
+
+# Each line is also runnable alone; each writes bench/results/<name>.json, report.py the docs.
+bench: install
+	$(BIN)/python bench/generator_efficiency.py
+	$(BIN)/python bench/weight_push.py
+	$(BIN)/python bench/proxy_overhead.py
+	$(BIN)/python bench/scaling.py
+	$(BIN)/python bench/async_vs_sync.py
+	$(BIN)/python bench/report.py
 
 clean:
 	rm -rf $(VENV) .tools/node_modules .pytest_cache

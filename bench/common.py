@@ -6,6 +6,7 @@ that reproduces it and, for each figure, min/median/max over its repeats.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import platform
@@ -59,3 +60,110 @@ class Timer:
 
     def __exit__(self, *exc):
         self.seconds = time.perf_counter() - self.start
+
+
+# -- scripted clusters (weight push, proxy overhead, scaling) ---------------------------
+
+QWEN25 = {  # public config.json fields of Qwen2.5 that decide the linear layers' shapes
+    "0.5B": dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
+                 num_key_value_heads=2, head_dim=64, tie_word_embeddings=True),
+    "1.5B": dict(hidden_size=1536, intermediate_size=8960, num_hidden_layers=28, num_attention_heads=12,
+                 num_key_value_heads=2, head_dim=128, tie_word_embeddings=True),
+    "7B": dict(hidden_size=3584, intermediate_size=18944, num_hidden_layers=28, num_attention_heads=28,
+               num_key_value_heads=4, head_dim=128, tie_word_embeddings=False),
+}
+
+
+def config_only_model(name: str, fields: dict) -> Path:
+    """A model folder with only config.json (Qwen2 family), served by the scripted engine."""
+    path = WORK / "models" / name
+    path.mkdir(parents=True, exist_ok=True)
+    config = {"model_type": "qwen2", "architectures": ["Qwen2ForCausalLM"], "vocab_size": 151936,
+              "max_position_embeddings": 32768, **fields}
+    (path / "config.json").write_text(json.dumps(config, indent=2))
+    return path
+
+
+def start_scripted(model: Path, count: int, name: str, *settings: str) -> list:
+    """`count` scripted replicas of `model`; settings are extra `--set key=value` strings."""
+    from rollwire.common.services import start
+
+    extra = [a for s in ("engine=scripted", *settings) for a in ("--set", s)]
+    return [
+        start(["generator", "--model", str(model), "--port", "0", "--metrics-port", "0", *extra], WORK, f"{name}-{i}")
+        for i in range(count)
+    ]
+
+
+def start_proxy(replicas: list, name: str, *settings: str):
+    """A proxy in front of `replicas`, returned once every one of them takes traffic."""
+    from rollwire.client import Client
+    from rollwire.common.services import start
+
+    args = ["proxy", "--port", "0", "--metrics-port", "0", *(a for r in replicas for a in ("--generator", r.target))]
+    proxy = start([*args, *(a for s in settings for a in ("--set", s))], WORK, name)
+    deadline = time.monotonic() + 60
+    with Client(proxy.target, timeout=10) as c:
+        while sum(r.healthy for r in c.get_status().replicas) < len(replicas):
+            if time.monotonic() > deadline:
+                proxy.stop()
+                raise TimeoutError(f"{name}: replicas not routable after 60 s; see {proxy.log_path}")
+            time.sleep(0.1)
+    return proxy
+
+
+def stop_all(processes) -> None:
+    for p in processes:
+        p.stop()
+
+
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU time of one process so far."""
+    import psutil
+
+    t = psutil.Process(pid).cpu_times()
+    return t.user + t.system
+
+
+def percentile(values: list[float], q: float) -> float:
+    """The q-th percentile (0-100) by linear interpolation."""
+    ordered = sorted(values)
+    k = (len(ordered) - 1) * q / 100
+    low = int(k)
+    high = min(low + 1, len(ordered) - 1)
+    return ordered[low] + (ordered[high] - ordered[low]) * (k - low)
+
+
+async def closed_loop(target: str, workers: int, requests_each: int, n: int, tokens: int, duration_s: float = 0) -> dict:
+    """`workers` clients each sending groups back to back over one AsyncClient: `requests_each`
+    groups, or with `duration_s` as many as start before that many seconds have passed.
+
+    Returns per-request latency and time to first token (seconds), completion tokens and
+    the wall time from the first send to the last completion.
+    """
+    from rollwire.client import AsyncClient, Tokens
+
+    latencies, ttfts, counted = [], [], [0]
+    start = time.perf_counter()
+
+    def more(i: int) -> bool:
+        return time.perf_counter() - start < duration_s if duration_s else i < requests_each
+
+    async def worker(w: int, client) -> None:
+        i = 0
+        while more(i):
+            sent, first = time.perf_counter(), None
+            stream = client.generate_stream([1 + w % 50, 2 + i % 50], n, max_new_tokens=tokens, seed=w * 1000 + i)
+            async for event in stream:
+                if isinstance(event, Tokens):
+                    first = first or time.perf_counter()
+                    counted[0] += len(event.token_ids)
+            latencies.append(time.perf_counter() - sent)
+            ttfts.append(first - sent)
+            i += 1
+
+    async with AsyncClient(target, timeout=600) as client:
+        start = time.perf_counter()
+        await asyncio.gather(*(worker(w, client) for w in range(workers)))
+        wall = time.perf_counter() - start
+    return {"latencies": latencies, "ttfts": ttfts, "tokens": counted[0], "wall_s": wall}
