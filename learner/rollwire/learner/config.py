@@ -179,7 +179,10 @@ def load_learner_config(path: str | None, overrides: list[str] | None = None) ->
 
 
 def _load_yaml(path: str, overrides: list[str]) -> LearnerConfig:
-    import yaml
+    try:
+        import yaml
+    except ImportError:
+        raise ConfigError(f"{path}: YAML configs need PyYAML (pip install pyyaml), or use TOML") from None
 
     try:
         data = yaml.safe_load(Path(path).read_text()) or {}

@@ -94,9 +94,14 @@ def teach_model(folder: Path, run: Path) -> Path:
 
     if cached_key(folder) != TeachSpec().key():
         say(f"teaching the tiny model the addition task (about a minute, once; cached in {folder})")
+    live = sys.stdout.isatty()
     with (run / "teach.log").open("a") as log:
-        build_taught_model(folder, log=lambda line: (log.write(line + "\n"), print(f"\r  {line}   ", end="", flush=True)))
-    say(f"\rbase model: {describe(folder)}")
+        def show(line: str) -> None:
+            log.write(line + "\n")
+            print(f"\r  {line}   " if live else f"  {line}", end="" if live else "\n", flush=True)
+
+        build_taught_model(folder, log=show)
+    say(f"{chr(13) if live else ''}base model: {describe(folder)}")
     return folder
 
 

@@ -123,6 +123,7 @@ class Session:
         self.scored: list[tuple[float, bool]] = []  # (reward, correct) of every sample scored since the last step
         self.stop_reason = ""
         self.stopping = asyncio.Event()
+        self.background: set[asyncio.Task] = set()
         self.last_checkpoint_step = self.step
         log.info("learner_ready", target=cfg.target, base_model=cfg.base_model, fingerprint=self.fingerprint,
                  resumed_from=str(saved.path) if saved else None, step=self.step, version=self.version,
@@ -227,7 +228,9 @@ class Session:
         if every and self.step % every == 0:
             self.save_checkpoint()
         if self.cfg.eval.every_steps and self.steps_this_run % self.cfg.eval.every_steps == 0:
-            asyncio.ensure_future(self.evaluate(self.version, "periodic"))
+            task = asyncio.ensure_future(self.evaluate(self.version, "periodic"))  # runs beside training
+            self.background.add(task)
+            task.add_done_callback(self.background.discard)
 
     def _progress(self, line: dict) -> None:
         if self.cfg.progress and sys.stdout.isatty():
@@ -248,6 +251,7 @@ class Session:
         """Greedy held-out accuracy of adapter `version` (which must be served)."""
         if not self.eval_examples:
             return None
+        await self.publisher.wait_served(version)
         started = time.monotonic()
         result = await held_out_accuracy(self.client, self.eval_examples, f"{self.cfg.adapter_name}@{version}",
                                          self.cfg.rollout.max_new_tokens, self.cfg.eval.concurrency)
@@ -264,6 +268,9 @@ class Session:
 
     async def shutdown(self) -> None:
         """Stop producing, count what is left, finish pushing, checkpoint."""
+        for task in self.background:
+            task.cancel()
+        await asyncio.gather(*self.background, return_exceptions=True)
         await self.producer.stop()
         self.buffer.drain("shutdown")
         # Interrupted: the stack is likely going down too, so the last push gets a short chance.

@@ -69,6 +69,9 @@ def build_taught_model(out_dir: str | Path, spec: TeachSpec = TeachSpec(), log=p
     tmp.mkdir(parents=True)
     started = time.monotonic()
     model, tokenizer, report = teach(spec, log)
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
     model.save_pretrained(tmp, safe_serialization=True)
     tokenizer.save_pretrained(tmp)
     report.update(key=spec.key(), spec=dataclasses.asdict(spec), seconds=round(time.monotonic() - started, 1))
