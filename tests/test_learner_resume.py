@@ -40,7 +40,8 @@ def test_killed_learner_resumes_with_increasing_versions(stack, taught_model, tm
     assert ready["resumed_from"].endswith(f"step-{saved.step:06d}")
     assert ready["data_cursor"] == saved.data_cursor > 0
     s = summary(run)
-    assert s["first_version"] == max(pushed) + 1  # strictly above every version the replicas saw
+    # strictly above every version the replicas saw (a push cut off by the kill may still land, hence >)
+    assert s["first_version"] > max(pushed) >= saved.version
     assert s["step"] == saved.step + 4 and s["steps"] == 4
     assert s["served_version"] == s["last_version"] == s["first_version"] + 4  # the replicas accepted every push
     assert not log_events(result.stderr, "push_refused")
