@@ -149,3 +149,26 @@ async def test_a_refused_push_is_raised_to_the_trainer():
         await pub.publish(1, b"x", wait=True)
     with pytest.raises(FailedPrecondition):
         await pub.publish(2, b"x")
+
+
+async def test_start_moves_above_a_version_that_landed_after_the_learner_looked(monkeypatch):
+    """A push cut off by a killed learner may reach the replicas after the new run read their versions."""
+    from types import SimpleNamespace
+
+    from rollwire.learner import session
+
+    target = FakeTarget([FailedPrecondition("v3 is not above v4", reason="VERSION_NOT_MONOTONIC")])
+    target.release.set()
+    s = session.Session.__new__(session.Session)
+    s.publisher = Publisher(target, "policy", "fp", {}, Signal(), 0.01)
+    s.trainer = SimpleNamespace(adapter_payload=lambda: b"x")
+    s.cfg, s.client = SimpleNamespace(adapter_name="policy"), None
+    s.buffer = SimpleNamespace(next_train_version=3)
+    s.version = s.first_version = 3
+
+    async def versions(client, name):
+        return "fp", [2, 3, 4]
+
+    monkeypatch.setattr(session, "target_versions", versions)
+    await s.publish_start()
+    assert (s.version, s.first_version, s.buffer.next_train_version, target.pushed, s.publisher.served) == (5, 5, 5, [5], 5)

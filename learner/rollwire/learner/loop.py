@@ -22,7 +22,7 @@ log = get_logger(__name__)
 
 async def train(s: Session) -> dict:
     """Run until max_steps, max_seconds or a stop request; returns the summary."""
-    await s.publish(wait=True)  # the starting weights, so "latest" is ours from the first request
+    await s.publish_start()  # the starting weights, so "latest" is ours from the first request
     if s.cfg.eval.at_start:
         await s.evaluate(s.version, "before")
     s.start_producing()

@@ -83,6 +83,10 @@ class Publisher:
             await self._worker
         self._raise_fatal()
 
+    def clear_error(self) -> None:
+        """Forget a refusal the caller has dealt with (e.g. by moving to a higher version)."""
+        self._fatal = None
+
     def _raise_fatal(self) -> None:
         if self._fatal is not None:
             raise self._fatal

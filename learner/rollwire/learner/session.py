@@ -20,6 +20,7 @@ from pathlib import Path
 
 from rollwire.client import AsyncClient
 from rollwire.client._common import TlsConfig
+from rollwire.common.errors import FailedPrecondition
 from rollwire.common.fingerprint import model_fingerprint
 from rollwire.common.logs import get_logger
 from rollwire.learner import checkpoint
@@ -34,6 +35,7 @@ from rollwire.learner.task import DataStream, addition_examples, eval_subset, is
 from rollwire.learner.trainer import StepStats, Trainer
 
 log = get_logger(__name__)
+VERSION_REFUSALS = {"VERSION_NOT_MONOTONIC", "VERSION_CONFLICT"}
 
 
 class LearnerError(RuntimeError):
@@ -186,6 +188,25 @@ class Session:
         self.step += 1
         self.steps_this_run += 1
         return stats
+
+    async def publish_start(self, attempts: int = 5) -> None:
+        """Publish the starting weights and wait until served.
+
+        A push cut off by a killed learner can still land on the replicas after this run
+        looked at their versions; a version refusal then moves the start above what they hold.
+        """
+        payload = await asyncio.to_thread(self.trainer.adapter_payload)
+        for attempt in range(1, attempts + 1):
+            try:
+                return await self.publisher.publish(self.version, payload, wait=True)
+            except FailedPrecondition as exc:
+                if exc.reason not in VERSION_REFUSALS or attempt == attempts:
+                    raise
+                _, remote = await target_versions(self.client, self.cfg.adapter_name)
+                log.warning("start_version_taken", version=self.version, target_versions=remote, error=exc.message)
+                self.version = self.first_version = checkpoint.next_version(self.version, remote)
+                self.buffer.next_train_version = self.version
+                self.publisher.clear_error()
 
     async def publish(self, *, wait: bool) -> None:
         payload = await asyncio.to_thread(self.trainer.adapter_payload)
