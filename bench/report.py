@@ -57,8 +57,10 @@ def chart(name: str, series: list[Series], title: str, x_label: str) -> str:
 def weight_push(d: dict) -> str:
     models = d["models"]
     sizes = table(
-        ["shape", f"LoRA r={d['rank']} (bf16)", "full weights (bf16)", "full-size payload pushed"],
+        ["shape", f"LoRA r={d['rank']} payload (bf16)", "full weights (bf16)", "full / LoRA bytes",
+         "full-size payload pushed"],
         [[label, f"{m['lora_bytes'] / 1e6:.1f} MB", f"{m['full_bytes'] / 1e9:.2f} GB",
+          f"{m['full_bytes'] / m['lora_bytes']:.0f}x",
           f"r={m['full_payload']['rank']}, {m['full_payload']['bytes'] / 1e9:.3f} GB" if "full_payload" in m else "—"]
          for label, m in models.items()],
     )
@@ -184,12 +186,14 @@ def async_vs_sync(d: dict) -> str:
         total = sum(counts.values())
         dist = ", ".join(f"{k}: {100 * v / total:.0f} %" for k, v in sorted(counts.items()))
         stale = sum(r["dropped"].get("stale", 0) for r in rs)
+        refused = sum(r["eval_requests_failed"] for r in rs)
+        scored_versions = sum(r["scored_versions"] for r in rs)
         phase = {k: sorted(r["step_phase_s"][k] for r in rs)[len(rs) // 2] * 1e3 for k in ("wait", "train", "push")}
         phases.append([mode, *(f"{phase[k]:.0f}" for k in ("wait", "train", "push"))])
         rows.append([f"{mode} (max_staleness {w['max_staleness'][mode]})", s(p["groups_per_s"], 1, 1),
                      s(p["scored_groups_per_s"], 1, 1),
                      s(p["seconds_to_target"], 1, 1, " s") if p["seconds_to_target"] else "not reached",
-                     s(p["accuracy_after"], 1, 2), dist, str(stale)])
+                     s(p["accuracy_after"], 1, 2), dist, str(stale), f"{scored_versions} ({refused})"])
     ratios = table(["ratio", "median (min–max)"], [[k, s(v, 1, 2)] for k, v in d["ratios"].items()])
     plot = chart("async_vs_sync", [
         Series(mode.upper(), [c["seconds"] for c in rs[0]["curve"]], [c["accuracy"] for c in rs[0]["curve"]],
@@ -199,10 +203,12 @@ def async_vs_sync(d: dict) -> str:
     return "\n\n".join([
         provenance(d) + f" {len(next(iter(d['runs'].values())))} runs per mode, alternating, of "
         f"{w['budget_s']:.0f} s of training each; seed {w['seed']}; {w['replicas']} replicas; held-out accuracy on "
-        f"{w['eval_size']} prompts every {w['eval_every_steps']} steps (starting policy: {min(before):.2f}); "
+        f"{w['eval_size']} prompts, of the newest served version at most every {w['eval_interval_s']} s "
+        f"(starting policy: {min(before):.2f}); "
         f"target {w['target_accuracy']}.",
         table(["mode", "trained groups/s", "scored groups/s", "time to target", "final accuracy",
-               "staleness of trained groups", "dropped as stale"], rows),
+               "staleness of trained groups", "dropped as stale",
+               "versions scored (held-out requests refused: version left the window)"], rows),
         ratios,
         "Where a step's time went (median run, ms per step): waiting for a full batch of rollouts, the "
         "optimiser step, publishing the new adapter (awaited only in sync mode).",
