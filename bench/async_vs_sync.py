@@ -13,7 +13,7 @@ weights were scored, from the start of training; evaluations share the replicas 
 training in both modes.
 Figures: groups/s trained, wall time until held-out accuracy first reaches the target, the
 staleness of every trained group, final held-out accuracy.
-Run: .venv/bin/python bench/async_vs_sync.py [--repeats 3] [--budget-s 20]
+Run: .venv/bin/python bench/async_vs_sync.py [--repeats 5] [--budget-s 20]
 """
 
 from __future__ import annotations
@@ -158,7 +158,7 @@ def figures(run: Path, scores: dict[int, dict]) -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--budget-s", type=float, default=20.0, help="training seconds of each run")
     args = ap.parse_args()
     from rollwire.common.logs import setup_logging
