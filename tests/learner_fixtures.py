@@ -67,7 +67,11 @@ def learner_args(target: str, model: Path, run_dir: Path, adapter: str, *overrid
 
 
 def run_learner(args: list[str], timeout: float = 240) -> subprocess.CompletedProcess:
-    result = subprocess.run(rollwire_cmd(*args), capture_output=True, text=True, timeout=timeout)
+    try:
+        result = subprocess.run(rollwire_cmd(*args), capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired as exc:
+        tail = (exc.stderr or b"")[-4000:]
+        raise AssertionError(f"learner still running after {timeout}s:\n{tail.decode(errors='replace')}") from None
     if result.returncode != 0:
         raise AssertionError(f"learner exited {result.returncode}:\n{result.stderr[-4000:]}")
     return result

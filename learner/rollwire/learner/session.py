@@ -173,7 +173,10 @@ class Session:
         """The next batch for `self.version`, or None when the run is stopping."""
         take = asyncio.ensure_future(self.buffer.take(self.cfg.train.groups_per_step, self.version))
         stop = asyncio.ensure_future(self.stopping.wait())
-        await asyncio.wait({take, stop}, return_when=asyncio.FIRST_COMPLETED)
+        started = time.monotonic()
+        while not (await asyncio.wait({take, stop}, timeout=30, return_when=asyncio.FIRST_COMPLETED))[0]:
+            log.warning("waiting_for_rollouts", seconds=round(time.monotonic() - started), version=self.version,
+                        served=self.publisher.served, groups=self.ledger.snapshot())
         stop.cancel()
         if not take.done():
             take.cancel()
