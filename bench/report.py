@@ -166,7 +166,8 @@ def scaling(d: dict) -> str:
         f"Highest throughput here: {best['tokens_per_s']['median']:.0f} tokens/s with {best['workers']} groups in "
         f"flight, the proxy using {best['proxy_cpu_util']['median']:.2f} of a core. At its lowest measured cost "
         f"({per_k * 1e3:.1f} ms of CPU per 1,000 tokens), one proxy core relays at most about "
-        f"{1 / per_k:.0f}k tokens/s ({1 / per_k / w['n'] * 1e3:.0f} group-steps of n={w['n']} per second). "
+        f"{1 / per_k:.0f}k tokens/s (one token for each of a group's n={w['n']} samples: "
+        f"{1 / per_k / w['n'] * 1e3:.0f} group steps per second). "
         f"At that highest throughput the processes used {used:.2f} cores in all (proxy "
         f"{100 * cpu['proxy'] / sum(cpu.values()):.0f} %, replicas {100 * cpu['replicas'] / sum(cpu.values()):.0f} %, "
         f"load generator {100 * cpu['client'] / sum(cpu.values()):.0f} %).",
@@ -204,11 +205,12 @@ def async_vs_sync(d: dict) -> str:
         provenance(d) + f" {len(next(iter(d['runs'].values())))} runs per mode, alternating, of "
         f"{w['budget_s']:.0f} s of training each; seed {w['seed']}; {w['replicas']} replicas; held-out accuracy on "
         f"{w['eval_size']} prompts, of the newest served version at most every {w['eval_interval_s']} s "
+        f"(replicas keep {w.get('adapter_window', 3)} versions loaded) "
         f"(starting policy: {min(before):.2f}); "
         f"target {w['target_accuracy']}.",
         table(["mode", "trained groups/s", "scored groups/s", "time to target", "final accuracy",
                "staleness of trained groups", "dropped as stale",
-               "versions scored (held-out requests refused: version left the window)"], rows),
+               "versions scored (held-out requests refused)"], rows),
         ratios,
         "Where a step's time went (median run, ms per step): waiting for a full batch of rollouts, the "
         "optimiser step, publishing the new adapter (awaited only in sync mode).",
