@@ -41,15 +41,34 @@ class Stack:
 
 def start_stack(model: Path, workdir: Path, replicas: int = 2, *generator_args: str) -> Stack:
     """Replicas (1 torch thread each, started concurrently) behind a proxy."""
+
     def one(i: int) -> ServiceProcess:
-        return start(["generator", "--model", str(model), "--port", "0", "--metrics-port", "0",
-                      "--set", "transformers.threads=1", "--set", "grace_seconds=1", *generator_args],
-                     workdir, f"generator-{i}")
+        return start(
+            [
+                "generator",
+                "--model",
+                str(model),
+                "--port",
+                "0",
+                "--metrics-port",
+                "0",
+                "--set",
+                "transformers.threads=1",
+                "--set",
+                "grace_seconds=1",
+                *generator_args,
+            ],
+            workdir,
+            f"generator-{i}",
+        )
 
     with ThreadPoolExecutor(replicas) as pool:
         gens = list(pool.map(one, range(replicas)))
-    proxy = start(["proxy", "--port", "0", "--metrics-port", "0", *[a for g in gens for a in ("--generator", g.target)]],
-                  workdir, "proxy")
+    proxy = start(
+        ["proxy", "--port", "0", "--metrics-port", "0", *[a for g in gens for a in ("--generator", g.target)]],
+        workdir,
+        "proxy",
+    )
     return Stack(proxy, gens, workdir)
 
 
@@ -62,8 +81,18 @@ def stack(taught_model, tmp_path_factory):
 
 
 def learner_args(target: str, model: Path, run_dir: Path, adapter: str, *overrides: str) -> list[str]:
-    return ["learner", f"target={target}", f"base_model={model}", f"run_dir={run_dir}", f"adapter_name={adapter}",
-            "metrics_port=0", "metrics_host=127.0.0.1", "train.threads=1", "eval.concurrency=16", *overrides]
+    return [
+        "learner",
+        f"target={target}",
+        f"base_model={model}",
+        f"run_dir={run_dir}",
+        f"adapter_name={adapter}",
+        "metrics_port=0",
+        "metrics_host=127.0.0.1",
+        "train.threads=1",
+        "eval.concurrency=16",
+        *overrides,
+    ]
 
 
 def run_learner(args: list[str], timeout: float = 240) -> subprocess.CompletedProcess:

@@ -15,8 +15,10 @@ from rollwire.learner.trainer import Trainer
 
 
 def batch(prompt=(20, 21, 22), n=4) -> list[ScoredGroup]:
-    samples = [ScoredSample([30 + i, 31, 2], [-1.0, -1.5, -0.5], [1, 1, 1], "x", "eos", float(i % 2), i % 2 == 1)
-               for i in range(n)]
+    samples = [
+        ScoredSample([30 + i, 31, 2], [-1.0, -1.5, -0.5], [1, 1, 1], "x", "eos", float(i % 2), i % 2 == 1)
+        for i in range(n)
+    ]
     return [ScoredGroup(Example(0, "p", "a"), list(prompt), samples, 1)]
 
 
@@ -56,7 +58,9 @@ def test_round_trip_restores_adapter_optimiser_counters_and_rng(tiny_model, trai
 def test_latest_names_the_newest_complete_checkpoint_and_old_ones_go(tmp_path, trained):
     payload, opt = trained.adapter_payload(), trained.optimizer.state_dict()
     for step in (5, 10, 15):
-        checkpoint.save(tmp_path, checkpoint.LearnerState(step, step + 1, step * 8, [3, [1], None]), payload, opt, keep=2)
+        checkpoint.save(
+            tmp_path, checkpoint.LearnerState(step, step + 1, step * 8, [3, [1], None]), payload, opt, keep=2
+        )
     assert sorted(p.name for p in tmp_path.glob("step-*")) == ["step-000010", "step-000015"]
     assert checkpoint.load_latest(tmp_path).state.step == 15
     assert not list(tmp_path.glob(".*tmp*"))

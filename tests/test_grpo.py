@@ -39,8 +39,9 @@ def one_token(ratio: float, advantage: float, **kw):
     """A single token with importance ratio `ratio`; returns (terms, d loss / d logp)."""
     behaviour = torch.tensor([[math.log(0.4)]])
     logp = (behaviour + math.log(ratio)).requires_grad_(True)
-    terms = policy_loss(logp, behaviour, torch.tensor([[advantage]]), torch.ones(1, 1), clip_low=0.2, clip_high=0.2,
-                        ratio_cap=4.0, **kw)
+    terms = policy_loss(
+        logp, behaviour, torch.tensor([[advantage]]), torch.ones(1, 1), clip_low=0.2, clip_high=0.2, ratio_cap=4.0, **kw
+    )
     terms.loss.backward()
     return terms, logp.grad.item()
 

@@ -55,12 +55,28 @@ def test_errors_name_the_key(overrides, names):
 
 
 def test_dry_run_prints_toml_that_reads_back(tmp_path):
-    out = subprocess.run([sys.executable, "-m", "rollwire.client.cli", "learner", "--dry-run", "base_model=/m",
-                          "train.lr=0.003", "--set", "rollout.n=4"], capture_output=True, text=True, check=True).stdout
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "rollwire.client.cli",
+            "learner",
+            "--dry-run",
+            "base_model=/m",
+            "train.lr=0.003",
+            "--set",
+            "rollout.n=4",
+        ],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
     assert "lr = 0.003" in out and "[[rewards]]" in out
     path = tmp_path / "resolved.toml"
     path.write_text(out)
-    assert load_learner_config(str(path)) == load_learner_config(None, ["base_model=/m", "train.lr=0.003", "rollout.n=4"])
+    assert load_learner_config(str(path)) == load_learner_config(
+        None, ["base_model=/m", "train.lr=0.003", "rollout.n=4"]
+    )
 
 
 def test_every_field_has_help():

@@ -20,9 +20,17 @@ def test_run_folders_and_the_latest_link(tmp_path):
 
 
 def test_line_chart_is_a_valid_png(tmp_path):
-    path = line_chart(tmp_path / "c.png", [Series("reward", [0, 1, 2], [0.2, 0.5, 0.9], (0, 0, 255)),
-                                           Series("held-out", [0, 2], [0.3, 0.95], (255, 128, 0), True)], "t", "step",
-                      width=200, height=120)
+    path = line_chart(
+        tmp_path / "c.png",
+        [
+            Series("reward", [0, 1, 2], [0.2, 0.5, 0.9], (0, 0, 255)),
+            Series("held-out", [0, 2], [0.3, 0.95], (255, 128, 0), True),
+        ],
+        "t",
+        "step",
+        width=200,
+        height=120,
+    )
     data = path.read_bytes()
     assert data.startswith(b"\x89PNG\r\n\x1a\n")
     length, kind = struct.unpack(">I4s", data[8:16])
@@ -39,10 +47,21 @@ def test_finish_writes_summary_and_curve_and_the_table_prints(tmp_path, capsys):
     learner.mkdir()
     steps = [{"step": i, "rollout_reward_mean": 0.3 + 0.1 * i} for i in range(1, 6)]
     (learner / "steps.jsonl").write_text("".join(json.dumps(s) + "\n" for s in steps))
-    summary = {"accuracy_before": 0.3, "accuracy_after": 0.9, "steps": 5, "groups_per_s": 12.5, "staleness_mean": 0.8,
-               "staleness_max": 1, "push_latency_s": 0.05, "push_latency_max_s": 0.2, "first_version": 1,
-               "last_version": 6, "ratio_mean_staleness0": 1.0, "groups": {"trained": 40, "dropped": {"stale": 2}},
-               "evals": [{"step": 0, "accuracy": 0.3}, {"step": 5, "accuracy": 0.9}]}
+    summary = {
+        "accuracy_before": 0.3,
+        "accuracy_after": 0.9,
+        "steps": 5,
+        "groups_per_s": 12.5,
+        "staleness_mean": 0.8,
+        "staleness_max": 1,
+        "push_latency_s": 0.05,
+        "push_latency_max_s": 0.2,
+        "first_version": 1,
+        "last_version": 6,
+        "ratio_mean_staleness0": 1.0,
+        "groups": {"trained": 40, "dropped": {"stale": 2}},
+        "evals": [{"step": 0, "accuracy": 0.3}, {"step": 5, "accuracy": 0.9}],
+    }
     (learner / "summary.json").write_text(json.dumps(summary))
     out = finish(tmp_path, SimpleNamespace(budget_s=60, replicas=2))
     saved = json.loads((tmp_path / "summary.json").read_text())
@@ -54,7 +73,18 @@ def test_finish_writes_summary_and_curve_and_the_table_prints(tmp_path, capsys):
 
 
 def test_progress_line_reads_a_steps_record():
-    line = progress_line(12.0, 120, {"step": 7, "version": 8, "rollout_reward_mean": 0.5, "rollout_accuracy": 0.5,
-                                     "staleness_mean": 1.0, "ratio_mean": 1.0,
-                                     "groups": {"trained": 56, "dropped": {"zero_variance": 3}}}, {"accuracy": 0.42})
+    line = progress_line(
+        12.0,
+        120,
+        {
+            "step": 7,
+            "version": 8,
+            "rollout_reward_mean": 0.5,
+            "rollout_accuracy": 0.5,
+            "staleness_mean": 1.0,
+            "ratio_mean": 1.0,
+            "groups": {"trained": 56, "dropped": {"zero_variance": 3}},
+        },
+        {"accuracy": 0.42},
+    )
     assert "step    7" in line and "held-out  42.0%" in line and "dropped 3" in line

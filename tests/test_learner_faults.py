@@ -5,8 +5,11 @@ from __future__ import annotations
 import random
 
 import pytest
+
+from rollwire.common.services import start
+from rollwire.learner.task import Example, addition_examples, write_jsonl
+
 from learner_fixtures import (
-    adapter_versions,
     learner_args,
     log_events,
     start_stack,
@@ -15,18 +18,15 @@ from learner_fixtures import (
     wait_for_steps,
 )
 
-from rollwire.common.services import start
-from rollwire.learner.task import Example, addition_examples, write_jsonl
-
 pytest_plugins = ["learner_fixtures"]  # one taught model and one shared stack per session
 pytestmark = pytest.mark.slow
 
-FLAKY_REWARD = '''
+FLAKY_REWARD = """
 def flaky(completion, example):
     if example.prompt.startswith("1"):
         raise ZeroDivisionError("this reward cannot score prompts starting with 1")
     return 0.0
-'''
+"""
 
 
 def test_faults_are_counted_and_survived(taught_model, tmp_path):
@@ -37,11 +37,18 @@ def test_faults_are_counted_and_survived(taught_model, tmp_path):
         write_jsonl(tmp_path / "train.jsonl", [long_prompt, *random.Random(0).sample(train, 60)])
         write_jsonl(tmp_path / "held.jsonl", held[:100])
         (tmp_path / "flaky.py").write_text(FLAKY_REWARD)
+        flaky = f"{tmp_path / 'flaky.py'}:flaky"
         run = tmp_path / "run"
         args = learner_args(
-            stack.proxy.target, taught_model, run, "policy-faults", "max_steps=14", "task.kind=jsonl",
-            f"task.train_path={tmp_path / 'train.jsonl'}", f"task.held_out_path={tmp_path / 'held.jsonl'}",
-            f'rewards=[{{"kind": "exact_match"}}, {{"kind": "python", "name": "flaky", "function": "{tmp_path / "flaky.py"}:flaky"}}]',
+            stack.proxy.target,
+            taught_model,
+            run,
+            "policy-faults",
+            "max_steps=14",
+            "task.kind=jsonl",
+            f"task.train_path={tmp_path / 'train.jsonl'}",
+            f"task.held_out_path={tmp_path / 'held.jsonl'}",
+            f'rewards=[{{"kind": "exact_match"}}, {{"kind": "python", "name": "flaky", "function": "{flaky}"}}]',
             "eval.at_start=false",
         )
         learner = start(args, tmp_path, "learner", timeout=120)

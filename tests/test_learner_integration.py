@@ -6,15 +6,16 @@ import time
 import urllib.request
 
 import pytest
+
+from rollwire.common.services import start
+
+from helpers import metric_value
 from learner_fixtures import (
     learner_args,
     run_learner,
     steps,
     summary,
 )
-
-from helpers import metric_value
-from rollwire.common.services import start
 
 pytest_plugins = ["learner_fixtures"]  # one taught model and one shared stack per session
 pytestmark = pytest.mark.slow
@@ -23,8 +24,12 @@ pytestmark = pytest.mark.slow
 def test_async_grpo_raises_held_out_accuracy(stack, taught_model, tmp_path):
     """Asynchronous mode (staleness <= 1, non-blocking push) through the proxy, 30 steps."""
     run = tmp_path / "run"
-    learner = start(learner_args(stack.proxy.target, taught_model, run, "policy-async", "max_steps=30", "seed=1"),
-                    tmp_path, "learner", timeout=120)
+    learner = start(
+        learner_args(stack.proxy.target, taught_model, run, "policy-async", "max_steps=30", "seed=1"),
+        tmp_path,
+        "learner",
+        timeout=120,
+    )
     seen_metrics = ""
     while learner.proc.poll() is None:
         try:
@@ -48,17 +53,33 @@ def test_async_grpo_raises_held_out_accuracy(stack, taught_model, tmp_path):
     assert groups["trained"] == 30 * 8
     versions = [line["version"] for line in steps(run)]
     assert versions == sorted(set(versions))
-    for name in ("rollwire_learner_reward_mean", "rollwire_learner_staleness_bucket", "rollwire_learner_push_seconds_count",
-                 'rollwire_learner_step_phase_seconds_count{phase="train"}', "rollwire_learner_tokens_total",
-                 'rollwire_learner_importance_ratio{stat="mean"}', 'rollwire_learner_groups_total{outcome="trained"}'):
+    for name in (
+        "rollwire_learner_reward_mean",
+        "rollwire_learner_staleness_bucket",
+        "rollwire_learner_push_seconds_count",
+        'rollwire_learner_step_phase_seconds_count{phase="train"}',
+        "rollwire_learner_tokens_total",
+        'rollwire_learner_importance_ratio{stat="mean"}',
+        'rollwire_learner_groups_total{outcome="trained"}',
+    ):
         assert name.split("{")[0] in seen_metrics, name
 
 
 def test_sync_mode_ratio_is_one_at_staleness_zero(stack, taught_model, tmp_path):
     """Staleness 0 and a blocking push: the learner's fp32 recomputation matches the generators' logprobs."""
     run = tmp_path / "run"
-    run_learner(learner_args(stack.proxy.target, taught_model, run, "policy-sync", "max_steps=6",
-                             "buffer.max_staleness=0", "eval.at_start=false", "eval.at_end=false"))
+    run_learner(
+        learner_args(
+            stack.proxy.target,
+            taught_model,
+            run,
+            "policy-sync",
+            "max_steps=6",
+            "buffer.max_staleness=0",
+            "eval.at_start=false",
+            "eval.at_end=false",
+        )
+    )
     lines = steps(run)
     assert len(lines) == 6
     for line in lines:

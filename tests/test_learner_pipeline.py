@@ -18,8 +18,10 @@ from rollwire.learner.task import DataStream, Example
 
 
 def result(prompt: str, texts: list[str], version: int = 3) -> GenerateResult:
-    samples = [Sample(i, [4 + i, 2], [-0.1, -0.2], t, "eos", "policy", version, [version, version], 6, 2)
-               for i, t in enumerate(texts)]
+    samples = [
+        Sample(i, [4 + i, 2], [-0.1, -0.2], t, "eos", "policy", version, [version, version], 6, 2)
+        for i, t in enumerate(texts)
+    ]
     return GenerateResult("r", "replica-1", AdapterVersion("policy", version), [9] * 6, samples)
 
 
@@ -44,9 +46,16 @@ def producer_for(answers: dict, examples: list[Example], rewards=None, in_flight
     buffer = Buffer(max_staleness=1, keep_zero_variance=False, ledger=ledger)
     missing = []
     producer = Producer(
-        FakeGenerator(answers), DataStream(examples, seed=0), build_rewards(rewards or [RewardSpec()]), buffer, ledger,
-        RolloutSection(n=2, groups_in_flight=in_flight, retry_backoff_s=0.01), "policy@latest", seed=0,
-        admit=lambda: True, on_adapter_missing=lambda: missing.append(1),
+        FakeGenerator(answers),
+        DataStream(examples, seed=0),
+        build_rewards(rewards or [RewardSpec()]),
+        buffer,
+        ledger,
+        RolloutSection(n=2, groups_in_flight=in_flight, retry_backoff_s=0.01),
+        "policy@latest",
+        seed=0,
+        admit=lambda: True,
+        on_adapter_missing=lambda: missing.append(1),
     )
     return producer, ledger, buffer, missing
 
@@ -60,9 +69,13 @@ async def run_until(ledger: GroupLedger, producer: Producer, requested: int) -> 
 async def test_every_failure_is_dropped_with_its_reason():
     examples = [Example(i, p, "1") for i, p in enumerate(["ok", "long", "down", "busy", "gone", "old", "flaky"])]
     answers = {
-        "ok": ["1", "2"], "long": InvalidArgument("prompt too long"), "down": Unavailable("no replica"),
-        "busy": ResourceExhausted("queue full"), "gone": NotFound("no adapter"),
-        "old": FailedPrecondition("evicted"), "flaky": ["1", "2"],
+        "ok": ["1", "2"],
+        "long": InvalidArgument("prompt too long"),
+        "down": Unavailable("no replica"),
+        "busy": ResourceExhausted("queue full"),
+        "gone": NotFound("no adapter"),
+        "old": FailedPrecondition("evicted"),
+        "flaky": ["1", "2"],
     }
     flaky = RewardSpec(kind="python", name="flaky", function="test_learner_pipeline:_raise_on_flaky")
     producer, ledger, buffer, missing = producer_for(answers, examples, [RewardSpec(), flaky], in_flight=7)
@@ -88,7 +101,9 @@ async def test_requests_are_seeded_by_data_position_and_bounded_in_flight():
     assert ledger.requested == 2  # nothing more until the trainer takes a group
     await producer.stop()
     seeds = [options["seed"] for _, options in producer.client.requests]
-    assert len(set(seeds)) == 2 and all(options["adapter"] == "policy@latest" for _, options in producer.client.requests)
+    assert len(set(seeds)) == 2 and all(
+        options["adapter"] == "policy@latest" for _, options in producer.client.requests
+    )
     assert all(options["temperature"] == 1.0 for _, options in producer.client.requests)
 
 
@@ -171,4 +186,10 @@ async def test_start_moves_above_a_version_that_landed_after_the_learner_looked(
 
     monkeypatch.setattr(session, "target_versions", versions)
     await s.publish_start()
-    assert (s.version, s.first_version, s.buffer.next_train_version, target.pushed, s.publisher.served) == (5, 5, 5, [5], 5)
+    assert (s.version, s.first_version, s.buffer.next_train_version, target.pushed, s.publisher.served) == (
+        5,
+        5,
+        5,
+        [5],
+        5,
+    )

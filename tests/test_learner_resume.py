@@ -3,6 +3,10 @@
 from __future__ import annotations
 
 import pytest
+
+from rollwire.common.services import start
+from rollwire.learner.checkpoint import load_latest
+
 from learner_fixtures import (
     adapter_versions,
     learner_args,
@@ -13,17 +17,21 @@ from learner_fixtures import (
     wait_for_steps,
 )
 
-from rollwire.common.services import start
-from rollwire.learner.checkpoint import load_latest
-
 pytest_plugins = ["learner_fixtures"]  # one taught model and one shared stack per session
 pytestmark = pytest.mark.slow
 
 
 def test_killed_learner_resumes_with_increasing_versions(stack, taught_model, tmp_path):
     run = tmp_path / "run"
-    args = learner_args(stack.proxy.target, taught_model, run, "policy-resume", "checkpoint.every_steps=3",
-                        "eval.at_start=false", "eval.at_end=false")
+    args = learner_args(
+        stack.proxy.target,
+        taught_model,
+        run,
+        "policy-resume",
+        "checkpoint.every_steps=3",
+        "eval.at_start=false",
+        "eval.at_end=false",
+    )
     first = start([*args, "max_steps=1000"], tmp_path, "learner-1", timeout=120)
     wait_for_steps(run, 8, first.proc)
     first.kill()  # SIGKILL: no final checkpoint, pushes after the last checkpoint are on the replicas
@@ -45,7 +53,7 @@ def test_killed_learner_resumes_with_increasing_versions(stack, taught_model, tm
     assert s["step"] == saved.step + 4 and s["steps"] == 4
     assert s["served_version"] == s["last_version"] == s["first_version"] + 4  # the replicas accepted every push
     assert not log_events(result.stderr, "push_refused")
-    after = steps(run)[len(before):]
+    after = steps(run)[len(before) :]
     versions = [line["version"] for line in before + after]
     assert versions == sorted(set(versions)), versions
     assert adapter_versions(stack.proxy.target, "policy-resume")[-1] == s["last_version"]

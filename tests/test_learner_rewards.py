@@ -43,8 +43,16 @@ def test_bad_import_path_fails_at_start_up(tmp_path):
 def test_a_raising_or_non_finite_reward_is_reported_not_raised(tmp_path):
     path = tmp_path / "bad.py"
     path.write_text("def boom(c, e):\n    raise RuntimeError('kaput')\ndef nan(c, e):\n    return float('nan')\n")
-    rewards = build_rewards([RewardSpec(kind="exact_match"), RewardSpec(kind="python", name="boom", function=f"{path}:boom"),
-                             RewardSpec(kind="python", name="nan", function=f"{path}:nan")])
+    rewards = build_rewards(
+        [
+            RewardSpec(kind="exact_match"),
+            RewardSpec(kind="python", name="boom", function=f"{path}:boom"),
+            RewardSpec(kind="python", name="nan", function=f"{path}:nan"),
+        ]
+    )
     total, failures = score("052", EX, rewards)
     assert total == 1.0
-    assert [(f.reward, f.error) for f in failures] == [("boom", "RuntimeError: kaput"), ("nan", "ValueError: returned nan")]
+    assert [(f.reward, f.error) for f in failures] == [
+        ("boom", "RuntimeError: kaput"),
+        ("nan", "ValueError: returned nan"),
+    ]

@@ -14,8 +14,10 @@ from rollwire.learner.trainer import Trainer
 def groups(trainer: Trainer | None, count=2, n=4) -> list[ScoredGroup]:
     out = []
     for g in range(count):
-        samples = [ScoredSample([40 + i, 41 + g, 2], [-1.0] * 3, [1, 1, 1], "x", "eos", float((i + g) % 2), False)
-                   for i in range(n)]
+        samples = [
+            ScoredSample([40 + i, 41 + g, 2], [-1.0] * 3, [1, 1, 1], "x", "eos", float((i + g) % 2), False)
+            for i in range(n)
+        ]
         out.append(ScoredGroup(Example(g, "p", "a"), [10 + g, 11, 12, 13], samples, 1))
     if trainer is not None:  # behaviour logprobs = the trainer's own: the on-policy case
         for g, lps in zip(out, _chunks(trainer.recompute_logprobs(out), n)):

@@ -144,8 +144,13 @@ class GroupLedger:
             )
 
     def snapshot(self) -> dict:
-        return {"requested": self.requested, "in_flight": self.in_flight, "buffered": self.buffered,
-                "trained": self.trained, "dropped": dict(self.dropped)}
+        return {
+            "requested": self.requested,
+            "in_flight": self.in_flight,
+            "buffered": self.buffered,
+            "trained": self.trained,
+            "dropped": dict(self.dropped),
+        }
 
     def _emit(self, event: str, reason: str, count: int) -> None:
         for observer in self.observers:

@@ -15,9 +15,10 @@ def _add_model(subparsers) -> None:
     p = subparsers.add_parser("model", help="build local models", description="Build models locally, without a hub.")
     sub = p.add_subparsers(dest="model_command", required=True)
     tiny = sub.add_parser(
-        "tiny", help="build the tiny Llama with its character tokenizer",
+        "tiny",
+        help="build the tiny Llama with its character tokenizer",
         description="Build the tiny Llama. With --teach it is then taught the built-in addition task to a "
-                    "partial skill (about a minute on 2 cores; reused when OUT_DIR already holds the same build).",
+        "partial skill (about a minute on 2 cores; reused when OUT_DIR already holds the same build).",
     )
     tiny.add_argument("out_dir", help="folder to write (created if missing)")
     tiny.add_argument("--seed", type=int, default=0, help="weight initialisation seed")
@@ -28,13 +29,20 @@ def _add_model(subparsers) -> None:
 
 def _add_learner(subparsers) -> None:
     p = subparsers.add_parser(
-        "learner", help="train a LoRA adapter with asynchronous GRPO",
+        "learner",
+        help="train a LoRA adapter with asynchronous GRPO",
         description="Train a LoRA adapter with GRPO on rollouts from a proxy or generator, pushing each new version.",
     )
     p.add_argument("--config", help="TOML or YAML file (see rollwire.learner.config for every key)")
     p.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="dotted overrides, e.g. train.lr=5e-4")
-    p.add_argument("--set", dest="more_overrides", action="append", default=[], metavar="KEY=VALUE",
-                   help="another dotted override (same as a positional one)")
+    p.add_argument(
+        "--set",
+        dest="more_overrides",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="another dotted override (same as a positional one)",
+    )
     p.add_argument("--resume", action="store_true", help="continue from the newest checkpoint in run_dir, if any")
     p.add_argument("--ready-file", help="write {port, metrics_port, pid} here once serving metrics")
     p.add_argument("--dry-run", action="store_true", help="print the resolved configuration and exit")
@@ -92,8 +100,10 @@ def run_learner(args: argparse.Namespace) -> int:
     if config.progress and sys.stdout.isatty():
         print()
     before, after = summary["accuracy_before"], summary["accuracy_after"]
-    print(f"learner: {summary['steps']} steps, versions {summary['first_version']}..{summary['last_version']}, "
-          f"held-out accuracy {_pct(before)} -> {_pct(after)}; summary in {config.run_dir}/summary.json")
+    print(
+        f"learner: {summary['steps']} steps, versions {summary['first_version']}..{summary['last_version']}, "
+        f"held-out accuracy {_pct(before)} -> {_pct(after)}; summary in {config.run_dir}/summary.json"
+    )
     return 0
 
 

@@ -33,7 +33,7 @@ class TaskSection(Section):
     """Where prompts and their verifiable answers come from."""
 
     kind: Literal["addition", "jsonl"] = Field("addition", description="Built-in two-digit addition, or JSON lines.")
-    train_path: str = Field("", description="jsonl: file of {\"prompt\", \"answer\"} objects to train on.")
+    train_path: str = Field("", description='jsonl: file of {"prompt", "answer"} objects to train on.')
     held_out_path: str = Field("", description="jsonl: held-out file; empty splits train_path by prompt hash.")
     held_out_fraction: float = Field(0.1, gt=0, lt=1, description="Share of prompts held out when splitting by hash.")
     eval_size: int = Field(200, ge=0, description="Held-out prompts scored greedily at start and end; 0 = all.")
@@ -68,18 +68,26 @@ class RolloutSection(Section):
     )
     max_new_tokens: int = Field(8, ge=1, description="Completion length limit.")
     temperature: float = Field(
-        1.0, gt=0, description="Sampling temperature; the learner divides its logits by the same value (top-k/top-p stay off)."
+        1.0,
+        gt=0,
+        description="Sampling temperature; the learner divides its logits by the same value (top-k/top-p stay off).",
     )
-    retry_backoff_s: float = Field(0.5, ge=0, description="Pause after an UNAVAILABLE or busy target before asking again.")
+    retry_backoff_s: float = Field(
+        0.5, ge=0, description="Pause after an UNAVAILABLE or busy target before asking again."
+    )
 
 
 class BufferSection(Section):
     """Which scored groups may reach the loss."""
 
     max_staleness: int = Field(
-        1, ge=0, description="Largest (trained version - sampling version) allowed; 0 is the synchronous mode (blocking push)."
+        1,
+        ge=0,
+        description="Largest (trained version - sampling version) allowed; 0 is the synchronous mode (blocking push).",
     )
-    keep_zero_variance: bool = Field(False, description="Train on groups whose rewards are all equal (they carry no advantage).")
+    keep_zero_variance: bool = Field(
+        False, description="Train on groups whose rewards are all equal (they carry no advantage)."
+    )
 
 
 class TrainSection(Section):
@@ -94,12 +102,20 @@ class TrainSection(Section):
     max_grad_norm: float = Field(1.0, gt=0, description="Gradients are clipped to this global norm.")
     lora_r: int = Field(8, ge=1, description="LoRA rank.")
     lora_alpha: float = Field(16.0, gt=0, description="LoRA alpha (scale alpha/r).")
-    target_modules: list[str] = Field(default_factory=lambda: list(LORA_TARGETS), description="Linear layers that get LoRA.")
+    target_modules: list[str] = Field(
+        default_factory=lambda: list(LORA_TARGETS), description="Linear layers that get LoRA."
+    )
     normalize_std: bool = Field(True, description="Divide group-relative advantages by the group's reward std.")
-    clip_low: float = Field(0.2, ge=0, lt=1, description="Ratio below 1 - clip_low is clipped (for negative advantages).")
+    clip_low: float = Field(
+        0.2, ge=0, lt=1, description="Ratio below 1 - clip_low is clipped (for negative advantages)."
+    )
     clip_high: float = Field(0.28, ge=0, description="Ratio above 1 + clip_high is clipped (for positive advantages).")
-    ratio_cap: float = Field(4.0, gt=1, description="Importance weights are truncated at this value (dual clip for negative advantages).")
-    kl_coef: float = Field(0.0, ge=0, description="Weight of the per-token KL to the base model (adapter disabled); 0 = off.")
+    ratio_cap: float = Field(
+        4.0, gt=1, description="Importance weights are truncated at this value (dual clip for negative advantages)."
+    )
+    kl_coef: float = Field(
+        0.0, ge=0, description="Weight of the per-token KL to the base model (adapter disabled); 0 = off."
+    )
     threads: int = Field(0, ge=0, description="torch CPU threads of the learner; 0 keeps torch's default.")
     device: str = Field("cpu", description="torch device, e.g. cpu or cuda:0.")
 

@@ -20,8 +20,15 @@ from pathlib import Path
 
 from rollwire.common.services import ServiceProcess, start
 
-SUMMARY_KEYS = ("accuracy_before", "accuracy_after", "steps", "groups_per_s", "staleness_mean", "staleness_max",
-                "push_latency_s")
+SUMMARY_KEYS = (
+    "accuracy_before",
+    "accuracy_after",
+    "steps",
+    "groups_per_s",
+    "staleness_mean",
+    "staleness_max",
+    "push_latency_s",
+)
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -30,8 +37,14 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--replicas", type=int, default=2, help="generator replicas behind the proxy (default 2)")
     p.add_argument("--runs-dir", default="runs", help="where run folders go (default runs/)")
     p.add_argument("--model-dir", default="runs/models/taught", help="taught model folder, built once and reused")
-    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
-                   help="learner config override, e.g. train.lr=5e-4 (repeatable)")
+    p.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="learner config override, e.g. train.lr=5e-4 (repeatable)",
+    )
     return p.parse_args(argv)
 
 
@@ -47,8 +60,11 @@ def main(argv=None) -> int:
     try:
         model = teach_model(Path(args.model_dir), run)
         services += start_replicas(model, run, args.replicas)
-        proxy = start(["proxy", "--port", "0", "--metrics-port", "0",
-                       *[a for g in services for a in ("--generator", g.target)]], run, "proxy")
+        proxy = start(
+            ["proxy", "--port", "0", "--metrics-port", "0", *[a for g in services for a in ("--generator", g.target)]],
+            run,
+            "proxy",
+        )
         services.append(proxy)
         say(f"proxy on {proxy.target} -> replicas {', '.join(g.target for g in services[:-1])}")
         config = write_learner_config(run, proxy.target, model, args)
@@ -96,6 +112,7 @@ def teach_model(folder: Path, run: Path) -> Path:
         say(f"teaching the tiny model the addition task (about a minute, once; cached in {folder})")
     live = sys.stdout.isatty()
     with (run / "teach.log").open("a") as log:
+
         def show(line: str) -> None:
             log.write(line + "\n")
             print(f"\r  {line}   " if live else f"  {line}", end="" if live else "\n", flush=True)
@@ -107,9 +124,23 @@ def teach_model(folder: Path, run: Path) -> Path:
 
 def start_replicas(model: Path, run: Path, count: int) -> list[ServiceProcess]:
     """Start the replicas concurrently (each loads torch and the model)."""
+
     def one(i: int) -> ServiceProcess:
-        return start(["generator", "--model", str(model), "--port", "0", "--metrics-port", "0",
-                      "--set", "transformers.threads=1"], run, f"generator-{i}")
+        return start(
+            [
+                "generator",
+                "--model",
+                str(model),
+                "--port",
+                "0",
+                "--metrics-port",
+                "0",
+                "--set",
+                "transformers.threads=1",
+            ],
+            run,
+            f"generator-{i}",
+        )
 
     with ThreadPoolExecutor(count) as pool:
         replicas = list(pool.map(one, range(1, count + 1)))
@@ -119,9 +150,21 @@ def start_replicas(model: Path, run: Path, count: int) -> list[ServiceProcess]:
 
 def write_learner_config(run: Path, target: str, model: Path, args) -> Path:
     lines = [
-        f'target = "{target}"', f'base_model = "{model}"', f'run_dir = "{run / "learner"}"', "metrics_port = 0",
-        f"max_seconds = {args.budget_s}", "progress = false", "", "[train]", "threads = 1", "", "[eval]",
-        "every_steps = 15", "", "[checkpoint]", "every_steps = 50",
+        f'target = "{target}"',
+        f'base_model = "{model}"',
+        f'run_dir = "{run / "learner"}"',
+        "metrics_port = 0",
+        f"max_seconds = {args.budget_s}",
+        "progress = false",
+        "",
+        "[train]",
+        "threads = 1",
+        "",
+        "[eval]",
+        "every_steps = 15",
+        "",
+        "[checkpoint]",
+        "every_steps = 50",
     ]
     path = run / "learner.toml"
     path.write_text("\n".join(lines) + "\n")
@@ -155,10 +198,13 @@ def progress_line(elapsed: float, budget: float, step: dict, evaluation: dict) -
     held = evaluation.get("accuracy")
     held_text = f"held-out {100 * held:5.1f}%" if held is not None else "held-out   n/a"
     groups = step["groups"]
-    return (f"[{elapsed:5.0f}s/{budget:.0f}s] step {step['step']:4d} v{step['version']:<4d} "
-            f"reward {_num(step.get('rollout_reward_mean'))}  sampled acc {_num(step.get('rollout_accuracy'))}  {held_text}  "
-            f"staleness {step['staleness_mean']:.2f}  ratio {step['ratio_mean']:.3f}  "
-            f"trained {groups['trained']} dropped {sum(groups['dropped'].values())}   ")
+    return (
+        f"[{elapsed:5.0f}s/{budget:.0f}s] step {step['step']:4d} v{step['version']:<4d} "
+        f"reward {_num(step.get('rollout_reward_mean'))}  sampled acc {_num(step.get('rollout_accuracy'))}  "
+        f"{held_text}  "
+        f"staleness {step['staleness_mean']:.2f}  ratio {step['ratio_mean']:.3f}  "
+        f"trained {groups['trained']} dropped {sum(groups['dropped'].values())}   "
+    )
 
 
 def _num(value) -> str:
@@ -185,16 +231,32 @@ def finish(run: Path, args) -> dict:
     learner = json.loads((run / "learner" / "summary.json").read_text())
     steps = [json.loads(line) for line in (run / "learner" / "steps.jsonl").read_text().splitlines() if line]
     evals = [e for e in learner["evals"] if e["accuracy"] is not None]
-    chart = line_chart(run / "reward_curve.png", [
-        Series("mean reward of rollouts", [s["step"] for s in steps if s.get("rollout_reward_mean") is not None],
-               [s["rollout_reward_mean"] for s in steps if s.get("rollout_reward_mean") is not None], (31, 119, 180)),
-        Series("held-out accuracy", [e["step"] for e in evals], [e["accuracy"] for e in evals], (255, 127, 14), True),
-    ], "GRPO on the tiny model", "step")
+    chart = line_chart(
+        run / "reward_curve.png",
+        [
+            Series(
+                "mean reward of rollouts",
+                [s["step"] for s in steps if s.get("rollout_reward_mean") is not None],
+                [s["rollout_reward_mean"] for s in steps if s.get("rollout_reward_mean") is not None],
+                (31, 119, 180),
+            ),
+            Series(
+                "held-out accuracy", [e["step"] for e in evals], [e["accuracy"] for e in evals], (255, 127, 14), True
+            ),
+        ],
+        "GRPO on the tiny model",
+        "step",
+    )
     summary = {k: learner[k] for k in SUMMARY_KEYS}
-    summary.update(budget_s=args.budget_s, replicas=args.replicas, reward_curve=str(chart),
-                   push_latency_max_s=learner["push_latency_max_s"], groups=learner["groups"],
-                   ratio_mean_staleness0=learner["ratio_mean_staleness0"], versions=[learner["first_version"],
-                                                                                     learner["last_version"]])
+    summary.update(
+        budget_s=args.budget_s,
+        replicas=args.replicas,
+        reward_curve=str(chart),
+        push_latency_max_s=learner["push_latency_max_s"],
+        groups=learner["groups"],
+        ratio_mean_staleness0=learner["ratio_mean_staleness0"],
+        versions=[learner["first_version"], learner["last_version"]],
+    )
     (run / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     return summary
 
@@ -203,11 +265,18 @@ def print_table(s: dict, run: Path) -> None:
     def pct(v):
         return "n/a" if v is None else f"{100 * v:.1f}%"
 
-    gain = (s["accuracy_after"] - s["accuracy_before"]) * 100 if None not in (s["accuracy_after"], s["accuracy_before"]) else None
+    gain = (
+        (s["accuracy_after"] - s["accuracy_before"]) * 100
+        if None not in (s["accuracy_after"], s["accuracy_before"])
+        else None
+    )
     dropped = ", ".join(f"{k} {v}" for k, v in sorted(s["groups"]["dropped"].items())) or "none"
     rows = [
-        ("held-out accuracy", f"{pct(s['accuracy_before'])} -> {pct(s['accuracy_after'])}"
-                              + (f"  ({gain:+.1f} points, greedy)" if gain is not None else "")),
+        (
+            "held-out accuracy",
+            f"{pct(s['accuracy_before'])} -> {pct(s['accuracy_after'])}"
+            + (f"  ({gain:+.1f} points, greedy)" if gain is not None else ""),
+        ),
         ("steps", f"{s['steps']}  (adapter versions {s['versions'][0]}..{s['versions'][1]})"),
         ("groups/s", f"{s['groups_per_s']:.1f}  ({s['groups']['trained']} groups trained)"),
         ("staleness", f"mean {s['staleness_mean']:.2f}, max {s['staleness_max']}"),

@@ -25,16 +25,23 @@ class EvalResult:
     failed: int
 
 
-async def held_out_accuracy(client, examples: Sequence[Example], adapter: str | None, max_new_tokens: int,
-                            concurrency: int = 32) -> EvalResult:
+async def held_out_accuracy(
+    client, examples: Sequence[Example], adapter: str | None, max_new_tokens: int, concurrency: int = 32
+) -> EvalResult:
     """Greedy accuracy of `adapter` ("name@version", or None for the base model)."""
     gate = asyncio.Semaphore(concurrency)
 
     async def one(example: Example) -> bool | None:
         async with gate:
             try:
-                result = await client.generate(example.prompt, 1, max_new_tokens=max_new_tokens, temperature=0.0,
-                                               adapter=adapter, group_key=str(example.id))
+                result = await client.generate(
+                    example.prompt,
+                    1,
+                    max_new_tokens=max_new_tokens,
+                    temperature=0.0,
+                    adapter=adapter,
+                    group_key=str(example.id),
+                )
             except RollwireError as exc:
                 log.warning("eval_request_failed", example=example.id, error=str(exc))
                 return None

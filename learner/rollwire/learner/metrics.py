@@ -23,34 +23,62 @@ class LearnerMetrics:
         r = self.registry = registry or CollectorRegistry()
         p = "rollwire_learner_"
         self.steps = Counter(p + "steps_total", "Optimiser steps taken.", registry=r)
-        self.policy_version = Gauge(p + "policy_version", "Adapter version of the trainer's current weights.", registry=r)
-        self.served_version = Gauge(p + "served_version", "Newest adapter version the target confirmed serving.", registry=r)
+        self.policy_version = Gauge(
+            p + "policy_version", "Adapter version of the trainer's current weights.", registry=r
+        )
+        self.served_version = Gauge(
+            p + "served_version", "Newest adapter version the target confirmed serving.", registry=r
+        )
         self.reward_mean = Gauge(p + "reward_mean", "Mean reward of the last step's samples.", registry=r)
         self.reward_std = Gauge(p + "reward_std", "Reward standard deviation of the last step's samples.", registry=r)
-        self.accuracy = Gauge(p + "accuracy", "Share of the last step's samples the task's verifier accepts.", registry=r)
-        self.eval_accuracy = Gauge(p + "eval_accuracy", "Greedy accuracy on the held-out prompts, last scored.", registry=r)
-        self.staleness = Histogram(
-            p + "staleness", "Versions between a trained group's oldest token and the weights it trained.",
-            buckets=STALENESS, registry=r,
+        self.accuracy = Gauge(
+            p + "accuracy", "Share of the last step's samples the task's verifier accepts.", registry=r
         )
-        self.ratio = Gauge(p + "importance_ratio", "Importance ratio pi/mu over the last step's tokens.", ["stat"], registry=r)
-        self.clip_fraction = Gauge(p + "clip_fraction", "Share of the last step's tokens the PPO clip zeroed.", registry=r)
+        self.eval_accuracy = Gauge(
+            p + "eval_accuracy", "Greedy accuracy on the held-out prompts, last scored.", registry=r
+        )
+        self.staleness = Histogram(
+            p + "staleness",
+            "Versions between a trained group's oldest token and the weights it trained.",
+            buckets=STALENESS,
+            registry=r,
+        )
+        self.ratio = Gauge(
+            p + "importance_ratio", "Importance ratio pi/mu over the last step's tokens.", ["stat"], registry=r
+        )
+        self.clip_fraction = Gauge(
+            p + "clip_fraction", "Share of the last step's tokens the PPO clip zeroed.", registry=r
+        )
         self.truncated_fraction = Gauge(
-            p + "truncated_fraction", "Share of the last step's tokens whose importance weight hit ratio_cap.", registry=r
+            p + "truncated_fraction",
+            "Share of the last step's tokens whose importance weight hit ratio_cap.",
+            registry=r,
         )
         self.kl = Gauge(p + "kl", "Mean per-token KL to the base model (k3) in the last step.", registry=r)
         self.loss = Gauge(p + "loss", "Loss of the last step.", registry=r)
         self.grad_norm = Gauge(p + "grad_norm", "Gradient norm before clipping, last step.", registry=r)
         self.phase = Histogram(p + "step_phase_seconds", "Time per step phase.", ["phase"], buckets=SECONDS, registry=r)
         self.tokens = Counter(p + "tokens_total", "Completion tokens trained on.", registry=r)
-        self.tokens_per_second = Gauge(p + "tokens_per_second", "Completion tokens trained per second of the last step.", registry=r)
+        self.tokens_per_second = Gauge(
+            p + "tokens_per_second", "Completion tokens trained per second of the last step.", registry=r
+        )
         self.groups = Counter(p + "groups_total", "Groups by outcome (requested, trained).", ["outcome"], registry=r)
         self.dropped = Counter(p + "groups_dropped_total", "Groups dropped, by reason.", ["reason"], registry=r)
-        self.pending = Gauge(p + "groups_pending", "Groups requested and not yet trained, by state.", ["state"], registry=r)
-        self.restarts = Counter(p + "group_restarts_total", "Groups the proxy restarted on another replica.", registry=r)
-        self.reward_errors = Counter(p + "reward_errors_total", "Reward functions that raised, by reward.", ["reward"], registry=r)
-        self.pushes = Counter(p + "pushes_total", "Adapter pushes by outcome (ok, superseded, retried, failed).", ["outcome"], registry=r)
-        self.push_seconds = Histogram(p + "push_seconds", "From push start to the version being served.", buckets=SECONDS, registry=r)
+        self.pending = Gauge(
+            p + "groups_pending", "Groups requested and not yet trained, by state.", ["state"], registry=r
+        )
+        self.restarts = Counter(
+            p + "group_restarts_total", "Groups the proxy restarted on another replica.", registry=r
+        )
+        self.reward_errors = Counter(
+            p + "reward_errors_total", "Reward functions that raised, by reward.", ["reward"], registry=r
+        )
+        self.pushes = Counter(
+            p + "pushes_total", "Adapter pushes by outcome (ok, superseded, retried, failed).", ["outcome"], registry=r
+        )
+        self.push_seconds = Histogram(
+            p + "push_seconds", "From push start to the version being served.", buckets=SECONDS, registry=r
+        )
 
     def serve(self, host: str, port: int) -> int:
         """Start the /metrics endpoint; returns the bound port."""

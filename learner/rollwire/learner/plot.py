@@ -13,17 +13,50 @@ from dataclasses import dataclass
 from pathlib import Path
 
 _FONT = {
-    "0": "111101101101111", "1": "010110010010111", "2": "111001111100111", "3": "111001111001111",
-    "4": "101101111001001", "5": "111100111001111", "6": "111100111101111", "7": "111001001001001",
-    "8": "111101111101111", "9": "111101111001111", ".": "000000000000010", "-": "000000111000000",
-    "%": "101001010100101", "/": "001001010100100", ":": "000010000010000", "(": "010100100100010",
-    ")": "010001001001010", " ": "000000000000000", "A": "010101111101101", "B": "110101110101110",
-    "C": "011100100100011", "D": "110101101101110", "E": "111100110100111", "F": "111100110100100",
-    "G": "011100101101011", "H": "101101111101101", "I": "111010010010111", "J": "001001001101010",
-    "K": "101101110101101", "L": "100100100100111", "M": "101111111101101", "N": "110101101101101",
-    "O": "010101101101010", "P": "110101110100100", "Q": "010101101110011", "R": "110101110101101",
-    "S": "011100010001110", "T": "111010010010010", "U": "101101101101111", "V": "101101101101010",
-    "W": "101101101111101", "X": "101101010101101", "Y": "101101010010010", "Z": "111001010100111",
+    "0": "111101101101111",
+    "1": "010110010010111",
+    "2": "111001111100111",
+    "3": "111001111001111",
+    "4": "101101111001001",
+    "5": "111100111001111",
+    "6": "111100111101111",
+    "7": "111001001001001",
+    "8": "111101111101111",
+    "9": "111101111001111",
+    ".": "000000000000010",
+    "-": "000000111000000",
+    "%": "101001010100101",
+    "/": "001001010100100",
+    ":": "000010000010000",
+    "(": "010100100100010",
+    ")": "010001001001010",
+    " ": "000000000000000",
+    "A": "010101111101101",
+    "B": "110101110101110",
+    "C": "011100100100011",
+    "D": "110101101101110",
+    "E": "111100110100111",
+    "F": "111100110100100",
+    "G": "011100101101011",
+    "H": "101101111101101",
+    "I": "111010010010111",
+    "J": "001001001101010",
+    "K": "101101110101101",
+    "L": "100100100100111",
+    "M": "101111111101101",
+    "N": "110101101101101",
+    "O": "010101101101010",
+    "P": "110101110100100",
+    "Q": "010101101110011",
+    "R": "110101110101101",
+    "S": "011100010001110",
+    "T": "111010010010010",
+    "U": "101101101101111",
+    "V": "101101101101010",
+    "W": "101101101111101",
+    "X": "101101010101101",
+    "Y": "101101010010010",
+    "Z": "111001010100111",
 }
 WHITE, BLACK, GREY = (255, 255, 255), (40, 40, 40), (200, 200, 200)
 
@@ -74,18 +107,22 @@ class Canvas:
                             self.dot(x + k * 4 * scale + (i % 3) * scale + a, y + (i // 3) * scale + b, color)
 
     def png(self) -> bytes:
-        rows = b"".join(b"\x00" + bytes(self.pixels[3 * y * self.width : 3 * (y + 1) * self.width])
-                        for y in range(self.height))
+        rows = b"".join(
+            b"\x00" + bytes(self.pixels[3 * y * self.width : 3 * (y + 1) * self.width]) for y in range(self.height)
+        )
 
         def chunk(kind: bytes, data: bytes) -> bytes:
             return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data) & 0xFFFFFFFF)
 
         header = struct.pack(">IIBBBBB", self.width, self.height, 8, 2, 0, 0, 0)
-        return b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", header) + chunk(b"IDAT", zlib.compress(rows, 9)) + chunk(b"IEND", b"")
+        return (
+            b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", header) + chunk(b"IDAT", zlib.compress(rows, 9)) + chunk(b"IEND", b"")
+        )
 
 
-def line_chart(path: str | Path, series: Sequence[Series], title: str, x_label: str,
-               width: int = 800, height: int = 450) -> Path:
+def line_chart(
+    path: str | Path, series: Sequence[Series], title: str, x_label: str, width: int = 800, height: int = 450
+) -> Path:
     """Draw `series` against shared axes (y from min(0, data) to max(1, data)) into a PNG."""
     c = Canvas(width, height)
     left, right, top, bottom = 60, width - 20, 50, height - 45
@@ -95,7 +132,10 @@ def line_chart(path: str | Path, series: Sequence[Series], title: str, x_label: 
     y0, y1 = min(0.0, min(ys)), max(1.0, max(ys))
 
     def px(x: float, y: float) -> tuple[int, int]:
-        return (round(left + (x - x0) / (x1 - x0) * (right - left)), round(bottom - (y - y0) / (y1 - y0) * (bottom - top)))
+        return (
+            round(left + (x - x0) / (x1 - x0) * (right - left)),
+            round(bottom - (y - y0) / (y1 - y0) * (bottom - top)),
+        )
 
     for i in range(5):
         y = y0 + (y1 - y0) * i / 4

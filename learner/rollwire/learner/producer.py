@@ -53,10 +53,21 @@ def request_seed(seed: int, cursor: int) -> int:
 class Producer:
     """Requests groups, scores them and hands them to the buffer."""
 
-    def __init__(self, client, stream: DataStream, rewards: list[Reward], buffer: Buffer, ledger: GroupLedger,
-                 cfg: RolloutSection, adapter: str, seed: int, admit: Callable[[], bool],
-                 on_adapter_missing: Callable[[], None], on_group: Callable[[ScoredGroup, int], None] = lambda g, r: None,
-                 on_reward_error: Callable[[str], None] = lambda name: None) -> None:
+    def __init__(
+        self,
+        client,
+        stream: DataStream,
+        rewards: list[Reward],
+        buffer: Buffer,
+        ledger: GroupLedger,
+        cfg: RolloutSection,
+        adapter: str,
+        seed: int,
+        admit: Callable[[], bool],
+        on_adapter_missing: Callable[[], None],
+        on_group: Callable[[ScoredGroup, int], None] = lambda g, r: None,
+        on_reward_error: Callable[[str], None] = lambda name: None,
+    ) -> None:
         self.client, self.stream, self.rewards, self.buffer, self.ledger = client, stream, rewards, buffer, ledger
         self.cfg, self.adapter, self.seed, self.admit = cfg, adapter, seed, admit
         self.on_adapter_missing, self.on_group, self.on_reward_error = on_adapter_missing, on_group, on_reward_error
@@ -104,8 +115,13 @@ class Producer:
     async def _one(self, example: Example, seed: int) -> None:
         try:
             result = await self.client.generate(
-                example.prompt, self.cfg.n, max_new_tokens=self.cfg.max_new_tokens, temperature=self.cfg.temperature,
-                seed=seed, adapter=self.adapter, group_key=str(example.id),
+                example.prompt,
+                self.cfg.n,
+                max_new_tokens=self.cfg.max_new_tokens,
+                temperature=self.cfg.temperature,
+                seed=seed,
+                adapter=self.adapter,
+                group_key=str(example.id),
             )
         except Exception as exc:  # every failure is counted with a reason, none is fatal
             self._failed(example, exc)
@@ -116,8 +132,12 @@ class Producer:
         if failures:
             for failure in failures:
                 self.on_reward_error(failure.reward)
-            log.warning("reward_failed", example=example.id, prompt=example.prompt,
-                        failures=[f"{f.reward}: {f.error}" for f in failures[:3]])
+            log.warning(
+                "reward_failed",
+                example=example.id,
+                prompt=example.prompt,
+                failures=[f"{f.reward}: {f.error}" for f in failures[:3]],
+            )
             self.ledger.drop("reward_error")
             return
         self.on_group(group, result.restarts)
@@ -128,8 +148,17 @@ class Producer:
         for s in result.samples:
             reward, failed = score(s.text, example, self.rewards)
             failures += failed
-            samples.append(ScoredSample(s.token_ids, s.logprobs, s.token_versions, s.text, s.finish_reason, reward,
-                                        is_correct(s.text, example.answer)))
+            samples.append(
+                ScoredSample(
+                    s.token_ids,
+                    s.logprobs,
+                    s.token_versions,
+                    s.text,
+                    s.finish_reason,
+                    reward,
+                    is_correct(s.text, example.answer),
+                )
+            )
         version = result.adapter.version if result.adapter else 0
         return ScoredGroup(example, list(result.prompt_token_ids), samples, version, result.replica), failures
 

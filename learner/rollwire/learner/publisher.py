@@ -26,8 +26,12 @@ from rollwire.common.logs import get_logger
 from rollwire.learner.buffer import Signal
 
 log = get_logger(__name__)
-TRANSIENT = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.RESOURCE_EXHAUSTED,
-             grpc.StatusCode.ABORTED}
+TRANSIENT = {
+    grpc.StatusCode.UNAVAILABLE,
+    grpc.StatusCode.DEADLINE_EXCEEDED,
+    grpc.StatusCode.RESOURCE_EXHAUSTED,
+    grpc.StatusCode.ABORTED,
+}
 
 
 @dataclass(frozen=True)
@@ -41,8 +45,16 @@ class PushRecord:
 class Publisher:
     """Pushes `name` versions through `client`; `served` is the newest confirmed version."""
 
-    def __init__(self, client, name: str, fingerprint: str, lora_spec: dict, changed: Signal,
-                 retry_backoff_s: float = 0.5, on_push: Callable[[PushRecord], None] = lambda record: None) -> None:
+    def __init__(
+        self,
+        client,
+        name: str,
+        fingerprint: str,
+        lora_spec: dict,
+        changed: Signal,
+        retry_backoff_s: float = 0.5,
+        on_push: Callable[[PushRecord], None] = lambda record: None,
+    ) -> None:
         self.client, self.name, self.fingerprint, self.lora_spec = client, name, fingerprint, lora_spec
         self.changed = changed
         self.retry_backoff_s = retry_backoff_s

@@ -50,8 +50,10 @@ def load_task(cfg: LearnerConfig):
     train = read_jsonl(t.train_path)
     if t.held_out_path:
         return train, read_jsonl(t.held_out_path)
-    return ([e for e in train if not is_held_out(e.prompt, t.held_out_fraction)],
-            [e for e in train if is_held_out(e.prompt, t.held_out_fraction)])
+    return (
+        [e for e in train if not is_held_out(e.prompt, t.held_out_fraction)],
+        [e for e in train if is_held_out(e.prompt, t.held_out_fraction)],
+    )
 
 
 def make_client(cfg: LearnerConfig) -> AsyncClient:
@@ -59,8 +61,9 @@ def make_client(cfg: LearnerConfig) -> AsyncClient:
     token = Path(c.token_file).read_text().strip() if c.token_file else None
     tls = None
     if c.tls_ca_file or c.tls_cert_file:
-        tls = TlsConfig.from_files(c.tls_ca_file or None, c.tls_cert_file or None, c.tls_key_file or None,
-                                   c.tls_server_name or None)
+        tls = TlsConfig.from_files(
+            c.tls_ca_file or None, c.tls_cert_file or None, c.tls_key_file or None, c.tls_server_name or None
+        )
     return AsyncClient(cfg.target, timeout=c.timeout_s, token=token, tls=tls, max_attempts=c.max_attempts)
 
 
@@ -83,8 +86,10 @@ class Session:
         self.checkpoint_dir = self.run_dir / "checkpoints"
         saved = checkpoint.load_latest(self.checkpoint_dir)
         if saved is not None and not resume:
-            raise LearnerError(f"{self.checkpoint_dir} holds checkpoints of an earlier run: pass --resume to continue "
-                               f"it, or set run_dir to a new folder")
+            raise LearnerError(
+                f"{self.checkpoint_dir} holds checkpoints of an earlier run: pass --resume to continue "
+                f"it, or set run_dir to a new folder"
+            )
         self.metrics = LearnerMetrics()
         self.ledger = GroupLedger()
         self.ledger.observers.append(self.metrics.on_ledger)
@@ -96,8 +101,10 @@ class Session:
         self.fingerprint = await asyncio.to_thread(model_fingerprint, cfg.base_model)
         served_fp, remote = await target_versions(self.client, cfg.adapter_name)
         if served_fp and served_fp != self.fingerprint:
-            raise LearnerError(f"the target serves base model {served_fp}, but base_model {cfg.base_model} is "
-                               f"{self.fingerprint}: point both at the same model files")
+            raise LearnerError(
+                f"the target serves base model {served_fp}, but base_model {cfg.base_model} is "
+                f"{self.fingerprint}: point both at the same model files"
+            )
         self.trainer = await asyncio.to_thread(Trainer, cfg.base_model, cfg.train, cfg.rollout.temperature, cfg.seed)
         self.step, saved_version = 0, 0
         if saved is not None:
@@ -106,11 +113,26 @@ class Session:
         self.version = checkpoint.next_version(saved_version, remote)
         self.first_version = self.version
         self.buffer.next_train_version = self.version
-        self.publisher = Publisher(self.client, cfg.adapter_name, self.fingerprint, self.trainer.lora_spec,
-                                   self.ledger.changed, cfg.rollout.retry_backoff_s, self._on_push)
+        self.publisher = Publisher(
+            self.client,
+            cfg.adapter_name,
+            self.fingerprint,
+            self.trainer.lora_spec,
+            self.ledger.changed,
+            cfg.rollout.retry_backoff_s,
+            self._on_push,
+        )
         self.producer = Producer(
-            self.client, self.stream, build_rewards(cfg.rewards), self.buffer, self.ledger, cfg.rollout,
-            f"{cfg.adapter_name}@latest", cfg.seed, self._admit, self.publisher.republish,
+            self.client,
+            self.stream,
+            build_rewards(cfg.rewards),
+            self.buffer,
+            self.ledger,
+            cfg.rollout,
+            f"{cfg.adapter_name}@latest",
+            cfg.seed,
+            self._admit,
+            self.publisher.republish,
             on_group=self._on_group,
             on_reward_error=lambda name: self.metrics.reward_errors.labels(name).inc(),
         )
@@ -127,9 +149,17 @@ class Session:
         self.stopping = asyncio.Event()
         self.background: set[asyncio.Task] = set()
         self.last_checkpoint_step = self.step
-        log.info("learner_ready", target=cfg.target, base_model=cfg.base_model, fingerprint=self.fingerprint,
-                 resumed_from=str(saved.path) if saved else None, step=self.step, version=self.version,
-                 data_cursor=self.stream.cursor, sync=cfg.sync)
+        log.info(
+            "learner_ready",
+            target=cfg.target,
+            base_model=cfg.base_model,
+            fingerprint=self.fingerprint,
+            resumed_from=str(saved.path) if saved else None,
+            step=self.step,
+            version=self.version,
+            data_cursor=self.stream.cursor,
+            sync=cfg.sync,
+        )
         return self
 
     def _restore(self, saved: checkpoint.Checkpoint) -> None:
@@ -175,8 +205,13 @@ class Session:
         stop = asyncio.ensure_future(self.stopping.wait())
         started = time.monotonic()
         while not (await asyncio.wait({take, stop}, timeout=30, return_when=asyncio.FIRST_COMPLETED))[0]:
-            log.warning("waiting_for_rollouts", seconds=round(time.monotonic() - started), version=self.version,
-                        served=self.publisher.served, groups=self.ledger.snapshot())
+            log.warning(
+                "waiting_for_rollouts",
+                seconds=round(time.monotonic() - started),
+                version=self.version,
+                served=self.publisher.served,
+                groups=self.ledger.snapshot(),
+            )
         stop.cancel()
         if not take.done():
             take.cancel()
@@ -237,16 +272,31 @@ class Session:
         self.metrics.pending.labels("buffered").set(self.ledger.buffered)
         self.ledger.check()
         scored, self.scored = self.scored, []
-        rollout = {"rollout_reward_mean": sum(r for r, _ in scored) / len(scored) if scored else None,
-                   "rollout_accuracy": sum(c for _, c in scored) / len(scored) if scored else None}
-        line = {"step": self.step, "version": self.version, "served": self.publisher.served, **rollout,
-                "elapsed_s": round(time.monotonic() - self.started, 3), "staleness_mean": sum(stale) / len(stale),
-                "staleness_max": max(stale), "phase_seconds": {k: round(v, 4) for k, v in seconds.items()},
-                "groups": self.ledger.snapshot(), **{k: _round(v) for k, v in vars(stats).items()}}
+        rollout = {
+            "rollout_reward_mean": sum(r for r, _ in scored) / len(scored) if scored else None,
+            "rollout_accuracy": sum(c for _, c in scored) / len(scored) if scored else None,
+        }
+        line = {
+            "step": self.step,
+            "version": self.version,
+            "served": self.publisher.served,
+            **rollout,
+            "elapsed_s": round(time.monotonic() - self.started, 3),
+            "staleness_mean": sum(stale) / len(stale),
+            "staleness_max": max(stale),
+            "phase_seconds": {k: round(v, 4) for k, v in seconds.items()},
+            "groups": self.ledger.snapshot(),
+            **{k: _round(v) for k, v in vars(stats).items()},
+        }
         self.steps_log.write(json.dumps(line) + "\n")
         self.steps_log.flush()
-        log.info("step", **{k: line[k] for k in ("step", "version", "reward_mean", "accuracy", "staleness_mean",
-                                                  "ratio_mean", "loss")})
+        log.info(
+            "step",
+            **{
+                k: line[k]
+                for k in ("step", "version", "reward_mean", "accuracy", "staleness_mean", "ratio_mean", "loss")
+            },
+        )
         self._progress(line)
         every = self.cfg.checkpoint.every_steps
         if every and self.step % every == 0:
@@ -258,16 +308,25 @@ class Session:
 
     def _progress(self, line: dict) -> None:
         if self.cfg.progress and sys.stdout.isatty():
-            print(f"\rstep {line['step']:5d}  v{line['version']}  reward {line['reward_mean']:.3f}  "
-                  f"acc {line['accuracy']:.3f}  staleness {line['staleness_mean']:.2f}  "
-                  f"ratio {line['ratio_mean']:.4f}  dropped {sum(line['groups']['dropped'].values())}",
-                  end="", flush=True)
+            print(
+                f"\rstep {line['step']:5d}  v{line['version']}  reward {line['reward_mean']:.3f}  "
+                f"acc {line['accuracy']:.3f}  staleness {line['staleness_mean']:.2f}  "
+                f"ratio {line['ratio_mean']:.4f}  dropped {sum(line['groups']['dropped'].values())}",
+                end="",
+                flush=True,
+            )
 
     def save_checkpoint(self) -> None:
-        state = checkpoint.LearnerState(self.step, self.version, self.stream.cursor, checkpoint.python_rng_state(),
-                                        _digest(self.cfg))
-        path = checkpoint.save(self.checkpoint_dir, state, self.trainer.adapter_payload(),
-                               self.trainer.optimizer.state_dict(), self.cfg.checkpoint.keep)
+        state = checkpoint.LearnerState(
+            self.step, self.version, self.stream.cursor, checkpoint.python_rng_state(), _digest(self.cfg)
+        )
+        path = checkpoint.save(
+            self.checkpoint_dir,
+            state,
+            self.trainer.adapter_payload(),
+            self.trainer.optimizer.state_dict(),
+            self.cfg.checkpoint.keep,
+        )
         self.last_checkpoint_step = self.step
         log.info("checkpoint_saved", path=str(path), step=self.step, version=self.version)
 
@@ -277,11 +336,22 @@ class Session:
             return None
         await self.publisher.wait_served(version)
         started = time.monotonic()
-        result = await held_out_accuracy(self.client, self.eval_examples, f"{self.cfg.adapter_name}@{version}",
-                                         self.cfg.rollout.max_new_tokens, self.cfg.eval.concurrency)
-        record = {"label": label, "version": version, "step": self.step, "accuracy": result.accuracy,
-                  "answered": result.answered, "failed": result.failed,
-                  "elapsed_s": round(time.monotonic() - self.started, 3)}
+        result = await held_out_accuracy(
+            self.client,
+            self.eval_examples,
+            f"{self.cfg.adapter_name}@{version}",
+            self.cfg.rollout.max_new_tokens,
+            self.cfg.eval.concurrency,
+        )
+        record = {
+            "label": label,
+            "version": version,
+            "step": self.step,
+            "accuracy": result.accuracy,
+            "answered": result.answered,
+            "failed": result.failed,
+            "elapsed_s": round(time.monotonic() - self.started, 3),
+        }
         self.evals.append(record)
         with (self.run_dir / "evals.jsonl").open("a") as f:
             f.write(json.dumps(record) + "\n")
@@ -314,9 +384,13 @@ class Session:
         after = next((e["accuracy"] for e in reversed(self.evals) if e["label"] == "after"), None)
         stale = self.staleness_seen
         return {
-            "accuracy_before": before, "accuracy_after": after,
-            "steps": self.steps_this_run, "step": self.step,
-            "first_version": self.first_version, "last_version": self.version, "served_version": self.publisher.served,
+            "accuracy_before": before,
+            "accuracy_after": after,
+            "steps": self.steps_this_run,
+            "step": self.step,
+            "first_version": self.first_version,
+            "last_version": self.version,
+            "served_version": self.publisher.served,
             "groups_per_s": self.ledger.trained / elapsed if elapsed else 0.0,
             "staleness_mean": sum(stale) / len(stale) if stale else None,
             "staleness_max": max(stale) if stale else None,
@@ -324,8 +398,12 @@ class Session:
             "push_latency_max_s": max(self.push_latencies) if self.push_latencies else None,
             "ratio_mean_staleness0": sum(self.ratios_fresh) / len(self.ratios_fresh) if self.ratios_fresh else None,
             "ratio_max_dev_staleness0": max((abs(r - 1) for r in self.ratios_fresh), default=None),
-            "training_seconds": elapsed, "groups": self.ledger.snapshot(), "restarts": self.producer.restarts,
-            "stop_reason": self.stop_reason, "evals": self.evals, "sync": self.cfg.sync,
+            "training_seconds": elapsed,
+            "groups": self.ledger.snapshot(),
+            "restarts": self.producer.restarts,
+            "stop_reason": self.stop_reason,
+            "evals": self.evals,
+            "sync": self.cfg.sync,
         }
 
     def write_summary(self, summary: dict) -> Path:

@@ -83,7 +83,7 @@ def read_jsonl(path: str | Path) -> list[Example]:
             item = json.loads(line)
             prompt, answer = item["prompt"], str(item["answer"])
         except (json.JSONDecodeError, KeyError, TypeError) as exc:
-            raise ValueError(f"{path}:{number}: expected {{\"prompt\": ..., \"answer\": ...}} ({exc})") from None
+            raise ValueError(f'{path}:{number}: expected {{"prompt": ..., "answer": ...}} ({exc})') from None
         if not isinstance(prompt, str) or not prompt:
             raise ValueError(f"{path}:{number}: prompt must be a non-empty string")
         examples.append(Example(int(item.get("id", number)), prompt, answer, item.get("meta") or {}))

@@ -164,8 +164,14 @@ def greedy_accuracy(model, encode, tokenizer, examples: list[Example], max_new_t
         ids[i, width - len(p) :] = torch.tensor(p)
         mask[i, width - len(p) :] = 1
     with torch.no_grad():
-        out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=max_new_tokens, do_sample=False,
-                             pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id)
+        out = model.generate(
+            input_ids=ids,
+            attention_mask=mask,
+            max_new_tokens=max_new_tokens,
+            do_sample=False,
+            pad_token_id=tokenizer.pad_token_id,
+            eos_token_id=tokenizer.eos_token_id,
+        )
     texts = tokenizer.batch_decode(out[:, width:], skip_special_tokens=True)
     return sum(is_correct(t, e.answer) for t, e in zip(texts, examples)) / len(examples)
 

@@ -61,7 +61,10 @@ class Trainer:
         self.device = torch.device(cfg.device)
         base = AutoModelForCausalLM.from_pretrained(base_model, dtype=torch.float32).to(self.device)
         self.lora = LoraConfig(
-            r=cfg.lora_r, lora_alpha=cfg.lora_alpha, target_modules=list(cfg.target_modules), lora_dropout=0.0,
+            r=cfg.lora_r,
+            lora_alpha=cfg.lora_alpha,
+            target_modules=list(cfg.target_modules),
+            lora_dropout=0.0,
             bias="none",
         )
         self.model = get_peft_model(base, self.lora)
@@ -72,8 +75,12 @@ class Trainer:
     @property
     def lora_spec(self) -> dict:
         """The LoRA config as the push manifest carries it."""
-        return {"r": self.cfg.lora_r, "lora_alpha": self.cfg.lora_alpha,
-                "target_modules": sorted(self.cfg.target_modules), "use_rslora": False}
+        return {
+            "r": self.cfg.lora_r,
+            "lora_alpha": self.cfg.lora_alpha,
+            "target_modules": sorted(self.cfg.target_modules),
+            "use_rslora": False,
+        }
 
     def adapter_payload(self) -> bytes:
         """The adapter as replicas load it: PEFT state dict keys, safetensors bytes."""
@@ -110,14 +117,22 @@ class Trainer:
         self.optimizer.step()
         correct = [s.correct for g in groups for s in g.samples]
         return StepStats(
-            loss=totals.loss, tokens=totals.tokens, samples=len(correct),
+            loss=totals.loss,
+            tokens=totals.tokens,
+            samples=len(correct),
             ratio_mean=totals.ratio_sum / max(totals.tokens, 1),
             ratio_mean_fresh=totals.fresh_sum / totals.fresh_count if totals.fresh_count else None,
-            fresh_tokens=totals.fresh_count, ratio_min=totals.ratio_min, ratio_max=totals.ratio_max,
-            clip_fraction=totals.clipped / max(totals.tokens, 1), truncated_fraction=totals.truncated / max(totals.tokens, 1),
-            kl=totals.kl_sum / max(totals.tokens, 1), grad_norm=grad_norm,
-            reward_mean=float(rewards.mean()), reward_std=float(rewards.std(unbiased=False)),
-            accuracy=sum(correct) / max(len(correct), 1), seconds=time.monotonic() - started,
+            fresh_tokens=totals.fresh_count,
+            ratio_min=totals.ratio_min,
+            ratio_max=totals.ratio_max,
+            clip_fraction=totals.clipped / max(totals.tokens, 1),
+            truncated_fraction=totals.truncated / max(totals.tokens, 1),
+            kl=totals.kl_sum / max(totals.tokens, 1),
+            grad_norm=grad_norm,
+            reward_mean=float(rewards.mean()),
+            reward_std=float(rewards.std(unbiased=False)),
+            accuracy=sum(correct) / max(len(correct), 1),
+            seconds=time.monotonic() - started,
         )
 
     def _loss(self, rows: _Rows, normaliser: float):
@@ -128,12 +143,21 @@ class Trainer:
         ref = None
         if self.cfg.kl_coef > 0:
             with torch.no_grad(), self.model.disable_adapter():
-                ref = token_logprobs(self.model(input_ids=ids, attention_mask=mask).logits[:, :-1], targets, self.temperature)
+                ref = token_logprobs(
+                    self.model(input_ids=ids, attention_mask=mask).logits[:, :-1], targets, self.temperature
+                )
         behaviour = rows.behaviour.to(self.device)
         terms = policy_loss(
-            logp, behaviour, rows.advantages.to(self.device), rows.completion.to(self.device),
-            clip_low=self.cfg.clip_low, clip_high=self.cfg.clip_high, ratio_cap=self.cfg.ratio_cap,
-            ref_logp=ref, kl_coef=self.cfg.kl_coef, normaliser=normaliser,
+            logp,
+            behaviour,
+            rows.advantages.to(self.device),
+            rows.completion.to(self.device),
+            clip_low=self.cfg.clip_low,
+            clip_high=self.cfg.clip_high,
+            ratio_cap=self.cfg.ratio_cap,
+            ref_logp=ref,
+            kl_coef=self.cfg.kl_coef,
+            normaliser=normaliser,
         )
         with torch.no_grad():
             fresh = rows.fresh.to(self.device)
@@ -144,7 +168,9 @@ class Trainer:
         """Current-policy logprobs of every sample's tokens (diagnostics and tests)."""
         rows = _rows(groups, torch.zeros(len(groups), len(groups[0].samples)), version=-1)
         with torch.no_grad():
-            logits = self.model(input_ids=rows.ids.to(self.device), attention_mask=rows.attention.to(self.device)).logits
+            logits = self.model(
+                input_ids=rows.ids.to(self.device), attention_mask=rows.attention.to(self.device)
+            ).logits
             logp = token_logprobs(logits[:, :-1], rows.ids[:, 1:].to(self.device), self.temperature).cpu()
         return [logp[i][rows.completion[i] > 0].tolist() for i in range(len(logp))]
 
@@ -163,7 +189,9 @@ class _Rows:
 
 
 def _rows(groups: list[ScoredGroup], advantages: torch.Tensor, version: int) -> _Rows:
-    seqs = [(g.prompt_ids, s, float(advantages[gi, si])) for gi, g in enumerate(groups) for si, s in enumerate(g.samples)]
+    seqs = [
+        (g.prompt_ids, s, float(advantages[gi, si])) for gi, g in enumerate(groups) for si, s in enumerate(g.samples)
+    ]
     width = max(len(p) + len(s.token_ids) for p, s, _ in seqs)
     ids = torch.zeros(len(seqs), width, dtype=torch.long)
     attention = torch.zeros(len(seqs), width, dtype=torch.long)
