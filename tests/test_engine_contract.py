@@ -200,3 +200,24 @@ async def test_unload_then_load_a_new_version(engine, tiny_model):
         assert torch.allclose(torch.tensor(out["logprobs"][0]), expected, atol=1e-4)
     finally:
         await engine.unload_adapter("c-uv-2")
+
+
+async def test_transformers_engine_survives_a_push_whose_caller_went_away(tiny_model):
+    """A learner killed mid-push cancels the load's future; the worker must skip it and go on."""
+    from concurrent.futures import Future
+
+    from rollwire.server.engines.transformers_engine import TransformersEngine
+
+    engine = TransformersEngine(tiny_model, threads=1)
+    await engine.start()
+    try:
+        adapter = make_adapter(tiny_model, seed=41, r=4)
+        gone: Future = Future()
+        gone.cancel()
+        engine._apply_ops([(gone, ("load", "gone-1", manifest_for(adapter, "gone", 1), {}))])
+        await engine.load_adapter("kept-1", manifest_for(adapter, "kept", 1), adapter.payload)
+        out = await collect(engine, group(prompt_of(engine, "alive"), adapter=AdapterSelection("kept", 1, "kept-1"),
+                                          max_new_tokens=4, ignore_eos=True))
+        assert out["done"][0].completion_tokens == 4
+    finally:
+        await engine.close()

@@ -225,7 +225,11 @@ class TransformersEngine:
             g.send([Unavailable(message), _END])
 
     def _apply_ops(self, ops) -> None:
+        """Adapter loads/unloads between steps. A caller that went away (its future was
+        cancelled) is skipped; nothing here may raise into the worker loop."""
         for fut, op in ops:
+            if not fut.set_running_or_notify_cancel():
+                continue
             try:
                 if op[0] == "load":
                     self._load_adapter(*op[1:])
