@@ -101,3 +101,23 @@ def test_proxy_config_map_is_a_valid_proxy_config_that_can_reach_the_generators(
     mounts = [m["mountPath"] for m in container["volumeMounts"]]
     assert any(proxy.spool.dir.startswith(m) for m in mounts)
     assert proxy.spool.keep_versions >= generator.adapter_window
+
+
+def test_learner_config_map_is_a_valid_learner_config(tmp_path):
+    from rollwire.learner.config import LearnerConfig
+
+    maps = by_kind("ConfigMap")
+    (tmp_path / "learner.toml").write_text(maps["rollwire-learner-config"]["data"]["learner.toml"])
+    (tmp_path / "proxy.toml").write_text(maps["rollwire-proxy-config"]["data"]["proxy.toml"])
+    learner = load_config(LearnerConfig, tmp_path / "learner.toml")
+    from rollwire.server.proxy.config import ProxyConfig
+
+    proxy = load_config(ProxyConfig, tmp_path / "proxy.toml")
+    assert learner.target.endswith(f":{proxy.port}")
+    job = by_kind("Job")["rollwire-learner"]["spec"]["template"]["spec"]
+    mounts = {m["mountPath"] for m in job["containers"][0]["volumeMounts"]}
+    assert learner.run_dir in mounts  # checkpoints survive a pod restart, so --resume continues
+    if proxy.auth.admin_tokens_file:
+        assert learner.client.token_file
+    if proxy.tls.cert_file:
+        assert learner.client.tls_ca_file and any(learner.client.tls_ca_file.startswith(m) for m in mounts)
