@@ -35,7 +35,7 @@ from rollwire.common.services import start
 MODES = {"sync": 0, "async": 1}  # mode -> buffer.max_staleness
 TARGET = 0.9  # held-out greedy accuracy; the taught model starts near 0.33 and the task tops out at 1.0
 EVAL_INTERVAL_S, EVAL_SIZE, REPLICAS, SEED = 0.5, 50, 2, 0
-WINDOW = 8  # versions each replica keeps: async pushes several while one version is being scored
+NO_REPLICA_WAIT_S = 1.0  # see start_stack
 
 
 def taught_model() -> Path:
@@ -45,14 +45,19 @@ def taught_model() -> Path:
 
 
 def start_stack(model: Path) -> list:
-    """2 transformers replicas (1 torch thread each) and a proxy; the proxy is last. A version
-    that leaves a replica's window while it is being scored would make the proxy hold its
-    requests until no_replica_wait_s, hence a window wider than the default."""
+    """2 transformers replicas (1 torch thread each) and a proxy; the proxy is last.
+
+    In async mode a version being scored can leave the replicas' window of 3 (default) as
+    newer ones arrive; the proxy holds requests for a version no replica has for
+    no_replica_wait_s (default 10 s) before refusing them, which would stall the Watcher, so
+    here it refuses after 1 s (refusals are counted). A wider window would avoid refusals,
+    but it makes every adapter load on the transformers engine slower, so both modes would
+    be measured on a slower engine than the default one."""
     with ThreadPoolExecutor(REPLICAS) as pool:
         replicas = list(pool.map(lambda i: start(
-            ["generator", "--model", str(model), "--port", "0", "--metrics-port", "0", "--set", "transformers.threads=1",
-             "--adapter-window", str(WINDOW)], WORK, f"grpo-generator-{i}"), range(REPLICAS)))
-    return [*replicas, start_proxy(replicas, "grpo-proxy", f"spool.keep_versions={WINDOW}")]
+            ["generator", "--model", str(model), "--port", "0", "--metrics-port", "0", "--set", "transformers.threads=1"],
+            WORK, f"grpo-generator-{i}"), range(REPLICAS)))
+    return [*replicas, start_proxy(replicas, "grpo-proxy", f"routing.no_replica_wait_s={NO_REPLICA_WAIT_S}")]
 
 
 def learn(target: str, model: Path, name: str, staleness: int, *settings: str) -> tuple[Path, dict[int, dict]]:
@@ -110,7 +115,7 @@ class Watcher:
         from rollwire.learner.task import addition_examples, eval_subset
 
         examples = eval_subset(addition_examples(0.1)[1], EVAL_SIZE, SEED)  # the learner's defaults
-        async with AsyncClient(self.target, timeout=60) as client:
+        async with AsyncClient(self.target, timeout=60, max_attempts=1) as client:
             while not self.done.is_set():
                 started, version = time.monotonic(), self._served()
                 if version and version not in self.scores:
@@ -196,7 +201,7 @@ def main() -> None:
         "async_vs_sync",
         ".venv/bin/python bench/async_vs_sync.py",
         {"workload": {"replicas": REPLICAS, "budget_s": args.budget_s, "seed": SEED, "target_accuracy": TARGET,
-                      "eval_interval_s": EVAL_INTERVAL_S, "adapter_window": WINDOW, "eval_size": EVAL_SIZE, "max_staleness": MODES},
+                      "eval_interval_s": EVAL_INTERVAL_S, "eval_size": EVAL_SIZE, "max_staleness": MODES},
          "per_mode": per_mode, "ratios": ratios, "runs": runs},
     )
 

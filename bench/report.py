@@ -205,7 +205,7 @@ def async_vs_sync(d: dict) -> str:
         provenance(d) + f" {len(next(iter(d['runs'].values())))} runs per mode, alternating, of "
         f"{w['budget_s']:.0f} s of training each; seed {w['seed']}; {w['replicas']} replicas; held-out accuracy on "
         f"{w['eval_size']} prompts, of the newest served version at most every {w['eval_interval_s']} s "
-        f"(replicas keep {w.get('adapter_window', 3)} versions loaded) "
+
         f"(starting policy: {min(before):.2f}); "
         f"target {w['target_accuracy']}.",
         table(["mode", "trained groups/s", "scored groups/s", "time to target", "final accuracy",
