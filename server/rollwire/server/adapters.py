@@ -84,6 +84,27 @@ def check_manifest(m: Manifest, *, fingerprint: str, max_bytes: int) -> None:
         )
 
 
+def check_push_version(m, newest: int, held_sha256: str | None, holder: str) -> bool:
+    """The version rule shared by replicas and the proxy's spool: True when this exact
+    version is already held (an idempotent re-push); raises when it may not be pushed.
+    `m` is a Manifest or the wire AdapterManifest: only name, version and sha256 are read."""
+    if held_sha256 is not None:
+        if held_sha256 == m.sha256:
+            return True
+        raise FailedPrecondition(
+            f"adapter {m.name!r} v{m.version} is already loaded with a different digest; "
+            f"versions are immutable, push it as v{newest + 1}",
+            reason="VERSION_CONFLICT",
+        )
+    if m.version <= newest:
+        raise FailedPrecondition(
+            f"adapter {m.name!r} v{m.version} is not above the newest version v{newest} this {holder} has "
+            f"accepted; versions only increase, push v{newest + 1} or higher",
+            reason="VERSION_NOT_MONOTONIC",
+        )
+    return False
+
+
 def check_payload(m: Manifest, payload: bytes, base_shapes: dict[str, tuple[int, int]]) -> None:
     """Length, digest, then every tensor's name and shape against the base model."""
     if len(payload) != m.byte_length:
@@ -235,23 +256,8 @@ class AdapterRegistry:
 
     def check_version(self, m: Manifest) -> bool:
         """True if this exact version is loaded (idempotent); raises if it may not be pushed."""
-        newest = self._newest.get(m.name, 0)
-        for v in self._versions.get(m.name, []):
-            if v.version == m.version and v.servable:
-                if v.sha256 == m.sha256:
-                    return True
-                raise FailedPrecondition(
-                    f"adapter {m.name!r} v{m.version} is already loaded with a different digest; "
-                    f"versions are immutable, push it as v{newest + 1}",
-                    reason="VERSION_CONFLICT",
-                )
-        if m.version <= newest:
-            raise FailedPrecondition(
-                f"adapter {m.name!r} v{m.version} is not above the newest version v{newest} this replica has "
-                f"accepted; versions only increase, push v{newest + 1} or higher",
-                reason="VERSION_NOT_MONOTONIC",
-            )
-        return False
+        same = next((v for v in self._versions.get(m.name, []) if v.version == m.version and v.servable), None)
+        return check_push_version(m, self._newest.get(m.name, 0), same.sha256 if same else None, "replica")
 
     async def push(self, m: Manifest, payload: bytes) -> PushOutcome:
         """Load a checked payload as a new version and retire what leaves the window."""

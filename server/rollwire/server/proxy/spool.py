@@ -21,9 +21,9 @@ from pathlib import Path
 
 from google.protobuf import json_format
 
-from rollwire.common.errors import FailedPrecondition, InvalidArgument, ResourceExhausted
+from rollwire.common.errors import InvalidArgument, ResourceExhausted
 from rollwire.common.logs import get_logger
-from rollwire.server.adapters import NAME_RE
+from rollwire.server.adapters import NAME_RE, check_push_version
 from rollwire.v1 import generator_pb2 as pb
 
 log = get_logger(__name__)
@@ -160,23 +160,9 @@ class Spool:
         """True when this exact version is spooled (an idempotent re-push); raises when the
         version may not be pushed, with the replica's codes and reasons."""
         versions = self._by_name.get(m.name, [])
-        newest = versions[-1].version if versions else 0
         same = self.get(m.name, m.version)
-        if same is not None:
-            if same.manifest.sha256 == m.sha256:
-                return True
-            raise FailedPrecondition(
-                f"adapter {m.name!r} v{m.version} is already loaded with a different digest; "
-                f"versions are immutable, push it as v{newest + 1}",
-                reason="VERSION_CONFLICT",
-            )
-        if m.version <= newest:
-            raise FailedPrecondition(
-                f"adapter {m.name!r} v{m.version} is not above the newest version v{newest} this proxy has "
-                f"accepted; versions only increase, push v{newest + 1} or higher",
-                reason="VERSION_NOT_MONOTONIC",
-            )
-        return False
+        newest = versions[-1].version if versions else 0
+        return check_push_version(m, newest, same.manifest.sha256 if same else None, "proxy")
 
     # -- committing --------------------------------------------------------------------
     def commit(self, upload: Upload) -> tuple[SpooledAdapter, bool]:
