@@ -157,3 +157,10 @@ def _parse_details(exc: grpc.RpcError) -> tuple[str, float | None]:
             detail.Unpack(retry)
             retry_after = retry.retry_delay.ToMilliseconds() / 1000
     return reason, retry_after
+
+
+def clip(text: str, n: int = 64) -> str:
+    """A client's string as an error message may echo it: repr'd (control characters
+    escaped) and cut to its first `n` characters, with the full length when cut."""
+    text = str(text)
+    return repr(text) if len(text) <= n else f"{text[:n]!r}... ({len(text)} characters)"

@@ -38,18 +38,19 @@ def new_request_id() -> str:
     return uuid.uuid4().hex[:16]
 
 
-_ID_RE = re.compile(r"^[A-Za-z0-9._:/+=@-]{1,64}$")
+_ID_RE = re.compile(r"[A-Za-z0-9._:/+=@-]{1,64}")  # always fullmatch: `$` lets a final "\n" through
 
 
 def request_id_from(metadata, fallback: str = "") -> str:
     """The request id from gRPC invocation metadata, else `fallback`, else a new one.
 
     Ids travel on as metadata and into logs, so only 1-64 printable characters of a safe
-    set are kept; anything else is replaced by a fresh id rather than refused."""
+    set are kept (the whole string must match: no trailing newline); anything else is
+    replaced by a fresh id rather than refused, so a replica and a proxy treat it alike."""
     for key, value in metadata or ():
-        if key == REQUEST_ID_KEY and value and _ID_RE.match(str(value)):
-            return str(value)
-    return fallback if _ID_RE.match(fallback) else new_request_id()
+        if key == REQUEST_ID_KEY and isinstance(value, str) and _ID_RE.fullmatch(value):
+            return value
+    return fallback if isinstance(fallback, str) and _ID_RE.fullmatch(fallback) else new_request_id()
 
 
 def get_logger(name: str):

@@ -8,13 +8,21 @@ kept), setting the rest to -inf. The reported logprob of a sampled token is log 
 exactly the distribution it was drawn from. With T = 1, top_k = 0, top_p = 1 this is the
 model's plain log-softmax, which is what a learner recomputes. For T = 0 the token is the
 argmax and the reported logprob is the untempered log_softmax(logits)[token].
+
+Bounds (checked at the edge by the servicer, documented in docs/protocol.md): temperature
+is 0 or in [MIN_TEMPERATURE, MAX_TEMPERATURE] (a tiny T overflows logits / T to inf in
+float32 and the distribution becomes NaN, as 1e-45 did; below 1e-3 sampling is greedy in
+all but name, so ask for 0); top_p is finite and in (0, 1]; top_k
+is 0 (off) up to the vocabulary size; any uint64 seed (sample_seed reduces it below 2**63,
+so torch.Generator.manual_seed never overflows). The engine still checks what it samples
+from (`finite`), so a value that slips past the edge fails its own group only.
 """
 
 from __future__ import annotations
 
 import torch
 
-from rollwire.server.types import SamplingParams
+from rollwire.server.types import MAX_TEMPERATURE, MIN_TEMPERATURE, SamplingParams  # noqa: F401 (the bounds)
 
 
 def sampling_logprobs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
@@ -35,6 +43,11 @@ def sampling_logprobs(logits: torch.Tensor, params: SamplingParams) -> torch.Ten
         drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
         scaled = scaled.masked_fill(drop, float("-inf"))
     return torch.log_softmax(scaled, dim=-1)
+
+
+def finite(logprobs: torch.Tensor) -> bool:
+    """Whether a distribution can be sampled from: no NaN and no +inf (-inf = masked)."""
+    return not bool((torch.isnan(logprobs) | torch.isposinf(logprobs)).any())
 
 
 def draw(logprobs: torch.Tensor, params: SamplingParams, generators: list[torch.Generator]) -> torch.Tensor:

@@ -16,25 +16,32 @@ import time
 import grpc
 import structlog
 
-from rollwire.common.errors import InvalidArgument, ResourceExhausted, RollwireError, to_status
+from rollwire.common.errors import InvalidArgument, ResourceExhausted, RollwireError, clip, to_status
 from rollwire.common.logs import get_logger, request_id_from
 from rollwire.server import __version__
 from rollwire.server.adapters import (
+    NAME_RE,
     AdapterRegistry,
     LoraShape,
     Manifest,
     check_manifest,
-    check_payload,
+    check_payload_async,
+    idle_bounded,
 )
 from rollwire.server.config import GeneratorConfig
 from rollwire.server.engines.base import Engine
 from rollwire.server.metrics import GeneratorMetrics
-from rollwire.server.types import GroupRequest, SamplingParams, TokenDelta, coalesce
+from rollwire.server.types import MAX_TEMPERATURE, MIN_TEMPERATURE, GroupRequest, SamplingParams, TokenDelta, coalesce
 from rollwire.v1 import generator_pb2 as pb
 from rollwire.v1 import generator_pb2_grpc
 
 log = get_logger(__name__)
 MAX_CHUNK = 1 << 20
+# Generate's bounds on client strings (docs/protocol.md lists them with the Limits section):
+PROMPT_BYTES_PER_TOKEN = 32  # a text prompt may have 32 UTF-8 bytes per allowed token, checked before tokenizing
+INLINE_TOKENIZE_CHARS = 2048  # longer texts are tokenized on a worker thread, not the event loop
+MAX_STOP_CHARS = 64  # longest stop string
+MAX_GROUP_KEY_CHARS = 1024  # longest group_key (the replica ignores it; the proxy hashes it)
 FINISH = {"eos": pb.FINISH_REASON_EOS, "stop": pb.FINISH_REASON_STOP, "length": pb.FINISH_REASON_LENGTH}
 
 
@@ -63,7 +70,7 @@ class GeneratorServicer(generator_pb2_grpc.GeneratorServiceServicer):
         self.in_flight += 1
         self.metrics.in_flight.inc()
         try:
-            group = self._to_group(request, rid)
+            group = await self._to_group(request, rid)
             self._admit()
             selection = self.registry.acquire(request.adapter.name, request.adapter.version)
             group.adapter = selection
@@ -110,13 +117,64 @@ class GeneratorServicer(generator_pb2_grpc.GeneratorServiceServicer):
                 retry_after_s=1.0,
             )
 
-    def _to_group(self, req: pb.GenerateRequest, rid: str) -> GroupRequest:
-        """Validate a request and convert it; each problem gets its own sentence."""
+    async def _to_group(self, req: pb.GenerateRequest, rid: str) -> GroupRequest:
+        """Validate a request and convert it; each problem gets its own sentence.
+
+        Limits before work: every cheap check (counts, sizes, sampling bounds, string
+        lengths) runs first; the prompt's size is checked before it is scanned or
+        tokenized, and a long text is tokenized off the event loop."""
+        lim = self.config.limits
+        if not 1 <= req.n <= lim.max_n:
+            raise InvalidArgument(f"n is {req.n}; it must be between 1 and {lim.max_n}", reason="BAD_N")
+        params = self._sampling(req.sampling)
+        name = req.adapter.name
+        if name and not NAME_RE.fullmatch(name):
+            raise InvalidArgument(
+                f"adapter name {clip(name)} is not a valid adapter name: 1-64 characters of letters, digits, "
+                "'.', '_' and '-', starting with a letter or digit",
+                reason="BAD_ADAPTER_NAME",
+            )
+        if len(req.group_key) > MAX_GROUP_KEY_CHARS:
+            raise InvalidArgument(
+                f"group_key has {len(req.group_key)} characters; use at most {MAX_GROUP_KEY_CHARS} "
+                "(a hash of a long key routes the same)",
+                reason="BAD_GROUP_KEY",
+            )
+        prompt = await self._prompt(req)
+        if len(prompt) + params.max_new_tokens > self.engine.max_context:
+            raise InvalidArgument(
+                f"prompt ({len(prompt)} tokens) plus max_new_tokens ({params.max_new_tokens}) exceeds the model's "
+                f"context of {self.engine.max_context} tokens",
+                reason="CONTEXT_TOO_LONG",
+            )
+        return GroupRequest(rid, prompt, req.n, params)
+
+    async def _prompt(self, req: pb.GenerateRequest) -> list[int]:
+        """The prompt's token ids; sizes are checked before any scan or tokenizing."""
         lim = self.config.limits
         kind = req.WhichOneof("prompt")
         if kind == "text":
-            prompt = self.engine.tokenize(req.text) if req.text else []
+            text = req.text
+            tokens = min(lim.max_prompt_tokens, self.engine.max_context)  # a longer prompt is refused anyway
+            cap = tokens * PROMPT_BYTES_PER_TOKEN
+            # chars <= UTF-8 bytes <= 4 * chars: the length alone settles most texts, no encode needed
+            if len(text) > cap or (4 * len(text) > cap and len(text.encode()) > cap):
+                raise InvalidArgument(
+                    f"the prompt text is longer than {cap} bytes ({PROMPT_BYTES_PER_TOKEN} bytes for each of the "
+                    f"{tokens} tokens a prompt may have here); shorten it, or send token_ids",
+                    reason="PROMPT_TOO_LONG",
+                )
+            if len(text) > INLINE_TOKENIZE_CHARS:
+                prompt = await asyncio.to_thread(self.engine.tokenize, text)
+            else:
+                prompt = self.engine.tokenize(text) if text else []
         elif kind == "token_ids":
+            if len(req.token_ids.ids) > lim.max_prompt_tokens:
+                raise InvalidArgument(
+                    f"the prompt has {len(req.token_ids.ids)} tokens; this replica accepts at most "
+                    f"{lim.max_prompt_tokens}",
+                    reason="PROMPT_TOO_LONG",
+                )
             prompt = list(req.token_ids.ids)
             bad = [t for t in prompt if not 0 <= t < self.engine.vocab_size]
             if bad:
@@ -133,42 +191,50 @@ class GeneratorServicer(generator_pb2_grpc.GeneratorServiceServicer):
                 f"the prompt has {len(prompt)} tokens; this replica accepts at most {lim.max_prompt_tokens}",
                 reason="PROMPT_TOO_LONG",
             )
-        if not 1 <= req.n <= lim.max_n:
-            raise InvalidArgument(f"n is {req.n}; it must be between 1 and {lim.max_n}", reason="BAD_N")
-        s = req.sampling
+        return prompt
+
+    def _sampling(self, s: pb.SamplingParams) -> SamplingParams:
+        """Sampling params within the documented bounds (types.SamplingParams), or a refusal."""
+        lim = self.config.limits
         if not 1 <= s.max_new_tokens <= lim.max_new_tokens:
             raise InvalidArgument(
                 f"sampling.max_new_tokens is {s.max_new_tokens}; it must be between 1 and {lim.max_new_tokens}",
                 reason="BAD_MAX_NEW_TOKENS",
             )
-        if len(prompt) + s.max_new_tokens > self.engine.max_context:
-            raise InvalidArgument(
-                f"prompt ({len(prompt)} tokens) plus max_new_tokens ({s.max_new_tokens}) exceeds the model's "
-                f"context of {self.engine.max_context} tokens",
-                reason="CONTEXT_TOO_LONG",
-            )
         temperature = s.temperature if s.HasField("temperature") else 1.0
-        if not math.isfinite(temperature) or temperature < 0:
+        if not (temperature == 0 or MIN_TEMPERATURE <= temperature <= MAX_TEMPERATURE):  # NaN fails both
             raise InvalidArgument(
-                f"sampling.temperature is {temperature}; use 0 for greedy or a positive value", reason="BAD_TEMPERATURE"
+                f"sampling.temperature is {temperature}; use 0 for greedy decoding or a value from "
+                f"{MIN_TEMPERATURE} to {MAX_TEMPERATURE:g}",
+                reason="BAD_TEMPERATURE",
             )
         top_p = s.top_p if s.HasField("top_p") else 1.0
-        if not (0 < top_p <= 1):
-            raise InvalidArgument(f"sampling.top_p is {top_p}; it must be in (0, 1]", reason="BAD_TOP_P")
-        if len(s.stop) > lim.max_stop_strings or any(not x or len(x) > 64 for x in s.stop):
+        if not (math.isfinite(top_p) and 0 < top_p <= 1):
             raise InvalidArgument(
-                f"give at most {lim.max_stop_strings} stop strings of 1 to 64 characters", reason="BAD_STOP"
+                f"sampling.top_p is {top_p}; it must be in (0, 1] (1 disables nucleus sampling)", reason="BAD_TOP_P"
             )
-        params = SamplingParams(
+        top_k = s.top_k if s.HasField("top_k") else 0
+        if top_k > self.engine.vocab_size:
+            raise InvalidArgument(
+                f"sampling.top_k is {top_k}; it must be at most the vocabulary size {self.engine.vocab_size} "
+                "(0 disables it)",
+                reason="BAD_TOP_K",
+            )
+        if len(s.stop) > lim.max_stop_strings or any(not 1 <= len(x) <= MAX_STOP_CHARS for x in s.stop):
+            raise InvalidArgument(
+                f"give at most {lim.max_stop_strings} stop strings of 1 to {MAX_STOP_CHARS} characters "
+                f"(got {len(s.stop)}" + (f", the longest {max(len(x) for x in s.stop)} characters)" if s.stop else ")"),
+                reason="BAD_STOP",
+            )
+        return SamplingParams(
             max_new_tokens=s.max_new_tokens,
-            temperature=temperature,
+            temperature=0.0 if temperature == 0 else temperature,  # -0.0 is greedy too
             top_p=top_p,
-            top_k=s.top_k if s.HasField("top_k") else 0,
+            top_k=top_k,
             stop=tuple(s.stop),
             seed=s.seed if s.HasField("seed") else None,
             ignore_eos=s.ignore_eos,
         )
-        return GroupRequest(rid, prompt, req.n, params)
 
     def _to_response(self, events: list) -> pb.GenerateResponse:
         """One message for everything ready together: a chunk per sample, then finishes."""
@@ -193,23 +259,37 @@ class GeneratorServicer(generator_pb2_grpc.GeneratorServiceServicer):
         return msg
 
     # -- PushAdapter -------------------------------------------------------------------
+    _pushes_active = 0
+    """PushAdapter streams being received now (bounded by limits.max_concurrent_pushes)."""
+
     async def PushAdapter(self, request_iterator, context: grpc.aio.ServicerContext) -> pb.PushAdapterResponse:
         rid = request_id_from(context.invocation_metadata())
         structlog.contextvars.bind_contextvars(request_id=rid)
         start, code, received = time.monotonic(), grpc.StatusCode.OK, 0
+        lim = self.config.limits
+        admitted = False
         try:
+            if self._pushes_active >= lim.max_concurrent_pushes:
+                raise ResourceExhausted(
+                    f"this replica is receiving {self._pushes_active} pushes already (limit {lim.max_concurrent_pushes}); "
+                    "retry shortly",
+                    reason="TOO_MANY_PUSHES",
+                    retry_after_s=1.0,
+                )
+            self._pushes_active += 1
+            admitted = True
             manifest = None
             # BytesIO grows in place and getvalue() hands over its buffer without a copy, so a
             # payload costs its size once, not twice as a list of chunks plus their join would.
             buffer = io.BytesIO()
-            async for msg in request_iterator:
+            async for msg in idle_bounded(request_iterator, lim.push_idle_timeout_s, "replica"):
                 part = msg.WhichOneof("part")
                 if manifest is None:
                     if part != "manifest":
                         raise InvalidArgument("the first PushAdapter message must be the manifest", reason="NO_MANIFEST")
                     manifest = _to_manifest(msg.manifest)
-                    check_manifest(manifest, fingerprint=self.fingerprint, max_bytes=self.config.limits.max_adapter_bytes)
-                    self.registry.check_version(manifest)
+                    check_manifest(manifest, fingerprint=self.fingerprint, max_bytes=lim.max_adapter_bytes)
+                    self.registry.check_version(manifest, lim.max_version_step)
                     continue
                 if part != "chunk":
                     raise InvalidArgument("only the first PushAdapter message may be a manifest", reason="SECOND_MANIFEST")
@@ -228,8 +308,9 @@ class GeneratorServicer(generator_pb2_grpc.GeneratorServiceServicer):
             if manifest is None:
                 raise InvalidArgument("the upload was empty: send a manifest, then the chunks", reason="NO_MANIFEST")
             payload = buffer.getvalue()
-            check_payload(manifest, payload, self.base_shapes)
-            outcome = await self.registry.push(manifest, payload)
+            del buffer
+            await check_payload_async(manifest, payload, self.base_shapes)  # hashing, header, finiteness: off the loop
+            outcome = await self.registry.push(manifest, payload, lim.max_version_step)
             self.metrics.set_adapters(self.registry.loaded())
             log.info(
                 "adapter_pushed",
@@ -253,6 +334,8 @@ class GeneratorServicer(generator_pb2_grpc.GeneratorServiceServicer):
             code = grpc.StatusCode.CANCELLED
             raise
         finally:
+            if admitted:
+                self._pushes_active -= 1
             self.metrics.pushes.labels(code.name).inc()
             self.metrics.push_bytes.inc(received)
             self.metrics.push_latency.observe(time.monotonic() - start)
@@ -281,6 +364,9 @@ class GeneratorServicer(generator_pb2_grpc.GeneratorServiceServicer):
                 adapter_window=self.config.adapter_window,
             ),
             server_version=__version__,
+            base_linear_layers=[
+                pb.LinearLayer(module=m, out_features=o, in_features=i) for m, (o, i) in sorted(self.base_shapes.items())
+            ],
         )
 
 

@@ -5,9 +5,23 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 
+MIN_TEMPERATURE = 1e-3  # smallest positive temperature; 0 means greedy
+MAX_TEMPERATURE = 100.0  # a documented cap: hotter is close to uniform and buys nothing
+
+
 @dataclass(frozen=True)
 class SamplingParams:
-    """How every sample of a group is drawn; validated by the servicer."""
+    """How every sample of a group is drawn; validated by the servicer, which refuses
+    anything outside these bounds with INVALID_ARGUMENT before an engine sees it:
+
+    - temperature: 0 (greedy) or in [MIN_TEMPERATURE, MAX_TEMPERATURE] = [1e-3, 100];
+      a tinier one overflows logits / T to inf and NaN (see sampling.py).
+    - top_p: finite, in (0, 1]; 1 = off.   top_k: 0 (off) up to the vocabulary size.
+    - stop: at most limits.max_stop_strings strings, each 1 to 64 characters.
+    - seed: any uint64 (None = a fresh random seed per group).
+    - max_new_tokens: 1 up to limits.max_new_tokens, and prompt + it within the context.
+    Engines still check what they sample from: a value that slips through fails its own
+    group only."""
 
     max_new_tokens: int
     temperature: float = 1.0

@@ -7,6 +7,18 @@ every running row. Rows of different groups, different sampling params and diffe
 adapters share every forward pass (PEFT's mixed-adapter batches). Finished and cancelled
 rows leave the batch at once. Row i of a group samples with its own torch.Generator
 seeded from (seed, i), so results do not depend on what else is batched.
+
+Failure isolation (blast radius): a row's failure ends its own group, never the batch.
+Each group is sampled on its own; when the distribution it would sample from holds NaN or
++inf (or the chosen token's logprob is not finite) the group ends with FAILED_PRECONDITION,
+reason NON_FINITE_LOGITS (the model or the request's adapter produced values nothing can be
+sampled from; no client should retry it unchanged); any other exception while sampling or
+emitting a group ends that group with INTERNAL, reason ROW_FAILED (a bug tied to that
+request). Either way its rows leave the batch and every other row continues. The proxy must
+classify by reason: neither of these means the replica is sick. Only a failure of a forward
+pass itself (OOM, a device error), which no row can be blamed for, ends the groups in that
+pass with INTERNAL, reason ENGINE_FAILED: that one is a replica fault. A failed prefill
+ends only the groups being admitted; the running batch keeps decoding.
 """
 
 from __future__ import annotations
@@ -26,11 +38,12 @@ from rollwire.common.errors import FailedPrecondition, Internal, InvalidArgument
 from rollwire.common.logs import get_logger
 from rollwire.server.adapters import Manifest
 from rollwire.server.engines.base import EngineStats
-from rollwire.server.sampling import draw, sample_seed, sampling_logprobs
+from rollwire.server.sampling import draw, finite, sample_seed, sampling_logprobs
 from rollwire.server.types import Event, GroupRequest, SampleDone, TokenDelta
 
 log = get_logger(__name__)
 BASE = "__base__"  # PEFT's name for "no adapter" in a mixed batch
+_MAX_ERROR_CHARS = 200  # an exception's text as a status message may echo it
 
 
 @dataclass
@@ -197,11 +210,9 @@ class TransformersEngine:
                 try:
                     batch = self._step(batch, admitted)
                 except Exception as exc:  # a bug or OOM must fail the requests, not hang them
-                    log.exception("engine_step_failed")
                     groups = {id(r.group): r.group for r in (batch.rows if batch else [])}
                     groups.update({id(g): g for g in admitted})
-                    for g in groups.values():
-                        g.send([Internal(f"generation failed on this replica: {exc}"), _END])
+                    _fail_engine(list(groups.values()), exc)
                     batch = None
                 with self._cv:
                     self._running_groups = len({id(r.group) for r in batch.rows}) if batch else 0
@@ -280,7 +291,11 @@ class TransformersEngine:
             batch = self._drop_rows(batch, [i for i, r in enumerate(batch.rows) if r.group.cancelled])
             batch = self._decode(batch) if batch.rows else None
         if admitted:
-            fresh = self._prefill(admitted)
+            try:
+                fresh = self._prefill(admitted)
+            except Exception as exc:  # the running batch's cache is untouched: it keeps decoding
+                _fail_engine(admitted, exc)
+                return batch
             batch = fresh if batch is None else _merge(batch, fresh)
         return batch
 
@@ -321,39 +336,60 @@ class TransformersEngine:
         return self._sample_and_emit(_Batch(rows, out.cache, mask), out.logits[:, -1, :])
 
     def _sample_and_emit(self, batch: _Batch, logits: torch.Tensor) -> _Batch | None:
-        """Sample one token per row (rows of a group share params), emit, drop finished rows."""
-        outgoing: dict[int, tuple[_Group, list]] = {}
+        """Sample one token per row (rows of a group share params), emit, drop finished rows.
+
+        Each group is sampled alone: one that fails (see the module docstring) is ended
+        with its own status and all its rows are dropped; the others are unaffected."""
         done: list[int] = []
         by_group: dict[int, list[int]] = {}
         for i, r in enumerate(batch.rows):
             by_group.setdefault(id(r.group), []).append(i)
         for idxs in by_group.values():
             group = batch.rows[idxs[0]].group
-            params = group.req.sampling
-            logprobs = sampling_logprobs(logits[idxs], params)
-            tokens = draw(logprobs, params, [batch.rows[i].generator for i in idxs])
-            chosen = logprobs.gather(-1, tokens[:, None])[:, 0]
-            events = outgoing.setdefault(id(group), (group, []))[1]
-            for k, i in enumerate(idxs):
-                row = batch.rows[i]
-                token, lp = int(tokens[k]), float(chosen[k])
-                row.generated.append(token)
-                row.last_token = token
-                text = self._new_text(row)
-                events.append(
-                    TokenDelta(row.index, [token], [lp], text, group.req.adapter.version)
-                )
-                reason = self._finish_reason(row, token)
-                if reason:
-                    events.append(SampleDone(row.index, reason, len(group.req.prompt_ids), len(row.generated)))
-                    group.open_rows -= 1
-                    done.append(i)
-        for group, events in outgoing.values():
-            if group.open_rows == 0:
-                events.append(_END)
+            try:
+                events, finished = self._sample_group(batch, logits, idxs)
+            except Exception as exc:
+                events, finished = [_row_error(group, exc), _END], idxs
+                group.open_rows = 0
+                group.cancelled = True  # nothing more is sent to it
+            else:
+                if group.open_rows == 0:
+                    events.append(_END)
             group.send(events)
+            done.extend(finished)
         batch = self._drop_rows(batch, done)
         return batch if batch.rows else None
+
+    def _sample_group(self, batch: _Batch, logits: torch.Tensor, idxs: list[int]) -> tuple[list, list[int]]:
+        """One token for each row `idxs` of one group: its events and the rows it finished.
+
+        Raises _NonFinite before anything is drawn when the distribution cannot be sampled
+        from; row state changes only after every check passed."""
+        group = batch.rows[idxs[0]].group
+        params = group.req.sampling
+        logprobs = sampling_logprobs(logits[idxs], params)
+        if not finite(logprobs):
+            raise _NonFinite("the sampling distribution")
+        tokens = draw(logprobs, params, [batch.rows[i].generator for i in idxs])
+        chosen = logprobs.gather(-1, tokens[:, None])[:, 0]
+        if not bool(torch.isfinite(chosen).all()):
+            raise _NonFinite("the sampled token's logprob")
+        tokens, chosen = tokens.tolist(), chosen.tolist()
+        events: list = []
+        finished: list[int] = []
+        for k, i in enumerate(idxs):
+            row = batch.rows[i]
+            token, lp = int(tokens[k]), float(chosen[k])
+            row.generated.append(token)
+            row.last_token = token
+            text = self._new_text(row)
+            events.append(TokenDelta(row.index, [token], [lp], text, group.req.adapter.version))
+            reason = self._finish_reason(row, token)
+            if reason:
+                events.append(SampleDone(row.index, reason, len(group.req.prompt_ids), len(row.generated)))
+                group.open_rows -= 1
+                finished.append(i)
+        return events, finished
 
     def _new_text(self, row: _Row) -> str:
         """Text added by the newest token, decoding only a short window (O(1) per token).
@@ -392,6 +428,42 @@ class TransformersEngine:
         index = torch.tensor(keep, device=self.device)
         batch.cache.batch_select_indices(index)
         return _trim(_Batch(rows, batch.cache, batch.mask[index]))
+
+
+class _NonFinite(Exception):
+    """A group's sampling met NaN or +inf; the argument says where."""
+
+
+def _row_error(group: _Group, exc: Exception):
+    """The status that ends one group whose sampling failed (see the module docstring)."""
+    rid = group.req.request_id
+    if isinstance(exc, _NonFinite):
+        log.warning("group_non_finite", request_id=rid, where=str(exc))
+        return FailedPrecondition(
+            f"the model produced NaN or infinite values in {exc} of this request (adapter "
+            f"{group.req.adapter.name or 'base'} v{group.req.adapter.version}); nothing can be sampled from "
+            "them. Check the adapter's weights (a diverged run produces them) or sample from another version",
+            reason="NON_FINITE_LOGITS",
+        )
+    log.exception("group_sampling_failed", request_id=rid, exc_info=exc)
+    return Internal(
+        f"sampling this request failed on this replica ({_clip_exc(exc)}); the other requests were not "
+        "affected. Report it with the request id",
+        reason="ROW_FAILED",
+    )
+
+
+def _fail_engine(groups: list[_Group], exc: Exception) -> None:
+    """A forward pass failed (no row to blame): end every group in it, a replica fault."""
+    log.exception("engine_step_failed", groups=len(groups), exc_info=exc)
+    for g in groups:
+        g.send([Internal(f"generation failed on this replica ({_clip_exc(exc)}); retry on another replica",
+                         reason="ENGINE_FAILED"), _END])
+
+
+def _clip_exc(exc: Exception) -> str:
+    text = f"{type(exc).__name__}: {exc}"
+    return text if len(text) <= _MAX_ERROR_CHARS else text[:_MAX_ERROR_CHARS] + "..."
 
 
 def _merge(a: _Batch, b: _Batch | None) -> _Batch:
