@@ -14,7 +14,8 @@ from rollwire.v1 import generator_pb2 as pb
 
 
 def manifest(name: str, version: int, payload: bytes, **changes) -> pb.AdapterManifest:
-    fields = dict(name=name, version=version, base_model_fingerprint="fp", lora_config=pb.LoraConfig(r=1, lora_alpha=2),
+    fields = dict(name=name, version=version, base_model_fingerprint="fp",
+                  lora_config=pb.LoraConfig(r=1, lora_alpha=2, target_modules=["q_proj"]),
                   byte_length=len(payload), sha256=hashlib.sha256(payload).hexdigest())
     fields.update(changes)
     return pb.AdapterManifest(**fields)
@@ -108,9 +109,25 @@ def test_keeps_the_newest_versions_and_evicts_old_ones_for_room(tmp_path):
     assert [a.version for a in spool.versions("a")] == [3] and spool.total_bytes() == 20
 
 
+def lora_bytes(value: float = 0.5) -> bytes:
+    """A tiny r=1 PEFT LoRA in safetensors, built without torch (reload checks payloads)."""
+    import json
+    import struct
+
+    prefix = "base_model.model.model.layers.0.self_attn.q_proj"
+    header = {f"{prefix}.lora_A.weight": {"dtype": "F32", "shape": [1, 4], "data_offsets": [0, 16]},
+              f"{prefix}.lora_B.weight": {"dtype": "F32", "shape": [4, 1], "data_offsets": [16, 32]}}
+    head = json.dumps(header).encode()
+    return struct.pack("<Q", len(head)) + head + struct.pack("<8f", *([value] * 8))
+
+
 def test_a_restarted_proxy_reloads_its_spool(tmp_path):
-    put(spool_at(tmp_path), "pol", 4, b"payload!")
-    (tmp_path / "pol" / "9.json").write_text("not json")  # damaged files are skipped, not fatal
+    good = lora_bytes()
+    put(spool_at(tmp_path), "pol", 4, good)
+    put(spool_at(tmp_path), "pol", 5, b"payload!")  # not safetensors: quarantined at reload
+    (tmp_path / "pol" / "9.json").write_text("not json")  # a manifest without payload: an orphan, removed
     again = spool_at(tmp_path)
     assert [a.version for a in again.versions("pol")] == [4]
-    assert asyncio.run(again.versions("pol")[0].payload()) == b"payload!"
+    assert asyncio.run(again.versions("pol")[0].payload()) == good
+    assert sorted(p.suffix for p in (tmp_path / "pol").iterdir()) == [".json", ".safetensors"]
+    assert len(list((tmp_path / ".quarantine" / "pol").glob("*.why.txt"))) == 1

@@ -1,20 +1,42 @@
-"""Reading a safetensors header without torch: tensor names, dtypes and shapes.
+"""Reading a safetensors header without torch: tensor names, dtypes, shapes; finiteness.
 
-The generator checks a pushed adapter against the base model before loading any of it,
-and the CLI reads a PEFT folder, neither of which should need torch to do so.
+The generator and the proxy check a pushed adapter against the base model before loading
+any of it, and the CLI reads a PEFT folder, none of which should need torch to do so.
+
+Cost is linear in the input and bounded: the header length is capped before parsing, deep
+JSON nesting and huge integers fail fast (Python's recursion and int-digit limits), the
+tensor count and the number of dimensions are capped, and every dimension is below 2**40,
+so no product of a shape is more than a small integer. `nonfinite_tensor` scans values with
+C-speed bytes operations in blocks, so a thread running it hands the GIL back often.
 """
 
 from __future__ import annotations
 
 import json
 import struct
+from dataclasses import dataclass
 
 _DTYPE_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1, "BOOL": 1}
 _MAX_HEADER = 100 * 1024 * 1024
+MAX_DIM = 1 << 40
+"""Every dimension of a tensor is below this."""
+MAX_DIMS = 8
+"""Default bound on the number of dimensions of a tensor in a file (pushed adapters: 2)."""
+_BLOCK = 1 << 20  # finiteness scan block, a multiple of every element size
 
 
 class HeaderError(ValueError):
     """The bytes are not a well-formed safetensors file."""
+
+
+@dataclass(frozen=True)
+class TensorEntry:
+    """One tensor of a safetensors file: data offsets are relative to the body's start."""
+
+    dtype: str
+    shape: tuple[int, ...]
+    start: int
+    end: int
 
 
 def read_file_header(path) -> dict[str, tuple[str, tuple[int, ...]]]:
@@ -29,35 +51,112 @@ def read_file_header(path) -> dict[str, tuple[str, tuple[int, ...]]]:
     return read_header(struct.pack("<Q", length) + head, body_length=body)
 
 
-def read_header(data: bytes, body_length: int | None = None) -> dict[str, tuple[str, tuple[int, ...]]]:
+def read_header(data: bytes, body_length: int | None = None, **limits) -> dict[str, tuple[str, tuple[int, ...]]]:
     """Map tensor name -> (dtype, shape); raises HeaderError with a readable reason.
 
     `data` is the whole file, or only its header when `body_length` gives the body size.
+    `limits` are those of `read_entries`.
     """
+    return {name: (e.dtype, e.shape) for name, e in read_entries(data, body_length, **limits).items()}
+
+
+def header_length(data: bytes) -> int:
+    """The declared header length (the first 8 bytes, little-endian)."""
     if len(data) < 8:
         raise HeaderError(f"payload is {len(data)} bytes; a safetensors file starts with an 8-byte header length")
-    (length,) = struct.unpack("<Q", data[:8])
-    if length > _MAX_HEADER or 8 + length > len(data):
+    return struct.unpack("<Q", data[:8])[0]
+
+
+def read_entries(
+    data: bytes,
+    body_length: int | None = None,
+    *,
+    max_header: int = _MAX_HEADER,
+    max_tensors: int | None = None,
+    max_dims: int = MAX_DIMS,
+) -> dict[str, TensorEntry]:
+    """Map tensor name -> TensorEntry, checking the header's structure with bounded cost."""
+    length = header_length(data)
+    if length > max_header:
+        raise HeaderError(f"header of {length} bytes exceeds the limit of {max_header} bytes")
+    if 8 + length > len(data):
         raise HeaderError(f"header length {length} does not fit in a payload of {len(data)} bytes")
     try:
         header = json.loads(data[8 : 8 + length])
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise HeaderError(f"header is not valid JSON ({exc})") from None
+    except (UnicodeDecodeError, ValueError, RecursionError) as exc:  # ValueError: JSON errors, over-long ints
+        raise HeaderError(f"header is not valid JSON ({str(exc)[:200]})") from None
     if not isinstance(header, dict):
         raise HeaderError("header is not a JSON object")
+    count = len(header) - ("__metadata__" in header)
+    if max_tensors is not None and count > max_tensors:
+        raise HeaderError(f"header lists {count} tensors; at most {max_tensors} are expected")
+    meta = header.get("__metadata__", {})
+    if not isinstance(meta, dict) or not all(isinstance(v, str) for v in meta.values()):
+        raise HeaderError("header __metadata__ is not an object of strings")
     body = len(data) - 8 - length if body_length is None else body_length
-    tensors: dict[str, tuple[str, tuple[int, ...]]] = {}
+    tensors: dict[str, TensorEntry] = {}
     for name, entry in header.items():
         if name == "__metadata__":
             continue
-        try:
-            dtype, shape, (start, end) = entry["dtype"], tuple(int(d) for d in entry["shape"]), entry["data_offsets"]
-        except (KeyError, TypeError, ValueError):
-            raise HeaderError(f"tensor {name!r} has a malformed header entry") from None
-        count = 1
-        for dim in shape:
-            count *= dim
-        if dtype not in _DTYPE_BYTES or end - start != count * _DTYPE_BYTES[dtype] or not 0 <= start <= end <= body:
-            raise HeaderError(f"tensor {name!r} has offsets or dtype that do not match its shape {list(shape)}")
-        tensors[name] = (dtype, shape)
+        tensors[name] = _entry(name, entry, body, max_dims)
     return tensors
+
+
+def _entry(name: str, entry, body: int, max_dims: int) -> TensorEntry:
+    shown = name[:120]
+    if not isinstance(entry, dict):
+        raise HeaderError(f"tensor {shown!r} has a malformed header entry")
+    dtype, shape, offsets = entry.get("dtype"), entry.get("shape"), entry.get("data_offsets")
+    if not isinstance(dtype, str) or dtype not in _DTYPE_BYTES:
+        raise HeaderError(f"tensor {shown!r} has an unknown dtype {str(dtype)[:20]!r}")
+    if not isinstance(shape, list) or len(shape) > max_dims:
+        raise HeaderError(f"tensor {shown!r} has a malformed shape (a list of at most {max_dims} dimensions is expected)")
+    if not all(type(d) is int and 0 <= d < MAX_DIM for d in shape):
+        raise HeaderError(f"tensor {shown!r} has a dimension that is not an integer in [0, 2**40)")
+    if not (isinstance(offsets, list) and len(offsets) == 2 and all(type(o) is int for o in offsets)):
+        raise HeaderError(f"tensor {shown!r} has malformed data_offsets")
+    start, end = offsets
+    count = 1
+    for dim in shape:  # at most max_dims factors below 2**40: a small integer
+        count *= dim
+    if end - start != count * _DTYPE_BYTES[dtype] or not 0 <= start <= end <= body:
+        raise HeaderError(f"tensor {shown!r} has offsets or dtype that do not match its shape {shape}")
+    return TensorEntry(dtype, tuple(shape), start, end)
+
+
+# -- finiteness ---------------------------------------------------------------------------
+# Little-endian IEEE layouts: a value is NaN or +-inf exactly when its exponent bits are all
+# ones. F32: bits 23..30 = low 7 bits of byte 3 and the top bit of byte 2. BF16: the same
+# two-byte pattern in bytes 1 and 0. F16: bits 10..14 = bits 2..6 of byte 1.
+_HI7 = bytes(1 if b & 0x7F == 0x7F else 0 for b in range(256))
+_TOP1 = bytes(1 if b & 0x80 else 0 for b in range(256))
+_NOT_HI7 = bytes(b for b in range(256) if b & 0x7F != 0x7F)
+_NOT_F16_EXP = bytes(b for b in range(256) if b & 0x7C != 0x7C)
+_FLOAT_LAYOUT = {"F32": (4, 3, 2), "BF16": (2, 1, 0)}  # size, byte with 7 exponent bits, byte with 1
+
+
+def nonfinite_tensor(data, entries: dict[str, TensorEntry], body_offset: int) -> str | None:
+    """The name of the first float tensor holding a NaN or an infinity, else None.
+
+    `data` holds the file; tensor data starts at `body_offset`. Linear, C-speed per block.
+    """
+    view = memoryview(data)
+    for name, e in entries.items():
+        if e.dtype not in ("F32", "BF16", "F16"):
+            continue
+        for pos in range(body_offset + e.start, body_offset + e.end, _BLOCK):
+            block = bytes(view[pos : min(pos + _BLOCK, body_offset + e.end)])
+            if not _block_finite(block, e.dtype):
+                return name
+    return None
+
+
+def _block_finite(block: bytes, dtype: str) -> bool:
+    if dtype == "F16":
+        return not block[1::2].translate(None, _NOT_F16_EXP)
+    size, hi, lo = _FLOAT_LAYOUT[dtype]
+    high = block[hi::size]
+    if not high.translate(None, _NOT_HI7):  # the usual case: no value is near the top exponent
+        return True
+    flags = int.from_bytes(high.translate(_HI7), "little") & int.from_bytes(block[lo::size].translate(_TOP1), "little")
+    return flags == 0

@@ -217,7 +217,7 @@ class ReplicaStatus(_message.Message):
     def __init__(self, address: _Optional[str] = ..., replica: _Optional[str] = ..., healthy: _Optional[bool] = ..., draining: _Optional[bool] = ..., in_flight: _Optional[int] = ..., adapters: _Optional[_Iterable[_Union[LoadedAdapter, _Mapping]]] = ..., detail: _Optional[str] = ...) -> None: ...
 
 class GetStatusResponse(_message.Message):
-    __slots__ = ("role", "replica", "model_fingerprint", "engine", "adapters", "in_flight", "queue_depth", "limits", "replicas", "server_version")
+    __slots__ = ("role", "replica", "model_fingerprint", "engine", "adapters", "in_flight", "queue_depth", "limits", "replicas", "server_version", "base_linear_layers")
     ROLE_FIELD_NUMBER: _ClassVar[int]
     REPLICA_FIELD_NUMBER: _ClassVar[int]
     MODEL_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
@@ -228,6 +228,7 @@ class GetStatusResponse(_message.Message):
     LIMITS_FIELD_NUMBER: _ClassVar[int]
     REPLICAS_FIELD_NUMBER: _ClassVar[int]
     SERVER_VERSION_FIELD_NUMBER: _ClassVar[int]
+    BASE_LINEAR_LAYERS_FIELD_NUMBER: _ClassVar[int]
     role: str
     replica: str
     model_fingerprint: str
@@ -238,7 +239,18 @@ class GetStatusResponse(_message.Message):
     limits: Limits
     replicas: _containers.RepeatedCompositeFieldContainer[ReplicaStatus]
     server_version: str
-    def __init__(self, role: _Optional[str] = ..., replica: _Optional[str] = ..., model_fingerprint: _Optional[str] = ..., engine: _Optional[str] = ..., adapters: _Optional[_Iterable[_Union[LoadedAdapter, _Mapping]]] = ..., in_flight: _Optional[int] = ..., queue_depth: _Optional[int] = ..., limits: _Optional[_Union[Limits, _Mapping]] = ..., replicas: _Optional[_Iterable[_Union[ReplicaStatus, _Mapping]]] = ..., server_version: _Optional[str] = ...) -> None: ...
+    base_linear_layers: _containers.RepeatedCompositeFieldContainer[LinearLayer]
+    def __init__(self, role: _Optional[str] = ..., replica: _Optional[str] = ..., model_fingerprint: _Optional[str] = ..., engine: _Optional[str] = ..., adapters: _Optional[_Iterable[_Union[LoadedAdapter, _Mapping]]] = ..., in_flight: _Optional[int] = ..., queue_depth: _Optional[int] = ..., limits: _Optional[_Union[Limits, _Mapping]] = ..., replicas: _Optional[_Iterable[_Union[ReplicaStatus, _Mapping]]] = ..., server_version: _Optional[str] = ..., base_linear_layers: _Optional[_Iterable[_Union[LinearLayer, _Mapping]]] = ...) -> None: ...
+
+class LinearLayer(_message.Message):
+    __slots__ = ("module", "out_features", "in_features")
+    MODULE_FIELD_NUMBER: _ClassVar[int]
+    OUT_FEATURES_FIELD_NUMBER: _ClassVar[int]
+    IN_FEATURES_FIELD_NUMBER: _ClassVar[int]
+    module: str
+    out_features: int
+    in_features: int
+    def __init__(self, module: _Optional[str] = ..., out_features: _Optional[int] = ..., in_features: _Optional[int] = ...) -> None: ...
 
 class Limits(_message.Message):
     __slots__ = ("max_n", "max_new_tokens", "max_prompt_tokens", "max_adapter_bytes", "adapter_window")

@@ -86,12 +86,13 @@ def run_learner(args: argparse.Namespace) -> int:
 
     from rollwire.common.logs import setup_logging
     from rollwire.learner.loop import run_learner as run
+    from rollwire.learner.publisher import NonFiniteWeights
     from rollwire.learner.session import LearnerError
 
     setup_logging("learner", config.log_level)
     try:
         summary = asyncio.run(run(config, resume=args.resume, ready_file=args.ready_file))
-    except LearnerError as exc:
+    except (LearnerError, NonFiniteWeights) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1
     except asyncio.CancelledError:  # a second Ctrl-C: stopped without waiting for the last push

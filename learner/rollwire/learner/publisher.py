@@ -10,6 +10,8 @@ Invariants:
 Transient failures (UNAVAILABLE, DEADLINE_EXCEEDED, RESOURCE_EXHAUSTED, ABORTED) are
 retried until a newer version supersedes them; any other refusal is fatal and raised to
 the caller on its next publish or wait, with the target's own sentence.
+A payload holding a NaN or an infinity is never pushed: `publish` raises NonFiniteWeights
+(the same torch-free check the replicas and the proxy run), which stops the run.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from dataclasses import dataclass
 import grpc
 
 from rollwire.common.errors import RollwireError
+from rollwire.common.safetensors_header import HeaderError, header_length, nonfinite_tensor, read_entries
 from rollwire.common.logs import get_logger
 from rollwire.learner.buffer import Signal
 
@@ -32,6 +35,24 @@ TRANSIENT = {
     grpc.StatusCode.RESOURCE_EXHAUSTED,
     grpc.StatusCode.ABORTED,
 }
+
+
+class NonFiniteWeights(RuntimeError):
+    """The weights to publish hold NaN or infinite values: the run diverged and must stop."""
+
+
+def check_finite(version: int, payload: bytes) -> None:
+    """Raise NonFiniteWeights when a float tensor of the safetensors `payload` is not finite."""
+    try:
+        entries = read_entries(payload)
+    except HeaderError:
+        return  # not ours to judge: the target refuses a malformed payload with its own sentence
+    bad = nonfinite_tensor(payload, entries, 8 + header_length(payload))
+    if bad is not None:
+        raise NonFiniteWeights(
+            f"adapter version {version} holds NaN or infinite values in tensor {bad}; the run diverged and is stopped "
+            "without publishing it (lower train.lr or resume from an earlier checkpoint)"
+        )
 
 
 @dataclass(frozen=True)
@@ -68,6 +89,10 @@ class Publisher:
     async def publish(self, version: int, payload: bytes, *, wait: bool = False) -> None:
         """Queue `version` for pushing; with `wait`, return once it is served."""
         self._raise_fatal()
+        if len(payload) > 1 << 16:
+            await asyncio.to_thread(check_finite, version, payload)
+        else:
+            check_finite(version, payload)
         if self._pending is not None:
             self.on_push(PushRecord(self._pending[0], 0.0, "superseded"))
         self._pending = (version, payload)

@@ -7,7 +7,9 @@ Invariants:
   generator's layout, so at staleness 0 the importance ratio is 1 up to float noise;
 - the reference policy for the KL term is the same model with the adapter disabled: no
   second copy of the weights;
-- `adapter_payload()` is what replicas load: the PEFT LoRA state dict in safetensors bytes.
+- `adapter_payload()` is what replicas load: the PEFT LoRA state dict in safetensors bytes;
+  it refuses (NonFiniteWeights) to build a payload holding a NaN or an infinity, so a
+  diverged run stops instead of publishing weights no replica may serve.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ import torch
 from rollwire.learner.buffer import ScoredGroup
 from rollwire.learner.config import TrainSection
 from rollwire.learner.grpo import group_advantages, policy_loss, token_logprobs
+from rollwire.learner.publisher import NonFiniteWeights
 
 
 @dataclass
@@ -88,7 +91,16 @@ class Trainer:
         from safetensors.torch import save
 
         state = get_peft_model_state_dict(self.model)
-        return save({k: v.detach().to("cpu", torch.float32).contiguous() for k, v in state.items()})
+        tensors = {k: v.detach().to("cpu", torch.float32).contiguous() for k, v in state.items()}
+        for name, value in tensors.items():
+            if not bool(torch.isfinite(value).all()):
+                count, version = getattr(self, "last_step", (0, 0))
+                when = f"after optimiser step {count} of this run (trained at version {version})" if count else "before any step"
+                raise NonFiniteWeights(
+                    f"the adapter holds NaN or infinite values in tensor {name} {when}; the run diverged and is stopped "
+                    "without publishing it (lower train.lr or resume from an earlier checkpoint)"
+                )
+        return save(tensors)
 
     def load_adapter(self, payload: bytes) -> None:
         from peft import set_peft_model_state_dict
@@ -101,6 +113,7 @@ class Trainer:
     def step(self, groups: list[ScoredGroup], version: int) -> StepStats:
         """One optimiser step on a batch of groups, trained at `version` (gradient accumulation)."""
         started = time.monotonic()
+        self.last_step = (getattr(self, "last_step", (0, 0))[0] + 1, version)
         rewards = torch.tensor([g.rewards for g in groups])
         advantages = group_advantages(rewards, self.cfg.normalize_std)
         total_tokens = sum(len(s.token_ids) for g in groups for s in g.samples)

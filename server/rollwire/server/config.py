@@ -21,6 +21,15 @@ class Limits(Section):
     max_adapter_bytes: int = Field(1024 * MiB, ge=1, description="Largest adapter payload accepted by PushAdapter.")
     max_queue: int = Field(256, ge=0, description="Groups that may wait for a batch slot; more get RESOURCE_EXHAUSTED.")
     max_stop_strings: int = Field(8, ge=0, description="Most stop strings per request.")
+    max_concurrent_pushes: int = Field(
+        2, ge=1, description="PushAdapter streams received at once (each buffers its payload); more get RESOURCE_EXHAUSTED."
+    )
+    push_idle_timeout_s: float = Field(
+        30.0, gt=0, description="A push that sends no message for this long is cancelled with DEADLINE_EXCEEDED."
+    )
+    max_version_step: int = Field(
+        1_000_000, ge=1, description="A pushed version may be at most this far above the newest of its name (0 for a new name)."
+    )
 
 
 class TransformersSection(Section):

@@ -7,7 +7,11 @@ Invariants:
 - the push succeeds when at least one replica accepted it; a healthy replica that refused
   it while others accepted is taken out of rotation until a catch-up brings it up to date;
 - when every replica refused, the push itself is at fault: the first replica's status is
-  passed through unchanged, the new version leaves the spool and no replica changes state.
+  passed through unchanged, the new version leaves the spool and no replica changes state;
+- only validated uploads are published (the proxy ran the replicas' checks on them), and a
+  publication, once started, runs to its end even when the client goes away (deadline,
+  cancellation): the version committed to the spool is known good, replicas accept it now or
+  on catch-up, so a cut-off push cannot leave the spool holding something they refuse.
 """
 
 from __future__ import annotations
@@ -34,14 +38,27 @@ class FanOut:
                  metrics: ProxyMetrics) -> None:
         self.spool, self.replicas, self.health, self.routing, self.metrics = spool, replicas, health, routing, metrics
         self._locks: defaultdict[str, asyncio.Lock] = defaultdict(asyncio.Lock)
+        self._tasks: set[asyncio.Task] = set()
 
     async def publish(self, upload: Upload, request_id: str) -> pb.PushAdapterResponse:
-        """Commit `upload` to the spool and push it to every healthy replica concurrently."""
+        """Commit a validated `upload` to the spool and push it to every healthy replica
+        concurrently. Takes ownership of the upload; a cancelled caller does not stop it."""
+        if not upload.validated:
+            upload.discard()
+            raise RuntimeError("only validated uploads may be published")
+        task = asyncio.create_task(self._publish(upload, request_id))
+        self._tasks.add(task)
+        task.add_done_callback(self._finished)
+        return await asyncio.shield(task)
+
+    def _finished(self, task: asyncio.Task) -> None:
+        self._tasks.discard(task)
+        if not task.cancelled() and task.exception() is not None:
+            log.info("adapter_publish_ended", error=str(task.exception())[:300])
+
+    async def _publish(self, upload: Upload, request_id: str) -> pb.PushAdapterResponse:
         async with self._locks[upload.manifest.name]:
-            try:
-                adapter, created = self.spool.commit(upload)
-            finally:
-                upload.discard()
+            adapter, created = self.spool.commit(upload)  # consumes the upload on every exit
             targets = self.replicas.healthy()
             if not targets:
                 self._forget(adapter, created)
@@ -59,11 +76,15 @@ class FanOut:
             log.info("adapter_published", adapter=adapter.name, version=adapter.version, accepted=len(accepted),
                      replicas=len(results), seconds=round(time.monotonic() - start, 4))
             if not accepted:
+                if not created:  # an older spooled copy: maybe one no replica accepts (quarantined then)
+                    for result in results:
+                        self.replicas.note_refusal(result.replica, adapter, result.code, result.reason, result.message)
                 self._forget(adapter, created)
                 first = results[0]
                 raise Relay(first.error) if first.error is not None else Unavailable(first.message, reason="PUSH_FAILED")
             for result in results:
                 if not result.ok:
+                    self.replicas.note_refusal(result.replica, adapter, result.code, result.reason, result.message)
                     self.replicas.mark_unsynced(
                         result.replica,
                         f"push of {adapter.name!r} v{adapter.version} failed with {result.code.name}: {result.message}",

@@ -11,7 +11,14 @@ Invariants:
   restart them elsewhere) instead of leaving them to hang until their deadline;
 - removing a replica cancels its tasks, abandons its live groups (their runs restart them
   elsewhere) and forgets its metric series;
-- every state change calls `on_change`, which lets waiting requests re-check for a slot.
+- every state change calls `on_change`, which lets waiting requests re-check for a slot;
+- a replica refusing a spooled version permanently (INVALID_ARGUMENT, FAILED_PRECONDITION
+  other than "already ahead") is not asked for that version again until it reconnects; when
+  every healthy replica of the base model has refused a version and none holds it, the
+  version is quarantined (spool.py) and catch-up goes on without it, so no stored push can
+  keep replicas out of rotation, and nothing is retried forever;
+- the base model's fingerprint and linear-layer shapes come from the first replica that
+  syncs; pushes are checked against them before they are spooled (servicer.py).
 """
 
 from __future__ import annotations
@@ -23,6 +30,8 @@ from collections.abc import Callable
 
 import grpc
 from grpc_health.v1 import health_pb2
+
+from rollwire.common.errors import Unavailable
 
 from rollwire.common.logs import get_logger, new_request_id
 from rollwire.server.proxy.breaker import Breaker
@@ -37,6 +46,14 @@ log = get_logger(__name__)
 SERVICE = pb.DESCRIPTOR.services_by_name["GeneratorService"].full_name
 # A replica refusing a catch-up version for these reasons already holds something newer.
 ALREADY_AHEAD = {"VERSION_NOT_MONOTONIC", "VERSION_CONFLICT"}
+PERMANENT = {grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.FAILED_PRECONDITION}
+
+
+def is_permanent_refusal(code: grpc.StatusCode, reason: str) -> bool:
+    """A replica refused these bytes for good (it will refuse them again), not for now."""
+    if code == grpc.StatusCode.RESOURCE_EXHAUSTED:
+        return reason == "ADAPTER_TOO_LARGE"
+    return code in PERMANENT and reason not in ALREADY_AHEAD
 
 
 class ReplicaSet:
@@ -47,6 +64,10 @@ class ReplicaSet:
         self.members: dict[str, Replica] = {}
         self._background: set[asyncio.Task] = set()
         self.fingerprint = ""  # the base model every member must serve, set by the first to sync
+        self.base_shapes: dict[str, tuple[int, int]] | None = None  # its linear layers, from the same replica
+        spool.max_version_step = config.spool.max_version_step
+        # (name, version, sha256) -> addresses of replicas that refused it permanently
+        self._refusals: dict[tuple[str, int, str], set[str]] = {}
 
     # -- membership --------------------------------------------------------------------
     def add(self, address: str, source: str, ttl_s: float | None = None) -> tuple[Replica, bool]:
@@ -77,6 +98,7 @@ class ReplicaSet:
             task.cancel()
         await asyncio.gather(*replica.tasks, return_exceptions=True)
         await replica.channel.close(grace=None)
+        self._forget_refusals(address)
         self.metrics.forget_replica(address)
         self.metrics.replicas.set(len(self.members))
         log.info("replica_removed", replica=address, reason=reason, restarted=abandoned)
@@ -141,6 +163,55 @@ class ReplicaSet:
         now = time.monotonic()
         return "; ".join(f"{r.address}: {r.state(now) or 'ready'}" for r in self.all())
 
+    def push_basis(self) -> tuple[str, dict[str, tuple[int, int]]]:
+        """(fingerprint, base linear shapes) a push is checked against; UNAVAILABLE before a
+        replica has reported them."""
+        if not self.fingerprint or not self.base_shapes:
+            raise Unavailable(
+                f"no generator replica has reported its base model yet ({self.describe()}); nothing was applied, "
+                "retry when a replica is up",
+                reason="NO_REPLICA",
+                retry_after_s=self.config.routing.retry_after_s,
+            )
+        return self.fingerprint, self.base_shapes
+
+    def note_refusal(self, replica: Replica, adapter, code: grpc.StatusCode, reason: str, message: str) -> bool:
+        """Record a replica's refusal of a spooled version; quarantine the version when every
+        healthy replica of the base model refused it for good and none holds it. True when
+        the version is (now) out of the spool."""
+        if not self.spool.holds(adapter):
+            return True
+        if not is_permanent_refusal(code, reason):
+            return False
+        key = (adapter.name, adapter.version, adapter.manifest.sha256)
+        live = {(a.name, a.version, a.manifest.sha256) for n in self.spool.names() for a in self.spool.versions(n)}
+        for stale in [k for k in self._refusals if k not in live]:
+            del self._refusals[stale]
+        refusers = self._refusals.setdefault(key, set())
+        refusers.add(replica.address)
+        peers = [r for r in self.all() if r.healthy and (not self.fingerprint or r.fingerprint == self.fingerprint)]
+        if any(r.holds(adapter.name, adapter.version) for r in self.all()):
+            return False
+        if not peers or not {r.address for r in peers} <= refusers:
+            return False
+        why = (f"every replica ({', '.join(sorted(refusers))}) refused {adapter.name!r} v{adapter.version}; "
+               f"the last with {code.name} {reason}: {message}")
+        if self.spool.quarantine(adapter, why):
+            self.metrics.quarantined.inc()
+            log.error("adapter_quarantined", adapter=adapter.name, version=adapter.version, why=why)
+        del self._refusals[key]
+        for r in peers:
+            if not r.synced:
+                r.wake.set()  # catch up now, without the quarantined version
+        return True
+
+    def _refused_by(self, replica: Replica, adapter) -> bool:
+        return replica.address in self._refusals.get((adapter.name, adapter.version, adapter.manifest.sha256), ())
+
+    def _forget_refusals(self, address: str) -> None:
+        for refusers in self._refusals.values():
+            refusers.discard(address)
+
     def mark_unsynced(self, replica: Replica, why: str) -> None:
         """Take a replica out of rotation until a catch-up brings it to the newest versions."""
         if replica.synced:
@@ -201,6 +272,7 @@ class ReplicaSet:
             await replica.channel.wait_for_state_change(state)
             new = replica.channel.get_state()
             if state == ready and new != ready:
+                self._forget_refusals(replica.address)  # a restarted replica may accept what it refused
                 self.mark_unsynced(replica, "its connection dropped; checking it again")
             state = new
 
@@ -225,28 +297,47 @@ class ReplicaSet:
                 )
                 return
             self.fingerprint = status.model_fingerprint
+            if not self.base_shapes and status.base_linear_layers:
+                self.base_shapes = {x.module: (x.out_features, x.in_features) for x in status.base_linear_layers}
             replica.versions = {a.name: list(a.versions) for a in status.adapters}
             if await self._catch_up(replica) and not replica.synced:
                 replica.synced, replica.detail = True, ""
                 log.info("replica_ready", replica=replica.address, identity=replica.identity, adapters=replica.versions)
 
     async def _catch_up(self, replica: Replica) -> bool:
-        """Push every spooled version above what the replica holds, oldest first."""
+        """Push every spooled version above what the replica holds, oldest first. A version
+        that ends up quarantined is skipped; one this replica refused for good is not pushed
+        again (until it reconnects) and is skipped; the replica is caught up once it holds the
+        newest spooled version of every name. A transient failure ends the round."""
         for name in self.spool.names():
             for adapter in self.spool.versions(name):
-                if adapter.version <= replica.newest(name):
+                if adapter.version <= replica.newest(name) or not self.spool.holds(adapter):
                     continue
-                result = await replica.push(adapter, await adapter.payload(), self.config.health.push_timeout_s, new_request_id())
+                if self._refused_by(replica, adapter):
+                    continue
+                try:
+                    payload = await adapter.payload()
+                except Unavailable:
+                    continue  # quarantined or evicted meanwhile
+                result = await replica.push(adapter, payload, self.config.health.push_timeout_s, new_request_id())
                 self.metrics.pushes.labels(replica.address, result.code.name).inc()
                 if result.ok:
                     self.metrics.catchup_pushes.labels(replica.address).inc()
                     log.info("replica_caught_up", replica=replica.address, adapter=name, version=adapter.version)
                 elif result.reason not in ALREADY_AHEAD:
-                    replica.synced = False
-                    replica.detail = f"catching up {name} v{adapter.version} failed with {result.code.name}: {result.message}"
                     log.warning("catch_up_failed", replica=replica.address, adapter=name, version=adapter.version,
                                 code=result.code.name, error=result.message)
-                    return False
+                    replica.detail = f"catching up {name} v{adapter.version} failed with {result.code.name}: {result.message}"
+                    if not is_permanent_refusal(result.code, result.reason):
+                        replica.synced = False
+                        return False
+                    self.note_refusal(replica, adapter, result.code, result.reason, result.message)
+        behind = [f"{n} v{vs[-1].version}" for n in self.spool.names() if (vs := self.spool.versions(n))
+                  and replica.newest(n) < vs[-1].version]
+        if behind:
+            replica.synced = False
+            replica.detail = f"it does not hold {', '.join(behind)} (it refused them; other replicas hold them)"
+            return False
         return True
 
     def _publish(self, replica: Replica) -> None:
