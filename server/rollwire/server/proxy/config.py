@@ -17,7 +17,7 @@ ADDRESS_RE = re.compile(r"^(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9_.-]+):[0-9]{1,5}$")
 
 def check_address(address: str) -> str:
     """`host:port` or `[v6]:port`; raises ValueError with a sentence otherwise."""
-    if not ADDRESS_RE.match(address) or not 0 < int(address.rsplit(":", 1)[1]) < 65536:
+    if not ADDRESS_RE.fullmatch(address) or not 0 < int(address.rsplit(":", 1)[1]) < 65536:
         raise ValueError(f"{address!r} is not a HOST:PORT address (e.g. 10.0.0.5:50051 or [::1]:50051)")
     return address
 
@@ -78,6 +78,36 @@ class SpoolSection(Section):
         3, ge=1, description="Newest versions of each adapter kept for catch-up (set it to the replicas' adapter_window)."
     )
     max_adapter_bytes: int = Field(1024 * MiB, ge=1, description="Largest adapter payload the proxy accepts.")
+    upload_idle_timeout_s: float = Field(
+        30.0, gt=0, description="A push that sends no message for this long is cancelled with DEADLINE_EXCEEDED."
+    )
+    max_version_step: int = Field(
+        1_000_000, ge=1, description="A pushed version may be at most this far above the newest of its name (0 for a new name)."
+    )
+
+
+class FairnessSection(Section):
+    """Per-client limits, so one client's load or a client that stops reading harms only itself.
+
+    A client is the bearer token's identity where auth is on (a hash of the token, never the
+    token), the peer's host otherwise (every client behind one NAT or on one host is one client)."""
+
+    max_in_flight_per_client: int = Field(
+        256, ge=1,
+        description="Generate requests one client may have open at the proxy (queued or running); beyond it "
+        "RESOURCE_EXHAUSTED, reason CLIENT_LIMIT, with a retry hint, before any work.",
+    )
+    max_queued_tokens_per_client: int = Field(
+        1 << 20, ge=1,
+        description="Work one client may have waiting in the proxy's queue, as the sum of n x max_new_tokens of its "
+        "queued requests; a request that would go over it is refused like max_in_flight_per_client (a client's "
+        "first queued request is always accepted, however large).",
+    )
+    slow_reader_timeout_s: float = Field(
+        30.0, gt=0,
+        description="A response message the client has not taken for this long (its flow-control window stays "
+        "full) ends the request with RESOURCE_EXHAUSTED, reason SLOW_READER, and frees its replica slot.",
+    )
 
 
 class ProxyConfig(Section):
@@ -98,6 +128,7 @@ class ProxyConfig(Section):
     routing: RoutingSection = Field(default_factory=RoutingSection)
     health: HealthSection = Field(default_factory=HealthSection)
     spool: SpoolSection = Field(default_factory=SpoolSection)
+    fairness: FairnessSection = Field(default_factory=FairnessSection)
     auth: AuthSection = Field(default_factory=AuthSection)
     tls: TlsSection = Field(default_factory=TlsSection)
     upstream: UpstreamSection = Field(default_factory=UpstreamSection)

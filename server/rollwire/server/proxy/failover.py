@@ -10,7 +10,9 @@ Invariants (the proxy answers every accepted request exactly once, complete or w
 - at most `max_attempts` attempts, all inside the request's deadline; then UNAVAILABLE naming
   each failure, or DEADLINE_EXCEEDED;
 - the lease is released and the upstream call cancelled on every exit path, the client
-  going away included, so a replica stops work nobody will read.
+  going away included, so a replica stops work nobody will read;
+- which failures are retried and which count against a replica is decided in faults.py
+  alone: a status a client can cause never counts, so no request can eject a replica.
 """
 
 from __future__ import annotations
@@ -25,8 +27,9 @@ import grpc
 
 from rollwire.common.errors import DeadlineExceeded, Unavailable, from_rpc_error
 from rollwire.common.logs import REQUEST_ID_KEY, get_logger
+from rollwire.server.proxy import faults
 from rollwire.server.proxy.config import RoutingSection
-from rollwire.server.proxy.dispatch import Dispatcher, Lease, Need
+from rollwire.server.proxy.dispatch import Client, Dispatcher, Lease, Need
 from rollwire.server.proxy.metrics import ProxyMetrics
 from rollwire.server.proxy.policies import routing_key
 from rollwire.server.proxy.relay import Relay
@@ -35,13 +38,6 @@ from rollwire.server.proxy.replicas import ReplicaSet
 from rollwire.v1 import generator_pb2 as pb
 
 log = get_logger(__name__)
-# A replica failing with these is at fault (died, crashed, shut down): try another one.
-REPLICA_FAULTS = {
-    grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.UNKNOWN, grpc.StatusCode.INTERNAL,
-    grpc.StatusCode.DATA_LOSS, grpc.StatusCode.CANCELLED,
-}
-# A replica refusing a version the proxy believed it held: the proxy's view is stale.
-STALE_VIEW = {"ADAPTER_NOT_FOUND", "ADAPTER_VERSION_NOT_FOUND", "ADAPTER_VERSION_EVICTED"}
 
 
 @dataclass
@@ -54,7 +50,9 @@ class AttemptFailed(Exception):
     visible: bool
     """True when the client already saw part of this attempt (so it needs `restarted`)."""
     kind: str
-    """"replica" (counts towards ejection), "busy", "stale" or "abandoned"."""
+    """A faults.Verdict kind ("replica", "busy", "stale", "cancelled", "suspect") or "abandoned"."""
+    counts: bool = False
+    """Counts towards the replica's ejection now (faults.classify)."""
 
 
 def resolve(request: pb.GenerateRequest, replicas: ReplicaSet) -> Need:
@@ -72,8 +70,8 @@ def resolve(request: pb.GenerateRequest, replicas: ReplicaSet) -> Need:
 
 class GroupRun:
     def __init__(self, request: pb.GenerateRequest, request_id: str, deadline: float, dispatcher: Dispatcher,
-                 replicas: ReplicaSet, routing: RoutingSection, metrics: ProxyMetrics) -> None:
-        self.request, self.request_id, self.deadline = request, request_id, deadline
+                 replicas: ReplicaSet, routing: RoutingSection, metrics: ProxyMetrics, client: Client | None = None) -> None:
+        self.request, self.request_id, self.deadline, self.client = request, request_id, deadline, client
         self.dispatcher, self.replicas, self.routing, self.metrics = dispatcher, replicas, routing, metrics
         request.request_id = request_id
         self.need = resolve(request, replicas)
@@ -85,6 +83,8 @@ class GroupRun:
             routing.affinity_prefix,
         )
         self.work = max(1, request.n) * max(1, request.sampling.max_new_tokens)
+        self.suspects: list[AttemptFailed] = []
+        """Attempts that failed unexplained (faults.SUSPECT): counted only if the group then succeeds elsewhere."""
 
     async def events(self) -> AsyncIterator[pb.GenerateResponse]:
         """The client's stream: one complete group, or an exception (RollwireError / Relay)."""
@@ -94,7 +94,8 @@ class GroupRun:
         failures: list[AttemptFailed] = []
         for number in range(1, self.routing.max_attempts + 1):
             tried = frozenset(f.replica.address for f in failures)
-            lease = await self.dispatcher.acquire(self.need, self.key, self.work, tried, self.deadline)
+            lease = await self.dispatcher.acquire(self.need, self.key, self.work, tried, self.deadline,
+                                                  client=self.client, first=number == 1)
             failure = None
             try:
                 async with contextlib.aclosing(self._attempt(lease)) as stream:
@@ -105,6 +106,7 @@ class GroupRun:
             finally:
                 lease.release()
             if failure is None:
+                self._convict(lease.replica)
                 return
             failures.append(failure)
             self._count(failure)
@@ -156,19 +158,23 @@ class GroupRun:
             call.cancel()
 
     def _classify(self, replica: Replica, exc: grpc.aio.AioRpcError, visible: bool) -> Exception:
-        """What a replica's error means: redo the group elsewhere, or tell the client."""
+        """What a replica's error means (faults.classify): redo the group elsewhere, or tell
+        the client. A relayed refusal touches neither side of the replica's breaker: it says
+        nothing about the replica's health, so a client cannot eject a replica with it, nor
+        keep a failing one in rotation by interleaving bad requests."""
         code = exc.code()
         self.metrics.attempts.labels(replica.address, code.name).inc()
         err = from_rpc_error(exc)
-        if code == grpc.StatusCode.DEADLINE_EXCEEDED and time.monotonic() >= self.deadline - 0.01:
+        verdict = faults.classify(
+            code, err.reason,
+            group_deadline_passed=time.monotonic() >= self.deadline - 0.01,
+            version_pinned=bool(self.need.adapter) and not self.need.any_replica,
+            suspected_before=bool(self.suspects),
+        )
+        if verdict is faults.DEADLINE:
             return self._deadline_error()
-        if code in REPLICA_FAULTS or code == grpc.StatusCode.DEADLINE_EXCEEDED:
-            return AttemptFailed(replica, code.name, err.message, visible, "replica")
-        if code == grpc.StatusCode.RESOURCE_EXHAUSTED and err.reason == "QUEUE_FULL":
-            return AttemptFailed(replica, code.name, err.message, visible, "busy")
-        if err.reason in STALE_VIEW and not self.need.any_replica:
-            return AttemptFailed(replica, code.name, err.message, visible, "stale")
-        replica.breaker.record_success()  # it answered: the refusal is about the request
+        if verdict.retry:
+            return AttemptFailed(replica, code.name, err.message, visible, verdict.kind, verdict.counts)
         return Relay(exc)
 
     def _count(self, failure: AttemptFailed) -> None:
@@ -178,7 +184,21 @@ class GroupRun:
                  visible=failure.visible, error=failure.message)
         if failure.kind == "stale":
             self.replicas.mark_unsynced(replica, f"it refused {self.need}, which it was believed to hold")
-        elif failure.kind == "replica" and replica.breaker.record_failure(now):
+        elif failure.kind == "suspect":
+            self.suspects.append(failure)  # counted only if the same request succeeds elsewhere
+        elif failure.counts:
+            self._fault(replica, now)
+
+    def _convict(self, succeeded_on: Replica) -> None:
+        """The group succeeded: each replica that failed it unexplained was at fault."""
+        for failure in self.suspects:
+            if failure.replica.address != succeeded_on.address:
+                log.info("replica_fault_confirmed", replica=failure.replica.address, code=failure.code,
+                         succeeded_on=succeeded_on.address)
+                self._fault(failure.replica, time.monotonic())
+
+    def _fault(self, replica: Replica, now: float) -> None:
+        if replica.breaker.record_failure(now):
             self.metrics.ejections.labels(replica.address).inc()
             log.warning("replica_ejected", replica=replica.address, seconds=round(replica.breaker.open_until - now, 2))
             self.dispatcher.wake()

@@ -1,8 +1,8 @@
 """Prometheus metrics of the routing proxy, prefixed `rollwire_proxy_`.
 
 Labels come from fixed sets only: the replica address (members of the replica set; their
-series are removed when a replica leaves), the policy name, gRPC code names, adapter names.
-Never request ids.
+series are removed when a replica leaves), the policy name, gRPC code names, adapter names,
+per-client limit names. Never request ids or client identities (unbounded).
 """
 
 from __future__ import annotations
@@ -32,6 +32,17 @@ class ProxyMetrics:
         self.queue_wait = histogram("queue_wait_seconds", "Time a request waited for a replica slot.")
         self.queue_depth = gauge("queue_depth", "Requests waiting for a replica slot.")
         self.refused = counter("refused_total", "Requests refused by backpressure (RESOURCE_EXHAUSTED).")
+        self.client_errors = counter(
+            "client_errors_total",
+            "Generate requests ended by a status the client caused (relayed refusals, per-client limits), by code.",
+            ["code"],
+        )
+        self.client_limited = counter(
+            "client_limited_total",
+            "Requests refused or cut off by a per-client limit: in_flight, queued_tokens or slow_reader.",
+            ["limit"],
+        )
+        self.clients = gauge("clients", "Client identities with requests open or queued at the proxy.")
         self.attempts = counter("replica_attempts_total", "Attempts sent to each replica, by outcome code.", ["replica", "code"])
         self.retries = counter(
             "retries_total", "Attempts that failed before the first token and were redone invisibly, by replica.", ["replica"]
@@ -44,6 +55,9 @@ class ProxyMetrics:
         self.versions = gauge("replica_adapter_version", "Newest adapter version confirmed.", ["replica", "adapter"])
         self.pushes = counter("replica_pushes_total", "Adapter pushes (fan-out and catch-up) by code.", ["replica", "code"])
         self.catchup_pushes = counter("catchup_pushes_total", "Versions pushed to a replica to bring it up to date.", ["replica"])
+        self.quarantined = counter(
+            "quarantined_versions_total", "Spooled adapter versions every replica refused, moved out of the spool."
+        )
         self.fanout_latency = histogram("push_fanout_duration_seconds", "From a spooled push to every healthy replica answering.")
         self.replicas = gauge("replicas", "Replicas known to the proxy.")
 

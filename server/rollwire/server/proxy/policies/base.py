@@ -42,5 +42,5 @@ def routing_key(group_key: str, text: str | None, token_ids: Sequence[int] | Non
     if group_key:
         return b"k:" + group_key.encode()
     if token_ids is not None:
-        return b"t:" + b",".join(str(t).encode() for t in list(token_ids)[:prefix])
+        return b"t:" + b",".join(str(t).encode() for t in token_ids[:prefix])
     return b"s:" + (text or "")[:prefix].encode()
