@@ -121,3 +121,62 @@ def test_learner_config_map_is_a_valid_learner_config(tmp_path):
         assert learner.client.token_file
     if proxy.tls.cert_file:
         assert learner.client.tls_ca_file and any(learner.client.tls_ca_file.startswith(m) for m in mounts)
+
+
+def pod_specs() -> dict[str, dict]:
+    workloads = {**by_kind("Deployment"), **by_kind("Job")}
+    return {name: w["spec"]["template"]["spec"] for name, w in workloads.items()}
+
+
+@pytest.mark.parametrize("name", sorted(pod_specs()))
+def test_every_container_runs_as_non_root_without_privilege(name):
+    spec = pod_specs()[name]
+    pod = spec.get("securityContext", {})
+    assert pod.get("runAsNonRoot") is True
+    assert pod.get("runAsUser", 0) > 0 and pod.get("runAsGroup", 0) > 0
+    writable = {v["name"] for v in spec["volumes"] if "emptyDir" in v or "persistentVolumeClaim" in v}
+    for container in spec.get("initContainers", []) + spec["containers"]:
+        sc = container.get("securityContext", {})
+        assert sc.get("runAsNonRoot", True) is True and sc.get("runAsUser", 1) > 0
+        assert sc.get("allowPrivilegeEscalation") is False
+        assert sc.get("privileged", False) is False
+        assert "ALL" in sc.get("capabilities", {}).get("drop", [])
+        if sc.get("readOnlyRootFilesystem"):  # then /tmp and $HOME must be writable volumes
+            mounts = {m["mountPath"]: m["name"] for m in container["volumeMounts"]}
+            assert mounts.get("/tmp") in writable and mounts.get("/home/rollwire") in writable
+
+
+DOCKERFILES = sorted((K8S.parents[0] / "docker").glob("*.Dockerfile"))
+
+
+@pytest.mark.parametrize("path", DOCKERFILES, ids=lambda p: p.name)
+def test_every_image_runs_as_the_non_root_user_the_manifests_expect(path):
+    lines, current = [], ""
+    for raw in path.read_text().splitlines():  # join continuation lines, drop comments
+        if raw.lstrip().startswith("#"):
+            continue
+        current += raw.rstrip("\\").strip() + " "
+        if not raw.rstrip().endswith("\\"):
+            lines.append(current.strip())
+            current = ""
+    words = [line.split(None, 1) for line in lines if line]
+    last_run = max(i for i, w in enumerate(words) if w[0].upper() == "RUN")
+    users = [(i, w[1].strip()) for i, w in enumerate(words) if w[0].upper() == "USER"]
+    assert users and users[-1][0] > last_run, "USER must come after the last RUN"
+    uid, _, gid = users[-1][1].partition(":")
+    assert uid.isdigit() and int(uid) > 0, "a numeric non-root uid, so runAsNonRoot can check it"
+    assert not gid or (gid.isdigit() and int(gid) > 0)
+    for spec in pod_specs().values():
+        assert spec["securityContext"]["runAsUser"] == int(uid)
+
+
+def test_scraped_learner_metrics_bind_all_interfaces(tmp_path):
+    from rollwire.learner.config import LearnerConfig
+    from rollwire.server.security import is_loopback
+
+    (tmp_path / "learner.toml").write_text(by_kind("ConfigMap")["rollwire-learner-config"]["data"]["learner.toml"])
+    learner = load_config(LearnerConfig, tmp_path / "learner.toml")
+    job = by_kind("Job")["rollwire-learner"]["spec"]["template"]
+    if job["metadata"].get("annotations", {}).get("prometheus.io/scrape") == "true":
+        assert not is_loopback(learner.metrics_host)  # the default (loopback) would hide it from Prometheus
+        assert job["metadata"]["annotations"]["prometheus.io/port"] == str(learner.metrics_port)

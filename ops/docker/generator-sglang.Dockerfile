@@ -16,8 +16,16 @@ COPY learner ./learner
 # SGLang, so pip keeps them and adds only rollwire's gRPC stack and its HTTP client.
 # The CPU constraints file is not used here: it pins a different torch and transformers.
 RUN pip install --no-cache-dir '.[sglang]' && rm -rf /src
+# Run as an unprivileged user with a fixed uid/gid (10001), so Kubernetes' runAsNonRoot can
+# check it; it owns only its home (caches) and /var/lib/rollwire (pushed adapters).
+RUN groupadd --gid 10001 rollwire \
+ && useradd --uid 10001 --gid 10001 --create-home --home-dir /home/rollwire --shell /usr/sbin/nologin rollwire \
+ && install -d -o 10001 -g 10001 -m 0750 /var/lib/rollwire /var/lib/rollwire/adapters
+WORKDIR /home/rollwire
 # Pushed adapters are written here; mount a volume to keep them on the host's disk.
 VOLUME /var/lib/rollwire
+ENV HOME=/home/rollwire
+USER 10001:10001
 EXPOSE 50051 9400
 ENTRYPOINT ["rollwire"]
 CMD ["generator", "--engine", "sglang", "--config", "/etc/rollwire/generator.toml", \

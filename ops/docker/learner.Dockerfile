@@ -11,7 +11,14 @@ COPY client ./client
 COPY server ./server
 COPY learner ./learner
 RUN pip install --no-cache-dir -c constraints.txt '.[model]' && rm -rf /src
-USER 65534
+# Run as an unprivileged user with a fixed uid/gid (10001), so Kubernetes' runAsNonRoot can
+# check it; it owns only its home (caches) and /var/lib/rollwire (checkpoints: mount the run_dir volume there).
+RUN groupadd --gid 10001 rollwire \
+ && useradd --uid 10001 --gid 10001 --create-home --home-dir /home/rollwire --shell /usr/sbin/nologin rollwire \
+ && install -d -o 10001 -g 10001 -m 0750 /var/lib/rollwire
+WORKDIR /home/rollwire
+ENV HOME=/home/rollwire
+USER 10001:10001
 EXPOSE 9400
 ENTRYPOINT ["rollwire"]
 CMD ["learner", "--config", "/etc/rollwire/learner.toml"]

@@ -4,8 +4,11 @@ Layout: `DIR/step-000012/{adapter.safetensors, trainer.pt, state.json}` and `DIR
 a file naming the newest complete checkpoint.
 
 Invariants:
-- a checkpoint is written into a temporary folder and renamed into place, then `latest` is
-  replaced atomically: a crash at any moment leaves the previous checkpoint as latest;
+- a checkpoint is written into a temporary folder, every file fsynced, the folder renamed into
+  place and the parent fsynced, then `latest` is replaced atomically (temp file, fsync, rename,
+  fsync of the folder): a crash or power loss at any moment leaves the previous checkpoint as latest;
+- `trainer.pt` holds only tensors and plain containers (an optimiser state_dict, the torch RNG
+  state) and is loaded with `weights_only=True`: a checkpoint folder cannot run code on load;
 - `state.version` is the version of the saved adapter. A resumed learner publishes its
   weights as `next_version(state.version, versions the target holds)`, strictly above
   everything pushed before (even pushes after the checkpoint), so replicas accept it.
@@ -51,15 +54,21 @@ def save(directory: str | Path, state: LearnerState, adapter: bytes, optimizer_s
     root = Path(directory)
     root.mkdir(parents=True, exist_ok=True)
     final = root / f"step-{state.step:06d}"
+    for orphan in root.glob(".step-*.tmp-*"):  # left by a save that crashed
+        shutil.rmtree(orphan, ignore_errors=True)
     tmp = root / f".{final.name}.tmp-{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir()
-    (tmp / "adapter.safetensors").write_bytes(adapter)
-    torch.save({"optimizer": optimizer_state, "torch_rng": torch.get_rng_state()}, tmp / "trainer.pt")
-    (tmp / "state.json").write_text(json.dumps(asdict(state)) + "\n")
+    _write_synced(tmp / "adapter.safetensors", adapter)
+    with open(tmp / "trainer.pt", "wb") as f:
+        torch.save({"optimizer": optimizer_state, "torch_rng": torch.get_rng_state()}, f)
+        f.flush()
+        os.fsync(f.fileno())
+    _write_synced(tmp / "state.json", (json.dumps(asdict(state)) + "\n").encode())
+    _fsync_dir(tmp)
     if final.exists():
         shutil.rmtree(final)
     os.replace(tmp, final)
+    _fsync_dir(root)
     _write_atomic(root / LATEST, final.name + "\n")
     for old in sorted(p for p in root.glob("step-*") if p.is_dir())[:-keep]:
         shutil.rmtree(old, ignore_errors=True)
@@ -77,7 +86,7 @@ def load_latest(directory: str | Path) -> Checkpoint | None:
         return None
     path = root / name
     state = LearnerState(**json.loads((path / "state.json").read_text()))
-    trainer = torch.load(path / "trainer.pt", weights_only=False)
+    trainer = torch.load(path / "trainer.pt", map_location="cpu", weights_only=True)
     return Checkpoint(path, state, (path / "adapter.safetensors").read_bytes(), trainer)
 
 
@@ -98,6 +107,29 @@ def next_version(saved_version: int, target_versions: Iterable[int]) -> int:
 
 
 def _write_atomic(path: Path, text: str) -> None:
+    """Replace `path` so that a crash leaves either the old or the new text, durably."""
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    tmp.write_text(text)
+    _write_synced(tmp, text.encode())
     os.replace(tmp, path)
+    _fsync_dir(path.parent)
+
+
+def _write_synced(path: Path, data: bytes) -> None:
+    with open(path, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def _fsync_dir(path: Path) -> None:
+    """Make a rename or a new entry in `path` durable (a no-op where folders cannot be opened)."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)

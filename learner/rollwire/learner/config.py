@@ -154,7 +154,11 @@ class LearnerConfig(Section):
     seed: int = Field(0, ge=0, description="Seed of the data order and of every sampling request.")
     max_steps: int = Field(0, ge=0, description="Stop after this many optimiser steps in this run; 0 = no limit.")
     max_seconds: float = Field(0.0, ge=0, description="Stop training after this many seconds; 0 = no limit.")
-    metrics_host: str = Field("0.0.0.0", description="Address of the Prometheus endpoint.")
+    metrics_host: str = Field(
+        "127.0.0.1",
+        description="Address the Prometheus /metrics endpoint (plain HTTP, no auth) binds; loopback by default, "
+        "0.0.0.0 where a Prometheus on another host (or pod) scrapes it.",
+    )
     metrics_port: int = Field(9402, ge=0, le=65535, description="Prometheus /metrics port; 0 picks a free one.")
     log_level: str = Field("info", description="debug, info, warning or error.")
     progress: bool = Field(True, description="Print a progress line per step when stdout is a terminal.")

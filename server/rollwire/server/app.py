@@ -19,7 +19,7 @@ from rollwire.common.logs import get_logger
 from rollwire.server.adapters import AdapterRegistry, base_linear_shapes
 from rollwire.server.config import GeneratorConfig
 from rollwire.server.metrics import GeneratorMetrics
-from rollwire.server.security import add_port, interceptors, start_health_port
+from rollwire.server.security import add_port, interceptors, start_health_port, warn_if_exposed
 from rollwire.server.servicer import GeneratorServicer
 from rollwire.v1 import generator_pb2, generator_pb2_grpc
 
@@ -94,6 +94,7 @@ async def start_generator(config: GeneratorConfig) -> RunningGenerator:
     port = add_port(server, f"{config.host}:{config.port}", config.tls)
     if port == 0:
         raise SystemExit(f"cannot listen on {config.host}:{config.port}; is the port in use?")
+    warn_if_exposed("generator", config.host, port, config.auth, config.tls, metrics_port)
     replica = config.replica_id or f"{config.host}:{port}"
     servicer = GeneratorServicer(
         config,

@@ -2,15 +2,26 @@
 
 Two roles: `generate` (Generate, GetStatus) and `admin` (everything, including PushAdapter
 and the proxy's AdminService). Tokens come from files (Kubernetes Secrets mount as files),
-one per line, and are never logged. Every RPC of a rollwire.v1 service must appear in
-METHOD_ROLES: a method without an entry is refused (fail closed), and a test walks the
-proto descriptors so a new RPC cannot be forgotten. Health and reflection stay open so
-probes work. With TLS configured the server listens only on a TLS port: plaintext is refused.
+one per line, and are never logged; a token file is re-read when it changes (checked at most
+every RELOAD_INTERVAL_S, on the request path: one os.stat), so rotation needs no restart, and a
+file that turns unreadable or empty keeps the tokens it held (logged as an error). Every RPC
+of a rollwire.v1 service must appear in METHOD_ROLES: a method without an entry is refused
+(fail closed), and a test walks the proto descriptors so a new RPC cannot be forgotten.
+Health and reflection stay open so probes work. With TLS configured the server listens only
+on a TLS port: plaintext is refused.
+A server that binds a non-loopback address without auth or without TLS says so at start, in
+its log and on stderr (`warn_if_exposed`).
 """
 
 from __future__ import annotations
 
+import hashlib
 import hmac
+import ipaddress
+import os
+import socket
+import sys
+import time
 from pathlib import Path
 
 import grpc
@@ -18,8 +29,14 @@ from pydantic import Field
 
 from rollwire.common.config import Section
 from rollwire.common.errors import PermissionDenied, RollwireError, Unauthenticated, to_status
+from rollwire.common.logs import get_logger
+
+log = get_logger(__name__)
 
 GENERATE, ADMIN = "generate", "admin"
+RELOAD_INTERVAL_S = 1.0  # how often a token file's metadata is checked, at most
+REREAD_INTERVAL_S = 10.0  # a file is re-read this often even when its metadata looks unchanged
+MAX_TOKEN_FILE_BYTES = 1 << 20
 PROTECTED_PREFIX = "/rollwire.v1."
 METHOD_ROLES = {
     "/rollwire.v1.GeneratorService/Generate": GENERATE,
@@ -51,31 +68,108 @@ class TlsSection(Section):
     )
 
 
+def parse_tokens(text: str) -> set[str]:
+    """Tokens in a file's text, one per line; blank lines and # comments are ignored."""
+    return {line.strip() for line in text.splitlines() if line.strip() and not line.lstrip().startswith("#")}
+
+
 def read_tokens(path: str) -> set[str]:
     """Tokens in a file, one per line; blank lines and # comments are ignored."""
     if not path:
         return set()
     try:
-        lines = Path(path).read_text().splitlines()
+        tokens = parse_tokens(Path(path).read_text())
     except OSError as exc:
         raise SystemExit(f"cannot read token file {path}: {exc.strerror}") from None
-    tokens = {line.strip() for line in lines if line.strip() and not line.lstrip().startswith("#")}
+    except UnicodeDecodeError:
+        raise SystemExit(f"token file {path} is not UTF-8 text") from None
     if not tokens:
         raise SystemExit(f"token file {path} holds no token")
     return tokens
 
 
+def _digest(token: str) -> bytes:
+    return hashlib.sha256(token.encode("utf-8", "surrogatepass")).digest()
+
+
+class TokenFile:
+    """The tokens of one file, re-read when it changes; a bad new version keeps the old tokens.
+
+    `current()` costs one os.stat at most every `interval` seconds (and a read of the small file
+    when its inode, size or mtime changed, or `reread` seconds passed), so it may run on the
+    event loop. Kubernetes rotates a mounted Secret by swapping a symlink: stat follows it.
+    """
+
+    def __init__(self, path: str, interval: float = RELOAD_INTERVAL_S, reread: float = REREAD_INTERVAL_S) -> None:
+        self.path, self.interval, self.reread = path, interval, reread
+        self.digests: list[bytes] = []
+        self._signature: tuple | None = None
+        self._content: bytes | None = None
+        self._checked = self._read_at = 0.0
+        self._error = ""
+        if path:
+            self.digests = [_digest(t) for t in read_tokens(path)]  # at start, a bad file is fatal
+            self._signature, self._content = self._stat(), Path(path).read_bytes()
+            self._checked = self._read_at = time.monotonic()
+
+    def _stat(self) -> tuple | None:
+        try:
+            st = os.stat(self.path)
+        except OSError:
+            return None
+        return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
+
+    def current(self) -> list[bytes]:
+        """sha256 digests of the valid tokens, reloading the file first when it is due."""
+        if self.path:
+            now = time.monotonic()
+            if now - self._checked >= self.interval:
+                self._checked = now
+                self.refresh(now)
+        return self.digests
+
+    def refresh(self, now: float | None = None) -> None:
+        now = time.monotonic() if now is None else now
+        signature = self._stat()
+        if signature == self._signature and signature is not None and now - self._read_at < self.reread:
+            return
+        try:
+            if signature is not None and signature[2] > MAX_TOKEN_FILE_BYTES:
+                raise ValueError(f"it is larger than {MAX_TOKEN_FILE_BYTES} bytes")
+            with open(self.path, "rb") as f:
+                content = f.read(MAX_TOKEN_FILE_BYTES + 1)
+            if len(content) > MAX_TOKEN_FILE_BYTES:
+                raise ValueError(f"it is larger than {MAX_TOKEN_FILE_BYTES} bytes")
+            self._read_at = now
+            if content == self._content and not self._error:
+                self._signature = signature
+                return
+            tokens = parse_tokens(content.decode("utf-8"))
+            if not tokens:
+                raise ValueError("it holds no token")
+        except (OSError, ValueError) as exc:  # UnicodeDecodeError is a ValueError
+            reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
+            if reason != self._error:
+                log.error("token_file_reload_failed", path=self.path, reason=reason,
+                          action="kept the previous tokens; fix the file and they reload")
+            self._error = reason
+            return
+        self.digests = [_digest(t) for t in tokens]
+        self._signature, self._content, self._error = signature, content, ""
+        log.info("token_file_reloaded", path=self.path, tokens=len(tokens))
+
+
 class TokenAuth:
     """Decides, for one call, whether its bearer token grants the method's role."""
 
-    def __init__(self, generate_tokens: set[str], admin_tokens: set[str]) -> None:
-        self._tokens = [(t, GENERATE) for t in generate_tokens] + [(t, ADMIN) for t in admin_tokens]
+    def __init__(self, generate: TokenFile | set[str], admin: TokenFile | set[str]) -> None:
+        self._files = [(_as_file(generate), GENERATE), (_as_file(admin), ADMIN)]
 
     @classmethod
     def from_config(cls, auth: AuthSection) -> TokenAuth | None:
         if not (auth.generate_tokens_file or auth.admin_tokens_file):
             return None
-        return cls(read_tokens(auth.generate_tokens_file), read_tokens(auth.admin_tokens_file))
+        return cls(TokenFile(auth.generate_tokens_file), TokenFile(auth.admin_tokens_file))
 
     def check(self, method: str, metadata) -> None:
         """Raise Unauthenticated or PermissionDenied; return when the call may proceed."""
@@ -99,11 +193,21 @@ class TokenAuth:
             raise PermissionDenied(f"{short} needs the admin role; this token has the generate role", reason="WRONG_ROLE")
 
     def _role_of(self, token: str) -> str | None:
+        presented = _digest(token)  # equal-length digests: neither content nor length leaks
         found = None
-        for known, role in self._tokens:  # compare every token in constant time
-            if hmac.compare_digest(known.encode(), token.encode()):
-                found = ADMIN if ADMIN in (found, role) else role
+        for tokens, role in self._files:
+            for known in tokens.current():  # compare every token in constant time, no early exit
+                if hmac.compare_digest(known, presented):
+                    found = ADMIN if ADMIN in (found, role) else role
         return found
+
+
+def _as_file(tokens: TokenFile | set[str]) -> TokenFile:
+    if isinstance(tokens, TokenFile):
+        return tokens
+    fixed = TokenFile("")
+    fixed.digests = [_digest(t) for t in tokens]
+    return fixed
 
 
 class AuthInterceptor(grpc.aio.ServerInterceptor):
@@ -174,3 +278,59 @@ async def start_health_port(health_servicer, host: str, tls: TlsSection) -> grpc
     server.add_insecure_port(f"{host}:{tls.health_port}")
     await server.start()
     return server
+
+
+def is_loopback(host: str) -> bool:
+    """True when `host` (an IP literal or a name) reaches only this machine."""
+    host = host.strip().strip("[]")
+    if host.lower() == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.split("%", 1)[0]).is_loopback
+    except ValueError:
+        pass
+    try:
+        infos = socket.getaddrinfo(host, None)
+    except OSError:
+        return False
+    return bool(infos) and all(ipaddress.ip_address(info[4][0].split("%", 1)[0]).is_loopback for info in infos)
+
+
+_warned: set[tuple[str, str, int]] = set()
+
+
+def warn_if_exposed(role: str, host: str, port: int, auth: AuthSection, tls: TlsSection, metrics_port: int = 0) -> str:
+    """Warn (structlog and plain stderr, once) when a non-loopback bind lacks auth or TLS.
+
+    Returns the sentence printed, or "" when the bind is safe enough to stay quiet.
+    """
+    if is_loopback(host) or (role, host, port) in _warned:
+        return ""
+    no_auth = not (auth.generate_tokens_file or auth.admin_tokens_file)
+    no_tls = not tls.cert_file
+    if not (no_auth or no_tls):
+        return ""
+    _warned.add((role, host, port))
+    risks = []
+    if no_auth:
+        risks.append("without auth: anyone who can reach it can generate"
+                     + (", push adapters and register or drain replicas" if role == "proxy" else " and push adapters"))
+    if no_tls:
+        risks.append("without TLS: prompts, completions, adapters" + ("" if no_auth else " and bearer tokens")
+                     + " cross the network in clear text")
+    fixes = []
+    if no_auth:
+        fixes.append("set auth.generate_tokens_file and auth.admin_tokens_file")
+    if no_tls:
+        fixes.append("set tls.cert_file and tls.key_file")
+    metrics = (f" Its Prometheus port {metrics_port} is plain HTTP without auth on the same address (counters only);"
+               " keep it behind a network policy." if metrics_port else "")
+    sentence = (
+        f"rollwire {role} listens on {host}:{port}, which other machines can reach, "
+        + "; ".join(risks) + ". "
+        + " and ".join(fixes).capitalize() + " (docs/deploy.md, Security defaults), or bind host=127.0.0.1."
+        + metrics
+    )
+    log.warning("insecure_bind", role=role, host=host, port=port, auth=not no_auth, tls=not no_tls, message=sentence)
+    print(f"WARNING: {sentence}", file=sys.stderr, flush=True)
+    return sentence

@@ -34,7 +34,7 @@ from rollwire.server.proxy.replicas import SERVICE, ReplicaSet
 from rollwire.server.proxy.servicer import ProxyServicer
 from rollwire.server.proxy.spool import Spool
 from rollwire.server.proxy.upstream import Upstream
-from rollwire.server.security import add_port, interceptors, start_health_port
+from rollwire.server.security import add_port, interceptors, start_health_port, warn_if_exposed
 from rollwire.v1 import admin_pb2, admin_pb2_grpc, generator_pb2_grpc
 
 log = get_logger(__name__)
@@ -98,11 +98,12 @@ async def start_proxy(config: ProxyConfig) -> RunningProxy:
     policy = make_policy(
         config.policy, affinity_load_factor=routing.affinity_load_factor, affinity_min_gap=routing.affinity_min_gap
     )
-    dispatcher = Dispatcher(replicas, policy, routing, metrics)
+    dispatcher = Dispatcher(replicas, policy, routing, metrics, config.fairness)
     server = grpc.aio.server(options=SERVER_OPTIONS, interceptors=interceptors(config.auth))
     port = add_port(server, f"{config.host}:{config.port}", config.tls)
     if port == 0:
         raise SystemExit(f"cannot listen on {config.host}:{config.port}; is the port in use?")
+    warn_if_exposed("proxy", config.host, port, config.auth, config.tls, metrics_server.server_port)
     proxy_id = config.proxy_id or f"proxy@{config.host}:{port}"
     fanout = FanOut(spool, replicas, config.health, routing, metrics)
     servicer = ProxyServicer(config, replicas, dispatcher, spool, fanout, metrics, proxy_id)
