@@ -24,6 +24,8 @@ from collections.abc import Iterable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from rollwire.common.durable import fsync_dir, write_atomic, write_synced
+
 LATEST = "latest"
 
 
@@ -58,18 +60,18 @@ def save(directory: str | Path, state: LearnerState, adapter: bytes, optimizer_s
         shutil.rmtree(orphan, ignore_errors=True)
     tmp = root / f".{final.name}.tmp-{os.getpid()}"
     tmp.mkdir()
-    _write_synced(tmp / "adapter.safetensors", adapter)
+    write_synced(tmp / "adapter.safetensors", adapter)
     with open(tmp / "trainer.pt", "wb") as f:
         torch.save({"optimizer": optimizer_state, "torch_rng": torch.get_rng_state()}, f)
         f.flush()
         os.fsync(f.fileno())
-    _write_synced(tmp / "state.json", (json.dumps(asdict(state)) + "\n").encode())
-    _fsync_dir(tmp)
+    write_synced(tmp / "state.json", (json.dumps(asdict(state)) + "\n").encode())
+    fsync_dir(tmp)
     if final.exists():
         shutil.rmtree(final)
     os.replace(tmp, final)
-    _fsync_dir(root)
-    _write_atomic(root / LATEST, final.name + "\n")
+    fsync_dir(root)
+    write_atomic(root / LATEST, (final.name + "\n").encode())
     for old in sorted(p for p in root.glob("step-*") if p.is_dir())[:-keep]:
         shutil.rmtree(old, ignore_errors=True)
     return final
@@ -104,32 +106,3 @@ def restore_python_rng(state: list) -> None:
 def next_version(saved_version: int, target_versions: Iterable[int]) -> int:
     """The version a (re)starting learner publishes first: above everything seen before."""
     return max([saved_version, *target_versions]) + 1
-
-
-def _write_atomic(path: Path, text: str) -> None:
-    """Replace `path` so that a crash leaves either the old or the new text, durably."""
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    _write_synced(tmp, text.encode())
-    os.replace(tmp, path)
-    _fsync_dir(path.parent)
-
-
-def _write_synced(path: Path, data: bytes) -> None:
-    with open(path, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-
-
-def _fsync_dir(path: Path) -> None:
-    """Make a rename or a new entry in `path` durable (a no-op where folders cannot be opened)."""
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)

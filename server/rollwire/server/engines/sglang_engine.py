@@ -34,6 +34,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
 
+from rollwire.common.durable import fsync_dir, write_synced
 from rollwire.common.errors import FailedPrecondition, Internal, ResourceExhausted, RollwireError, Unavailable
 from rollwire.common.logs import get_logger
 from rollwire.common.safetensors_header import read_header
@@ -383,30 +384,15 @@ def write_peft_folder(root: Path, name: str, manifest: Manifest, payload: bytes,
         raise Internal(f"adapter folder {final} already exists; adapter names are never reused, so it is stale")
     tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{name}-", dir=root))
     try:
-        _write_synced(tmp / "adapter_model.safetensors", payload)
-        _write_synced(tmp / "adapter_config.json", json.dumps(peft_config(manifest, payload, base_model), indent=1).encode())
-        _fsync_dir(tmp)
+        write_synced(tmp / "adapter_model.safetensors", payload)
+        write_synced(tmp / "adapter_config.json", json.dumps(peft_config(manifest, payload, base_model), indent=1).encode())
+        fsync_dir(tmp)
         os.rename(tmp, final)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    _fsync_dir(root)
+    fsync_dir(root)
     return final
-
-
-def _write_synced(path: Path, data: bytes) -> None:
-    with open(path, "wb") as fh:
-        fh.write(data)
-        fh.flush()
-        os.fsync(fh.fileno())
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def _read_secret(path: str, key: str) -> str | None:

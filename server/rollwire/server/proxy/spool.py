@@ -33,6 +33,7 @@ from pathlib import Path
 
 from google.protobuf import json_format
 
+from rollwire.common.durable import fsync_dir, write_synced
 from rollwire.common.errors import InvalidArgument, ResourceExhausted, Unavailable
 from rollwire.common.logs import get_logger
 from rollwire.server.adapters import (
@@ -229,12 +230,12 @@ class Spool:
             folder.mkdir(exist_ok=True)
             path, meta = folder / f"{m.version}.safetensors", folder / f"{m.version}.json"
             tmp = folder / f".{m.version}.json.{uuid.uuid4().hex[:8]}.tmp"
-            _write_synced(tmp, json_format.MessageToJson(m).encode())
+            write_synced(tmp, json_format.MessageToJson(m).encode())
             os.replace(upload.path, path)  # payload first: a crash here leaves a payload without manifest (an orphan)
             os.replace(tmp, meta)
-            _fsync_dir(folder)
+            fsync_dir(folder)
             if created_folder:
-                _fsync_dir(self.folder)
+                fsync_dir(self.folder)
         finally:
             upload.discard()
         adapter = SpooledAdapter(m, path)
@@ -344,19 +345,6 @@ def _sync_close(out) -> None:
     out.close()
 
 
-def _write_synced(path: Path, data: bytes) -> None:
-    with path.open("wb") as fh:
-        fh.write(data)
-        fh.flush()
-        os.fsync(fh.fileno())
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def _check_received(m: pb.AdapterManifest, received: int, digest: str) -> None:
