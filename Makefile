@@ -45,7 +45,7 @@ proto: install
 	$(BIN)/python -m grpc_tools.protoc -Iproto --python_out=client --pyi_out=client --grpc_python_out=client $(PROTOS)
 
 demo: install
-	$(BIN)/python -m rollwire.learner.demo
+	$(BIN)/python -m rollwire.demo
 
 # Each line is also runnable alone; each writes bench/results/<name>.json, report.py the docs.
 bench: install

@@ -1,6 +1,6 @@
 """Async vs sync GRPO on the built-in task: same model, replicas, seed and time budget.
 
-The tiny model taught the addition task to a partial skill (rollwire.learner.teach) is
+The tiny model taught the addition task to a partial skill (rollwire.demo.teach) is
 served by 2 transformers replicas (1 torch thread each) behind one proxy; `rollwire learner`
 (1 torch thread) trains a LoRA adapter for a fixed wall-clock budget, once synchronously
 (buffer.max_staleness = 0: on-policy batches, blocking push) and once asynchronously
@@ -39,7 +39,7 @@ NO_REPLICA_WAIT_S = 1.0  # see start_stack
 
 
 def taught_model() -> Path:
-    from rollwire.learner.teach import build_taught_model
+    from rollwire.demo.teach import build_taught_model
 
     return build_taught_model(WORK / "taught", log=lambda line: None)
 

@@ -23,7 +23,7 @@ WORK = ROOT / "runs" / "bench"
 
 def tiny_model() -> Path:
     """The untrained tiny model (the engines' cost does not depend on what it learned)."""
-    from rollwire.learner.tiny_model import build_tiny_model
+    from rollwire.demo.tiny_model import build_tiny_model
 
     path = WORK / "tiny"
     if not (path / "config.json").exists():

@@ -3,7 +3,7 @@
 The document's prose is written by hand; every number in it sits between
 `<!-- generated:NAME -->` and `<!-- /generated:NAME -->` and is replaced here from the JSON
 that a run of the benchmarks wrote, so no figure is typed in by hand. Plots are PNG files
-in docs/img/, drawn with rollwire.learner.plot (standard library only).
+in docs/img/, drawn with rollwire.demo.plot (standard library only).
 Run: .venv/bin/python bench/report.py
 """
 
@@ -16,7 +16,7 @@ from pathlib import Path
 
 from common import RESULTS, ROOT
 
-from rollwire.learner.plot import Series, line_chart
+from rollwire.demo.plot import Series, line_chart
 
 DOC = ROOT / "docs" / "benchmarks.md"
 IMG = ROOT / "docs" / "img"

@@ -3,4 +3,4 @@
 # taught tiny model. Options: --budget-s SECONDS, --replicas N, --set KEY=VALUE (learner config).
 set -euo pipefail
 cd "$(dirname "$0")/.."
-exec .venv/bin/python -m rollwire.learner.demo "$@"
+exec .venv/bin/python -m rollwire.demo "$@"

@@ -23,7 +23,7 @@ TAUGHT_DIR = ROOT / ".cache" / "rollwire" / "taught"
 
 @pytest.fixture(scope="session")
 def taught_model() -> Path:
-    from rollwire.learner.teach import build_taught_model
+    from rollwire.demo.teach import build_taught_model
 
     return build_taught_model(TAUGHT_DIR, log=lambda line: None)
 

@@ -17,8 +17,8 @@ import pytest_asyncio
 import torch
 
 from helpers import make_adapter, peft_reference
-from rollwire.server.adapters import LoraShape, Manifest
-from rollwire.server.types import AdapterSelection, GroupRequest, SampleDone, SamplingParams, TokenDelta
+from rollwire.generator.adapters import LoraShape, Manifest
+from rollwire.generator.types import AdapterSelection, GroupRequest, SampleDone, SamplingParams, TokenDelta
 from sglang_double import DoubleModel, DoubleServer, Options
 from test_generator import forward_logprobs
 
@@ -29,15 +29,15 @@ _ids = itertools.count()
 @pytest_asyncio.fixture(scope="module", params=ENGINES)
 async def engine(request, tiny_model, tmp_path_factory):
     if request.param == "transformers":
-        from rollwire.server.engines.transformers_engine import TransformersEngine
+        from rollwire.generator.engines.transformers_engine import TransformersEngine
 
         eng = TransformersEngine(tiny_model, max_batch_rows=64)
         await eng.start()
         yield eng
         await eng.close()
         return
-    from rollwire.server.config import SGLangSection
-    from rollwire.server.engines.sglang_engine import SGLangEngine
+    from rollwire.generator.config import SGLangSection
+    from rollwire.generator.engines.sglang_engine import SGLangEngine
 
     options = Options(model_path=str(tiny_model), enable_lora=True, max_lora_rank=16, lora_target_modules=["all"],
                       max_loaded_loras=4, max_loras_per_batch=4, enable_deterministic_inference=True)
@@ -206,7 +206,7 @@ async def test_transformers_engine_survives_a_push_whose_caller_went_away(tiny_m
     """A learner killed mid-push cancels the load's future; the worker must skip it and go on."""
     from concurrent.futures import Future
 
-    from rollwire.server.engines.transformers_engine import TransformersEngine
+    from rollwire.generator.engines.transformers_engine import TransformersEngine
 
     engine = TransformersEngine(tiny_model, threads=1)
     await engine.start()

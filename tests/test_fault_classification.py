@@ -1,6 +1,6 @@
 """Client faults are never replica faults (issue 11, build item 2).
 
-The proxy's one classification (server/rollwire/server/proxy/faults.py) decides, for each
+The proxy's one classification (server/rollwire/proxy/faults.py) decides, for each
 status a replica sends, whether to retry the group elsewhere and whether to count it
 towards the replica's ejection. Proven three ways:
 - property-based, over `classify`: a status counts only when it means the replica is sick;
@@ -25,12 +25,12 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from rollwire.common.errors import RollwireError, from_rpc_error, to_status
-from rollwire.server.proxy import faults
-from rollwire.server.proxy.breaker import Breaker
-from rollwire.server.proxy.config import RoutingSection
-from rollwire.server.proxy.failover import GroupRun
-from rollwire.server.proxy.metrics import ProxyMetrics
-from rollwire.server.proxy.relay import Relay
+from rollwire.proxy import faults
+from rollwire.proxy.breaker import Breaker
+from rollwire.proxy.config import RoutingSection
+from rollwire.proxy.failover import GroupRun
+from rollwire.proxy.metrics import ProxyMetrics
+from rollwire.proxy.relay import Relay
 from rollwire.v1 import generator_pb2 as pb
 from rollwire.v1 import generator_pb2_grpc
 

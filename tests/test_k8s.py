@@ -11,7 +11,7 @@ import yaml
 
 from helpers import metric_value
 from rollwire.common.config import load_config
-from rollwire.server.config import GeneratorConfig
+from rollwire.generator.config import GeneratorConfig
 
 K8S = Path(__file__).resolve().parents[1] / "ops" / "k8s"
 
@@ -81,7 +81,7 @@ def test_autoscaler_targets_a_metric_generators_export(generator):
 
 
 def test_proxy_config_map_is_a_valid_proxy_config_that_can_reach_the_generators(tmp_path):
-    from rollwire.server.proxy.config import ProxyConfig
+    from rollwire.proxy.config import ProxyConfig
 
     maps = by_kind("ConfigMap")
     (tmp_path / "proxy.toml").write_text(maps["rollwire-proxy-config"]["data"]["proxy.toml"])
@@ -110,7 +110,7 @@ def test_learner_config_map_is_a_valid_learner_config(tmp_path):
     (tmp_path / "learner.toml").write_text(maps["rollwire-learner-config"]["data"]["learner.toml"])
     (tmp_path / "proxy.toml").write_text(maps["rollwire-proxy-config"]["data"]["proxy.toml"])
     learner = load_config(LearnerConfig, tmp_path / "learner.toml")
-    from rollwire.server.proxy.config import ProxyConfig
+    from rollwire.proxy.config import ProxyConfig
 
     proxy = load_config(ProxyConfig, tmp_path / "proxy.toml")
     assert learner.target.endswith(f":{proxy.port}")
@@ -172,7 +172,7 @@ def test_every_image_runs_as_the_non_root_user_the_manifests_expect(path):
 
 def test_scraped_learner_metrics_bind_all_interfaces(tmp_path):
     from rollwire.learner.config import LearnerConfig
-    from rollwire.server.security import is_loopback
+    from rollwire.serving.security import is_loopback
 
     (tmp_path / "learner.toml").write_text(by_kind("ConfigMap")["rollwire-learner-config"]["data"]["learner.toml"])
     learner = load_config(LearnerConfig, tmp_path / "learner.toml")

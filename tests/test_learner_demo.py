@@ -7,8 +7,8 @@ import struct
 import zlib
 from types import SimpleNamespace
 
-from rollwire.learner.demo import SUMMARY_KEYS, finish, new_run_folder, print_table, progress_line
-from rollwire.learner.plot import Series, line_chart
+from rollwire.demo.run import SUMMARY_KEYS, finish, new_run_folder, print_table, progress_line
+from rollwire.demo.plot import Series, line_chart
 
 
 def test_run_folders_and_the_latest_link(tmp_path):

@@ -14,7 +14,7 @@ from rollwire.learner.task import (
     read_jsonl,
     write_jsonl,
 )
-from rollwire.learner.teach import TeachSpec, lr_factor
+from rollwire.demo.teach import TeachSpec, lr_factor
 
 
 def test_addition_split_is_disjoint_deterministic_and_about_a_tenth():

@@ -11,8 +11,8 @@ ROW = re.compile(r"^\| `(rollwire_[a-z_]+)` \| (counter|gauge|histogram) \| (.*?
 
 def registered() -> dict[str, tuple[str, tuple[str, ...]]]:
     from rollwire.learner.metrics import LearnerMetrics
-    from rollwire.server.metrics import GeneratorMetrics
-    from rollwire.server.proxy.metrics import ProxyMetrics
+    from rollwire.generator.metrics import GeneratorMetrics
+    from rollwire.proxy.metrics import ProxyMetrics
 
     out = {}
     for metrics in (GeneratorMetrics(), ProxyMetrics("least-loaded"), LearnerMetrics()):
@@ -43,8 +43,8 @@ def test_every_registered_metric_is_documented_and_nothing_else():
 
 def test_documented_labels_match_the_code():
     from rollwire.learner.metrics import LearnerMetrics
-    from rollwire.server.metrics import GeneratorMetrics
-    from rollwire.server.proxy.metrics import ProxyMetrics
+    from rollwire.generator.metrics import GeneratorMetrics
+    from rollwire.proxy.metrics import ProxyMetrics
 
     doc = documented()
     for metrics in (GeneratorMetrics(), ProxyMetrics("least-loaded"), LearnerMetrics()):

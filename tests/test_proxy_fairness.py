@@ -24,10 +24,10 @@ import grpc
 import pytest
 
 from rollwire.common.errors import ResourceExhausted, from_rpc_error
-from rollwire.server.proxy.config import FairnessSection, ProxyConfig, RoutingSection
-from rollwire.server.proxy.dispatch import Client, Dispatcher, Need, client_name
-from rollwire.server.proxy.metrics import ProxyMetrics
-from rollwire.server.proxy.policies import make_policy
+from rollwire.proxy.config import FairnessSection, ProxyConfig, RoutingSection
+from rollwire.proxy.dispatch import Client, Dispatcher, Need, client_name
+from rollwire.proxy.metrics import ProxyMetrics
+from rollwire.proxy.policies import make_policy
 from rollwire.v1 import generator_pb2 as pb
 from rollwire.v1 import generator_pb2_grpc
 
@@ -44,7 +44,7 @@ class FakeReplica:
         return True
 
     def candidate(self):
-        from rollwire.server.proxy.policies import Candidate
+        from rollwire.proxy.policies import Candidate
 
         return Candidate(self.address, self.in_flight, self.work)
 

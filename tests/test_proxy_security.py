@@ -10,7 +10,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from conftest import start_generator, start_service
 from helpers import make_adapter, push_messages
-from rollwire.server.security import METHOD_ROLES
+from rollwire.serving.security import METHOD_ROLES
 from rollwire.v1 import admin_pb2 as apb
 from rollwire.v1 import admin_pb2_grpc, generator_pb2_grpc
 from rollwire.v1 import generator_pb2 as pb

@@ -9,7 +9,7 @@ import grpc
 import pytest
 
 from rollwire.common.errors import RollwireError
-from rollwire.server.proxy.spool import Spool
+from rollwire.proxy.spool import Spool
 from rollwire.v1 import generator_pb2 as pb
 
 

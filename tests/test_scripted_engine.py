@@ -14,15 +14,15 @@ from rollwire.client import Client
 from rollwire.common.errors import InvalidArgument
 from rollwire.common.fingerprint import model_fingerprint
 from rollwire.common.safetensors_header import read_file_header
-from rollwire.server.adapters import (
+from rollwire.generator.adapters import (
     LoraShape,
     Manifest,
     base_linear_shapes,
     config_linear_shapes,
     expected_lora_shapes,
 )
-from rollwire.server.engines.scripted import ScriptedEngine
-from rollwire.server.types import AdapterSelection, GroupRequest, SampleDone, SamplingParams, TokenDelta
+from rollwire.generator.engines.scripted import ScriptedEngine
+from rollwire.generator.types import AdapterSelection, GroupRequest, SampleDone, SamplingParams, TokenDelta
 
 QWEN_05B = {  # the public config.json of Qwen2.5-0.5B, the fields the shapes need
     "model_type": "qwen2", "hidden_size": 896, "intermediate_size": 4864, "num_hidden_layers": 24,

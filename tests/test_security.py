@@ -13,7 +13,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from conftest import start_generator
 from rollwire.client import Client, TlsConfig
 from rollwire.common.errors import PermissionDenied, Unauthenticated, Unavailable
-from rollwire.server.security import METHOD_ROLES
+from rollwire.serving.security import METHOD_ROLES
 from rollwire.v1 import admin_pb2, generator_pb2
 
 GENERATE_TOKEN, ADMIN_TOKEN = "gen-secret-123", "admin-secret-456"

@@ -11,9 +11,9 @@ import torch
 from safetensors.numpy import save
 
 from rollwire.common.errors import FailedPrecondition, InvalidArgument, NotFound
-from rollwire.server.adapters import AdapterRegistry, LoraShape, Manifest, check_manifest, check_payload, expected_lora_shapes
-from rollwire.server.sampling import draw, sample_seed, sampling_logprobs
-from rollwire.server.types import SampleDone, SamplingParams, TokenDelta, coalesce
+from rollwire.generator.adapters import AdapterRegistry, LoraShape, Manifest, check_manifest, check_payload, expected_lora_shapes
+from rollwire.generator.sampling import draw, sample_seed, sampling_logprobs
+from rollwire.generator.types import SampleDone, SamplingParams, TokenDelta, coalesce
 
 
 def test_top_k_and_top_p_by_hand():

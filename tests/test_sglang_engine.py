@@ -30,11 +30,11 @@ from rollwire.common.errors import (
     Unauthenticated,
     Unavailable,
 )
-from rollwire.server.adapters import AdapterRegistry, LoraShape, Manifest
-from rollwire.server.config import SGLangSection
-from rollwire.server.engines.sglang_engine import SGLangEngine, peft_config
-from rollwire.server.engines.sglang_protocol import DONE, StreamTracker, error_from_body, generate_body, parse_sse_line
-from rollwire.server.types import AdapterSelection, GroupRequest, SampleDone, SamplingParams, TokenDelta
+from rollwire.generator.adapters import AdapterRegistry, LoraShape, Manifest
+from rollwire.generator.config import SGLangSection
+from rollwire.generator.engines.sglang_engine import SGLangEngine, peft_config
+from rollwire.generator.engines.sglang_protocol import DONE, StreamTracker, error_from_body, generate_body, parse_sse_line
+from rollwire.generator.types import AdapterSelection, GroupRequest, SampleDone, SamplingParams, TokenDelta
 from sglang_double import DoubleModel, DoubleServer, Options
 from test_engine_contract import collect, manifest_for
 from test_generator import forward_logprobs
@@ -176,7 +176,7 @@ async def test_requests_on_the_wire(engine, double, tiny_model):
 
 
 async def test_seeded_groups_send_one_seed_per_sample(engine, double):
-    from rollwire.server.sampling import sample_seed
+    from rollwire.generator.sampling import sample_seed
 
     out = await collect(engine, group([10, 11], n=3, seed=9, max_new_tokens=4, ignore_eos=True))
     body = double.generate_calls()[-1]
@@ -336,7 +336,7 @@ async def test_start_up_failures_say_what_happened(tiny_model, tmp_path):
 def test_generator_launches_sglang_serves_and_survives_its_crash(tiny_model, tmp_path):
     import urllib.request
 
-    from rollwire.server.engines.sglang_process import free_port
+    from rollwire.generator.engines.sglang_process import free_port
 
     port = free_port("127.0.0.1")
     svc = start_generator(

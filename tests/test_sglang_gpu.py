@@ -35,10 +35,10 @@ if (_reason := _why_skip()) is not None:
 import torch  # noqa: E402
 
 from helpers import make_adapter, peft_reference  # noqa: E402
-from rollwire.server.adapters import AdapterRegistry  # noqa: E402
-from rollwire.server.config import SGLangSection  # noqa: E402
-from rollwire.server.engines.sglang_engine import SGLangEngine  # noqa: E402
-from rollwire.server.types import AdapterSelection, GroupRequest, SamplingParams  # noqa: E402
+from rollwire.generator.adapters import AdapterRegistry  # noqa: E402
+from rollwire.generator.config import SGLangSection  # noqa: E402
+from rollwire.generator.engines.sglang_engine import SGLangEngine  # noqa: E402
+from rollwire.generator.types import AdapterSelection, GroupRequest, SamplingParams  # noqa: E402
 from test_engine_contract import collect, manifest_for  # noqa: E402
 from test_generator import forward_logprobs  # noqa: E402
 

@@ -34,7 +34,7 @@ from rollwire.client._common import (
 from rollwire.client.sync import Client
 from rollwire.common.errors import RollwireError
 
-PLUGINS = ("rollwire.server.cli", "rollwire.learner.cli")
+PLUGINS = ("rollwire.generator.cli", "rollwire.learner.cli")
 """Modules whose `register(subparsers)` adds the generator, proxy, model and learner commands."""
 
 

@@ -51,7 +51,7 @@ def _add_learner(subparsers) -> None:
 
 def run_model_tiny(args: argparse.Namespace) -> int:
     from rollwire.common.fingerprint import model_fingerprint
-    from rollwire.learner.tiny_model import TinyModelSpec, build_tiny_model
+    from rollwire.demo.tiny_model import TinyModelSpec, build_tiny_model
 
     if not args.teach:
         out = build_tiny_model(args.out_dir, TinyModelSpec(seed=args.seed))
@@ -59,7 +59,7 @@ def run_model_tiny(args: argparse.Namespace) -> int:
         return 0
     import dataclasses
 
-    from rollwire.learner.teach import TeachSpec, build_taught_model, describe
+    from rollwire.demo.teach import TeachSpec, build_taught_model, describe
 
     spec = TeachSpec()
     spec = dataclasses.replace(spec, model=dataclasses.replace(spec.model, seed=args.seed))

@@ -8,12 +8,11 @@ See session.py for the named steps and buffer.py / publisher.py for the invarian
 from __future__ import annotations
 
 import asyncio
-import json
 import os
 import signal
-from pathlib import Path
 
 from rollwire.common.logs import get_logger
+from rollwire.serving.scaffold import write_ready_file
 from rollwire.learner.config import LearnerConfig
 from rollwire.learner.session import Session
 
@@ -70,8 +69,3 @@ async def run_learner(cfg: LearnerConfig, *, resume: bool = False, ready_file: s
     finally:
         await session.close()
 
-
-def write_ready_file(path: str, data: dict) -> None:
-    tmp = Path(f"{path}.tmp")
-    tmp.write_text(json.dumps(data))
-    os.replace(tmp, path)

@@ -1,0 +1,304 @@
+"""`make demo`: the whole stack on this machine, learning the built-in task in a fixed budget.
+
+Starts 2 generator replicas, a proxy in front of them and the learner, each as its own
+process with its own log in the run folder; shows a live progress line; ends with a table
+(held-out accuracy before and after, steps, groups/s, staleness, push latency), a
+reward-curve PNG and summary.json. The last line printed names the run folder;
+runs/latest points to it. Ctrl-C stops every process it started, cleanly.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import signal
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from datetime import datetime
+from pathlib import Path
+
+from rollwire.common.services import ServiceProcess, start
+
+SUMMARY_KEYS = (
+    "accuracy_before",
+    "accuracy_after",
+    "steps",
+    "groups_per_s",
+    "staleness_mean",
+    "staleness_max",
+    "push_latency_s",
+)
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m rollwire.demo", description=__doc__.splitlines()[0])
+    p.add_argument("--budget-s", type=float, default=120.0, help="seconds of training (default 120)")
+    p.add_argument("--replicas", type=int, default=2, help="generator replicas behind the proxy (default 2)")
+    p.add_argument("--runs-dir", default="runs", help="where run folders go (default runs/)")
+    p.add_argument("--model-dir", default="runs/models/taught", help="taught model folder, built once and reused")
+    p.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="learner config override, e.g. train.lr=5e-4 (repeatable)",
+    )
+    return p.parse_args(argv)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    # Ctrl-C (even when started in the background, where SIGINT may be ignored) and SIGTERM
+    # both end up in the KeyboardInterrupt path below, which stops every process it started.
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    signal.signal(signal.SIGTERM, signal.default_int_handler)
+    run = new_run_folder(Path(args.runs_dir))
+    services: list[ServiceProcess] = []
+    say(f"rollwire demo: {args.replicas} generator replicas behind a proxy, {args.budget_s:.0f} s of GRPO training")
+    try:
+        model = teach_model(Path(args.model_dir), run)
+        services += start_replicas(model, run, args.replicas)
+        proxy = start(
+            ["proxy", "--port", "0", "--metrics-port", "0", *[a for g in services for a in ("--generator", g.target)]],
+            run,
+            "proxy",
+        )
+        services.append(proxy)
+        say(f"proxy on {proxy.target} -> replicas {', '.join(g.target for g in services[:-1])}")
+        config = write_learner_config(run, proxy.target, model, args)
+        learner = start(["learner", "--config", str(config)], run, "learner", timeout=300)
+        services.append(learner)
+        say(f"learner running (metrics on :{learner.metrics_port}); logs in {run}/")
+        code = follow(learner, run / "learner", args.budget_s)
+        if code != 0:
+            say(f"\nthe learner exited with code {code}; the end of {learner.log_path}:")
+            print(learner.log_path.read_text(errors="replace")[-3000:])
+            return 1
+        summary = finish(run, args)
+        print_table(summary, run)
+        return 0
+    except KeyboardInterrupt:
+        say("\ninterrupted: stopping every process")
+        return 130
+    finally:
+        stop_all(services)
+        print(f"run folder: {run}")
+
+
+def say(line: str) -> None:
+    print(line, flush=True)
+
+
+def new_run_folder(runs: Path) -> Path:
+    stamp = datetime.now().strftime("%Y%m%d-%H%M%S")
+    run, n = runs / stamp, 1
+    while run.exists():  # two runs in the same second
+        n += 1
+        run = runs / f"{stamp}-{n}"
+    run.mkdir(parents=True)
+    latest = runs / "latest"
+    if latest.is_symlink() or latest.exists():
+        latest.unlink()
+    latest.symlink_to(run.name)
+    return run
+
+
+def teach_model(folder: Path, run: Path) -> Path:
+    from rollwire.demo.teach import TeachSpec, build_taught_model, cached_key, describe
+
+    if cached_key(folder) != TeachSpec().key():
+        say(f"teaching the tiny model the addition task (about a minute, once; cached in {folder})")
+    live = sys.stdout.isatty()
+    with (run / "teach.log").open("a") as log:
+
+        def show(line: str) -> None:
+            log.write(line + "\n")
+            print(f"\r  {line}   " if live else f"  {line}", end="" if live else "\n", flush=True)
+
+        build_taught_model(folder, log=show)
+    say(f"{chr(13) if live else ''}base model: {describe(folder)}")
+    return folder
+
+
+def start_replicas(model: Path, run: Path, count: int) -> list[ServiceProcess]:
+    """Start the replicas concurrently (each loads torch and the model)."""
+
+    def one(i: int) -> ServiceProcess:
+        return start(
+            [
+                "generator",
+                "--model",
+                str(model),
+                "--port",
+                "0",
+                "--metrics-port",
+                "0",
+                "--set",
+                "transformers.threads=1",
+            ],
+            run,
+            f"generator-{i}",
+        )
+
+    with ThreadPoolExecutor(count) as pool:
+        replicas = list(pool.map(one, range(1, count + 1)))
+    say(f"{count} generator replicas ready")
+    return replicas
+
+
+def write_learner_config(run: Path, target: str, model: Path, args) -> Path:
+    lines = [
+        f'target = "{target}"',
+        f'base_model = "{model}"',
+        f'run_dir = "{run / "learner"}"',
+        "metrics_port = 0",
+        f"max_seconds = {args.budget_s}",
+        "progress = false",
+        "",
+        "[train]",
+        "threads = 1",
+        "",
+        "[eval]",
+        "every_steps = 15",
+        "",
+        "[checkpoint]",
+        "every_steps = 50",
+    ]
+    path = run / "learner.toml"
+    path.write_text("\n".join(lines) + "\n")
+    if args.overrides:
+        from rollwire.learner.config import dump_learner_config, load_learner_config
+
+        path.write_text(dump_learner_config(load_learner_config(str(path), args.overrides)))
+    return path
+
+
+def follow(learner: ServiceProcess, run_dir: Path, budget_s: float) -> int:
+    """Show a live progress line until the learner exits; returns its exit code."""
+    started, last, evals, printed = time.monotonic(), {}, {}, 0.0
+    steps_file, evals_file = run_dir / "steps.jsonl", run_dir / "evals.jsonl"
+    live = sys.stdout.isatty()
+    while learner.proc.poll() is None:
+        time.sleep(0.5)
+        last = _last_json(steps_file) or last
+        evals = _last_json(evals_file) or evals
+        now = time.monotonic()
+        if last and (live or now - printed >= 10):
+            line = progress_line(now - started, budget_s, last, evals)
+            print("\r" + line if live else line, end="" if live else "\n", flush=True)
+            printed = now
+    if live:
+        print()
+    return learner.proc.returncode
+
+
+def progress_line(elapsed: float, budget: float, step: dict, evaluation: dict) -> str:
+    held = evaluation.get("accuracy")
+    held_text = f"held-out {100 * held:5.1f}%" if held is not None else "held-out   n/a"
+    groups = step["groups"]
+    return (
+        f"[{elapsed:5.0f}s/{budget:.0f}s] step {step['step']:4d} v{step['version']:<4d} "
+        f"reward {_num(step.get('rollout_reward_mean'))}  sampled acc {_num(step.get('rollout_accuracy'))}  "
+        f"{held_text}  "
+        f"staleness {step['staleness_mean']:.2f}  ratio {step['ratio_mean']:.3f}  "
+        f"trained {groups['trained']} dropped {sum(groups['dropped'].values())}   "
+    )
+
+
+def _num(value) -> str:
+    return " n/a" if value is None else f"{value:.2f}"
+
+
+def _last_json(path: Path) -> dict:
+    try:
+        lines = path.read_text().splitlines()
+    except FileNotFoundError:
+        return {}
+    for line in reversed(lines):
+        try:
+            return json.loads(line)
+        except json.JSONDecodeError:
+            continue
+    return {}
+
+
+def finish(run: Path, args) -> dict:
+    """summary.json and the reward curve from what the learner wrote."""
+    from rollwire.demo.plot import Series, line_chart
+
+    learner = json.loads((run / "learner" / "summary.json").read_text())
+    steps = [json.loads(line) for line in (run / "learner" / "steps.jsonl").read_text().splitlines() if line]
+    evals = [e for e in learner["evals"] if e["accuracy"] is not None]
+    chart = line_chart(
+        run / "reward_curve.png",
+        [
+            Series(
+                "mean reward of rollouts",
+                [s["step"] for s in steps if s.get("rollout_reward_mean") is not None],
+                [s["rollout_reward_mean"] for s in steps if s.get("rollout_reward_mean") is not None],
+                (31, 119, 180),
+            ),
+            Series(
+                "held-out accuracy", [e["step"] for e in evals], [e["accuracy"] for e in evals], (255, 127, 14), True
+            ),
+        ],
+        "GRPO on the tiny model",
+        "step",
+    )
+    summary = {k: learner[k] for k in SUMMARY_KEYS}
+    summary.update(
+        budget_s=args.budget_s,
+        replicas=args.replicas,
+        reward_curve=str(chart),
+        push_latency_max_s=learner["push_latency_max_s"],
+        groups=learner["groups"],
+        ratio_mean_staleness0=learner["ratio_mean_staleness0"],
+        versions=[learner["first_version"], learner["last_version"]],
+    )
+    (run / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    return summary
+
+
+def print_table(s: dict, run: Path) -> None:
+    def pct(v):
+        return "n/a" if v is None else f"{100 * v:.1f}%"
+
+    gain = (
+        (s["accuracy_after"] - s["accuracy_before"]) * 100
+        if None not in (s["accuracy_after"], s["accuracy_before"])
+        else None
+    )
+    dropped = ", ".join(f"{k} {v}" for k, v in sorted(s["groups"]["dropped"].items())) or "none"
+    rows = [
+        (
+            "held-out accuracy",
+            f"{pct(s['accuracy_before'])} -> {pct(s['accuracy_after'])}"
+            + (f"  ({gain:+.1f} points, greedy)" if gain is not None else ""),
+        ),
+        ("steps", f"{s['steps']}  (adapter versions {s['versions'][0]}..{s['versions'][1]})"),
+        ("groups/s", f"{s['groups_per_s']:.1f}  ({s['groups']['trained']} groups trained)"),
+        ("staleness", f"mean {s['staleness_mean']:.2f}, max {s['staleness_max']}"),
+        ("push latency", f"mean {1000 * s['push_latency_s']:.0f} ms, max {1000 * s['push_latency_max_s']:.0f} ms"),
+        ("ratio at staleness 0", "n/a" if s["ratio_mean_staleness0"] is None else f"{s['ratio_mean_staleness0']:.6f}"),
+        ("groups dropped", dropped),
+        ("reward curve", s["reward_curve"]),
+    ]
+    say("")
+    for name, value in rows:
+        say(f"  {name:<22}{value}")
+
+
+def stop_all(services: list[ServiceProcess]) -> None:
+    """One at a time, in reverse order of starting: the learner (it checkpoints and pushes its
+    last version) while the proxy still serves, then the proxy, then the replicas."""
+    for svc in reversed(services):
+        try:
+            svc.stop(timeout=30 if svc.name == "learner" else 15)
+        except KeyboardInterrupt:
+            svc.kill()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

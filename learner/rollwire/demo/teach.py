@@ -1,0 +1,183 @@
+"""Teach the tiny model the built-in task to a partial skill, by supervised training.
+
+The teacher is deliberately imperfect: it writes the right sum with probability
+`teacher_accuracy` and otherwise the carry-free sum (each column mod 10, as a student who
+forgets to carry). Trained on that, the model learns both behaviours: it always answers
+carry-free problems right, and on problems with a carry it produces the right answer only
+some of the time, so greedy decoding is right on roughly a third of the held-out set while
+sampling finds the right answer often. That is the room RL has: rewarding the right answer
+moves the model from the teacher's mixture towards always carrying.
+
+Invariants:
+- only training-split prompts are taught (the held-out split is never seen);
+- the build is a pure function of `TeachSpec` (seeded weights, seeded data order, fixed
+  thread count); its folder carries `teach.json` with the spec's content key, and a folder
+  whose key matches is reused instead of rebuilt. Bytes may differ across torch builds.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import math
+import os
+import random
+import shutil
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from rollwire.learner.task import Example, addition_examples, carry_free_answer, eval_subset, is_correct
+from rollwire.demo.tiny_model import TinyModelSpec
+
+TEACH_FORMAT = 1
+"""Bumped whenever the teaching code changes what it builds, so caches are rebuilt."""
+
+
+@dataclass(frozen=True)
+class TeachSpec:
+    """Everything that decides the taught model; its hash is the cache key."""
+
+    model: TinyModelSpec = field(default_factory=lambda: TinyModelSpec(max_positions=64))
+    steps: int = 1000
+    batch_size: int = 64
+    lr: float = 2e-3
+    warmup_steps: int = 50
+    decay_fraction: float = 0.3
+    """The last share of steps decays the learning rate linearly to zero."""
+    clean_fraction: float = 0.5
+    """The first share of steps is taught by an exact teacher (the model learns to carry)."""
+    teacher_accuracy: float = 0.3
+    """After that, the probability that the teacher writes the right sum (else the carry-free one)."""
+    held_out_fraction: float = 0.1
+    seed: int = 0
+    threads: int = 1
+
+    def key(self) -> str:
+        blob = json.dumps({"format": TEACH_FORMAT, **dataclasses.asdict(self)}, sort_keys=True)
+        return hashlib.sha256(blob.encode()).hexdigest()[:16]
+
+
+def build_taught_model(out_dir: str | Path, spec: TeachSpec = TeachSpec(), log=print) -> Path:
+    """The taught model in `out_dir`, built unless the folder already holds this spec's build."""
+    out = Path(out_dir)
+    if cached_key(out) == spec.key():
+        return out
+    tmp = out.parent / f".{out.name}.building-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    started = time.monotonic()
+    model, tokenizer, report = teach(spec, log)
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
+    model.save_pretrained(tmp, safe_serialization=True)
+    tokenizer.save_pretrained(tmp)
+    report.update(key=spec.key(), spec=dataclasses.asdict(spec), seconds=round(time.monotonic() - started, 1))
+    (tmp / "teach.json").write_text(json.dumps(report, indent=2) + "\n")
+    if out.exists():
+        shutil.rmtree(out)
+    os.replace(tmp, out)
+    return out
+
+
+def cached_key(folder: Path) -> str | None:
+    try:
+        return json.loads((folder / "teach.json").read_text()).get("key")
+    except (OSError, ValueError):
+        return None
+
+
+def teach(spec: TeachSpec, log=print):
+    """Run the supervised teaching; returns (model, tokenizer, report)."""
+    import torch
+
+    from rollwire.demo.tiny_model import new_tiny_model
+
+    torch.set_num_threads(spec.threads)
+    model, tokenizer = new_tiny_model(spec.model)
+    train, held = addition_examples(spec.held_out_fraction)
+    vocab = tokenizer.get_vocab()
+    encode = lambda text: [vocab[c] for c in text]  # noqa: E731 (char-level: one id per character)
+    rng = random.Random(spec.seed)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=spec.lr, betas=(0.9, 0.98), weight_decay=0.0)
+    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_factor(spec, s))
+    model.train()
+    for step in range(1, spec.steps + 1):
+        accuracy = 1.0 if step <= spec.clean_fraction * spec.steps else spec.teacher_accuracy
+        batch = [teacher_pair(rng.choice(train), rng, accuracy) for _ in range(spec.batch_size)]
+        ids, mask, labels = sft_tensors(batch, encode, tokenizer.eos_token_id)
+        loss = model(input_ids=ids, attention_mask=mask, labels=labels).loss
+        optimizer.zero_grad()
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        schedule.step()
+        if step % 100 == 0 or step == spec.steps:
+            log(f"teach step {step}/{spec.steps} loss {loss.item():.3f}")
+    model.eval()
+    accuracy = greedy_accuracy(model, encode, tokenizer, eval_subset(held, 300, spec.seed))
+    log(f"taught: greedy accuracy on 300 held-out problems {accuracy:.2f}")
+    return model, tokenizer, {"greedy_accuracy_held_out": accuracy, "final_loss": round(loss.item(), 4)}
+
+
+def lr_factor(spec: TeachSpec, step: int) -> float:
+    """Linear warm-up, constant, then linear decay over the last `decay_fraction` of steps."""
+    warm = min(1.0, (step + 1) / max(1, spec.warmup_steps))
+    decay_steps = max(1.0, spec.decay_fraction * spec.steps)
+    return warm * max(0.0, min(1.0, (spec.steps - step) / decay_steps))
+
+
+def teacher_pair(ex: Example, rng: random.Random, accuracy: float) -> tuple[str, str]:
+    """(prompt, what the imperfect teacher answers)."""
+    right = rng.random() < accuracy
+    return ex.prompt, ex.answer if right else carry_free_answer(ex.meta["a"], ex.meta["b"])
+
+
+def sft_tensors(pairs, encode, eos_id: int):
+    """Right-padded ids, attention mask and labels (loss on the answer and EOS only)."""
+    import torch
+
+    rows = [(encode(p), encode(a) + [eos_id]) for p, a in pairs]
+    width = max(len(p) + len(a) for p, a in rows)
+    ids = torch.zeros(len(rows), width, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    labels = torch.full_like(ids, -100)
+    for i, (p, a) in enumerate(rows):
+        seq = p + a
+        ids[i, : len(seq)] = torch.tensor(seq)
+        mask[i, : len(seq)] = 1
+        labels[i, len(p) : len(seq)] = torch.tensor(a)
+    return ids, mask, labels
+
+
+def greedy_accuracy(model, encode, tokenizer, examples: list[Example], max_new_tokens: int = 5) -> float:
+    """Share of examples whose greedy completion is right (in-process, for the build report)."""
+    import torch
+
+    prompts = [encode(e.prompt) for e in examples]
+    width = max(map(len, prompts))
+    ids = torch.full((len(prompts), width), tokenizer.pad_token_id, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for i, p in enumerate(prompts):
+        ids[i, width - len(p) :] = torch.tensor(p)
+        mask[i, width - len(p) :] = 1
+    with torch.no_grad():
+        out = model.generate(
+            input_ids=ids,
+            attention_mask=mask,
+            max_new_tokens=max_new_tokens,
+            do_sample=False,
+            pad_token_id=tokenizer.pad_token_id,
+            eos_token_id=tokenizer.eos_token_id,
+        )
+    texts = tokenizer.batch_decode(out[:, width:], skip_special_tokens=True)
+    return sum(is_correct(t, e.answer) for t, e in zip(texts, examples)) / len(examples)
+
+
+def describe(folder: Path) -> str:
+    """One line about a taught model folder, for logs."""
+    report = json.loads((folder / "teach.json").read_text())
+    acc = report.get("greedy_accuracy_held_out", math.nan)
+    return f"{folder} (key {report['key']}, held-out greedy accuracy {acc:.2f}, built in {report['seconds']}s)"

@@ -1,0 +1,115 @@
+"""Assembling and running one generator replica: engine, gRPC server, health, metrics."""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass
+from pathlib import Path
+
+from rollwire.common.fingerprint import model_fingerprint
+from rollwire.common.logs import get_logger
+from rollwire.generator.adapters import AdapterRegistry, base_linear_shapes
+from rollwire.generator.config import GeneratorConfig
+from rollwire.generator.metrics import GeneratorMetrics
+from rollwire.generator.servicer import GeneratorServicer
+from rollwire.serving.scaffold import Endpoint, listen, serve_until_signal
+from rollwire.v1 import generator_pb2, generator_pb2_grpc
+
+log = get_logger(__name__)
+SERVICE = generator_pb2.DESCRIPTOR.services_by_name["GeneratorService"].full_name
+
+def make_engine(config: GeneratorConfig, metrics: GeneratorMetrics):
+    """The configured engine; each backend lives in its own module."""
+    if config.engine == "transformers":
+        from rollwire.generator.engines.transformers_engine import TransformersEngine
+
+        t = config.transformers
+        return TransformersEngine(
+            config.model, max_batch_rows=t.max_batch_rows, threads=t.threads, device=t.device, on_forward=metrics.on_forward
+        )
+    if config.engine == "sglang":
+        from rollwire.generator.engines.sglang_engine import SGLangEngine
+
+        return SGLangEngine.from_config(config)
+    if config.engine == "scripted":
+        from rollwire.generator.engines.scripted import ScriptedEngine
+
+        s = config.scripted
+        return ScriptedEngine(
+            config.model, tokens_per_s=s.tokens_per_s, logprob=s.logprob, max_concurrent_groups=s.max_concurrent_groups
+        )
+    raise NotImplementedError(f"engine {config.engine!r} is not available in this build")
+
+
+@dataclass
+class RunningGenerator:
+    """A started replica: its endpoint and the servicer tests may inspect."""
+
+    endpoint: Endpoint
+    servicer: GeneratorServicer
+
+    @property
+    def port(self) -> int:
+        return self.endpoint.port
+
+    @property
+    def metrics_port(self) -> int:
+        return self.endpoint.metrics_port
+
+    async def stop(self, grace: float) -> None:
+        await self.endpoint.stop(grace)
+        await self.servicer.engine.close()
+
+
+async def start_generator(config: GeneratorConfig) -> RunningGenerator:
+    """Load the model, then listen; health turns SERVING only when requests can be served."""
+    if not config.model or not Path(config.model, "config.json").is_file():
+        raise SystemExit(f"--model {config.model or '(missing)'} is not a local Hugging Face model folder with config.json")
+    metrics = GeneratorMetrics()
+    engine = make_engine(config, metrics)
+    await engine.start()
+    metrics.queue_depth.set_function(lambda: engine.stats().queued)
+    metrics.running.set_function(lambda: engine.stats().running)
+    config_only = config.engine == "scripted"  # the benchmark engine may serve a folder without weights
+    fingerprint = await asyncio.to_thread(model_fingerprint, config.model, config_only=config_only)
+    registry = AdapterRegistry(engine.load_adapter, engine.unload_adapter, config.adapter_window)
+    endpoint = listen("generator", config.host, config.port, config.auth, config.tls, config.metrics_port, metrics.registry)
+    replica = config.replica_id or f"{config.host}:{endpoint.port}"
+    servicer = GeneratorServicer(
+        config,
+        engine,
+        registry,
+        metrics,
+        fingerprint=fingerprint,
+        base_shapes=base_linear_shapes(config.model, config_only=config_only),
+        replica=replica,
+    )
+    generator_pb2_grpc.add_GeneratorServiceServicer_to_server(servicer, endpoint.server)
+    await endpoint.start([SERVICE], config.host, config.tls)
+    for name in ("", SERVICE):
+        await endpoint.set_health(name, True)
+    log.info("generator_ready", replica=replica, port=endpoint.port, metrics_port=endpoint.metrics_port, fingerprint=fingerprint)
+    return RunningGenerator(endpoint, servicer)
+
+
+async def run_generator(config: GeneratorConfig, ready_file: str | None = None, registration=None) -> None:
+    """Serve until SIGINT/SIGTERM, then stop taking work and let in-flight requests finish.
+
+    With a `registration` (rollwire.generator.registration.Registration) the replica joins
+    that proxy with heartbeats, and on shutdown has the proxy drain it before it stops.
+    """
+    running = await start_generator(config)
+    heartbeat = None
+    if registration is not None:
+        from rollwire.generator.registration import Heartbeat
+
+        heartbeat = Heartbeat(registration, registration.address or f"{config.host}:{running.port}")
+        heartbeat.start()
+
+    async def on_stop() -> None:
+        log.info("generator_stopping", grace_seconds=config.grace_seconds)
+        if heartbeat is not None:
+            await heartbeat.leave(config.grace_seconds)
+        await running.stop(config.grace_seconds)
+
+    await serve_until_signal(ready_file, {"port": running.port, "metrics_port": running.metrics_port}, on_stop)

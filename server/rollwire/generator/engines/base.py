@@ -1,0 +1,52 @@
+"""The engine interface: what a generator replica needs from a model backend.
+
+An engine owns the weights and the batching; the servicer owns the wire, validation,
+adapter bookkeeping (adapters.py) and metrics. Adding a backend is one module.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Protocol
+
+from rollwire.generator.adapters import Manifest
+from rollwire.generator.types import Event, GroupRequest
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    """Load as the engine sees it: groups generating now and groups waiting."""
+
+    running: int
+    queued: int
+
+
+class Engine(Protocol):
+    """A model backend. `generate` yields events; closing the iterator cancels the group."""
+
+    name: str
+    vocab_size: int
+    max_context: int  # prompt + generated tokens the model can attend to
+
+    async def start(self) -> None:
+        """Load the model and get ready to serve; raises with a clear sentence on failure."""
+
+    async def close(self) -> None:
+        """Stop generating and free resources."""
+
+    def tokenize(self, text: str) -> list[int]:
+        """Prompt text to token ids, as the model's tokenizer does it."""
+
+    def generate(self, group: GroupRequest) -> AsyncIterator[list[Event]]:
+        """Generate `group.n` samples, yielding the events ready together; each sample ends
+        with one SampleDone. Closing the iterator cancels the group and frees its rows."""
+
+    async def load_adapter(self, handle: str, manifest: Manifest, payload: bytes) -> None:
+        """Load a checked LoRA payload under a fresh handle."""
+
+    async def unload_adapter(self, handle: str) -> None:
+        """Free a handle no request uses any more."""
+
+    def stats(self) -> EngineStats:
+        """Current load."""

@@ -1,0 +1,119 @@
+"""The scripted engine: a benchmark engine that emits tokens at a set rate, with no model.
+
+It exists so that benchmarks of the proxy, the wire and adapter pushes measure rollwire and
+not a model's forward pass: every sample of a group gets `tokens_per_s` tokens per second,
+the n samples advancing together (one event list per step, as a batched engine yields
+them). Token ids are a deterministic function of (seed, sample, position), every logprob
+is the same constant, samples never stop early (finish reason "length"), and adapter
+load/unload is bookkeeping only: the payload was fully checked by the servicer and is
+dropped here. It needs only the model folder's config.json (vocab_size,
+max_position_embeddings); never use it to serve real rollouts.
+
+Invariants: a group's k-th token is due at start + k / tokens_per_s; a consumer that falls
+behind gets every due token in one event list instead of a slower clock; at most
+`max_concurrent_groups` groups generate at once, the rest wait in FIFO order.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+from rollwire.common.errors import FailedPrecondition
+from rollwire.generator.adapters import Manifest
+from rollwire.generator.engines.base import EngineStats
+from rollwire.generator.types import Event, GroupRequest, SampleDone, TokenDelta
+
+_PRINTABLE = 95  # token id t decodes to chr(32 + t % 95): deterministic, printable text
+
+
+class ScriptedEngine:
+    """Tokens at a fixed rate per sample; see the module docstring."""
+
+    name = "scripted"
+
+    def __init__(
+        self,
+        model_dir: str | Path,
+        *,
+        tokens_per_s: float = 100.0,
+        logprob: float = -1.0,
+        max_concurrent_groups: int = 256,
+    ) -> None:
+        self.model_dir = Path(model_dir)
+        self.tokens_per_s, self.logprob = tokens_per_s, logprob
+        self.vocab_size, self.max_context = 0, 0
+        self.adapters: dict[str, int] = {}  # handle -> version: what a real engine would hold
+        self._slots = asyncio.Semaphore(max_concurrent_groups)
+        self._running = self._queued = 0
+
+    async def start(self) -> None:
+        path = self.model_dir / "config.json"
+        if not path.is_file():
+            raise FailedPrecondition(f"{self.model_dir} has no config.json; the scripted engine reads vocab_size from it")
+        config = json.loads(path.read_text())
+        self.vocab_size = int(config.get("vocab_size") or 32000)
+        self.max_context = int(config.get("max_position_embeddings") or 1 << 30)
+
+    async def close(self) -> None:
+        self.adapters.clear()
+
+    def tokenize(self, text: str) -> list[int]:
+        return [b % self.vocab_size for b in text.encode()]
+
+    def stats(self) -> EngineStats:
+        return EngineStats(running=self._running, queued=self._queued)
+
+    def token(self, seed: int, sample: int, position: int) -> int:
+        """The deterministic token id of `sample` at `position` for a group seeded `seed`."""
+        return (seed * 1_000_003 + sample * 7_919 + position * 31) % self.vocab_size
+
+    async def generate(self, group: GroupRequest) -> AsyncIterator[list[Event]]:
+        self._queued += 1
+        try:
+            await self._slots.acquire()
+        finally:
+            self._queued -= 1
+        self._running += 1
+        try:
+            async for events in self._steps(group):
+                yield events
+        finally:
+            self._running -= 1
+            self._slots.release()
+
+    async def _steps(self, group: GroupRequest) -> AsyncIterator[list[Event]]:
+        total, seed = group.sampling.max_new_tokens, group.sampling.seed or 0
+        prompt_tokens, version = len(group.prompt_ids), group.adapter.version
+        start, sent = time.monotonic(), 0
+        while sent < total:
+            due = self._due(start, sent, total)
+            if due <= sent:
+                await asyncio.sleep(start + sent / self.tokens_per_s - time.monotonic())
+                continue
+            events: list[Event] = []
+            for i in range(group.n):
+                ids = [self.token(seed, i, p) for p in range(sent, due)]
+                text = "".join(chr(32 + t % _PRINTABLE) for t in ids)
+                events.append(TokenDelta(i, ids, [self.logprob] * len(ids), text, version))
+            sent = due
+            if sent == total:
+                events += [SampleDone(i, "length", prompt_tokens, total) for i in range(group.n)]
+            yield events
+            if self.tokens_per_s <= 0:
+                await asyncio.sleep(0)  # unthrottled: still one step per event-loop turn
+
+    def _due(self, start: float, sent: int, total: int) -> int:
+        """Tokens per sample due by now: token k is due at start + k / tokens_per_s."""
+        if self.tokens_per_s <= 0:
+            return sent + 1
+        return min(total, int((time.monotonic() - start) * self.tokens_per_s) + 1)
+
+    async def load_adapter(self, handle: str, manifest: Manifest, payload: bytes) -> None:
+        self.adapters[handle] = manifest.version
+
+    async def unload_adapter(self, handle: str) -> None:
+        self.adapters.pop(handle, None)

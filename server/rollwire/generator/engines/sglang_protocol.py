@@ -1,0 +1,280 @@
+"""SGLang's native HTTP API as rollwire uses it: request bodies, stream parsing, errors.
+
+Pure functions and one small state machine, no I/O, so every byte rollwire sends and every
+chunk it accepts is pinned by unit tests. Written against SGLang 0.5.23
+(python/sglang/srt/entrypoints/http_server.py, managers/io_struct.py,
+managers/tokenizer_manager.py); docs/engines.md lists the calls.
+
+Invariants:
+- a group of n samples is one /generate request: `sampling_params.n` (SGLang's parallel
+  sampling, which prefills the prompt once and shares it) unless the group is seeded, then
+  the prompt repeated n times with one `sampling_seed` per sample, because SGLang's seeded
+  sampler hashes (seed, position), so n copies of one seed would be n identical samples;
+- each streamed chunk is read the same way whether SGLang streams cumulative output (its
+  default) or deltas (`--incremental-streaming-output`): the new tokens of a sample are the
+  last `completion_tokens - seen` entries, and a chunk that would skip tokens is an error;
+- every SGLang failure becomes a RollwireError that keeps SGLang's own message.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from http import HTTPStatus
+
+from rollwire.common.errors import (
+    DeadlineExceeded,
+    FailedPrecondition,
+    Internal,
+    InvalidArgument,
+    PermissionDenied,
+    ResourceExhausted,
+    RollwireError,
+    Unauthenticated,
+    Unavailable,
+)
+from rollwire.generator.types import Event, GroupRequest, SampleDone, SamplingParams, TokenDelta
+
+TARGET_VERSION = "0.5.23"
+DONE = object()  # the `data: [DONE]` sentinel
+
+
+# -- requests ------------------------------------------------------------------------------
+def sampling_params(s: SamplingParams) -> dict:
+    """Our sampling params in SGLang's vocabulary (top_k 0 = off is SGLang's -1).
+
+    `no_stop_trim` keeps a matched stop string in the text, as the transformers engine does;
+    the tokens that spelled it are generated either way.
+    """
+    params = {
+        "max_new_tokens": s.max_new_tokens,
+        "temperature": s.temperature,
+        "top_p": s.top_p,
+        "top_k": s.top_k if s.top_k > 0 else -1,
+        "ignore_eos": s.ignore_eos,
+        "no_stop_trim": True,
+        "skip_special_tokens": True,
+    }
+    if s.stop:
+        params["stop"] = list(s.stop)
+    return params
+
+
+def generate_body(
+    group: GroupRequest, lora_name: str | None, seeds: list[int] | None, rid: str
+) -> tuple[dict, list[str] | None]:
+    """The /generate body for a group, and the request ids SGLang will use (None when SGLang
+    assigns them itself, as it does for the samples of `n`).
+
+    `seeds` holds one sampling seed per sample for a seeded group, None otherwise; `rid` is
+    unique per call, since SGLang keys its request state by it.
+    """
+    params = sampling_params(group.sampling)
+    body: dict = {"return_logprob": True, "logprob_start_len": -1, "stream": True}
+    if group.n == 1:
+        if seeds:
+            params["sampling_seed"] = seeds[0]
+        body.update(input_ids=list(group.prompt_ids), sampling_params=params, rid=rid)
+        rids: list[str] | None = [rid]
+        if lora_name:
+            body["lora_path"] = lora_name
+    elif seeds is None:
+        body.update(input_ids=list(group.prompt_ids), sampling_params={**params, "n": group.n}, rid=rid)
+        rids = None
+        if lora_name:
+            body["lora_path"] = lora_name
+    else:
+        rids = [f"{rid}-{i}" for i in range(group.n)]
+        body.update(
+            input_ids=[list(group.prompt_ids)] * group.n,
+            sampling_params=[{**params, "sampling_seed": seed} for seed in seeds],
+            rid=rids,
+        )
+        if lora_name:
+            body["lora_path"] = [lora_name] * group.n
+    return body, rids
+
+
+def load_lora_body(lora_name: str, lora_path: str) -> dict:
+    """/load_lora_adapter: a PEFT folder on the server's disk under a name never used before."""
+    return {"lora_name": lora_name, "lora_path": lora_path, "pinned": False}
+
+
+def unload_lora_body(lora_name: str) -> dict:
+    return {"lora_name": lora_name}
+
+
+def abort_body(rid: str) -> dict:
+    return {"rid": rid}
+
+
+# -- streamed responses --------------------------------------------------------------------
+def parse_sse_line(line: str):
+    """One line of SGLang's event stream: a chunk dict, DONE, or None for blank/other lines."""
+    if not line.startswith("data:"):
+        return None
+    data = line[5:].strip()
+    if data == "[DONE]":
+        return DONE
+    try:
+        chunk = json.loads(data)
+    except json.JSONDecodeError:
+        raise Internal(f"SGLang sent a stream line that is not JSON: {data[:200]!r}") from None
+    if not isinstance(chunk, dict):
+        raise Internal(f"SGLang sent a stream chunk that is not an object: {data[:200]!r}")
+    return chunk
+
+
+@dataclass
+class _Sample:
+    tokens: list[int] = field(default_factory=list)
+    text: str = ""
+    done: bool = False
+
+
+class StreamTracker:
+    """Turns SGLang's streamed chunks of one group into rollwire events.
+
+    `decode` turns a sample's token ids into text (the replica's own tokenizer, so text
+    deltas follow the same rule as the transformers engine: a delta is released only once
+    it is a complete prefix extension).
+    """
+
+    def __init__(self, group: GroupRequest, decode: Callable[[list[int]], str]) -> None:
+        self.group = group
+        self.decode = decode
+        self.samples = [_Sample() for _ in range(group.n)]
+        self.rids: set[str] = set()
+
+    @property
+    def complete(self) -> bool:
+        return all(s.done for s in self.samples)
+
+    def feed(self, chunk: dict) -> list[Event]:
+        """Events carried by one chunk; raises the mapped error for error and abort chunks."""
+        if "error" in chunk:
+            raise error_from_body(_status_of(chunk["error"]), chunk, "generation")
+        meta = chunk.get("meta_info") or {}
+        index = chunk.get("index", 0)
+        if not isinstance(index, int) or not 0 <= index < self.group.n:
+            raise Internal(f"SGLang sent a chunk for sample index {index!r} of a group of {self.group.n}")
+        if meta.get("id"):
+            self.rids.add(str(meta["id"]))
+        sample = self.samples[index]
+        if sample.done:
+            raise Internal(f"SGLang sent more output for sample {index} after it finished")
+        events: list[Event] = []
+        delta = self._new_tokens(index, chunk, meta)
+        if delta is not None:
+            events.append(delta)
+        finish = meta.get("finish_reason")
+        if finish is not None:
+            events.append(self._finish(index, finish, meta))
+        return events
+
+    def _new_tokens(self, index: int, chunk: dict, meta: dict) -> TokenDelta | None:
+        sample = self.samples[index]
+        total = int(meta.get("completion_tokens", len(sample.tokens)))
+        new = total - len(sample.tokens)
+        if new <= 0:
+            return None
+        ids = chunk.get("output_ids") or []
+        logprobs = meta.get("output_token_logprobs") or []
+        if len(ids) < new or len(logprobs) < new:
+            raise Internal(
+                f"SGLang reported {total} tokens for sample {index} but sent only {len(ids)} ids and "
+                f"{len(logprobs)} logprobs after the {len(sample.tokens)} already received; output was lost"
+            )
+        tokens = [int(t) for t in ids[-new:]]
+        entries = logprobs[-new:]
+        if [int(e[1]) for e in entries] != tokens:
+            raise Internal(f"SGLang's logprobs for sample {index} do not belong to its output tokens")
+        sample.tokens.extend(tokens)
+        return TokenDelta(index, tokens, [float(e[0]) for e in entries], self._new_text(sample), self.group.adapter.version)
+
+    def _new_text(self, sample: _Sample) -> str:
+        full = self.decode(sample.tokens)
+        if full.endswith("\ufffd") or not full.startswith(sample.text):
+            return ""  # an incomplete multi-byte character: wait for the next token
+        delta, sample.text = full[len(sample.text) :], full
+        return delta
+
+    def _finish(self, index: int, finish: dict, meta: dict) -> SampleDone:
+        kind = finish.get("type") if isinstance(finish, dict) else None
+        if kind == "abort":
+            raise error_from_body(finish.get("status_code") or 500, {"error": {"message": finish.get("message")}}, "generation")
+        if kind == "length":
+            reason = "length"
+        elif kind == "stop":
+            reason = "stop" if isinstance(finish.get("matched"), str) else "eos"
+        else:
+            raise Internal(f"SGLang finished sample {index} for an unknown reason {finish!r}")
+        sample = self.samples[index]
+        sample.done = True
+        prompt_tokens = int(meta.get("prompt_tokens", len(self.group.prompt_ids)))
+        return SampleDone(index, reason, prompt_tokens, len(sample.tokens))
+
+
+# -- errors --------------------------------------------------------------------------------
+def _status_of(err) -> int:
+    code = err.get("code") if isinstance(err, dict) else None
+    return code if isinstance(code, int) and 400 <= code < 600 else 400
+
+
+def sglang_message(body) -> str:
+    """SGLang's own sentence from any of its error bodies."""
+    if isinstance(body, dict):
+        err = body.get("error", body.get("error_message", body.get("message", body.get("detail"))))
+        if isinstance(err, dict):
+            err = err.get("message", err)
+        if err:
+            return str(err)
+    return str(body)[:500] if body else "(empty body)"
+
+
+_BY_STATUS: dict[int, tuple[type[RollwireError], str]] = {
+    400: (InvalidArgument, "SGLANG_BAD_REQUEST"),
+    401: (Unauthenticated, "SGLANG_UNAUTHENTICATED"),
+    403: (PermissionDenied, "SGLANG_FORBIDDEN"),
+    404: (FailedPrecondition, "SGLANG_NO_ROUTE"),
+    408: (DeadlineExceeded, "SGLANG_TIMEOUT"),
+    413: (InvalidArgument, "SGLANG_TOO_LARGE"),
+    422: (InvalidArgument, "SGLANG_BAD_REQUEST"),
+    429: (ResourceExhausted, "SGLANG_OVERLOADED"),
+    500: (Internal, "SGLANG_INTERNAL"),
+    503: (Unavailable, "SGLANG_UNAVAILABLE"),
+    504: (DeadlineExceeded, "SGLANG_TIMEOUT"),
+}
+
+_HINTS = {
+    401: "check sglang.api_key_file / sglang.admin_api_key_file against the keys SGLang was started with",
+    403: "SGLang refuses this call without an admin key; set sglang.admin_api_key_file",
+    404: "the server does not have this route; is it SGLang 0.5 or newer?",
+}
+
+
+def error_from_body(status: int, body, what: str) -> RollwireError:
+    """A RollwireError for an SGLang error reply, with SGLang's message and an action."""
+    cls, reason = _BY_STATUS.get(status, (Unavailable if status >= 500 else InvalidArgument, "SGLANG_ERROR"))
+    message = f"SGLang {what} failed (HTTP {status} {_phrase(status)}): {sglang_message(body)}"
+    if status in _HINTS:
+        message += f"; {_HINTS[status]}"
+    retry = 1.0 if cls in (Unavailable, ResourceExhausted) else None
+    return cls(message, reason=reason, retry_after_s=retry)
+
+
+def error_from_reply(status: int, raw: bytes, what: str) -> RollwireError:
+    try:
+        body = json.loads(raw) if raw else None
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        body = raw.decode("utf-8", "replace")
+    return error_from_body(status, body, what)
+
+
+def _phrase(status: int) -> str:
+    try:
+        return HTTPStatus(status).phrase
+    except ValueError:
+        return ""
+

@@ -1,0 +1,508 @@
+"""The embedded engine: a Hugging Face causal LM with PEFT LoRA adapters, on CPU or GPU.
+
+One worker thread owns the model. It runs a continuous-batching loop: each iteration it
+applies adapter loads/unloads, admits waiting groups (one prefill for all of them, their
+KV caches left-padded and merged into the running batch), then runs one decode step for
+every running row. Rows of different groups, different sampling params and different
+adapters share every forward pass (PEFT's mixed-adapter batches). Finished and cancelled
+rows leave the batch at once. Row i of a group samples with its own torch.Generator
+seeded from (seed, i), so results do not depend on what else is batched.
+
+Failure isolation (blast radius): a row's failure ends its own group, never the batch.
+Each group is sampled on its own; when the distribution it would sample from holds NaN or
++inf (or the chosen token's logprob is not finite) the group ends with FAILED_PRECONDITION,
+reason NON_FINITE_LOGITS (the model or the request's adapter produced values nothing can be
+sampled from; no client should retry it unchanged); any other exception while sampling or
+emitting a group ends that group with INTERNAL, reason ROW_FAILED (a bug tied to that
+request). Either way its rows leave the batch and every other row continues. The proxy must
+classify by reason: neither of these means the replica is sick. Only a failure of a forward
+pass itself (OOM, a device error), which no row can be blamed for, ends the groups in that
+pass with INTERNAL, reason ENGINE_FAILED: that one is a replica fault. A failed prefill
+ends only the groups being admitted; the running batch keeps decoding.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import secrets
+import threading
+from collections import deque
+from collections.abc import AsyncIterator, Callable
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from rollwire.common.errors import FailedPrecondition, Internal, InvalidArgument
+from rollwire.common.logs import get_logger
+from rollwire.generator.adapters import Manifest
+from rollwire.generator.engines.base import EngineStats
+from rollwire.generator.sampling import draw, finite, sample_seed, sampling_logprobs
+from rollwire.generator.types import Event, GroupRequest, SampleDone, TokenDelta
+
+log = get_logger(__name__)
+BASE = "__base__"  # PEFT's name for "no adapter" in a mixed batch
+_MAX_ERROR_CHARS = 200  # an exception's text as a status message may echo it
+
+
+@dataclass
+class _Group:
+    req: GroupRequest
+    loop: asyncio.AbstractEventLoop
+    events: asyncio.Queue
+    cancelled: bool = False
+    open_rows: int = 0
+
+    def send(self, items: list) -> None:
+        try:
+            self.loop.call_soon_threadsafe(_put_all, self.events, items)
+        except RuntimeError:  # the caller's event loop is gone; nobody is listening
+            self.cancelled = True
+
+
+def _put_all(queue: asyncio.Queue, items: list) -> None:
+    for item in items:
+        queue.put_nowait(item)
+
+
+_END = object()
+
+
+@dataclass
+class _Row:
+    group: _Group
+    index: int
+    generator: torch.Generator
+    position: int  # position id of the next token fed to the model
+    adapter: str
+    generated: list[int] = field(default_factory=list)
+    emitted_text: str = ""
+    last_token: int = -1
+    prefix_offset: int = 0  # incremental detokenizing: tokens before this are already text
+    read_offset: int = 0
+
+
+@dataclass
+class _Batch:
+    rows: list[_Row]
+    cache: object  # transformers DynamicCache, rows in the same order
+    mask: torch.Tensor  # [rows, kv_len] 1 = real token
+
+
+class TransformersEngine:
+    """Engine over transformers + PEFT; see the module docstring for the batching loop."""
+
+    name = "transformers"
+
+    def __init__(
+        self,
+        model_dir: str | Path,
+        *,
+        max_batch_rows: int = 64,
+        threads: int = 0,
+        device: str = "cpu",
+        on_forward: Callable[[int], None] = lambda rows: None,
+    ):
+        self.model_dir = Path(model_dir)
+        self.on_forward = on_forward
+        self.max_batch_rows = max_batch_rows
+        self.threads = threads
+        self.device = torch.device(device)
+        self._cv = threading.Condition()
+        self._pending: deque[_Group] = deque()
+        self._ops: list[tuple[Future, object]] = []
+        self._running_groups = 0
+        self._stop = False
+        self._thread: threading.Thread | None = None
+        self._peft = None
+
+    # -- lifecycle -------------------------------------------------------------------
+    async def start(self) -> None:
+        await asyncio.to_thread(self._load)
+        self._thread = threading.Thread(target=self._worker, name="rollwire-engine", daemon=True)
+        self._thread.start()
+
+    def _load(self) -> None:
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        if self.threads:
+            torch.set_num_threads(self.threads)
+        if not (self.model_dir / "config.json").is_file():
+            raise FailedPrecondition(f"{self.model_dir} is not a local Hugging Face model folder (no config.json)")
+        self.tokenizer = AutoTokenizer.from_pretrained(self.model_dir)
+        self.model = AutoModelForCausalLM.from_pretrained(self.model_dir, dtype=torch.float32).to(self.device).eval()
+        self.vocab_size = int(self.model.config.vocab_size)
+        self.max_context = int(getattr(self.model.config, "max_position_embeddings", 0) or 1 << 30)
+        self.eos_ids = _eos_ids(self.model.config, self.tokenizer)
+        log.info("engine_loaded", engine=self.name, model=str(self.model_dir), vocab=self.vocab_size)
+
+    async def close(self) -> None:
+        with self._cv:
+            self._stop = True
+            self._cv.notify_all()
+        if self._thread:
+            await asyncio.to_thread(self._thread.join, 30)
+
+    # -- public API (event loop side) --------------------------------------------------
+    def tokenize(self, text: str) -> list[int]:
+        return list(self.tokenizer(text, add_special_tokens=False).input_ids)
+
+    def stats(self) -> EngineStats:
+        with self._cv:
+            return EngineStats(running=self._running_groups, queued=len(self._pending))
+
+    async def generate(self, group: GroupRequest) -> AsyncIterator[list[Event]]:
+        if group.n > self.max_batch_rows:
+            raise InvalidArgument(f"n={group.n} exceeds this engine's batch of {self.max_batch_rows} rows")
+        g = _Group(group, asyncio.get_running_loop(), asyncio.Queue())
+        with self._cv:
+            self._pending.append(g)
+            self._cv.notify_all()
+        try:
+            while True:
+                ready = [await g.events.get()]
+                while not g.events.empty():
+                    ready.append(g.events.get_nowait())
+                events = [e for e in ready if e is not _END and not isinstance(e, Exception)]
+                if events:
+                    yield events
+                for item in ready:
+                    if isinstance(item, Exception):
+                        raise item
+                if ready[-1] is _END:
+                    return
+        finally:
+            with self._cv:
+                g.cancelled = True
+                if g in self._pending:
+                    self._pending.remove(g)
+
+    async def load_adapter(self, handle: str, manifest: Manifest, payload: bytes) -> None:
+        from safetensors.torch import load as load_safetensors
+
+        tensors = await asyncio.to_thread(load_safetensors, payload)
+        await self._call(("load", handle, manifest, tensors))
+
+    async def unload_adapter(self, handle: str) -> None:
+        await self._call(("unload", handle))
+
+    async def _call(self, op) -> None:
+        fut: Future = Future()
+        with self._cv:
+            self._ops.append((fut, op))
+            self._cv.notify_all()
+        await asyncio.wrap_future(fut)
+
+    # -- worker thread -------------------------------------------------------------------
+    def _worker(self) -> None:
+        batch: _Batch | None = None
+        with torch.inference_mode():
+            while True:
+                with self._cv:
+                    while not self._stop and not self._ops and not self._pending and batch is None:
+                        self._cv.wait()
+                    if self._stop:
+                        break
+                    ops, self._ops = self._ops, []
+                    admitted = self._take_pending(len(batch.rows) if batch else 0)
+                self._apply_ops(ops)
+                try:
+                    batch = self._step(batch, admitted)
+                except Exception as exc:  # a bug or OOM must fail the requests, not hang them
+                    groups = {id(r.group): r.group for r in (batch.rows if batch else [])}
+                    groups.update({id(g): g for g in admitted})
+                    _fail_engine(list(groups.values()), exc)
+                    batch = None
+                with self._cv:
+                    self._running_groups = len({id(r.group) for r in batch.rows}) if batch else 0
+        self._fail_all("the generator is shutting down; retry on another replica")
+
+    def _take_pending(self, used_rows: int) -> list[_Group]:
+        admitted = []
+        while self._pending and used_rows + self._pending[0].req.n <= self.max_batch_rows:
+            g = self._pending.popleft()
+            if not g.cancelled:
+                admitted.append(g)
+                used_rows += g.req.n
+        return admitted
+
+    def _fail_all(self, message: str) -> None:
+        with self._cv:
+            pending, self._pending = list(self._pending), deque()
+        from rollwire.common.errors import Unavailable
+
+        for g in pending:
+            g.send([Unavailable(message), _END])
+
+    def _apply_ops(self, ops) -> None:
+        """Adapter loads/unloads between steps. A caller that went away (its future was
+        cancelled) is skipped; nothing here may raise into the worker loop."""
+        for fut, op in ops:
+            if not fut.set_running_or_notify_cancel():
+                continue
+            try:
+                if op[0] == "load":
+                    self._load_adapter(*op[1:])
+                else:
+                    self._peft.delete_adapter(op[1])
+                fut.set_result(None)
+            except Exception as exc:
+                fut.set_exception(exc)
+
+    def _load_adapter(self, handle: str, manifest: Manifest, tensors: dict) -> None:
+        from peft import LoraConfig, get_peft_model, set_peft_model_state_dict
+
+        lora = manifest.lora
+        targets = "all-linear" if "all-linear" in lora.target_modules else list(lora.target_modules)
+        config = LoraConfig(
+            r=lora.r,
+            lora_alpha=lora.lora_alpha,
+            target_modules=targets,
+            use_rslora=lora.use_rslora,
+            lora_dropout=0.0,
+            inference_mode=True,
+        )
+        if self._peft is None:
+            self._peft = get_peft_model(self.model, config, adapter_name=handle)
+        else:
+            self._peft.add_adapter(handle, config)
+            # PEFT keeps a deleted adapter "active" once the last one is gone, and its
+            # forward looks the active one up even with adapter_names: point it at a live one.
+            self._peft.set_adapter(handle)
+        result = set_peft_model_state_dict(self._peft, tensors, adapter_name=handle)
+        unexpected = getattr(result, "unexpected_keys", [])
+        if unexpected:
+            self._peft.delete_adapter(handle)
+            raise InvalidArgument(f"adapter has tensors the model does not: {unexpected[:3]}")
+        self._peft.eval()
+
+    def _forward(self, rows: list[_Row], **inputs) -> torch.Tensor:
+        model = self.model  # LoRA layers without a loaded adapter compute the base model
+        if self._peft is not None and self._peft.peft_config:
+            model, inputs["adapter_names"] = self._peft, [r.adapter for r in rows]
+        out = model(**inputs, use_cache=True)
+        self.on_forward(len(rows))
+        return out
+
+    def _step(self, batch: _Batch | None, admitted: list[_Group]) -> _Batch | None:
+        """One iteration: a decode step for every running row, then prefill of admitted groups."""
+        if batch is not None:
+            batch = self._drop_rows(batch, [i for i, r in enumerate(batch.rows) if r.group.cancelled])
+            batch = self._decode(batch) if batch.rows else None
+        if admitted:
+            try:
+                fresh = self._prefill(admitted)
+            except Exception as exc:  # the running batch's cache is untouched: it keeps decoding
+                _fail_engine(admitted, exc)
+                return batch
+            batch = fresh if batch is None else _merge(batch, fresh)
+        return batch
+
+    def _decode(self, batch: _Batch) -> _Batch | None:
+        tokens = torch.tensor([[r.last_token] for r in batch.rows], device=self.device)
+        ones = torch.ones(len(batch.rows), 1, dtype=batch.mask.dtype, device=self.device)
+        mask = torch.cat([batch.mask, ones], 1)
+        positions = torch.tensor([[r.position] for r in batch.rows], device=self.device)
+        out = self._forward(batch.rows, input_ids=tokens, attention_mask=mask, position_ids=positions, cache=batch.cache)
+        for r in batch.rows:
+            r.position += 1
+        return self._sample_and_emit(_Batch(batch.rows, out.cache, mask), out.logits[:, -1, :])
+
+    def _prefill(self, groups: list[_Group]) -> _Batch | None:
+        from transformers import DynamicCache
+
+        rows, prompts = [], []
+        for g in groups:
+            seed = g.req.sampling.seed if g.req.sampling.seed is not None else secrets.randbits(62)
+            adapter = g.req.adapter.handle or BASE
+            for i in range(g.req.n):
+                gen = torch.Generator(device=self.device).manual_seed(sample_seed(seed, i))
+                rows.append(_Row(g, i, gen, len(g.req.prompt_ids), adapter))
+                prompts.append(g.req.prompt_ids)
+            g.open_rows = g.req.n
+        width = max(len(p) for p in prompts)
+        ids = torch.full((len(rows), width), self.tokenizer.pad_token_id or 0, dtype=torch.long)
+        mask = torch.zeros((len(rows), width), dtype=torch.long)
+        for i, p in enumerate(prompts):
+            ids[i, width - len(p) :] = torch.tensor(p)
+            mask[i, width - len(p) :] = 1
+        ids, mask = ids.to(self.device), mask.to(self.device)
+        positions = (mask.cumsum(-1) - 1).clamp(min=0)
+        cache = DynamicCache(config=self.model.config)
+        out = self._forward(
+            rows, input_ids=ids, attention_mask=mask, position_ids=positions, cache=cache, logits_to_keep=1
+        )
+        return self._sample_and_emit(_Batch(rows, out.cache, mask), out.logits[:, -1, :])
+
+    def _sample_and_emit(self, batch: _Batch, logits: torch.Tensor) -> _Batch | None:
+        """Sample one token per row (rows of a group share params), emit, drop finished rows.
+
+        Each group is sampled alone: one that fails (see the module docstring) is ended
+        with its own status and all its rows are dropped; the others are unaffected."""
+        done: list[int] = []
+        by_group: dict[int, list[int]] = {}
+        for i, r in enumerate(batch.rows):
+            by_group.setdefault(id(r.group), []).append(i)
+        for idxs in by_group.values():
+            group = batch.rows[idxs[0]].group
+            try:
+                events, finished = self._sample_group(batch, logits, idxs)
+            except Exception as exc:
+                events, finished = [_row_error(group, exc), _END], idxs
+                group.open_rows = 0
+                group.cancelled = True  # nothing more is sent to it
+            else:
+                if group.open_rows == 0:
+                    events.append(_END)
+            group.send(events)
+            done.extend(finished)
+        batch = self._drop_rows(batch, done)
+        return batch if batch.rows else None
+
+    def _sample_group(self, batch: _Batch, logits: torch.Tensor, idxs: list[int]) -> tuple[list, list[int]]:
+        """One token for each row `idxs` of one group: its events and the rows it finished.
+
+        Raises _NonFinite before anything is drawn when the distribution cannot be sampled
+        from; row state changes only after every check passed."""
+        group = batch.rows[idxs[0]].group
+        params = group.req.sampling
+        logprobs = sampling_logprobs(logits[idxs], params)
+        if not finite(logprobs):
+            raise _NonFinite("the sampling distribution")
+        tokens = draw(logprobs, params, [batch.rows[i].generator for i in idxs])
+        chosen = logprobs.gather(-1, tokens[:, None])[:, 0]
+        if not bool(torch.isfinite(chosen).all()):
+            raise _NonFinite("the sampled token's logprob")
+        tokens, chosen = tokens.tolist(), chosen.tolist()
+        events: list = []
+        finished: list[int] = []
+        for k, i in enumerate(idxs):
+            row = batch.rows[i]
+            token, lp = int(tokens[k]), float(chosen[k])
+            row.generated.append(token)
+            row.last_token = token
+            text = self._new_text(row)
+            events.append(TokenDelta(row.index, [token], [lp], text, group.req.adapter.version))
+            reason = self._finish_reason(row, token)
+            if reason:
+                events.append(SampleDone(row.index, reason, len(group.req.prompt_ids), len(row.generated)))
+                group.open_rows -= 1
+                finished.append(i)
+        return events, finished
+
+    def _new_text(self, row: _Row) -> str:
+        """Text added by the newest token, decoding only a short window (O(1) per token).
+
+        Decoding the window with its left context keeps spacing and multi-byte characters
+        right; an incomplete character (U+FFFD at the end) waits for the next token."""
+        decode = self.tokenizer.decode
+        before = decode(row.generated[row.prefix_offset : row.read_offset], skip_special_tokens=True)
+        after = decode(row.generated[row.prefix_offset :], skip_special_tokens=True)
+        if len(after) <= len(before) or after.endswith("\ufffd"):
+            return ""
+        delta = after[len(before) :]
+        row.prefix_offset, row.read_offset = row.read_offset, len(row.generated)
+        row.emitted_text += delta
+        return delta
+
+    def _finish_reason(self, row: _Row, token: int) -> str | None:
+        params = row.group.req.sampling
+        if token in self.eos_ids and not params.ignore_eos:
+            return "eos"
+        tail = row.emitted_text[-64:]
+        if any(s and s in tail and row.emitted_text.endswith(s) for s in params.stop):
+            return "stop"
+        if len(row.generated) >= params.max_new_tokens:
+            return "length"
+        return None
+
+    def _drop_rows(self, batch: _Batch, drop: list[int]) -> _Batch:
+        if not drop:
+            return batch
+        gone = set(drop)
+        keep = [i for i in range(len(batch.rows)) if i not in gone]
+        rows = [batch.rows[i] for i in keep]
+        if not rows:
+            return _Batch([], None, batch.mask[:0])
+        index = torch.tensor(keep, device=self.device)
+        batch.cache.batch_select_indices(index)
+        return _trim(_Batch(rows, batch.cache, batch.mask[index]))
+
+
+class _NonFinite(Exception):
+    """A group's sampling met NaN or +inf; the argument says where."""
+
+
+def _row_error(group: _Group, exc: Exception):
+    """The status that ends one group whose sampling failed (see the module docstring)."""
+    rid = group.req.request_id
+    if isinstance(exc, _NonFinite):
+        log.warning("group_non_finite", request_id=rid, where=str(exc))
+        return FailedPrecondition(
+            f"the model produced NaN or infinite values in {exc} of this request (adapter "
+            f"{group.req.adapter.name or 'base'} v{group.req.adapter.version}); nothing can be sampled from "
+            "them. Check the adapter's weights (a diverged run produces them) or sample from another version",
+            reason="NON_FINITE_LOGITS",
+        )
+    log.exception("group_sampling_failed", request_id=rid, exc_info=exc)
+    return Internal(
+        f"sampling this request failed on this replica ({_clip_exc(exc)}); the other requests were not "
+        "affected. Report it with the request id",
+        reason="ROW_FAILED",
+    )
+
+
+def _fail_engine(groups: list[_Group], exc: Exception) -> None:
+    """A forward pass failed (no row to blame): end every group in it, a replica fault."""
+    log.exception("engine_step_failed", groups=len(groups), exc_info=exc)
+    for g in groups:
+        g.send([Internal(f"generation failed on this replica ({_clip_exc(exc)}); retry on another replica",
+                         reason="ENGINE_FAILED"), _END])
+
+
+def _clip_exc(exc: Exception) -> str:
+    text = f"{type(exc).__name__}: {exc}"
+    return text if len(text) <= _MAX_ERROR_CHARS else text[:_MAX_ERROR_CHARS] + "..."
+
+
+def _merge(a: _Batch, b: _Batch | None) -> _Batch:
+    """Concatenate two batches, left-padding the shorter KV cache with masked zeros."""
+    if b is None or not b.rows:
+        return a
+    if not a.rows:
+        return b
+    width = max(a.mask.shape[1], b.mask.shape[1])
+    for la, lb in zip(a.cache.layers, b.cache.layers):
+        la.keys = torch.cat([_pad_left(la.keys, width), _pad_left(lb.keys, width)], 0)
+        la.values = torch.cat([_pad_left(la.values, width), _pad_left(lb.values, width)], 0)
+    mask = torch.cat([_pad_left(a.mask, width), _pad_left(b.mask, width)], 0)
+    return _Batch(a.rows + b.rows, a.cache, mask)
+
+
+def _pad_left(t: torch.Tensor, width: int) -> torch.Tensor:
+    """Pad the sequence axis (dim -2 for KV [B,H,T,D], dim -1 for masks [B,T]) on the left."""
+    axis = -1 if t.dim() == 2 else -2
+    missing = width - t.shape[axis]
+    if missing == 0:
+        return t
+    shape = list(t.shape)
+    shape[axis] = missing
+    return torch.cat([torch.zeros(shape, dtype=t.dtype, device=t.device), t], axis)
+
+
+def _trim(batch: _Batch) -> _Batch:
+    """Cut KV columns that are padding for every remaining row."""
+    real = batch.mask.any(0).nonzero()
+    start = int(real[0]) if len(real) else 0
+    if start == 0:
+        return batch
+    for layer in batch.cache.layers:
+        layer.keys = layer.keys[:, :, start:]
+        layer.values = layer.values[:, :, start:]
+    return _Batch(batch.rows, batch.cache, batch.mask[:, start:])
+
+
+def _eos_ids(config, tokenizer) -> set[int]:
+    ids = config.eos_token_id if config.eos_token_id is not None else tokenizer.eos_token_id
+    return set(ids if isinstance(ids, list) else [ids]) - {None}

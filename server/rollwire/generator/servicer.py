@@ -1,0 +1,380 @@
+"""GeneratorService on one replica: the wire edge of the engine.
+
+Invariants: every request is validated before the engine sees it; every accepted request
+ends with all its samples finished or with one status; the in-flight gauge and the
+adapter lease are released on every exit path (completion, error, cancellation).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import io
+import math
+import time
+
+import grpc
+import structlog
+
+from rollwire.common.errors import InvalidArgument, ResourceExhausted, RollwireError, clip, to_status
+from rollwire.common.logs import get_logger, request_id_from
+from rollwire.serving import __version__
+from rollwire.generator.adapters import (
+    NAME_RE,
+    AdapterRegistry,
+    LoraShape,
+    Manifest,
+    check_manifest,
+    check_payload_async,
+    idle_bounded,
+)
+from rollwire.generator.config import GeneratorConfig
+from rollwire.generator.engines.base import Engine
+from rollwire.generator.metrics import GeneratorMetrics
+from rollwire.generator.types import MAX_TEMPERATURE, MIN_TEMPERATURE, GroupRequest, SamplingParams, TokenDelta, coalesce
+from rollwire.v1 import generator_pb2 as pb
+from rollwire.v1 import generator_pb2_grpc
+
+log = get_logger(__name__)
+MAX_CHUNK = 1 << 20
+# Generate's bounds on client strings (docs/protocol.md lists them with the Limits section):
+PROMPT_BYTES_PER_TOKEN = 32  # a text prompt may have 32 UTF-8 bytes per allowed token, checked before tokenizing
+INLINE_TOKENIZE_CHARS = 2048  # longer texts are tokenized on a worker thread, not the event loop
+MAX_STOP_CHARS = 64  # longest stop string
+MAX_GROUP_KEY_CHARS = 1024  # longest group_key (the replica ignores it; the proxy hashes it)
+FINISH = {"eos": pb.FINISH_REASON_EOS, "stop": pb.FINISH_REASON_STOP, "length": pb.FINISH_REASON_LENGTH}
+
+
+class GeneratorServicer(generator_pb2_grpc.GeneratorServiceServicer):
+    def __init__(
+        self,
+        config: GeneratorConfig,
+        engine: Engine,
+        registry: AdapterRegistry,
+        metrics: GeneratorMetrics,
+        *,
+        fingerprint: str,
+        base_shapes: dict[str, tuple[int, int]],
+        replica: str,
+    ) -> None:
+        self.config, self.engine, self.registry, self.metrics = config, engine, registry, metrics
+        self.fingerprint, self.base_shapes, self.replica = fingerprint, base_shapes, replica
+        self.in_flight = 0
+
+    # -- Generate ----------------------------------------------------------------------
+    async def Generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext):
+        rid = request_id_from(context.invocation_metadata(), request.request_id)
+        structlog.contextvars.bind_contextvars(request_id=rid)
+        start, first_token_at, code = time.monotonic(), None, grpc.StatusCode.OK
+        selection = None
+        self.in_flight += 1
+        self.metrics.in_flight.inc()
+        try:
+            group = await self._to_group(request, rid)
+            self._admit()
+            selection = self.registry.acquire(request.adapter.name, request.adapter.version)
+            group.adapter = selection
+            log.info("generate_start", n=group.n, prompt_tokens=len(group.prompt_ids), adapter=selection.name, version=selection.version)
+            yield pb.GenerateResponse(
+                started=pb.GenerationStarted(
+                    request_id=rid,
+                    adapter=pb.AdapterRef(name=selection.name, version=selection.version),
+                    prompt_token_ids=group.prompt_ids,
+                    replica=self.replica,
+                )
+            )
+            self.metrics.tokens.labels("prompt").inc(len(group.prompt_ids) * group.n)
+            async with contextlib.aclosing(self.engine.generate(group)) as stream:
+                async for events in stream:
+                    if first_token_at is None:
+                        first_token_at = time.monotonic()
+                        self.metrics.ttft.observe(first_token_at - start)
+                    yield self._to_response(events)
+        except RollwireError as err:
+            code = err.code
+            log.info("generate_refused", code=code.name, reason=err.reason, error=err.message)
+            await context.abort_with_status(to_status(err))
+        except asyncio.CancelledError:
+            code = grpc.StatusCode.CANCELLED
+            log.info("generate_cancelled")
+            raise
+        finally:
+            if selection is not None:
+                self.registry.release(selection)
+            self.in_flight -= 1
+            self.metrics.in_flight.dec()
+            self.metrics.requests.labels(code.name).inc()
+            self.metrics.latency.observe(time.monotonic() - start)
+            structlog.contextvars.unbind_contextvars("request_id")
+
+    def _admit(self) -> None:
+        stats = self.engine.stats()
+        if stats.queued >= self.config.limits.max_queue:
+            raise ResourceExhausted(
+                f"this replica has {stats.queued} groups waiting (limit {self.config.limits.max_queue}); retry shortly "
+                "or add replicas",
+                reason="QUEUE_FULL",
+                retry_after_s=1.0,
+            )
+
+    async def _to_group(self, req: pb.GenerateRequest, rid: str) -> GroupRequest:
+        """Validate a request and convert it; each problem gets its own sentence.
+
+        Limits before work: every cheap check (counts, sizes, sampling bounds, string
+        lengths) runs first; the prompt's size is checked before it is scanned or
+        tokenized, and a long text is tokenized off the event loop."""
+        lim = self.config.limits
+        if not 1 <= req.n <= lim.max_n:
+            raise InvalidArgument(f"n is {req.n}; it must be between 1 and {lim.max_n}", reason="BAD_N")
+        params = self._sampling(req.sampling)
+        name = req.adapter.name
+        if name and not NAME_RE.fullmatch(name):
+            raise InvalidArgument(
+                f"adapter name {clip(name)} is not a valid adapter name: 1-64 characters of letters, digits, "
+                "'.', '_' and '-', starting with a letter or digit",
+                reason="BAD_ADAPTER_NAME",
+            )
+        if len(req.group_key) > MAX_GROUP_KEY_CHARS:
+            raise InvalidArgument(
+                f"group_key has {len(req.group_key)} characters; use at most {MAX_GROUP_KEY_CHARS} "
+                "(a hash of a long key routes the same)",
+                reason="BAD_GROUP_KEY",
+            )
+        prompt = await self._prompt(req)
+        if len(prompt) + params.max_new_tokens > self.engine.max_context:
+            raise InvalidArgument(
+                f"prompt ({len(prompt)} tokens) plus max_new_tokens ({params.max_new_tokens}) exceeds the model's "
+                f"context of {self.engine.max_context} tokens",
+                reason="CONTEXT_TOO_LONG",
+            )
+        return GroupRequest(rid, prompt, req.n, params)
+
+    async def _prompt(self, req: pb.GenerateRequest) -> list[int]:
+        """The prompt's token ids; sizes are checked before any scan or tokenizing."""
+        lim = self.config.limits
+        kind = req.WhichOneof("prompt")
+        if kind == "text":
+            text = req.text
+            tokens = min(lim.max_prompt_tokens, self.engine.max_context)  # a longer prompt is refused anyway
+            cap = tokens * PROMPT_BYTES_PER_TOKEN
+            # chars <= UTF-8 bytes <= 4 * chars: the length alone settles most texts, no encode needed
+            if len(text) > cap or (4 * len(text) > cap and len(text.encode()) > cap):
+                raise InvalidArgument(
+                    f"the prompt text is longer than {cap} bytes ({PROMPT_BYTES_PER_TOKEN} bytes for each of the "
+                    f"{tokens} tokens a prompt may have here); shorten it, or send token_ids",
+                    reason="PROMPT_TOO_LONG",
+                )
+            if len(text) > INLINE_TOKENIZE_CHARS:
+                prompt = await asyncio.to_thread(self.engine.tokenize, text)
+            else:
+                prompt = self.engine.tokenize(text) if text else []
+        elif kind == "token_ids":
+            if len(req.token_ids.ids) > lim.max_prompt_tokens:
+                raise InvalidArgument(
+                    f"the prompt has {len(req.token_ids.ids)} tokens; this replica accepts at most "
+                    f"{lim.max_prompt_tokens}",
+                    reason="PROMPT_TOO_LONG",
+                )
+            prompt = list(req.token_ids.ids)
+            bad = [t for t in prompt if not 0 <= t < self.engine.vocab_size]
+            if bad:
+                raise InvalidArgument(
+                    f"prompt token ids {bad[:5]} are outside the vocabulary [0, {self.engine.vocab_size})",
+                    reason="BAD_TOKEN_ID",
+                )
+        else:
+            prompt = []
+        if not prompt:
+            raise InvalidArgument("the prompt is empty: set `text` or `token_ids` to at least one token", reason="EMPTY_PROMPT")
+        if len(prompt) > lim.max_prompt_tokens:
+            raise InvalidArgument(
+                f"the prompt has {len(prompt)} tokens; this replica accepts at most {lim.max_prompt_tokens}",
+                reason="PROMPT_TOO_LONG",
+            )
+        return prompt
+
+    def _sampling(self, s: pb.SamplingParams) -> SamplingParams:
+        """Sampling params within the documented bounds (types.SamplingParams), or a refusal."""
+        lim = self.config.limits
+        if not 1 <= s.max_new_tokens <= lim.max_new_tokens:
+            raise InvalidArgument(
+                f"sampling.max_new_tokens is {s.max_new_tokens}; it must be between 1 and {lim.max_new_tokens}",
+                reason="BAD_MAX_NEW_TOKENS",
+            )
+        temperature = s.temperature if s.HasField("temperature") else 1.0
+        if not (temperature == 0 or MIN_TEMPERATURE <= temperature <= MAX_TEMPERATURE):  # NaN fails both
+            raise InvalidArgument(
+                f"sampling.temperature is {temperature}; use 0 for greedy decoding or a value from "
+                f"{MIN_TEMPERATURE} to {MAX_TEMPERATURE:g}",
+                reason="BAD_TEMPERATURE",
+            )
+        top_p = s.top_p if s.HasField("top_p") else 1.0
+        if not (math.isfinite(top_p) and 0 < top_p <= 1):
+            raise InvalidArgument(
+                f"sampling.top_p is {top_p}; it must be in (0, 1] (1 disables nucleus sampling)", reason="BAD_TOP_P"
+            )
+        top_k = s.top_k if s.HasField("top_k") else 0
+        if top_k > self.engine.vocab_size:
+            raise InvalidArgument(
+                f"sampling.top_k is {top_k}; it must be at most the vocabulary size {self.engine.vocab_size} "
+                "(0 disables it)",
+                reason="BAD_TOP_K",
+            )
+        if len(s.stop) > lim.max_stop_strings or any(not 1 <= len(x) <= MAX_STOP_CHARS for x in s.stop):
+            raise InvalidArgument(
+                f"give at most {lim.max_stop_strings} stop strings of 1 to {MAX_STOP_CHARS} characters "
+                f"(got {len(s.stop)}" + (f", the longest {max(len(x) for x in s.stop)} characters)" if s.stop else ")"),
+                reason="BAD_STOP",
+            )
+        return SamplingParams(
+            max_new_tokens=s.max_new_tokens,
+            temperature=0.0 if temperature == 0 else temperature,  # -0.0 is greedy too
+            top_p=top_p,
+            top_k=top_k,
+            stop=tuple(s.stop),
+            seed=s.seed if s.HasField("seed") else None,
+            ignore_eos=s.ignore_eos,
+        )
+
+    def _to_response(self, events: list) -> pb.GenerateResponse:
+        """One message for everything ready together: a chunk per sample, then finishes."""
+        msg = pb.GenerateResponse()
+        for ev in coalesce(events):
+            if isinstance(ev, TokenDelta):
+                self.metrics.tokens.labels("completion").inc(len(ev.token_ids))
+                msg.tokens.add(
+                    sample_index=ev.sample_index,
+                    token_ids=ev.token_ids,
+                    logprobs=ev.logprobs,
+                    text=ev.text,
+                    adapter_version=ev.version,
+                )
+            else:
+                msg.finished.add(
+                    sample_index=ev.sample_index,
+                    finish_reason=FINISH[ev.reason],
+                    prompt_tokens=ev.prompt_tokens,
+                    completion_tokens=ev.completion_tokens,
+                )
+        return msg
+
+    # -- PushAdapter -------------------------------------------------------------------
+    _pushes_active = 0
+    """PushAdapter streams being received now (bounded by limits.max_concurrent_pushes)."""
+
+    async def PushAdapter(self, request_iterator, context: grpc.aio.ServicerContext) -> pb.PushAdapterResponse:
+        rid = request_id_from(context.invocation_metadata())
+        structlog.contextvars.bind_contextvars(request_id=rid)
+        start, code, received = time.monotonic(), grpc.StatusCode.OK, 0
+        lim = self.config.limits
+        admitted = False
+        try:
+            if self._pushes_active >= lim.max_concurrent_pushes:
+                raise ResourceExhausted(
+                    f"this replica is receiving {self._pushes_active} pushes already (limit {lim.max_concurrent_pushes}); "
+                    "retry shortly",
+                    reason="TOO_MANY_PUSHES",
+                    retry_after_s=1.0,
+                )
+            self._pushes_active += 1
+            admitted = True
+            manifest = None
+            # BytesIO grows in place and getvalue() hands over its buffer without a copy, so a
+            # payload costs its size once, not twice as a list of chunks plus their join would.
+            buffer = io.BytesIO()
+            async for msg in idle_bounded(request_iterator, lim.push_idle_timeout_s, "replica"):
+                part = msg.WhichOneof("part")
+                if manifest is None:
+                    if part != "manifest":
+                        raise InvalidArgument("the first PushAdapter message must be the manifest", reason="NO_MANIFEST")
+                    manifest = _to_manifest(msg.manifest)
+                    check_manifest(manifest, fingerprint=self.fingerprint, max_bytes=lim.max_adapter_bytes)
+                    self.registry.check_version(manifest, lim.max_version_step)
+                    continue
+                if part != "chunk":
+                    raise InvalidArgument("only the first PushAdapter message may be a manifest", reason="SECOND_MANIFEST")
+                if len(msg.chunk) > MAX_CHUNK:
+                    raise InvalidArgument(
+                        f"a chunk of {len(msg.chunk)} bytes exceeds the 1 MiB ({MAX_CHUNK} bytes) chunk limit; "
+                        "split the payload into smaller chunks",
+                        reason="CHUNK_TOO_LARGE",
+                    )
+                received += len(msg.chunk)
+                if received > manifest.byte_length:
+                    raise InvalidArgument(
+                        f"received more than the {manifest.byte_length} bytes the manifest declared", reason="LENGTH_MISMATCH"
+                    )
+                buffer.write(msg.chunk)
+            if manifest is None:
+                raise InvalidArgument("the upload was empty: send a manifest, then the chunks", reason="NO_MANIFEST")
+            payload = buffer.getvalue()
+            del buffer
+            await check_payload_async(manifest, payload, self.base_shapes)  # hashing, header, finiteness: off the loop
+            outcome = await self.registry.push(manifest, payload, lim.max_version_step)
+            self.metrics.set_adapters(self.registry.loaded())
+            log.info(
+                "adapter_pushed",
+                adapter=manifest.name,
+                version=manifest.version,
+                bytes=received,
+                already_loaded=outcome.already_loaded,
+                seconds=round(time.monotonic() - start, 4),
+            )
+            return pb.PushAdapterResponse(
+                name=outcome.name,
+                version=outcome.version,
+                already_loaded=outcome.already_loaded,
+                loaded_versions=outcome.loaded_versions,
+            )
+        except RollwireError as err:
+            code = err.code
+            log.info("adapter_push_refused", code=code.name, reason=err.reason, error=err.message)
+            await context.abort_with_status(to_status(err))
+        except asyncio.CancelledError:
+            code = grpc.StatusCode.CANCELLED
+            raise
+        finally:
+            if admitted:
+                self._pushes_active -= 1
+            self.metrics.pushes.labels(code.name).inc()
+            self.metrics.push_bytes.inc(received)
+            self.metrics.push_latency.observe(time.monotonic() - start)
+            structlog.contextvars.unbind_contextvars("request_id")
+
+    # -- GetStatus ---------------------------------------------------------------------
+    async def GetStatus(self, request: pb.GetStatusRequest, context) -> pb.GetStatusResponse:
+        return self.status()
+
+    def status(self) -> pb.GetStatusResponse:
+        stats = self.engine.stats()
+        lim = self.config.limits
+        return pb.GetStatusResponse(
+            role="generator",
+            replica=self.replica,
+            model_fingerprint=self.fingerprint,
+            engine=self.engine.name,
+            adapters=[pb.LoadedAdapter(name=n, versions=v) for n, v in sorted(self.registry.loaded().items())],
+            in_flight=self.in_flight,
+            queue_depth=stats.queued,
+            limits=pb.Limits(
+                max_n=lim.max_n,
+                max_new_tokens=lim.max_new_tokens,
+                max_prompt_tokens=lim.max_prompt_tokens,
+                max_adapter_bytes=lim.max_adapter_bytes,
+                adapter_window=self.config.adapter_window,
+            ),
+            server_version=__version__,
+            base_linear_layers=[
+                pb.LinearLayer(module=m, out_features=o, in_features=i) for m, (o, i) in sorted(self.base_shapes.items())
+            ],
+        )
+
+
+def _to_manifest(m: pb.AdapterManifest) -> Manifest:
+    lora = LoraShape(
+        r=m.lora_config.r,
+        lora_alpha=m.lora_config.lora_alpha,
+        target_modules=tuple(m.lora_config.target_modules),
+        use_rslora=m.lora_config.use_rslora,
+    )
+    return Manifest(m.name, m.version, m.base_model_fingerprint, lora, m.byte_length, m.sha256.lower())

@@ -1,0 +1,129 @@
+"""Assembling and running the routing proxy: replica set, dispatcher, gRPC server, metrics.
+
+Invariants: the proxy serves GeneratorService, AdminService, gRPC health and reflection on
+one port, with the same bearer-token roles and TLS as a generator (rollwire.serving); health for
+GeneratorService is SERVING exactly while some replica is routable;
+on SIGTERM it stops taking requests, lets in-flight groups finish for `grace_seconds`,
+then closes its replica connections.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import shutil
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from rollwire.common.logs import get_logger
+from rollwire.proxy.admin import AdminServicer
+from rollwire.proxy.config import ProxyConfig
+from rollwire.proxy.discovery import DnsDiscovery
+from rollwire.proxy.dispatch import Dispatcher
+from rollwire.proxy.fanout import FanOut
+from rollwire.proxy.metrics import ProxyMetrics
+from rollwire.proxy.policies import make_policy
+from rollwire.proxy.replicas import SERVICE, ReplicaSet
+from rollwire.proxy.servicer import ProxyServicer
+from rollwire.proxy.spool import Spool
+from rollwire.proxy.upstream import Upstream
+from rollwire.serving.scaffold import Endpoint, listen, serve_until_signal
+from rollwire.v1 import admin_pb2, admin_pb2_grpc, generator_pb2_grpc
+
+log = get_logger(__name__)
+ADMIN_SERVICE = admin_pb2.DESCRIPTOR.services_by_name["AdminService"].full_name
+
+@dataclass
+class RunningProxy:
+    """A started proxy: its endpoint and the pieces tests may inspect."""
+
+    endpoint: Endpoint
+    servicer: ProxyServicer
+    replicas: ReplicaSet
+    spool_dir: Path
+    owns_spool: bool
+    tasks: list[asyncio.Task] = field(default_factory=list)
+
+    @property
+    def port(self) -> int:
+        return self.endpoint.port
+
+    @property
+    def metrics_port(self) -> int:
+        return self.endpoint.metrics_port
+
+    async def stop(self, grace: float) -> None:
+        await self.endpoint.stop(grace)
+        for task in self.tasks:
+            task.cancel()
+        await self.replicas.close()
+        if self.owns_spool:
+            shutil.rmtree(self.spool_dir, ignore_errors=True)
+
+
+async def start_proxy(config: ProxyConfig) -> RunningProxy:
+    """Listen at once; replicas join as their health checks and catch-ups succeed."""
+    routing = config.routing
+    metrics = ProxyMetrics(config.policy)
+    endpoint = listen("proxy", config.host, config.port, config.auth, config.tls, config.metrics_port, metrics.registry)
+    owns_spool = not config.spool.dir
+    spool_dir = Path(config.spool.dir or tempfile.mkdtemp(prefix="rollwire-spool-"))
+    spool_dir.mkdir(parents=True, exist_ok=True)
+    s = config.spool
+    spool = Spool(spool_dir, max_bytes=s.max_bytes, keep_versions=s.keep_versions, max_adapter_bytes=s.max_adapter_bytes)
+    serving = _ServingFlag(endpoint)
+    dispatcher: Dispatcher | None = None
+
+    def on_change() -> None:
+        serving.update(bool(replicas.routable()))
+        if dispatcher is not None:
+            dispatcher.wake()
+
+    replicas = ReplicaSet(config, spool, metrics, on_change, Upstream.from_config(config.upstream))
+    policy = make_policy(
+        config.policy, affinity_load_factor=routing.affinity_load_factor, affinity_min_gap=routing.affinity_min_gap
+    )
+    dispatcher = Dispatcher(replicas, policy, routing, metrics, config.fairness)
+    proxy_id = config.proxy_id or f"proxy@{config.host}:{endpoint.port}"
+    fanout = FanOut(spool, replicas, config.health, routing, metrics)
+    servicer = ProxyServicer(config, replicas, dispatcher, spool, fanout, metrics, proxy_id)
+    generator_pb2_grpc.add_GeneratorServiceServicer_to_server(servicer, endpoint.server)
+    admin_pb2_grpc.add_AdminServiceServicer_to_server(AdminServicer(replicas), endpoint.server)
+    await endpoint.start([SERVICE, ADMIN_SERVICE], config.host, config.tls)
+    await endpoint.set_health("", True)
+    await endpoint.set_health(SERVICE, False)
+    for address in config.generators:
+        replicas.add(address, "static")
+    running = RunningProxy(endpoint, servicer, replicas, spool_dir, owns_spool)
+    if config.discover:
+        discovery = DnsDiscovery(config.discover, config.discover_interval_s, lambda found: replicas.reconcile("dns", found))
+        running.tasks.append(asyncio.create_task(discovery.run()))
+    log.info("proxy_ready", proxy=proxy_id, port=endpoint.port, metrics_port=endpoint.metrics_port, policy=config.policy,
+             generators=config.generators, discover=config.discover, spool=str(spool_dir))
+    return running
+
+
+class _ServingFlag:
+    """Mirrors "some replica is routable" into gRPC health for GeneratorService."""
+
+    def __init__(self, endpoint: Endpoint) -> None:
+        self.endpoint, self.value = endpoint, False
+        self._tasks: set[asyncio.Task] = set()
+
+    def update(self, value: bool) -> None:
+        if value != self.value:
+            self.value = value
+            task = asyncio.get_running_loop().create_task(self.endpoint.set_health(SERVICE, value))
+            self._tasks.add(task)
+            task.add_done_callback(self._tasks.discard)
+
+
+async def run_proxy(config: ProxyConfig, ready_file: str | None = None) -> None:
+    """Serve until SIGINT/SIGTERM, then stop taking work and let in-flight groups finish."""
+    running = await start_proxy(config)
+
+    async def on_stop() -> None:
+        log.info("proxy_stopping", grace_seconds=config.grace_seconds)
+        await running.stop(config.grace_seconds)
+
+    await serve_until_signal(ready_file, {"port": running.port, "metrics_port": running.metrics_port}, on_stop)

@@ -1,0 +1,309 @@
+"""Admission and placement: bounded in-flight per replica, per-client limits and a bounded
+queue served fairly across clients.
+
+Invariants:
+- a replica never runs more than `max_in_flight_per_replica` groups placed by this proxy;
+- at most `max_queue` requests wait; the next is refused at once with RESOURCE_EXHAUSTED
+  and a retry hint, before any work is done;
+- a client (security identity or peer host, see `client_name`) has at most
+  `fairness.max_in_flight_per_client` requests open and at most
+  `fairness.max_queued_tokens_per_client` of work (n x max_new_tokens) queued; beyond
+  either it is refused with RESOURCE_EXHAUSTED, reason CLIENT_LIMIT, and a retry hint,
+  before any work (a client's first queued request is always accepted);
+- each client waits in its own FIFO queue; when a slot frees or a replica changes state,
+  the client served longest ago goes first (round robin between clients), each waiter by a
+  replica that can serve it (a waiter needing a version nobody free holds does not block
+  those behind it), so one client's thousand queued groups do not starve another's one;
+- a waiter gives up with UNAVAILABLE when no replica could serve it for `no_replica_wait_s`,
+  and with DEADLINE_EXCEEDED at its deadline; a lease granted to a waiter that left is
+  released, so no slot leaks;
+- every lease is released exactly once (release is idempotent).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hashlib
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+from rollwire.common.errors import DeadlineExceeded, ResourceExhausted, Unavailable
+from rollwire.proxy.config import FairnessSection, RoutingSection
+from rollwire.proxy.metrics import ProxyMetrics
+from rollwire.proxy.policies import Policy
+from rollwire.proxy.replica import Replica
+from rollwire.proxy.replicas import ReplicaSet
+
+
+@dataclass(frozen=True)
+class Need:
+    """What a replica must hold to serve a group."""
+
+    adapter: str = ""
+    """Adapter name; empty for the base model, which every replica serves."""
+    version: int = 0
+    """The concrete version, resolved before dispatch so a restart uses the same one."""
+    any_replica: bool = False
+    """The proxy knows no replica holding the adapter: let any replica answer, it may know better."""
+
+    def served_by(self, replica: Replica) -> bool:
+        return self.any_replica or not self.adapter or replica.holds(self.adapter, self.version)
+
+    def __str__(self) -> str:
+        return f"adapter {self.adapter!r} v{self.version}" if self.adapter and not self.any_replica else "this request"
+
+
+@dataclass(eq=False)
+class Lease:
+    """One group's slot on one replica."""
+
+    replica: Replica
+    work: int
+    dispatcher: Dispatcher
+    released: bool = False
+
+    def release(self) -> None:
+        if not self.released:
+            self.released = True
+            self.dispatcher._free(self)
+
+
+def client_name(metadata, peer: str, auth: bool) -> str:
+    """A client's identity for the per-client limits: with auth on, the bearer token's (a
+    hash prefix, never the token; the interceptor already checked the token); otherwise the
+    peer's host without its port ("ipv4:10.0.0.5:41234" -> "ipv4:10.0.0.5")."""
+    if auth:
+        header = next((str(v) for k, v in metadata or () if k == "authorization"), "")
+        token = header.partition(" ")[2].strip()
+        if token:
+            return "token:" + hashlib.sha256(token.encode("utf-8", "surrogatepass")).hexdigest()[:16]
+    peer = peer or "unknown"
+    scheme, _, rest = peer.partition(":")
+    if scheme in ("ipv4", "ipv6") and ":" in rest:
+        return f"{scheme}:{rest.rsplit(':', 1)[0]}"
+    return peer
+
+
+@dataclass(eq=False)
+class Client:
+    """One client identity's share of the proxy; kept while it has requests open."""
+
+    name: str
+    in_flight: int = 0
+    """Requests open at the proxy (queued or running)."""
+    queued_work: int = 0
+    """n x max_new_tokens summed over its waiting requests."""
+    waiters: deque = field(default_factory=deque)
+    served: int = 0
+    """The dispatcher's turn when it was last given a slot (0: never)."""
+
+
+@dataclass(eq=False)
+class _Waiter:
+    need: Need
+    key: bytes
+    work: int
+    exclude: frozenset[str]
+    client: Client
+    future: asyncio.Future = field(default_factory=lambda: asyncio.get_running_loop().create_future())
+
+
+class Dispatcher:
+    def __init__(self, replicas: ReplicaSet, policy: Policy, routing: RoutingSection, metrics: ProxyMetrics,
+                 fairness: FairnessSection | None = None) -> None:
+        self.replicas, self.policy, self.routing, self.metrics = replicas, policy, routing, metrics
+        self.fairness = fairness or FairnessSection()
+        self.clients: dict[str, Client] = {}
+        """Admitted clients by name (those with requests open)."""
+        self._queued: dict[Client, None] = {}
+        """Clients with waiters, in the order they started waiting (ties of `served` go by it)."""
+        self._anonymous = Client("")
+        self._waiting = 0
+        self._turn = 0
+        self._changed = asyncio.Event()
+
+    def queued(self) -> int:
+        return self._waiting
+
+    @contextlib.contextmanager
+    def admit(self, name: str):
+        """Hold one of the client's `max_in_flight_per_client` request slots for a request's
+        whole life; RESOURCE_EXHAUSTED (CLIENT_LIMIT) when none is free."""
+        client = self.clients.get(name) or Client(name)
+        limit = self.fairness.max_in_flight_per_client
+        if client.in_flight >= limit:
+            self.metrics.client_limited.labels("in_flight").inc()
+            raise ResourceExhausted(
+                f"this client already has {client.in_flight} requests open at the proxy (limit {limit} per client); "
+                "wait for some to finish, or retry after the hinted delay",
+                reason="CLIENT_LIMIT",
+                retry_after_s=self.routing.retry_after_s,
+            )
+        self.clients[name] = client
+        client.in_flight += 1
+        self.metrics.clients.set(len(self.clients))
+        try:
+            yield client
+        finally:
+            client.in_flight -= 1
+            if client.in_flight <= 0 and self.clients.get(name) is client:
+                del self.clients[name]
+            self.metrics.clients.set(len(self.clients))
+
+    async def acquire(self, need: Need, key: bytes, work: int, exclude: frozenset[str], deadline: float,
+                      client: Client | None = None, first: bool = True) -> Lease:
+        """A slot on a replica that can serve `need`, waiting in the client's queue if all are
+        busy. `first`: the request's first attempt (a retry is not refused for the client's
+        queued work: it was admitted already)."""
+        client = client or self._anonymous
+        lease = self._place(need, key, work, exclude)
+        if lease is not None:
+            self._served(client)
+            return lease
+        limit = self.fairness.max_queued_tokens_per_client
+        if first and client.queued_work and client.queued_work + work > limit:
+            self.metrics.client_limited.labels("queued_tokens").inc()
+            raise ResourceExhausted(
+                f"this client already has {client.queued_work} tokens of work (n x max_new_tokens) waiting in the "
+                f"proxy's queue and this request would take it over the limit of {limit} per client; retry after the "
+                "hinted delay",
+                reason="CLIENT_LIMIT",
+                retry_after_s=self.routing.retry_after_s,
+            )
+        if self._waiting >= self.routing.max_queue:
+            self.metrics.refused.inc()
+            raise ResourceExhausted(
+                f"every replica that can serve {need} is at its limit of {self.routing.max_in_flight_per_replica} groups "
+                f"and {self._waiting} requests already wait in the proxy (limit {self.routing.max_queue}); "
+                "retry after the hinted delay or add replicas",
+                reason="PROXY_QUEUE_FULL",
+                retry_after_s=self.routing.retry_after_s,
+            )
+        waiter = _Waiter(need, key, work, exclude, client)
+        self._enqueue(waiter)
+        start, lease = time.monotonic(), None
+        try:
+            lease = await self._wait(waiter, start, deadline)
+            return lease
+        finally:
+            self.metrics.queue_wait.observe(time.monotonic() - start)
+            self._dequeue(waiter)
+            if lease is None and waiter.future.done():  # granted just as the waiter gave up
+                waiter.future.result().release()
+
+    def _enqueue(self, waiter: _Waiter) -> None:
+        client = waiter.client
+        client.waiters.append(waiter)
+        client.queued_work += waiter.work
+        self._waiting += 1
+        self._queued.setdefault(client, None)
+        self.metrics.queue_depth.set(self._waiting)
+
+    def _dequeue(self, waiter: _Waiter) -> None:
+        """Take a waiter out of its client's queue (idempotent)."""
+        client = waiter.client
+        if waiter in client.waiters:
+            client.waiters.remove(waiter)
+            client.queued_work -= waiter.work
+            self._waiting -= 1
+            if not client.waiters:
+                self._queued.pop(client, None)
+        self.metrics.queue_depth.set(self._waiting)
+
+    def _served(self, client: Client) -> None:
+        self._turn += 1
+        client.served = self._turn
+
+    async def _wait(self, waiter: _Waiter, start: float, deadline: float) -> Lease:
+        while True:
+            now = time.monotonic()
+            servable = bool(self._eligible(waiter.need, waiter.exclude))
+            limit = deadline if servable else min(deadline, start + self.routing.no_replica_wait_s)
+            if now >= limit:
+                if limit >= deadline:
+                    raise DeadlineExceeded(
+                        f"the request waited {now - start:.1f}s in the proxy's queue and its deadline passed before "
+                        "a replica slot freed up; send fewer concurrent requests or add replicas",
+                        reason="QUEUE_DEADLINE",
+                    )
+                raise self._no_replica(waiter.need, now - start)
+            done, _ = await asyncio.wait({waiter.future}, timeout=limit - now)
+            if done:
+                return waiter.future.result()
+
+    async def wait_for_replica(self, deadline: float) -> None:
+        """Wait until some replica is routable (the proxy starting, every replica restarting)."""
+        start = time.monotonic()
+        limit = min(deadline, start + self.routing.no_replica_wait_s)
+        while not self.replicas.routable():
+            if time.monotonic() >= limit:
+                raise self._no_replica(Need(), time.monotonic() - start)
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._changed.wait(), limit - time.monotonic())
+
+    def _no_replica(self, need: Need, waited: float) -> Unavailable:
+        return Unavailable(
+            f"no generator replica could serve {need} for {waited:.1f}s ({self.replicas.describe()}); "
+            "retry later or check the replicas",
+            reason="NO_REPLICA",
+            retry_after_s=self.routing.retry_after_s,
+        )
+
+    def wake(self) -> None:
+        """Offer freed slots to the waiters: one at a time to the client served longest ago
+        that has a waiter some free replica can serve (its oldest such waiter)."""
+        self._changed.set()
+        self._changed = asyncio.Event()
+        if not self._waiting:
+            return
+        clients = list(self._queued)
+        blocked: set[int] = set()
+        while True:
+            granted = False
+            for client in sorted((c for c in clients if id(c) not in blocked), key=lambda c: c.served):
+                for waiter in list(client.waiters):
+                    if waiter.future.done():
+                        continue
+                    lease = self._place(waiter.need, waiter.key, waiter.work, waiter.exclude)
+                    if lease is not None:
+                        self._dequeue(waiter)
+                        self._served(client)
+                        waiter.future.set_result(lease)
+                        granted = True
+                        break
+                if granted:
+                    break
+                blocked.add(id(client))  # slots only shrink during one wake: nothing of it fits now
+            if not granted:
+                break
+        self.metrics.queue_depth.set(self._waiting)
+
+    def _eligible(self, need: Need, exclude: frozenset[str]) -> list[Replica]:
+        """Routable replicas that hold what `need` asks; replicas this group already failed
+        on only when there is no other."""
+        eligible = [r for r in self.replicas.routable() if need.served_by(r)]
+        return [r for r in eligible if r.address not in exclude] or eligible
+
+    def _place(self, need: Need, key: bytes, work: int, exclude: frozenset[str]) -> Lease | None:
+        free = [r for r in self._eligible(need, exclude) if r.in_flight < self.routing.max_in_flight_per_replica]
+        if not free:
+            return None
+        chosen = self.policy.choose([r.candidate() for r in free], key)
+        replica = next(r for r in free if r.address == chosen.address)
+        replica.in_flight += 1
+        replica.work += work
+        replica.idle.clear()
+        self.metrics.in_flight.labels(replica.address).set(replica.in_flight)
+        return Lease(replica, work, self)
+
+    def _free(self, lease: Lease) -> None:
+        replica = lease.replica
+        replica.in_flight -= 1
+        replica.work -= lease.work
+        if replica.in_flight == 0:
+            replica.idle.set()
+        if self.replicas.get(replica.address) is replica:
+            self.metrics.in_flight.labels(replica.address).set(replica.in_flight)
+        self.wake()

@@ -1,0 +1,214 @@
+"""Running one GRPO group through the proxy: placement, relay, invisible retry, restart.
+
+Invariants (the proxy answers every accepted request exactly once, complete or with an error):
+- a group runs whole on one replica per attempt, so all samples the client keeps come from
+  one replica, one adapter version and one attempt;
+- nothing of an attempt reaches the client before its first token or `finished` event (the
+  `started` is held back), so an attempt that fails earlier is retried elsewhere invisibly;
+- once an attempt has shown anything, its failure is followed by `restarted` and then by a
+  fresh `started` from a later attempt, or by an error status;
+- at most `max_attempts` attempts, all inside the request's deadline; then UNAVAILABLE naming
+  each failure, or DEADLINE_EXCEEDED;
+- the lease is released and the upstream call cancelled on every exit path, the client
+  going away included, so a replica stops work nobody will read;
+- which failures are retried and which count against a replica is decided in faults.py
+  alone: a status a client can cause never counts, so no request can eject a replica.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+import grpc
+
+from rollwire.common.errors import DeadlineExceeded, Unavailable, from_rpc_error
+from rollwire.common.logs import REQUEST_ID_KEY, get_logger
+from rollwire.proxy import faults
+from rollwire.proxy.config import RoutingSection
+from rollwire.proxy.dispatch import Client, Dispatcher, Lease, Need
+from rollwire.proxy.metrics import ProxyMetrics
+from rollwire.proxy.policies import routing_key
+from rollwire.proxy.relay import Relay
+from rollwire.proxy.replica import Attempt, Replica
+from rollwire.proxy.replicas import ReplicaSet
+from rollwire.v1 import generator_pb2 as pb
+
+log = get_logger(__name__)
+
+
+@dataclass
+class AttemptFailed(Exception):
+    """An attempt that another replica may redo."""
+
+    replica: Replica
+    code: str
+    message: str
+    visible: bool
+    """True when the client already saw part of this attempt (so it needs `restarted`)."""
+    kind: str
+    """A faults.Verdict kind ("replica", "busy", "stale", "cancelled", "suspect") or "abandoned"."""
+    counts: bool = False
+    """Counts towards the replica's ejection now (faults.classify)."""
+
+
+def resolve(request: pb.GenerateRequest, replicas: ReplicaSet) -> Need:
+    """The replica requirement of a request; pins "latest" to a concrete version in place,
+    so every attempt of the group, on whichever replica, uses the same version."""
+    name = request.adapter.name
+    if not name:
+        return Need()
+    version = request.adapter.version or replicas.latest(name)
+    if version and any(r.holds(name, version) for r in replicas.routable()):
+        request.adapter.version = version
+        return Need(name, version)
+    return Need(any_replica=True)
+
+
+class GroupRun:
+    def __init__(self, request: pb.GenerateRequest, request_id: str, deadline: float, dispatcher: Dispatcher,
+                 replicas: ReplicaSet, routing: RoutingSection, metrics: ProxyMetrics, client: Client | None = None) -> None:
+        self.request, self.request_id, self.deadline, self.client = request, request_id, deadline, client
+        self.dispatcher, self.replicas, self.routing, self.metrics = dispatcher, replicas, routing, metrics
+        request.request_id = request_id
+        self.need = resolve(request, replicas)
+        kind = request.WhichOneof("prompt")
+        self.key = routing_key(
+            request.group_key,
+            request.text if kind == "text" else None,
+            request.token_ids.ids if kind == "token_ids" else None,
+            routing.affinity_prefix,
+        )
+        self.work = max(1, request.n) * max(1, request.sampling.max_new_tokens)
+        self.suspects: list[AttemptFailed] = []
+        """Attempts that failed unexplained (faults.SUSPECT): counted only if the group then succeeds elsewhere."""
+
+    async def events(self) -> AsyncIterator[pb.GenerateResponse]:
+        """The client's stream: one complete group, or an exception (RollwireError / Relay)."""
+        if self.need.any_replica and not self.replicas.routable():
+            await self.dispatcher.wait_for_replica(self.deadline)  # so "latest" resolves to a version
+            self.need = resolve(self.request, self.replicas)
+        failures: list[AttemptFailed] = []
+        for number in range(1, self.routing.max_attempts + 1):
+            tried = frozenset(f.replica.address for f in failures)
+            lease = await self.dispatcher.acquire(self.need, self.key, self.work, tried, self.deadline,
+                                                  client=self.client, first=number == 1)
+            failure = None
+            try:
+                async with contextlib.aclosing(self._attempt(lease)) as stream:
+                    async for message in stream:
+                        yield message
+            except AttemptFailed as exc:
+                failure = exc
+            finally:
+                lease.release()
+            if failure is None:
+                self._convict(lease.replica)
+                return
+            failures.append(failure)
+            self._count(failure)
+            if number == self.routing.max_attempts:
+                break
+            if time.monotonic() >= self.deadline:
+                raise self._deadline_error()
+            if failure.visible:
+                yield pb.GenerateResponse(restarted=pb.GroupRestarted(attempt=number + 1, reason=_sentence(failure)))
+        raise Unavailable(
+            f"the group failed on {len(failures)} attempts and was not completed: "
+            f"{'; '.join(_sentence(f) for f in failures)}; retry the request",
+            reason="ATTEMPTS_EXHAUSTED",
+            retry_after_s=self.routing.retry_after_s,
+        )
+
+    async def _attempt(self, lease: Lease) -> AsyncIterator[pb.GenerateResponse]:
+        replica = lease.replica
+        call = replica.generator.Generate(
+            self.request,
+            timeout=max(0.001, self.deadline - time.monotonic()),
+            metadata=((REQUEST_ID_KEY, self.request_id), *replica.metadata),
+        )
+        attempt = Attempt(call)
+        replica.attempts.add(attempt)
+        held, visible = None, False
+        try:
+            async for message in call:
+                if not visible and message.HasField("started") and not (message.tokens or message.finished):
+                    held = message
+                    continue
+                if not visible:
+                    visible = True
+                    if held is not None:
+                        yield held
+                yield message
+            if not visible and held is not None:
+                yield held
+            replica.breaker.record_success()
+            self.metrics.attempts.labels(replica.address, "OK").inc()
+        except grpc.aio.AioRpcError as exc:
+            raise self._classify(replica, exc, visible) from None
+        except asyncio.CancelledError:
+            if attempt.abandoned and not asyncio.current_task().cancelling():
+                raise AttemptFailed(replica, "ABANDONED", attempt.abandoned, visible, "abandoned") from None
+            raise
+        finally:
+            replica.attempts.discard(attempt)
+            call.cancel()
+
+    def _classify(self, replica: Replica, exc: grpc.aio.AioRpcError, visible: bool) -> Exception:
+        """What a replica's error means (faults.classify): redo the group elsewhere, or tell
+        the client. A relayed refusal touches neither side of the replica's breaker: it says
+        nothing about the replica's health, so a client cannot eject a replica with it, nor
+        keep a failing one in rotation by interleaving bad requests."""
+        code = exc.code()
+        self.metrics.attempts.labels(replica.address, code.name).inc()
+        err = from_rpc_error(exc)
+        verdict = faults.classify(
+            code, err.reason,
+            group_deadline_passed=time.monotonic() >= self.deadline - 0.01,
+            version_pinned=bool(self.need.adapter) and not self.need.any_replica,
+            suspected_before=bool(self.suspects),
+        )
+        if verdict is faults.DEADLINE:
+            return self._deadline_error()
+        if verdict.retry:
+            return AttemptFailed(replica, code.name, err.message, visible, verdict.kind, verdict.counts)
+        return Relay(exc)
+
+    def _count(self, failure: AttemptFailed) -> None:
+        replica, now = failure.replica, time.monotonic()
+        (self.metrics.restarts if failure.visible else self.metrics.retries).labels(replica.address).inc()
+        log.info("attempt_failed", replica=replica.address, code=failure.code, kind=failure.kind,
+                 visible=failure.visible, error=failure.message)
+        if failure.kind == "stale":
+            self.replicas.mark_unsynced(replica, f"it refused {self.need}, which it was believed to hold")
+        elif failure.kind == "suspect":
+            self.suspects.append(failure)  # counted only if the same request succeeds elsewhere
+        elif failure.counts:
+            self._fault(replica, now)
+
+    def _convict(self, succeeded_on: Replica) -> None:
+        """The group succeeded: each replica that failed it unexplained was at fault."""
+        for failure in self.suspects:
+            if failure.replica.address != succeeded_on.address:
+                log.info("replica_fault_confirmed", replica=failure.replica.address, code=failure.code,
+                         succeeded_on=succeeded_on.address)
+                self._fault(failure.replica, time.monotonic())
+
+    def _fault(self, replica: Replica, now: float) -> None:
+        if replica.breaker.record_failure(now):
+            self.metrics.ejections.labels(replica.address).inc()
+            log.warning("replica_ejected", replica=replica.address, seconds=round(replica.breaker.open_until - now, 2))
+            self.dispatcher.wake()
+
+    def _deadline_error(self) -> DeadlineExceeded:
+        return DeadlineExceeded(
+            "the group did not finish before its deadline; give the request a longer deadline or ask for fewer tokens",
+            reason="DEADLINE",
+        )
+
+
+def _sentence(failure: AttemptFailed) -> str:
+    return f"replica {failure.replica.address} failed with {failure.code}: {failure.message}"

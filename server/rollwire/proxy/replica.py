@@ -1,0 +1,150 @@
+"""One generator replica as the proxy sees it.
+
+Invariants:
+- a replica takes new work only while routable: it passes health checks, it was caught up
+  with the spool since it last (re)connected, it is not draining, and its circuit is not open;
+- `versions` holds only versions the replica itself confirmed (a push reply or GetStatus),
+  so version-aware routing never sends a group to a replica that lacks its version;
+- pushes to one replica hold `push_lock`, so they reach it one at a time, oldest version first.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass
+
+import grpc
+from grpc_health.v1 import health_pb2_grpc
+
+from rollwire.common.errors import from_rpc_error
+from rollwire.common.logs import REQUEST_ID_KEY
+from rollwire.proxy.breaker import Breaker
+from rollwire.proxy.policies import Candidate
+from rollwire.proxy.spool import MAX_CHUNK, SpooledAdapter
+from rollwire.proxy.upstream import Upstream
+from rollwire.v1 import generator_pb2 as pb
+from rollwire.v1 import generator_pb2_grpc
+
+
+@dataclass
+class PushResult:
+    """The outcome of one push to one replica."""
+
+    replica: Replica
+    code: grpc.StatusCode
+    message: str = ""
+    reason: str = ""
+    reply: pb.PushAdapterResponse | None = None
+    error: grpc.aio.AioRpcError | None = None
+
+    @property
+    def ok(self) -> bool:
+        return self.code == grpc.StatusCode.OK
+
+    def to_pb(self) -> pb.ReplicaPushResult:
+        return pb.ReplicaPushResult(replica=self.replica.name, code=self.code.name, message=self.message)
+
+
+class Attempt:
+    """A group's live call on a replica, which the proxy may abandon (deregistration)."""
+
+    def __init__(self, call) -> None:
+        self.call, self.abandoned = call, ""
+
+    def abandon(self, reason: str) -> None:
+        self.abandoned = reason
+        self.call.cancel()
+
+
+class Replica:
+    def __init__(self, address: str, source: str, breaker: Breaker, upstream: Upstream, expires_at: float | None = None) -> None:
+        self.address, self.source, self.breaker, self.expires_at = address, source, breaker, expires_at
+        self.channel = upstream.channel(address)
+        self.metadata = upstream.metadata
+        """Sent on every call to the replica: the proxy's own bearer token, if any."""
+        self.generator = generator_pb2_grpc.GeneratorServiceStub(self.channel)
+        self.health = health_pb2_grpc.HealthStub(self.channel)
+        self.identity = self.fingerprint = self.engine = ""
+        self.limits: pb.Limits | None = None
+        self.healthy = self.synced = self.draining = False
+        self.detail = "not checked yet"
+        self.failed_checks = 0
+        self.in_flight = self.work = 0
+        self.versions: dict[str, list[int]] = {}
+        self.push_lock = asyncio.Lock()
+        self.attempts: set[Attempt] = set()
+        self.wake = asyncio.Event()
+        self.idle = asyncio.Event()
+        self.idle.set()
+        self.last_status = 0.0
+        self.tasks: list[asyncio.Task] = []
+
+    @property
+    def name(self) -> str:
+        """Identity for people: what the replica calls itself, else its address."""
+        return self.identity or self.address
+
+    def routable(self, now: float | None = None) -> bool:
+        now = time.monotonic() if now is None else now
+        return self.healthy and self.synced and not self.draining and self.breaker.allows(now)
+
+    def holds(self, name: str, version: int) -> bool:
+        return version in self.versions.get(name, ())
+
+    def newest(self, name: str) -> int:
+        versions = self.versions.get(name)
+        return versions[-1] if versions else 0
+
+    def candidate(self) -> Candidate:
+        return Candidate(self.address, self.in_flight, self.work)
+
+    def state(self, now: float | None = None) -> str:
+        """Why the replica does or does not take work, for status and error sentences."""
+        now = time.monotonic() if now is None else now
+        if not self.healthy:
+            return f"unhealthy: {self.detail}"
+        if self.draining:
+            return "draining"
+        if not self.synced:
+            return f"catching up: {self.detail}"
+        if not self.breaker.allows(now):
+            return f"ejected for {self.breaker.open_until - now:.1f}s after consecutive failures"
+        return ""
+
+    def status(self) -> pb.ReplicaStatus:
+        return pb.ReplicaStatus(
+            address=self.address,
+            replica=self.identity,
+            healthy=self.routable(),
+            draining=self.draining,
+            in_flight=self.in_flight,
+            adapters=[pb.LoadedAdapter(name=n, versions=v) for n, v in sorted(self.versions.items())],
+            detail=self.state(),
+        )
+
+    def abandon_all(self, reason: str) -> int:
+        """Cut every live group off this replica; their runs restart them elsewhere."""
+        attempts = list(self.attempts)
+        for attempt in attempts:
+            attempt.abandon(reason)
+        return len(attempts)
+
+    async def push(self, adapter: SpooledAdapter, payload: bytes, timeout: float, request_id: str) -> PushResult:
+        """Upload one spooled version; the caller holds `push_lock`."""
+        try:
+            metadata = ((REQUEST_ID_KEY, request_id), *self.metadata)
+            messages = _push_messages(adapter.manifest, payload)
+            reply = await self.generator.PushAdapter(messages, timeout=timeout, metadata=metadata)
+        except grpc.aio.AioRpcError as exc:
+            err = from_rpc_error(exc)
+            return PushResult(self, exc.code(), err.message, err.reason, error=exc)
+        self.versions[reply.name] = list(reply.loaded_versions)
+        return PushResult(self, grpc.StatusCode.OK, reply=reply)
+
+
+def _push_messages(manifest: pb.AdapterManifest, payload: bytes):
+    yield pb.PushAdapterRequest(manifest=manifest)
+    view = memoryview(payload)
+    for i in range(0, len(payload), MAX_CHUNK):
+        yield pb.PushAdapterRequest(chunk=bytes(view[i : i + MAX_CHUNK]))

@@ -1,0 +1,351 @@
+"""The set of generator replicas behind the proxy: membership, health, catch-up.
+
+Invariants:
+- each member has one monitor task: an active gRPC health check every interval (sooner when
+  its connection drops), a GetStatus refresh of what it has loaded, and, while it is not
+  caught up, a catch-up that pushes every spooled version it lacks, oldest first; it is
+  routable only after the catch-up finished, so a replica that joins, comes back or failed
+  a push never takes work before it holds the newest versions;
+- a dropped connection (a restart, even a quick one) marks the replica not caught up;
+- a replica that stops answering health checks has its live groups cut off (their runs
+  restart them elsewhere) instead of leaving them to hang until their deadline;
+- removing a replica cancels its tasks, abandons its live groups (their runs restart them
+  elsewhere) and forgets its metric series;
+- every state change calls `on_change`, which lets waiting requests re-check for a slot;
+- a replica refusing a spooled version permanently (INVALID_ARGUMENT, FAILED_PRECONDITION
+  other than "already ahead") is not asked for that version again until it reconnects; when
+  every healthy replica of the base model has refused a version and none holds it, the
+  version is quarantined (spool.py) and catch-up goes on without it, so no stored push can
+  keep replicas out of rotation, and nothing is retried forever;
+- the base model's fingerprint and linear-layer shapes come from the first replica that
+  syncs; pushes are checked against them before they are spooled (servicer.py).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import Callable
+
+import grpc
+from grpc_health.v1 import health_pb2
+
+from rollwire.common.errors import Unavailable
+
+from rollwire.common.logs import get_logger, new_request_id
+from rollwire.proxy.breaker import Breaker
+from rollwire.proxy.config import ProxyConfig
+from rollwire.proxy.metrics import ProxyMetrics
+from rollwire.proxy.replica import Replica
+from rollwire.proxy.spool import Spool
+from rollwire.proxy.upstream import Upstream
+from rollwire.v1 import generator_pb2 as pb
+
+log = get_logger(__name__)
+SERVICE = pb.DESCRIPTOR.services_by_name["GeneratorService"].full_name
+# A replica refusing a catch-up version for these reasons already holds something newer.
+ALREADY_AHEAD = {"VERSION_NOT_MONOTONIC", "VERSION_CONFLICT"}
+PERMANENT = {grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.FAILED_PRECONDITION}
+
+
+def is_permanent_refusal(code: grpc.StatusCode, reason: str) -> bool:
+    """A replica refused these bytes for good (it will refuse them again), not for now."""
+    if code == grpc.StatusCode.RESOURCE_EXHAUSTED:
+        return reason == "ADAPTER_TOO_LARGE"
+    return code in PERMANENT and reason not in ALREADY_AHEAD
+
+
+class ReplicaSet:
+    def __init__(self, config: ProxyConfig, spool: Spool, metrics: ProxyMetrics, on_change: Callable[[], None],
+                 upstream: Upstream | None = None) -> None:
+        self.config, self.spool, self.metrics, self.on_change = config, spool, metrics, on_change
+        self.upstream = upstream or Upstream()
+        self.members: dict[str, Replica] = {}
+        self._background: set[asyncio.Task] = set()
+        self.fingerprint = ""  # the base model every member must serve, set by the first to sync
+        self.base_shapes: dict[str, tuple[int, int]] | None = None  # its linear layers, from the same replica
+        spool.max_version_step = config.spool.max_version_step
+        # (name, version, sha256) -> addresses of replicas that refused it permanently
+        self._refusals: dict[tuple[str, int, str], set[str]] = {}
+
+    # -- membership --------------------------------------------------------------------
+    def add(self, address: str, source: str, ttl_s: float | None = None) -> tuple[Replica, bool]:
+        """Add a replica, or refresh its registration; (replica, created)."""
+        expires = time.monotonic() + ttl_s if ttl_s else None
+        replica = self.members.get(address)
+        if replica is not None:
+            if replica.source == "registered":
+                replica.expires_at = expires
+            return replica, False
+        hc = self.config.health
+        breaker = Breaker(hc.eject_after_failures, hc.eject_s, hc.eject_max_s)
+        replica = Replica(address, source, breaker, self.upstream, expires)
+        self.members[address] = replica
+        replica.tasks = [asyncio.create_task(self._monitor(replica)), asyncio.create_task(self._watch_channel(replica))]
+        self.metrics.replicas.set(len(self.members))
+        log.info("replica_added", replica=address, source=source, ttl_s=ttl_s)
+        self._publish(replica)
+        return replica, True
+
+    async def remove(self, address: str, reason: str) -> int:
+        """Forget a replica; returns how many live groups were cut off it (to restart elsewhere)."""
+        replica = self.members.pop(address, None)
+        if replica is None:
+            return 0
+        abandoned = replica.abandon_all(f"replica {address} was removed: {reason}")
+        for task in replica.tasks:
+            task.cancel()
+        await asyncio.gather(*replica.tasks, return_exceptions=True)
+        await replica.channel.close(grace=None)
+        self._forget_refusals(address)
+        self.metrics.forget_replica(address)
+        self.metrics.replicas.set(len(self.members))
+        log.info("replica_removed", replica=address, reason=reason, restarted=abandoned)
+        self.on_change()
+        return abandoned
+
+    async def drain(self, address: str) -> Replica:
+        """Stop new work on a replica and wait until its last group ends."""
+        replica = self.members[address]
+        if not replica.draining:
+            replica.draining = True
+            log.info("replica_draining", replica=address, in_flight=replica.in_flight)
+            self._publish(replica)
+        await replica.idle.wait()
+        return replica
+
+    def reconcile(self, source: str, addresses: set[str]) -> None:
+        """Make the members from `source` (e.g. DNS) exactly `addresses`; leavers drain first."""
+        for address in sorted(addresses - set(self.members)):
+            self.add(address, source)
+        for address, replica in list(self.members.items()):
+            if replica.source == source and address not in addresses and not replica.draining:
+                self._spawn(self._drain_and_remove(address, f"{source} no longer lists it"))
+
+    def _spawn(self, coroutine) -> None:
+        """Run a membership change in the background, keeping a reference until it ends."""
+        task = asyncio.create_task(coroutine)
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+    async def _drain_and_remove(self, address: str, reason: str) -> None:
+        with contextlib.suppress(KeyError):
+            await self.drain(address)
+            await self.remove(address, reason)
+
+    async def close(self) -> None:
+        for address in list(self.members):
+            await self.remove(address, "the proxy is shutting down")
+
+    # -- queries -----------------------------------------------------------------------
+    def get(self, address: str) -> Replica | None:
+        return self.members.get(address)
+
+    def all(self) -> list[Replica]:
+        return [self.members[a] for a in sorted(self.members)]
+
+    def routable(self) -> list[Replica]:
+        now = time.monotonic()
+        return [r for r in self.all() if r.routable(now)]
+
+    def healthy(self) -> list[Replica]:
+        return [r for r in self.all() if r.healthy]
+
+    def latest(self, name: str) -> int:
+        """Newest version of `name` confirmed on at least one routable replica (0: none)."""
+        return max((r.newest(name) for r in self.routable()), default=0)
+
+    def describe(self) -> str:
+        """Each replica's state in a few words, for error sentences."""
+        if not self.members:
+            return "no replicas are registered or discovered"
+        now = time.monotonic()
+        return "; ".join(f"{r.address}: {r.state(now) or 'ready'}" for r in self.all())
+
+    def push_basis(self) -> tuple[str, dict[str, tuple[int, int]]]:
+        """(fingerprint, base linear shapes) a push is checked against; UNAVAILABLE before a
+        replica has reported them."""
+        if not self.fingerprint or not self.base_shapes:
+            raise Unavailable(
+                f"no generator replica has reported its base model yet ({self.describe()}); nothing was applied, "
+                "retry when a replica is up",
+                reason="NO_REPLICA",
+                retry_after_s=self.config.routing.retry_after_s,
+            )
+        return self.fingerprint, self.base_shapes
+
+    def note_refusal(self, replica: Replica, adapter, code: grpc.StatusCode, reason: str, message: str) -> bool:
+        """Record a replica's refusal of a spooled version; quarantine the version when every
+        healthy replica of the base model refused it for good and none holds it. True when
+        the version is (now) out of the spool."""
+        if not self.spool.holds(adapter):
+            return True
+        if not is_permanent_refusal(code, reason):
+            return False
+        key = (adapter.name, adapter.version, adapter.manifest.sha256)
+        live = {(a.name, a.version, a.manifest.sha256) for n in self.spool.names() for a in self.spool.versions(n)}
+        for stale in [k for k in self._refusals if k not in live]:
+            del self._refusals[stale]
+        refusers = self._refusals.setdefault(key, set())
+        refusers.add(replica.address)
+        peers = [r for r in self.all() if r.healthy and (not self.fingerprint or r.fingerprint == self.fingerprint)]
+        if any(r.holds(adapter.name, adapter.version) for r in self.all()):
+            return False
+        if not peers or not {r.address for r in peers} <= refusers:
+            return False
+        why = (f"every replica ({', '.join(sorted(refusers))}) refused {adapter.name!r} v{adapter.version}; "
+               f"the last with {code.name} {reason}: {message}")
+        if self.spool.quarantine(adapter, why):
+            self.metrics.quarantined.inc()
+            log.error("adapter_quarantined", adapter=adapter.name, version=adapter.version, why=why)
+        del self._refusals[key]
+        for r in peers:
+            if not r.synced:
+                r.wake.set()  # catch up now, without the quarantined version
+        return True
+
+    def _refused_by(self, replica: Replica, adapter) -> bool:
+        return replica.address in self._refusals.get((adapter.name, adapter.version, adapter.manifest.sha256), ())
+
+    def _forget_refusals(self, address: str) -> None:
+        for refusers in self._refusals.values():
+            refusers.discard(address)
+
+    def mark_unsynced(self, replica: Replica, why: str) -> None:
+        """Take a replica out of rotation until a catch-up brings it to the newest versions."""
+        if replica.synced:
+            log.info("replica_needs_catch_up", replica=replica.address, why=why)
+        replica.synced = False
+        replica.detail = why
+        replica.wake.set()
+        self._publish(replica)
+
+    # -- monitoring --------------------------------------------------------------------
+    async def _monitor(self, replica: Replica) -> None:
+        hc = self.config.health
+        while True:
+            if replica.expires_at is not None and time.monotonic() > replica.expires_at:
+                self._spawn(self.remove(replica.address, "its registration lapsed without a heartbeat"))
+                return
+            replica.wake.clear()
+            ok, answered, why = await self._check(replica)
+            if ok:
+                replica.failed_checks = 0
+                if not replica.healthy:
+                    replica.healthy = True
+                    log.info("replica_healthy", replica=replica.address)
+                if not replica.synced or time.monotonic() - replica.last_status >= hc.status_every_s:
+                    await self.sync(replica)
+            else:
+                replica.failed_checks += 1
+                if replica.healthy and replica.failed_checks >= hc.unhealthy_after:
+                    replica.healthy = replica.synced = False
+                    log.warning("replica_unhealthy", replica=replica.address, why=why)
+                    if not answered:  # hung or gone: its groups would wait for their deadline
+                        replica.abandon_all(f"replica {replica.address} stopped answering health checks")
+                if not replica.healthy:
+                    replica.detail = why
+            self._publish(replica)
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(replica.wake.wait(), hc.interval_s)
+
+    async def _check(self, replica: Replica) -> tuple[bool, bool, str]:
+        """(serving, answered, why not). A replica shutting down answers NOT_SERVING while
+        its in-flight groups finish; one that does not answer at all is hung or gone."""
+        try:
+            reply = await replica.health.Check(
+                health_pb2.HealthCheckRequest(service=SERVICE), timeout=self.config.health.timeout_s, metadata=replica.metadata
+            )
+        except grpc.aio.AioRpcError as exc:
+            return False, False, f"health check failed with {exc.code().name}: {exc.details()}"
+        if reply.status != health_pb2.HealthCheckResponse.SERVING:
+            return False, True, "health check reports NOT_SERVING (starting or shutting down)"
+        return True, True, ""
+
+    async def _watch_channel(self, replica: Replica) -> None:
+        """A connection that drops may come back to a restarted process that lost its
+        adapters, so the replica must be checked and caught up before it serves again."""
+        ready = grpc.ChannelConnectivity.READY
+        state = replica.channel.get_state(try_to_connect=True)
+        while True:
+            await replica.channel.wait_for_state_change(state)
+            new = replica.channel.get_state()
+            if state == ready and new != ready:
+                self._forget_refusals(replica.address)  # a restarted replica may accept what it refused
+                self.mark_unsynced(replica, "its connection dropped; checking it again")
+            state = new
+
+    async def sync(self, replica: Replica) -> None:
+        """Refresh what the replica holds, push what it lacks; routable once it holds it all."""
+        async with replica.push_lock:
+            try:
+                status = await replica.generator.GetStatus(
+                    pb.GetStatusRequest(), timeout=self.config.health.timeout_s, metadata=replica.metadata
+                )
+            except grpc.aio.AioRpcError as exc:
+                replica.detail = f"GetStatus failed with {exc.code().name}: {exc.details()}"
+                return
+            replica.last_status = time.monotonic()
+            replica.identity, replica.engine, replica.limits = status.replica, status.engine, status.limits
+            replica.fingerprint = status.model_fingerprint
+            if self.fingerprint and status.model_fingerprint != self.fingerprint:
+                replica.synced = False
+                replica.detail = (
+                    f"it serves base model {status.model_fingerprint} but this proxy serves {self.fingerprint}; "
+                    "point it at the same model folder"
+                )
+                return
+            self.fingerprint = status.model_fingerprint
+            if not self.base_shapes and status.base_linear_layers:
+                self.base_shapes = {x.module: (x.out_features, x.in_features) for x in status.base_linear_layers}
+            replica.versions = {a.name: list(a.versions) for a in status.adapters}
+            if await self._catch_up(replica) and not replica.synced:
+                replica.synced, replica.detail = True, ""
+                log.info("replica_ready", replica=replica.address, identity=replica.identity, adapters=replica.versions)
+
+    async def _catch_up(self, replica: Replica) -> bool:
+        """Push every spooled version above what the replica holds, oldest first. A version
+        that ends up quarantined is skipped; one this replica refused for good is not pushed
+        again (until it reconnects) and is skipped; the replica is caught up once it holds the
+        newest spooled version of every name. A transient failure ends the round."""
+        for name in self.spool.names():
+            for adapter in self.spool.versions(name):
+                if adapter.version <= replica.newest(name) or not self.spool.holds(adapter):
+                    continue
+                if self._refused_by(replica, adapter):
+                    continue
+                try:
+                    payload = await adapter.payload()
+                except Unavailable:
+                    continue  # quarantined or evicted meanwhile
+                result = await replica.push(adapter, payload, self.config.health.push_timeout_s, new_request_id())
+                self.metrics.pushes.labels(replica.address, result.code.name).inc()
+                if result.ok:
+                    self.metrics.catchup_pushes.labels(replica.address).inc()
+                    log.info("replica_caught_up", replica=replica.address, adapter=name, version=adapter.version)
+                elif result.reason not in ALREADY_AHEAD:
+                    log.warning("catch_up_failed", replica=replica.address, adapter=name, version=adapter.version,
+                                code=result.code.name, error=result.message)
+                    replica.detail = f"catching up {name} v{adapter.version} failed with {result.code.name}: {result.message}"
+                    if not is_permanent_refusal(result.code, result.reason):
+                        replica.synced = False
+                        return False
+                    self.note_refusal(replica, adapter, result.code, result.reason, result.message)
+        behind = [f"{n} v{vs[-1].version}" for n in self.spool.names() if (vs := self.spool.versions(n))
+                  and replica.newest(n) < vs[-1].version]
+        if behind:
+            replica.synced = False
+            replica.detail = f"it does not hold {', '.join(behind)} (it refused them; other replicas hold them)"
+            return False
+        return True
+
+    def _publish(self, replica: Replica) -> None:
+        if replica.address in self.members:
+            m, a = self.metrics, replica.address
+            m.healthy.labels(a).set(int(replica.healthy))
+            m.routable.labels(a).set(int(replica.routable()))
+            m.in_flight.labels(a).set(replica.in_flight)
+            for name in replica.versions:
+                m.versions.labels(a, name).set(replica.newest(name))
+        self.on_change()

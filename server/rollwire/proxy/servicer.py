@@ -1,0 +1,170 @@
+"""GeneratorService at the proxy: the same contract as a replica, spread over many.
+
+Invariants: the proxy answers every accepted request exactly once, complete or with an
+error status, within its deadline (failover.py); a refusal decided by a replica reaches the
+client unchanged (relay.py); the request id travels to the replicas as `x-request-id`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+
+import grpc
+import structlog
+
+from rollwire.common.errors import ResourceExhausted, RollwireError, to_status
+from rollwire.common.logs import get_logger, request_id_from
+from rollwire.serving import __version__
+from rollwire.proxy.config import ProxyConfig
+from rollwire.proxy.dispatch import Dispatcher, client_name
+from rollwire.proxy.failover import GroupRun
+from rollwire.proxy.fanout import FanOut
+from rollwire.proxy.metrics import ProxyMetrics
+from rollwire.proxy.relay import Relay
+from rollwire.proxy.replicas import ReplicaSet
+from rollwire.proxy.spool import Spool
+from rollwire.v1 import generator_pb2 as pb
+from rollwire.v1 import generator_pb2_grpc
+
+log = get_logger(__name__)
+CLIENT_REASONS = frozenset({"CLIENT_LIMIT", "SLOW_READER"})
+"""Reasons of the proxy's own refusals that are the client's doing (rollwire_proxy_client_errors_total)."""
+
+
+class ProxyServicer(generator_pb2_grpc.GeneratorServiceServicer):
+    def __init__(self, config: ProxyConfig, replicas: ReplicaSet, dispatcher: Dispatcher, spool: Spool,
+                 fanout: FanOut, metrics: ProxyMetrics, proxy_id: str) -> None:
+        self.config, self.replicas, self.dispatcher, self.spool = config, replicas, dispatcher, spool
+        self.fanout, self.metrics, self.proxy_id = fanout, metrics, proxy_id
+
+    async def Generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext) -> None:
+        """Admitted under the client's limits (dispatch.py), run by failover.py; messages are
+        written with `context.write` bounded by `fairness.slow_reader_timeout_s`, so a client
+        that stops reading loses its request (RESOURCE_EXHAUSTED, SLOW_READER) and frees its
+        slots instead of holding them until its deadline."""
+        metadata = context.invocation_metadata()
+        rid = request_id_from(metadata, request.request_id)
+        structlog.contextvars.bind_contextvars(request_id=rid)
+        start, code = time.monotonic(), grpc.StatusCode.OK
+        remaining = context.time_remaining()
+        limit = self.config.routing.request_timeout_s
+        timeout = limit if remaining is None else min(remaining, limit)
+        auth = self.config.auth
+        name = client_name(metadata, context.peer(), bool(auth.generate_tokens_file or auth.admin_tokens_file))
+        try:
+            with self.dispatcher.admit(name) as client:  # exits (frees the client's slot) before any abort below
+                run = GroupRun(request, rid, start + timeout, self.dispatcher, self.replicas, self.config.routing,
+                               self.metrics, client)
+                async with contextlib.aclosing(run.events()) as events:  # closing it releases the lease
+                    async for message in events:
+                        await self._write(context, message, name)
+        except RollwireError as err:
+            code = err.code
+            log.info("generate_failed", code=code.name, reason=err.reason, error=err.message)
+            if err.reason in CLIENT_REASONS:
+                self.metrics.client_errors.labels(code.name).inc()
+            await self._finish(context, context.abort_with_status(to_status(err)), err.reason == "SLOW_READER")
+        except Relay as relay:
+            code = relay.code
+            log.info("generate_refused_by_replica", code=code.name, error=relay.details)
+            self.metrics.client_errors.labels(code.name).inc()
+            await self._finish(context, relay.abort(context))
+        except asyncio.CancelledError:
+            code = grpc.StatusCode.CANCELLED
+            raise
+        finally:
+            policy = self.metrics.policy
+            self.metrics.requests.labels(policy, code.name).inc()
+            self.metrics.latency.labels(policy).observe(time.monotonic() - start)
+            structlog.contextvars.unbind_contextvars("request_id")
+
+    async def _write(self, context: grpc.aio.ServicerContext, message: pb.GenerateResponse, client: str) -> None:
+        """Send one message; the write waits while the client's flow-control window is full."""
+        patience = self.config.fairness.slow_reader_timeout_s
+        try:
+            async with asyncio.timeout(patience):
+                await context.write(message)
+        except TimeoutError:
+            self.metrics.client_limited.labels("slow_reader").inc()
+            log.warning("slow_reader_cut_off", client=client, seconds=patience)
+            raise ResourceExhausted(
+                f"the client did not read this stream for {patience:g}s, so the proxy ended the request and freed its "
+                "slot; read responses as they come (or ask for fewer tokens per request)",
+                reason="SLOW_READER",
+            ) from None
+
+    async def _finish(self, context: grpc.aio.ServicerContext, aborting, slow_reader: bool = False) -> None:
+        """Send the final status. A client that does not read may not take it for long (it
+        waits behind unread messages): the status stays queued for it, and the handler ends
+        after a bounded wait instead of holding on until the deadline."""
+        try:
+            async with asyncio.timeout(0.1 if slow_reader else self.config.fairness.slow_reader_timeout_s):
+                await aborting
+        except TimeoutError:
+            raise asyncio.CancelledError from None
+
+    async def PushAdapter(self, request_iterator, context: grpc.aio.ServicerContext) -> pb.PushAdapterResponse:
+        """Receive (bounded, idle-timed), validate as a replica would (off the event loop),
+        then commit and fan out. Until `publish` takes the upload, every exit, cancellation
+        included, removes it and frees its reserved spool bytes."""
+        rid = request_id_from(context.invocation_metadata())
+        structlog.contextvars.bind_contextvars(request_id=rid)
+        upload = None
+        try:
+            upload = await self.spool.receive(
+                request_iterator, admit=lambda: self.replicas.push_basis()[0], idle_s=self.config.spool.upload_idle_timeout_s
+            )
+            _, base_shapes = self.replicas.push_basis()
+            await self.spool.validate(upload, base_shapes)
+            owned, upload = upload, None
+            return await self.fanout.publish(owned, rid)
+        except RollwireError as err:
+            log.info("adapter_push_refused", code=err.code.name, reason=err.reason, error=err.message)
+            await context.abort_with_status(to_status(err))
+        except Relay as relay:
+            log.info("adapter_push_refused_by_replicas", code=relay.code.name, error=relay.details)
+            await relay.abort(context)
+        finally:
+            if upload is not None:
+                upload.discard()
+            structlog.contextvars.unbind_contextvars("request_id")
+
+    async def GetStatus(self, request: pb.GetStatusRequest, context) -> pb.GetStatusResponse:
+        return self.status()
+
+    def status(self) -> pb.GetStatusResponse:
+        """The proxy as one big replica: what some routable replica serves, the strictest
+        limits of any replica (a client keeping to them is served by every one), and each
+        replica's own state."""
+        members = self.replicas.all()
+        routable = self.replicas.routable()
+        adapters: dict[str, set[int]] = {}
+        for replica in routable:
+            for name, versions in replica.versions.items():
+                adapters.setdefault(name, set()).update(versions)
+        return pb.GetStatusResponse(
+            role="proxy",
+            replica=self.proxy_id,
+            model_fingerprint=self.replicas.fingerprint,
+            engine=",".join(sorted({r.engine for r in members if r.engine})),
+            adapters=[pb.LoadedAdapter(name=n, versions=sorted(v)) for n, v in sorted(adapters.items())],
+            in_flight=sum(r.in_flight for r in members),
+            queue_depth=self.dispatcher.queued(),
+            limits=self._limits([r.limits for r in members if r.limits is not None]),
+            replicas=[r.status() for r in members],
+            server_version=__version__,
+        )
+
+    def _limits(self, limits: list[pb.Limits]) -> pb.Limits:
+        spool_max = self.config.spool.max_adapter_bytes
+        if not limits:
+            return pb.Limits(max_adapter_bytes=spool_max)
+        return pb.Limits(
+            max_n=min(x.max_n for x in limits),
+            max_new_tokens=min(x.max_new_tokens for x in limits),
+            max_prompt_tokens=min(x.max_prompt_tokens for x in limits),
+            max_adapter_bytes=min([spool_max] + [x.max_adapter_bytes for x in limits]),
+            adapter_window=min(x.adapter_window for x in limits),
+        )

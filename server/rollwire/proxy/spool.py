@@ -1,0 +1,361 @@
+"""The proxy's on-disk adapter spool: the source of fan-out and of every catch-up.
+
+Invariants:
+- a version is listed only once it is known good: its bytes are complete on disk and pass
+  the replicas' own checks (adapters.check_manifest / check_payload: length, sha256, a
+  bounded header, tensor names and shapes against the base model, dtype, finiteness);
+  a partial upload lives under `.incoming/` and is removed on every exit, cancellation
+  included;
+- a commit is atomic and durable: payload fsynced in `.incoming/`, manifest written to a
+  temporary file and fsynced, both renamed into place, the folder fsynced. A crash leaves at
+  worst an orphan (a temporary file, a payload without manifest or the reverse), removed at
+  start; every reloaded version is checked again, and one that fails is quarantined;
+- per name, versions only increase and the bytes of a version never change (the same rules,
+  reasons and codes as a replica, so a client cannot tell the two apart);
+- at most `keep_versions` per name and `max_bytes` in all, counting the bytes of uploads in
+  flight (reserved at the manifest, released on every exit); the newest version of a name
+  is never evicted to make room for another name's version;
+- a version every replica refuses is moved to `.quarantine/` (never retried, never deleted
+  silently: an operator can look at it), see replicas.py.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import os
+import shutil
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from google.protobuf import json_format
+
+from rollwire.common.durable import fsync_dir, write_synced
+from rollwire.common.errors import InvalidArgument, ResourceExhausted, Unavailable
+from rollwire.common.logs import get_logger
+from rollwire.generator.adapters import (
+    DEFAULT_MAX_VERSION_STEP,
+    check_manifest,
+    check_payload,
+    check_payload_async,
+    check_push_version,
+    idle_bounded,
+    manifest_from_pb,
+)
+from rollwire.v1 import generator_pb2 as pb
+
+log = get_logger(__name__)
+MAX_CHUNK = 1 << 20
+DEFAULT_IDLE_S = 30.0
+
+
+@dataclass(frozen=True)
+class SpooledAdapter:
+    """One complete, checked version on disk."""
+
+    manifest: pb.AdapterManifest
+    path: Path
+
+    @property
+    def name(self) -> str:
+        return self.manifest.name
+
+    @property
+    def version(self) -> int:
+        return self.manifest.version
+
+    @property
+    def size(self) -> int:
+        return self.manifest.byte_length
+
+    async def payload(self) -> bytes:
+        try:
+            return await asyncio.to_thread(self.path.read_bytes)
+        except FileNotFoundError:
+            raise Unavailable(
+                f"adapter {self.name!r} v{self.version} left the spool (evicted or quarantined) while being pushed",
+                reason="SPOOL_CHANGED",
+                retry_after_s=1.0,
+            ) from None
+
+
+@dataclass(eq=False)
+class Upload:
+    """A received upload not yet committed: its manifest, its temporary file, and the spool
+    bytes reserved for it. `discard` (idempotent) removes the file and frees the bytes."""
+
+    manifest: pb.AdapterManifest
+    path: Path
+    release: Callable[[], None] = field(default=lambda: None, repr=False)
+    validated: bool = False
+
+    def discard(self) -> None:
+        self.path.unlink(missing_ok=True)
+        release, self.release = self.release, lambda: None
+        release()
+
+
+class Spool:
+    def __init__(self, folder: Path, *, max_bytes: int, keep_versions: int, max_adapter_bytes: int,
+                 max_version_step: int = DEFAULT_MAX_VERSION_STEP) -> None:
+        self.folder, self.max_bytes, self.keep, self.max_adapter_bytes = folder, max_bytes, keep_versions, max_adapter_bytes
+        self.max_version_step = max_version_step
+        self.incoming = folder / ".incoming"
+        self.quarantine_dir = folder / ".quarantine"
+        self.reserved = 0
+        """Bytes of uploads in flight, counted against max_bytes."""
+        self.quarantined: list[tuple[str, int, str]] = []
+        shutil.rmtree(self.incoming, ignore_errors=True)
+        self.incoming.mkdir(parents=True, exist_ok=True)
+        self._by_name: dict[str, list[SpooledAdapter]] = {}
+        self._clean_orphans()
+        self._reload()
+
+    # -- reading -----------------------------------------------------------------------
+    def names(self) -> list[str]:
+        return sorted(self._by_name)
+
+    def versions(self, name: str) -> list[SpooledAdapter]:
+        """Spooled versions of `name`, oldest first."""
+        return list(self._by_name.get(name, []))
+
+    def get(self, name: str, version: int) -> SpooledAdapter | None:
+        return next((a for a in self._by_name.get(name, []) if a.version == version), None)
+
+    def holds(self, adapter: SpooledAdapter) -> bool:
+        return adapter in self._by_name.get(adapter.name, [])
+
+    def total_bytes(self) -> int:
+        return sum(a.size for versions in self._by_name.values() for a in versions)
+
+    # -- receiving ---------------------------------------------------------------------
+    async def receive(self, messages: AsyncIterator[pb.PushAdapterRequest], *,
+                      admit: Callable[[], str] | None = None, idle_s: float = DEFAULT_IDLE_S) -> Upload:
+        """Read one PushAdapter stream to a temporary file, refusing what a replica refuses.
+
+        `admit()` returns the base-model fingerprint pushes must match, or raises (no
+        replica known yet); None skips that check. A stream silent for `idle_s` is cut off."""
+        manifest, upload, received = None, None, 0
+        digest = hashlib.sha256()
+        out = None
+        try:
+            async for msg in idle_bounded(messages, idle_s, "proxy"):
+                part = msg.WhichOneof("part")
+                if manifest is None:
+                    if part != "manifest":
+                        raise InvalidArgument("the first PushAdapter message must be the manifest", reason="NO_MANIFEST")
+                    manifest = msg.manifest
+                    self._check_manifest(manifest, admit)
+                    upload = Upload(manifest, self.incoming / f"{uuid.uuid4().hex}.part", self._reserve(manifest.byte_length))
+                    out = upload.path.open("wb")
+                    continue
+                if part != "chunk":
+                    raise InvalidArgument("only the first PushAdapter message may be a manifest", reason="SECOND_MANIFEST")
+                if len(msg.chunk) > MAX_CHUNK:
+                    raise InvalidArgument(
+                        f"a chunk of {len(msg.chunk)} bytes exceeds the 1 MiB ({MAX_CHUNK} bytes) chunk limit; "
+                        "split the payload into smaller chunks",
+                        reason="CHUNK_TOO_LARGE",
+                    )
+                received += len(msg.chunk)
+                if received > manifest.byte_length:
+                    raise InvalidArgument(
+                        f"received more than the {manifest.byte_length} bytes the manifest declared", reason="LENGTH_MISMATCH"
+                    )
+                await asyncio.to_thread(_absorb, out, digest, msg.chunk)  # hashing and disk off the event loop
+            if manifest is None:
+                raise InvalidArgument("the upload was empty: send a manifest, then the chunks", reason="NO_MANIFEST")
+            await asyncio.to_thread(_sync_close, out)
+            out = None
+            _check_received(manifest, received, digest.hexdigest())
+            return upload
+        except BaseException:
+            if out is not None:
+                out.close()
+            if upload is not None:
+                upload.discard()
+            raise
+
+    async def validate(self, upload: Upload, base_shapes: dict[str, tuple[int, int]] | None) -> None:
+        """The replicas' full payload check, off the event loop; raises InvalidArgument."""
+        payload = await asyncio.to_thread(upload.path.read_bytes)
+        await check_payload_async(manifest_from_pb(upload.manifest), payload, base_shapes)
+        upload.validated = True
+
+    def _reserve(self, size: int) -> Callable[[], None]:
+        self.reserved += size
+
+        def release() -> None:
+            self.reserved -= size
+
+        return release
+
+    def _check_manifest(self, m: pb.AdapterManifest, admit: Callable[[], str] | None) -> None:
+        manifest = manifest_from_pb(m)
+        check_manifest(manifest, fingerprint=None, max_bytes=self.max_adapter_bytes, holder="proxy")
+        if admit is not None:
+            check_manifest(manifest, fingerprint=admit(), max_bytes=self.max_adapter_bytes, holder="proxy")
+        self.check_version(m)
+        room = self.max_bytes - self.reserved - sum(v[-1].size for n, v in self._by_name.items() if n != m.name)
+        if m.byte_length > room:
+            busy = f" ({self.reserved} bytes are reserved by uploads in flight; retry when they end)" if self.reserved else ""
+            raise ResourceExhausted(
+                f"the proxy's adapter spool has room for {max(room, 0)} bytes but the adapter has {m.byte_length}{busy}; "
+                "raise spool.max_bytes or push fewer adapter names",
+                reason="SPOOL_FULL",
+                retry_after_s=1.0 if self.reserved else None,
+            )
+
+    def check_version(self, m: pb.AdapterManifest) -> bool:
+        """True when this exact version is spooled (an idempotent re-push); raises when the
+        version may not be pushed, with the replica's codes and reasons."""
+        versions = self._by_name.get(m.name, [])
+        same = self.get(m.name, m.version)
+        newest = versions[-1].version if versions else 0
+        return check_push_version(m, newest, same.manifest.sha256 if same else None, "proxy", self.max_version_step)
+
+    # -- committing --------------------------------------------------------------------
+    def commit(self, upload: Upload) -> tuple[SpooledAdapter, bool]:
+        """Make an upload visible, atomically and durably; (the spooled version, False) when
+        it was already there. The upload is consumed. Callers serialise commits of one name."""
+        m = upload.manifest
+        try:
+            if self.check_version(m):
+                return self.get(m.name, m.version), False
+            folder = self.folder / m.name
+            created_folder = not folder.exists()
+            folder.mkdir(exist_ok=True)
+            path, meta = folder / f"{m.version}.safetensors", folder / f"{m.version}.json"
+            tmp = folder / f".{m.version}.json.{uuid.uuid4().hex[:8]}.tmp"
+            write_synced(tmp, json_format.MessageToJson(m).encode())
+            os.replace(upload.path, path)  # payload first: a crash here leaves a payload without manifest (an orphan)
+            os.replace(tmp, meta)
+            fsync_dir(folder)
+            if created_folder:
+                fsync_dir(self.folder)
+        finally:
+            upload.discard()
+        adapter = SpooledAdapter(m, path)
+        self._by_name.setdefault(m.name, []).append(adapter)
+        self._evict(m.name)
+        return adapter, True
+
+    def discard(self, adapter: SpooledAdapter) -> None:
+        """Forget a version no replica accepted."""
+        versions = self._by_name.get(adapter.name, [])
+        if adapter in versions:
+            versions.remove(adapter)
+            self._delete(adapter)
+        if not versions:
+            self._by_name.pop(adapter.name, None)
+
+    def quarantine(self, adapter: SpooledAdapter, why: str) -> bool:
+        """Move a version out of the spool for good (replicas refuse it); False if it was gone."""
+        versions = self._by_name.get(adapter.name, [])
+        if adapter not in versions:
+            return False
+        versions.remove(adapter)
+        if not versions:
+            self._by_name.pop(adapter.name, None)
+        self._move_to_quarantine(adapter.path.with_suffix(".json"), why)
+        self.quarantined.append((adapter.name, adapter.version, why))
+        return True
+
+    def _move_to_quarantine(self, meta: Path, why: str) -> None:
+        target = self.quarantine_dir / meta.parent.name
+        target.mkdir(parents=True, exist_ok=True)
+        stem = f"{meta.stem}-{time.strftime('%Y%m%dT%H%M%S')}-{uuid.uuid4().hex[:6]}"
+        for src, suffix in ((meta.with_suffix(".safetensors"), ".safetensors"), (meta, ".json")):
+            if src.exists():
+                os.replace(src, target / f"{stem}{suffix}")
+        (target / f"{stem}.why.txt").write_text(why + "\n")
+        log.error("spool_quarantined", file=str(meta), moved_to=str(target / stem), why=why)
+
+    def _evict(self, name: str) -> None:
+        versions = self._by_name[name]
+        while len(versions) > self.keep:
+            self._delete(versions.pop(0))
+        while self.total_bytes() > self.max_bytes:
+            old = [v for vs in self._by_name.values() for v in vs[:-1]]
+            if not old:
+                break
+            victim = min(old, key=lambda a: a.path.stat().st_mtime)
+            self._by_name[victim.name].remove(victim)
+            self._delete(victim)
+
+    def _delete(self, adapter: SpooledAdapter) -> None:
+        adapter.path.with_suffix(".json").unlink(missing_ok=True)  # manifest first: a payload alone is an orphan
+        adapter.path.unlink(missing_ok=True)
+        log.info("spool_evicted", adapter=adapter.name, version=adapter.version)
+
+    # -- start -------------------------------------------------------------------------
+    def _clean_orphans(self) -> None:
+        """Remove what an interrupted commit or delete left: temporary files, a payload
+        without its manifest, a manifest without its payload."""
+        for folder in self.folder.iterdir():
+            if not folder.is_dir() or folder.name.startswith("."):
+                continue
+            for path in folder.iterdir():
+                orphan = (
+                    path.name.startswith(".")
+                    or (path.suffix == ".safetensors" and not path.with_suffix(".json").exists())
+                    or (path.suffix == ".json" and not path.with_suffix(".safetensors").exists())
+                )
+                if orphan and path.is_file():
+                    path.unlink(missing_ok=True)
+                    log.warning("spool_orphan_removed", file=str(path))
+
+    def _reload(self) -> None:
+        """Pick up versions a previous run of the proxy spooled, each checked again in full
+        (except against the base model, not known yet: replicas check that on catch-up);
+        a version that fails is quarantined, never fatal."""
+        for meta in sorted(self.folder.glob("*/*.json")):
+            if meta.parent.name.startswith("."):
+                continue
+            try:
+                m = json_format.Parse(meta.read_text(), pb.AdapterManifest())
+                if m.name != meta.parent.name or meta.stem != str(m.version):
+                    raise InvalidArgument(f"manifest of {m.name!r} v{m.version} is filed as {meta}", reason="MISFILED")
+                check_manifest(manifest_from_pb(m), fingerprint=None, max_bytes=self.max_adapter_bytes, holder="proxy")
+                path = meta.with_suffix(".safetensors")
+                check_payload(manifest_from_pb(m), path.read_bytes(), None)
+                if self.get(m.name, m.version) is not None:
+                    raise InvalidArgument("duplicate version", reason="DUPLICATE")
+            except Exception as exc:  # a damaged file must not stop the proxy
+                self._move_to_quarantine(meta, f"failed its check at start: {exc}")
+                self.quarantined.append((meta.parent.name, 0, str(exc)))
+                continue
+            self._by_name.setdefault(m.name, []).append(SpooledAdapter(m, path))
+        for name, versions in self._by_name.items():
+            versions.sort(key=lambda a: a.version)
+            self._evict(name)
+
+
+def _absorb(out, digest, chunk: bytes) -> None:
+    digest.update(chunk)
+    out.write(chunk)
+
+
+def _sync_close(out) -> None:
+    out.flush()
+    os.fsync(out.fileno())
+    out.close()
+
+
+
+
+def _check_received(m: pb.AdapterManifest, received: int, digest: str) -> None:
+    if received != m.byte_length:
+        raise InvalidArgument(
+            f"upload ended after {received} of the {m.byte_length} bytes the manifest declared; "
+            "the upload was truncated or the manifest is wrong",
+            reason="LENGTH_MISMATCH",
+        )
+    if digest != m.sha256:
+        raise InvalidArgument(
+            f"payload sha256 is {digest} but the manifest declared {m.sha256}; the bytes were corrupted or the manifest is stale",
+            reason="DIGEST_MISMATCH",
+        )

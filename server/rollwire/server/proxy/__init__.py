@@ -1,8 +1,0 @@
-"""The routing proxy: many generator replicas behind one GeneratorService address.
-
-Layout: config.py (typed settings), app.py (assembly), servicer.py (GeneratorService),
-admin.py (AdminService), failover.py (one group's attempts), dispatch.py (slots and queue),
-replicas.py + replica.py (membership, health, catch-up), breaker.py (ejection), fanout.py +
-spool.py (adapter publication), discovery.py (DNS), registration.py (a generator joining by
-itself), policies/ (one routing policy per module). Importing this package imports nothing.
-"""

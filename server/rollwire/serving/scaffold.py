@@ -1,0 +1,95 @@
+"""The scaffold every rollwire server process stands on: one gRPC server, health, reflection,
+the plaintext probe port, Prometheus, the ready file and serve-until-signal.
+
+The generator and the proxy differ only in the servicers they add; everything here is the
+same for both, so a change to server options (message sizes, keepalive) or to shutdown order
+happens once. Shutdown order is an invariant: health goes NOT_SERVING first (load balancers
+stop sending), then the server drains for `grace` seconds, then the probe and metrics stop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+from collections.abc import Awaitable, Callable, Iterable
+from dataclasses import dataclass
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+from prometheus_client import CollectorRegistry, start_http_server
+
+from rollwire.common.durable import write_atomic
+from rollwire.serving.security import AuthSection, TlsSection, add_port, interceptors, start_health_port, warn_if_exposed
+
+SERVER_OPTIONS = [
+    ("grpc.max_receive_message_length", 8 << 20),  # room to refuse an oversized chunk ourselves
+    ("grpc.max_send_message_length", 8 << 20),
+    ("grpc.so_reuseport", 0),
+]
+
+
+@dataclass
+class Endpoint:
+    """A listening server process: its gRPC server, health, probe and metrics."""
+
+    server: grpc.aio.Server
+    health: health.aio.HealthServicer
+    port: int
+    metrics_server: object
+    metrics_port: int
+    probe_server: grpc.aio.Server | None = None
+
+    async def start(self, services: Iterable[str], host: str, tls: TlsSection) -> None:
+        """Register health and reflection for `services`, start serving, open the probe port."""
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
+        reflection.enable_server_reflection([*services, health.SERVICE_NAME, reflection.SERVICE_NAME], self.server)
+        await self.server.start()
+        self.probe_server = await start_health_port(self.health, host, tls)
+
+    async def set_health(self, service: str, serving: bool) -> None:
+        status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
+        await self.health.set(service, status)
+
+    async def stop(self, grace: float) -> None:
+        await self.health.enter_graceful_shutdown()
+        await self.server.stop(grace)
+        if self.probe_server:
+            await self.probe_server.stop(0)
+        self.metrics_server.shutdown()
+
+
+def listen(role: str, host: str, port: int, auth: AuthSection, tls: TlsSection, metrics_port: int,
+           registry: CollectorRegistry) -> Endpoint:
+    """Serve metrics, create the gRPC server with auth and TLS, and bind it (not started yet).
+
+    Refuses to run, with a sentence, when the port cannot be bound; warns loudly when a
+    non-loopback bind has neither auth nor TLS.
+    """
+    metrics_server, _ = start_http_server(metrics_port, addr=host, registry=registry)
+    server = grpc.aio.server(options=SERVER_OPTIONS, interceptors=interceptors(auth))
+    bound = add_port(server, f"{host}:{port}", tls)
+    if bound == 0:
+        metrics_server.shutdown()
+        raise SystemExit(f"cannot listen on {host}:{port}; is the port in use?")
+    warn_if_exposed(role, host, bound, auth, tls, metrics_server.server_port)
+    return Endpoint(server, health.aio.HealthServicer(), bound, metrics_server, metrics_server.server_port)
+
+
+def write_ready_file(path: str, data: dict) -> None:
+    """Atomically write the ports a supervisor or test waits for."""
+    write_atomic(path, json.dumps(data).encode())
+
+
+async def serve_until_signal(ready_file: str | None, ready: dict, on_stop: Callable[[], Awaitable[None]]) -> None:
+    """Write the ready file, wait for SIGINT/SIGTERM, then run `on_stop` (the graceful part)."""
+    if ready_file:
+        write_ready_file(ready_file, {**ready, "pid": os.getpid()})
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    await stop.wait()
+    await on_stop()
