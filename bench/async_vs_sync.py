@@ -54,9 +54,26 @@ def start_stack(model: Path) -> list:
     but it makes every adapter load on the transformers engine slower, so both modes would
     be measured on a slower engine than the default one."""
     with ThreadPoolExecutor(REPLICAS) as pool:
-        replicas = list(pool.map(lambda i: start(
-            ["generator", "--model", str(model), "--port", "0", "--metrics-port", "0", "--set", "transformers.threads=1"],
-            WORK, f"grpo-generator-{i}"), range(REPLICAS)))
+        replicas = list(
+            pool.map(
+                lambda i: start(
+                    [
+                        "generator",
+                        "--model",
+                        str(model),
+                        "--port",
+                        "0",
+                        "--metrics-port",
+                        "0",
+                        "--set",
+                        "transformers.threads=1",
+                    ],
+                    WORK,
+                    f"grpo-generator-{i}",
+                ),
+                range(REPLICAS),
+            )
+        )
     return [*replicas, start_proxy(replicas, "grpo-proxy", f"routing.no_replica_wait_s={NO_REPLICA_WAIT_S}")]
 
 
@@ -67,9 +84,21 @@ def learn(target: str, model: Path, name: str, staleness: int, *settings: str) -
     if run.exists():
         shutil.rmtree(run)
     run.parent.mkdir(parents=True, exist_ok=True)
-    overrides = [f"target={target}", f"base_model={model}", f"run_dir={run}", f"adapter_name={name}", f"seed={SEED}",
-                 "metrics_port=0", "progress=false", f"buffer.max_staleness={staleness}", "train.threads=1",
-                 f"task.eval_size={EVAL_SIZE}", "eval.every_steps=0", "checkpoint.every_steps=0", *settings]
+    overrides = [
+        f"target={target}",
+        f"base_model={model}",
+        f"run_dir={run}",
+        f"adapter_name={name}",
+        f"seed={SEED}",
+        "metrics_port=0",
+        "progress=false",
+        f"buffer.max_staleness={staleness}",
+        "train.threads=1",
+        f"task.eval_size={EVAL_SIZE}",
+        "eval.every_steps=0",
+        "checkpoint.every_steps=0",
+        *settings,
+    ]
     learner = start(["learner", *overrides], WORK, f"grpo-learner-{name}", timeout=300)
     watcher = Watcher(target, name, run / "steps.jsonl")
     try:
@@ -120,8 +149,11 @@ class Watcher:
                 started, version = time.monotonic(), self._served()
                 if version and version not in self.scores:
                     result = await held_out_accuracy(client, examples, f"{self.name}@{version}", 8)
-                    self.scores[version] = {"accuracy": result.accuracy, "answered": result.answered,
-                                            "failed": result.failed}
+                    self.scores[version] = {
+                        "accuracy": result.accuracy,
+                        "answered": result.answered,
+                        "failed": result.failed,
+                    }
                 await asyncio.sleep(max(0.05, EVAL_INTERVAL_S - (time.monotonic() - started)))
 
 
@@ -140,8 +172,11 @@ def figures(run: Path, scores: dict[int, dict]) -> dict:
     before = next(e for e in summary["evals"] if e["label"] == "before")
     started = before["elapsed_s"]  # training starts once the starting policy is scored
     produced = {before["version"]: 0.0, **{s["version"]: s["elapsed_s"] - started for s in steps}}
-    curve = [(0.0, before["accuracy"])] + [(produced[v], sc["accuracy"]) for v, sc in sorted(scores.items())
-                                           if sc["accuracy"] is not None and v in produced and v != before["version"]]
+    curve = [(0.0, before["accuracy"])] + [
+        (produced[v], sc["accuracy"])
+        for v, sc in sorted(scores.items())
+        if sc["accuracy"] is not None and v in produced and v != before["version"]
+    ]
     phases = {k: sum(st["phase_seconds"].get(k, 0.0) for st in steps) / len(steps) for k in ("wait", "train", "push")}
     dropped = summary["groups"]["dropped"]
     scored = summary["groups"]["trained"] + sum(v for k, v in dropped.items() if k != "shutdown")
@@ -179,30 +214,52 @@ def main() -> None:
         learn(stack[-1].target, model, "warmup", 1, "max_steps=3", "eval.at_end=false")
         for index in range(args.repeats):
             for mode, staleness in MODES.items():
-                run, scores = learn(stack[-1].target, model, f"{mode}-{index}", staleness, f"max_seconds={args.budget_s}")
+                run, scores = learn(
+                    stack[-1].target, model, f"{mode}-{index}", staleness, f"max_seconds={args.budget_s}"
+                )
                 result = figures(run, scores)
                 runs[mode].append(result)
-                print(f"{mode:5s} #{index}: {result['groups_per_s']:.2f} groups/s trained, {result['steps']} steps, "
-                      f"accuracy {result['accuracy_before']:.3f} -> {result['accuracy_after']:.3f}, "
-                      f"target {TARGET} after {result['seconds_to_target']} s, staleness {result['staleness']}", flush=True)
+                print(
+                    f"{mode:5s} #{index}: {result['groups_per_s']:.2f} groups/s trained, {result['steps']} steps, "
+                    f"accuracy {result['accuracy_before']:.3f} -> {result['accuracy_after']:.3f}, "
+                    f"target {TARGET} after {result['seconds_to_target']} s, staleness {result['staleness']}",
+                    flush=True,
+                )
     finally:
         stop_all(reversed(stack))
-    pairs = list(zip(runs["sync"], runs["async"]))
+    pairs = list(zip(runs["sync"], runs["async"], strict=False))
     ratios = {
         "trained groups/s async/sync": spread([a["groups_per_s"] / s["groups_per_s"] for s, a in pairs]),
         "scored groups/s async/sync": spread([a["scored_groups_per_s"] / s["scored_groups_per_s"] for s, a in pairs]),
     }
     if all(s["seconds_to_target"] and a["seconds_to_target"] for s, a in pairs):
-        ratios["time to target sync/async"] = spread([s["seconds_to_target"] / a["seconds_to_target"] for s, a in pairs])
-    per_mode = {mode: {k: spread([r[k] for r in rs if r[k] is not None]) if any(r[k] is not None for r in rs) else None
-                       for k in ("groups_per_s", "scored_groups_per_s", "seconds_to_target", "accuracy_after", "staleness_mean")}
-                for mode, rs in runs.items()}
+        ratios["time to target sync/async"] = spread(
+            [s["seconds_to_target"] / a["seconds_to_target"] for s, a in pairs]
+        )
+    per_mode = {
+        mode: {
+            k: spread([r[k] for r in rs if r[k] is not None]) if any(r[k] is not None for r in rs) else None
+            for k in ("groups_per_s", "scored_groups_per_s", "seconds_to_target", "accuracy_after", "staleness_mean")
+        }
+        for mode, rs in runs.items()
+    }
     write_result(
         "async_vs_sync",
         ".venv/bin/python bench/async_vs_sync.py",
-        {"workload": {"replicas": REPLICAS, "budget_s": args.budget_s, "seed": SEED, "target_accuracy": TARGET,
-                      "eval_interval_s": EVAL_INTERVAL_S, "eval_size": EVAL_SIZE, "max_staleness": MODES},
-         "per_mode": per_mode, "ratios": ratios, "runs": runs},
+        {
+            "workload": {
+                "replicas": REPLICAS,
+                "budget_s": args.budget_s,
+                "seed": SEED,
+                "target_accuracy": TARGET,
+                "eval_interval_s": EVAL_INTERVAL_S,
+                "eval_size": EVAL_SIZE,
+                "max_staleness": MODES,
+            },
+            "per_mode": per_mode,
+            "ratios": ratios,
+            "runs": runs,
+        },
     )
 
 

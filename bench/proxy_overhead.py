@@ -16,7 +16,16 @@ from __future__ import annotations
 import argparse
 import asyncio
 
-from common import closed_loop, config_only_model, percentile, spread, start_proxy, start_scripted, stop_all, write_result
+from common import (
+    closed_loop,
+    config_only_model,
+    percentile,
+    spread,
+    start_proxy,
+    start_scripted,
+    stop_all,
+    write_result,
+)
 
 N, TOKENS, RATE = 8, 32, 100.0
 LOADS = {"light": (1, 16), "busy": (16, 12)}  # name -> (workers, requests per worker)
@@ -37,9 +46,19 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--repeats", type=int, default=3)
     args = ap.parse_args()
-    model = config_only_model("scripted-small", {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 1,
-                                                  "num_attention_heads": 2, "num_key_value_heads": 2, "head_dim": 32,
-                                                  "tie_word_embeddings": True, "vocab_size": 1000})
+    model = config_only_model(
+        "scripted-small",
+        {
+            "hidden_size": 64,
+            "intermediate_size": 128,
+            "num_hidden_layers": 1,
+            "num_attention_heads": 2,
+            "num_key_value_heads": 2,
+            "head_dim": 32,
+            "tie_word_embeddings": True,
+            "vocab_size": 1000,
+        },
+    )
     replicas = start_scripted(model, 1, "overhead", f"scripted.tokens_per_s={RATE}")
     proxy = start_proxy(replicas, "overhead-proxy")
     targets = {"direct": replicas[0].target, "proxy": proxy.target}
@@ -57,7 +76,7 @@ def main() -> None:
     results = {}
     for load, modes in runs.items():
         keys = list(modes["direct"][0])
-        pairs = list(zip(modes["direct"], modes["proxy"]))
+        pairs = list(zip(modes["direct"], modes["proxy"], strict=False))
         results[load] = {
             "workers": LOADS[load][0],
             "requests": LOADS[load][0] * LOADS[load][1],
@@ -68,14 +87,23 @@ def main() -> None:
             "throughput_ratio": spread([p["tokens_per_s"] / d["tokens_per_s"] for d, p in pairs]),
         }
         r = results[load]
-        print(f"{load:6s} direct {r['direct']['tokens_per_s']['median']:8.0f} tok/s p50 {r['direct']['p50_s']['median']*1e3:6.1f} ms | "
-              f"proxy {r['proxy']['tokens_per_s']['median']:8.0f} tok/s p50 {r['proxy']['p50_s']['median']*1e3:6.1f} ms | "
-              f"added p50 {r['added_p50_s']['median']*1e3:.1f} ms, ttft {r['added_ttft_p50_s']['median']*1e3:.1f} ms")
+        print(
+            f"{load:6s} direct {r['direct']['tokens_per_s']['median']:8.0f} tok/s p50 {r['direct']['p50_s']['median'] * 1e3:6.1f} ms | "
+            f"proxy {r['proxy']['tokens_per_s']['median']:8.0f} tok/s p50 {r['proxy']['p50_s']['median'] * 1e3:6.1f} ms | "
+            f"added p50 {r['added_p50_s']['median'] * 1e3:.1f} ms, ttft {r['added_ttft_p50_s']['median'] * 1e3:.1f} ms"
+        )
     write_result(
         "proxy_overhead",
         ".venv/bin/python bench/proxy_overhead.py",
-        {"workload": {"n": N, "new_tokens": TOKENS, "tokens_per_s_per_sample": RATE,
-                      "ideal_request_s": (TOKENS - 1) / RATE}, "loads": results},
+        {
+            "workload": {
+                "n": N,
+                "new_tokens": TOKENS,
+                "tokens_per_s_per_sample": RATE,
+                "ideal_request_s": (TOKENS - 1) / RATE,
+            },
+            "loads": results,
+        },
     )
 
 

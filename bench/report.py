@@ -12,7 +12,6 @@ from __future__ import annotations
 import json
 import re
 import sys
-from pathlib import Path
 
 from common import RESULTS, ROOT
 
@@ -31,8 +30,10 @@ def load(name: str) -> dict | None:
 def s(spread: dict, scale: float = 1.0, digits: int = 2, unit: str = "") -> str:
     """median (min–max) of a spread."""
     f = f"{{:.{digits}f}}"
-    return (f"{f.format(spread['median'] * scale)}{unit} "
-            f"({f.format(spread['min'] * scale)}–{f.format(spread['max'] * scale)})")
+    return (
+        f"{f.format(spread['median'] * scale)}{unit} "
+        f"({f.format(spread['min'] * scale)}–{f.format(spread['max'] * scale)})"
+    )
 
 
 def table(header: list[str], rows: list[list[str]]) -> str:
@@ -42,8 +43,10 @@ def table(header: list[str], rows: list[list[str]]) -> str:
 
 def provenance(data: dict) -> str:
     m = data["machine"]
-    return (f"Command: `{data['command']}` — run {m['date']} on {m['cpus']} CPU cores, {m['platform']}, "
-            f"Python {m['python']}.")
+    return (
+        f"Command: `{data['command']}` — run {m['date']} on {m['cpus']} CPU cores, {m['platform']}, "
+        f"Python {m['python']}."
+    )
 
 
 def chart(name: str, series: list[Series], title: str, x_label: str) -> str:
@@ -54,63 +57,138 @@ def chart(name: str, series: list[Series], title: str, x_label: str) -> str:
 
 # -- sections ---------------------------------------------------------------------------------
 
+
 def weight_push(d: dict) -> str:
     models = d["models"]
     sizes = table(
-        ["shape", f"LoRA r={d['rank']} payload (bf16)", "full weights (bf16)", "full / LoRA bytes",
-         "full-size payload pushed"],
-        [[label, f"{m['lora_bytes'] / 1e6:.1f} MB", f"{m['full_bytes'] / 1e9:.2f} GB",
-          f"{m['full_bytes'] / m['lora_bytes']:.0f}x",
-          f"r={m['full_payload']['rank']}, {m['full_payload']['bytes'] / 1e9:.3f} GB" if "full_payload" in m else "—"]
-         for label, m in models.items()],
+        [
+            "shape",
+            f"LoRA r={d['rank']} payload (bf16)",
+            "full weights (bf16)",
+            "full / LoRA bytes",
+            "full-size payload pushed",
+        ],
+        [
+            [
+                label,
+                f"{m['lora_bytes'] / 1e6:.1f} MB",
+                f"{m['full_bytes'] / 1e9:.2f} GB",
+                f"{m['full_bytes'] / m['lora_bytes']:.0f}x",
+                f"r={m['full_payload']['rank']}, {m['full_payload']['bytes'] / 1e9:.3f} GB"
+                if "full_payload" in m
+                else "—",
+            ]
+            for label, m in models.items()
+        ],
     )
     rows = []
     for label, m in models.items():
         for count in map(str, d["replicas"]):
             row, t = m[count], d["table"][f"{label} x{count}"]
-            full = s(row["full"]["served_s"]) + " s" if "full" in row else (
-                f"{t['full_s']:.1f} s *(extrapolated)*" if t["full_s"] else "—")
-            rows.append([label, count, s(row["lora"]["served_s"], 1e3, 0) + " ms", s(m["disk_s"], 1e3, 0) + " ms",
-                         s(row["tcp_lora_s"], 1e3, 1) + " ms", full,
-                         f"{t['full_over_lora']:.0f}x" if t["full_over_lora"] else "—",
-                         f"{t['lora_over_tcp']:.0f}x", f"{t['lora_over_disk']:.1f}x"])
-    times = table(["shape", "replicas", "LoRA push, until all serve", "disk: save + load", "TCP copy (LoRA bytes)",
-                   "full weights push", "full / LoRA", "LoRA / TCP", "LoRA / disk"], rows)
+            full = (
+                s(row["full"]["served_s"]) + " s"
+                if "full" in row
+                else (f"{t['full_s']:.1f} s *(extrapolated)*" if t["full_s"] else "—")
+            )
+            rows.append(
+                [
+                    label,
+                    count,
+                    s(row["lora"]["served_s"], 1e3, 0) + " ms",
+                    s(m["disk_s"], 1e3, 0) + " ms",
+                    s(row["tcp_lora_s"], 1e3, 1) + " ms",
+                    full,
+                    f"{t['full_over_lora']:.0f}x" if t["full_over_lora"] else "—",
+                    f"{t['lora_over_tcp']:.0f}x",
+                    f"{t['lora_over_disk']:.1f}x",
+                ]
+            )
+    times = table(
+        [
+            "shape",
+            "replicas",
+            "LoRA push, until all serve",
+            "disk: save + load",
+            "TCP copy (LoRA bytes)",
+            "full weights push",
+            "full / LoRA",
+            "LoRA / TCP",
+            "LoRA / disk",
+        ],
+        rows,
+    )
     direct = []
     for label, m in models.items():
         one = m["1"]
         if "direct-lora" in one:
-            direct.append([label, "LoRA", s(one["direct-lora"]["served_s"], 1e3, 0) + " ms",
-                           s(one["lora"]["served_s"], 1e3, 0) + " ms",
-                           f"{one['lora']['served_s']['median'] / one['direct-lora']['served_s']['median']:.1f}x"])
+            direct.append(
+                [
+                    label,
+                    "LoRA",
+                    s(one["direct-lora"]["served_s"], 1e3, 0) + " ms",
+                    s(one["lora"]["served_s"], 1e3, 0) + " ms",
+                    f"{one['lora']['served_s']['median'] / one['direct-lora']['served_s']['median']:.1f}x",
+                ]
+            )
         if "direct-full" in one:
-            direct.append([label, "full", s(one["direct-full"]["served_s"]) + " s", s(one["full"]["served_s"]) + " s",
-                           f"{one['full']['served_s']['median'] / one['direct-full']['served_s']['median']:.1f}x"])
-    tcp_full = [[label, c, s(m[c]["tcp_full_s"], 1, 2) + " s"] for label, m in models.items()
-                for c in map(str, d["replicas"]) if "tcp_full_s" in m[c]]
-    plot = chart("weight_push", [
-        Series(f"{label} LORA", d["replicas"], [m[str(c)]["lora"]["served_s"]["median"] for c in d["replicas"]],
-               COLORS[i], markers=True) for i, (label, m) in enumerate(models.items())
-    ], "LORA PUSH UNTIL SERVED (S)", "REPLICAS")
+            direct.append(
+                [
+                    label,
+                    "full",
+                    s(one["direct-full"]["served_s"]) + " s",
+                    s(one["full"]["served_s"]) + " s",
+                    f"{one['full']['served_s']['median'] / one['direct-full']['served_s']['median']:.1f}x",
+                ]
+            )
+    tcp_full = [
+        [label, c, s(m[c]["tcp_full_s"], 1, 2) + " s"]
+        for label, m in models.items()
+        for c in map(str, d["replicas"])
+        if "tcp_full_s" in m[c]
+    ]
+    plot = chart(
+        "weight_push",
+        [
+            Series(
+                f"{label} LORA",
+                d["replicas"],
+                [m[str(c)]["lora"]["served_s"]["median"] for c in d["replicas"]],
+                COLORS[i],
+                markers=True,
+            )
+            for i, (label, m) in enumerate(models.items())
+        ],
+        "LORA PUSH UNTIL SERVED (S)",
+        "REPLICAS",
+    )
     t = d["table"].values()
     fulls = [(k, r["full_s"], r["full_kind"]) for k, r in d["table"].items() if r["full_s"]]
-    key = (f"LoRA push until every replica serves: {min(r['lora_s'] for r in t):.2f}–{max(r['lora_s'] for r in t):.2f} s "
-           f"over every shape and replica count; the full weights on the same path: "
-           + "; ".join(f"{k} {v:.1f} s ({kind})" for k, v, kind in fulls if k.endswith(("x1", "x4")))
-           + f". Full / LoRA time: {min(r['full_over_lora'] for r in t if r['full_over_lora']):.0f}x–"
-           f"{max(r['full_over_lora'] for r in t if r['full_over_lora']):.0f}x; LoRA push / raw TCP copy: "
-           f"{min(r['lora_over_tcp'] for r in t):.0f}x–{max(r['lora_over_tcp'] for r in t):.0f}x.") if fulls else ""
-    return "\n\n".join([
-        provenance(d) + f" LoRA pushes: median (min–max) of {d['repeats']} repeats after one untimed push; "
-        f"full-size pushes: {d['full_repeats']} repeats.",
-        sizes, times,
-        "The same push straight to one replica, without the proxy (its store-and-forward through the spool):",
-        table(["shape", "payload", "direct to the replica", "through the proxy", "proxy / direct"], direct),
-        "Raw loopback TCP copy of the full-size payload to N receivers at once:",
-        table(["shape", "receivers", "TCP copy"], tcp_full),
-        key,
-        plot,
-    ])
+    key = (
+        (
+            f"LoRA push until every replica serves: {min(r['lora_s'] for r in t):.2f}–{max(r['lora_s'] for r in t):.2f} s "
+            f"over every shape and replica count; the full weights on the same path: "
+            + "; ".join(f"{k} {v:.1f} s ({kind})" for k, v, kind in fulls if k.endswith(("x1", "x4")))
+            + f". Full / LoRA time: {min(r['full_over_lora'] for r in t if r['full_over_lora']):.0f}x–"
+            f"{max(r['full_over_lora'] for r in t if r['full_over_lora']):.0f}x; LoRA push / raw TCP copy: "
+            f"{min(r['lora_over_tcp'] for r in t):.0f}x–{max(r['lora_over_tcp'] for r in t):.0f}x."
+        )
+        if fulls
+        else ""
+    )
+    return "\n\n".join(
+        [
+            provenance(d) + f" LoRA pushes: median (min–max) of {d['repeats']} repeats after one untimed push; "
+            f"full-size pushes: {d['full_repeats']} repeats.",
+            sizes,
+            times,
+            "The same push straight to one replica, without the proxy (its store-and-forward through the spool):",
+            table(["shape", "payload", "direct to the replica", "through the proxy", "proxy / direct"], direct),
+            "Raw loopback TCP copy of the full-size payload to N receivers at once:",
+            table(["shape", "receivers", "TCP copy"], tcp_full),
+            key,
+            plot,
+        ]
+    )
 
 
 def proxy_overhead(d: dict) -> str:
@@ -119,34 +197,76 @@ def proxy_overhead(d: dict) -> str:
     for load, r in d["loads"].items():
         for mode in ("direct", "proxy"):
             m = r[mode]
-            rows.append([f"{load} ({r['workers']} in flight)", mode, s(m["tokens_per_s"], 1, 0),
-                         s(m["p50_s"], 1e3, 1), s(m["p99_s"], 1e3, 1), s(m["ttft_p50_s"], 1e3, 1)])
-    added = table(["load", "added p50 latency", "added p99 latency", "added time to first token (p50)",
-                   "throughput proxy / direct"],
-                  [[load, s(r["added_p50_s"], 1e3, 1, " ms"), s(r["added_p99_s"], 1e3, 1, " ms"),
-                    s(r["added_ttft_p50_s"], 1e3, 1, " ms"), s(r["throughput_ratio"], 1, 3)]
-                   for load, r in d["loads"].items()])
-    return "\n\n".join([
-        provenance(d) + f" Median (min–max) of {next(iter(d['loads'].values()))['direct']['p50_s']['n']} repeats; "
-        f"groups of n={w['n']}, {w['new_tokens']} new tokens at {w['tokens_per_s_per_sample']:.0f} tokens/s per "
-        f"sample (a group takes {w['ideal_request_s'] * 1e3:.0f} ms with no overhead at all).",
-        table(["load", "path", "tokens/s", "p50 latency (ms)", "p99 latency (ms)", "time to first token p50 (ms)"], rows),
-        added,
-    ])
+            rows.append(
+                [
+                    f"{load} ({r['workers']} in flight)",
+                    mode,
+                    s(m["tokens_per_s"], 1, 0),
+                    s(m["p50_s"], 1e3, 1),
+                    s(m["p99_s"], 1e3, 1),
+                    s(m["ttft_p50_s"], 1e3, 1),
+                ]
+            )
+    added = table(
+        [
+            "load",
+            "added p50 latency",
+            "added p99 latency",
+            "added time to first token (p50)",
+            "throughput proxy / direct",
+        ],
+        [
+            [
+                load,
+                s(r["added_p50_s"], 1e3, 1, " ms"),
+                s(r["added_p99_s"], 1e3, 1, " ms"),
+                s(r["added_ttft_p50_s"], 1e3, 1, " ms"),
+                s(r["throughput_ratio"], 1, 3),
+            ]
+            for load, r in d["loads"].items()
+        ],
+    )
+    return "\n\n".join(
+        [
+            provenance(d) + f" Median (min–max) of {next(iter(d['loads'].values()))['direct']['p50_s']['n']} repeats; "
+            f"groups of n={w['n']}, {w['new_tokens']} new tokens at {w['tokens_per_s_per_sample']:.0f} tokens/s per "
+            f"sample (a group takes {w['ideal_request_s'] * 1e3:.0f} ms with no overhead at all).",
+            table(
+                ["load", "path", "tokens/s", "p50 latency (ms)", "p99 latency (ms)", "time to first token p50 (ms)"],
+                rows,
+            ),
+            added,
+        ]
+    )
 
 
 def scaling(d: dict) -> str:
     w = d["workload"]
 
     def row(first: str, r: dict) -> list[str]:
-        return [first, f"{r['ideal_tokens_per_s']:.0f}", s(r["tokens_per_s"], 1, 0), s(r["efficiency"], 100, 0, " %"),
-                s(r["p50_s"], 1e3, 0), s(r["proxy_cpu_util"], 1, 2),
-                f"{r['proxy_cpu_s_per_1k_tokens']['median'] * 1e3:.1f}",
-                f"{r['replicas_cpu_s_per_1k_tokens']['median'] * 1e3:.1f}",
-                f"{r['client_cpu_s_per_1k_tokens']['median'] * 1e3:.1f}"]
+        return [
+            first,
+            f"{r['ideal_tokens_per_s']:.0f}",
+            s(r["tokens_per_s"], 1, 0),
+            s(r["efficiency"], 100, 0, " %"),
+            s(r["p50_s"], 1e3, 0),
+            s(r["proxy_cpu_util"], 1, 2),
+            f"{r['proxy_cpu_s_per_1k_tokens']['median'] * 1e3:.1f}",
+            f"{r['replicas_cpu_s_per_1k_tokens']['median'] * 1e3:.1f}",
+            f"{r['client_cpu_s_per_1k_tokens']['median'] * 1e3:.1f}",
+        ]
 
-    header = ["", "ideal tokens/s", "tokens/s", "of ideal", "p50 latency (ms)", "proxy CPU (cores)",
-              "proxy CPU ms / 1k tokens", "replicas CPU ms / 1k tokens", "load generator CPU ms / 1k tokens"]
+    header = [
+        "",
+        "ideal tokens/s",
+        "tokens/s",
+        "of ideal",
+        "p50 latency (ms)",
+        "proxy CPU (cores)",
+        "proxy CPU ms / 1k tokens",
+        "replicas CPU ms / 1k tokens",
+        "load generator CPU ms / 1k tokens",
+    ]
     by_n = table(["replicas (8 groups each)", *header[1:]], [row(n, r) for n, r in d["replicas"].items()])
     sat = d["saturation"]
     by_load = table(["groups in flight (4 replicas)", *header[1:]], [row(k, r) for k, r in sat.items()])
@@ -154,25 +274,39 @@ def scaling(d: dict) -> str:
     per_k = min(r["proxy_cpu_s_per_1k_tokens"]["median"] for r in sat.values())
     cpu = {k: best[f"{k}_cpu_s_per_1k_tokens"]["median"] for k in ("proxy", "replicas", "client")}
     used = sum(cpu.values()) * best["tokens_per_s"]["median"] / 1e3
-    plot = chart("scaling", [
-        Series("ACHIEVED", [int(k) for k in sat], [r["tokens_per_s"]["median"] / 1e3 for r in sat.values()], COLORS[0], True),
-        Series("IDEAL", [int(k) for k in sat], [r["ideal_tokens_per_s"] / 1e3 for r in sat.values()], COLORS[1]),
-    ], "4 REPLICAS: K TOKENS/S", "GROUPS IN FLIGHT")
-    return "\n\n".join([
-        provenance(d) + f" Median (min–max) of {best['tokens_per_s']['n']} measurements of "
-        f"{w['seconds_per_measurement']:.0f} s each; groups of n={w['n']}, {w['new_tokens']} tokens at "
-        f"{w['tokens_per_s_per_sample']:.0f} tokens/s per sample.",
-        by_n, by_load,
-        f"Highest throughput here: {best['tokens_per_s']['median']:.0f} tokens/s with {best['workers']} groups in "
-        f"flight, the proxy using {best['proxy_cpu_util']['median']:.2f} of a core. At its lowest measured cost "
-        f"({per_k * 1e3:.1f} ms of CPU per 1,000 tokens), one proxy core relays at most about "
-        f"{1 / per_k:.0f}k tokens/s (one token for each of a group's n={w['n']} samples: "
-        f"{1 / per_k / w['n'] * 1e3:.0f} group steps per second). "
-        f"At that highest throughput the processes used {used:.2f} cores in all (proxy "
-        f"{100 * cpu['proxy'] / sum(cpu.values()):.0f} %, replicas {100 * cpu['replicas'] / sum(cpu.values()):.0f} %, "
-        f"load generator {100 * cpu['client'] / sum(cpu.values()):.0f} %).",
-        plot,
-    ])
+    plot = chart(
+        "scaling",
+        [
+            Series(
+                "ACHIEVED",
+                [int(k) for k in sat],
+                [r["tokens_per_s"]["median"] / 1e3 for r in sat.values()],
+                COLORS[0],
+                True,
+            ),
+            Series("IDEAL", [int(k) for k in sat], [r["ideal_tokens_per_s"] / 1e3 for r in sat.values()], COLORS[1]),
+        ],
+        "4 REPLICAS: K TOKENS/S",
+        "GROUPS IN FLIGHT",
+    )
+    return "\n\n".join(
+        [
+            provenance(d) + f" Median (min–max) of {best['tokens_per_s']['n']} measurements of "
+            f"{w['seconds_per_measurement']:.0f} s each; groups of n={w['n']}, {w['new_tokens']} tokens at "
+            f"{w['tokens_per_s_per_sample']:.0f} tokens/s per sample.",
+            by_n,
+            by_load,
+            f"Highest throughput here: {best['tokens_per_s']['median']:.0f} tokens/s with {best['workers']} groups in "
+            f"flight, the proxy using {best['proxy_cpu_util']['median']:.2f} of a core. At its lowest measured cost "
+            f"({per_k * 1e3:.1f} ms of CPU per 1,000 tokens), one proxy core relays at most about "
+            f"{1 / per_k:.0f}k tokens/s (one token for each of a group's n={w['n']} samples: "
+            f"{1 / per_k / w['n'] * 1e3:.0f} group steps per second). "
+            f"At that highest throughput the processes used {used:.2f} cores in all (proxy "
+            f"{100 * cpu['proxy'] / sum(cpu.values()):.0f} %, replicas {100 * cpu['replicas'] / sum(cpu.values()):.0f} %, "
+            f"load generator {100 * cpu['client'] / sum(cpu.values()):.0f} %).",
+            plot,
+        ]
+    )
 
 
 def async_vs_sync(d: dict) -> str:
@@ -191,42 +325,74 @@ def async_vs_sync(d: dict) -> str:
         scored_versions = sum(r["scored_versions"] for r in rs)
         phase = {k: sorted(r["step_phase_s"][k] for r in rs)[len(rs) // 2] * 1e3 for k in ("wait", "train", "push")}
         phases.append([mode, *(f"{phase[k]:.0f}" for k in ("wait", "train", "push"))])
-        rows.append([f"{mode} (max_staleness {w['max_staleness'][mode]})", s(p["groups_per_s"], 1, 1),
-                     s(p["scored_groups_per_s"], 1, 1),
-                     s(p["seconds_to_target"], 1, 1, " s") if p["seconds_to_target"] else "not reached",
-                     s(p["accuracy_after"], 1, 2), dist, str(stale), f"{scored_versions} ({refused})"])
+        rows.append(
+            [
+                f"{mode} (max_staleness {w['max_staleness'][mode]})",
+                s(p["groups_per_s"], 1, 1),
+                s(p["scored_groups_per_s"], 1, 1),
+                s(p["seconds_to_target"], 1, 1, " s") if p["seconds_to_target"] else "not reached",
+                s(p["accuracy_after"], 1, 2),
+                dist,
+                str(stale),
+                f"{scored_versions} ({refused})",
+            ]
+        )
     ratios = table(["ratio", "median (min–max)"], [[k, s(v, 1, 2)] for k, v in d["ratios"].items()])
-    plot = chart("async_vs_sync", [
-        Series(mode.upper(), [c["seconds"] for c in rs[0]["curve"]], [c["accuracy"] for c in rs[0]["curve"]],
-               COLORS[i], markers=True) for i, (mode, rs) in enumerate(d["runs"].items())
-    ], "HELD-OUT ACCURACY", "SECONDS OF TRAINING")
+    plot = chart(
+        "async_vs_sync",
+        [
+            Series(
+                mode.upper(),
+                [c["seconds"] for c in rs[0]["curve"]],
+                [c["accuracy"] for c in rs[0]["curve"]],
+                COLORS[i],
+                markers=True,
+            )
+            for i, (mode, rs) in enumerate(d["runs"].items())
+        ],
+        "HELD-OUT ACCURACY",
+        "SECONDS OF TRAINING",
+    )
     before = [r["accuracy_before"] for rs in d["runs"].values() for r in rs]
-    return "\n\n".join([
-        provenance(d) + f" {len(next(iter(d['runs'].values())))} runs per mode, alternating, of "
-        f"{w['budget_s']:.0f} s of training each; seed {w['seed']}; {w['replicas']} replicas; held-out accuracy on "
-        f"{w['eval_size']} prompts, of the newest served version at most every {w['eval_interval_s']} s "
-
-        f"(starting policy: {min(before):.2f}); "
-        f"target {w['target_accuracy']}.",
-        table(["mode", "trained groups/s", "scored groups/s", "time to target", "final accuracy",
-               "staleness of trained groups", "dropped as stale",
-               "versions scored (held-out requests refused)"], rows),
-        ratios,
-        "Where a step's time went (median run, ms per step): waiting for a full batch of rollouts, the "
-        "optimiser step, publishing the new adapter (awaited only in sync mode).",
-        table(["mode", "wait for batch", "train", "push"], phases),
-        plot,
-    ])
+    return "\n\n".join(
+        [
+            provenance(d) + f" {len(next(iter(d['runs'].values())))} runs per mode, alternating, of "
+            f"{w['budget_s']:.0f} s of training each; seed {w['seed']}; {w['replicas']} replicas; held-out accuracy on "
+            f"{w['eval_size']} prompts, of the newest served version at most every {w['eval_interval_s']} s "
+            f"(starting policy: {min(before):.2f}); "
+            f"target {w['target_accuracy']}.",
+            table(
+                [
+                    "mode",
+                    "trained groups/s",
+                    "scored groups/s",
+                    "time to target",
+                    "final accuracy",
+                    "staleness of trained groups",
+                    "dropped as stale",
+                    "versions scored (held-out requests refused)",
+                ],
+                rows,
+            ),
+            ratios,
+            "Where a step's time went (median run, ms per step): waiting for a full batch of rollouts, the "
+            "optimiser step, publishing the new adapter (awaited only in sync mode).",
+            table(["mode", "wait for batch", "train", "push"], phases),
+            plot,
+        ]
+    )
 
 
 def generator_efficiency(d: dict) -> str:
     w = d["workload"]
-    return "\n\n".join([
-        provenance(d) + f" Median (min–max) of {next(iter(d['tokens_per_s'].values()))['n']} repeats; "
-        f"{w['groups']} groups of n={w['n']}, {w['new_tokens']} new tokens each, tiny model.",
-        table(["mode", "tokens/s"], [[k, s(v, 1, 0)] for k, v in d["tokens_per_s"].items()]),
-        table(["ratio", "median (min–max)"], [[k, s(v, 1, 2)] for k, v in d["ratios"].items()]),
-    ])
+    return "\n\n".join(
+        [
+            provenance(d) + f" Median (min–max) of {next(iter(d['tokens_per_s'].values()))['n']} repeats; "
+            f"{w['groups']} groups of n={w['n']}, {w['new_tokens']} new tokens each, tiny model.",
+            table(["mode", "tokens/s"], [[k, s(v, 1, 0)] for k, v in d["tokens_per_s"].items()]),
+            table(["ratio", "median (min–max)"], [[k, s(v, 1, 2)] for k, v in d["ratios"].items()]),
+        ]
+    )
 
 
 def spreads(node, path: str = ""):
@@ -242,16 +408,25 @@ def spreads(node, path: str = ""):
 def noise(results: dict[str, dict]) -> str:
     rows = []
     for name, data in results.items():
-        rel = [((sp["max"] - sp["min"]) / abs(sp["median"]), where, sp["n"]) for where, sp in spreads(data)
-               if sp["n"] >= 2 and sp["median"] and not any(k in where for k in ("ratio", "added", "efficiency"))]
+        rel = [
+            ((sp["max"] - sp["min"]) / abs(sp["median"]), where, sp["n"])
+            for where, sp in spreads(data)
+            if sp["n"] >= 2 and sp["median"] and not any(k in where for k in ("ratio", "added", "efficiency"))
+        ]
         if not rel:
             continue
         rel.sort()
         worst = rel[-1]
-        rows.append([name, data["machine"]["date"], str(len(rel)), f"{100 * rel[len(rel) // 2][0]:.0f} %",
-                     f"{100 * worst[0]:.0f} % ({worst[1]})"])
-    return table(["benchmark", "run", "figures with repeats", "median (max − min) / median",
-                  "widest"], rows)
+        rows.append(
+            [
+                name,
+                data["machine"]["date"],
+                str(len(rel)),
+                f"{100 * rel[len(rel) // 2][0]:.0f} %",
+                f"{100 * worst[0]:.0f} % ({worst[1]})",
+            ]
+        )
+    return table(["benchmark", "run", "figures with repeats", "median (max − min) / median", "widest"], rows)
 
 
 SECTIONS = {
@@ -277,8 +452,10 @@ def main() -> int:
             raise SystemExit(f"{DOC} has no <!-- generated:{name} --> block")
         text = block.sub(lambda m: m.group(1) + render(data) + "\n" + m.group(2), text)
     DOC.write_text(text)
-    print(f"rewrote {DOC.relative_to(ROOT)}" + (f"; no results yet for {', '.join(missing)}" if missing else ""),
-          file=sys.stderr)
+    print(
+        f"rewrote {DOC.relative_to(ROOT)}" + (f"; no results yet for {', '.join(missing)}" if missing else ""),
+        file=sys.stderr,
+    )
     return 0
 
 

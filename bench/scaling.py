@@ -62,9 +62,12 @@ def repeat(proxy, replicas, workers: int, args) -> dict:
     row = {k: spread([r[k] for r in runs]) for k in runs[0]}
     row["workers"], row["ideal_tokens_per_s"] = workers, ideal_tokens_per_s(workers)
     row["efficiency"] = spread([r["tokens_per_s"] / row["ideal_tokens_per_s"] for r in runs])
-    print(f"  {len(replicas)} replicas, {workers:3d} groups: {row['tokens_per_s']['median']:8.0f} tok/s "
-          f"(ideal {row['ideal_tokens_per_s']:.0f}), proxy CPU {row['proxy_cpu_util']['median']:.2f} cores, "
-          f"{row['proxy_cpu_s_per_1k_tokens']['median'] * 1e3:.1f} ms/1k tokens", flush=True)
+    print(
+        f"  {len(replicas)} replicas, {workers:3d} groups: {row['tokens_per_s']['median']:8.0f} tok/s "
+        f"(ideal {row['ideal_tokens_per_s']:.0f}), proxy CPU {row['proxy_cpu_util']['median']:.2f} cores, "
+        f"{row['proxy_cpu_s_per_1k_tokens']['median'] * 1e3:.1f} ms/1k tokens",
+        flush=True,
+    )
     return row
 
 
@@ -73,14 +76,28 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--seconds", type=float, default=4.0, help="length of one measurement")
     args = ap.parse_args()
-    model = config_only_model("scripted-small", {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 1,
-                                                  "num_attention_heads": 2, "num_key_value_heads": 2, "head_dim": 32,
-                                                  "tie_word_embeddings": True, "vocab_size": 1000})
+    model = config_only_model(
+        "scripted-small",
+        {
+            "hidden_size": 64,
+            "intermediate_size": 128,
+            "num_hidden_layers": 1,
+            "num_attention_heads": 2,
+            "num_key_value_heads": 2,
+            "head_dim": 32,
+            "tie_word_embeddings": True,
+            "vocab_size": 1000,
+        },
+    )
     replicas = start_scripted(model, max(REPLICAS), "scaling", f"scripted.tokens_per_s={RATE}")
     by_replicas, saturation = {}, {}
     try:
         for count in REPLICAS:
-            proxy = start_proxy(replicas[:count], f"scaling-proxy-{count}", f"routing.max_in_flight_per_replica={max(SATURATION_WORKERS)}")
+            proxy = start_proxy(
+                replicas[:count],
+                f"scaling-proxy-{count}",
+                f"routing.max_in_flight_per_replica={max(SATURATION_WORKERS)}",
+            )
             try:
                 by_replicas[str(count)] = repeat(proxy, replicas[:count], PER_REPLICA * count, args)
                 if count == max(REPLICAS):
@@ -93,9 +110,17 @@ def main() -> None:
     write_result(
         "scaling",
         ".venv/bin/python bench/scaling.py",
-        {"workload": {"n": N, "new_tokens": TOKENS, "tokens_per_s_per_sample": RATE, "groups_per_replica": PER_REPLICA,
-                      "seconds_per_measurement": args.seconds},
-         "replicas": by_replicas, "saturation": saturation},
+        {
+            "workload": {
+                "n": N,
+                "new_tokens": TOKENS,
+                "tokens_per_s_per_sample": RATE,
+                "groups_per_replica": PER_REPLICA,
+                "seconds_per_measurement": args.seconds,
+            },
+            "replicas": by_replicas,
+            "saturation": saturation,
+        },
     )
 
 

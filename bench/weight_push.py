@@ -151,7 +151,11 @@ def measure_model(label: str, config: dict, args, version: dict[str, int]) -> di
     lora = safetensors_bytes(lora_shapes(full_config, RANK))
     full_bytes = 2 * full_params(full_config)
     per_rank = 2 * sum(a * b for a, b in lora_shapes(full_config, 1).values())  # bf16 bytes of rank 1
-    out: dict = {"lora_bytes": len(lora), "full_bytes": full_bytes, "disk_s": disk_roundtrip(lora_shapes(full_config, RANK), args.repeats)}
+    out: dict = {
+        "lora_bytes": len(lora),
+        "full_bytes": full_bytes,
+        "disk_s": disk_roundtrip(lora_shapes(full_config, RANK), args.repeats),
+    }
     measure_full = label in args.full_models
     full_rank = math.ceil(full_bytes / per_rank) if measure_full else 0
     full = safetensors_bytes(lora_shapes(full_config, full_rank)) if measure_full else b""
@@ -162,18 +166,25 @@ def measure_model(label: str, config: dict, args, version: dict[str, int]) -> di
     fingerprint = model_fingerprint(model, config_only=True)
     try:
         for count in REPLICAS:
-            proxy = start_proxy(replicas[:count], f"push-proxy-{label}-{count}", f"spool.max_adapter_bytes={2 * GiB}",
-                                "spool.keep_versions=1", "health.push_timeout_s=600")
+            proxy = start_proxy(
+                replicas[:count],
+                f"push-proxy-{label}-{count}",
+                f"spool.max_adapter_bytes={2 * GiB}",
+                "spool.keep_versions=1",
+                "health.push_timeout_s=600",
+            )
             pusher = Pusher(proxy, replicas[:count], fingerprint)
             try:
                 row: dict = {}
                 pushes = [("lora", lora, RANK, False)] + [("full", full, full_rank, False)] * measure_full
                 if count == 1:  # no proxy: what the proxy's store-and-forward adds
-                    pushes += [("direct-lora", lora, RANK, True)] + [("direct-full", full, full_rank, True)] * measure_full
+                    pushes += [("direct-lora", lora, RANK, True)] + [
+                        ("direct-full", full, full_rank, True)
+                    ] * measure_full
                 for name, payload, r, direct in pushes:
                     repeats = args.full_repeats if "full" in name else args.repeats
                     runs = []
-                    for i in range(repeats + (name == "lora")):  # the very first push opens channels
+                    for _i in range(repeats + (name == "lora")):  # the very first push opens channels
                         version[name] = version.get(name, 0) + 1
                         runs.append(pusher.push(name, version[name], payload, r, direct))
                     runs = runs[1:] if name == "lora" else runs
@@ -182,8 +193,11 @@ def measure_model(label: str, config: dict, args, version: dict[str, int]) -> di
                 if measure_full:
                     row["tcp_full_s"] = tcp_copy(len(full), count, args.full_repeats)
                 out[str(count)] = row
-                print(f"{label} x{count}: lora {row['lora']['served_s']['median']:.3f}s"
-                      + (f", full {row['full']['served_s']['median']:.2f}s" if measure_full else ""), flush=True)
+                print(
+                    f"{label} x{count}: lora {row['lora']['served_s']['median']:.3f}s"
+                    + (f", full {row['full']['served_s']['median']:.2f}s" if measure_full else ""),
+                    flush=True,
+                )
             finally:
                 pusher.close()
                 proxy.stop()
@@ -239,12 +253,20 @@ def main() -> None:
     table = summarise(models)
     for key, row in table.items():
         full = f"{row['full_s']:.2f}s ({row['full_kind']})" if row["full_s"] else "-"
-        print(f"{key:10s} lora {row['lora_s']:.3f}s  disk {row['disk_s']:.3f}s  tcp {row['tcp_lora_s']:.4f}s  full {full}")
+        print(
+            f"{key:10s} lora {row['lora_s']:.3f}s  disk {row['disk_s']:.3f}s  tcp {row['tcp_lora_s']:.4f}s  full {full}"
+        )
     write_result(
         "weight_push",
         ".venv/bin/python bench/weight_push.py",
-        {"rank": RANK, "replicas": list(REPLICAS), "repeats": args.repeats, "full_repeats": args.full_repeats,
-         "models": models, "table": table},
+        {
+            "rank": RANK,
+            "replicas": list(REPLICAS),
+            "repeats": args.repeats,
+            "full_repeats": args.full_repeats,
+            "models": models,
+            "table": table,
+        },
     )
 
 

@@ -31,17 +31,29 @@ def start_service(args: list[str], workdir: Path, name: str, timeout: float = 90
     return svc
 
 
-def start_generator(model: Path, workdir: Path, name: str = "generator", *extra: str, plaintext: bool = True) -> Service:
+def start_generator(
+    model: Path, workdir: Path, name: str = "generator", *extra: str, plaintext: bool = True
+) -> Service:
     return start_service(
-        ["generator", "--model", str(model), "--port", "0", "--metrics-port", "0", *extra], workdir, name, plaintext=plaintext
+        ["generator", "--model", str(model), "--port", "0", "--metrics-port", "0", *extra],
+        workdir,
+        name,
+        plaintext=plaintext,
     )
 
 
 @pytest.fixture(scope="session")
 def generator(tiny_model, tmp_path_factory):
     """One generator replica shared by the tests that do not need special settings."""
-    svc = start_generator(tiny_model, tmp_path_factory.mktemp("generator"), "generator", "--set", "limits.max_n=16",
-                          "--set", "limits.max_new_tokens=200")
+    svc = start_generator(
+        tiny_model,
+        tmp_path_factory.mktemp("generator"),
+        "generator",
+        "--set",
+        "limits.max_n=16",
+        "--set",
+        "limits.max_new_tokens=200",
+    )
     yield svc
     svc.stop()
 
@@ -54,4 +66,3 @@ def reference_model(tiny_model):
 
     torch.manual_seed(0)
     return AutoModelForCausalLM.from_pretrained(tiny_model).eval()
-

@@ -48,7 +48,9 @@ def make_adapter(model_dir, seed: int, r: int = 8, targets=TARGETS, scale: float
     from transformers import AutoModelForCausalLM
 
     base = AutoModelForCausalLM.from_pretrained(model_dir)
-    model = get_peft_model(base, LoraConfig(r=r, lora_alpha=2 * r, target_modules=list(targets), init_lora_weights=False))
+    model = get_peft_model(
+        base, LoraConfig(r=r, lora_alpha=2 * r, target_modules=list(targets), init_lora_weights=False)
+    )
     gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, p in model.named_parameters():
@@ -64,7 +66,9 @@ def peft_reference(model_dir, adapter: Adapter):
     from transformers import AutoModelForCausalLM
 
     base = AutoModelForCausalLM.from_pretrained(model_dir)
-    model = get_peft_model(base, LoraConfig(r=adapter.r, lora_alpha=adapter.lora_alpha, target_modules=list(adapter.targets)))
+    model = get_peft_model(
+        base, LoraConfig(r=adapter.r, lora_alpha=adapter.lora_alpha, target_modules=list(adapter.targets))
+    )
     set_peft_model_state_dict(model, adapter.state_dict)
     return model.eval()
 
@@ -95,7 +99,9 @@ class Group:
     finished: dict[int, pb.SampleFinished]
 
 
-def generate(target: str, prompt, n: int = 1, adapter: tuple[str, int] | None = None, timeout: float = 60, **sampling) -> Group:
+def generate(
+    target: str, prompt, n: int = 1, adapter: tuple[str, int] | None = None, timeout: float = 60, **sampling
+) -> Group:
     req = pb.GenerateRequest(n=n, sampling=pb.SamplingParams(**sampling))
     if isinstance(prompt, str):
         req.text = prompt

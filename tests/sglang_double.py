@@ -43,13 +43,39 @@ from pathlib import Path
 
 VERSION = "0.5.23"
 GENERATE_FIELDS = {
-    "text", "input_ids", "sampling_params", "rid", "return_logprob", "logprob_start_len", "top_logprobs_num",
-    "stream", "lora_path", "return_text_in_logprobs", "log_metrics", "custom_labels", "priority", "extra_key",
+    "text",
+    "input_ids",
+    "sampling_params",
+    "rid",
+    "return_logprob",
+    "logprob_start_len",
+    "top_logprobs_num",
+    "stream",
+    "lora_path",
+    "return_text_in_logprobs",
+    "log_metrics",
+    "custom_labels",
+    "priority",
+    "extra_key",
 }
 SAMPLING_FIELDS = {
-    "max_new_tokens", "temperature", "top_p", "top_k", "min_p", "stop", "stop_token_ids", "ignore_eos",
-    "skip_special_tokens", "no_stop_trim", "n", "sampling_seed", "spaces_between_special_tokens", "min_new_tokens",
-    "frequency_penalty", "presence_penalty", "repetition_penalty",
+    "max_new_tokens",
+    "temperature",
+    "top_p",
+    "top_k",
+    "min_p",
+    "stop",
+    "stop_token_ids",
+    "ignore_eos",
+    "skip_special_tokens",
+    "no_stop_trim",
+    "n",
+    "sampling_seed",
+    "spaces_between_special_tokens",
+    "min_new_tokens",
+    "frequency_penalty",
+    "presence_penalty",
+    "repetition_penalty",
 }
 ADMIN_ROUTES = {"/load_lora_adapter", "/unload_lora_adapter", "/abort_request"}
 
@@ -283,8 +309,11 @@ class DoubleServer:
 
     async def _server_info(self, body, writer) -> None:
         info = {
-            "version": VERSION, "model_path": self.o.model_path, "enable_lora": self.o.enable_lora,
-            "max_lora_rank": self.o.max_lora_rank, "max_loaded_loras": self.o.max_loaded_loras,
+            "version": VERSION,
+            "model_path": self.o.model_path,
+            "enable_lora": self.o.enable_lora,
+            "max_lora_rank": self.o.max_lora_rank,
+            "max_loaded_loras": self.o.max_loaded_loras,
             "max_loras_per_batch": self.o.max_loras_per_batch,
             "enable_deterministic_inference": self.o.enable_deterministic_inference,
             "incremental_streaming_output": self.o.incremental_streaming_output,
@@ -292,8 +321,16 @@ class DoubleServer:
         await _reply(writer, 200, info)
 
     async def _state(self, body, writer) -> None:
-        await _reply(writer, 200, {"active_rows": self.active_rows, "loras": list(self.loras), "evicted": self.evicted,
-                                   "calls": [[c.method, c.path, c.body] for c in self.calls]})
+        await _reply(
+            writer,
+            200,
+            {
+                "active_rows": self.active_rows,
+                "loras": list(self.loras),
+                "evicted": self.evicted,
+                "calls": [[c.method, c.path, c.body] for c in self.calls],
+            },
+        )
 
     async def _abort(self, body, writer) -> None:
         self.aborted.add(body.get("rid", ""))
@@ -314,7 +351,9 @@ class DoubleServer:
             raise ValueError(f"Failed to load LoRA adapter {name} because it is already loaded")
         config = json.loads((Path(path) / "adapter_config.json").read_text())
         targets = set(self.o.lora_target_modules) - {"all"}
-        if (self.o.max_lora_rank and config["r"] > self.o.max_lora_rank) or (targets and not set(config["target_modules"]) <= targets):
+        if (self.o.max_lora_rank and config["r"] > self.o.max_lora_rank) or (
+            targets and not set(config["target_modules"]) <= targets
+        ):
             raise ValueError(
                 f"LoRA adapter {name} with rank {config['r']} is incompatible with the current LoRA memory pool "
                 "configuration. Please ensure that the LoRA adapter's rank is within the configured `--max-lora-rank` "
@@ -326,16 +365,29 @@ class DoubleServer:
             victim = next(iter(self.loras))  # SGLang unloads the least recently used adapter
             self.evicted.append(victim)
             await self._do_unload(victim)
-        return {"success": True, "error_message": None, "loaded_adapters": {n: v["path"] for n, v in self.loras.items()}}
+        return {
+            "success": True,
+            "error_message": None,
+            "loaded_adapters": {n: v["path"] for n, v in self.loras.items()},
+        }
 
     async def _unload_lora(self, body, writer) -> None:
         name = body.get("lora_name", "")
         if name not in self.loras:
-            return await _reply(writer, 400, {"success": False, "error_message":
-                                              f"LoRA with name {name} does not exist. Loaded LoRAs: {list(self.loras)}"})
+            return await _reply(
+                writer,
+                400,
+                {
+                    "success": False,
+                    "error_message": f"LoRA with name {name} does not exist. Loaded LoRAs: {list(self.loras)}",
+                },
+            )
         await self._do_unload(name)
-        await _reply(writer, 200, {"success": True, "error_message": None,
-                                   "loaded_adapters": {n: v["path"] for n, v in self.loras.items()}})
+        await _reply(
+            writer,
+            200,
+            {"success": True, "error_message": None, "loaded_adapters": {n: v["path"] for n, v in self.loras.items()}},
+        )
 
     async def _do_unload(self, name: str) -> None:
         entry = self.loras.pop(name)
@@ -357,14 +409,19 @@ class DoubleServer:
             rows, lora_names = self._rows(body)
             for name in set(lora_names) - {None}:
                 if name not in self.loras:
-                    raise GenerateError(f"The following requested LoRA adapters are not loaded: {name}\nLoaded adapters: {list(self.loras)}")
+                    raise GenerateError(
+                        f"The following requested LoRA adapters are not loaded: {name}\nLoaded adapters: {list(self.loras)}"
+                    )
             loras = [self.loras[n] for n in set(lora_names) - {None}]
             for entry in loras:
                 entry["uses"] += 1
                 self.loras.move_to_end(next(k for k, v in self.loras.items() if v is entry))
             await self._run(rows, lora_names, writer)
         except GenerateError as exc:
-            await _chunk(writer, {"error": {"message": str(exc), "type": "invalid_request_error", "code": 400, "retryable": False}})
+            await _chunk(
+                writer,
+                {"error": {"message": str(exc), "type": "invalid_request_error", "code": 400, "retryable": False}},
+            )
         except (ConnectionError, RuntimeError):
             return  # the client went away; SGLang aborts the request
         finally:
@@ -376,7 +433,12 @@ class DoubleServer:
         await _end_stream(writer)
 
     def _rows(self, body) -> tuple[list[Row], list[str | None]]:
-        ids, params, rid, lora = body.get("input_ids"), body.get("sampling_params") or {}, body.get("rid"), body.get("lora_path")
+        ids, params, rid, lora = (
+            body.get("input_ids"),
+            body.get("sampling_params") or {},
+            body.get("rid"),
+            body.get("lora_path"),
+        )
         if not ids:
             raise GenerateError("input_ids cannot be empty.")
         batch = isinstance(ids[0], list)
@@ -385,11 +447,15 @@ class DoubleServer:
         for p in plist:
             self._check_params(p)
         n = plist[0].get("n", 1)
-        rids = rid if isinstance(rid, list) else ([rid or uuid.uuid4().hex] if not batch else [f"{rid}_{i}" for i in range(len(prompts))])
+        rids = (
+            rid
+            if isinstance(rid, list)
+            else ([rid or uuid.uuid4().hex] if not batch else [f"{rid}_{i}" for i in range(len(prompts))])
+        )
         loras = lora if isinstance(lora, list) else [lora] * len(prompts)
         rows, names = [], []
         for i, prompt in enumerate(prompts):
-            for j in range(n):  # `n`: SGLang expands the samples under fresh request ids
+            for _j in range(n):  # `n`: SGLang expands the samples under fresh request ids
                 sample_rid = uuid.uuid4().hex if n > 1 else rids[i]
                 rows.append(Row(sample_rid, len(rows), list(prompt), plist[i], self._generator(plist[i])))
                 names.append(loras[i])
@@ -487,9 +553,15 @@ class DoubleServer:
         start = row.sent if self.o.incremental_streaming_output else 0
         row.sent = len(row.out)
         meta = {
-            "id": row.rid, "finish_reason": row.finish, "prompt_tokens": len(row.prompt), "weight_version": "default",
-            "completion_tokens": len(row.out), "cached_tokens": 0,
-            "output_token_logprobs": [[lp, t, None] for lp, t in zip(row.logprobs[start:], row.out[start:])],
+            "id": row.rid,
+            "finish_reason": row.finish,
+            "prompt_tokens": len(row.prompt),
+            "weight_version": "default",
+            "completion_tokens": len(row.out),
+            "cached_tokens": 0,
+            "output_token_logprobs": [
+                [lp, t, None] for lp, t in zip(row.logprobs[start:], row.out[start:], strict=False)
+            ],
         }
         text = self.model.tokenizer.decode(row.out, skip_special_tokens=True)
         out = {"text": text, "output_ids": row.out[start:], "meta_info": meta}
@@ -520,7 +592,9 @@ async def _reply(writer: asyncio.StreamWriter, status: int, body) -> None:
 
 
 async def _start_stream(writer) -> None:
-    writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\nconnection: close\r\n\r\n")
+    writer.write(
+        b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\nconnection: close\r\n\r\n"
+    )
     await writer.drain()
 
 
@@ -560,11 +634,19 @@ def parse_args(argv: list[str]) -> Options:
         sys.exit(3)
     keys = json.loads(Path(a.config).read_text()) if a.config else {}
     return Options(
-        model_path=a.model_path, host=a.host, port=a.port, enable_lora=a.enable_lora, max_lora_rank=a.max_lora_rank,
-        lora_target_modules=a.lora_target_modules, max_loras_per_batch=a.max_loras_per_batch,
-        max_loaded_loras=a.max_loaded_loras, enable_deterministic_inference=a.enable_deterministic_inference,
-        incremental_streaming_output=a.incremental_streaming_output, random_seed=a.random_seed,
-        api_key=keys.get("api_key"), admin_api_key=keys.get("admin_api_key"),
+        model_path=a.model_path,
+        host=a.host,
+        port=a.port,
+        enable_lora=a.enable_lora,
+        max_lora_rank=a.max_lora_rank,
+        lora_target_modules=a.lora_target_modules,
+        max_loras_per_batch=a.max_loras_per_batch,
+        max_loaded_loras=a.max_loaded_loras,
+        enable_deterministic_inference=a.enable_deterministic_inference,
+        incremental_streaming_output=a.incremental_streaming_output,
+        random_seed=a.random_seed,
+        api_key=keys.get("api_key"),
+        admin_api_key=keys.get("admin_api_key"),
     )
 
 
@@ -583,10 +665,12 @@ def main(argv: list[str] | None = None) -> None:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     started = time.monotonic()
     options = parse_args(sys.argv[1:] if argv is None else argv)
-    print(f"sglang_double {VERSION} args={sys.argv[1:] if argv is None else argv} ({time.monotonic() - started:.2f}s)", flush=True)
+    print(
+        f"sglang_double {VERSION} args={sys.argv[1:] if argv is None else argv} ({time.monotonic() - started:.2f}s)",
+        flush=True,
+    )
     asyncio.run(_main(options))
 
 
 if __name__ == "__main__":
     main()
-

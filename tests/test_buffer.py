@@ -11,7 +11,10 @@ from rollwire.learner.task import Example
 
 
 def group(versions: list[list[int]], rewards: list[float], gid: int = 0) -> ScoredGroup:
-    samples = [ScoredSample([5] * len(v), [-0.5] * len(v), v, "x", "eos", r, r > 0) for v, r in zip(versions, rewards)]
+    samples = [
+        ScoredSample([5] * len(v), [-0.5] * len(v), v, "x", "eos", r, r > 0)
+        for v, r in zip(versions, rewards, strict=False)
+    ]
     return ScoredGroup(Example(gid, "p", "a"), [1, 2], samples, adapter_version=min(min(v) for v in versions if v))
 
 
@@ -91,7 +94,7 @@ def test_ledger_refuses_to_lose_a_group():
 
 def test_ledger_observers_see_every_outcome():
     seen = []
-    buf, ledger = filled()
+    _buf, ledger = filled()
     ledger.observers.append(lambda event, reason, n: seen.append((event, reason, n)))
     ledger.request()
     ledger.generated()

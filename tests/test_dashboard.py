@@ -8,7 +8,9 @@ evaluated through Prometheus's HTTP API and must return at least one series.
 
 from __future__ import annotations
 
+import functools
 import json
+import operator
 import shutil
 import socket
 import subprocess
@@ -19,7 +21,6 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
-
 from conftest import start_service
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -59,16 +60,42 @@ def stack(tiny_model, tmp_path_factory):
     one_thread = ("--set", "transformers.threads=1")
     gen_args = ["generator", "--model", str(tiny_model), "--port", "0", "--metrics-port", "0", *one_thread]
     with ThreadPoolExecutor(2) as pool:
-        generators = list(pool.map(lambda name: start_service([*gen_args, "--replica-id", name], work, name), ["gen-a", "gen-b"]))
+        generators = list(
+            pool.map(lambda name: start_service([*gen_args, "--replica-id", name], work, name), ["gen-a", "gen-b"])
+        )
     proxy = start_service(
-        ["proxy", "--port", "0", "--metrics-port", "0", *sum((["--generator", g.target] for g in generators), [])], work, "proxy"
+        [
+            "proxy",
+            "--port",
+            "0",
+            "--metrics-port",
+            "0",
+            *functools.reduce(operator.iadd, (["--generator", g.target] for g in generators), []),
+        ],
+        work,
+        "proxy",
     )
     learner = start_service(
-        ["learner", f"target={proxy.target}", f"base_model={tiny_model}", f"run_dir={work / 'learner'}", "metrics_port=0",
-         "metrics_host=127.0.0.1", "max_seconds=150", "progress=false", "eval.at_start=false", "eval.at_end=false",
-         "buffer.keep_zero_variance=true", "rollout.n=4", "rollout.groups_in_flight=8", "train.groups_per_step=4",
-         "train.threads=1"],
-        work, "learner", plaintext=False,
+        [
+            "learner",
+            f"target={proxy.target}",
+            f"base_model={tiny_model}",
+            f"run_dir={work / 'learner'}",
+            "metrics_port=0",
+            "metrics_host=127.0.0.1",
+            "max_seconds=150",
+            "progress=false",
+            "eval.at_start=false",
+            "eval.at_end=false",
+            "buffer.keep_zero_variance=true",
+            "rollout.n=4",
+            "rollout.groups_in_flight=8",
+            "train.groups_per_step=4",
+            "train.threads=1",
+        ],
+        work,
+        "learner",
+        plaintext=False,
     )
     services = [*generators, proxy, learner]
     yield {"generator": generators, "proxy": [proxy], "learner": [learner]}, work
@@ -85,14 +112,21 @@ def prometheus(stack, tmp_path_factory):
     work = tmp_path_factory.mktemp("prometheus")
     (work / "targets").mkdir()
     for role, procs in services.items():
-        targets = [{"targets": [f"127.0.0.1:{p.metrics_port}"], "labels": {"role": role, "replica": p.name}} for p in procs]
+        targets = [
+            {"targets": [f"127.0.0.1:{p.metrics_port}"], "labels": {"role": role, "replica": p.name}} for p in procs
+        ]
         (work / "targets" / f"{role}.json").write_text(json.dumps(targets))
     shutil.copy(ROOT / "ops" / "prometheus" / "prometheus.local.yml", work / "prometheus.yml")
     port = free_port()
     proc = subprocess.Popen(
-        [binary, f"--config.file={work / 'prometheus.yml'}", f"--storage.tsdb.path={work / 'data'}",
-         f"--web.listen-address=127.0.0.1:{port}"],
-        stdout=(work / "prometheus.log").open("w"), stderr=subprocess.STDOUT,
+        [
+            binary,
+            f"--config.file={work / 'prometheus.yml'}",
+            f"--storage.tsdb.path={work / 'data'}",
+            f"--web.listen-address=127.0.0.1:{port}",
+        ],
+        stdout=(work / "prometheus.log").open("w"),
+        stderr=subprocess.STDOUT,
     )
     base = f"http://127.0.0.1:{port}"
     yield base

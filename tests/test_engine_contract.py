@@ -12,15 +12,14 @@ import asyncio
 import contextlib
 import itertools
 
-import pytest
 import pytest_asyncio
 import torch
-
 from helpers import make_adapter, peft_reference
-from rollwire.generator.adapters import LoraShape, Manifest
-from rollwire.generator.types import AdapterSelection, GroupRequest, SampleDone, SamplingParams, TokenDelta
 from sglang_double import DoubleModel, DoubleServer, Options
 from test_generator import forward_logprobs
+
+from rollwire.generator.adapters import LoraShape, Manifest
+from rollwire.generator.types import AdapterSelection, GroupRequest, SampleDone, SamplingParams, TokenDelta
 
 ENGINES = ["transformers", "sglang"]
 _ids = itertools.count()
@@ -39,8 +38,15 @@ async def engine(request, tiny_model, tmp_path_factory):
     from rollwire.generator.config import SGLangSection
     from rollwire.generator.engines.sglang_engine import SGLangEngine
 
-    options = Options(model_path=str(tiny_model), enable_lora=True, max_lora_rank=16, lora_target_modules=["all"],
-                      max_loaded_loras=4, max_loras_per_batch=4, enable_deterministic_inference=True)
+    options = Options(
+        model_path=str(tiny_model),
+        enable_lora=True,
+        max_lora_rank=16,
+        lora_target_modules=["all"],
+        max_loaded_loras=4,
+        max_loras_per_batch=4,
+        enable_deterministic_inference=True,
+    )
     double = DoubleServer(options, DoubleModel(str(tiny_model))).start()
     settings = SGLangSection(url=double.url, adapter_dir=str(tmp_path_factory.mktemp("sglang-adapters")))
     eng = SGLangEngine(tiny_model, settings, adapter_window=3)
@@ -125,8 +131,9 @@ async def test_greedy_equals_hf_generate(engine, reference_model):
     prompt = prompt_of(engine, "greedy")
     out = await collect(engine, group(prompt, n=2, max_new_tokens=12, temperature=0.0, ignore_eos=True))
     with torch.no_grad():
-        ref = reference_model.generate(torch.tensor([prompt]), max_new_tokens=12, min_new_tokens=12, do_sample=False,
-                                       pad_token_id=0)[0, len(prompt):].tolist()
+        ref = reference_model.generate(
+            torch.tensor([prompt]), max_new_tokens=12, min_new_tokens=12, do_sample=False, pad_token_id=0
+        )[0, len(prompt) :].tolist()
     assert out["tokens"][0] == out["tokens"][1] == ref
     assert all(d.reason == "length" for d in out["done"].values())
 
@@ -216,8 +223,15 @@ async def test_transformers_engine_survives_a_push_whose_caller_went_away(tiny_m
         gone.cancel()
         engine._apply_ops([(gone, ("load", "gone-1", manifest_for(adapter, "gone", 1), {}))])
         await engine.load_adapter("kept-1", manifest_for(adapter, "kept", 1), adapter.payload)
-        out = await collect(engine, group(prompt_of(engine, "alive"), adapter=AdapterSelection("kept", 1, "kept-1"),
-                                          max_new_tokens=4, ignore_eos=True))
+        out = await collect(
+            engine,
+            group(
+                prompt_of(engine, "alive"),
+                adapter=AdapterSelection("kept", 1, "kept-1"),
+                max_new_tokens=4,
+                ignore_eos=True,
+            ),
+        )
         assert out["done"][0].completion_tokens == 4
     finally:
         await engine.close()

@@ -36,23 +36,42 @@ from rollwire.v1 import generator_pb2_grpc
 
 C = grpc.StatusCode
 CODES = [c for c in C if c != C.OK]
-KNOWN_REASONS = ["", "INTERNAL", "UNKNOWN", "ENGINE_FAILED", "ROW_FAILED", "NON_FINITE_LOGITS", "QUEUE_FULL",
-                 "ADAPTER_NOT_FOUND", "ADAPTER_VERSION_EVICTED", "BAD_TEMPERATURE", "BAD_REQUEST_ID", "SHUTTING_DOWN"]
+KNOWN_REASONS = [
+    "",
+    "INTERNAL",
+    "UNKNOWN",
+    "ENGINE_FAILED",
+    "ROW_FAILED",
+    "NON_FINITE_LOGITS",
+    "QUEUE_FULL",
+    "ADAPTER_NOT_FOUND",
+    "ADAPTER_VERSION_EVICTED",
+    "BAD_TEMPERATURE",
+    "BAD_REQUEST_ID",
+    "SHUTTING_DOWN",
+]
 reasons = st.one_of(st.sampled_from(KNOWN_REASONS), st.text(max_size=20))
 flags = st.booleans()
 
 
 def sick(code: grpc.StatusCode, reason: str, deadline_passed: bool) -> bool:
     """The statuses that mean the replica itself is sick, spelled out independently."""
-    return (code == C.UNAVAILABLE or (code == C.DEADLINE_EXCEEDED and not deadline_passed)
-            or (code in (C.INTERNAL, C.UNKNOWN) and reason == "ENGINE_FAILED"))
+    return (
+        code == C.UNAVAILABLE
+        or (code == C.DEADLINE_EXCEEDED and not deadline_passed)
+        or (code in (C.INTERNAL, C.UNKNOWN) and reason == "ENGINE_FAILED")
+    )
 
 
 # -- the classification function -------------------------------------------------------------
 @settings(max_examples=2000, deadline=None)
 @given(st.sampled_from(CODES), reasons, flags, flags, flags)
-def test_a_status_counts_against_a_replica_only_when_it_means_the_replica_is_sick(code, reason, passed, pinned, suspected):
-    verdict = faults.classify(code, reason, group_deadline_passed=passed, version_pinned=pinned, suspected_before=suspected)
+def test_a_status_counts_against_a_replica_only_when_it_means_the_replica_is_sick(
+    code, reason, passed, pinned, suspected
+):
+    verdict = faults.classify(
+        code, reason, group_deadline_passed=passed, version_pinned=pinned, suspected_before=suspected
+    )
     assert verdict.counts == sick(code, reason, passed), (code, reason, verdict)
     if verdict.counts:
         assert verdict.retry
@@ -61,13 +80,18 @@ def test_a_status_counts_against_a_replica_only_when_it_means_the_replica_is_sic
 @settings(max_examples=1000, deadline=None)
 @given(st.sampled_from(sorted(faults.CLIENT, key=str)), reasons, flags, flags)
 def test_client_causable_statuses_are_never_counted(code, reason, passed, suspected):
-    verdict = faults.classify(code, reason, group_deadline_passed=passed, version_pinned=False, suspected_before=suspected)
+    verdict = faults.classify(
+        code, reason, group_deadline_passed=passed, version_pinned=False, suspected_before=suspected
+    )
     assert not verdict.counts
     assert verdict.retry == (code == C.RESOURCE_EXHAUSTED and reason == "QUEUE_FULL")  # busy: elsewhere, uncounted
 
 
 @settings(max_examples=500, deadline=None)
-@given(st.sampled_from([C.INTERNAL, C.UNKNOWN]), reasons.filter(lambda r: r not in ("", "INTERNAL", "UNKNOWN", "ENGINE_FAILED")))
+@given(
+    st.sampled_from([C.INTERNAL, C.UNKNOWN]),
+    reasons.filter(lambda r: r not in ("", "INTERNAL", "UNKNOWN", "ENGINE_FAILED")),
+)
 def test_a_named_per_request_failure_is_relayed_and_never_counted(code, reason):
     verdict = faults.classify(code, reason)
     assert verdict == faults.CLIENT_FAULT
@@ -188,8 +212,15 @@ async def run_group(replicas, max_attempts=3):
     """(messages, final error or None, metrics) of one group run by GroupRun."""
     fakes = FakeReplicas(replicas)
     metrics = ProxyMetrics("least-loaded")
-    run = GroupRun(pb.GenerateRequest(text="x", n=1, sampling=pb.SamplingParams(max_new_tokens=1)), "rid",
-                   time.monotonic() + 30, FakeDispatcher(fakes), fakes, RoutingSection(max_attempts=max_attempts), metrics)
+    run = GroupRun(
+        pb.GenerateRequest(text="x", n=1, sampling=pb.SamplingParams(max_new_tokens=1)),
+        "rid",
+        time.monotonic() + 30,
+        FakeDispatcher(fakes),
+        fakes,
+        RoutingSection(max_attempts=max_attempts),
+        metrics,
+    )
     got, error = [], None
     try:
         async for message in run.events():
@@ -200,8 +231,13 @@ async def run_group(replicas, max_attempts=3):
 
 
 def ejections(metrics) -> float:
-    return sum(s.value for f in metrics.registry.collect() if f.name == "rollwire_proxy_ejections"
-               for s in f.samples if s.name.endswith("_total"))
+    return sum(
+        s.value
+        for f in metrics.registry.collect()
+        if f.name == "rollwire_proxy_ejections"
+        for s in f.samples
+        if s.name.endswith("_total")
+    )
 
 
 REQUEST_CAUSED = st.tuples(
@@ -242,7 +278,7 @@ def test_an_unexplained_internal_on_two_replicas_is_the_requests_and_is_relayed(
     first = FakeReplica("a", lambda req: ([started("a")], rpc_error(C.INTERNAL, "")))
     second = FakeReplica("b", lambda req: ([started("b")], rpc_error(C.UNKNOWN, "")))
     third = FakeReplica("c", lambda req: ([started("c"), tokens(), finished()], None))
-    _, error, metrics = asyncio.run(run_group([first, second, third]))
+    _, error, _metrics = asyncio.run(run_group([first, second, third]))
     assert isinstance(error, Relay) and error.code == C.UNKNOWN  # retried once, not twice
     assert [r.breaker.ejections for r in (first, second, third)] == [0, 0, 0]
 
@@ -297,8 +333,11 @@ def hostile_requests() -> dict[str, pb.GenerateRequest]:
     ids = pb.GenerateRequest(n=1, sampling=pb.SamplingParams(max_new_tokens=2))
     ids.token_ids.ids.extend([-1, 2**31 - 1])
     cases["bad token ids"] = ids
-    for name, rid in {"request id with newline": "a\nb\r\n", "request id with control chars": "\x00\x1b[31m\x7f",
-                      "huge request id": "r" * 100_000}.items():
+    for name, rid in {
+        "request id with newline": "a\nb\r\n",
+        "request id with control chars": "\x00\x1b[31m\x7f",
+        "huge request id": "r" * 100_000,
+    }.items():
         r = req()
         r.request_id = rid
         cases[name] = r
@@ -324,7 +363,7 @@ def test_no_hostile_request_ejects_a_replica_or_disturbs_other_clients(fleet):
     from helpers import metric_value
     from test_proxy_helpers import request, run_group, status
 
-    proxy, replicas = fleet
+    proxy, _replicas = fleet
     stop, lock = threading.Event(), threading.Lock()
     done, failures = [0], []
 
@@ -338,7 +377,7 @@ def test_no_hostile_request_ejects_a_replica_or_disturbs_other_clients(fleet):
                     run_group(stub, request(f"{index}+{seed}=", n=2, max_new_tokens=4, seed=seed), timeout=30)
                     with lock:
                         done[0] += 1
-                except Exception as exc:  # noqa: BLE001 - every failure is collateral damage: count it
+                except Exception as exc:
                     with lock:
                         failures.append(repr(exc)[:300])
 
@@ -371,8 +410,11 @@ def test_no_hostile_request_ejects_a_replica_or_disturbs_other_clients(fleet):
     assert failures == [], f"{len(failures)} well-behaved requests failed beside the hostile ones: {failures[:3]}"
     assert done[0] >= 9
     metrics = proxy.metrics()
-    ejected = [line for line in metrics.splitlines()
-               if line.startswith("rollwire_proxy_ejections_total{") and float(line.split()[-1]) > 0]
+    ejected = [
+        line
+        for line in metrics.splitlines()
+        if line.startswith("rollwire_proxy_ejections_total{") and float(line.split()[-1]) > 0
+    ]
     assert ejected == []
     st_ = status(proxy.target)
     assert len(st_.replicas) == 2 and all(r.healthy for r in st_.replicas), st_.replicas

@@ -8,11 +8,11 @@ from __future__ import annotations
 
 import grpc
 import pytest
+from conftest import start_service
+from helpers import generate
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from conftest import start_service
-from helpers import generate
 from rollwire.v1 import generator_pb2 as pb
 from rollwire.v1 import generator_pb2_grpc
 
@@ -57,8 +57,11 @@ requests = st.builds(
 @pytest.fixture(scope="module")
 def fuzz_targets(generator, tmp_path_factory):
     """The shared replica, and a proxy in front of it: both get every fuzzed message."""
-    proxy = start_service(["proxy", "--port", "0", "--metrics-port", "0", "--generator", generator.target],
-                          tmp_path_factory.mktemp("fuzz"), "fuzz-proxy")
+    proxy = start_service(
+        ["proxy", "--port", "0", "--metrics-port", "0", "--generator", generator.target],
+        tmp_path_factory.mktemp("fuzz"),
+        "fuzz-proxy",
+    )
     yield [generator, proxy]
     proxy.stop()
 
@@ -110,8 +113,12 @@ push_parts = st.lists(
                 name=st.text(max_size=12),
                 version=st.integers(0, 5),
                 base_model_fingerprint=st.text(max_size=10),
-                lora_config=st.builds(pb.LoraConfig, r=st.integers(0, 64), lora_alpha=floats,
-                                      target_modules=st.lists(st.text(max_size=8), max_size=3)),
+                lora_config=st.builds(
+                    pb.LoraConfig,
+                    r=st.integers(0, 64),
+                    lora_alpha=floats,
+                    target_modules=st.lists(st.text(max_size=8), max_size=3),
+                ),
                 byte_length=st.integers(0, 2**40),
                 sha256=st.text(max_size=64),
             ),

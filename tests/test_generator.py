@@ -11,8 +11,8 @@ import threading
 import grpc
 import pytest
 import torch
-
 from helpers import fingerprint, generate, make_adapter, metric_value, peft_reference, push, stub
+
 from rollwire.v1 import generator_pb2 as pb
 
 
@@ -85,10 +85,14 @@ def test_pushed_adapter_matches_local_peft_model(generator, tiny_model):
     assert reply.version == 1 and not reply.already_loaded and list(reply.loaded_versions) == [1]
     reference = peft_reference(tiny_model, adapter)
 
-    greedy = generate(generator.target, "adapt", n=1, adapter=("match", 1), max_new_tokens=20, temperature=0.0, ignore_eos=True)
+    greedy = generate(
+        generator.target, "adapt", n=1, adapter=("match", 1), max_new_tokens=20, temperature=0.0, ignore_eos=True
+    )
     prompt = list(greedy.started.prompt_token_ids)
     with torch.no_grad():
-        ref = reference.generate(torch.tensor([prompt]), max_new_tokens=20, min_new_tokens=20, do_sample=False, pad_token_id=0)
+        ref = reference.generate(
+            torch.tensor([prompt]), max_new_tokens=20, min_new_tokens=20, do_sample=False, pad_token_id=0
+        )
     assert greedy.tokens[0] == ref[0, len(prompt) :].tolist()
     base = generate(generator.target, "adapt", n=1, max_new_tokens=20, temperature=0.0, ignore_eos=True)
     assert base.tokens[0] != greedy.tokens[0]  # the adapter really changes the policy
@@ -129,7 +133,9 @@ def test_pinned_request_finishes_on_its_version_while_it_leaves_the_window(gener
     adapters = {v: make_adapter(tiny_model, seed=200 + v, r=4) for v in range(1, 5)}
     push(generator.target, adapters[1].manifest("lease", 1, fp), adapters[1].payload)
     request = pb.GenerateRequest(
-        text="long", n=2, adapter=pb.AdapterRef(name="lease", version=1),
+        text="long",
+        n=2,
+        adapter=pb.AdapterRef(name="lease", version=1),
         sampling=pb.SamplingParams(max_new_tokens=120, ignore_eos=True, seed=1),
     )
     stream = stub(generator.target).Generate(request, timeout=60)
@@ -159,7 +165,9 @@ def test_stop_strings_and_finish_reasons(generator):
 
 def test_cancel_mid_stream_frees_the_slot(generator):
     # 16 samples x 200 tokens take far longer than the cancel takes to arrive.
-    request = pb.GenerateRequest(text="cancel me", n=16, sampling=pb.SamplingParams(max_new_tokens=200, ignore_eos=True))
+    request = pb.GenerateRequest(
+        text="cancel me", n=16, sampling=pb.SamplingParams(max_new_tokens=200, ignore_eos=True)
+    )
     control = stub(generator.target)
     stream = control.Generate(request, timeout=60)
     assert next(stream).HasField("started")
@@ -167,8 +175,10 @@ def test_cancel_mid_stream_frees_the_slot(generator):
     stream.cancel()
     for _ in range(200):  # the server learns of the cancel asynchronously; bounded wait
         metrics = generator.metrics()
-        if metric_value(metrics, "rollwire_generator_in_flight_requests") == 0 == metric_value(
-            metrics, "rollwire_generator_running_groups"
+        if (
+            metric_value(metrics, "rollwire_generator_in_flight_requests")
+            == 0
+            == metric_value(metrics, "rollwire_generator_running_groups")
         ):
             break
         threading.Event().wait(0.02)
@@ -201,7 +211,9 @@ def test_health_and_reflection(generator):
     from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
     channel = grpc.insecure_channel(generator.target)
-    resp = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service="rollwire.v1.GeneratorService"))
+    resp = health_pb2_grpc.HealthStub(channel).Check(
+        health_pb2.HealthCheckRequest(service="rollwire.v1.GeneratorService")
+    )
     assert resp.status == health_pb2.HealthCheckResponse.SERVING
     refl = reflection_pb2_grpc.ServerReflectionStub(channel)
     answers = refl.ServerReflectionInfo(iter([reflection_pb2.ServerReflectionRequest(list_services="")]))
@@ -214,7 +226,10 @@ def test_metrics_count_requests_tokens_and_latency(generator):
     generate(generator.target, "count", n=2, max_new_tokens=5, ignore_eos=True)
     after = generator.metrics()
     ok = 'code="OK"'
-    assert metric_value(after, "rollwire_generator_requests_total", ok) == metric_value(before, "rollwire_generator_requests_total", ok) + 1
+    assert (
+        metric_value(after, "rollwire_generator_requests_total", ok)
+        == metric_value(before, "rollwire_generator_requests_total", ok) + 1
+    )
     delta = metric_value(after, "rollwire_generator_tokens_total", 'kind="completion"') - metric_value(
         before, "rollwire_generator_tokens_total", 'kind="completion"'
     )

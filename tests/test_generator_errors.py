@@ -4,23 +4,31 @@ from __future__ import annotations
 
 import grpc
 import pytest
+from helpers import fingerprint, generate, make_adapter, push, push_messages, stub
 from safetensors.torch import save
 
-from helpers import fingerprint, generate, make_adapter, push, push_messages, stub
 from rollwire.common.errors import from_rpc_error
 from rollwire.v1 import generator_pb2 as pb
 
 BAD_REQUESTS = {
     "empty prompt": (dict(text=""), grpc.StatusCode.INVALID_ARGUMENT, "prompt is empty"),
     "no prompt": (dict(text=None), grpc.StatusCode.INVALID_ARGUMENT, "prompt is empty"),
-    "token id outside vocab": (dict(token_ids=pb.TokenIds(ids=[5, 100000])), grpc.StatusCode.INVALID_ARGUMENT, "outside the vocabulary"),
+    "token id outside vocab": (
+        dict(token_ids=pb.TokenIds(ids=[5, 100000])),
+        grpc.StatusCode.INVALID_ARGUMENT,
+        "outside the vocabulary",
+    ),
     "n of 0": (dict(n=0), grpc.StatusCode.INVALID_ARGUMENT, "n is 0"),
     "n above limit": (dict(n=17), grpc.StatusCode.INVALID_ARGUMENT, "between 1 and 16"),
     "max_new_tokens 0": (dict(max_new_tokens=0), grpc.StatusCode.INVALID_ARGUMENT, "max_new_tokens is 0"),
     "max_new_tokens above limit": (dict(max_new_tokens=201), grpc.StatusCode.INVALID_ARGUMENT, "between 1 and 200"),
     "negative temperature": (dict(temperature=-0.5), grpc.StatusCode.INVALID_ARGUMENT, "temperature is -0.5"),
     "top_p of 0": (dict(top_p=0.0), grpc.StatusCode.INVALID_ARGUMENT, "top_p"),
-    "unknown adapter": (dict(adapter=pb.AdapterRef(name="nobody")), grpc.StatusCode.NOT_FOUND, "no adapter named 'nobody'"),
+    "unknown adapter": (
+        dict(adapter=pb.AdapterRef(name="nobody")),
+        grpc.StatusCode.NOT_FOUND,
+        "no adapter named 'nobody'",
+    ),
 }
 
 
@@ -47,7 +55,10 @@ def test_bad_generate_request(generator, case):
     assert err.value.code() == code
     assert words in err.value.details()
     assert from_rpc_error(err.value).reason  # machine-readable ErrorInfo travels too
-    assert generate(generator.target, "still serving", max_new_tokens=2, ignore_eos=True).finished[0].completion_tokens == 2
+    assert (
+        generate(generator.target, "still serving", max_new_tokens=2, ignore_eos=True).finished[0].completion_tokens
+        == 2
+    )
 
 
 @pytest.fixture(scope="module")
@@ -89,7 +100,11 @@ def test_wrong_tensor_shapes(generator, adapter):
     import hashlib
 
     m = adapter.manifest(
-        "bad-shape", 1, fingerprint(generator.target), byte_length=len(payload), sha256=hashlib.sha256(payload).hexdigest()
+        "bad-shape",
+        1,
+        fingerprint(generator.target),
+        byte_length=len(payload),
+        sha256=hashlib.sha256(payload).hexdigest(),
     )
     expect_push_error(generator.target, push_messages(m, payload), grpc.StatusCode.INVALID_ARGUMENT, "shape")
 
@@ -102,14 +117,18 @@ def test_rank_in_manifest_disagrees_with_tensors(generator, adapter):
 
 def test_wrong_base_model(generator, adapter):
     m = adapter.manifest("other-base", 1, "sha256:" + "ab" * 16)
-    expect_push_error(generator.target, push_messages(m, adapter.payload), grpc.StatusCode.FAILED_PRECONDITION, "base model")
+    expect_push_error(
+        generator.target, push_messages(m, adapter.payload), grpc.StatusCode.FAILED_PRECONDITION, "base model"
+    )
 
 
 def test_version_below_newest(generator, adapter):
     fp = fingerprint(generator.target)
     push(generator.target, adapter.manifest("mono", 5, fp), adapter.payload)
     m = adapter.manifest("mono", 4, fp)
-    expect_push_error(generator.target, push_messages(m, adapter.payload), grpc.StatusCode.FAILED_PRECONDITION, "only increase")
+    expect_push_error(
+        generator.target, push_messages(m, adapter.payload), grpc.StatusCode.FAILED_PRECONDITION, "only increase"
+    )
 
 
 def test_same_version_other_digest(generator, adapter, tiny_model):
@@ -117,22 +136,36 @@ def test_same_version_other_digest(generator, adapter, tiny_model):
     push(generator.target, adapter.manifest("immutable", 1, fp), adapter.payload)
     other = make_adapter(tiny_model, seed=8, r=4)
     m = other.manifest("immutable", 1, fp)
-    expect_push_error(generator.target, push_messages(m, other.payload), grpc.StatusCode.FAILED_PRECONDITION, "different digest")
+    expect_push_error(
+        generator.target, push_messages(m, other.payload), grpc.StatusCode.FAILED_PRECONDITION, "different digest"
+    )
 
 
 def test_chunk_before_manifest(generator, adapter):
     msgs = [pb.PushAdapterRequest(chunk=b"abc")]
-    expect_push_error(generator.target, msgs, grpc.StatusCode.INVALID_ARGUMENT, "first PushAdapter message must be the manifest")
+    expect_push_error(
+        generator.target, msgs, grpc.StatusCode.INVALID_ARGUMENT, "first PushAdapter message must be the manifest"
+    )
 
 
 def test_bad_adapter_name(generator, adapter):
     m = adapter.manifest("no spaces/allowed", 1, fingerprint(generator.target))
-    expect_push_error(generator.target, push_messages(m, adapter.payload), grpc.StatusCode.INVALID_ARGUMENT, "adapter name")
+    expect_push_error(
+        generator.target, push_messages(m, adapter.payload), grpc.StatusCode.INVALID_ARGUMENT, "adapter name"
+    )
 
 
 def test_not_safetensors(generator, adapter):
     import hashlib
 
     payload = b"this is not a safetensors file at all"
-    m = adapter.manifest("garbage", 1, fingerprint(generator.target), byte_length=len(payload), sha256=hashlib.sha256(payload).hexdigest())
-    expect_push_error(generator.target, push_messages(m, payload), grpc.StatusCode.INVALID_ARGUMENT, "not a safetensors")
+    m = adapter.manifest(
+        "garbage",
+        1,
+        fingerprint(generator.target),
+        byte_length=len(payload),
+        sha256=hashlib.sha256(payload).hexdigest(),
+    )
+    expect_push_error(
+        generator.target, push_messages(m, payload), grpc.StatusCode.INVALID_ARGUMENT, "not a safetensors"
+    )

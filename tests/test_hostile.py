@@ -20,14 +20,14 @@ from dataclasses import dataclass, field
 
 import grpc
 import pytest
+from helpers import fingerprint, make_adapter, push_messages
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from test_proxy_helpers import request, routable, run_group, start_generators, start_proxy, stop_all, wait_routable
 
-from helpers import fingerprint, make_adapter, push_messages
 from rollwire.common.errors import from_rpc_error
 from rollwire.v1 import generator_pb2 as pb
 from rollwire.v1 import generator_pb2_grpc
-from test_proxy_helpers import request, routable, run_group, start_generators, start_proxy, stop_all, wait_routable
 
 CLIENT_FAULTS = {
     grpc.StatusCode.INVALID_ARGUMENT,
@@ -233,8 +233,12 @@ def _push_cases(adapter, fp: str) -> dict[str, tuple[pb.AdapterManifest, bytes]]
     good = adapter.payload
     return {
         "NaN tensor": (manifest(nan), nan),
-        "NaN lora_alpha": (manifest(good, lora_config=pb.LoraConfig(r=adapter.r, lora_alpha=math.nan,
-                                                                   target_modules=list(adapter.targets))), good),
+        "NaN lora_alpha": (
+            manifest(
+                good, lora_config=pb.LoraConfig(r=adapter.r, lora_alpha=math.nan, target_modules=list(adapter.targets))
+            ),
+            good,
+        ),
         "header of 100k dims": (manifest(huge), huge),
         "wrong base model": (manifest(good, base_model_fingerprint="sha256:" + "0" * 64), good),
         "top-of-range version": (manifest(good, version=2**64 - 1), good),
@@ -242,8 +246,14 @@ def _push_cases(adapter, fp: str) -> dict[str, tuple[pb.AdapterManifest, bytes]]
     }
 
 
-PUSH_CASE_NAMES = ["NaN tensor", "NaN lora_alpha", "header of 100k dims", "wrong base model", "top-of-range version",
-                   "digest that lies"]
+PUSH_CASE_NAMES = [
+    "NaN tensor",
+    "NaN lora_alpha",
+    "header of 100k dims",
+    "wrong base model",
+    "top-of-range version",
+    "digest that lies",
+]
 
 
 @pytest.mark.parametrize("case", PUSH_CASE_NAMES)
@@ -260,17 +270,19 @@ def test_hostile_push_is_refused_and_bricks_nothing(fleet, background, stub, ada
 
 
 def test_a_good_push_still_lands_after_the_hostile_ones(fleet, background, stub, adapter):
-    proxy, replicas = fleet
-    reply = stub.PushAdapter(push_messages(adapter.manifest("hostile", 1, fingerprint(proxy.target)), adapter.payload),
-                             timeout=30)
+    proxy, _replicas = fleet
+    reply = stub.PushAdapter(
+        push_messages(adapter.manifest("hostile", 1, fingerprint(proxy.target)), adapter.payload), timeout=30
+    )
     assert reply.version == 1 and all(r.code == "OK" for r in reply.replicas)
     result = run_group(stub, request("3+4=", n=2, max_new_tokens=3, adapter="hostile"), timeout=10)
     assert result.version == 1
 
 
 # -- random requests -----------------------------------------------------------------------
-RANDOM = settings(max_examples=25, deadline=None,
-                  suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
+RANDOM = settings(
+    max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow]
+)
 floats = st.one_of(st.floats(width=64), st.sampled_from([0.0, 1e-45, 5e-324, -0.0, 1e308]))
 random_requests = st.builds(
     pb.GenerateRequest,
@@ -287,8 +299,11 @@ random_requests = st.builds(
         seed=st.integers(0, 2**64 - 1),
         ignore_eos=st.booleans(),
     ),
-    adapter=st.builds(pb.AdapterRef, name=st.sampled_from(["", "hostile", "nope"]) | st.text(max_size=8),
-                      version=st.integers(0, 2**64 - 1)),
+    adapter=st.builds(
+        pb.AdapterRef,
+        name=st.sampled_from(["", "hostile", "nope"]) | st.text(max_size=8),
+        version=st.integers(0, 2**64 - 1),
+    ),
     group_key=st.text(max_size=40),
 )
 
@@ -306,8 +321,11 @@ def test_random_requests_get_a_client_status_never_a_replica_fault(fleet, backgr
 def test_zz_no_replica_was_ejected_and_every_good_request_completed(fleet, background):
     proxy, replicas = fleet
     metrics = proxy.metrics()
-    ejections = [line for line in metrics.splitlines()
-                 if line.startswith("rollwire_proxy_ejections_total{") and float(line.split()[-1]) > 0]
+    ejections = [
+        line
+        for line in metrics.splitlines()
+        if line.startswith("rollwire_proxy_ejections_total{") and float(line.split()[-1]) > 0
+    ]
     assert not ejections, ejections
     assert set(routable(proxy)) == {r.target for r in replicas}
     background.stop.set()

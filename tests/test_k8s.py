@@ -8,8 +8,8 @@ from pathlib import Path
 import kubernetes_validate
 import pytest
 import yaml
-
 from helpers import metric_value
+
 from rollwire.common.config import load_config
 from rollwire.generator.config import GeneratorConfig
 
@@ -40,7 +40,9 @@ def test_every_resource_validates_strictly(name):
 def test_references_resolve():
     configmaps, secrets, deployments = by_kind("ConfigMap"), by_kind("Secret"), by_kind("Deployment")
     images = {i["name"] for i in kustomization()["images"]}
-    pod_specs = [d["spec"]["template"] for d in deployments.values()] + [j["spec"]["template"] for j in by_kind("Job").values()]
+    pod_specs = [d["spec"]["template"] for d in deployments.values()] + [
+        j["spec"]["template"] for j in by_kind("Job").values()
+    ]
     for template in pod_specs:
         for volume in template["spec"]["volumes"]:
             if "configMap" in volume:
@@ -64,7 +66,11 @@ def test_generator_config_map_is_a_valid_generator_config(tmp_path):
     deployment = by_kind("Deployment")["rollwire-generator"]["spec"]["template"]["spec"]
     container = deployment["containers"][0]
     ports = {p["name"]: p["containerPort"] for p in container["ports"]}
-    assert (ports["grpc"], ports["metrics"], ports["health"]) == (config.port, config.metrics_port, config.tls.health_port)
+    assert (ports["grpc"], ports["metrics"], ports["health"]) == (
+        config.port,
+        config.metrics_port,
+        config.tls.health_port,
+    )
     assert container["readinessProbe"]["grpc"]["port"] == config.tls.health_port
     assert config.grace_seconds < deployment["terminationGracePeriodSeconds"]
     assert tomllib.loads(text)["limits"]["max_queue"] > 0

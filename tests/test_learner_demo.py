@@ -7,8 +7,8 @@ import struct
 import zlib
 from types import SimpleNamespace
 
-from rollwire.demo.run import SUMMARY_KEYS, finish, new_run_folder, print_table, progress_line
 from rollwire.demo.plot import Series, line_chart
+from rollwire.demo.run import SUMMARY_KEYS, finish, new_run_folder, print_table, progress_line
 
 
 def test_run_folders_and_the_latest_link(tmp_path):
@@ -33,7 +33,7 @@ def test_line_chart_is_a_valid_png(tmp_path):
     )
     data = path.read_bytes()
     assert data.startswith(b"\x89PNG\r\n\x1a\n")
-    length, kind = struct.unpack(">I4s", data[8:16])
+    _length, kind = struct.unpack(">I4s", data[8:16])
     assert kind == b"IHDR" and struct.unpack(">II", data[16:24]) == (200, 120)
     idat = data.index(b"IDAT")
     size = struct.unpack(">I", data[idat - 4 : idat])[0]

@@ -5,10 +5,6 @@ from __future__ import annotations
 import random
 
 import pytest
-
-from rollwire.common.services import start
-from rollwire.learner.task import Example, addition_examples, write_jsonl
-
 from learner_fixtures import (
     learner_args,
     log_events,
@@ -17,6 +13,9 @@ from learner_fixtures import (
     summary,
     wait_for_steps,
 )
+
+from rollwire.common.services import start
+from rollwire.learner.task import Example, addition_examples, write_jsonl
 
 pytest_plugins = ["learner_fixtures"]  # one taught model and one shared stack per session
 pytestmark = pytest.mark.slow

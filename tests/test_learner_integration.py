@@ -6,9 +6,6 @@ import time
 import urllib.request
 
 import pytest
-
-from rollwire.common.services import start
-
 from helpers import metric_value
 from learner_fixtures import (
     learner_args,
@@ -16,6 +13,8 @@ from learner_fixtures import (
     steps,
     summary,
 )
+
+from rollwire.common.services import start
 
 pytest_plugins = ["learner_fixtures"]  # one taught model and one shared stack per session
 pytestmark = pytest.mark.slow

@@ -94,7 +94,7 @@ def _raise_on_flaky(completion, example):
 
 async def test_requests_are_seeded_by_data_position_and_bounded_in_flight():
     examples = [Example(i, f"p{i}", "1") for i in range(3)]
-    producer, ledger, buffer, _ = producer_for({f"p{i}": ["1", "0"] for i in range(3)}, examples, in_flight=2)
+    producer, ledger, _buffer, _ = producer_for({f"p{i}": ["1", "0"] for i in range(3)}, examples, in_flight=2)
     producer.start()
     await asyncio.wait_for(ledger.changed.wait_for(lambda: ledger.buffered == 2), 5)
     await asyncio.sleep(0.05)

@@ -3,10 +3,6 @@
 from __future__ import annotations
 
 import pytest
-
-from rollwire.common.services import start
-from rollwire.learner.checkpoint import load_latest
-
 from learner_fixtures import (
     adapter_versions,
     learner_args,
@@ -16,6 +12,9 @@ from learner_fixtures import (
     summary,
     wait_for_steps,
 )
+
+from rollwire.common.services import start
+from rollwire.learner.checkpoint import load_latest
 
 pytest_plugins = ["learner_fixtures"]  # one taught model and one shared stack per session
 pytestmark = pytest.mark.slow

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from rollwire.demo.teach import TeachSpec, lr_factor
 from rollwire.learner.task import (
     DataStream,
     Example,
@@ -14,7 +15,6 @@ from rollwire.learner.task import (
     read_jsonl,
     write_jsonl,
 )
-from rollwire.demo.teach import TeachSpec, lr_factor
 
 
 def test_addition_split_is_disjoint_deterministic_and_about_a_tenth():

@@ -20,8 +20,8 @@ def groups(trainer: Trainer | None, count=2, n=4) -> list[ScoredGroup]:
         ]
         out.append(ScoredGroup(Example(g, "p", "a"), [10 + g, 11, 12, 13], samples, 1))
     if trainer is not None:  # behaviour logprobs = the trainer's own: the on-policy case
-        for g, lps in zip(out, _chunks(trainer.recompute_logprobs(out), n)):
-            for s, lp in zip(g.samples, lps):
+        for g, lps in zip(out, _chunks(trainer.recompute_logprobs(out), n), strict=False):
+            for s, lp in zip(g.samples, lps, strict=False):
                 s.logprobs = lp
     return out
 
@@ -50,7 +50,7 @@ def test_gradient_accumulation_matches_one_big_batch(tiny_model):
     data = groups(whole)
     whole.step(data, version=1)
     split.step(data, version=1)
-    for (name, a), (_, b) in zip(whole.model.named_parameters(), split.model.named_parameters()):
+    for (name, a), (_, b) in zip(whole.model.named_parameters(), split.model.named_parameters(), strict=False):
         if a.requires_grad:
             assert torch.allclose(a, b, atol=1e-6), name
 

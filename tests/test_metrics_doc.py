@@ -10,8 +10,8 @@ ROW = re.compile(r"^\| `(rollwire_[a-z_]+)` \| (counter|gauge|histogram) \| (.*?
 
 
 def registered() -> dict[str, tuple[str, tuple[str, ...]]]:
-    from rollwire.learner.metrics import LearnerMetrics
     from rollwire.generator.metrics import GeneratorMetrics
+    from rollwire.learner.metrics import LearnerMetrics
     from rollwire.proxy.metrics import ProxyMetrics
 
     out = {}
@@ -42,14 +42,16 @@ def test_every_registered_metric_is_documented_and_nothing_else():
 
 
 def test_documented_labels_match_the_code():
-    from rollwire.learner.metrics import LearnerMetrics
     from rollwire.generator.metrics import GeneratorMetrics
+    from rollwire.learner.metrics import LearnerMetrics
     from rollwire.proxy.metrics import ProxyMetrics
 
     doc = documented()
     for metrics in (GeneratorMetrics(), ProxyMetrics("least-loaded"), LearnerMetrics()):
         for collector in list(metrics.registry._collector_to_names):
-            name = collector._name + ("_total" if collector._type == "counter" and not collector._name.endswith("_total") else "")
+            name = collector._name + (
+                "_total" if collector._type == "counter" and not collector._name.endswith("_total") else ""
+            )
             assert doc[name][1] == tuple(sorted(collector._labelnames)), name
 
 

@@ -19,13 +19,8 @@ from pathlib import Path
 
 import grpc
 import pytest
-
 from conftest import ROOT, rollwire_cmd, start_generator
 from helpers import fingerprint, make_adapter, metric_value, push
-from rollwire.common.errors import from_rpc_error
-from rollwire.v1 import admin_pb2 as apb
-from rollwire.v1 import generator_pb2 as pb
-from rollwire.v1 import generator_pb2_grpc
 from test_proxy_helpers import (
     GENERATOR_ARGS,
     admin,
@@ -39,6 +34,11 @@ from test_proxy_helpers import (
     wait_routable,
     wait_until,
 )
+
+from rollwire.common.errors import from_rpc_error
+from rollwire.v1 import admin_pb2 as apb
+from rollwire.v1 import generator_pb2 as pb
+from rollwire.v1 import generator_pb2_grpc
 
 
 @pytest.fixture(scope="module")
@@ -77,7 +77,9 @@ def test_status_shows_every_replica_with_its_health_load_and_versions(proxy, rep
     assert st.role == "proxy" and st.replica == "proxy"
     assert st.model_fingerprint == fingerprint(replicas[0].target)
     assert (st.limits.max_n, st.limits.max_new_tokens) == (16, 128)
-    assert {r.address: r.replica for r in st.replicas} == {g.target: n for g, n in zip(replicas, ["r1", "r2", "r3"], strict=True)}
+    assert {r.address: r.replica for r in st.replicas} == {
+        g.target: n for g, n in zip(replicas, ["r1", "r2", "r3"], strict=True)
+    }
     assert all(r.healthy and not r.draining and not r.detail for r in st.replicas)
     out = subprocess.run(rollwire_cmd("status", "--target", proxy.target), capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
@@ -96,7 +98,9 @@ def test_a_push_reaches_every_replica_and_the_next_request_uses_it(proxy, replic
         assert (reply.name, reply.version, reply.already_loaded) == ("fanout", version, False)
         assert sorted((r.replica, r.code) for r in reply.replicas) == [("r1", "OK"), ("r2", "OK"), ("r3", "OK")]
         for g in replicas:  # each replica confirms it on its own
-            assert [list(a.versions) for a in status(g.target).adapters if a.name == "fanout"] == [list(range(1, version + 1))]
+            assert [list(a.versions) for a in status(g.target).adapters if a.name == "fanout"] == [
+                list(range(1, version + 1))
+            ]
         served = [run_group(stub, request(f"after push {version}", adapter="fanout")) for _ in range(6)]
         assert {r.replica for r in served} == {"r1", "r2", "r3"}
         assert {r.version for r in served} == {version}
@@ -112,11 +116,13 @@ BAD_REQUESTS = {
     "max_new_tokens above the limit": request("ok", max_new_tokens=129),
     "negative temperature": request("ok", temperature=-0.5),
     "top_p of 0": request("ok", top_p=0.0),
-    "token id outside the vocabulary": pb.GenerateRequest(token_ids=pb.TokenIds(ids=[5, 100000]), n=1,
-                                                          sampling=pb.SamplingParams(max_new_tokens=4)),
+    "token id outside the vocabulary": pb.GenerateRequest(
+        token_ids=pb.TokenIds(ids=[5, 100000]), n=1, sampling=pb.SamplingParams(max_new_tokens=4)
+    ),
     "unknown adapter": request("ok", adapter="nobody"),
-    "version never pushed": pb.GenerateRequest(text="ok", n=1, sampling=pb.SamplingParams(max_new_tokens=4),
-                                               adapter=pb.AdapterRef(name="fanout", version=99)),
+    "version never pushed": pb.GenerateRequest(
+        text="ok", n=1, sampling=pb.SamplingParams(max_new_tokens=4), adapter=pb.AdapterRef(name="fanout", version=99)
+    ),
 }
 
 
@@ -246,13 +252,16 @@ def test_backpressure_refuses_beyond_the_queue_with_a_retry_hint(replicas, workd
     refused = [o for o in outcomes if not hasattr(o, "tokens")]
     assert 6 - len(refused) >= 2  # one ran, one waited its turn
     assert refused and all(
-        (e.code, e.reason, e.retry_after_s) == (grpc.StatusCode.RESOURCE_EXHAUSTED, "PROXY_QUEUE_FULL", 1.0) for e in refused
+        (e.code, e.reason, e.retry_after_s) == (grpc.StatusCode.RESOURCE_EXHAUSTED, "PROXY_QUEUE_FULL", 1.0)
+        for e in refused
     )
     assert "add replicas" in refused[0].message
 
 
 def test_dns_discovery_finds_the_replicas(replicas, workdir):
-    px = start_proxy(workdir, "dns", [], "--discover", f"dns:///localhost:{replicas[1].port}", "--set", "discover_interval_s=0.5")
+    px = start_proxy(
+        workdir, "dns", [], "--discover", f"dns:///localhost:{replicas[1].port}", "--set", "discover_interval_s=0.5"
+    )
     try:
         wait_until(lambda: replicas[1].target in routable(px), 30, "DNS discovery finds the replica")
         with grpc.insecure_channel(px.target) as channel:
@@ -265,8 +274,18 @@ def test_dns_discovery_finds_the_replicas(replicas, workdir):
 def test_a_generator_joins_by_itself_caught_up_and_leaves_by_draining(proxy, stub, tiny_model, workdir):
     adapter = make_adapter(tiny_model, seed=21)
     push(proxy.target, adapter.manifest("joiner", 1, fingerprint(proxy.target)), adapter.payload)
-    joiner = start_generator(tiny_model, workdir, "r4", *GENERATOR_ARGS, "--replica-id", "r4",
-                             "--register", proxy.target, "--register-ttl", "6")
+    joiner = start_generator(
+        tiny_model,
+        workdir,
+        "r4",
+        *GENERATOR_ARGS,
+        "--replica-id",
+        "r4",
+        "--register",
+        proxy.target,
+        "--register-ttl",
+        "6",
+    )
     try:
         wait_until(lambda: joiner.target in routable(proxy), 30, "the self-registered replica is routable")
         assert [list(a.versions) for a in status(joiner.target).adapters if a.name == "joiner"] == [[1]]
@@ -287,8 +306,12 @@ def test_a_node_js_client_generated_from_the_protos_gets_tokens(proxy):
         pytest.skip("Node.js is not installed")
     if not (ROOT / ".tools" / "node_modules" / "@grpc" / "grpc-js").is_dir():
         pytest.fail("@grpc/grpc-js is missing: run `npm ci --prefix .tools` (make lint does)")
-    out = subprocess.run([node, str(ROOT / "tests" / "node" / "generate.js"), proxy.target, "hello from node", "3", "6"],
-                         capture_output=True, text=True, timeout=60)
+    out = subprocess.run(
+        [node, str(ROOT / "tests" / "node" / "generate.js"), proxy.target, "hello from node", "3", "6"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert out.returncode == 0, out.stdout + out.stderr
     result = json.loads(out.stdout)
     assert result["started"]["replica"] in {"r1", "r2", "r3"}

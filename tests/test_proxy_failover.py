@@ -19,12 +19,8 @@ from pathlib import Path
 
 import grpc
 import pytest
-
 from conftest import start_generator
 from helpers import fingerprint, make_adapter, push
-from rollwire.common.errors import from_rpc_error
-from rollwire.v1 import admin_pb2 as apb
-from rollwire.v1 import generator_pb2_grpc
 from test_proxy_helpers import (
     GENERATOR_ARGS,
     GroupResult,
@@ -39,6 +35,10 @@ from test_proxy_helpers import (
     wait_routable,
     wait_until,
 )
+
+from rollwire.common.errors import from_rpc_error
+from rollwire.v1 import admin_pb2 as apb
+from rollwire.v1 import generator_pb2_grpc
 
 FAST_HEALTH = ("--set", "health.timeout_s=0.5")
 
@@ -113,8 +113,11 @@ def test_after_its_last_attempt_a_group_ends_with_unavailable_and_a_sentence(clu
     try:
         wait_routable(px, replicas)
         by_id = {"a": replicas[0], "b": replicas[1], "c": replicas[2]}
-        hook, removed = when_started(lambda rid: admin(px.target).DeregisterGenerator(
-            apb.DeregisterGeneratorRequest(address=by_id[rid].target), timeout=10))
+        hook, removed = when_started(
+            lambda rid: admin(px.target).DeregisterGenerator(
+                apb.DeregisterGeneratorRequest(address=by_id[rid].target), timeout=10
+            )
+        )
         with grpc.insecure_channel(px.target) as channel, pytest.raises(grpc.RpcError) as info:
             run_group(generator_pb2_grpc.GeneratorServiceStub(channel), long_group("give up"), on_event=hook)
     finally:
@@ -126,7 +129,7 @@ def test_after_its_last_attempt_a_group_ends_with_unavailable_and_a_sentence(clu
 
 
 def test_200_groups_from_16_clients_survive_a_kill_and_a_restart(cluster, tiny_model, workdir):
-    (a, b, c), proxy, started = cluster
+    (a, b, _c), proxy, started = cluster
     fp = fingerprint(proxy.target)
     v1, v2 = make_adapter(tiny_model, seed=31), make_adapter(tiny_model, seed=32)
     push(proxy.target, v1.manifest("chaos", 1, fp), v1.payload)
@@ -148,7 +151,9 @@ def test_200_groups_from_16_clients_survive_a_kill_and_a_restart(cluster, tiny_m
                     i = todo.pop()
                 if i >= 150:  # the last quarter runs once b is back, so it must serve some
                     b_is_back.wait(120)
-                req = request(f"chaos {i % 40}: ", n=2, max_new_tokens=8, adapter="chaos", request_id=f"group-{i}", seed=i)
+                req = request(
+                    f"chaos {i % 40}: ", n=2, max_new_tokens=8, adapter="chaos", request_id=f"group-{i}", seed=i
+                )
                 try:
                     result = run_group(stub, req, timeout=deadline)
                 except (grpc.RpcError, AssertionError) as exc:
@@ -171,10 +176,13 @@ def test_200_groups_from_16_clients_survive_a_kill_and_a_restart(cluster, tiny_m
     reply = push(proxy.target, v2.manifest("chaos", 2, fp), v2.payload)
     pushed_at = time.monotonic()
     assert {r.replica: r.code for r in reply.replicas} == {"a": "UNAVAILABLE", "b": "UNAVAILABLE", "c": "OK"}
-    b2 = start_generator(tiny_model, workdir, "b-restarted", *GENERATOR_ARGS, "--replica-id", "b-restarted",
-                         "--port", str(b.port))  # the same address: it comes back, empty
+    b2 = start_generator(
+        tiny_model, workdir, "b-restarted", *GENERATOR_ARGS, "--replica-id", "b-restarted", "--port", str(b.port)
+    )  # the same address: it comes back, empty
     started.append(b2)
-    wait_until(lambda: getattr(routable(proxy).get(b.target), "replica", "") == "b-restarted", 30, "b is back in rotation")
+    wait_until(
+        lambda: getattr(routable(proxy).get(b.target), "replica", "") == "b-restarted", 30, "b is back in rotation"
+    )
     b_is_back.set()
     for t in threads:
         t.join(180)
@@ -195,9 +203,11 @@ def test_200_groups_from_16_clients_survive_a_kill_and_a_restart(cluster, tiny_m
     assert first_v2 < first_generate  # caught up before it served anything
     retries, restarts = (now - before for now, before in zip(redone(proxy), redone_before, strict=True))
     seen_restarts = sum(g.restarts for g in groups)
-    print(f"chaos: {total} groups in {wall:.1f}s; latency median {statistics.median(g.seconds for g in groups) * 1000:.0f} ms, "
-          f"max {max(g.seconds for g in groups):.2f}s; invisible retries {retries:.0f}, restarts {restarts:.0f} "
-          f"(clients saw {seen_restarts}); groups on b-restarted {len(on_b2)}")
+    print(
+        f"chaos: {total} groups in {wall:.1f}s; latency median {statistics.median(g.seconds for g in groups) * 1000:.0f} ms, "
+        f"max {max(g.seconds for g in groups):.2f}s; invisible retries {retries:.0f}, restarts {restarts:.0f} "
+        f"(clients saw {seen_restarts}); groups on b-restarted {len(on_b2)}"
+    )
     assert retries + restarts >= 1  # the kill did cut groups off, and they were redone
     assert restarts == seen_restarts  # every restart the proxy made was announced to its client
 

@@ -66,7 +66,9 @@ class FakeReplicas:
 def dispatcher(slots=1, **fairness) -> Dispatcher:
     replicas = FakeReplicas([FakeReplica("r")])
     routing = RoutingSection(max_in_flight_per_replica=slots, retry_after_s=0.5)
-    return Dispatcher(replicas, make_policy("round-robin"), routing, ProxyMetrics("round-robin"), FairnessSection(**fairness))
+    return Dispatcher(
+        replicas, make_policy("round-robin"), routing, ProxyMetrics("round-robin"), FairnessSection(**fairness)
+    )
 
 
 def test_queued_clients_are_served_round_robin_not_first_come_first_served():
@@ -128,8 +130,13 @@ def test_per_client_limits_refuse_only_that_client_with_a_retry_hint():
         return d
 
     d = asyncio.run(scenario())
-    values = {s.labels["limit"]: s.value for f in d.metrics.registry.collect() if f.name == "rollwire_proxy_client_limited"
-              for s in f.samples if s.name.endswith("_total")}
+    values = {
+        s.labels["limit"]: s.value
+        for f in d.metrics.registry.collect()
+        if f.name == "rollwire_proxy_client_limited"
+        for s in f.samples
+        if s.name.endswith("_total")
+    }
     assert values == {"in_flight": 1.0, "queued_tokens": 1.0}
 
 
@@ -138,7 +145,9 @@ def test_a_client_is_its_token_where_auth_is_on_and_its_host_otherwise():
     meta = (("authorization", f"Bearer {token}"),)
     name = client_name(meta, "ipv4:10.0.0.5:41234", auth=True)
     assert name.startswith("token:") and token not in name and name == client_name(meta, "ipv4:10.0.0.9:1", auth=True)
-    assert client_name(meta, "ipv4:10.0.0.5:41234", auth=False) == "ipv4:10.0.0.5"  # a header is not an identity without auth
+    assert (
+        client_name(meta, "ipv4:10.0.0.5:41234", auth=False) == "ipv4:10.0.0.5"
+    )  # a header is not an identity without auth
     assert client_name((), "ipv4:10.0.0.5:41234", auth=False) == client_name((), "ipv4:10.0.0.5:5", auth=False)
     assert client_name((), "ipv6:[::1]:5000", auth=False) == "ipv6:[::1]"
     assert client_name((), "ipv6:%5B::1%5D:5000", auth=False) == "ipv6:%5B::1%5D"
@@ -163,9 +172,8 @@ def auth(who: str):
 
 @pytest.fixture(scope="module")
 def fleet(tiny_model, tmp_path_factory):
-    from test_proxy_helpers import start_proxy, stop_all, wait_until
-
     from conftest import start_generator
+    from test_proxy_helpers import start_proxy, stop_all, wait_until
 
     workdir = tmp_path_factory.mktemp("fairness")
     tokens = workdir / "generate.tokens"
@@ -173,11 +181,17 @@ def fleet(tiny_model, tmp_path_factory):
     args = ("--set", "limits.max_n=64", "--set", "limits.max_new_tokens=256", "--set", "transformers.threads=1")
     replicas = [start_generator(tiny_model, workdir, n, *args, "--replica-id", n) for n in ("q1", "q2")]
     proxy = start_proxy(
-        workdir, "fair-proxy", replicas,
-        "--set", f"auth.generate_tokens_file={tokens}",
-        "--set", "routing.max_in_flight_per_replica=1",
-        "--set", "fairness.max_in_flight_per_client=5",
-        "--set", "fairness.slow_reader_timeout_s=1.0",
+        workdir,
+        "fair-proxy",
+        replicas,
+        "--set",
+        f"auth.generate_tokens_file={tokens}",
+        "--set",
+        "routing.max_in_flight_per_replica=1",
+        "--set",
+        "fairness.max_in_flight_per_client=5",
+        "--set",
+        "fairness.slow_reader_timeout_s=1.0",
     )
     wait_until(lambda: len(routable(proxy)) == 2, 30, "both replicas are routable")
     yield proxy, replicas
@@ -186,7 +200,9 @@ def fleet(tiny_model, tmp_path_factory):
 
 def status(proxy) -> pb.GetStatusResponse:
     with grpc.insecure_channel(proxy.target) as ch:
-        return generator_pb2_grpc.GeneratorServiceStub(ch).GetStatus(pb.GetStatusRequest(), timeout=10, metadata=auth("polite"))
+        return generator_pb2_grpc.GeneratorServiceStub(ch).GetStatus(
+            pb.GetStatusRequest(), timeout=10, metadata=auth("polite")
+        )
 
 
 def routable(proxy):
@@ -198,8 +214,11 @@ def small(i: int) -> pb.GenerateRequest:
 
 
 def ejections(metrics: str) -> list[str]:
-    return [line for line in metrics.splitlines()
-            if line.startswith("rollwire_proxy_ejections_total{") and float(line.split()[-1]) > 0]
+    return [
+        line
+        for line in metrics.splitlines()
+        if line.startswith("rollwire_proxy_ejections_total{") and float(line.split()[-1]) > 0
+    ]
 
 
 class NonReader:
@@ -256,8 +275,11 @@ def test_a_client_that_never_reads_is_cut_off_and_frees_its_slot(fleet):
     try:
         # the proxy notices (its write has waited 1 s), cancels the attempt and frees the slot,
         # while the client still has not read a single message
-        wait_until(lambda: "rollwire_proxy_client_limited_total{limit=\"slow_reader\"} 1.0" in proxy.metrics(), 20,
-                   "the proxy cut the non-reading stream off")
+        wait_until(
+            lambda: 'rollwire_proxy_client_limited_total{limit="slow_reader"} 1.0' in proxy.metrics(),
+            20,
+            "the proxy cut the non-reading stream off",
+        )
         cut_after = time.monotonic() - start
         wait_until(lambda: status(proxy).in_flight == 0, 10, "the slot of the non-reading stream is free")
         assert not stuck.done()
@@ -265,7 +287,9 @@ def test_a_client_that_never_reads_is_cut_off_and_frees_its_slot(fleet):
         with grpc.insecure_channel(proxy.target) as channel:
             stub = generator_pb2_grpc.GeneratorServiceStub(channel)
             with ThreadPoolExecutor(2) as pool:
-                results = list(pool.map(lambda i: run_group(stub, small(i), timeout=30, metadata=auth("polite")), range(6)))
+                results = list(
+                    pool.map(lambda i: run_group(stub, small(i), timeout=30, metadata=auth("polite")), range(6))
+                )
         assert len(results) == 6
         count, code, reason = stuck.read_all()  # when it finally reads: what was sent, then a clear status
         assert (code, reason) == (grpc.StatusCode.RESOURCE_EXHAUSTED, "SLOW_READER") and count >= 1
@@ -283,7 +307,9 @@ def test_one_clients_load_does_not_starve_another_and_its_limit_is_its_own(fleet
     from test_proxy_helpers import run_group, wait_until
 
     proxy, _ = fleet
-    long = pb.GenerateRequest(text="long", n=16, sampling=pb.SamplingParams(max_new_tokens=200, ignore_eos=True, seed=2))
+    long = pb.GenerateRequest(
+        text="long", n=16, sampling=pb.SamplingParams(max_new_tokens=200, ignore_eos=True, seed=2)
+    )
     finished: list[tuple[str, float]] = []
     lock = threading.Lock()
 

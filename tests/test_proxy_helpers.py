@@ -9,8 +9,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import grpc
-
 from conftest import Service, start_generator, start_service
+
 from rollwire.v1 import admin_pb2_grpc, generator_pb2_grpc
 from rollwire.v1 import generator_pb2 as pb
 
@@ -74,8 +74,9 @@ def wait_routable(proxy: Service, replicas: list[Service], timeout: float = 30) 
     wait_until(lambda: want <= set(routable(proxy)), timeout, f"the proxy routes to {sorted(want)}")
 
 
-def request(prompt: str, n: int = 2, max_new_tokens: int = 8, adapter: str = "", request_id: str = "",
-            **params) -> pb.GenerateRequest:
+def request(
+    prompt: str, n: int = 2, max_new_tokens: int = 8, adapter: str = "", request_id: str = "", **params
+) -> pb.GenerateRequest:
     sampling = pb.SamplingParams(max_new_tokens=max_new_tokens, **params)
     req = pb.GenerateRequest(text=prompt, n=n, request_id=request_id, sampling=sampling)
     if adapter:
@@ -97,8 +98,13 @@ class GroupResult:
     seconds: float = 0.0
 
 
-def run_group(stub: generator_pb2_grpc.GeneratorServiceStub, req: pb.GenerateRequest, timeout: float = 30,
-              on_event: Callable[[pb.GenerateResponse], None] | None = None, metadata=()) -> GroupResult:
+def run_group(
+    stub: generator_pb2_grpc.GeneratorServiceStub,
+    req: pb.GenerateRequest,
+    timeout: float = 30,
+    on_event: Callable[[pb.GenerateResponse], None] | None = None,
+    metadata=(),
+) -> GroupResult:
     """Read one Generate stream, asserting the protocol: `started` first and again after
     every `restarted` (which discards what came before); each sample finished exactly once."""
     sent_at = time.monotonic()
@@ -126,9 +132,19 @@ def run_group(stub: generator_pb2_grpc.GeneratorServiceStub, req: pb.GenerateReq
         for f in msg.finished:
             assert f.sample_index not in finished, "a sample finished twice"
             finished[f.sample_index] = f
-    assert started is not None and sorted(finished) == list(range(req.n)), "the stream ended before every sample finished"
+    assert started is not None and sorted(finished) == list(range(req.n)), (
+        "the stream ended before every sample finished"
+    )
     for i, f in finished.items():
         assert len(tokens.get(i, [])) == f.completion_tokens
     assert versions <= {started.adapter.version}, "tokens from another adapter version than `started` announced"
-    return GroupResult(started.request_id, started.replica, started.adapter.version, tokens, restarts, starts,
-                       sent_at, time.monotonic() - sent_at)
+    return GroupResult(
+        started.request_id,
+        started.replica,
+        started.adapter.version,
+        tokens,
+        restarts,
+        starts,
+        sent_at,
+        time.monotonic() - sent_at,
+    )

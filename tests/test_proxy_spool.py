@@ -14,9 +14,14 @@ from rollwire.v1 import generator_pb2 as pb
 
 
 def manifest(name: str, version: int, payload: bytes, **changes) -> pb.AdapterManifest:
-    fields = dict(name=name, version=version, base_model_fingerprint="fp",
-                  lora_config=pb.LoraConfig(r=1, lora_alpha=2, target_modules=["q_proj"]),
-                  byte_length=len(payload), sha256=hashlib.sha256(payload).hexdigest())
+    fields = dict(
+        name=name,
+        version=version,
+        base_model_fingerprint="fp",
+        lora_config=pb.LoraConfig(r=1, lora_alpha=2, target_modules=["q_proj"]),
+        byte_length=len(payload),
+        sha256=hashlib.sha256(payload).hexdigest(),
+    )
     fields.update(changes)
     return pb.AdapterManifest(**fields)
 
@@ -115,8 +120,10 @@ def lora_bytes(value: float = 0.5) -> bytes:
     import struct
 
     prefix = "base_model.model.model.layers.0.self_attn.q_proj"
-    header = {f"{prefix}.lora_A.weight": {"dtype": "F32", "shape": [1, 4], "data_offsets": [0, 16]},
-              f"{prefix}.lora_B.weight": {"dtype": "F32", "shape": [4, 1], "data_offsets": [16, 32]}}
+    header = {
+        f"{prefix}.lora_A.weight": {"dtype": "F32", "shape": [1, 4], "data_offsets": [0, 16]},
+        f"{prefix}.lora_B.weight": {"dtype": "F32", "shape": [4, 1], "data_offsets": [16, 32]},
+    }
     head = json.dumps(header).encode()
     return struct.pack("<Q", len(head)) + head + struct.pack("<8f", *([value] * 8))
 

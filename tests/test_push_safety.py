@@ -18,14 +18,14 @@ from pathlib import Path
 
 import grpc
 import pytest
-from google.protobuf import json_format
-
 from conftest import start_service
+from google.protobuf import json_format
 from helpers import make_adapter, metric_value, push_messages
+from test_proxy_helpers import request, start_generators, status, stop_all, wait_routable, wait_until
+
 from rollwire.common.errors import from_rpc_error
 from rollwire.v1 import generator_pb2 as pb
 from rollwire.v1 import generator_pb2_grpc
-from test_proxy_helpers import GENERATOR_ARGS, request, start_generators, status, stop_all, wait_routable, wait_until
 
 IDLE_S = 1.5
 PROXY_ARGS = ("--set", f"spool.upload_idle_timeout_s={IDLE_S}")
@@ -38,14 +38,32 @@ def workdir(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def replicas(tiny_model, workdir):
-    services = start_generators(tiny_model, workdir, ["s1", "s2"], "--set", f"limits.push_idle_timeout_s={IDLE_S}",
-                                "--set", "limits.max_concurrent_pushes=2")
+    services = start_generators(
+        tiny_model,
+        workdir,
+        ["s1", "s2"],
+        "--set",
+        f"limits.push_idle_timeout_s={IDLE_S}",
+        "--set",
+        "limits.max_concurrent_pushes=2",
+    )
     yield services
     stop_all(services)
 
 
 def start_proxy(workdir: Path, name: str, replicas, spool: Path | None = None, *extra: str):
-    args = ["proxy", "--port", "0", "--metrics-port", "0", "--proxy-id", name, "--set", "health.interval_s=0.2", *PROXY_ARGS]
+    args = [
+        "proxy",
+        "--port",
+        "0",
+        "--metrics-port",
+        "0",
+        "--proxy-id",
+        name,
+        "--set",
+        "health.interval_s=0.2",
+        *PROXY_ARGS,
+    ]
     if spool is not None:
         args += ["--set", f"spool.dir={spool}"]
     for g in replicas:
@@ -87,11 +105,12 @@ def raw_safetensors(header: dict | bytes, body: bytes) -> bytes:
 def with_payload(adapter, name: str, version: int, fp: str, payload: bytes, **changes) -> pb.AdapterManifest:
     import hashlib
 
-    return adapter.manifest(name, version, fp, byte_length=len(payload), sha256=hashlib.sha256(payload).hexdigest(), **changes)
+    return adapter.manifest(
+        name, version, fp, byte_length=len(payload), sha256=hashlib.sha256(payload).hexdigest(), **changes
+    )
 
 
 def poisoned(adapter, dtype, value) -> bytes:
-    import torch
     from safetensors.torch import save
 
     state = {k: v.to(dtype).clone() for k, v in adapter.state_dict.items()}
@@ -104,9 +123,14 @@ def hostile_cases(adapter, fp: str) -> dict[str, tuple[pb.AdapterManifest, bytes
     import torch
 
     cases = {}
-    for label, dtype, value in [("F32 NaN", torch.float32, math.nan), ("F32 +inf", torch.float32, math.inf),
-                                ("F32 -inf", torch.float32, -math.inf), ("BF16 NaN", torch.bfloat16, math.nan),
-                                ("F16 +inf", torch.float16, math.inf), ("F16 -inf", torch.float16, -math.inf)]:
+    for label, dtype, value in [
+        ("F32 NaN", torch.float32, math.nan),
+        ("F32 +inf", torch.float32, math.inf),
+        ("F32 -inf", torch.float32, -math.inf),
+        ("BF16 NaN", torch.bfloat16, math.nan),
+        ("F16 +inf", torch.float16, math.inf),
+        ("F16 -inf", torch.float16, -math.inf),
+    ]:
         payload = poisoned(adapter, dtype, value)
         cases[label] = (with_payload(adapter, "hostile", 1, fp, payload), payload)
     for alpha in (math.nan, math.inf, -1.0):
@@ -114,7 +138,9 @@ def hostile_cases(adapter, fp: str) -> dict[str, tuple[pb.AdapterManifest, bytes
         cases[f"lora_alpha {alpha}"] = (adapter.manifest("hostile", 1, fp, lora_config=lora), adapter.payload)
     huge_dims = raw_safetensors({"x": {"dtype": "F32", "shape": [2**62] * 5000, "data_offsets": [0, 4]}}, b"\0" * 4)
     cases["huge dims"] = (with_payload(adapter, "hostile", 1, fp, huge_dims), huge_dims)
-    digits = raw_safetensors(b'{"x": {"dtype": "F32", "shape": [' + b"9" * 4200 + b'], "data_offsets": [0, 4]}}', b"\0" * 4)
+    digits = raw_safetensors(
+        b'{"x": {"dtype": "F32", "shape": [' + b"9" * 4200 + b'], "data_offsets": [0, 4]}}', b"\0" * 4
+    )
     cases["huge int"] = (with_payload(adapter, "hostile", 1, fp, digits), digits)
     deep = raw_safetensors(b"[" * 200_000 + b"]" * 200_000, b"")
     cases["deep nesting"] = (with_payload(adapter, "hostile", 1, fp, deep), deep)
@@ -159,7 +185,9 @@ def test_hostile_payloads_are_refused_fast_and_nothing_freezes(where, proxy, rep
     target = proxy.target if where == "proxy" else replicas[0].target
     fp = status(target).model_fingerprint
     cases = hostile_cases(adapter, fp)
-    seen_before = [metric_value(r.metrics(), "rollwire_generator_pushes_total", 'code="INVALID_ARGUMENT"') for r in replicas]
+    seen_before = [
+        metric_value(r.metrics(), "rollwire_generator_pushes_total", 'code="INVALID_ARGUMENT"') for r in replicas
+    ]
     with SmallRequests(target) as small:
         time.sleep(0.3)
         for label, (manifest, payload) in cases.items():
@@ -174,7 +202,9 @@ def test_hostile_payloads_are_refused_fast_and_nothing_freezes(where, proxy, rep
     assert "hostile" not in {a.name for a in status(target).adapters}
     if where == "proxy":  # refused by the proxy itself: nothing spooled, no replica saw these bytes
         assert not (proxy_spool(proxy) / "hostile").exists()
-        seen = [metric_value(r.metrics(), "rollwire_generator_pushes_total", 'code="INVALID_ARGUMENT"') for r in replicas]
+        seen = [
+            metric_value(r.metrics(), "rollwire_generator_pushes_total", 'code="INVALID_ARGUMENT"') for r in replicas
+        ]
         assert seen == seen_before
 
 
@@ -212,8 +242,14 @@ def test_idle_uploads_time_out_and_replicas_bound_concurrent_pushes(proxy, repli
             err = from_rpc_error(exc)
             results[key] = (err.code, err.reason, time.monotonic() - started)
 
-    threads = [threading.Thread(target=run, args=(k, t, n)) for k, t, n in [
-        ("proxy", proxy.target, "idle1"), ("replica a", replicas[1].target, "idle2"), ("replica b", replicas[1].target, "idle3")]]
+    threads = [
+        threading.Thread(target=run, args=(k, t, n))
+        for k, t, n in [
+            ("proxy", proxy.target, "idle1"),
+            ("replica a", replicas[1].target, "idle2"),
+            ("replica b", replicas[1].target, "idle3"),
+        ]
+    ]
     for t in threads:
         t.start()
     time.sleep(0.5)  # both replica slots are taken by stalled uploads: a third push is refused at once
@@ -228,7 +264,9 @@ def test_idle_uploads_time_out_and_replicas_bound_concurrent_pushes(proxy, repli
     spool = proxy_spool(proxy)
     assert not list((spool / ".incoming").iterdir())
     # the slots are free again
-    reply = stub(replicas[1].target).PushAdapter(push_messages(adapter.manifest("idle5", 1, fp), adapter.payload), timeout=30)
+    reply = stub(replicas[1].target).PushAdapter(
+        push_messages(adapter.manifest("idle5", 1, fp), adapter.payload), timeout=30
+    )
     assert reply.version == 1
 
 
@@ -277,9 +315,15 @@ def test_interrupted_pushes_never_make_a_replica_unroutable(proxy, replicas, ada
     assert_only_complete_versions(spool)
     spooled = sorted(int(f.split(".")[0]) for f in spool_listing(spool).get("cut", []) if f.endswith(".json"))
     if spooled:  # whatever was committed reaches every replica
-        wait_until(lambda: all(r.adapters and max((list(a.versions) for a in r.adapters if a.name == "cut"),
-                                                  default=[0])[-1] == spooled[-1] for r in status(proxy.target).replicas),
-                   15, "every replica holds the newest committed version")
+        wait_until(
+            lambda: all(
+                r.adapters
+                and max((list(a.versions) for a in r.adapters if a.name == "cut"), default=[0])[-1] == spooled[-1]
+                for r in status(proxy.target).replicas
+            ),
+            15,
+            "every replica holds the newest committed version",
+        )
     wait_routable(proxy, replicas, timeout=5)
 
 
@@ -313,7 +357,9 @@ def test_a_proxy_killed_mid_upload_restarts_on_a_clean_spool(workdir, replicas, 
         assert spool_listing(spool)["kill"] == ["1.json", "1.safetensors"]
         assert_only_complete_versions(spool)
         wait_routable(again, replicas, timeout=15)
-        assert all(1 in {v for a in r.adapters if a.name == "kill" for v in a.versions} for r in status(again.target).replicas)
+        assert all(
+            1 in {v for a in r.adapters if a.name == "kill" for v in a.versions} for r in status(again.target).replicas
+        )
     finally:
         stop_all([again])
 
@@ -382,7 +428,7 @@ def test_the_trainer_stops_on_non_finite_weights_naming_tensor_and_step(tiny_mod
     trainer = Trainer(tiny_model, TrainSection(), temperature=1.0, seed=0)
     assert trainer.adapter_payload()  # finite: fine
     trainer.last_step = (3, 12)
-    name, param = next((n, p) for n, p in trainer.model.named_parameters() if "lora_B" in n)
+    _name, param = next((n, p) for n, p in trainer.model.named_parameters() if "lora_B" in n)
     with torch.no_grad():
         param.view(-1)[0] = math.inf
     with pytest.raises(NonFiniteWeights, match=r"lora_B.* after optimiser step 3 .*version 12"):

@@ -17,7 +17,9 @@ ADDRESSES = [f"10.0.0.{i}:50051" for i in range(1, 6)]
 
 candidate_sets = st.lists(
     st.builds(Candidate, st.sampled_from(ADDRESSES), st.integers(0, 50), st.integers(0, 5000)),
-    min_size=1, max_size=5, unique_by=lambda c: c.address,
+    min_size=1,
+    max_size=5,
+    unique_by=lambda c: c.address,
 )
 
 
@@ -115,7 +117,11 @@ def test_affinity_spills_to_the_least_loaded_when_its_choice_is_too_far_ahead():
     others = [a for a in ADDRESSES[:3] if a != owner]
 
     def loads(mine, first, second):
-        return [Candidate(owner, in_flight=mine), Candidate(others[0], in_flight=first), Candidate(others[1], in_flight=second)]
+        return [
+            Candidate(owner, in_flight=mine),
+            Candidate(others[0], in_flight=first),
+            Candidate(others[1], in_flight=second),
+        ]
 
     assert policy.choose(loads(6, 2, 1), key).address == others[1]  # above ceil(1.25 * 10 / 3) = 5 and 5 ahead
     assert policy.choose(loads(4, 2, 1), key).address == owner  # above the bound but only 3 ahead: keep the cache
@@ -133,7 +139,9 @@ def test_affinity_refuses_bad_settings():
 
 def test_routing_key_prefers_the_group_key_then_the_prompt_prefix():
     assert routing_key("g1", "abc", None, 64) == routing_key("g1", "xyz", None, 64)
-    assert routing_key("", "same start, different end 1", None, 10) == routing_key("", "same start, different end 2", None, 10)
+    assert routing_key("", "same start, different end 1", None, 10) == routing_key(
+        "", "same start, different end 2", None, 10
+    )
     assert routing_key("", "abc", None, 64) != routing_key("", "abd", None, 64)
     assert routing_key("", None, [1, 2, 3, 4], 3) == routing_key("", None, [1, 2, 3, 9], 3)
     assert routing_key("", None, [1, 2], 64) != routing_key("", "1,2", None, 64)

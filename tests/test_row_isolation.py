@@ -20,10 +20,10 @@ import grpc
 import pytest
 import pytest_asyncio
 import torch
+from helpers import generate, stub
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from helpers import generate, stub
 from rollwire.common.errors import FailedPrecondition, Internal, RollwireError, clip, from_rpc_error
 from rollwire.common.logs import request_id_from
 from rollwire.generator.engines import transformers_engine as te
@@ -208,8 +208,9 @@ def test_clip_bounds_and_escapes():
 # -- over gRPC, against a real generator --------------------------------------------------------
 def request(text="ok", n=1, request_id="", group_key="", adapter="", **sampling) -> pb.GenerateRequest:
     sampling.setdefault("max_new_tokens", 2)
-    req = pb.GenerateRequest(text=text, n=n, request_id=request_id, group_key=group_key,
-                             sampling=pb.SamplingParams(**sampling))
+    req = pb.GenerateRequest(
+        text=text, n=n, request_id=request_id, group_key=group_key, sampling=pb.SamplingParams(**sampling)
+    )
     req.adapter.name = adapter
     return req
 
@@ -230,8 +231,12 @@ REFUSED = {
     "64 KiB stop string": (request(stop=["y" * 65536]), "BAD_STOP"),
     "a thousand stop strings": (request(stop=["x"] * 1000), "BAD_STOP"),
     "7 MiB text prompt": (request(text="9" * (7 << 20)), "PROMPT_TOO_LONG"),
-    "a million token ids": (pb.GenerateRequest(token_ids=pb.TokenIds(ids=[5] * 1_000_000), n=1,
-                                               sampling=pb.SamplingParams(max_new_tokens=1)), "PROMPT_TOO_LONG"),
+    "a million token ids": (
+        pb.GenerateRequest(
+            token_ids=pb.TokenIds(ids=[5] * 1_000_000), n=1, sampling=pb.SamplingParams(max_new_tokens=1)
+        ),
+        "PROMPT_TOO_LONG",
+    ),
     "64 KiB adapter name": (request(adapter="a" * 65536), "BAD_ADAPTER_NAME"),
     "adapter name with a newline": (request(adapter="lora\n"), "BAD_ADAPTER_NAME"),
     "1 MiB group key": (request(group_key="k" * (1 << 20)), "BAD_GROUP_KEY"),
@@ -293,15 +298,20 @@ def test_a_request_id_with_a_newline_is_replaced_not_forwarded(generator):
 
 
 def test_extreme_valid_params_are_served(generator):
-    for sampling in (dict(temperature=1e-3, seed=2**64 - 1), dict(temperature=100.0, top_k=100, top_p=1e-30),
-                     dict(temperature=0.0, stop=["z" * 64] * 8), dict(temperature=-0.0)):
+    for sampling in (
+        dict(temperature=1e-3, seed=2**64 - 1),
+        dict(temperature=100.0, top_k=100, top_p=1e-30),
+        dict(temperature=0.0, stop=["z" * 64] * 8),
+        dict(temperature=-0.0),
+    ):
         g = generate(generator.target, "edge", n=2, max_new_tokens=3, ignore_eos=True, timeout=10, **sampling)
         assert all(f.completion_tokens == 3 for f in g.finished.values()), sampling
         assert all(math.isfinite(lp) for lps in g.logprobs.values() for lp in lps), sampling
 
 
-RANDOM = settings(max_examples=30, deadline=None,
-                  suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
+RANDOM = settings(
+    max_examples=30, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow]
+)
 floats = st.one_of(
     st.floats(width=32),
     st.sampled_from([0.0, -0.0, 1e-45, 1e-4, 9.99e-4, 1e-3, 1.0, 100.0, 100.01, 1e30]),
@@ -310,9 +320,14 @@ floats = st.one_of(
 
 
 @RANDOM
-@given(temperature=floats, top_p=floats, top_k=st.integers(0, 2**32 - 1) | st.integers(0, 120),
-       seed=st.none() | st.integers(0, 2**64 - 1), stop=st.lists(st.text(max_size=70), max_size=10),
-       n=st.integers(1, 3))
+@given(
+    temperature=floats,
+    top_p=floats,
+    top_k=st.integers(0, 2**32 - 1) | st.integers(0, 120),
+    seed=st.none() | st.integers(0, 2**64 - 1),
+    stop=st.lists(st.text(max_size=70), max_size=10),
+    n=st.integers(1, 3),
+)
 def test_random_sampling_params_get_ok_or_invalid_argument(generator, temperature, top_p, top_k, seed, stop, n):
     req = request(n=n, temperature=temperature, top_p=top_p, top_k=top_k, stop=stop, max_new_tokens=2)
     if seed is not None:

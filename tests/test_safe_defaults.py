@@ -10,8 +10,8 @@ from dataclasses import dataclass
 
 import grpc
 import pytest
-
 from conftest import start_generator
+
 from rollwire.serving import security
 from rollwire.serving.security import AuthSection, TlsSection, TokenAuth, TokenFile, is_loopback, warn_if_exposed
 from rollwire.v1 import generator_pb2
@@ -47,20 +47,35 @@ def replace_file(path, text: str) -> None:
 
 # --- exposed binds ---------------------------------------------------------------------------
 
-@pytest.mark.parametrize("host,loopback", [
-    ("127.0.0.1", True), ("127.3.4.5", True), ("::1", True), ("[::1]", True), ("localhost", True),
-    ("0.0.0.0", False), ("::", False), ("[::]", False), ("10.0.0.7", False), ("192.168.1.20", False),
-])
+
+@pytest.mark.parametrize(
+    "host,loopback",
+    [
+        ("127.0.0.1", True),
+        ("127.3.4.5", True),
+        ("::1", True),
+        ("[::1]", True),
+        ("localhost", True),
+        ("0.0.0.0", False),
+        ("::", False),
+        ("[::]", False),
+        ("10.0.0.7", False),
+        ("192.168.1.20", False),
+    ],
+)
 def test_loopback_detection(host, loopback):
     assert is_loopback(host) is loopback
 
 
-@pytest.mark.parametrize("auth,tls,warned", [
-    (AuthSection(), TlsSection(), True),
-    (AuthSection(admin_tokens_file="a"), TlsSection(), True),  # tokens in clear text
-    (AuthSection(), TlsSection(cert_file="c", key_file="k"), True),  # anyone may push
-    (AuthSection(admin_tokens_file="a"), TlsSection(cert_file="c", key_file="k"), False),
-])
+@pytest.mark.parametrize(
+    "auth,tls,warned",
+    [
+        (AuthSection(), TlsSection(), True),
+        (AuthSection(admin_tokens_file="a"), TlsSection(), True),  # tokens in clear text
+        (AuthSection(), TlsSection(cert_file="c", key_file="k"), True),  # anyone may push
+        (AuthSection(admin_tokens_file="a"), TlsSection(cert_file="c", key_file="k"), False),
+    ],
+)
 def test_warning_rules_and_once(auth, tls, warned, capsys, monkeypatch):
     monkeypatch.setattr(security, "_warned", set())
     sentence = warn_if_exposed("proxy", "0.0.0.0", 50050, auth, tls, 9400)
@@ -86,14 +101,19 @@ def test_generator_on_all_interfaces_without_auth_warns_on_stderr(tiny_model, tm
 
 # --- token files reload ----------------------------------------------------------------------
 
+
 @pytest.fixture
 def rotating(tiny_model, tmp_path):
     (tmp_path / "generate.tokens").write_text("gen-old-000\n")
     (tmp_path / "admin.tokens").write_text("admin-000\n")
     svc = start_generator(
-        tiny_model, tmp_path, "rotating",
-        "--set", f"auth.generate_tokens_file={tmp_path / 'generate.tokens'}",
-        "--set", f"auth.admin_tokens_file={tmp_path / 'admin.tokens'}",
+        tiny_model,
+        tmp_path,
+        "rotating",
+        "--set",
+        f"auth.generate_tokens_file={tmp_path / 'generate.tokens'}",
+        "--set",
+        f"auth.admin_tokens_file={tmp_path / 'admin.tokens'}",
     )
     yield svc, tmp_path / "generate.tokens"
     svc.stop()
@@ -175,6 +195,7 @@ def test_metadata_check_costs_at_most_one_stat_per_interval(tmp_path, monkeypatc
 
 # --- learner metrics -------------------------------------------------------------------------
 
+
 def test_learner_metrics_bind_loopback_by_default():
     from rollwire.learner.config import LearnerConfig
 
@@ -183,6 +204,7 @@ def test_learner_metrics_bind_loopback_by_default():
 
 
 # --- checkpoints ---------------------------------------------------------------------------
+
 
 @dataclass
 class Smuggled:

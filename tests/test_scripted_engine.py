@@ -25,14 +25,22 @@ from rollwire.generator.engines.scripted import ScriptedEngine
 from rollwire.generator.types import AdapterSelection, GroupRequest, SampleDone, SamplingParams, TokenDelta
 
 QWEN_05B = {  # the public config.json of Qwen2.5-0.5B, the fields the shapes need
-    "model_type": "qwen2", "hidden_size": 896, "intermediate_size": 4864, "num_hidden_layers": 24,
-    "num_attention_heads": 14, "num_key_value_heads": 2, "vocab_size": 151936, "max_position_embeddings": 32768,
+    "model_type": "qwen2",
+    "hidden_size": 896,
+    "intermediate_size": 4864,
+    "num_hidden_layers": 24,
+    "num_attention_heads": 14,
+    "num_key_value_heads": 2,
+    "vocab_size": 151936,
+    "max_position_embeddings": 32768,
 }
 ALL_LINEAR = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
 def group(n=4, tokens=6, seed=1, version=0) -> GroupRequest:
-    return GroupRequest("t", [1, 2, 3], n, SamplingParams(max_new_tokens=tokens, seed=seed), AdapterSelection("a", version, None))
+    return GroupRequest(
+        "t", [1, 2, 3], n, SamplingParams(max_new_tokens=tokens, seed=seed), AdapterSelection("a", version, None)
+    )
 
 
 async def engine_for(tmp_path, **kw) -> ScriptedEngine:
@@ -144,7 +152,9 @@ def test_push_and_generate_on_a_scripted_replica(tmp_path):
     try:
         with Client(gen.target, timeout=60) as c:
             status = c.get_status()
-            assert status.engine == "scripted" and status.model_fingerprint == model_fingerprint(model, config_only=True)
+            assert status.engine == "scripted" and status.model_fingerprint == model_fingerprint(
+                model, config_only=True
+            )
             lora = {"r": 4, "lora_alpha": 8, "target_modules": list(ALL_LINEAR)}
             shapes = expected_lora_shapes(LoraShape(4, 8, ALL_LINEAR), config_linear_shapes(QWEN_05B))
             payload = lora_payload(shapes)
@@ -154,7 +164,9 @@ def test_push_and_generate_on_a_scripted_replica(tmp_path):
             assert {s.adapter_version for s in result.samples} == {1}
             assert [len(s.token_ids) for s in result.samples] == [4, 4, 4]
             with pytest.raises(InvalidArgument, match="missing"):
-                c.push_adapter("policy", 2, lora_payload(dict(list(shapes.items())[:-1])), lora, status.model_fingerprint)
+                c.push_adapter(
+                    "policy", 2, lora_payload(dict(list(shapes.items())[:-1])), lora, status.model_fingerprint
+                )
             assert [a.versions for a in c.get_status().adapters] == [[1]]
     finally:
         gen.stop()

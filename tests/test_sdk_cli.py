@@ -7,9 +7,9 @@ import json
 import subprocess
 
 import pytest
-
 from conftest import rollwire_cmd
 from helpers import make_adapter
+
 from rollwire.client import AsyncClient, Client
 from rollwire.common.errors import FailedPrecondition, InvalidArgument, NotFound
 
@@ -62,7 +62,9 @@ async def test_async_client_push_dir_then_generate(generator, tiny_model, tmp_pa
 
 
 def test_cli_generate_json(generator):
-    proc = run_cli("generate", "--target", generator.target, "-n", "2", "--max-new-tokens", "5", "--seed", "3", "--json", "ab")
+    proc = run_cli(
+        "generate", "--target", generator.target, "-n", "2", "--max-new-tokens", "5", "--seed", "3", "--json", "ab"
+    )
     assert proc.returncode == 0, proc.stderr
     out = json.loads(proc.stdout)
     assert len(out["samples"]) == 2
@@ -75,12 +77,23 @@ def test_cli_push_adapter_and_status(generator, tiny_model, tmp_path):
     adapter = make_adapter(tiny_model, seed=32, r=4)
     peft_dir = save_peft_dir(tiny_model, adapter, tmp_path / "peft")
     proc = run_cli(
-        "push-adapter", "--target", generator.target, "--name", "cli", "--version", "1", "--base-model", str(tiny_model), str(peft_dir)
+        "push-adapter",
+        "--target",
+        generator.target,
+        "--name",
+        "cli",
+        "--version",
+        "1",
+        "--base-model",
+        str(tiny_model),
+        str(peft_dir),
     )
     assert proc.returncode == 0, proc.stderr
     status = json.loads(run_cli("status", "--target", generator.target, "--json").stdout)
     assert {a["name"]: a["versions"] for a in status["adapters"]}["cli"] == ["1"]
-    proc = run_cli("generate", "--target", generator.target, "--adapter", "cli@1", "--max-new-tokens", "3", "--json", "x")
+    proc = run_cli(
+        "generate", "--target", generator.target, "--adapter", "cli@1", "--max-new-tokens", "3", "--json", "x"
+    )
     assert json.loads(proc.stdout)["samples"][0]["adapter_version"] == 1
 
 

@@ -50,8 +50,18 @@ MiB = 1 << 20
 
 def test_every_parameter_lands_in_its_field():
     req = common.build_generate_request(
-        "Hello", 4, max_new_tokens=33, temperature=0.7, top_p=0.9, top_k=40, stop=["\n", "END"], seed=123,
-        ignore_eos=True, adapter="lora@3", group_key="g1", request_id="r1",
+        "Hello",
+        4,
+        max_new_tokens=33,
+        temperature=0.7,
+        top_p=0.9,
+        top_k=40,
+        stop=["\n", "END"],
+        seed=123,
+        ignore_eos=True,
+        adapter="lora@3",
+        group_key="g1",
+        request_id="r1",
     )
     assert req.WhichOneof("prompt") == "text" and req.text == "Hello"
     assert req.n == 4
@@ -181,8 +191,9 @@ def tokens(i, ids, text, version=3, logprobs=None):
 
 def finished(i, reason=pb.FINISH_REASON_EOS, completion=0, prompt=3):
     return pb.GenerateResponse(
-        finished=[pb.SampleFinished(sample_index=i, finish_reason=reason, prompt_tokens=prompt,
-                                    completion_tokens=completion)]
+        finished=[
+            pb.SampleFinished(sample_index=i, finish_reason=reason, prompt_tokens=prompt, completion_tokens=completion)
+        ]
     )
 
 
@@ -199,15 +210,18 @@ def fold(n, messages):
 
 
 def test_interleaved_samples_are_assembled_and_sorted():
-    result = fold(2, [
-        started(),
-        tokens(1, [7], "b", logprobs=[-0.1]),
-        tokens(0, [4, 5], "a1", version=3, logprobs=[-1.0, -2.0]),
-        tokens(1, [8], "c", version=2, logprobs=[-0.2]),
-        finished(1, pb.FINISH_REASON_STOP, completion=2),
-        tokens(0, [6], "a2", version=4, logprobs=[-3.0]),
-        finished(0, pb.FINISH_REASON_LENGTH, completion=3),
-    ])
+    result = fold(
+        2,
+        [
+            started(),
+            tokens(1, [7], "b", logprobs=[-0.1]),
+            tokens(0, [4, 5], "a1", version=3, logprobs=[-1.0, -2.0]),
+            tokens(1, [8], "c", version=2, logprobs=[-0.2]),
+            finished(1, pb.FINISH_REASON_STOP, completion=2),
+            tokens(0, [6], "a2", version=4, logprobs=[-3.0]),
+            finished(0, pb.FINISH_REASON_LENGTH, completion=3),
+        ],
+    )
     assert (result.request_id, result.replica, result.adapter) == ("req", "r0", AdapterVersion("lora", 3))
     assert result.prompt_token_ids == [1, 2, 3] and result.restarts == 0
     s0, s1 = result.samples
@@ -220,18 +234,21 @@ def test_interleaved_samples_are_assembled_and_sorted():
 
 
 def test_group_restarted_discards_every_partial_sample():
-    result = fold(2, [
-        started(replica="dead"),
-        tokens(0, [1, 1], "old0"),
-        finished(0),
-        tokens(1, [2], "old1"),
-        restarted(attempt=2),
-        started(replica="alive"),
-        tokens(1, [9], "new1"),
-        tokens(0, [8], "new0"),
-        finished(0),
-        finished(1),
-    ])
+    result = fold(
+        2,
+        [
+            started(replica="dead"),
+            tokens(0, [1, 1], "old0"),
+            finished(0),
+            tokens(1, [2], "old1"),
+            restarted(attempt=2),
+            started(replica="alive"),
+            tokens(1, [9], "new1"),
+            tokens(0, [8], "new0"),
+            finished(0),
+            finished(1),
+        ],
+    )
     assert result.replica == "alive" and result.restarts == 1
     assert [s.text for s in result.samples] == ["new0", "new1"]
     assert [s.token_ids for s in result.samples] == [[8], [9]]
@@ -267,8 +284,9 @@ def test_stream_contract_violations_are_errors_not_results(messages, needle):
 
 def test_chunks_follow_the_manifest_and_rebuild_the_payload():
     payload = os.urandom(2 * MiB + MiB // 2 + 3)
-    manifest = common.build_manifest("lora", 7, payload, {"r": 4, "lora_alpha": 8, "target_modules": ["q_proj"]},
-                                     "sha256:abc")
+    manifest = common.build_manifest(
+        "lora", 7, payload, {"r": 4, "lora_alpha": 8, "target_modules": ["q_proj"]}, "sha256:abc"
+    )
     messages = list(common.push_requests(manifest, payload))
     first = messages[0]
     assert first.WhichOneof("part") == "manifest"
@@ -313,7 +331,11 @@ def test_manifest_refuses_what_the_server_would(args, needle):
 def write_peft_dir(path: Path, **config_overrides) -> Path:
     path.mkdir(parents=True, exist_ok=True)
     config = {
-        "peft_type": "LORA", "r": 8, "lora_alpha": 16, "target_modules": ["v_proj", "q_proj"], "use_rslora": True,
+        "peft_type": "LORA",
+        "r": 8,
+        "lora_alpha": 16,
+        "target_modules": ["v_proj", "q_proj"],
+        "use_rslora": True,
         "base_model_name_or_path": "org/some-hub-model",
     }
     config.update(config_overrides)
@@ -508,9 +530,8 @@ def free_port() -> int:
 
 
 def test_nothing_listening_is_unavailable():
-    with Client(f"127.0.0.1:{free_port()}", timeout=10, max_attempts=2) as client:
-        with pytest.raises(Unavailable):
-            client.get_status()
+    with Client(f"127.0.0.1:{free_port()}", timeout=10, max_attempts=2) as client, pytest.raises(Unavailable):
+        client.get_status()
 
 
 @pytest.fixture
@@ -562,7 +583,7 @@ async def test_async_requests_are_validated_when_called():
 def run_python(code: str) -> subprocess.CompletedProcess:
     env = dict(os.environ)
     paths = [str(ROOT / d) for d in ("client", "server", "learner")]
-    env["PYTHONPATH"] = os.pathsep.join(paths + [env.get("PYTHONPATH", "")])
+    env["PYTHONPATH"] = os.pathsep.join([*paths, env.get("PYTHONPATH", "")])
     return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=60)
 
 
@@ -594,8 +615,12 @@ def test_module_entry_point_help():
 
 
 def test_bad_usage_exits_2(capsys):
-    for argv in ([], ["generate", "hi"], ["generate", "--target", "x:1", "--adapter", "lora@0", "hi"],
-                 ["generate", "--target", "x:1", "-n", "0", "hi"]):
+    for argv in (
+        [],
+        ["generate", "hi"],
+        ["generate", "--target", "x:1", "--adapter", "lora@0", "hi"],
+        ["generate", "--target", "x:1", "-n", "0", "hi"],
+    ):
         with pytest.raises(SystemExit) as info:
             cli.main(argv)
         assert info.value.code == 2, argv
@@ -625,7 +650,7 @@ def test_push_without_a_known_base_model_exits_2(tmp_path, capsys):
     assert cli.main(argv) == 2
     err = capsys.readouterr().err
     assert "--base-model" in err and "--base-fingerprint" in err and "org/some-hub-model" in err
-    assert cli.main(argv[:-1] + ["--base-model", str(tmp_path), str(folder)]) == 2
+    assert cli.main([*argv[:-1], "--base-model", str(tmp_path), str(folder)]) == 2
     assert "config.json" in capsys.readouterr().err
 
 
@@ -644,8 +669,20 @@ def test_base_fingerprint_resolution(tmp_path):
 
 def test_push_reaching_no_server_exits_1(tmp_path, capsys):
     folder = write_peft_dir(tmp_path / "adapter")
-    argv = ["push-adapter", "--target", f"127.0.0.1:{free_port()}", "--timeout", "5", "--name", "lora",
-            "--version", "1", "--base-fingerprint", "sha256:x", str(folder)]
+    argv = [
+        "push-adapter",
+        "--target",
+        f"127.0.0.1:{free_port()}",
+        "--timeout",
+        "5",
+        "--name",
+        "lora",
+        "--version",
+        "1",
+        "--base-fingerprint",
+        "sha256:x",
+        str(folder),
+    ]
     assert cli.main(argv) == 1
     assert capsys.readouterr().err.startswith("error: UNAVAILABLE: ")
 
@@ -655,24 +692,44 @@ def test_json_result_shape():
     data = json.loads(json.dumps(cli.result_to_json(result)))
     assert set(data) == {"request_id", "replica", "adapter", "prompt_token_ids", "samples"}
     assert data["adapter"] == {"name": "lora", "version": 3} and data["prompt_token_ids"] == [1, 2, 3]
-    assert data["samples"] == [{"index": 0, "text": "ok", "token_ids": [4, 5], "logprobs": [-0.25, -0.5],
-                                "finish_reason": "eos", "adapter_version": 3}]
+    assert data["samples"] == [
+        {
+            "index": 0,
+            "text": "ok",
+            "token_ids": [4, 5],
+            "logprobs": [-0.25, -0.5],
+            "finish_reason": "eos",
+            "adapter_version": 3,
+        }
+    ]
 
 
 def test_printed_stream_restarts_cleanly(capsys):
     import io
 
-    events = [e for m in
-              [started(), tokens(0, [1], "par"), restarted(), started(), tokens(0, [1], "Hel"),
-               tokens(0, [2], "lo"), finished(0, completion=2)] for e in common.events_from_pb(m)]
+    events = [
+        e
+        for m in [
+            started(),
+            tokens(0, [1], "par"),
+            restarted(),
+            started(),
+            tokens(0, [1], "Hel"),
+            tokens(0, [2], "lo"),
+            finished(0, completion=2),
+        ]
+        for e in common.events_from_pb(m)
+    ]
     out, info = io.StringIO(), io.StringIO()
     result = cli.print_stream(events, 1, out, info)
     assert out.getvalue() == "par\nHello\n" and result.samples[0].text == "Hello"
     assert "restarted" in info.getvalue() and "eos, 2 tokens" in info.getvalue()
 
-    events = [e for m in
-              [started(), tokens(1, [1], "one"), tokens(0, [2], "zero"), finished(1), finished(0)]
-              for e in common.events_from_pb(m)]
+    events = [
+        e
+        for m in [started(), tokens(1, [1], "one"), tokens(0, [2], "zero"), finished(1), finished(0)]
+        for e in common.events_from_pb(m)
+    ]
     out = io.StringIO()
     cli.print_stream(events, 2, out, io.StringIO())
     text = out.getvalue()
@@ -681,16 +738,40 @@ def test_printed_stream_restarts_cleanly(capsys):
 
 def test_status_table():
     status = pb.GetStatusResponse(
-        role="proxy", replica="proxy-0", model_fingerprint="sha256:ab", engine="transformers", in_flight=3,
-        queue_depth=1, server_version="0.1.0", adapters=[pb.LoadedAdapter(name="lora", versions=[4, 5])],
+        role="proxy",
+        replica="proxy-0",
+        model_fingerprint="sha256:ab",
+        engine="transformers",
+        in_flight=3,
+        queue_depth=1,
+        server_version="0.1.0",
+        adapters=[pb.LoadedAdapter(name="lora", versions=[4, 5])],
         limits=pb.Limits(max_n=64, max_new_tokens=512, max_prompt_tokens=2048, max_adapter_bytes=MiB, adapter_window=2),
-        replicas=[pb.ReplicaStatus(address="10.0.0.1:50051", replica="gen-a", healthy=False, draining=True,
-                                   in_flight=2, detail="ejected after errors",
-                                   adapters=[pb.LoadedAdapter(name="lora", versions=[5])])],
+        replicas=[
+            pb.ReplicaStatus(
+                address="10.0.0.1:50051",
+                replica="gen-a",
+                healthy=False,
+                draining=True,
+                in_flight=2,
+                detail="ejected after errors",
+                adapters=[pb.LoadedAdapter(name="lora", versions=[5])],
+            )
+        ],
     )
     text = cli.format_status(status)
-    for needle in ("proxy-0", "sha256:ab", "transformers", "max_n=64", "adapter_window=2", "4,5", "10.0.0.1:50051",
-                   "gen-a", "lora@5", "ejected after errors"):
+    for needle in (
+        "proxy-0",
+        "sha256:ab",
+        "transformers",
+        "max_n=64",
+        "adapter_window=2",
+        "4,5",
+        "10.0.0.1:50051",
+        "gen-a",
+        "lora@5",
+        "ejected after errors",
+    ):
         assert needle in text, needle
     assert re.search(r"^queue depth +1$", text, re.M)
     assert "(none)" in cli.format_status(pb.GetStatusResponse(role="generator"))
@@ -698,10 +779,15 @@ def test_status_table():
 
 def test_one_message_may_carry_several_samples_and_their_finishes():
     both = pb.GenerateResponse(
-        tokens=[pb.TokenChunk(sample_index=1, token_ids=[7], logprobs=[-0.7], text="b", adapter_version=3),
-                pb.TokenChunk(sample_index=0, token_ids=[5, 6], logprobs=[-0.5, -0.6], text="aa", adapter_version=3)],
-        finished=[pb.SampleFinished(sample_index=1, finish_reason=pb.FINISH_REASON_LENGTH, prompt_tokens=3,
-                                    completion_tokens=1)],
+        tokens=[
+            pb.TokenChunk(sample_index=1, token_ids=[7], logprobs=[-0.7], text="b", adapter_version=3),
+            pb.TokenChunk(sample_index=0, token_ids=[5, 6], logprobs=[-0.5, -0.6], text="aa", adapter_version=3),
+        ],
+        finished=[
+            pb.SampleFinished(
+                sample_index=1, finish_reason=pb.FINISH_REASON_LENGTH, prompt_tokens=3, completion_tokens=1
+            )
+        ],
     )
     events = common.events_from_pb(both)
     assert [type(e).__name__ for e in events] == ["Tokens", "Tokens", "Finished"]

@@ -2,15 +2,14 @@
 
 from __future__ import annotations
 
-import subprocess
-
 import socket
+import subprocess
 
 import grpc
 import pytest
+from conftest import start_generator
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from conftest import start_generator
 from rollwire.client import Client, TlsConfig
 from rollwire.common.errors import PermissionDenied, Unauthenticated, Unavailable
 from rollwire.serving.security import METHOD_ROLES
@@ -43,9 +42,13 @@ def secured(tiny_model, tmp_path_factory):
     (work / "generate.tokens").write_text(f"# generate role\n{GENERATE_TOKEN}\n")
     (work / "admin.tokens").write_text(f"{ADMIN_TOKEN}\n")
     svc = start_generator(
-        tiny_model, work, "secured",
-        "--set", f"auth.generate_tokens_file={work / 'generate.tokens'}",
-        "--set", f"auth.admin_tokens_file={work / 'admin.tokens'}",
+        tiny_model,
+        work,
+        "secured",
+        "--set",
+        f"auth.generate_tokens_file={work / 'generate.tokens'}",
+        "--set",
+        f"auth.admin_tokens_file={work / 'admin.tokens'}",
     )
     yield svc
     svc.stop()
@@ -105,12 +108,52 @@ def pki(tmp_path_factory):
     def run(*args):
         subprocess.run(["openssl", *args], cwd=d, check=True, capture_output=True)
 
-    run("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", "ca.key", "-out", "ca.pem", "-days", "2", "-subj", "/CN=rollwire-test-ca")
+    run(
+        "req",
+        "-x509",
+        "-newkey",
+        "rsa:2048",
+        "-nodes",
+        "-keyout",
+        "ca.key",
+        "-out",
+        "ca.pem",
+        "-days",
+        "2",
+        "-subj",
+        "/CN=rollwire-test-ca",
+    )
     (d / "san.ext").write_text("subjectAltName=IP:127.0.0.1,DNS:localhost\n")
     for name in ("server", "client"):
-        run("req", "-newkey", "rsa:2048", "-nodes", "-keyout", f"{name}.key", "-out", f"{name}.csr", "-subj", f"/CN={name}")
-        run("x509", "-req", "-in", f"{name}.csr", "-CA", "ca.pem", "-CAkey", "ca.key", "-CAcreateserial",
-            "-out", f"{name}.pem", "-days", "2", "-extfile", "san.ext")
+        run(
+            "req",
+            "-newkey",
+            "rsa:2048",
+            "-nodes",
+            "-keyout",
+            f"{name}.key",
+            "-out",
+            f"{name}.csr",
+            "-subj",
+            f"/CN={name}",
+        )
+        run(
+            "x509",
+            "-req",
+            "-in",
+            f"{name}.csr",
+            "-CA",
+            "ca.pem",
+            "-CAkey",
+            "ca.key",
+            "-CAcreateserial",
+            "-out",
+            f"{name}.pem",
+            "-days",
+            "2",
+            "-extfile",
+            "san.ext",
+        )
     return d
 
 

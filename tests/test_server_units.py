@@ -11,7 +11,14 @@ import torch
 from safetensors.numpy import save
 
 from rollwire.common.errors import FailedPrecondition, InvalidArgument, NotFound
-from rollwire.generator.adapters import AdapterRegistry, LoraShape, Manifest, check_manifest, check_payload, expected_lora_shapes
+from rollwire.generator.adapters import (
+    AdapterRegistry,
+    LoraShape,
+    Manifest,
+    check_manifest,
+    check_payload,
+    expected_lora_shapes,
+)
 from rollwire.generator.sampling import draw, sample_seed, sampling_logprobs
 from rollwire.generator.types import SampleDone, SamplingParams, TokenDelta, coalesce
 
@@ -73,8 +80,14 @@ def lora_payload(r: int, shapes=BASE, drop: str | None = None) -> bytes:
 
 
 def manifest(payload: bytes, r=4, targets=("q_proj", "down_proj"), **kw) -> Manifest:
-    fields = dict(name="a", version=1, base_model_fingerprint="fp", lora=LoraShape(r, 8.0, targets),
-                  byte_length=len(payload), sha256=hashlib.sha256(payload).hexdigest())
+    fields = dict(
+        name="a",
+        version=1,
+        base_model_fingerprint="fp",
+        lora=LoraShape(r, 8.0, targets),
+        byte_length=len(payload),
+        sha256=hashlib.sha256(payload).hexdigest(),
+    )
     fields.update(kw)
     return Manifest(**fields)
 

@@ -18,9 +18,12 @@ import grpc
 import pytest
 import pytest_asyncio
 import torch
-
 from conftest import ROOT, start_generator
 from helpers import fingerprint, generate, make_adapter, push
+from sglang_double import DoubleModel, DoubleServer, Options
+from test_engine_contract import collect, manifest_for
+from test_generator import forward_logprobs
+
 from rollwire.common.errors import (
     DeadlineExceeded,
     FailedPrecondition,
@@ -33,19 +36,29 @@ from rollwire.common.errors import (
 from rollwire.generator.adapters import AdapterRegistry, LoraShape, Manifest
 from rollwire.generator.config import SGLangSection
 from rollwire.generator.engines.sglang_engine import SGLangEngine, peft_config
-from rollwire.generator.engines.sglang_protocol import DONE, StreamTracker, error_from_body, generate_body, parse_sse_line
+from rollwire.generator.engines.sglang_protocol import (
+    DONE,
+    StreamTracker,
+    error_from_body,
+    generate_body,
+    parse_sse_line,
+)
 from rollwire.generator.types import AdapterSelection, GroupRequest, SampleDone, SamplingParams, TokenDelta
-from sglang_double import DoubleModel, DoubleServer, Options
-from test_engine_contract import collect, manifest_for
-from test_generator import forward_logprobs
 
 DOUBLE = [sys.executable, str(ROOT / "tests" / "sglang_double.py")]
 _ids = itertools.count()
 
 
 def options(model, **changes) -> Options:
-    base = dict(model_path=str(model), enable_lora=True, max_lora_rank=16, lora_target_modules=["all"],
-                max_loaded_loras=3, max_loras_per_batch=3, enable_deterministic_inference=True)
+    base = dict(
+        model_path=str(model),
+        enable_lora=True,
+        max_lora_rank=16,
+        lora_target_modules=["all"],
+        max_loaded_loras=3,
+        max_loras_per_batch=3,
+        enable_deterministic_inference=True,
+    )
     return Options(**{**base, **changes})
 
 
@@ -85,9 +98,21 @@ def test_generate_bodies_follow_sglang_for_each_shape():
     params = dict(max_new_tokens=5, temperature=0.5, top_p=0.9, top_k=0, stop=("x",), seed=None)
     one, rids = generate_body(group([1, 2], **params), None, None, "r.1")
     assert one == {
-        "return_logprob": True, "logprob_start_len": -1, "stream": True, "input_ids": [1, 2], "rid": "r.1",
-        "sampling_params": {"max_new_tokens": 5, "temperature": 0.5, "top_p": 0.9, "top_k": -1, "ignore_eos": False,
-                            "no_stop_trim": True, "skip_special_tokens": True, "stop": ["x"]},
+        "return_logprob": True,
+        "logprob_start_len": -1,
+        "stream": True,
+        "input_ids": [1, 2],
+        "rid": "r.1",
+        "sampling_params": {
+            "max_new_tokens": 5,
+            "temperature": 0.5,
+            "top_p": 0.9,
+            "top_k": -1,
+            "ignore_eos": False,
+            "no_stop_trim": True,
+            "skip_special_tokens": True,
+            "stop": ["x"],
+        },
     } and rids == ["r.1"]
     many, rids = generate_body(group([1, 2], n=3, **params), "lora-a", None, "r.2")
     assert many["sampling_params"]["n"] == 3 and many["input_ids"] == [1, 2] and many["lora_path"] == "lora-a"
@@ -107,8 +132,13 @@ def test_sse_lines():
 
 
 def chunk(ids, lps, finish=None, index=None, prompt=2):
-    meta = {"id": "x", "finish_reason": finish, "prompt_tokens": prompt, "completion_tokens": len(ids),
-            "output_token_logprobs": [[lp, t, None] for lp, t in zip(lps, ids)]}
+    meta = {
+        "id": "x",
+        "finish_reason": finish,
+        "prompt_tokens": prompt,
+        "completion_tokens": len(ids),
+        "output_token_logprobs": [[lp, t, None] for lp, t in zip(lps, ids, strict=False)],
+    }
     out = {"text": "", "output_ids": ids, "meta_info": meta}
     if index is not None:
         out["index"] = index
@@ -117,9 +147,19 @@ def chunk(ids, lps, finish=None, index=None, prompt=2):
 
 def test_cumulative_and_incremental_streams_give_the_same_events():
     decode = lambda ids: "".join(chr(64 + i) for i in ids)  # noqa: E731
-    cumulative = [chunk([1], [-0.1]), chunk([1, 2], [-0.1, -0.2]), chunk([1, 2, 3], [-0.1, -0.2, -0.3], {"type": "length"})]
-    incremental = [chunk([1], [-0.1]), {**chunk([2], [-0.2]), "meta_info": {**chunk([2], [-0.2])["meta_info"], "completion_tokens": 2}},
-                   {**chunk([3], [-0.3]), "meta_info": {**chunk([3], [-0.3], {"type": "length"})["meta_info"], "completion_tokens": 3}}]
+    cumulative = [
+        chunk([1], [-0.1]),
+        chunk([1, 2], [-0.1, -0.2]),
+        chunk([1, 2, 3], [-0.1, -0.2, -0.3], {"type": "length"}),
+    ]
+    incremental = [
+        chunk([1], [-0.1]),
+        {**chunk([2], [-0.2]), "meta_info": {**chunk([2], [-0.2])["meta_info"], "completion_tokens": 2}},
+        {
+            **chunk([3], [-0.3]),
+            "meta_info": {**chunk([3], [-0.3], {"type": "length"})["meta_info"], "completion_tokens": 3},
+        },
+    ]
     for stream in (cumulative, incremental):
         t = StreamTracker(group([5, 6]), decode)
         events = [e for c in stream for e in t.feed(c)]
@@ -133,7 +173,9 @@ def test_finish_reasons_and_broken_streams():
     assert t.feed(chunk([2], [-1.0], {"type": "stop", "matched": 2}, index=0))[-1].reason == "eos"
     assert t.feed(chunk([7], [-1.0], {"type": "stop", "matched": "e"}, index=1))[-1].reason == "stop"
     with pytest.raises(Internal, match="output was lost"):
-        t.feed({**chunk([9], [-1.0], index=2), "meta_info": {**chunk([9], [-1.0])["meta_info"], "completion_tokens": 2}})
+        t.feed(
+            {**chunk([9], [-1.0], index=2), "meta_info": {**chunk([9], [-1.0])["meta_info"], "completion_tokens": 2}}
+        )
     with pytest.raises(Internal, match="sample index 5"):
         t.feed(chunk([1], [-1.0], index=5))
     with pytest.raises(InvalidArgument, match="top_k must be"):
@@ -142,8 +184,18 @@ def test_finish_reasons_and_broken_streams():
         t.feed(chunk([4], [-1.0], {"type": "abort", "message": "Scheduler is overloaded", "status_code": 503}, index=2))
 
 
-@pytest.mark.parametrize("status,cls", [(400, InvalidArgument), (401, Unauthenticated), (404, FailedPrecondition),
-                                        (429, ResourceExhausted), (500, Internal), (503, Unavailable), (504, DeadlineExceeded)])
+@pytest.mark.parametrize(
+    "status,cls",
+    [
+        (400, InvalidArgument),
+        (401, Unauthenticated),
+        (404, FailedPrecondition),
+        (429, ResourceExhausted),
+        (500, Internal),
+        (503, Unavailable),
+        (504, DeadlineExceeded),
+    ],
+)
 def test_http_errors_map_to_statuses_and_keep_sglang_s_message(status, cls):
     err = error_from_body(status, {"error": {"message": "the words SGLang used"}}, "loading adapter a v1")
     assert isinstance(err, cls) and "the words SGLang used" in err.message and "loading adapter a v1" in err.message
@@ -152,7 +204,9 @@ def test_http_errors_map_to_statuses_and_keep_sglang_s_message(status, cls):
 
 def test_peft_config_targets_what_the_tensors_adapt_and_folds_rslora(tiny_model):
     adapter = make_adapter(tiny_model, seed=3, r=4, targets=("q_proj", "v_proj"))
-    m = Manifest("a", 1, "fp", LoraShape(4, 8.0, ("q_proj", "v_proj"), use_rslora=True), len(adapter.payload), adapter.sha256)
+    m = Manifest(
+        "a", 1, "fp", LoraShape(4, 8.0, ("q_proj", "v_proj"), use_rslora=True), len(adapter.payload), adapter.sha256
+    )
     config = peft_config(m, adapter.payload, "/models/tiny")
     assert config["target_modules"] == ["q_proj", "v_proj"] and config["r"] == 4
     assert config["lora_alpha"] == 16.0 and config["use_rslora"] is False  # 8/sqrt(4) == 16/4
@@ -164,7 +218,11 @@ async def test_requests_on_the_wire(engine, double, tiny_model):
     await engine.load_adapter("rw1", manifest_for(adapter, "pol", 1), adapter.payload)
     load = [c for c in double.calls if c.path == "/load_lora_adapter"][-1]
     name = load.body["lora_name"]
-    assert name.startswith("pol-v1-rw1-") and load.body == {"lora_name": name, "lora_path": str(engine.adapter_dir / name), "pinned": False}
+    assert name.startswith("pol-v1-rw1-") and load.body == {
+        "lora_name": name,
+        "lora_path": str(engine.adapter_dir / name),
+        "pinned": False,
+    }
     folder = engine.adapter_dir / name
     assert sorted(p.name for p in folder.iterdir()) == ["adapter_config.json", "adapter_model.safetensors"]
     assert (folder / "adapter_model.safetensors").read_bytes() == adapter.payload
@@ -275,8 +333,9 @@ async def test_api_keys_come_from_files_and_are_sent_where_sglang_wants_them(tin
     (tmp_path / "gen").write_text("k-gen\n")
     (tmp_path / "admin").write_text("k-admin")
     (tmp_path / "wrong").write_text("nope")
-    eng = await engine_for(tiny_model, server, tmp_path, api_key_file=str(tmp_path / "gen"),
-                           admin_api_key_file=str(tmp_path / "admin"))
+    eng = await engine_for(
+        tiny_model, server, tmp_path, api_key_file=str(tmp_path / "gen"), admin_api_key_file=str(tmp_path / "admin")
+    )
     try:
         adapter = make_adapter(tiny_model, seed=5, r=4)
         await eng.load_adapter("rw1", manifest_for(adapter, "k", 1), adapter.payload)
@@ -285,7 +344,9 @@ async def test_api_keys_come_from_files_and_are_sent_where_sglang_wants_them(tin
         assert headers["/load_lora_adapter"] == "Bearer k-admin" and headers["/generate"] == "Bearer k-gen"
     finally:
         await eng.close()
-    bad = SGLangEngine(tiny_model, SGLangSection(url=server.url, api_key_file=str(tmp_path / "wrong")), adapter_window=2)
+    bad = SGLangEngine(
+        tiny_model, SGLangSection(url=server.url, api_key_file=str(tmp_path / "wrong")), adapter_window=2
+    )
     with pytest.raises(Unauthenticated, match="api_key_file"):
         await bad.start()
     await bad.close()
@@ -340,9 +401,21 @@ def test_generator_launches_sglang_serves_and_survives_its_crash(tiny_model, tmp
 
     port = free_port("127.0.0.1")
     svc = start_generator(
-        tiny_model, tmp_path, "sglang-gen", "--engine", "sglang", "--adapter-window", "2",
-        "--set", f"sglang.launch_command={json.dumps(DOUBLE)}", "--set", f"sglang.port={port}",
-        "--set", "sglang.deterministic=true", "--set", f"sglang.adapter_dir={tmp_path / 'adapters'}",
+        tiny_model,
+        tmp_path,
+        "sglang-gen",
+        "--engine",
+        "sglang",
+        "--adapter-window",
+        "2",
+        "--set",
+        f"sglang.launch_command={json.dumps(DOUBLE)}",
+        "--set",
+        f"sglang.port={port}",
+        "--set",
+        "sglang.deterministic=true",
+        "--set",
+        f"sglang.adapter_dir={tmp_path / 'adapters'}",
     )
     try:
         adapter = make_adapter(tiny_model, seed=8, r=4)
@@ -353,11 +426,15 @@ def test_generator_launches_sglang_serves_and_survives_its_crash(tiny_model, tmp
         argv = (tmp_path / "adapters" / "_sglang" / "sglang.log").read_text()
         assert "--enable-lora" in argv and "'--max-loaded-loras', '3'" in argv and len(state["loras"]) == 1
         with pytest.raises(Exception):
-            urllib.request.urlopen(urllib.request.Request(f"http://127.0.0.1:{port}/_double/die", method="POST"), timeout=5)
+            urllib.request.urlopen(
+                urllib.request.Request(f"http://127.0.0.1:{port}/_double/die", method="POST"), timeout=5
+            )
         after = None
         for _ in range(600):  # bounded: the replica restarts SGLang and reloads the adapter
             try:
-                after = generate(svc.target, "hello", n=2, adapter=("live", 1), max_new_tokens=6, seed=4, ignore_eos=True)
+                after = generate(
+                    svc.target, "hello", n=2, adapter=("live", 1), max_new_tokens=6, seed=4, ignore_eos=True
+                )
                 break
             except grpc.RpcError as err:
                 assert err.code() == grpc.StatusCode.UNAVAILABLE, err.details()

@@ -33,14 +33,14 @@ if (_reason := _why_skip()) is not None:
     pytest.skip(_reason, allow_module_level=True)
 
 import torch  # noqa: E402
-
 from helpers import make_adapter, peft_reference  # noqa: E402
+from test_engine_contract import collect, manifest_for  # noqa: E402
+from test_generator import forward_logprobs  # noqa: E402
+
 from rollwire.generator.adapters import AdapterRegistry  # noqa: E402
 from rollwire.generator.config import SGLangSection  # noqa: E402
 from rollwire.generator.engines.sglang_engine import SGLangEngine  # noqa: E402
 from rollwire.generator.types import AdapterSelection, GroupRequest, SamplingParams  # noqa: E402
-from test_engine_contract import collect, manifest_for  # noqa: E402
-from test_generator import forward_logprobs  # noqa: E402
 
 ATOL = 2e-3
 _ids = itertools.count()
@@ -54,8 +54,17 @@ async def engine(tiny_model, tmp_path_factory):
         lora_target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
         deterministic=True,
         startup_timeout_s=900,
-        extra_args=["--dtype", "float32", "--attention-backend", "torch_native", "--disable-cuda-graph",
-                    "--mem-fraction-static", "0.3", "--lora-backend", "triton"],
+        extra_args=[
+            "--dtype",
+            "float32",
+            "--attention-backend",
+            "torch_native",
+            "--disable-cuda-graph",
+            "--mem-fraction-static",
+            "0.3",
+            "--lora-backend",
+            "triton",
+        ],
     )
     eng = SGLangEngine(tiny_model, settings, adapter_window=2)
     await eng.start()

@@ -23,72 +23,199 @@ def q(p: float, metric: str, by: str = "le") -> str:
 
 # (row, title, unit, [(expr, legend)])
 PANELS = [
-    ("Overview", "Groups per second (through the proxy)", "reqps",
-     [(f'sum(rate(rollwire_proxy_requests_total{{code="OK"}}[{W}])) or vector(0)', "groups/s")]),
-    ("Overview", "Tokens per second (all generators)", "short",
-     [(f'sum(rate(rollwire_generator_tokens_total{{kind="completion"}}[{W}]))', "completion tokens/s"),
-      (f'sum(rate(rollwire_generator_tokens_total{{kind="prompt"}}[{W}]))', "prompt tokens/s")]),
-    ("Overview", "Requests by status code", "reqps",
-     [(f"sum by (code) (rate(rollwire_proxy_requests_total[{W}]))", "proxy {{code}}"),
-      (f"sum by (code) (rate(rollwire_generator_requests_total[{W}]))", "generators {{code}}")]),
-    ("Proxy", "Request latency (p50, p99)", "s",
-     [(q(0.5, "rollwire_proxy_request_duration_seconds"), "p50"),
-      (q(0.99, "rollwire_proxy_request_duration_seconds"), "p99")]),
-    ("Proxy", "Queue depth and wait", "short",
-     [("rollwire_proxy_queue_depth", "queued groups"),
-      (q(0.99, "rollwire_proxy_queue_wait_seconds"), "p99 wait (s)")]),
-    ("Proxy", "In flight per replica", "short",
-     [("sum by (replica) (rollwire_proxy_in_flight_requests)", "{{replica}}")]),
-    ("Proxy", "Replica health (1 = healthy, routable)", "short",
-     [("rollwire_proxy_replica_healthy", "healthy {{replica}}"),
-      ("rollwire_proxy_replica_routable", "routable {{replica}}")]),
-    ("Proxy", "Adapter version per replica", "none",
-     [("max by (replica, adapter) (rollwire_proxy_replica_adapter_version)", "{{replica}} {{adapter}}")]),
-    ("Proxy", "Push fan-out latency (p50, p90)", "s",
-     [(q(0.5, "rollwire_proxy_push_fanout_duration_seconds"), "p50"),
-      (q(0.9, "rollwire_proxy_push_fanout_duration_seconds"), "p90")]),
-    ("Proxy", "Retries, restarts, ejections, refusals", "short",
-     [(f"sum(rate(rollwire_proxy_retries_total[{W}])) or vector(0)", "retries/s"),
-      (f"sum(rate(rollwire_proxy_restarts_total[{W}])) or vector(0)", "restarts/s"),
-      (f"sum(increase(rollwire_proxy_ejections_total[{W}])) or vector(0)", "ejections"),
-      (f"sum(rate(rollwire_proxy_refused_total[{W}])) or vector(0)", "refused/s")]),
-    ("Generators", "Time to first token (p50, p99)", "s",
-     [(q(0.5, "rollwire_generator_time_to_first_token_seconds"), "p50"),
-      (q(0.99, "rollwire_generator_time_to_first_token_seconds"), "p99")]),
-    ("Generators", "Request latency (p50, p99)", "s",
-     [(q(0.5, "rollwire_generator_request_duration_seconds"), "p50"),
-      (q(0.99, "rollwire_generator_request_duration_seconds"), "p99")]),
-    ("Generators", "Queue depth and in flight per replica", "short",
-     [("sum by (replica) (rollwire_generator_queue_depth)", "queued {{replica}}"),
-      ("sum by (replica) (rollwire_generator_in_flight_requests)", "in flight {{replica}}")]),
-    ("Generators", "Sequences per forward pass", "short",
-     [(f"sum(rate(rollwire_generator_batch_rows_sum[{W}])) / sum(rate(rollwire_generator_batch_rows_count[{W}]))",
-       "mean batch rows")]),
-    ("Generators", "Adapter version per replica", "none",
-     [("max by (replica, adapter) (rollwire_generator_adapter_version)", "{{replica}} {{adapter}}")]),
-    ("Generators", "Adapter push latency (p50, p90)", "s",
-     [(q(0.5, "rollwire_generator_adapter_push_duration_seconds"), "p50"),
-      (q(0.9, "rollwire_generator_adapter_push_duration_seconds"), "p90")]),
-    ("Learner", "Reward (mean and std of the last step)", "short",
-     [("rollwire_learner_reward_mean", "mean"), ("rollwire_learner_reward_std", "std")]),
-    ("Learner", "Accuracy (rollouts and held-out)", "percentunit",
-     [("rollwire_learner_accuracy", "rollouts"), ("rollwire_learner_eval_accuracy", "held-out (greedy)")]),
-    ("Learner", "Staleness of trained groups (versions)", "short",
-     [(q(0.5, "rollwire_learner_staleness"), "p50"), (q(0.9, "rollwire_learner_staleness"), "p90"),
-      (f"sum(rate(rollwire_learner_staleness_sum[{W}])) / sum(rate(rollwire_learner_staleness_count[{W}]))", "mean")]),
-    ("Learner", "Step time by phase", "s",
-     [(f"sum by (phase) (rate(rollwire_learner_step_phase_seconds_sum[{W}])) / "
-       f"sum by (phase) (rate(rollwire_learner_step_phase_seconds_count[{W}]))", "{{phase}}")]),
-    ("Learner", "Policy version: trained vs served", "none",
-     [("rollwire_learner_policy_version", "trained"), ("rollwire_learner_served_version", "served")]),
-    ("Learner", "Adapter push latency (p50, p90)", "s",
-     [(q(0.5, "rollwire_learner_push_seconds"), "p50"), (q(0.9, "rollwire_learner_push_seconds"), "p90")]),
-    ("Learner", "Importance ratio pi/mu (last step)", "short",
-     [("rollwire_learner_importance_ratio", "{{stat}}")]),
-    ("Learner", "Trained tokens per second", "short",
-     [("rollwire_learner_tokens_per_second", "tokens/s")]),
-    ("Learner", "Groups dropped by reason", "short",
-     [(f"sum by (reason) (increase(rollwire_learner_groups_dropped_total[{W}])) or vector(0)", "{{reason}}")]),
+    (
+        "Overview",
+        "Groups per second (through the proxy)",
+        "reqps",
+        [(f'sum(rate(rollwire_proxy_requests_total{{code="OK"}}[{W}])) or vector(0)', "groups/s")],
+    ),
+    (
+        "Overview",
+        "Tokens per second (all generators)",
+        "short",
+        [
+            (f'sum(rate(rollwire_generator_tokens_total{{kind="completion"}}[{W}]))', "completion tokens/s"),
+            (f'sum(rate(rollwire_generator_tokens_total{{kind="prompt"}}[{W}]))', "prompt tokens/s"),
+        ],
+    ),
+    (
+        "Overview",
+        "Requests by status code",
+        "reqps",
+        [
+            (f"sum by (code) (rate(rollwire_proxy_requests_total[{W}]))", "proxy {{code}}"),
+            (f"sum by (code) (rate(rollwire_generator_requests_total[{W}]))", "generators {{code}}"),
+        ],
+    ),
+    (
+        "Proxy",
+        "Request latency (p50, p99)",
+        "s",
+        [
+            (q(0.5, "rollwire_proxy_request_duration_seconds"), "p50"),
+            (q(0.99, "rollwire_proxy_request_duration_seconds"), "p99"),
+        ],
+    ),
+    (
+        "Proxy",
+        "Queue depth and wait",
+        "short",
+        [
+            ("rollwire_proxy_queue_depth", "queued groups"),
+            (q(0.99, "rollwire_proxy_queue_wait_seconds"), "p99 wait (s)"),
+        ],
+    ),
+    (
+        "Proxy",
+        "In flight per replica",
+        "short",
+        [("sum by (replica) (rollwire_proxy_in_flight_requests)", "{{replica}}")],
+    ),
+    (
+        "Proxy",
+        "Replica health (1 = healthy, routable)",
+        "short",
+        [
+            ("rollwire_proxy_replica_healthy", "healthy {{replica}}"),
+            ("rollwire_proxy_replica_routable", "routable {{replica}}"),
+        ],
+    ),
+    (
+        "Proxy",
+        "Adapter version per replica",
+        "none",
+        [("max by (replica, adapter) (rollwire_proxy_replica_adapter_version)", "{{replica}} {{adapter}}")],
+    ),
+    (
+        "Proxy",
+        "Push fan-out latency (p50, p90)",
+        "s",
+        [
+            (q(0.5, "rollwire_proxy_push_fanout_duration_seconds"), "p50"),
+            (q(0.9, "rollwire_proxy_push_fanout_duration_seconds"), "p90"),
+        ],
+    ),
+    (
+        "Proxy",
+        "Retries, restarts, ejections, refusals",
+        "short",
+        [
+            (f"sum(rate(rollwire_proxy_retries_total[{W}])) or vector(0)", "retries/s"),
+            (f"sum(rate(rollwire_proxy_restarts_total[{W}])) or vector(0)", "restarts/s"),
+            (f"sum(increase(rollwire_proxy_ejections_total[{W}])) or vector(0)", "ejections"),
+            (f"sum(rate(rollwire_proxy_refused_total[{W}])) or vector(0)", "refused/s"),
+        ],
+    ),
+    (
+        "Generators",
+        "Time to first token (p50, p99)",
+        "s",
+        [
+            (q(0.5, "rollwire_generator_time_to_first_token_seconds"), "p50"),
+            (q(0.99, "rollwire_generator_time_to_first_token_seconds"), "p99"),
+        ],
+    ),
+    (
+        "Generators",
+        "Request latency (p50, p99)",
+        "s",
+        [
+            (q(0.5, "rollwire_generator_request_duration_seconds"), "p50"),
+            (q(0.99, "rollwire_generator_request_duration_seconds"), "p99"),
+        ],
+    ),
+    (
+        "Generators",
+        "Queue depth and in flight per replica",
+        "short",
+        [
+            ("sum by (replica) (rollwire_generator_queue_depth)", "queued {{replica}}"),
+            ("sum by (replica) (rollwire_generator_in_flight_requests)", "in flight {{replica}}"),
+        ],
+    ),
+    (
+        "Generators",
+        "Sequences per forward pass",
+        "short",
+        [
+            (
+                f"sum(rate(rollwire_generator_batch_rows_sum[{W}])) / sum(rate(rollwire_generator_batch_rows_count[{W}]))",
+                "mean batch rows",
+            )
+        ],
+    ),
+    (
+        "Generators",
+        "Adapter version per replica",
+        "none",
+        [("max by (replica, adapter) (rollwire_generator_adapter_version)", "{{replica}} {{adapter}}")],
+    ),
+    (
+        "Generators",
+        "Adapter push latency (p50, p90)",
+        "s",
+        [
+            (q(0.5, "rollwire_generator_adapter_push_duration_seconds"), "p50"),
+            (q(0.9, "rollwire_generator_adapter_push_duration_seconds"), "p90"),
+        ],
+    ),
+    (
+        "Learner",
+        "Reward (mean and std of the last step)",
+        "short",
+        [("rollwire_learner_reward_mean", "mean"), ("rollwire_learner_reward_std", "std")],
+    ),
+    (
+        "Learner",
+        "Accuracy (rollouts and held-out)",
+        "percentunit",
+        [("rollwire_learner_accuracy", "rollouts"), ("rollwire_learner_eval_accuracy", "held-out (greedy)")],
+    ),
+    (
+        "Learner",
+        "Staleness of trained groups (versions)",
+        "short",
+        [
+            (q(0.5, "rollwire_learner_staleness"), "p50"),
+            (q(0.9, "rollwire_learner_staleness"), "p90"),
+            (
+                f"sum(rate(rollwire_learner_staleness_sum[{W}])) / sum(rate(rollwire_learner_staleness_count[{W}]))",
+                "mean",
+            ),
+        ],
+    ),
+    (
+        "Learner",
+        "Step time by phase",
+        "s",
+        [
+            (
+                f"sum by (phase) (rate(rollwire_learner_step_phase_seconds_sum[{W}])) / "
+                f"sum by (phase) (rate(rollwire_learner_step_phase_seconds_count[{W}]))",
+                "{{phase}}",
+            )
+        ],
+    ),
+    (
+        "Learner",
+        "Policy version: trained vs served",
+        "none",
+        [("rollwire_learner_policy_version", "trained"), ("rollwire_learner_served_version", "served")],
+    ),
+    (
+        "Learner",
+        "Adapter push latency (p50, p90)",
+        "s",
+        [(q(0.5, "rollwire_learner_push_seconds"), "p50"), (q(0.9, "rollwire_learner_push_seconds"), "p90")],
+    ),
+    ("Learner", "Importance ratio pi/mu (last step)", "short", [("rollwire_learner_importance_ratio", "{{stat}}")]),
+    ("Learner", "Trained tokens per second", "short", [("rollwire_learner_tokens_per_second", "tokens/s")]),
+    (
+        "Learner",
+        "Groups dropped by reason",
+        "short",
+        [(f"sum by (reason) (increase(rollwire_learner_groups_dropped_total[{W}])) or vector(0)", "{{reason}}")],
+    ),
 ]
 
 
@@ -102,7 +229,12 @@ def panel(i: int, title: str, unit: str, targets: list[tuple[str, str]], x: int,
         "fieldConfig": {"defaults": {"unit": unit}, "overrides": []},
         "options": {"legend": {"displayMode": "list", "placement": "bottom"}},
         "targets": [
-            {"refId": chr(ord("A") + k), "expr": expr, "legendFormat": legend, "datasource": {"uid": "rollwire-prometheus"}}
+            {
+                "refId": chr(ord("A") + k),
+                "expr": expr,
+                "legendFormat": legend,
+                "datasource": {"uid": "rollwire-prometheus"},
+            }
             for k, (expr, legend) in enumerate(targets)
         ],
     }
@@ -113,7 +245,15 @@ def build() -> dict:
     for row_title, title, unit, targets in PANELS:
         if row_title != row:
             row, y, col = row_title, y + (8 if col else 0), 0
-            panels.append({"id": pid, "type": "row", "title": row, "collapsed": False, "gridPos": {"h": 1, "w": 24, "x": 0, "y": y}})
+            panels.append(
+                {
+                    "id": pid,
+                    "type": "row",
+                    "title": row,
+                    "collapsed": False,
+                    "gridPos": {"h": 1, "w": 24, "x": 0, "y": y},
+                }
+            )
             pid, y = pid + 1, y + 1
         elif col == 3:
             y, col = y + 8, 0

@@ -71,7 +71,7 @@ def check_adapter_name(name: str) -> str:
 
 
 def parse_adapter(spec: str | AdapterVersion | None) -> AdapterVersion | None:
-    """"name" / "name@latest" -> newest version, "name@3" -> version 3, None -> base model."""
+    """ "name" / "name@latest" -> newest version, "name@3" -> version 3, None -> base model."""
     if spec is None or isinstance(spec, AdapterVersion):
         return spec
     if not isinstance(spec, str):
@@ -209,7 +209,10 @@ class TlsConfig:
 
     @classmethod
     def from_files(
-        cls, root: str | Path | None = None, cert: str | Path | None = None, key: str | Path | None = None,
+        cls,
+        root: str | Path | None = None,
+        cert: str | Path | None = None,
+        key: str | Path | None = None,
         server_name: str | None = None,
     ) -> TlsConfig:
         def read(path: str | Path | None) -> bytes | None:
@@ -227,8 +230,10 @@ def check_target(target: str) -> str:
 def open_channel(target: str, tls: TlsConfig | bool | None, api: Any = grpc) -> Any:
     """A channel from `api` (the grpc module, or grpc.aio) with rollwire's options."""
     check_target(target)
-    options = [("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
-               ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES)]
+    options = [
+        ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+        ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+    ]
     if tls is None or tls is False:
         return api.insecure_channel(target, options=options)
     config = TlsConfig() if tls is True else tls
@@ -454,10 +459,16 @@ class GroupAccumulator:
         adapter = self._started.adapter
         version = min(part.versions) if part.versions else (adapter.version if adapter else 0)
         sample = Sample(
-            index=event.index, token_ids=part.token_ids, logprobs=part.logprobs, text="".join(part.text),
-            finish_reason=event.finish_reason, adapter_name=adapter.name if adapter else "",
-            adapter_version=version, token_versions=part.versions,
-            prompt_tokens=event.prompt_tokens, completion_tokens=event.completion_tokens,
+            index=event.index,
+            token_ids=part.token_ids,
+            logprobs=part.logprobs,
+            text="".join(part.text),
+            finish_reason=event.finish_reason,
+            adapter_name=adapter.name if adapter else "",
+            adapter_version=version,
+            token_versions=part.versions,
+            prompt_tokens=event.prompt_tokens,
+            completion_tokens=event.completion_tokens,
         )
         self._done[event.index] = sample
         return sample
@@ -499,8 +510,9 @@ class LoraSpec:
         return cls(_int("r", get("r"), 1, _UINT32), alpha, names, bool(get("use_rslora", False)))
 
     def to_pb(self) -> pb.LoraConfig:
-        return pb.LoraConfig(r=self.r, lora_alpha=self.lora_alpha, target_modules=list(self.target_modules),
-                             use_rslora=self.use_rslora)
+        return pb.LoraConfig(
+            r=self.r, lora_alpha=self.lora_alpha, target_modules=list(self.target_modules), use_rslora=self.use_rslora
+        )
 
 
 @dataclass(frozen=True)
@@ -542,7 +554,10 @@ def read_peft_dir(path: str | Path) -> PeftAdapter:
 
 
 def build_manifest(
-    name: str, version: int, payload: bytes, lora_config: LoraSpec | Mapping[str, Any] | Any,
+    name: str,
+    version: int,
+    payload: bytes,
+    lora_config: LoraSpec | Mapping[str, Any] | Any,
     base_model_fingerprint: str,
 ) -> pb.AdapterManifest:
     """The manifest message that opens a push; checks what the server would refuse anyway."""
@@ -551,9 +566,12 @@ def build_manifest(
     if not isinstance(base_model_fingerprint, str) or not base_model_fingerprint:
         raise RequestError("base_model_fingerprint is required; take it from GetStatus or model_fingerprint()")
     return pb.AdapterManifest(
-        name=check_adapter_name(name), version=_int("version", version, 1, _UINT64),
-        base_model_fingerprint=base_model_fingerprint, lora_config=LoraSpec.from_peft(lora_config).to_pb(),
-        byte_length=len(payload), sha256=hashlib.sha256(payload).hexdigest(),
+        name=check_adapter_name(name),
+        version=_int("version", version, 1, _UINT64),
+        base_model_fingerprint=base_model_fingerprint,
+        lora_config=LoraSpec.from_peft(lora_config).to_pb(),
+        byte_length=len(payload),
+        sha256=hashlib.sha256(payload).hexdigest(),
     )
 
 

@@ -125,13 +125,20 @@ class AsyncClient:
         return push_result_from_pb(await self._unary(invoke, timeout))
 
     async def push_adapter_dir(
-        self, peft_dir: str | Path, name: str, version: int, base_model_fingerprint: str,
-        *, chunk_size: int = MAX_CHUNK_BYTES, timeout: float | None = None,
+        self,
+        peft_dir: str | Path,
+        name: str,
+        version: int,
+        base_model_fingerprint: str,
+        *,
+        chunk_size: int = MAX_CHUNK_BYTES,
+        timeout: float | None = None,
     ) -> PushResult:
         """Push a folder written by PEFT's save_pretrained; the folder is read off the loop."""
         adapter = await asyncio.to_thread(read_peft_dir, peft_dir)
-        return await self.push_adapter(name, version, adapter.payload, adapter.lora, base_model_fingerprint,
-                                       chunk_size=chunk_size, timeout=timeout)
+        return await self.push_adapter(
+            name, version, adapter.payload, adapter.lora, base_model_fingerprint, chunk_size=chunk_size, timeout=timeout
+        )
 
     async def get_status(self, *, timeout: float | None = None) -> pb.GetStatusResponse:
         """The service's GetStatusResponse message, as sent (a report for people and tools)."""

@@ -97,8 +97,13 @@ def add_connection_args(parser: argparse.ArgumentParser, *, timeout: float) -> N
     """--target, --timeout, --token-file and TLS flags, read back by `client_from_args`."""
     group = parser.add_argument_group("connection")
     group.add_argument("--target", required=True, metavar="HOST:PORT", help="generator or proxy address")
-    group.add_argument("--timeout", type=_positive(float), default=timeout, metavar="SECONDS",
-                       help=f"deadline of the call, retries included (default {timeout:g})")
+    group.add_argument(
+        "--timeout",
+        type=_positive(float),
+        default=timeout,
+        metavar="SECONDS",
+        help=f"deadline of the call, retries included (default {timeout:g})",
+    )
     group.add_argument("--token-file", metavar="FILE", help="file holding the bearer token to send")
     group.add_argument("--tls", action="store_true", help="use TLS, trusting the system roots")
     group.add_argument("--tls-ca", metavar="PEM", help="use TLS, trusting these root certificates")
@@ -155,21 +160,33 @@ def _adapter_arg(text: str) -> Any:
 
 
 def _add_generate(commands: Any) -> None:
-    p = commands.add_parser("generate", help="sample completions of one prompt",
-                            description="Sample n completions of PROMPT and print them as they arrive.")
+    p = commands.add_parser(
+        "generate",
+        help="sample completions of one prompt",
+        description="Sample n completions of PROMPT and print them as they arrive.",
+    )
     add_connection_args(p, timeout=300.0)
     p.add_argument("prompt", metavar="PROMPT", help="prompt text, '-' to read stdin, or ids with --token-ids")
     p.add_argument("-n", type=_positive(int), default=1, help="samples in the group (default 1)")
-    p.add_argument("--max-new-tokens", type=_positive(int), default=DEFAULT_MAX_NEW_TOKENS, metavar="N",
-                   help=f"most tokens per sample (default {DEFAULT_MAX_NEW_TOKENS})")
+    p.add_argument(
+        "--max-new-tokens",
+        type=_positive(int),
+        default=DEFAULT_MAX_NEW_TOKENS,
+        metavar="N",
+        help=f"most tokens per sample (default {DEFAULT_MAX_NEW_TOKENS})",
+    )
     p.add_argument("--temperature", type=float, metavar="T", help="0 is greedy (server default 1.0)")
     p.add_argument("--top-p", type=float, metavar="P", help="nucleus mass in (0, 1]")
     p.add_argument("--top-k", type=int, metavar="K", help="keep the K most likely tokens; 0 disables")
     p.add_argument("--seed", type=int, metavar="S", help="reproducible sampling")
     p.add_argument("--stop", action="append", default=[], metavar="STR", help="stop string; repeat for several")
     p.add_argument("--ignore-eos", action="store_true", help="do not stop at end-of-sequence")
-    p.add_argument("--adapter", type=_adapter_arg, metavar="NAME@VERSION",
-                   help="adapter to sample from: NAME, NAME@latest or NAME@3 (default: base model)")
+    p.add_argument(
+        "--adapter",
+        type=_adapter_arg,
+        metavar="NAME@VERSION",
+        help="adapter to sample from: NAME, NAME@latest or NAME@3 (default: base model)",
+    )
     p.add_argument("--group-key", default="", help="affinity routing key at a proxy")
     p.add_argument("--request-id", default="", help="id for logs across services")
     p.add_argument("--token-ids", action="store_true", help="PROMPT is token ids separated by commas or spaces")
@@ -180,9 +197,16 @@ def _add_generate(commands: Any) -> None:
 def cmd_generate(args: argparse.Namespace) -> int:
     prompt = _prompt(args.prompt, args.token_ids)
     options: dict[str, Any] = dict(
-        max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
-        stop=args.stop, seed=args.seed, ignore_eos=args.ignore_eos, adapter=args.adapter,
-        group_key=args.group_key, request_id=args.request_id,
+        max_new_tokens=args.max_new_tokens,
+        temperature=args.temperature,
+        top_p=args.top_p,
+        top_k=args.top_k,
+        stop=args.stop,
+        seed=args.seed,
+        ignore_eos=args.ignore_eos,
+        adapter=args.adapter,
+        group_key=args.group_key,
+        request_id=args.request_id,
     )
     with client_from_args(args) as client:
         if args.json:
@@ -235,21 +259,35 @@ def result_to_json(result: GenerateResult) -> dict[str, Any]:
     """The --json form of a complete group."""
     adapter = {"name": result.adapter.name, "version": result.adapter.version} if result.adapter else None
     samples = [
-        {"index": s.index, "text": s.text, "token_ids": s.token_ids, "logprobs": s.logprobs,
-         "finish_reason": s.finish_reason, "adapter_version": s.adapter_version}
+        {
+            "index": s.index,
+            "text": s.text,
+            "token_ids": s.token_ids,
+            "logprobs": s.logprobs,
+            "finish_reason": s.finish_reason,
+            "adapter_version": s.adapter_version,
+        }
         for s in result.samples
     ]
-    return {"request_id": result.request_id, "replica": result.replica, "adapter": adapter,
-            "prompt_token_ids": result.prompt_token_ids, "samples": samples}
+    return {
+        "request_id": result.request_id,
+        "replica": result.replica,
+        "adapter": adapter,
+        "prompt_token_ids": result.prompt_token_ids,
+        "samples": samples,
+    }
 
 
 # ---------------------------------------------------------------- push-adapter
 
 
 def _add_push_adapter(commands: Any) -> None:
-    p = commands.add_parser("push-adapter", help="upload a PEFT LoRA adapter as a new version",
-                            description="Push the adapter saved in PEFT_DIR (adapter_config.json + "
-                                        "adapter_model.safetensors) as version V of NAME.")
+    p = commands.add_parser(
+        "push-adapter",
+        help="upload a PEFT LoRA adapter as a new version",
+        description="Push the adapter saved in PEFT_DIR (adapter_config.json + "
+        "adapter_model.safetensors) as version V of NAME.",
+    )
     add_connection_args(p, timeout=300.0)
     p.add_argument("--name", required=True, help="adapter name")
     p.add_argument("--version", required=True, type=_positive(int), metavar="V", help="version, >= 1, increasing")
@@ -292,8 +330,10 @@ def base_fingerprint(adapter: PeftAdapter, base_model: str | None, fingerprint: 
 
 def format_push(result: PushResult) -> str:
     state = "was already loaded" if result.already_loaded else "is loaded"
-    lines = [f"adapter {result.name} version {result.version} {state}",
-             f"loaded versions: {', '.join(map(str, result.loaded_versions)) or '-'}"]
+    lines = [
+        f"adapter {result.name} version {result.version} {state}",
+        f"loaded versions: {', '.join(map(str, result.loaded_versions)) or '-'}",
+    ]
     if result.replicas:
         lines.append(_table(["REPLICA", "CODE", "MESSAGE"], [[r.replica, r.code, r.message] for r in result.replicas]))
     return "\n".join(lines)
@@ -326,11 +366,18 @@ def format_status(status: Any) -> str:
     """A GetStatusResponse as a readable report."""
     lim = status.limits
     rows = [
-        ["role", status.role], ["replica", status.replica], ["engine", status.engine],
-        ["server version", status.server_version], ["model fingerprint", status.model_fingerprint],
-        ["in flight", str(status.in_flight)], ["queue depth", str(status.queue_depth)],
-        ["limits", f"max_n={lim.max_n} max_new_tokens={lim.max_new_tokens} max_prompt_tokens={lim.max_prompt_tokens} "
-                   f"max_adapter_bytes={lim.max_adapter_bytes} adapter_window={lim.adapter_window}"],
+        ["role", status.role],
+        ["replica", status.replica],
+        ["engine", status.engine],
+        ["server version", status.server_version],
+        ["model fingerprint", status.model_fingerprint],
+        ["in flight", str(status.in_flight)],
+        ["queue depth", str(status.queue_depth)],
+        [
+            "limits",
+            f"max_n={lim.max_n} max_new_tokens={lim.max_new_tokens} max_prompt_tokens={lim.max_prompt_tokens} "
+            f"max_adapter_bytes={lim.max_adapter_bytes} adapter_window={lim.adapter_window}",
+        ],
     ]
     parts = [_table(None, rows), "", "adapters:"]
     adapters = [[a.name, _versions(a.versions)] for a in status.adapters]
@@ -338,8 +385,15 @@ def format_status(status: Any) -> str:
     if status.replicas:
         header = ["ADDRESS", "REPLICA", "HEALTHY", "DRAINING", "IN FLIGHT", "ADAPTERS", "DETAIL"]
         replicas = [
-            [r.address, r.replica, _yes(r.healthy), _yes(r.draining), str(r.in_flight),
-             " ".join(f"{a.name}@{_versions(a.versions)}" for a in r.adapters) or "-", r.detail]
+            [
+                r.address,
+                r.replica,
+                _yes(r.healthy),
+                _yes(r.draining),
+                str(r.in_flight),
+                " ".join(f"{a.name}@{_versions(a.versions)}" for a in r.adapters) or "-",
+                r.detail,
+            ]
             for r in status.replicas
         ]
         parts += ["", "replicas:", _indent(_table(header, replicas))]

@@ -120,13 +120,20 @@ class Client:
         return push_result_from_pb(self._unary(invoke, timeout))
 
     def push_adapter_dir(
-        self, peft_dir: str | Path, name: str, version: int, base_model_fingerprint: str,
-        *, chunk_size: int = MAX_CHUNK_BYTES, timeout: float | None = None,
+        self,
+        peft_dir: str | Path,
+        name: str,
+        version: int,
+        base_model_fingerprint: str,
+        *,
+        chunk_size: int = MAX_CHUNK_BYTES,
+        timeout: float | None = None,
     ) -> PushResult:
         """Push a folder written by PEFT's save_pretrained (safetensors)."""
         adapter = read_peft_dir(peft_dir)
-        return self.push_adapter(name, version, adapter.payload, adapter.lora, base_model_fingerprint,
-                                 chunk_size=chunk_size, timeout=timeout)
+        return self.push_adapter(
+            name, version, adapter.payload, adapter.lora, base_model_fingerprint, chunk_size=chunk_size, timeout=timeout
+        )
 
     def get_status(self, *, timeout: float | None = None) -> pb.GetStatusResponse:
         """The service's GetStatusResponse message, as sent (a report for people and tools)."""
@@ -152,8 +159,7 @@ class Client:
             try:
                 for message in call:
                     received = True
-                    for event in events_from_pb(message):
-                        yield event
+                    yield from events_from_pb(message)
                 return
             except grpc.RpcError as exc:
                 error = from_rpc_error(exc)

@@ -110,7 +110,9 @@ def _entry(name: str, entry, body: int, max_dims: int) -> TensorEntry:
     if not isinstance(dtype, str) or dtype not in _DTYPE_BYTES:
         raise HeaderError(f"tensor {shown!r} has an unknown dtype {str(dtype)[:20]!r}")
     if not isinstance(shape, list) or len(shape) > max_dims:
-        raise HeaderError(f"tensor {shown!r} has a malformed shape (a list of at most {max_dims} dimensions is expected)")
+        raise HeaderError(
+            f"tensor {shown!r} has a malformed shape (a list of at most {max_dims} dimensions is expected)"
+        )
     if not all(type(d) is int and 0 <= d < MAX_DIM for d in shape):
         raise HeaderError(f"tensor {shown!r} has a dimension that is not an integer in [0, 2**40)")
     if not (isinstance(offsets, list) and len(offsets) == 2 and all(type(o) is int for o in offsets)):

@@ -6,6 +6,7 @@ Enough for the demo's reward curve: axes, ticks, a legend and a few series, draw
 
 from __future__ import annotations
 
+import itertools
 import struct
 import zlib
 from collections.abc import Sequence
@@ -152,8 +153,8 @@ def line_chart(
     c.text((left + right) // 2 - 4 * 2 * len(x_label) // 2, height - 16, x_label)
     legend_x = left + 10
     for s in series:
-        points = [px(x, y) for x, y in zip(s.xs, s.ys)]
-        for (a, b), (d, e) in zip(points, points[1:]):
+        points = [px(x, y) for x, y in zip(s.xs, s.ys, strict=False)]
+        for (a, b), (d, e) in itertools.pairwise(points):
             c.line(a, b, d, e, s.color, thick=2)
         if s.markers:
             for a, b in points:

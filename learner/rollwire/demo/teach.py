@@ -28,8 +28,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from rollwire.learner.task import Example, addition_examples, carry_free_answer, eval_subset, is_correct
 from rollwire.demo.tiny_model import TinyModelSpec
+from rollwire.learner.task import Example, addition_examples, carry_free_answer, eval_subset, is_correct
 
 TEACH_FORMAT = 1
 """Bumped whenever the teaching code changes what it builds, so caches are rebuilt."""
@@ -139,7 +139,7 @@ def sft_tensors(pairs, encode, eos_id: int):
     """Right-padded ids, attention mask and labels (loss on the answer and EOS only)."""
     import torch
 
-    rows = [(encode(p), encode(a) + [eos_id]) for p, a in pairs]
+    rows = [(encode(p), [*encode(a), eos_id]) for p, a in pairs]
     width = max(len(p) + len(a) for p, a in rows)
     ids = torch.zeros(len(rows), width, dtype=torch.long)
     mask = torch.zeros_like(ids)
@@ -173,7 +173,7 @@ def greedy_accuracy(model, encode, tokenizer, examples: list[Example], max_new_t
             eos_token_id=tokenizer.eos_token_id,
         )
     texts = tokenizer.batch_decode(out[:, width:], skip_special_tokens=True)
-    return sum(is_correct(t, e.answer) for t, e in zip(texts, examples)) / len(examples)
+    return sum(is_correct(t, e.answer) for t, e in zip(texts, examples, strict=False)) / len(examples)
 
 
 def describe(folder: Path) -> str:

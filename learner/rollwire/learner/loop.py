@@ -12,9 +12,9 @@ import os
 import signal
 
 from rollwire.common.logs import get_logger
-from rollwire.serving.scaffold import write_ready_file
 from rollwire.learner.config import LearnerConfig
 from rollwire.learner.session import Session
+from rollwire.serving.scaffold import write_ready_file
 
 log = get_logger(__name__)
 
@@ -68,4 +68,3 @@ async def run_learner(cfg: LearnerConfig, *, resume: bool = False, ready_file: s
         return summary
     finally:
         await session.close()
-

@@ -24,8 +24,8 @@ from dataclasses import dataclass
 import grpc
 
 from rollwire.common.errors import RollwireError
-from rollwire.common.safetensors_header import HeaderError, header_length, nonfinite_tensor, read_entries
 from rollwire.common.logs import get_logger
+from rollwire.common.safetensors_header import HeaderError, header_length, nonfinite_tensor, read_entries
 from rollwire.learner.buffer import Signal
 
 log = get_logger(__name__)

@@ -371,7 +371,7 @@ class Session:
         flush_s = 5.0 if self.stop_reason == "signal" else self.cfg.client.timeout_s
         try:
             await asyncio.wait_for(self.publisher.close(), timeout=flush_s)
-        except asyncio.TimeoutError:
+        except TimeoutError:
             log.error("final_push_timed_out", version=self.version, waited_s=flush_s)
         finally:
             if self.step > self.last_checkpoint_step or not checkpoint.load_latest(self.checkpoint_dir):

@@ -95,7 +95,11 @@ class Trainer:
         for name, value in tensors.items():
             if not bool(torch.isfinite(value).all()):
                 count, version = getattr(self, "last_step", (0, 0))
-                when = f"after optimiser step {count} of this run (trained at version {version})" if count else "before any step"
+                when = (
+                    f"after optimiser step {count} of this run (trained at version {version})"
+                    if count
+                    else "before any step"
+                )
                 raise NonFiniteWeights(
                     f"the adapter holds NaN or infinite values in tensor {name} {when}; the run diverged and is stopped "
                     "without publishing it (lower train.lr or resume from an earlier checkpoint)"

@@ -129,8 +129,9 @@ def check_manifest(m: Manifest, *, fingerprint: str | None, max_bytes: int, hold
         )
 
 
-def check_push_version(m, newest: int, held_sha256: str | None, holder: str,
-                       max_step: int = DEFAULT_MAX_VERSION_STEP) -> bool:
+def check_push_version(
+    m, newest: int, held_sha256: str | None, holder: str, max_step: int = DEFAULT_MAX_VERSION_STEP
+) -> bool:
     """The version rule shared by replicas and the proxy's spool: True when this exact
     version is already held (an idempotent re-push); raises when it may not be pushed.
     `m` is a Manifest or the wire AdapterManifest: only name, version and sha256 are read.
@@ -185,8 +186,10 @@ def check_payload(m: Manifest, payload: bytes, base_shapes: dict[str, tuple[int,
                 f"target_modules {list(m.lora.target_modules)[:8]} match no linear layer of the base model",
                 reason="BAD_LORA_CONFIG",
             )
-        limits = dict(max_header=min(MAX_HEADER_BYTES, HEADER_SLACK_BYTES + HEADER_BYTES_PER_TENSOR * len(expected)),
-                      max_tensors=len(expected))
+        limits = dict(
+            max_header=min(MAX_HEADER_BYTES, HEADER_SLACK_BYTES + HEADER_BYTES_PER_TENSOR * len(expected)),
+            max_tensors=len(expected),
+        )
     else:
         expected, limits = None, dict(max_header=MAX_HEADER_BYTES, max_tensors=MAX_TENSORS)
     try:
@@ -210,7 +213,9 @@ async def check_payload_async(m: Manifest, payload: bytes, base_shapes: dict[str
     await asyncio.to_thread(check_payload, m, payload, base_shapes)
 
 
-def _check_expected_tensors(lora: LoraShape, tensors: dict[str, TensorEntry], expected: dict[str, tuple[int, int]]) -> None:
+def _check_expected_tensors(
+    lora: LoraShape, tensors: dict[str, TensorEntry], expected: dict[str, tuple[int, int]]
+) -> None:
     unexpected = sorted(set(tensors) - set(expected))
     missing = sorted(set(expected) - set(tensors))
     if unexpected or missing:
@@ -336,7 +341,9 @@ def config_linear_shapes(config: dict) -> dict[str, tuple[int, int]]:
         "mlp.down_proj": (hidden, inter),
     }
     return {
-        f"model.layers.{i}.{module}": shape for i in range(config["num_hidden_layers"]) for module, shape in layer.items()
+        f"model.layers.{i}.{module}": shape
+        for i in range(config["num_hidden_layers"])
+        for module, shape in layer.items()
     }
 
 

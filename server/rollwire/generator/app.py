@@ -18,6 +18,7 @@ from rollwire.v1 import generator_pb2, generator_pb2_grpc
 log = get_logger(__name__)
 SERVICE = generator_pb2.DESCRIPTOR.services_by_name["GeneratorService"].full_name
 
+
 def make_engine(config: GeneratorConfig, metrics: GeneratorMetrics):
     """The configured engine; each backend lives in its own module."""
     if config.engine == "transformers":
@@ -25,7 +26,11 @@ def make_engine(config: GeneratorConfig, metrics: GeneratorMetrics):
 
         t = config.transformers
         return TransformersEngine(
-            config.model, max_batch_rows=t.max_batch_rows, threads=t.threads, device=t.device, on_forward=metrics.on_forward
+            config.model,
+            max_batch_rows=t.max_batch_rows,
+            threads=t.threads,
+            device=t.device,
+            on_forward=metrics.on_forward,
         )
     if config.engine == "sglang":
         from rollwire.generator.engines.sglang_engine import SGLangEngine
@@ -64,7 +69,9 @@ class RunningGenerator:
 async def start_generator(config: GeneratorConfig) -> RunningGenerator:
     """Load the model, then listen; health turns SERVING only when requests can be served."""
     if not config.model or not Path(config.model, "config.json").is_file():
-        raise SystemExit(f"--model {config.model or '(missing)'} is not a local Hugging Face model folder with config.json")
+        raise SystemExit(
+            f"--model {config.model or '(missing)'} is not a local Hugging Face model folder with config.json"
+        )
     metrics = GeneratorMetrics()
     engine = make_engine(config, metrics)
     await engine.start()
@@ -73,7 +80,9 @@ async def start_generator(config: GeneratorConfig) -> RunningGenerator:
     config_only = config.engine == "scripted"  # the benchmark engine may serve a folder without weights
     fingerprint = await asyncio.to_thread(model_fingerprint, config.model, config_only=config_only)
     registry = AdapterRegistry(engine.load_adapter, engine.unload_adapter, config.adapter_window)
-    endpoint = listen("generator", config.host, config.port, config.auth, config.tls, config.metrics_port, metrics.registry)
+    endpoint = listen(
+        "generator", config.host, config.port, config.auth, config.tls, config.metrics_port, metrics.registry
+    )
     replica = config.replica_id or f"{config.host}:{endpoint.port}"
     servicer = GeneratorServicer(
         config,
@@ -88,7 +97,13 @@ async def start_generator(config: GeneratorConfig) -> RunningGenerator:
     await endpoint.start([SERVICE], config.host, config.tls)
     for name in ("", SERVICE):
         await endpoint.set_health(name, True)
-    log.info("generator_ready", replica=replica, port=endpoint.port, metrics_port=endpoint.metrics_port, fingerprint=fingerprint)
+    log.info(
+        "generator_ready",
+        replica=replica,
+        port=endpoint.port,
+        metrics_port=endpoint.metrics_port,
+        fingerprint=fingerprint,
+    )
     return RunningGenerator(endpoint, servicer)
 
 

@@ -13,22 +13,38 @@ def register(subparsers) -> None:
     )
     p.add_argument("--model", help="local HF model folder (config.json, *.safetensors, tokenizer)")
     p.add_argument("--engine", choices=["transformers", "sglang"], help="model backend (default transformers)")
-    p.add_argument("--sglang-url", help="with --engine sglang: use the SGLang server at this URL instead of launching one")
+    p.add_argument(
+        "--sglang-url", help="with --engine sglang: use the SGLang server at this URL instead of launching one"
+    )
     p.add_argument("--host", help="bind address (default 127.0.0.1)")
     p.add_argument("--port", type=int, help="gRPC port (default 50051; 0 picks a free one)")
     p.add_argument("--metrics-port", type=int, help="Prometheus port (default 9400; 0 picks a free one)")
     p.add_argument("--replica-id", help="name in logs and status (default host:port)")
     p.add_argument("--adapter-window", type=int, help="newest versions of each adapter kept loaded (default 3)")
     p.add_argument("--config", help="TOML file with the generator config")
-    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a config key, e.g. limits.max_n=16")
+    p.add_argument(
+        "--set", action="append", default=[], metavar="KEY=VALUE", help="override a config key, e.g. limits.max_n=16"
+    )
     p.add_argument("--ready-file", help="write {port, metrics_port, pid} as JSON here once serving")
     p.add_argument("--dry-run", action="store_true", help="print the resolved config and exit")
-    p.add_argument("--register", metavar="PROXY_ADDR", help="join this routing proxy by itself, with heartbeats (default: off)")
-    p.add_argument("--register-ttl", type=int, metavar="SECONDS",
-                   help="the proxy forgets this replica this long after its last heartbeat (default 15)")
-    p.add_argument("--advertise", metavar="HOST:PORT", help="address the proxy dials to reach this replica (default host:port)")
-    p.add_argument("--register-token-file", metavar="FILE", help="admin-role bearer token for a proxy that requires tokens")
-    p.add_argument("--register-tls-ca", metavar="PEM", help="roots of the proxy's certificate, for a proxy that listens with TLS")
+    p.add_argument(
+        "--register", metavar="PROXY_ADDR", help="join this routing proxy by itself, with heartbeats (default: off)"
+    )
+    p.add_argument(
+        "--register-ttl",
+        type=int,
+        metavar="SECONDS",
+        help="the proxy forgets this replica this long after its last heartbeat (default 15)",
+    )
+    p.add_argument(
+        "--advertise", metavar="HOST:PORT", help="address the proxy dials to reach this replica (default host:port)"
+    )
+    p.add_argument(
+        "--register-token-file", metavar="FILE", help="admin-role bearer token for a proxy that requires tokens"
+    )
+    p.add_argument(
+        "--register-tls-ca", metavar="PEM", help="roots of the proxy's certificate, for a proxy that listens with TLS"
+    )
     p.set_defaults(func=run_generator_command)
 
     from rollwire.proxy.cli import add_proxy_command
@@ -79,7 +95,9 @@ def _registration(config):
     if not reg.proxy:
         return None
     if config.host in ("0.0.0.0", "::", "") and not reg.advertise:
-        raise SystemExit(f"--register: the proxy cannot dial {config.host!r}; give --advertise HOST:PORT, the address it can reach")
+        raise SystemExit(
+            f"--register: the proxy cannot dial {config.host!r}; give --advertise HOST:PORT, the address it can reach"
+        )
     from pathlib import Path
 
     from rollwire.generator.registration import Registration

@@ -22,13 +22,17 @@ class Limits(Section):
     max_queue: int = Field(256, ge=0, description="Groups that may wait for a batch slot; more get RESOURCE_EXHAUSTED.")
     max_stop_strings: int = Field(8, ge=0, description="Most stop strings per request.")
     max_concurrent_pushes: int = Field(
-        2, ge=1, description="PushAdapter streams received at once (each buffers its payload); more get RESOURCE_EXHAUSTED."
+        2,
+        ge=1,
+        description="PushAdapter streams received at once (each buffers its payload); more get RESOURCE_EXHAUSTED.",
     )
     push_idle_timeout_s: float = Field(
         30.0, gt=0, description="A push that sends no message for this long is cancelled with DEADLINE_EXCEEDED."
     )
     max_version_step: int = Field(
-        1_000_000, ge=1, description="A pushed version may be at most this far above the newest of its name (0 for a new name)."
+        1_000_000,
+        ge=1,
+        description="A pushed version may be at most this far above the newest of its name (0 for a new name).",
     )
 
 
@@ -46,33 +50,69 @@ class SGLangSection(Section):
     Secrets are read from files named here, never from the environment, and never logged.
     """
 
-    url: str = Field("", description="Use the SGLang server at this URL (e.g. http://127.0.0.1:30000) instead of launching one; it must see adapter_dir (same host or shared volume).")
-    launch_command: list[str] = Field(default_factory=list, description="Command that starts SGLang; empty = [this python, -m, sglang.launch_server]. rollwire appends --model-path, --host, --port and the LoRA flags.")
-    extra_args: list[str] = Field(default_factory=list, description="More SGLang flags, e.g. [\"--mem-fraction-static\", \"0.5\"].")
+    url: str = Field(
+        "",
+        description="Use the SGLang server at this URL (e.g. http://127.0.0.1:30000) instead of launching one; it must see adapter_dir (same host or shared volume).",
+    )
+    launch_command: list[str] = Field(
+        default_factory=list,
+        description="Command that starts SGLang; empty = [this python, -m, sglang.launch_server]. rollwire appends --model-path, --host, --port and the LoRA flags.",
+    )
+    extra_args: list[str] = Field(
+        default_factory=list, description='More SGLang flags, e.g. ["--mem-fraction-static", "0.5"].'
+    )
     host: str = Field("127.0.0.1", description="Address the launched SGLang server binds.")
     port: int = Field(0, ge=0, le=65535, description="Port of the launched SGLang server; 0 picks a free one.")
-    max_lora_rank: int = Field(64, ge=1, description="Largest LoRA rank SGLang reserves memory for; pushes of a larger r are refused.")
-    lora_target_modules: list[str] = Field(default_factory=lambda: ["all"], description="Modules SGLang prepares LoRA buffers for (--lora-target-modules).")
-    max_loaded_adapters: int = Field(0, ge=0, description="Adapter versions SGLang holds at once; 0 = adapter_window + 1 (the window plus one for the swap).")
-    deterministic: bool = Field(False, description="Start SGLang with --enable-deterministic-inference; required to honour request seeds.")
+    max_lora_rank: int = Field(
+        64, ge=1, description="Largest LoRA rank SGLang reserves memory for; pushes of a larger r are refused."
+    )
+    lora_target_modules: list[str] = Field(
+        default_factory=lambda: ["all"], description="Modules SGLang prepares LoRA buffers for (--lora-target-modules)."
+    )
+    max_loaded_adapters: int = Field(
+        0,
+        ge=0,
+        description="Adapter versions SGLang holds at once; 0 = adapter_window + 1 (the window plus one for the swap).",
+    )
+    deterministic: bool = Field(
+        False, description="Start SGLang with --enable-deterministic-inference; required to honour request seeds."
+    )
     random_seed: int | None = Field(None, description="SGLang's --random-seed.")
     api_key_file: str = Field("", description="File holding SGLang's --api-key (generate endpoints).")
-    admin_api_key_file: str = Field("", description="File holding SGLang's --admin-api-key (adapter load/unload and abort).")
-    adapter_dir: str = Field("", description="Where pushed adapters are written for SGLang to load; empty = a fresh temporary folder.")
-    adapter_dir_on_server: str = Field("", description="adapter_dir as the SGLang server sees it, when it mounts it elsewhere; empty = the same path.")
+    admin_api_key_file: str = Field(
+        "", description="File holding SGLang's --admin-api-key (adapter load/unload and abort)."
+    )
+    adapter_dir: str = Field(
+        "", description="Where pushed adapters are written for SGLang to load; empty = a fresh temporary folder."
+    )
+    adapter_dir_on_server: str = Field(
+        "", description="adapter_dir as the SGLang server sees it, when it mounts it elsewhere; empty = the same path."
+    )
     startup_timeout_s: float = Field(900.0, gt=0, description="How long a launched SGLang may take to become healthy.")
-    request_timeout_s: float = Field(600.0, gt=0, description="Longest wait for the next chunk of a generation or for an adapter call.")
+    request_timeout_s: float = Field(
+        600.0, gt=0, description="Longest wait for the next chunk of a generation or for an adapter call."
+    )
     health_interval_s: float = Field(5.0, gt=0, description="How often an SGLang given by url is probed.")
-    max_restarts: int = Field(5, ge=0, description="Restarts of a crashed, launched SGLang before the replica gives up.")
-    max_concurrent_groups: int = Field(256, ge=1, description="Groups streamed from SGLang at once; more wait in rollwire's queue.")
+    max_restarts: int = Field(
+        5, ge=0, description="Restarts of a crashed, launched SGLang before the replica gives up."
+    )
+    max_concurrent_groups: int = Field(
+        256, ge=1, description="Groups streamed from SGLang at once; more wait in rollwire's queue."
+    )
 
 
 class ScriptedSection(Section):
     """Settings of the scripted benchmark engine: tokens at a set rate, no model (engines/scripted.py)."""
 
-    tokens_per_s: float = Field(100.0, ge=0, description="Tokens per second per sample, all n samples of a group together; 0 = as fast as the event loop runs.")
+    tokens_per_s: float = Field(
+        100.0,
+        ge=0,
+        description="Tokens per second per sample, all n samples of a group together; 0 = as fast as the event loop runs.",
+    )
     logprob: float = Field(-1.0, le=0, description="The logprob reported for every token.")
-    max_concurrent_groups: int = Field(256, ge=1, description="Groups generating at once; more wait in the engine's queue.")
+    max_concurrent_groups: int = Field(
+        256, ge=1, description="Groups generating at once; more wait in the engine's queue."
+    )
 
 
 class RegisterSection(Section):
@@ -90,7 +130,8 @@ class GeneratorConfig(Section):
 
     model: str = Field("", description="Local Hugging Face model folder (config.json + *.safetensors + tokenizer).")
     engine: Literal["transformers", "sglang", "scripted"] = Field(
-        "transformers", description="Model backend; scripted is a benchmark engine with no model (needs only config.json)."
+        "transformers",
+        description="Model backend; scripted is a benchmark engine with no model (needs only config.json).",
     )
     host: str = Field("127.0.0.1", description="Address the gRPC server binds; 0.0.0.0 to accept remote clients.")
     port: int = Field(50051, ge=0, le=65535, description="gRPC port; 0 picks a free one.")

@@ -17,26 +17,42 @@ class GeneratorMetrics:
     def __init__(self, registry: CollectorRegistry | None = None) -> None:
         r = self.registry = registry or CollectorRegistry()
         p = "rollwire_generator_"
-        self.requests = Counter(p + "requests_total", "Generate requests by final gRPC status code.", ["code"], registry=r)
-        self.tokens = Counter(p + "tokens_total", "Tokens processed, by kind (prompt or completion).", ["kind"], registry=r)
+        self.requests = Counter(
+            p + "requests_total", "Generate requests by final gRPC status code.", ["code"], registry=r
+        )
+        self.tokens = Counter(
+            p + "tokens_total", "Tokens processed, by kind (prompt or completion).", ["kind"], registry=r
+        )
         self.ttft = Histogram(
-            p + "time_to_first_token_seconds", "From request arrival to its first token.", buckets=LATENCY_BUCKETS, registry=r
+            p + "time_to_first_token_seconds",
+            "From request arrival to its first token.",
+            buckets=LATENCY_BUCKETS,
+            registry=r,
         )
         self.latency = Histogram(
-            p + "request_duration_seconds", "From request arrival to its last message.", buckets=LATENCY_BUCKETS, registry=r
+            p + "request_duration_seconds",
+            "From request arrival to its last message.",
+            buckets=LATENCY_BUCKETS,
+            registry=r,
         )
         self.in_flight = Gauge(p + "in_flight_requests", "Generate requests accepted and not yet finished.", registry=r)
         self.queue_depth = Gauge(p + "queue_depth", "Groups accepted and waiting for a batch slot.", registry=r)
         self.running = Gauge(p + "running_groups", "Groups being generated now.", registry=r)
-        self.forward_passes = Counter(p + "forward_passes_total", "Model forward passes (prefill or decode).", registry=r)
+        self.forward_passes = Counter(
+            p + "forward_passes_total", "Model forward passes (prefill or decode).", registry=r
+        )
         self.batch_rows = Histogram(
             p + "batch_rows", "Sequences in one forward pass.", buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256), registry=r
         )
-        self.adapter_version = Gauge(p + "adapter_version", "Newest loaded version per adapter.", ["adapter"], registry=r)
+        self.adapter_version = Gauge(
+            p + "adapter_version", "Newest loaded version per adapter.", ["adapter"], registry=r
+        )
         self.adapter_versions_loaded = Gauge(
             p + "adapter_versions_loaded", "Versions of each adapter loaded.", ["adapter"], registry=r
         )
-        self.pushes = Counter(p + "adapter_pushes_total", "Adapter pushes by final gRPC status code.", ["code"], registry=r)
+        self.pushes = Counter(
+            p + "adapter_pushes_total", "Adapter pushes by final gRPC status code.", ["code"], registry=r
+        )
         self.push_bytes = Counter(p + "adapter_push_bytes_total", "Adapter payload bytes received.", registry=r)
         self.push_latency = Histogram(
             p + "adapter_push_duration_seconds",

@@ -43,7 +43,9 @@ class Heartbeat:
         if registration.tls_ca is None:
             self.channel = grpc.aio.insecure_channel(registration.proxy)
         else:
-            self.channel = grpc.aio.secure_channel(registration.proxy, grpc.ssl_channel_credentials(registration.tls_ca))
+            self.channel = grpc.aio.secure_channel(
+                registration.proxy, grpc.ssl_channel_credentials(registration.tls_ca)
+            )
         self.metadata = (("authorization", f"Bearer {registration.token}"),) if registration.token else ()
         self.admin = admin_pb2_grpc.AdminServiceStub(self.channel)
         self._stop = asyncio.Event()
@@ -62,7 +64,9 @@ class Heartbeat:
                     log.info("registered_with_proxy", proxy=self.registration.proxy, address=self.address)
                 registered = True
             except grpc.aio.AioRpcError as exc:
-                log.warning("heartbeat_failed", proxy=self.registration.proxy, code=exc.code().name, error=exc.details())
+                log.warning(
+                    "heartbeat_failed", proxy=self.registration.proxy, code=exc.code().name, error=exc.details()
+                )
                 registered = False
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._stop.wait(), interval)

@@ -18,7 +18,6 @@ import structlog
 
 from rollwire.common.errors import InvalidArgument, ResourceExhausted, RollwireError, clip, to_status
 from rollwire.common.logs import get_logger, request_id_from
-from rollwire.serving import __version__
 from rollwire.generator.adapters import (
     NAME_RE,
     AdapterRegistry,
@@ -31,7 +30,15 @@ from rollwire.generator.adapters import (
 from rollwire.generator.config import GeneratorConfig
 from rollwire.generator.engines.base import Engine
 from rollwire.generator.metrics import GeneratorMetrics
-from rollwire.generator.types import MAX_TEMPERATURE, MIN_TEMPERATURE, GroupRequest, SamplingParams, TokenDelta, coalesce
+from rollwire.generator.types import (
+    MAX_TEMPERATURE,
+    MIN_TEMPERATURE,
+    GroupRequest,
+    SamplingParams,
+    TokenDelta,
+    coalesce,
+)
+from rollwire.serving import __version__
 from rollwire.v1 import generator_pb2 as pb
 from rollwire.v1 import generator_pb2_grpc
 
@@ -74,7 +81,13 @@ class GeneratorServicer(generator_pb2_grpc.GeneratorServiceServicer):
             self._admit()
             selection = self.registry.acquire(request.adapter.name, request.adapter.version)
             group.adapter = selection
-            log.info("generate_start", n=group.n, prompt_tokens=len(group.prompt_ids), adapter=selection.name, version=selection.version)
+            log.info(
+                "generate_start",
+                n=group.n,
+                prompt_tokens=len(group.prompt_ids),
+                adapter=selection.name,
+                version=selection.version,
+            )
             yield pb.GenerateResponse(
                 started=pb.GenerationStarted(
                     request_id=rid,
@@ -185,7 +198,9 @@ class GeneratorServicer(generator_pb2_grpc.GeneratorServiceServicer):
         else:
             prompt = []
         if not prompt:
-            raise InvalidArgument("the prompt is empty: set `text` or `token_ids` to at least one token", reason="EMPTY_PROMPT")
+            raise InvalidArgument(
+                "the prompt is empty: set `text` or `token_ids` to at least one token", reason="EMPTY_PROMPT"
+            )
         if len(prompt) > lim.max_prompt_tokens:
             raise InvalidArgument(
                 f"the prompt has {len(prompt)} tokens; this replica accepts at most {lim.max_prompt_tokens}",
@@ -286,13 +301,17 @@ class GeneratorServicer(generator_pb2_grpc.GeneratorServiceServicer):
                 part = msg.WhichOneof("part")
                 if manifest is None:
                     if part != "manifest":
-                        raise InvalidArgument("the first PushAdapter message must be the manifest", reason="NO_MANIFEST")
+                        raise InvalidArgument(
+                            "the first PushAdapter message must be the manifest", reason="NO_MANIFEST"
+                        )
                     manifest = _to_manifest(msg.manifest)
                     check_manifest(manifest, fingerprint=self.fingerprint, max_bytes=lim.max_adapter_bytes)
                     self.registry.check_version(manifest, lim.max_version_step)
                     continue
                 if part != "chunk":
-                    raise InvalidArgument("only the first PushAdapter message may be a manifest", reason="SECOND_MANIFEST")
+                    raise InvalidArgument(
+                        "only the first PushAdapter message may be a manifest", reason="SECOND_MANIFEST"
+                    )
                 if len(msg.chunk) > MAX_CHUNK:
                     raise InvalidArgument(
                         f"a chunk of {len(msg.chunk)} bytes exceeds the 1 MiB ({MAX_CHUNK} bytes) chunk limit; "
@@ -302,7 +321,8 @@ class GeneratorServicer(generator_pb2_grpc.GeneratorServiceServicer):
                 received += len(msg.chunk)
                 if received > manifest.byte_length:
                     raise InvalidArgument(
-                        f"received more than the {manifest.byte_length} bytes the manifest declared", reason="LENGTH_MISMATCH"
+                        f"received more than the {manifest.byte_length} bytes the manifest declared",
+                        reason="LENGTH_MISMATCH",
                     )
                 buffer.write(msg.chunk)
             if manifest is None:
@@ -365,7 +385,8 @@ class GeneratorServicer(generator_pb2_grpc.GeneratorServiceServicer):
             ),
             server_version=__version__,
             base_linear_layers=[
-                pb.LinearLayer(module=m, out_features=o, in_features=i) for m, (o, i) in sorted(self.base_shapes.items())
+                pb.LinearLayer(module=m, out_features=o, in_features=i)
+                for m, (o, i) in sorted(self.base_shapes.items())
             ],
         )
 

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-
 MIN_TEMPERATURE = 1e-3  # smallest positive temperature; 0 means greedy
 MAX_TEMPERATURE = 100.0  # a documented cap: hotter is close to uniform and buys nothing
 
@@ -92,7 +91,9 @@ def coalesce(events: list[Event]) -> list[Event]:
                 prev.logprobs.extend(ev.logprobs)
                 prev.text += ev.text
                 continue
-            merged[ev.sample_index] = TokenDelta(ev.sample_index, list(ev.token_ids), list(ev.logprobs), ev.text, ev.version)
+            merged[ev.sample_index] = TokenDelta(
+                ev.sample_index, list(ev.token_ids), list(ev.logprobs), ev.text, ev.version
+            )
             out.append(merged[ev.sample_index])
         else:
             merged.pop(ev.sample_index, None)

@@ -33,7 +33,9 @@ class AdminServicer(admin_pb2_grpc.AdminServiceServicer):
         replica, created = self.replicas.add(request.address, "registered", request.ttl_seconds or None)
         return apb.RegisterGeneratorResponse(replica=replica.status(), created=created)
 
-    async def DeregisterGenerator(self, request: apb.DeregisterGeneratorRequest, context) -> apb.DeregisterGeneratorResponse:
+    async def DeregisterGenerator(
+        self, request: apb.DeregisterGeneratorRequest, context
+    ) -> apb.DeregisterGeneratorResponse:
         if self._find(request.address) is None:
             return await _abort(context, self._unknown(request.address))
         restarted = await self.replicas.remove(request.address, "deregistered by an admin")
@@ -58,7 +60,8 @@ class AdminServicer(admin_pb2_grpc.AdminServiceServicer):
     def _unknown(self, address: str) -> NotFound:
         known = ", ".join(r.address for r in self.replicas.all()) or "none"
         return NotFound(
-            f"no replica {address!r} is registered here (known: {known}); ListGenerators shows them", reason="UNKNOWN_REPLICA"
+            f"no replica {address!r} is registered here (known: {known}); ListGenerators shows them",
+            reason="UNKNOWN_REPLICA",
         )
 
 

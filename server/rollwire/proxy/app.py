@@ -33,6 +33,7 @@ from rollwire.v1 import admin_pb2, admin_pb2_grpc, generator_pb2_grpc
 log = get_logger(__name__)
 ADMIN_SERVICE = admin_pb2.DESCRIPTOR.services_by_name["AdminService"].full_name
 
+
 @dataclass
 class RunningProxy:
     """A started proxy: its endpoint and the pieces tests may inspect."""
@@ -70,7 +71,9 @@ async def start_proxy(config: ProxyConfig) -> RunningProxy:
     spool_dir = Path(config.spool.dir or tempfile.mkdtemp(prefix="rollwire-spool-"))
     spool_dir.mkdir(parents=True, exist_ok=True)
     s = config.spool
-    spool = Spool(spool_dir, max_bytes=s.max_bytes, keep_versions=s.keep_versions, max_adapter_bytes=s.max_adapter_bytes)
+    spool = Spool(
+        spool_dir, max_bytes=s.max_bytes, keep_versions=s.keep_versions, max_adapter_bytes=s.max_adapter_bytes
+    )
     serving = _ServingFlag(endpoint)
     dispatcher: Dispatcher | None = None
 
@@ -96,10 +99,20 @@ async def start_proxy(config: ProxyConfig) -> RunningProxy:
         replicas.add(address, "static")
     running = RunningProxy(endpoint, servicer, replicas, spool_dir, owns_spool)
     if config.discover:
-        discovery = DnsDiscovery(config.discover, config.discover_interval_s, lambda found: replicas.reconcile("dns", found))
+        discovery = DnsDiscovery(
+            config.discover, config.discover_interval_s, lambda found: replicas.reconcile("dns", found)
+        )
         running.tasks.append(asyncio.create_task(discovery.run()))
-    log.info("proxy_ready", proxy=proxy_id, port=endpoint.port, metrics_port=endpoint.metrics_port, policy=config.policy,
-             generators=config.generators, discover=config.discover, spool=str(spool_dir))
+    log.info(
+        "proxy_ready",
+        proxy=proxy_id,
+        port=endpoint.port,
+        metrics_port=endpoint.metrics_port,
+        policy=config.policy,
+        generators=config.generators,
+        discover=config.discover,
+        spool=str(spool_dir),
+    )
     return running
 
 

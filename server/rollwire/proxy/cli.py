@@ -16,15 +16,27 @@ def add_proxy_command(subparsers) -> None:
     p.add_argument("--host", help="bind address (default 127.0.0.1)")
     p.add_argument("--port", type=int, help="gRPC port (default 50050; 0 picks a free one)")
     p.add_argument("--metrics-port", type=int, help="Prometheus port (default 9401; 0 picks a free one)")
-    p.add_argument("--generator", action="append", default=[], metavar="HOST:PORT",
-                   help="a generator replica to route to; repeat for several")
+    p.add_argument(
+        "--generator",
+        action="append",
+        default=[],
+        metavar="HOST:PORT",
+        help="a generator replica to route to; repeat for several",
+    )
     p.add_argument("--discover", metavar="dns:///NAME:PORT", help="find replicas by resolving a DNS name periodically")
     p.add_argument("--policy", choices=POLICIES, help="routing policy (default least-loaded)")
-    p.add_argument("--spool-dir", help="folder of spooled adapters, kept across restarts (default: a private temp folder)")
+    p.add_argument(
+        "--spool-dir", help="folder of spooled adapters, kept across restarts (default: a private temp folder)"
+    )
     p.add_argument("--proxy-id", help="name in logs and status (default proxy@host:port)")
     p.add_argument("--config", help="TOML file with the proxy config")
-    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
-                   help="override a config key, e.g. routing.max_in_flight_per_replica=16")
+    p.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="override a config key, e.g. routing.max_in_flight_per_replica=16",
+    )
     p.add_argument("--ready-file", help="write {port, metrics_port, pid} as JSON here once serving")
     p.add_argument("--dry-run", action="store_true", help="print the resolved config and exit")
     p.set_defaults(func=run_proxy_command)

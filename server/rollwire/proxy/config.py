@@ -29,7 +29,9 @@ class RoutingSection(Section):
         32, ge=1, description="Groups the proxy runs on one replica at once; more wait in the proxy's queue."
     )
     max_queue: int = Field(
-        1024, ge=0, description="Requests that may wait for a replica slot; beyond it RESOURCE_EXHAUSTED with a retry hint."
+        1024,
+        ge=0,
+        description="Requests that may wait for a replica slot; beyond it RESOURCE_EXHAUSTED with a retry hint.",
     )
     max_attempts: int = Field(
         3, ge=1, description="Attempts per group, the first included; then UNAVAILABLE naming what failed."
@@ -45,7 +47,9 @@ class RoutingSection(Section):
         64, ge=1, description="Leading prompt tokens (characters of a text prompt) hashed when no group_key is given."
     )
     affinity_load_factor: float = Field(
-        1.25, ge=1.0, description="Affinity spills to the least-loaded replica when its choice runs over this x the average..."
+        1.25,
+        ge=1.0,
+        description="Affinity spills to the least-loaded replica when its choice runs over this x the average...",
     )
     affinity_min_gap: int = Field(
         4, ge=0, description="...and at least this many groups more than the least-loaded replica."
@@ -57,32 +61,44 @@ class HealthSection(Section):
 
     interval_s: float = Field(1.0, gt=0, description="Seconds between gRPC health checks of each replica.")
     timeout_s: float = Field(2.0, gt=0, description="Deadline of one health check or GetStatus call.")
-    unhealthy_after: int = Field(2, ge=1, description="Consecutive failed health checks that take a replica out of rotation.")
+    unhealthy_after: int = Field(
+        2, ge=1, description="Consecutive failed health checks that take a replica out of rotation."
+    )
     status_every_s: float = Field(
         5.0, gt=0, description="Seconds between GetStatus refreshes of what each replica holds (finds lost versions)."
     )
     eject_after_failures: int = Field(
         3, ge=1, description="Consecutive failed attempts on one replica that open its circuit (eject it)."
     )
-    eject_s: float = Field(2.0, gt=0, description="First ejection; doubles on each consecutive ejection up to eject_max_s.")
+    eject_s: float = Field(
+        2.0, gt=0, description="First ejection; doubles on each consecutive ejection up to eject_max_s."
+    )
     eject_max_s: float = Field(30.0, gt=0, description="Longest ejection.")
-    push_timeout_s: float = Field(120.0, gt=0, description="Deadline of one adapter push to one replica (fan-out or catch-up).")
+    push_timeout_s: float = Field(
+        120.0, gt=0, description="Deadline of one adapter push to one replica (fan-out or catch-up)."
+    )
 
 
 class SpoolSection(Section):
     """The on-disk adapter spool: what new and returning replicas are caught up from."""
 
-    dir: str = Field("", description="Folder of spooled adapters, reloaded at start; empty = a private folder removed at exit.")
+    dir: str = Field(
+        "", description="Folder of spooled adapters, reloaded at start; empty = a private folder removed at exit."
+    )
     max_bytes: int = Field(4096 * MiB, ge=1, description="Bytes the spool may hold; older versions are evicted first.")
     keep_versions: int = Field(
-        3, ge=1, description="Newest versions of each adapter kept for catch-up (set it to the replicas' adapter_window)."
+        3,
+        ge=1,
+        description="Newest versions of each adapter kept for catch-up (set it to the replicas' adapter_window).",
     )
     max_adapter_bytes: int = Field(1024 * MiB, ge=1, description="Largest adapter payload the proxy accepts.")
     upload_idle_timeout_s: float = Field(
         30.0, gt=0, description="A push that sends no message for this long is cancelled with DEADLINE_EXCEEDED."
     )
     max_version_step: int = Field(
-        1_000_000, ge=1, description="A pushed version may be at most this far above the newest of its name (0 for a new name)."
+        1_000_000,
+        ge=1,
+        description="A pushed version may be at most this far above the newest of its name (0 for a new name).",
     )
 
 
@@ -93,18 +109,21 @@ class FairnessSection(Section):
     token), the peer's host otherwise (every client behind one NAT or on one host is one client)."""
 
     max_in_flight_per_client: int = Field(
-        256, ge=1,
+        256,
+        ge=1,
         description="Generate requests one client may have open at the proxy (queued or running); beyond it "
         "RESOURCE_EXHAUSTED, reason CLIENT_LIMIT, with a retry hint, before any work.",
     )
     max_queued_tokens_per_client: int = Field(
-        1 << 20, ge=1,
+        1 << 20,
+        ge=1,
         description="Work one client may have waiting in the proxy's queue, as the sum of n x max_new_tokens of its "
         "queued requests; a request that would go over it is refused like max_in_flight_per_client (a client's "
         "first queued request is always accepted, however large).",
     )
     slow_reader_timeout_s: float = Field(
-        30.0, gt=0,
+        30.0,
+        gt=0,
         description="A response message the client has not taken for this long (its flow-control window stays "
         "full) ends the request with RESOURCE_EXHAUSTED, reason SLOW_READER, and frees its replica slot.",
     )
@@ -121,7 +140,9 @@ class ProxyConfig(Section):
         "least-loaded", description="least-loaded (power of two choices), round-robin, or affinity (consistent hash)."
     )
     generators: list[str] = Field(default_factory=list, description="Static replicas, HOST:PORT each.")
-    discover: str = Field("", description="dns:///NAME:PORT re-resolved periodically (e.g. a Kubernetes headless service).")
+    discover: str = Field(
+        "", description="dns:///NAME:PORT re-resolved periodically (e.g. a Kubernetes headless service)."
+    )
     discover_interval_s: float = Field(10.0, gt=0, description="Seconds between DNS resolutions.")
     log_level: str = Field("info", description="debug, info, warning or error.")
     grace_seconds: float = Field(10.0, ge=0, description="On shutdown, how long in-flight requests may finish.")

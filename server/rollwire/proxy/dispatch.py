@@ -111,8 +111,14 @@ class _Waiter:
 
 
 class Dispatcher:
-    def __init__(self, replicas: ReplicaSet, policy: Policy, routing: RoutingSection, metrics: ProxyMetrics,
-                 fairness: FairnessSection | None = None) -> None:
+    def __init__(
+        self,
+        replicas: ReplicaSet,
+        policy: Policy,
+        routing: RoutingSection,
+        metrics: ProxyMetrics,
+        fairness: FairnessSection | None = None,
+    ) -> None:
         self.replicas, self.policy, self.routing, self.metrics = replicas, policy, routing, metrics
         self.fairness = fairness or FairnessSection()
         self.clients: dict[str, Client] = {}
@@ -152,8 +158,16 @@ class Dispatcher:
                 del self.clients[name]
             self.metrics.clients.set(len(self.clients))
 
-    async def acquire(self, need: Need, key: bytes, work: int, exclude: frozenset[str], deadline: float,
-                      client: Client | None = None, first: bool = True) -> Lease:
+    async def acquire(
+        self,
+        need: Need,
+        key: bytes,
+        work: int,
+        exclude: frozenset[str],
+        deadline: float,
+        client: Client | None = None,
+        first: bool = True,
+    ) -> Lease:
         """A slot on a replica that can serve `need`, waiting in the client's queue if all are
         busy. `first`: the request's first attempt (a retry is not refused for the client's
         queued work: it was admitted already)."""

@@ -69,8 +69,17 @@ def resolve(request: pb.GenerateRequest, replicas: ReplicaSet) -> Need:
 
 
 class GroupRun:
-    def __init__(self, request: pb.GenerateRequest, request_id: str, deadline: float, dispatcher: Dispatcher,
-                 replicas: ReplicaSet, routing: RoutingSection, metrics: ProxyMetrics, client: Client | None = None) -> None:
+    def __init__(
+        self,
+        request: pb.GenerateRequest,
+        request_id: str,
+        deadline: float,
+        dispatcher: Dispatcher,
+        replicas: ReplicaSet,
+        routing: RoutingSection,
+        metrics: ProxyMetrics,
+        client: Client | None = None,
+    ) -> None:
         self.request, self.request_id, self.deadline, self.client = request, request_id, deadline, client
         self.dispatcher, self.replicas, self.routing, self.metrics = dispatcher, replicas, routing, metrics
         request.request_id = request_id
@@ -94,8 +103,9 @@ class GroupRun:
         failures: list[AttemptFailed] = []
         for number in range(1, self.routing.max_attempts + 1):
             tried = frozenset(f.replica.address for f in failures)
-            lease = await self.dispatcher.acquire(self.need, self.key, self.work, tried, self.deadline,
-                                                  client=self.client, first=number == 1)
+            lease = await self.dispatcher.acquire(
+                self.need, self.key, self.work, tried, self.deadline, client=self.client, first=number == 1
+            )
             failure = None
             try:
                 async with contextlib.aclosing(self._attempt(lease)) as stream:
@@ -166,7 +176,8 @@ class GroupRun:
         self.metrics.attempts.labels(replica.address, code.name).inc()
         err = from_rpc_error(exc)
         verdict = faults.classify(
-            code, err.reason,
+            code,
+            err.reason,
             group_deadline_passed=time.monotonic() >= self.deadline - 0.01,
             version_pinned=bool(self.need.adapter) and not self.need.any_replica,
             suspected_before=bool(self.suspects),
@@ -180,8 +191,14 @@ class GroupRun:
     def _count(self, failure: AttemptFailed) -> None:
         replica, now = failure.replica, time.monotonic()
         (self.metrics.restarts if failure.visible else self.metrics.retries).labels(replica.address).inc()
-        log.info("attempt_failed", replica=replica.address, code=failure.code, kind=failure.kind,
-                 visible=failure.visible, error=failure.message)
+        log.info(
+            "attempt_failed",
+            replica=replica.address,
+            code=failure.code,
+            kind=failure.kind,
+            visible=failure.visible,
+            error=failure.message,
+        )
         if failure.kind == "stale":
             self.replicas.mark_unsynced(replica, f"it refused {self.need}, which it was believed to hold")
         elif failure.kind == "suspect":
@@ -193,8 +210,12 @@ class GroupRun:
         """The group succeeded: each replica that failed it unexplained was at fault."""
         for failure in self.suspects:
             if failure.replica.address != succeeded_on.address:
-                log.info("replica_fault_confirmed", replica=failure.replica.address, code=failure.code,
-                         succeeded_on=succeeded_on.address)
+                log.info(
+                    "replica_fault_confirmed",
+                    replica=failure.replica.address,
+                    code=failure.code,
+                    succeeded_on=succeeded_on.address,
+                )
                 self._fault(failure.replica, time.monotonic())
 
     def _fault(self, replica: Replica, now: float) -> None:

@@ -34,8 +34,9 @@ log = get_logger(__name__)
 
 
 class FanOut:
-    def __init__(self, spool: Spool, replicas: ReplicaSet, health: HealthSection, routing: RoutingSection,
-                 metrics: ProxyMetrics) -> None:
+    def __init__(
+        self, spool: Spool, replicas: ReplicaSet, health: HealthSection, routing: RoutingSection, metrics: ProxyMetrics
+    ) -> None:
         self.spool, self.replicas, self.health, self.routing, self.metrics = spool, replicas, health, routing, metrics
         self._locks: defaultdict[str, asyncio.Lock] = defaultdict(asyncio.Lock)
         self._tasks: set[asyncio.Task] = set()
@@ -73,15 +74,23 @@ class FanOut:
             results = await asyncio.gather(*(self._push(r, adapter, payload, request_id) for r in targets))
             self.metrics.fanout_latency.observe(time.monotonic() - start)
             accepted = [r for r in results if r.ok]
-            log.info("adapter_published", adapter=adapter.name, version=adapter.version, accepted=len(accepted),
-                     replicas=len(results), seconds=round(time.monotonic() - start, 4))
+            log.info(
+                "adapter_published",
+                adapter=adapter.name,
+                version=adapter.version,
+                accepted=len(accepted),
+                replicas=len(results),
+                seconds=round(time.monotonic() - start, 4),
+            )
             if not accepted:
                 if not created:  # an older spooled copy: maybe one no replica accepts (quarantined then)
                     for result in results:
                         self.replicas.note_refusal(result.replica, adapter, result.code, result.reason, result.message)
                 self._forget(adapter, created)
                 first = results[0]
-                raise Relay(first.error) if first.error is not None else Unavailable(first.message, reason="PUSH_FAILED")
+                raise (
+                    Relay(first.error) if first.error is not None else Unavailable(first.message, reason="PUSH_FAILED")
+                )
             for result in results:
                 if not result.ok:
                     self.replicas.note_refusal(result.replica, adapter, result.code, result.reason, result.message)
@@ -103,7 +112,9 @@ class FanOut:
         if created:
             self.spool.discard(adapter)
 
-    def _reply(self, adapter: SpooledAdapter, results: list[PushResult], targets: list[Replica]) -> pb.PushAdapterResponse:
+    def _reply(
+        self, adapter: SpooledAdapter, results: list[PushResult], targets: list[Replica]
+    ) -> pb.PushAdapterResponse:
         accepted = [r.reply for r in results if r.ok]
         loaded = set.intersection(*(set(reply.loaded_versions) for reply in accepted))
         per_replica = [r.to_pb() for r in results]

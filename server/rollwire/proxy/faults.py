@@ -46,10 +46,18 @@ STALE_VIEW = frozenset({"ADAPTER_NOT_FOUND", "ADAPTER_VERSION_NOT_FOUND", "ADAPT
 SICK = frozenset({C.UNAVAILABLE})
 """Statuses that mean the replica itself failed, whatever the request."""
 UNEXPLAINED = frozenset({C.INTERNAL, C.UNKNOWN})
-CLIENT = frozenset({
-    C.INVALID_ARGUMENT, C.FAILED_PRECONDITION, C.NOT_FOUND, C.OUT_OF_RANGE, C.ALREADY_EXISTS,
-    C.PERMISSION_DENIED, C.UNAUTHENTICATED, C.RESOURCE_EXHAUSTED,
-})
+CLIENT = frozenset(
+    {
+        C.INVALID_ARGUMENT,
+        C.FAILED_PRECONDITION,
+        C.NOT_FOUND,
+        C.OUT_OF_RANGE,
+        C.ALREADY_EXISTS,
+        C.PERMISSION_DENIED,
+        C.UNAUTHENTICATED,
+        C.RESOURCE_EXHAUSTED,
+    }
+)
 """Statuses a request can cause: relayed, never counted."""
 
 
@@ -77,8 +85,14 @@ def no_reason(code: grpc.StatusCode, reason: str) -> bool:
     return not reason or reason == code.name
 
 
-def classify(code: grpc.StatusCode, reason: str, *, group_deadline_passed: bool = False,
-             version_pinned: bool = False, suspected_before: bool = False) -> Verdict:
+def classify(
+    code: grpc.StatusCode,
+    reason: str,
+    *,
+    group_deadline_passed: bool = False,
+    version_pinned: bool = False,
+    suspected_before: bool = False,
+) -> Verdict:
     """The verdict on one failed attempt (see the module docstring's table).
 
     `group_deadline_passed`: the request's own deadline is reached (a DEADLINE_EXCEEDED then

@@ -27,7 +27,9 @@ class ProxyMetrics:
         def histogram(name, text, labels=()):
             return Histogram(PREFIX + name, text, list(labels), buckets=LATENCY_BUCKETS, registry=r)
 
-        self.requests = counter("requests_total", "Generate requests by routing policy and final gRPC code.", ["policy", "code"])
+        self.requests = counter(
+            "requests_total", "Generate requests by routing policy and final gRPC code.", ["policy", "code"]
+        )
         self.latency = histogram("request_duration_seconds", "From request arrival to its last message.", ["policy"])
         self.queue_wait = histogram("queue_wait_seconds", "Time a request waited for a replica slot.")
         self.queue_depth = gauge("queue_depth", "Requests waiting for a replica slot.")
@@ -43,28 +45,50 @@ class ProxyMetrics:
             ["limit"],
         )
         self.clients = gauge("clients", "Client identities with requests open or queued at the proxy.")
-        self.attempts = counter("replica_attempts_total", "Attempts sent to each replica, by outcome code.", ["replica", "code"])
-        self.retries = counter(
-            "retries_total", "Attempts that failed before the first token and were redone invisibly, by replica.", ["replica"]
+        self.attempts = counter(
+            "replica_attempts_total", "Attempts sent to each replica, by outcome code.", ["replica", "code"]
         )
-        self.restarts = counter("restarts_total", "Groups restarted elsewhere after failing mid-stream, by replica.", ["replica"])
+        self.retries = counter(
+            "retries_total",
+            "Attempts that failed before the first token and were redone invisibly, by replica.",
+            ["replica"],
+        )
+        self.restarts = counter(
+            "restarts_total", "Groups restarted elsewhere after failing mid-stream, by replica.", ["replica"]
+        )
         self.ejections = counter("ejections_total", "Circuit-breaker ejections of each replica.", ["replica"])
         self.in_flight = gauge("in_flight_requests", "Groups the proxy runs on each replica now.", ["replica"])
         self.healthy = gauge("replica_healthy", "1 when the replica passes health checks.", ["replica"])
         self.routable = gauge("replica_routable", "1 when the replica takes new work.", ["replica"])
         self.versions = gauge("replica_adapter_version", "Newest adapter version confirmed.", ["replica", "adapter"])
-        self.pushes = counter("replica_pushes_total", "Adapter pushes (fan-out and catch-up) by code.", ["replica", "code"])
-        self.catchup_pushes = counter("catchup_pushes_total", "Versions pushed to a replica to bring it up to date.", ["replica"])
+        self.pushes = counter(
+            "replica_pushes_total", "Adapter pushes (fan-out and catch-up) by code.", ["replica", "code"]
+        )
+        self.catchup_pushes = counter(
+            "catchup_pushes_total", "Versions pushed to a replica to bring it up to date.", ["replica"]
+        )
         self.quarantined = counter(
             "quarantined_versions_total", "Spooled adapter versions every replica refused, moved out of the spool."
         )
-        self.fanout_latency = histogram("push_fanout_duration_seconds", "From a spooled push to every healthy replica answering.")
+        self.fanout_latency = histogram(
+            "push_fanout_duration_seconds", "From a spooled push to every healthy replica answering."
+        )
         self.replicas = gauge("replicas", "Replicas known to the proxy.")
 
     def forget_replica(self, address: str) -> None:
         """Drop every series of a replica that left, so dashboards do not show ghosts."""
-        for metric in (self.attempts, self.retries, self.restarts, self.ejections, self.in_flight, self.healthy,
-                       self.routable, self.versions, self.pushes, self.catchup_pushes):
+        for metric in (
+            self.attempts,
+            self.retries,
+            self.restarts,
+            self.ejections,
+            self.in_flight,
+            self.healthy,
+            self.routable,
+            self.versions,
+            self.pushes,
+            self.catchup_pushes,
+        ):
             for labels in list(metric._metrics):  # prometheus_client keeps children by label tuple
                 if labels and labels[0] == address:
                     metric.remove(*labels)

@@ -58,7 +58,9 @@ class Attempt:
 
 
 class Replica:
-    def __init__(self, address: str, source: str, breaker: Breaker, upstream: Upstream, expires_at: float | None = None) -> None:
+    def __init__(
+        self, address: str, source: str, breaker: Breaker, upstream: Upstream, expires_at: float | None = None
+    ) -> None:
         self.address, self.source, self.breaker, self.expires_at = address, source, breaker, expires_at
         self.channel = upstream.channel(address)
         self.metadata = upstream.metadata

@@ -32,7 +32,6 @@ import grpc
 from grpc_health.v1 import health_pb2
 
 from rollwire.common.errors import Unavailable
-
 from rollwire.common.logs import get_logger, new_request_id
 from rollwire.proxy.breaker import Breaker
 from rollwire.proxy.config import ProxyConfig
@@ -57,8 +56,14 @@ def is_permanent_refusal(code: grpc.StatusCode, reason: str) -> bool:
 
 
 class ReplicaSet:
-    def __init__(self, config: ProxyConfig, spool: Spool, metrics: ProxyMetrics, on_change: Callable[[], None],
-                 upstream: Upstream | None = None) -> None:
+    def __init__(
+        self,
+        config: ProxyConfig,
+        spool: Spool,
+        metrics: ProxyMetrics,
+        on_change: Callable[[], None],
+        upstream: Upstream | None = None,
+    ) -> None:
         self.config, self.spool, self.metrics, self.on_change = config, spool, metrics, on_change
         self.upstream = upstream or Upstream()
         self.members: dict[str, Replica] = {}
@@ -194,8 +199,10 @@ class ReplicaSet:
             return False
         if not peers or not {r.address for r in peers} <= refusers:
             return False
-        why = (f"every replica ({', '.join(sorted(refusers))}) refused {adapter.name!r} v{adapter.version}; "
-               f"the last with {code.name} {reason}: {message}")
+        why = (
+            f"every replica ({', '.join(sorted(refusers))}) refused {adapter.name!r} v{adapter.version}; "
+            f"the last with {code.name} {reason}: {message}"
+        )
         if self.spool.quarantine(adapter, why):
             self.metrics.quarantined.inc()
             log.error("adapter_quarantined", adapter=adapter.name, version=adapter.version, why=why)
@@ -255,7 +262,9 @@ class ReplicaSet:
         its in-flight groups finish; one that does not answer at all is hung or gone."""
         try:
             reply = await replica.health.Check(
-                health_pb2.HealthCheckRequest(service=SERVICE), timeout=self.config.health.timeout_s, metadata=replica.metadata
+                health_pb2.HealthCheckRequest(service=SERVICE),
+                timeout=self.config.health.timeout_s,
+                metadata=replica.metadata,
             )
         except grpc.aio.AioRpcError as exc:
             return False, False, f"health check failed with {exc.code().name}: {exc.details()}"
@@ -325,15 +334,26 @@ class ReplicaSet:
                     self.metrics.catchup_pushes.labels(replica.address).inc()
                     log.info("replica_caught_up", replica=replica.address, adapter=name, version=adapter.version)
                 elif result.reason not in ALREADY_AHEAD:
-                    log.warning("catch_up_failed", replica=replica.address, adapter=name, version=adapter.version,
-                                code=result.code.name, error=result.message)
-                    replica.detail = f"catching up {name} v{adapter.version} failed with {result.code.name}: {result.message}"
+                    log.warning(
+                        "catch_up_failed",
+                        replica=replica.address,
+                        adapter=name,
+                        version=adapter.version,
+                        code=result.code.name,
+                        error=result.message,
+                    )
+                    replica.detail = (
+                        f"catching up {name} v{adapter.version} failed with {result.code.name}: {result.message}"
+                    )
                     if not is_permanent_refusal(result.code, result.reason):
                         replica.synced = False
                         return False
                     self.note_refusal(replica, adapter, result.code, result.reason, result.message)
-        behind = [f"{n} v{vs[-1].version}" for n in self.spool.names() if (vs := self.spool.versions(n))
-                  and replica.newest(n) < vs[-1].version]
+        behind = [
+            f"{n} v{vs[-1].version}"
+            for n in self.spool.names()
+            if (vs := self.spool.versions(n)) and replica.newest(n) < vs[-1].version
+        ]
         if behind:
             replica.synced = False
             replica.detail = f"it does not hold {', '.join(behind)} (it refused them; other replicas hold them)"

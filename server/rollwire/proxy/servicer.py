@@ -16,7 +16,6 @@ import structlog
 
 from rollwire.common.errors import ResourceExhausted, RollwireError, to_status
 from rollwire.common.logs import get_logger, request_id_from
-from rollwire.serving import __version__
 from rollwire.proxy.config import ProxyConfig
 from rollwire.proxy.dispatch import Dispatcher, client_name
 from rollwire.proxy.failover import GroupRun
@@ -25,6 +24,7 @@ from rollwire.proxy.metrics import ProxyMetrics
 from rollwire.proxy.relay import Relay
 from rollwire.proxy.replicas import ReplicaSet
 from rollwire.proxy.spool import Spool
+from rollwire.serving import __version__
 from rollwire.v1 import generator_pb2 as pb
 from rollwire.v1 import generator_pb2_grpc
 
@@ -34,8 +34,16 @@ CLIENT_REASONS = frozenset({"CLIENT_LIMIT", "SLOW_READER"})
 
 
 class ProxyServicer(generator_pb2_grpc.GeneratorServiceServicer):
-    def __init__(self, config: ProxyConfig, replicas: ReplicaSet, dispatcher: Dispatcher, spool: Spool,
-                 fanout: FanOut, metrics: ProxyMetrics, proxy_id: str) -> None:
+    def __init__(
+        self,
+        config: ProxyConfig,
+        replicas: ReplicaSet,
+        dispatcher: Dispatcher,
+        spool: Spool,
+        fanout: FanOut,
+        metrics: ProxyMetrics,
+        proxy_id: str,
+    ) -> None:
         self.config, self.replicas, self.dispatcher, self.spool = config, replicas, dispatcher, spool
         self.fanout, self.metrics, self.proxy_id = fanout, metrics, proxy_id
 
@@ -55,8 +63,16 @@ class ProxyServicer(generator_pb2_grpc.GeneratorServiceServicer):
         name = client_name(metadata, context.peer(), bool(auth.generate_tokens_file or auth.admin_tokens_file))
         try:
             with self.dispatcher.admit(name) as client:  # exits (frees the client's slot) before any abort below
-                run = GroupRun(request, rid, start + timeout, self.dispatcher, self.replicas, self.config.routing,
-                               self.metrics, client)
+                run = GroupRun(
+                    request,
+                    rid,
+                    start + timeout,
+                    self.dispatcher,
+                    self.replicas,
+                    self.config.routing,
+                    self.metrics,
+                    client,
+                )
                 async with contextlib.aclosing(run.events()) as events:  # closing it releases the lease
                     async for message in events:
                         await self._write(context, message, name)
@@ -114,7 +130,9 @@ class ProxyServicer(generator_pb2_grpc.GeneratorServiceServicer):
         upload = None
         try:
             upload = await self.spool.receive(
-                request_iterator, admit=lambda: self.replicas.push_basis()[0], idle_s=self.config.spool.upload_idle_timeout_s
+                request_iterator,
+                admit=lambda: self.replicas.push_basis()[0],
+                idle_s=self.config.spool.upload_idle_timeout_s,
             )
             _, base_shapes = self.replicas.push_basis()
             await self.spool.validate(upload, base_shapes)

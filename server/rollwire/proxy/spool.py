@@ -99,9 +99,21 @@ class Upload:
 
 
 class Spool:
-    def __init__(self, folder: Path, *, max_bytes: int, keep_versions: int, max_adapter_bytes: int,
-                 max_version_step: int = DEFAULT_MAX_VERSION_STEP) -> None:
-        self.folder, self.max_bytes, self.keep, self.max_adapter_bytes = folder, max_bytes, keep_versions, max_adapter_bytes
+    def __init__(
+        self,
+        folder: Path,
+        *,
+        max_bytes: int,
+        keep_versions: int,
+        max_adapter_bytes: int,
+        max_version_step: int = DEFAULT_MAX_VERSION_STEP,
+    ) -> None:
+        self.folder, self.max_bytes, self.keep, self.max_adapter_bytes = (
+            folder,
+            max_bytes,
+            keep_versions,
+            max_adapter_bytes,
+        )
         self.max_version_step = max_version_step
         self.incoming = folder / ".incoming"
         self.quarantine_dir = folder / ".quarantine"
@@ -132,8 +144,13 @@ class Spool:
         return sum(a.size for versions in self._by_name.values() for a in versions)
 
     # -- receiving ---------------------------------------------------------------------
-    async def receive(self, messages: AsyncIterator[pb.PushAdapterRequest], *,
-                      admit: Callable[[], str] | None = None, idle_s: float = DEFAULT_IDLE_S) -> Upload:
+    async def receive(
+        self,
+        messages: AsyncIterator[pb.PushAdapterRequest],
+        *,
+        admit: Callable[[], str] | None = None,
+        idle_s: float = DEFAULT_IDLE_S,
+    ) -> Upload:
         """Read one PushAdapter stream to a temporary file, refusing what a replica refuses.
 
         `admit()` returns the base-model fingerprint pushes must match, or raises (no
@@ -146,14 +163,20 @@ class Spool:
                 part = msg.WhichOneof("part")
                 if manifest is None:
                     if part != "manifest":
-                        raise InvalidArgument("the first PushAdapter message must be the manifest", reason="NO_MANIFEST")
+                        raise InvalidArgument(
+                            "the first PushAdapter message must be the manifest", reason="NO_MANIFEST"
+                        )
                     manifest = msg.manifest
                     self._check_manifest(manifest, admit)
-                    upload = Upload(manifest, self.incoming / f"{uuid.uuid4().hex}.part", self._reserve(manifest.byte_length))
+                    upload = Upload(
+                        manifest, self.incoming / f"{uuid.uuid4().hex}.part", self._reserve(manifest.byte_length)
+                    )
                     out = upload.path.open("wb")
                     continue
                 if part != "chunk":
-                    raise InvalidArgument("only the first PushAdapter message may be a manifest", reason="SECOND_MANIFEST")
+                    raise InvalidArgument(
+                        "only the first PushAdapter message may be a manifest", reason="SECOND_MANIFEST"
+                    )
                 if len(msg.chunk) > MAX_CHUNK:
                     raise InvalidArgument(
                         f"a chunk of {len(msg.chunk)} bytes exceeds the 1 MiB ({MAX_CHUNK} bytes) chunk limit; "
@@ -163,7 +186,8 @@ class Spool:
                 received += len(msg.chunk)
                 if received > manifest.byte_length:
                     raise InvalidArgument(
-                        f"received more than the {manifest.byte_length} bytes the manifest declared", reason="LENGTH_MISMATCH"
+                        f"received more than the {manifest.byte_length} bytes the manifest declared",
+                        reason="LENGTH_MISMATCH",
                     )
                 await asyncio.to_thread(_absorb, out, digest, msg.chunk)  # hashing and disk off the event loop
             if manifest is None:
@@ -201,7 +225,11 @@ class Spool:
         self.check_version(m)
         room = self.max_bytes - self.reserved - sum(v[-1].size for n, v in self._by_name.items() if n != m.name)
         if m.byte_length > room:
-            busy = f" ({self.reserved} bytes are reserved by uploads in flight; retry when they end)" if self.reserved else ""
+            busy = (
+                f" ({self.reserved} bytes are reserved by uploads in flight; retry when they end)"
+                if self.reserved
+                else ""
+            )
             raise ResourceExhausted(
                 f"the proxy's adapter spool has room for {max(room, 0)} bytes but the adapter has {m.byte_length}{busy}; "
                 "raise spool.max_bytes or push fewer adapter names",
@@ -343,8 +371,6 @@ def _sync_close(out) -> None:
     out.flush()
     os.fsync(out.fileno())
     out.close()
-
-
 
 
 def _check_received(m: pb.AdapterManifest, received: int, digest: str) -> None:

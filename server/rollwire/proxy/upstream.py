@@ -29,12 +29,16 @@ CHANNEL_OPTIONS = [
 class UpstreamSection(Section):
     """Credentials for replicas that require tokens or TLS."""
 
-    token_file: str = Field("", description="File holding the bearer token sent to replicas (admin role: the proxy pushes).")
+    token_file: str = Field(
+        "", description="File holding the bearer token sent to replicas (admin role: the proxy pushes)."
+    )
     tls: bool = Field(False, description="Dial replicas over TLS (trusting the system roots unless ca_file is set).")
     ca_file: str = Field("", description="PEM roots that sign the replicas' certificates; implies tls.")
     cert_file: str = Field("", description="PEM client certificate for replicas that require mutual TLS.")
     key_file: str = Field("", description="PEM private key of cert_file.")
-    server_name: str = Field("", description="Name to check replica certificates against when it differs from their host.")
+    server_name: str = Field(
+        "", description="Name to check replica certificates against when it differs from their host."
+    )
 
 
 @dataclass(frozen=True)
@@ -57,8 +61,10 @@ class Upstream:
         if bool(section.cert_file) != bool(section.key_file):
             raise SystemExit("upstream.cert_file and upstream.key_file go together: give both for mutual TLS")
         try:
-            read = {k: Path(v).read_bytes() if v else None for k, v in
-                    (("ca", section.ca_file), ("cert", section.cert_file), ("key", section.key_file))}
+            read = {
+                k: Path(v).read_bytes() if v else None
+                for k, v in (("ca", section.ca_file), ("cert", section.cert_file), ("key", section.key_file))
+            }
         except OSError as exc:
             raise SystemExit(f"cannot read upstream TLS file {exc.filename}: {exc.strerror}") from None
         return cls(grpc.ssl_channel_credentials(read["ca"], read["key"], read["cert"]), metadata, options)

@@ -22,7 +22,14 @@ from grpc_reflection.v1alpha import reflection
 from prometheus_client import CollectorRegistry, start_http_server
 
 from rollwire.common.durable import write_atomic
-from rollwire.serving.security import AuthSection, TlsSection, add_port, interceptors, start_health_port, warn_if_exposed
+from rollwire.serving.security import (
+    AuthSection,
+    TlsSection,
+    add_port,
+    interceptors,
+    start_health_port,
+    warn_if_exposed,
+)
 
 SERVER_OPTIONS = [
     ("grpc.max_receive_message_length", 8 << 20),  # room to refuse an oversized chunk ourselves
@@ -61,8 +68,9 @@ class Endpoint:
         self.metrics_server.shutdown()
 
 
-def listen(role: str, host: str, port: int, auth: AuthSection, tls: TlsSection, metrics_port: int,
-           registry: CollectorRegistry) -> Endpoint:
+def listen(
+    role: str, host: str, port: int, auth: AuthSection, tls: TlsSection, metrics_port: int, registry: CollectorRegistry
+) -> Endpoint:
     """Serve metrics, create the gRPC server with auth and TLS, and bind it (not started yet).
 
     Refuses to run, with a sentence, when the port cannot be bound; warns loudly when a

@@ -63,7 +63,9 @@ class TlsSection(Section):
     key_file: str = Field("", description="PEM private key of the server certificate.")
     client_ca_file: str = Field("", description="PEM CA that signs client certificates; set to require mutual TLS.")
     health_port: int = Field(
-        0, ge=0, le=65535,
+        0,
+        ge=0,
+        le=65535,
         description="Plaintext port serving only grpc.health.v1 (kubelet gRPC probes cannot speak TLS); 0 = off.",
     )
 
@@ -150,8 +152,12 @@ class TokenFile:
         except (OSError, ValueError) as exc:  # UnicodeDecodeError is a ValueError
             reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
             if reason != self._error:
-                log.error("token_file_reload_failed", path=self.path, reason=reason,
-                          action="kept the previous tokens; fix the file and they reload")
+                log.error(
+                    "token_file_reload_failed",
+                    path=self.path,
+                    reason=reason,
+                    action="kept the previous tokens; fix the file and they reload",
+                )
             self._error = reason
             return
         self.digests = [_digest(t) for t in tokens]
@@ -190,7 +196,9 @@ class TokenAuth:
         if role is None:
             raise Unauthenticated("the bearer token is not valid on this server", reason="BAD_TOKEN")
         if needed == ADMIN and role != ADMIN:
-            raise PermissionDenied(f"{short} needs the admin role; this token has the generate role", reason="WRONG_ROLE")
+            raise PermissionDenied(
+                f"{short} needs the admin role; this token has the generate role", reason="WRONG_ROLE"
+            )
 
     def _role_of(self, token: str) -> str | None:
         presented = _digest(token)  # equal-length digests: neither content nor length leaks
@@ -313,22 +321,33 @@ def warn_if_exposed(role: str, host: str, port: int, auth: AuthSection, tls: Tls
     _warned.add((role, host, port))
     risks = []
     if no_auth:
-        risks.append("without auth: anyone who can reach it can generate"
-                     + (", push adapters and register or drain replicas" if role == "proxy" else " and push adapters"))
+        risks.append(
+            "without auth: anyone who can reach it can generate"
+            + (", push adapters and register or drain replicas" if role == "proxy" else " and push adapters")
+        )
     if no_tls:
-        risks.append("without TLS: prompts, completions, adapters" + ("" if no_auth else " and bearer tokens")
-                     + " cross the network in clear text")
+        risks.append(
+            "without TLS: prompts, completions, adapters"
+            + ("" if no_auth else " and bearer tokens")
+            + " cross the network in clear text"
+        )
     fixes = []
     if no_auth:
         fixes.append("set auth.generate_tokens_file and auth.admin_tokens_file")
     if no_tls:
         fixes.append("set tls.cert_file and tls.key_file")
-    metrics = (f" Its Prometheus port {metrics_port} is plain HTTP without auth on the same address (counters only);"
-               " keep it behind a network policy." if metrics_port else "")
+    metrics = (
+        f" Its Prometheus port {metrics_port} is plain HTTP without auth on the same address (counters only);"
+        " keep it behind a network policy."
+        if metrics_port
+        else ""
+    )
     sentence = (
         f"rollwire {role} listens on {host}:{port}, which other machines can reach, "
-        + "; ".join(risks) + ". "
-        + " and ".join(fixes).capitalize() + " (docs/deploy.md, Security defaults), or bind host=127.0.0.1."
+        + "; ".join(risks)
+        + ". "
+        + " and ".join(fixes).capitalize()
+        + " (docs/deploy.md, Security defaults), or bind host=127.0.0.1."
         + metrics
     )
     log.warning("insecure_bind", role=role, host=host, port=port, auth=not no_auth, tls=not no_tls, message=sentence)

@@ -53,7 +53,9 @@ class ScriptedEngine:
     async def start(self) -> None:
         path = self.model_dir / "config.json"
         if not path.is_file():
-            raise FailedPrecondition(f"{self.model_dir} has no config.json; the scripted engine reads vocab_size from it")
+            raise FailedPrecondition(
+                f"{self.model_dir} has no config.json; the scripted engine reads vocab_size from it"
+            )
         config = json.loads(path.read_text())
         self.vocab_size = int(config.get("vocab_size") or 32000)
         self.max_context = int(config.get("max_position_embeddings") or 1 << 30)

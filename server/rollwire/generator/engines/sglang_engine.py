@@ -108,8 +108,9 @@ class SGLangEngine:
     async def start(self) -> None:
         await asyncio.to_thread(self._load_model_files)
         self._prepare_adapter_dir()
-        api_key, admin_key = _read_secret(self.settings.api_key_file, "sglang.api_key_file"), _read_secret(
-            self.settings.admin_api_key_file, "sglang.admin_api_key_file"
+        api_key, admin_key = (
+            _read_secret(self.settings.api_key_file, "sglang.api_key_file"),
+            _read_secret(self.settings.admin_api_key_file, "sglang.admin_api_key_file"),
         )
         process, url = None, self.settings.url
         if not url:
@@ -178,8 +179,13 @@ class SGLangEngine:
         if self.server_version and self.server_version != TARGET_VERSION:
             log.warning("sglang_version_untested", version=self.server_version, tested=TARGET_VERSION)
         log.info(
-            "engine_loaded", engine=self.name, url=self.http.base_url, sglang=self.server_version,
-            seeds=self.honours_seeds, max_adapters=self.max_adapters, adapter_dir=str(self.adapter_dir),
+            "engine_loaded",
+            engine=self.name,
+            url=self.http.base_url,
+            sglang=self.server_version,
+            seeds=self.honours_seeds,
+            max_adapters=self.max_adapters,
+            adapter_dir=str(self.adapter_dir),
         )
 
     async def close(self) -> None:
@@ -256,7 +262,9 @@ class SGLangEngine:
             return None
         adapter = self._adapters.get(group.adapter.handle)
         if adapter is None:
-            raise Internal(f"adapter {group.adapter.name!r} v{group.adapter.version} is leased but not loaded in SGLang")
+            raise Internal(
+                f"adapter {group.adapter.name!r} v{group.adapter.version} is leased but not loaded in SGLang"
+            )
         return adapter.lora_name
 
     def _decode(self, ids: list[int]) -> str:
@@ -282,7 +290,9 @@ class SGLangEngine:
         self._check_adapter(manifest)
         label = f"{manifest.name} v{manifest.version}"
         lora_name = f"{_SAFE.sub('_', manifest.name)}-v{manifest.version}-{handle}-{self._nonce}"
-        folder = await asyncio.to_thread(write_peft_folder, self.adapter_dir, lora_name, manifest, payload, str(self.model_dir))
+        folder = await asyncio.to_thread(
+            write_peft_folder, self.adapter_dir, lora_name, manifest, payload, str(self.model_dir)
+        )
         adapter = _Adapter(lora_name, folder, self._server_path(lora_name), label)
         try:
             self.supervisor.check_up()
@@ -316,8 +326,10 @@ class SGLangEngine:
 
     async def _sglang_load(self, adapter: _Adapter) -> None:
         await self.http.post_json(
-            "/load_lora_adapter", load_lora_body(adapter.lora_name, adapter.server_path),
-            f"loading adapter {adapter.label}", admin=True,
+            "/load_lora_adapter",
+            load_lora_body(adapter.lora_name, adapter.server_path),
+            f"loading adapter {adapter.label}",
+            admin=True,
         )
 
     async def unload_adapter(self, handle: str) -> None:
@@ -326,7 +338,9 @@ class SGLangEngine:
             return
         try:
             await self.http.post_json(
-                "/unload_lora_adapter", unload_lora_body(adapter.lora_name), f"unloading adapter {adapter.label}",
+                "/unload_lora_adapter",
+                unload_lora_body(adapter.lora_name),
+                f"unloading adapter {adapter.label}",
                 admin=True,
             )
         except Unavailable as err:  # SGLang is down: a restarted SGLang will not have it either
@@ -385,7 +399,9 @@ def write_peft_folder(root: Path, name: str, manifest: Manifest, payload: bytes,
     tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{name}-", dir=root))
     try:
         write_synced(tmp / "adapter_model.safetensors", payload)
-        write_synced(tmp / "adapter_config.json", json.dumps(peft_config(manifest, payload, base_model), indent=1).encode())
+        write_synced(
+            tmp / "adapter_config.json", json.dumps(peft_config(manifest, payload, base_model), indent=1).encode()
+        )
         fsync_dir(tmp)
         os.rename(tmp, final)
     except BaseException:

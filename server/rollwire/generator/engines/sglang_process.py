@@ -192,7 +192,10 @@ class SGLangProcess:
             log_file.write(f"\n==== rollwire starts SGLang at {time.strftime('%Y-%m-%d %H:%M:%S')} ====\n".encode())
             log_file.flush()
             self.proc = await asyncio.create_subprocess_exec(
-                *self.argv, stdin=asyncio.subprocess.DEVNULL, stdout=log_file, stderr=asyncio.subprocess.STDOUT,
+                *self.argv,
+                stdin=asyncio.subprocess.DEVNULL,
+                stdout=log_file,
+                stderr=asyncio.subprocess.STDOUT,
                 start_new_session=True,  # its own process group, so stop() reaches its workers too
             )
         log.info("sglang_launched", pid=self.proc.pid, log=str(self.log_path))
@@ -219,7 +222,7 @@ class SGLangProcess:
         self._signal(signal.SIGTERM)
         try:
             await asyncio.wait_for(self.proc.wait(), grace_s)
-        except asyncio.TimeoutError:
+        except TimeoutError:
             self._signal(signal.SIGKILL)
             await self.proc.wait()
 
@@ -245,7 +248,11 @@ class Supervisor:
         max_restarts: int,
     ) -> None:
         self.http, self.process, self.on_ready = http, process, on_ready
-        self.startup_timeout_s, self.health_interval_s, self.max_restarts = startup_timeout_s, health_interval_s, max_restarts
+        self.startup_timeout_s, self.health_interval_s, self.max_restarts = (
+            startup_timeout_s,
+            health_interval_s,
+            max_restarts,
+        )
         self.up = False
         self.down_reason = "SGLang has not started yet"
         self.restarts = 0

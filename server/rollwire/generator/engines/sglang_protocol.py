@@ -191,7 +191,9 @@ class StreamTracker:
         if [int(e[1]) for e in entries] != tokens:
             raise Internal(f"SGLang's logprobs for sample {index} do not belong to its output tokens")
         sample.tokens.extend(tokens)
-        return TokenDelta(index, tokens, [float(e[0]) for e in entries], self._new_text(sample), self.group.adapter.version)
+        return TokenDelta(
+            index, tokens, [float(e[0]) for e in entries], self._new_text(sample), self.group.adapter.version
+        )
 
     def _new_text(self, sample: _Sample) -> str:
         full = self.decode(sample.tokens)
@@ -203,7 +205,9 @@ class StreamTracker:
     def _finish(self, index: int, finish: dict, meta: dict) -> SampleDone:
         kind = finish.get("type") if isinstance(finish, dict) else None
         if kind == "abort":
-            raise error_from_body(finish.get("status_code") or 500, {"error": {"message": finish.get("message")}}, "generation")
+            raise error_from_body(
+                finish.get("status_code") or 500, {"error": {"message": finish.get("message")}}, "generation"
+            )
         if kind == "length":
             reason = "length"
         elif kind == "stop":
@@ -277,4 +281,3 @@ def _phrase(status: int) -> str:
         return HTTPStatus(status).phrase
     except ValueError:
         return ""
-

@@ -304,7 +304,9 @@ class TransformersEngine:
         ones = torch.ones(len(batch.rows), 1, dtype=batch.mask.dtype, device=self.device)
         mask = torch.cat([batch.mask, ones], 1)
         positions = torch.tensor([[r.position] for r in batch.rows], device=self.device)
-        out = self._forward(batch.rows, input_ids=tokens, attention_mask=mask, position_ids=positions, cache=batch.cache)
+        out = self._forward(
+            batch.rows, input_ids=tokens, attention_mask=mask, position_ids=positions, cache=batch.cache
+        )
         for r in batch.rows:
             r.position += 1
         return self._sample_and_emit(_Batch(batch.rows, out.cache, mask), out.logits[:, -1, :])
@@ -457,8 +459,15 @@ def _fail_engine(groups: list[_Group], exc: Exception) -> None:
     """A forward pass failed (no row to blame): end every group in it, a replica fault."""
     log.exception("engine_step_failed", groups=len(groups), exc_info=exc)
     for g in groups:
-        g.send([Internal(f"generation failed on this replica ({_clip_exc(exc)}); retry on another replica",
-                         reason="ENGINE_FAILED"), _END])
+        g.send(
+            [
+                Internal(
+                    f"generation failed on this replica ({_clip_exc(exc)}); retry on another replica",
+                    reason="ENGINE_FAILED",
+                ),
+                _END,
+            ]
+        )
 
 
 def _clip_exc(exc: Exception) -> str:
@@ -473,7 +482,7 @@ def _merge(a: _Batch, b: _Batch | None) -> _Batch:
     if not a.rows:
         return b
     width = max(a.mask.shape[1], b.mask.shape[1])
-    for la, lb in zip(a.cache.layers, b.cache.layers):
+    for la, lb in zip(a.cache.layers, b.cache.layers, strict=False):
         la.keys = torch.cat([_pad_left(la.keys, width), _pad_left(lb.keys, width)], 0)
         la.values = torch.cat([_pad_left(la.values, width), _pad_left(lb.values, width)], 0)
     mask = torch.cat([_pad_left(a.mask, width), _pad_left(b.mask, width)], 0)
