@@ -200,7 +200,7 @@ def figures(run: Path, scores: dict[int, dict]) -> dict:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--budget-s", type=float, default=20.0, help="training seconds of each run")
     args = ap.parse_args()

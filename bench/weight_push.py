@@ -242,7 +242,7 @@ def summarise(models: dict) -> dict:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--full-repeats", type=int, default=3)
     ap.add_argument("--models", nargs="+", default=list(QWEN25), choices=list(QWEN25))

@@ -32,7 +32,7 @@ SUMMARY_KEYS = (
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m rollwire.demo", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="python -m rollwire.demo", description=(__doc__ or "").splitlines()[0])
     p.add_argument("--budget-s", type=float, default=120.0, help="seconds of training (default 120)")
     p.add_argument("--replicas", type=int, default=2, help="generator replicas behind the proxy (default 2)")
     p.add_argument("--runs-dir", default="runs", help="where run folders go (default runs/)")

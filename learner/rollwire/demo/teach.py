@@ -107,7 +107,7 @@ def teach(spec: TeachSpec, log=print):
     for step in range(1, spec.steps + 1):
         accuracy = 1.0 if step <= spec.clean_fraction * spec.steps else spec.teacher_accuracy
         batch = [teacher_pair(rng.choice(train), rng, accuracy) for _ in range(spec.batch_size)]
-        ids, mask, labels = sft_tensors(batch, encode, tokenizer.eos_token_id)
+        ids, mask, labels = sft_tensors(batch, encode, tokenizer.eos_token_id)  # pyright: ignore[reportArgumentType]
         loss = model(input_ids=ids, attention_mask=mask, labels=labels).loss
         optimizer.zero_grad()
         loss.backward()

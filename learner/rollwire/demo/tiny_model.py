@@ -71,9 +71,9 @@ def new_tiny_model(spec: TinyModelSpec = TinyModelSpec()):
         num_attention_heads=spec.num_heads,
         num_key_value_heads=spec.num_heads,
         max_position_embeddings=spec.max_positions,
-        pad_token_id=tokenizer.pad_token_id,
-        bos_token_id=tokenizer.bos_token_id,
-        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,  # pyright: ignore[reportArgumentType]  # ints: the tokenizer defines them
+        bos_token_id=tokenizer.bos_token_id,  # pyright: ignore[reportArgumentType]  # ints: the tokenizer defines them
+        eos_token_id=tokenizer.eos_token_id,  # pyright: ignore[reportArgumentType]  # ints: the tokenizer defines them
         tie_word_embeddings=False,
     )
     torch.manual_seed(spec.seed)

@@ -16,6 +16,7 @@ import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import cast
 
 from rollwire.learner.config import RewardSpec
 from rollwire.learner.task import Example, is_correct
@@ -54,6 +55,8 @@ def load_function(spec: str) -> RewardFn:
         if not path.is_file():
             raise ValueError(f"reward function file {path} does not exist")
         module_spec = importlib.util.spec_from_file_location(f"rollwire_user_reward_{path.stem}", path)
+        if module_spec is None or module_spec.loader is None:
+            raise ValueError(f"reward function file {path} cannot be imported as a Python module")
         module = importlib.util.module_from_spec(module_spec)
         module_spec.loader.exec_module(module)
     else:
@@ -61,7 +64,7 @@ def load_function(spec: str) -> RewardFn:
     fn = getattr(module, name, None)
     if not callable(fn):
         raise ValueError(f"{spec}: {name!r} is not a function of {where}")
-    return fn
+    return cast(RewardFn, fn)
 
 
 @dataclass(frozen=True)

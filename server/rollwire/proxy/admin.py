@@ -8,6 +8,8 @@ returns only when the replica has no group left, so a drain loses nothing.
 
 from __future__ import annotations
 
+from typing import NoReturn
+
 import grpc
 
 from rollwire.common.errors import InvalidArgument, NotFound, RollwireError, to_status
@@ -65,5 +67,6 @@ class AdminServicer(admin_pb2_grpc.AdminServiceServicer):
         )
 
 
-async def _abort(context: grpc.aio.ServicerContext, err: RollwireError):
-    await context.abort_with_status(to_status(err))
+async def _abort(context: grpc.aio.ServicerContext, err: RollwireError) -> NoReturn:
+    await context.abort_with_status(to_status(err))  # pyright: ignore[reportAttributeAccessIssue]  # grpc.aio has it; its stubs do not
+    raise AssertionError("abort_with_status returns only by raising")

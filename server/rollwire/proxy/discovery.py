@@ -37,7 +37,7 @@ class DnsDiscovery:
 
     async def resolve(self) -> set[str]:
         infos = await asyncio.get_running_loop().getaddrinfo(self.host, self.port, type=socket.SOCK_STREAM)
-        return {format_address(info[4][0], self.port) for info in infos}
+        return {format_address(str(info[4][0]), self.port) for info in infos}
 
     async def run(self) -> None:
         while True:

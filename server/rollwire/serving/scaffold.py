@@ -15,8 +15,11 @@ import os
 import signal
 from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass
+from http.server import HTTPServer
+from pathlib import Path
 
 import grpc
+from grpc_health.v1 import _async as health_aio
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 from prometheus_client import CollectorRegistry, start_http_server
@@ -43,9 +46,9 @@ class Endpoint:
     """A listening server process: its gRPC server, health, probe and metrics."""
 
     server: grpc.aio.Server
-    health: health.aio.HealthServicer
+    health: health_aio.HealthServicer
     port: int
-    metrics_server: object
+    metrics_server: HTTPServer
     metrics_port: int
     probe_server: grpc.aio.Server | None = None
 
@@ -83,12 +86,12 @@ def listen(
         metrics_server.shutdown()
         raise SystemExit(f"cannot listen on {host}:{port}; is the port in use?")
     warn_if_exposed(role, host, bound, auth, tls, metrics_server.server_port)
-    return Endpoint(server, health.aio.HealthServicer(), bound, metrics_server, metrics_server.server_port)
+    return Endpoint(server, health_aio.HealthServicer(), bound, metrics_server, metrics_server.server_port)
 
 
 def write_ready_file(path: str, data: dict) -> None:
     """Atomically write the ports a supervisor or test waits for."""
-    write_atomic(path, json.dumps(data).encode())
+    write_atomic(Path(path), json.dumps(data).encode())
 
 
 async def serve_until_signal(ready_file: str | None, ready: dict, on_stop: Callable[[], Awaitable[None]]) -> None:

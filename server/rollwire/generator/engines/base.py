@@ -37,10 +37,12 @@ class Engine(Protocol):
 
     def tokenize(self, text: str) -> list[int]:
         """Prompt text to token ids, as the model's tokenizer does it."""
+        ...
 
     def generate(self, group: GroupRequest) -> AsyncIterator[list[Event]]:
         """Generate `group.n` samples, yielding the events ready together; each sample ends
         with one SampleDone. Closing the iterator cancels the group and frees its rows."""
+        ...
 
     async def load_adapter(self, handle: str, manifest: Manifest, payload: bytes) -> None:
         """Load a checked LoRA payload under a fresh handle."""
@@ -50,3 +52,4 @@ class Engine(Protocol):
 
     def stats(self) -> EngineStats:
         """Current load."""
+        ...

@@ -227,6 +227,7 @@ class SGLangProcess:
             await self.proc.wait()
 
     def _signal(self, sig: int) -> None:
+        assert self.proc is not None, "signalled before start"
         try:
             os.killpg(self.proc.pid, sig)  # the group start_new_session created: ours alone
         except ProcessLookupError:
@@ -337,6 +338,7 @@ class Supervisor:
 
     async def _watch_process(self) -> None:
         """Restart a launched SGLang each time it exits, up to max_restarts."""
+        assert self.process is not None, "only a launched SGLang is watched"
         while True:
             code = await self.process.wait()
             if self._stopping:
