@@ -4,13 +4,15 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 BUF    := .tools/node_modules/.bin/buf
+PYRIGHT := .tools/node_modules/.bin/pyright
 PROTOS := $(wildcard proto/rollwire/v1/*.proto)
 
-.PHONY: help install system-deps test lint proto demo bench clean
+.PHONY: help install system-deps test test-fast lint breaking proto demo bench clean
 
 help:
 	@echo "make demo     teach the tiny model, run 2 replicas + proxy + learner, watch GRPO learn"
-	@echo "make test     lint the protos and run the test suite"
+	@echo "make test     lint (buf, ruff, pyright), check proto/ for breaking changes, run the whole suite"
+	@echo "make test-fast  the unit tests only (no processes, no sockets): the inner loop, under 90 s"
 	@echo "make install  create .venv (CPU torch first, then rollwire with pinned dependencies)"
 	@echo "make proto    regenerate the Python stubs from proto/"
 	@echo "make bench    run every benchmark (about 15 min on 2 cores) and rewrite docs/benchmarks.md"
@@ -29,8 +31,18 @@ $(BUF): .tools/package.json .tools/package-lock.json
 	npm ci --prefix .tools --no-audit --no-fund --silent
 	touch $(BUF)
 
-lint: $(BUF)
+# buf lints the protos; ruff lints and checks formatting; pyright type-checks (pyrightconfig.json).
+lint: install $(BUF)
 	$(BUF) lint
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+	$(PYRIGHT)
+
+# The wire contract never breaks silently: proto/ against the previous commit's (buf FILE rules).
+breaking: $(BUF)
+	@if git rev-parse -q --verify HEAD~1 >/dev/null; then \
+	  $(BUF) breaking --against '.git#ref=HEAD~1' && echo "buf breaking: proto/ is compatible with HEAD~1"; \
+	else echo "buf breaking: skipped, no previous commit here (a shallow clone?)"; fi
 
 # Prometheus (Debian's package) for the dashboard test; openssl for the TLS tests.
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
@@ -38,8 +50,12 @@ system-deps:
 	@command -v prometheus >/dev/null && command -v openssl >/dev/null || \
 	  { $(SUDO) apt-get update -qq && $(SUDO) apt-get install -y -qq --no-install-recommends prometheus openssl; }
 
-test: install lint system-deps
+test: install lint breaking system-deps
 	$(BIN)/python -m pytest -q
+
+# Tests marked `integration` start processes or listen on sockets; the rest are pure logic.
+test-fast: install
+	$(BIN)/python -m pytest -q -m "not integration and not slow" -p no:cacheprovider
 
 proto: install
 	$(BIN)/python -m grpc_tools.protoc -Iproto --python_out=client --pyi_out=client --grpc_python_out=client $(PROTOS)

@@ -149,3 +149,6 @@ def test_every_dashboard_query_returns_series(stack, prometheus):
     assert len(up) == 4 and all(s["value"][1] == "1" for s in up)
     roles = {s["metric"]["role"] for s in up}
     assert roles == {"generator", "proxy", "learner"}
+
+
+pytestmark = pytest.mark.integration  # starts processes or servers: not in make test-fast

@@ -12,6 +12,7 @@ import asyncio
 import contextlib
 import itertools
 
+import pytest
 import pytest_asyncio
 import torch
 from helpers import make_adapter, peft_reference
@@ -235,3 +236,6 @@ async def test_transformers_engine_survives_a_push_whose_caller_went_away(tiny_m
         assert out["done"][0].completion_tokens == 4
     finally:
         await engine.close()
+
+
+pytestmark = pytest.mark.integration  # starts processes or servers: not in make test-fast

@@ -421,3 +421,6 @@ def test_no_hostile_request_ejects_a_replica_or_disturbs_other_clients(fleet):
     refused = sum(1 for got in outcomes.values() for code, _ in got if code != C.OK)
     counted = sum(metric_value(metrics, "rollwire_proxy_client_errors_total", f'code="{c.name}"') for c in CLIENT_CODES)
     assert refused > 0 and counted == refused  # every relayed refusal is counted as the client's
+
+
+pytestmark = pytest.mark.integration  # starts processes or servers: not in make test-fast

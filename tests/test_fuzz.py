@@ -141,3 +141,6 @@ def test_random_push_sequences(fuzz_targets, parts):
 def test_services_survive_the_fuzzing(fuzz_targets):
     for svc in fuzz_targets:
         still_serves(svc)
+
+
+pytestmark = pytest.mark.integration  # starts processes or servers: not in make test-fast

@@ -238,3 +238,6 @@ def test_metrics_count_requests_tokens_and_latency(generator):
         before, "rollwire_generator_time_to_first_token_seconds_count"
     )
     assert "rollwire_generator_request_duration_seconds_bucket" in after
+
+
+pytestmark = pytest.mark.integration  # starts processes or servers: not in make test-fast

@@ -169,3 +169,6 @@ def test_not_safetensors(generator, adapter):
     expect_push_error(
         generator.target, push_messages(m, payload), grpc.StatusCode.INVALID_ARGUMENT, "not a safetensors"
     )
+
+
+pytestmark = pytest.mark.integration  # starts processes or servers: not in make test-fast

@@ -331,3 +331,6 @@ def test_zz_no_replica_was_ejected_and_every_good_request_completed(fleet, backg
     background.stop.set()
     assert background.done > 50, f"the background clients completed only {background.done} groups"
     assert not background.failures, background.failures[:5]
+
+
+pytestmark = pytest.mark.integration  # starts processes or servers: not in make test-fast

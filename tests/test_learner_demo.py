@@ -7,6 +7,8 @@ import struct
 import zlib
 from types import SimpleNamespace
 
+import pytest
+
 from rollwire.demo.plot import Series, line_chart
 from rollwire.demo.run import SUMMARY_KEYS, finish, new_run_folder, print_table, progress_line
 
@@ -88,3 +90,6 @@ def test_progress_line_reads_a_steps_record():
         {"accuracy": 0.42},
     )
     assert "step    7" in line and "held-out  42.0%" in line and "dropped 3" in line
+
+
+pytestmark = pytest.mark.integration  # starts processes or servers: not in make test-fast

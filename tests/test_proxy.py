@@ -319,3 +319,6 @@ def test_a_node_js_client_generated_from_the_protos_gets_tokens(proxy):
     for sample in result["samples"].values():
         assert 1 <= len(sample["tokens"]) <= 6 and len(sample["logprobs"]) == len(sample["tokens"])
         assert sample["finish_reason"] in {"FINISH_REASON_EOS", "FINISH_REASON_LENGTH"}
+
+
+pytestmark = pytest.mark.integration  # starts processes or servers: not in make test-fast

@@ -217,3 +217,6 @@ def redone(proxy) -> tuple[float, float]:
     lines = proxy.metrics().splitlines()
     names = ("rollwire_proxy_retries_total", "rollwire_proxy_restarts_total")
     return tuple(sum(float(x.split()[-1]) for x in lines if x.startswith(name + "{")) for name in names)
+
+
+pytestmark = pytest.mark.integration  # starts processes or servers: not in make test-fast

@@ -338,3 +338,6 @@ def test_one_clients_load_does_not_starve_another_and_its_limit_is_its_own(fleet
     metrics = proxy.metrics()
     assert 'rollwire_proxy_client_limited_total{limit="in_flight"} 1.0' in metrics
     assert ejections(metrics) == []
+
+
+pytestmark = pytest.mark.integration  # starts processes or servers: not in make test-fast

@@ -171,3 +171,6 @@ def test_the_replica_leaves_through_tls_with_its_token(secured):
         list(admin.ListGenerators(apb.ListGeneratorsRequest(), metadata=bearer("proxy-admin"), timeout=10).replicas)
         == []
     )
+
+
+pytestmark = pytest.mark.integration  # starts processes or servers: not in make test-fast

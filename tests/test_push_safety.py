@@ -433,3 +433,6 @@ def test_the_trainer_stops_on_non_finite_weights_naming_tensor_and_step(tiny_mod
         param.view(-1)[0] = math.inf
     with pytest.raises(NonFiniteWeights, match=r"lora_B.* after optimiser step 3 .*version 12"):
         trainer.adapter_payload()
+
+
+pytestmark = pytest.mark.integration  # starts processes or servers: not in make test-fast

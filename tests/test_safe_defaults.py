@@ -251,3 +251,6 @@ def test_checkpoint_files_and_folders_are_fsynced(tmp_path, monkeypatch):
     assert str(tmp_path) in synced  # the renames are durable: the folder itself is fsynced
     assert (tmp_path / "latest").read_text().strip() == final.name
     assert not list(tmp_path.glob(".*tmp*"))
+
+
+pytestmark = pytest.mark.integration  # starts processes or servers: not in make test-fast

@@ -103,3 +103,6 @@ def test_cli_reports_status_code_and_exits_nonzero(generator):
     assert "NOT_FOUND" in proc.stderr and "nope" in proc.stderr
     proc = run_cli("status", "--target", "127.0.0.1:1", "--timeout", "2")
     assert proc.returncode == 1 and ("UNAVAILABLE" in proc.stderr or "DEADLINE_EXCEEDED" in proc.stderr)
+
+
+pytestmark = pytest.mark.integration  # starts processes or servers: not in make test-fast

@@ -182,3 +182,6 @@ def test_tls_round_trip_and_plaintext_refused(tiny_model, pki, tmp_path, mutual)
             assert check.status == health_pb2.HealthCheckResponse.SERVING
     finally:
         svc.stop()
+
+
+pytestmark = pytest.mark.integration  # starts processes or servers: not in make test-fast

@@ -444,3 +444,6 @@ def test_generator_launches_sglang_serves_and_survives_its_crash(tiny_model, tmp
         svc.stop()
     log_text = svc.log_path.read_text()
     assert "sglang_down" in log_text and "sglang_adapters_reloaded" in log_text, log_text[-3000:]
+
+
+pytestmark = pytest.mark.integration  # starts processes or servers: not in make test-fast
