@@ -25,12 +25,12 @@ import shutil
 import threading
 import time
 from collections import Counter
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from common import WORK, spread, start_proxy, stop_all, write_result
+from common import WORK, spread, stop_all, write_result
 
-from rollwire.common.services import start
+from rollwire.demo.stack import start
+from rollwire.demo.stack import start_stack as start_local_stack
 
 MODES = {"sync": 0, "async": 1}  # mode -> buffer.max_staleness
 TARGET = 0.9  # held-out greedy accuracy; the taught model starts near 0.33 and the task tops out at 1.0
@@ -44,8 +44,9 @@ def taught_model() -> Path:
     return build_taught_model(WORK / "taught", log=lambda line: None)
 
 
-def start_stack(model: Path) -> list:
-    """2 transformers replicas (1 torch thread each) and a proxy; the proxy is last.
+def start_stack(model: Path, *proxy_settings: str) -> list:
+    """2 transformers replicas (1 torch thread each) and a proxy (extra `--set` strings in
+    `proxy_settings`); the proxy is last.
 
     In async mode a version being scored can leave the replicas' window of 3 (default) as
     newer ones arrive; the proxy holds requests for a version no replica has for
@@ -53,33 +54,17 @@ def start_stack(model: Path) -> list:
     here it refuses after 1 s (refusals are counted). A wider window would avoid refusals,
     but it makes every adapter load on the transformers engine slower, so both modes would
     be measured on a slower engine than the default one."""
-    with ThreadPoolExecutor(REPLICAS) as pool:
-        replicas = list(
-            pool.map(
-                lambda i: start(
-                    [
-                        "generator",
-                        "--model",
-                        str(model),
-                        "--port",
-                        "0",
-                        "--metrics-port",
-                        "0",
-                        "--set",
-                        "transformers.threads=1",
-                    ],
-                    WORK,
-                    f"grpo-generator-{i}",
-                ),
-                range(REPLICAS),
-            )
-        )
-    return [*replicas, start_proxy(replicas, "grpo-proxy", f"routing.no_replica_wait_s={NO_REPLICA_WAIT_S}")]
+    settings = (f"routing.no_replica_wait_s={NO_REPLICA_WAIT_S}", *proxy_settings)
+    proxy_args = [a for s in settings for a in ("--set", s)]
+    return start_local_stack(model, WORK, REPLICAS, proxy_args=proxy_args, prefix="grpo-", routable_timeout=60).services
 
 
-def learn(target: str, model: Path, name: str, staleness: int, *settings: str) -> tuple[Path, dict[int, dict]]:
+def learn(
+    target: str, model: Path, name: str, staleness: int, *settings: str, watch: bool = True
+) -> tuple[Path, dict[int, dict]]:
     """One `rollwire learner` run under adapter `name` (a fresh version line on the shared
-    replicas), scored by a `Watcher` meanwhile; returns its run folder and the scores."""
+    replicas), scored by a `Watcher` meanwhile unless `watch` is False (then no scores);
+    returns its run folder and the scores."""
     run = WORK / "grpo" / name
     if run.exists():
         shutil.rmtree(run)
@@ -100,12 +85,12 @@ def learn(target: str, model: Path, name: str, staleness: int, *settings: str) -
         *settings,
     ]
     learner = start(["learner", *overrides], WORK, f"grpo-learner-{name}", timeout=300)
-    watcher = Watcher(target, name, run / "steps.jsonl")
+    watcher = Watcher(target, name, run / "steps.jsonl") if watch else None
     try:
         code = learner.proc.wait(timeout=900)
     finally:
         learner.stop()
-        scores = watcher.stop()
+        scores = watcher.stop() if watcher else {}
     if code != 0:
         raise RuntimeError(f"learner {name} exited with {code}; see {learner.log_path}")
     return run, scores

@@ -13,7 +13,7 @@ import platform
 import statistics
 import sys
 import time
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -41,7 +41,7 @@ def machine() -> dict:
         "cpus": os.cpu_count(),
         "platform": platform.platform(),
         "python": platform.python_version(),
-        "date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+        "date": datetime.now(UTC).strftime("%Y-%m-%d %H:%M UTC"),
     }
 
 
@@ -71,50 +71,58 @@ QWEN25 = {  # public config.json fields of Qwen2.5 that decide the linear layers
                  num_key_value_heads=2, head_dim=128, tie_word_embeddings=True),
     "7B": dict(hidden_size=3584, intermediate_size=18944, num_hidden_layers=28, num_attention_heads=28,
                num_key_value_heads=4, head_dim=128, tie_word_embeddings=False),
-}
+}  # fmt: skip
 
 
 def config_only_model(name: str, fields: dict) -> Path:
     """A model folder with only config.json (Qwen2 family), served by the scripted engine."""
     path = WORK / "models" / name
     path.mkdir(parents=True, exist_ok=True)
-    config = {"model_type": "qwen2", "architectures": ["Qwen2ForCausalLM"], "vocab_size": 151936,
-              "max_position_embeddings": 32768, **fields}
+    config = {
+        "model_type": "qwen2",
+        "architectures": ["Qwen2ForCausalLM"],
+        "vocab_size": 151936,
+        "max_position_embeddings": 32768,
+        **fields,
+    }
     (path / "config.json").write_text(json.dumps(config, indent=2))
     return path
 
 
+def scripted_model() -> Path:
+    """A small config-only model for the scripted engine, where the proxy's cost is measured
+    and the model's must not matter."""
+    fields = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=2,
+                  num_key_value_heads=2, head_dim=32, tie_word_embeddings=True, vocab_size=1000)  # fmt: skip
+    return config_only_model("scripted-small", fields)
+
+
 def start_scripted(model: Path, count: int, name: str, *settings: str) -> list:
     """`count` scripted replicas of `model`; settings are extra `--set key=value` strings."""
-    from rollwire.common.services import start
+    from rollwire.demo.stack import start_generators
 
     extra = [a for s in ("engine=scripted", *settings) for a in ("--set", s)]
-    return [
-        start(["generator", "--model", str(model), "--port", "0", "--metrics-port", "0", *extra], WORK, f"{name}-{i}")
-        for i in range(count)
-    ]
+    return start_generators(model, WORK, [f"{name}-{i}" for i in range(count)], *extra)
 
 
 def start_proxy(replicas: list, name: str, *settings: str):
     """A proxy in front of `replicas`, returned once every one of them takes traffic."""
-    from rollwire.client import Client
-    from rollwire.common.services import start
+    from rollwire.demo.stack import start_proxy as start
+    from rollwire.demo.stack import wait_routable
 
-    args = ["proxy", "--port", "0", "--metrics-port", "0", *(a for r in replicas for a in ("--generator", r.target))]
-    proxy = start([*args, *(a for s in settings for a in ("--set", s))], WORK, name)
-    deadline = time.monotonic() + 60
-    with Client(proxy.target, timeout=10) as c:
-        while sum(r.healthy for r in c.get_status().replicas) < len(replicas):
-            if time.monotonic() > deadline:
-                proxy.stop()
-                raise TimeoutError(f"{name}: replicas not routable after 60 s; see {proxy.log_path}")
-            time.sleep(0.1)
+    proxy = start(WORK, name, replicas, *(a for s in settings for a in ("--set", s)))
+    try:
+        wait_routable(proxy, replicas, timeout=60)
+    except BaseException:
+        proxy.stop()
+        raise
     return proxy
 
 
 def stop_all(processes) -> None:
-    for p in processes:
-        p.stop()
+    from rollwire.demo.stack import stop_all as stop
+
+    stop(processes)
 
 
 def cpu_seconds(pid: int) -> float:
@@ -134,7 +142,9 @@ def percentile(values: list[float], q: float) -> float:
     return ordered[low] + (ordered[high] - ordered[low]) * (k - low)
 
 
-async def closed_loop(target: str, workers: int, requests_each: int, n: int, tokens: int, duration_s: float = 0) -> dict:
+async def closed_loop(
+    target: str, workers: int, requests_each: int, n: int, tokens: int, duration_s: float = 0
+) -> dict:
     """`workers` clients each sending groups back to back over one AsyncClient: `requests_each`
     groups, or with `duration_s` as many as start before that many seconds have passed.
 
@@ -159,7 +169,7 @@ async def closed_loop(target: str, workers: int, requests_each: int, n: int, tok
                     first = first or time.perf_counter()
                     counted[0] += len(event.token_ids)
             latencies.append(time.perf_counter() - sent)
-            ttfts.append(first - sent)
+            ttfts.append((first or time.perf_counter()) - sent)
             i += 1
 
     async with AsyncClient(target, timeout=600) as client:

@@ -16,16 +16,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 
-from common import (
-    closed_loop,
-    config_only_model,
-    percentile,
-    spread,
-    start_proxy,
-    start_scripted,
-    stop_all,
-    write_result,
-)
+from common import closed_loop, percentile, scripted_model, spread, start_proxy, start_scripted, stop_all, write_result
 
 N, TOKENS, RATE = 8, 32, 100.0
 LOADS = {"light": (1, 16), "busy": (16, 12)}  # name -> (workers, requests per worker)
@@ -46,19 +37,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     ap.add_argument("--repeats", type=int, default=3)
     args = ap.parse_args()
-    model = config_only_model(
-        "scripted-small",
-        {
-            "hidden_size": 64,
-            "intermediate_size": 128,
-            "num_hidden_layers": 1,
-            "num_attention_heads": 2,
-            "num_key_value_heads": 2,
-            "head_dim": 32,
-            "tie_word_embeddings": True,
-            "vocab_size": 1000,
-        },
-    )
+    model = scripted_model()
     replicas = start_scripted(model, 1, "overhead", f"scripted.tokens_per_s={RATE}")
     proxy = start_proxy(replicas, "overhead-proxy")
     targets = {"direct": replicas[0].target, "proxy": proxy.target}

@@ -11,8 +11,8 @@ The model (every host has a full-duplex link: its uplink and downlink are separa
 - a host that forwards a chunk first pays a per-chunk cost `hop_s` (receive, hash, queue) and
   forwards at most at `cpu_bytes_s` (its processing rate): B_eff = min(B, cpu_bytes_s);
 - a host with k children sends each chunk to each child in turn (k copies share its uplink);
-- star (today's proxy, store-and-forward): the proxy receives the whole payload, then sends
-  N whole copies at once over its one uplink;
+- star (push.fanout = 0): the proxy forwards each chunk to all N replicas as it arrives, so
+  N copies share its one uplink (a tree of depth 1);
 - relay (cut-through tree of fan-out k, k=1 a chain): the proxy is the root; every hop
   forwards chunk j as soon as it has it; done when the last replica has its last chunk, has
   verified it (`verify_bytes_s`), and the stage/commit round trip has come back to the root;
@@ -117,10 +117,9 @@ def relay_time(size: float, n: int, k: int, link: Link, chunk: int = MiB) -> flo
 
 
 def star_time(size: float, n: int, link: Link, chunk: int = MiB) -> float:
-    """Today's proxy: store the whole upload, then n concurrent whole copies over one uplink."""
-    stored = _upload(size, chunk, link)[-1] + size / link.verify_bytes_s
-    copies = n * size / link.bytes_s
-    return stored + copies + link.latency_s + size / link.verify_bytes_s
+    """The proxy alone sends every replica its copy (push.fanout=0): cut-through, so a tree of
+    depth 1 and fan-out n, whose n copies share the proxy's one uplink."""
+    return relay_time(size, n, max(1, n), link, chunk)
 
 
 def nccl_ring_time(size: float, n: int, link: Link, chunk: int = MiB) -> float:

@@ -3,7 +3,8 @@
 The document's prose is written by hand; every number in it sits between
 `<!-- generated:NAME -->` and `<!-- /generated:NAME -->` and is replaced here from the JSON
 that a run of the benchmarks wrote, so no figure is typed in by hand. Plots are PNG files
-in docs/img/, drawn with rollwire.demo.plot (standard library only).
+in docs/img/, drawn with rollwire.demo.plot (matplotlib, the `plot` extra); without it the
+existing PNGs are left as they are and a note says so.
 Run: .venv/bin/python bench/report.py
 """
 
@@ -15,7 +16,7 @@ import sys
 
 from common import RESULTS, ROOT
 
-from rollwire.demo.plot import Series, line_chart
+from rollwire.demo.plot import MISSING, Series, line_chart
 
 DOC = ROOT / "docs" / "benchmarks.md"
 IMG = ROOT / "docs" / "img"
@@ -51,7 +52,8 @@ def provenance(data: dict) -> str:
 
 def chart(name: str, series: list[Series], title: str, x_label: str) -> str:
     IMG.mkdir(parents=True, exist_ok=True)
-    line_chart(IMG / f"{name}.png", series, title, x_label)
+    if line_chart(IMG / f"{name}.png", series, title, x_label) is None:
+        print(f"docs/img/{name}.png left as it was: {MISSING}", file=sys.stderr)
     return f"![{title}](img/{name}.png)"
 
 
@@ -150,7 +152,7 @@ def weight_push(d: dict) -> str:
         "weight_push",
         [
             Series(
-                f"{label} LORA",
+                f"{label} LoRA",
                 d["replicas"],
                 [m[str(c)]["lora"]["served_s"]["median"] for c in d["replicas"]],
                 COLORS[i],
@@ -158,8 +160,8 @@ def weight_push(d: dict) -> str:
             )
             for i, (label, m) in enumerate(models.items())
         ],
-        "LORA PUSH UNTIL SERVED (S)",
-        "REPLICAS",
+        "LoRA push until every replica serves it (s)",
+        "replicas",
     )
     t = d["table"].values()
     fulls = [(k, r["full_s"], r["full_kind"]) for k, r in d["table"].items() if r["full_s"]]
@@ -278,16 +280,16 @@ def scaling(d: dict) -> str:
         "scaling",
         [
             Series(
-                "ACHIEVED",
+                "achieved",
                 [int(k) for k in sat],
                 [r["tokens_per_s"]["median"] / 1e3 for r in sat.values()],
                 COLORS[0],
                 True,
             ),
-            Series("IDEAL", [int(k) for k in sat], [r["ideal_tokens_per_s"] / 1e3 for r in sat.values()], COLORS[1]),
+            Series("ideal", [int(k) for k in sat], [r["ideal_tokens_per_s"] / 1e3 for r in sat.values()], COLORS[1]),
         ],
-        "4 REPLICAS: K TOKENS/S",
-        "GROUPS IN FLIGHT",
+        "4 replicas: thousands of tokens/s",
+        "groups in flight",
     )
     return "\n\n".join(
         [
@@ -342,7 +344,7 @@ def async_vs_sync(d: dict) -> str:
         "async_vs_sync",
         [
             Series(
-                mode.upper(),
+                mode,
                 [c["seconds"] for c in rs[0]["curve"]],
                 [c["accuracy"] for c in rs[0]["curve"]],
                 COLORS[i],
@@ -350,8 +352,8 @@ def async_vs_sync(d: dict) -> str:
             )
             for i, (mode, rs) in enumerate(d["runs"].items())
         ],
-        "HELD-OUT ACCURACY",
-        "SECONDS OF TRAINING",
+        "Held-out accuracy",
+        "seconds of training",
     )
     before = [r["accuracy_before"] for rs in d["runs"].values() for r in rs]
     return "\n\n".join(

@@ -19,9 +19,9 @@ import os
 
 from common import (
     closed_loop,
-    config_only_model,
     cpu_seconds,
     percentile,
+    scripted_model,
     spread,
     start_proxy,
     start_scripted,
@@ -59,7 +59,7 @@ def measure(proxy, replicas, workers: int, seconds: float) -> dict[str, float]:
 def repeat(proxy, replicas, workers: int, args) -> dict:
     asyncio.run(closed_loop(proxy.target, workers, 1, N, TOKENS))  # warm-up
     runs = [measure(proxy, replicas, workers, args.seconds) for _ in range(args.repeats)]
-    row = {k: spread([r[k] for r in runs]) for k in runs[0]}
+    row: dict = {k: spread([r[k] for r in runs]) for k in runs[0]}
     row["workers"], row["ideal_tokens_per_s"] = workers, ideal_tokens_per_s(workers)
     row["efficiency"] = spread([r["tokens_per_s"] / row["ideal_tokens_per_s"] for r in runs])
     print(
@@ -76,19 +76,7 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--seconds", type=float, default=4.0, help="length of one measurement")
     args = ap.parse_args()
-    model = config_only_model(
-        "scripted-small",
-        {
-            "hidden_size": 64,
-            "intermediate_size": 128,
-            "num_hidden_layers": 1,
-            "num_attention_heads": 2,
-            "num_key_value_heads": 2,
-            "head_dim": 32,
-            "tie_word_embeddings": True,
-            "vocab_size": 1000,
-        },
-    )
+    model = scripted_model()
     replicas = start_scripted(model, max(REPLICAS), "scaling", f"scripted.tokens_per_s={RATE}")
     by_replicas, saturation = {}, {}
     try:

@@ -33,7 +33,8 @@ from common import QWEN25, WORK, Timer, config_only_model, spread, start_proxy, 
 
 from rollwire.client import Client
 from rollwire.common.fingerprint import model_fingerprint
-from rollwire.generator.adapters import LoraShape, config_linear_shapes, expected_lora_shapes
+from rollwire.common.lora import LoraShape
+from rollwire.generator.adapters import config_linear_shapes, expected_lora_shapes
 
 RANK, REPLICAS = 16, (1, 2, 4)
 TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -75,7 +76,7 @@ class Pusher:
     def push(self, name: str, version: int, payload: bytes, r: int, direct: bool = False) -> dict[str, float]:
         """Seconds until the push call returned and until every replica served the version;
         `direct` pushes straight to the first replica instead of through the proxy."""
-        lora = {"r": r, "lora_alpha": 2 * r, "target_modules": list(TARGETS)}
+        lora = LoraShape(r, 2 * r, tuple(sorted(TARGETS)))
         client, replicas = (self.direct[0], self.direct[:1]) if direct else (self.proxy, self.direct)
         start = time.perf_counter()
         client.push_adapter(name, version, payload, lora, self.fingerprint)

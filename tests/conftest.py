@@ -1,15 +1,14 @@
-"""Shared fixtures: the tiny model (built once per session) and real generator processes."""
+"""Shared fixtures: what has a lifetime (the tiny and the taught model, generator processes,
+a learner stack), built once per session. Plain helpers live in the `support` package."""
 
 from __future__ import annotations
 
+import subprocess
 from pathlib import Path
 
-import grpc
 import pytest
-
-from rollwire.common.services import ServiceProcess, rollwire_cmd, start  # noqa: F401 (re-exported for tests)
-
-ROOT = Path(__file__).resolve().parents[1]
+from support.learner import TAUGHT_DIR
+from support.processes import FAST_STOP, start_generator, start_stack
 
 
 @pytest.fixture(scope="session")
@@ -19,27 +18,10 @@ def tiny_model(tmp_path_factory) -> Path:
     return build_tiny_model(tmp_path_factory.mktemp("models") / "tiny")
 
 
-Service = ServiceProcess
-
-
-def start_service(args: list[str], workdir: Path, name: str, timeout: float = 90, plaintext: bool = True) -> Service:
-    """Start a rollwire process and wait until it serves (a plaintext one: until a channel is ready)."""
-    svc = start(args, workdir, name, timeout)
-    if plaintext:
-        with grpc.insecure_channel(svc.target) as ch:
-            grpc.channel_ready_future(ch).result(timeout=30)
-    return svc
-
-
-def start_generator(
-    model: Path, workdir: Path, name: str = "generator", *extra: str, plaintext: bool = True
-) -> Service:
-    return start_service(
-        ["generator", "--model", str(model), "--port", "0", "--metrics-port", "0", *extra],
-        workdir,
-        name,
-        plaintext=plaintext,
-    )
+@pytest.fixture(scope="module")
+def workdir(tmp_path_factory, request) -> Path:
+    """One folder per test module for the processes it starts (their logs and ready files)."""
+    return tmp_path_factory.mktemp(request.module.__name__.removeprefix("test_"))
 
 
 @pytest.fixture(scope="session")
@@ -66,3 +48,76 @@ def reference_model(tiny_model):
 
     torch.manual_seed(0)
     return AutoModelForCausalLM.from_pretrained(tiny_model).eval()
+
+
+@pytest.fixture(scope="session")
+def taught_model() -> Path:
+    """The tiny model taught the addition task to a partial skill, cached across sessions."""
+    from rollwire.demo.teach import build_taught_model
+
+    return build_taught_model(TAUGHT_DIR, log=lambda line: None)
+
+
+@pytest.fixture(scope="session")
+def stack(taught_model, tmp_path_factory):
+    """One proxy with 2 replicas of the taught model, shared: each test uses its own adapter name."""
+    s = start_stack(taught_model, tmp_path_factory.mktemp("learner-stack"), generator_args=FAST_STOP)
+    yield s
+    s.stop()
+
+
+@pytest.fixture(scope="module")
+def pki(tmp_path_factory):
+    """A CA, a server certificate for 127.0.0.1 and a client certificate, made with openssl."""
+    d = tmp_path_factory.mktemp("pki")
+
+    def run(*args):
+        subprocess.run(["openssl", *args], cwd=d, check=True, capture_output=True)
+
+    run(
+        "req",
+        "-x509",
+        "-newkey",
+        "rsa:2048",
+        "-nodes",
+        "-keyout",
+        "ca.key",
+        "-out",
+        "ca.pem",
+        "-days",
+        "2",
+        "-subj",
+        "/CN=rollwire-test-ca",
+    )
+    (d / "san.ext").write_text("subjectAltName=IP:127.0.0.1,DNS:localhost\n")
+    for name in ("server", "client"):
+        run(
+            "req",
+            "-newkey",
+            "rsa:2048",
+            "-nodes",
+            "-keyout",
+            f"{name}.key",
+            "-out",
+            f"{name}.csr",
+            "-subj",
+            f"/CN={name}",
+        )
+        run(
+            "x509",
+            "-req",
+            "-in",
+            f"{name}.csr",
+            "-CA",
+            "ca.pem",
+            "-CAkey",
+            "ca.key",
+            "-CAcreateserial",
+            "-out",
+            f"{name}.pem",
+            "-days",
+            "2",
+            "-extfile",
+            "san.ext",
+        )
+    return d

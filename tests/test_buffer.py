@@ -6,7 +6,8 @@ import asyncio
 
 import pytest
 
-from rollwire.learner.buffer import Buffer, GroupLedger, LedgerError, ScoredGroup, ScoredSample, split_stale, staleness
+from rollwire.learner.admission import split_stale, staleness
+from rollwire.learner.buffer import Buffer, GroupLedger, LedgerError, ScoredGroup, ScoredSample, Signal
 from rollwire.learner.task import Example
 
 
@@ -100,3 +101,31 @@ def test_ledger_observers_see_every_outcome():
     ledger.generated()
     ledger.drop("reward_error")
     assert seen == [("requested", "", 1), ("dropped", "reward_error", 1)]
+
+
+async def test_signal_wakes_every_waiter_after_synchronous_changes():
+    signal, state = Signal(), {"n": 0}
+    waiters = [asyncio.ensure_future(signal.wait_for(lambda k=k: state["n"] >= k)) for k in (1, 2, 3)]
+    await asyncio.sleep(0)
+    assert not any(w.done() for w in waiters)
+    for _ in range(3):  # three changes from synchronous code, folded into one wake-up
+        state["n"] += 1
+        signal.notify()
+    await asyncio.wait_for(asyncio.gather(*waiters), 1)
+
+
+async def test_signal_a_true_predicate_returns_at_once_and_a_cancelled_waiter_blocks_nobody():
+    signal, state = Signal(), {"ready": False}
+    await asyncio.wait_for(signal.wait_for(lambda: True), 1)  # no notification needed
+    cancelled = asyncio.ensure_future(signal.wait_for(lambda: state["ready"]))
+    other = asyncio.ensure_future(signal.wait_for(lambda: state["ready"]))
+    await asyncio.sleep(0)
+    cancelled.cancel()
+    state["ready"] = True
+    signal.notify()
+    await asyncio.wait_for(other, 1)
+    assert cancelled.cancelled()
+
+
+def test_signal_without_a_running_loop_has_nobody_to_wake():
+    Signal().notify()  # e.g. a ledger counted outside the event loop: nothing to do, no error

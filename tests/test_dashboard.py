@@ -21,7 +21,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
-from conftest import start_service
+from support.processes import start_service
 
 ROOT = Path(__file__).resolve().parents[1]
 DASHBOARD = ROOT / "ops" / "grafana" / "dashboards" / "rollwire.json"

@@ -1,9 +1,14 @@
-"""One contract every engine passes: transformers in-process, sglang against the SGLang double.
+"""One contract every registered engine passes, built through the registry as a replica builds it.
 
-The double (tests/sglang_double.py) is a protocol-level double of SGLang's HTTP API backed
-by the tiny model, so these tests check the sglang engine's requests, stream parsing and
-adapter handling end to end, and its numbers against an independent teacher-forced pass.
-A real SGLang server is exercised only by tests/test_sglang_gpu.py.
+The engines come from `rollwire.generator.engines.ENGINES`, so an engine registered there is
+in this suite without further edits: each is built by `make_engine` from a GeneratorConfig over
+the tiny model. The sglang engine is pointed at the SGLang double (tests/support/sglang_double.py), a
+protocol-level double of SGLang's HTTP API backed by the tiny model, so these tests check its
+requests, stream parsing and adapter handling end to end, and its numbers against an
+independent teacher-forced pass; a real SGLang server is exercised only by
+tests/test_sglang_gpu.py. An engine registered with `runs_model=False` (the scripted
+benchmark engine) emits scripted tokens: it passes the structural half of the contract and
+the tests that compare numbers with the model skip it.
 """
 
 from __future__ import annotations
@@ -15,69 +20,54 @@ import itertools
 import pytest
 import pytest_asyncio
 import torch
-from helpers import make_adapter, peft_reference
-from sglang_double import DoubleModel, DoubleServer, Options
-from test_generator import forward_logprobs
+from support.engines import collect, forward_logprobs, manifest_for
+from support.sglang_double import DoubleModel, DoubleServer, Options
+from support.wire import make_adapter, peft_reference
 
-from rollwire.generator.adapters import LoraShape, Manifest
-from rollwire.generator.types import AdapterSelection, GroupRequest, SampleDone, SamplingParams, TokenDelta
+from rollwire.generator.app import make_engine
+from rollwire.generator.config import GeneratorConfig, SGLangSection
+from rollwire.generator.engines import ENGINES
+from rollwire.generator.metrics import GeneratorMetrics
+from rollwire.generator.types import AdapterSelection, GroupRequest, SamplingParams
 
-ENGINES = ["transformers", "sglang"]
 _ids = itertools.count()
 
 
-@pytest_asyncio.fixture(scope="module", params=ENGINES)
+@pytest_asyncio.fixture(scope="module", params=ENGINES.names())
 async def engine(request, tiny_model, tmp_path_factory):
-    if request.param == "transformers":
-        from rollwire.generator.engines.transformers_engine import TransformersEngine
-
-        eng = TransformersEngine(tiny_model, max_batch_rows=64)
-        await eng.start()
-        yield eng
-        await eng.close()
-        return
-    from rollwire.generator.config import SGLangSection
-    from rollwire.generator.engines.sglang_engine import SGLangEngine
-
-    options = Options(
-        model_path=str(tiny_model),
-        enable_lora=True,
-        max_lora_rank=16,
-        lora_target_modules=["all"],
-        max_loaded_loras=4,
-        max_loras_per_batch=4,
-        enable_deterministic_inference=True,
-    )
-    double = DoubleServer(options, DoubleModel(str(tiny_model))).start()
-    settings = SGLangSection(url=double.url, adapter_dir=str(tmp_path_factory.mktemp("sglang-adapters")))
-    eng = SGLangEngine(tiny_model, settings, adapter_window=3)
+    config = GeneratorConfig(model=str(tiny_model), engine=request.param)
+    double = None
+    if request.param == "sglang":  # the one engine that needs a server beside it
+        options = Options(
+            model_path=str(tiny_model),
+            enable_lora=True,
+            max_lora_rank=16,
+            lora_target_modules=["all"],
+            max_loaded_loras=4,
+            max_loras_per_batch=4,
+            enable_deterministic_inference=True,
+        )
+        double = DoubleServer(options, DoubleModel(str(tiny_model))).start()
+        config.sglang = SGLangSection(url=double.url, adapter_dir=str(tmp_path_factory.mktemp("sglang-adapters")))
+    eng = make_engine(config, GeneratorMetrics())
+    assert eng.name == request.param
     await eng.start()
     eng.double = double
     yield eng
     await eng.close()
-    double.stop()
+    if double is not None:
+        double.stop()
+
+
+def needs_model(engine) -> None:
+    """Skip a test that compares numbers with the model for an engine that runs none."""
+    if not ENGINES.entry(engine.name).traits.get("runs_model", True):
+        pytest.skip(f"the {engine.name} engine runs no model: its tokens and logprobs are scripted")
 
 
 def group(prompt: list[int], n: int = 1, adapter: AdapterSelection | None = None, **sampling) -> GroupRequest:
     sampling.setdefault("max_new_tokens", 16)
     return GroupRequest(f"contract-{next(_ids)}", prompt, n, SamplingParams(**sampling), adapter or AdapterSelection())
-
-
-async def collect(engine, g: GroupRequest) -> dict:
-    """Run a group to the end: tokens, logprobs, versions and the SampleDone of each sample."""
-    out = {"tokens": {}, "logprobs": {}, "versions": {}, "text": {}, "done": {}}
-    async for events in engine.generate(g):
-        for ev in events:
-            if isinstance(ev, TokenDelta):
-                assert ev.sample_index not in out["done"], "tokens after the sample finished"
-                out["tokens"].setdefault(ev.sample_index, []).extend(ev.token_ids)
-                out["logprobs"].setdefault(ev.sample_index, []).extend(ev.logprobs)
-                out["versions"].setdefault(ev.sample_index, set()).add(ev.version)
-                out["text"][ev.sample_index] = out["text"].get(ev.sample_index, "") + ev.text
-            else:
-                assert isinstance(ev, SampleDone) and ev.sample_index not in out["done"]
-                out["done"][ev.sample_index] = ev
-    return out
 
 
 async def eventually(condition, timeout_s: float = 10.0) -> bool:
@@ -95,11 +85,6 @@ def prompt_of(engine, text: str) -> list[int]:
     return engine.tokenize(text)
 
 
-def manifest_for(adapter, name: str, version: int) -> Manifest:
-    lora = LoraShape(adapter.r, adapter.lora_alpha, adapter.targets)
-    return Manifest(name, version, "sha256:test", lora, len(adapter.payload), adapter.sha256)
-
-
 async def test_every_sample_finishes_once_with_counts(engine):
     prompt = prompt_of(engine, "The cat sat")
     out = await collect(engine, group(prompt, n=4, max_new_tokens=24))
@@ -113,6 +98,7 @@ async def test_every_sample_finishes_once_with_counts(engine):
 
 
 async def test_base_logprobs_equal_a_teacher_forced_pass(engine, reference_model):
+    needs_model(engine)
     prompt = prompt_of(engine, "Logprobs of")
     out = await collect(engine, group(prompt, n=3, max_new_tokens=20))
     for i in range(3):
@@ -121,6 +107,7 @@ async def test_base_logprobs_equal_a_teacher_forced_pass(engine, reference_model
 
 
 async def test_tempered_logprobs_equal_a_teacher_forced_pass(engine, reference_model):
+    needs_model(engine)
     prompt = prompt_of(engine, "warm")
     out = await collect(engine, group(prompt, n=2, max_new_tokens=12, temperature=0.7))
     for i in range(2):
@@ -129,6 +116,7 @@ async def test_tempered_logprobs_equal_a_teacher_forced_pass(engine, reference_m
 
 
 async def test_greedy_equals_hf_generate(engine, reference_model):
+    needs_model(engine)
     prompt = prompt_of(engine, "greedy")
     out = await collect(engine, group(prompt, n=2, max_new_tokens=12, temperature=0.0, ignore_eos=True))
     with torch.no_grad():
@@ -149,6 +137,7 @@ async def test_seeds_reproduce_and_samples_of_a_group_differ(engine):
 
 
 async def test_stop_strings_end_samples_with_reason_stop(engine):
+    needs_model(engine)
     prompt = prompt_of(engine, "abc")
     out = await collect(engine, group(prompt, n=4, max_new_tokens=60, stop=("e",)))
     for i, done in out["done"].items():
@@ -177,6 +166,7 @@ async def test_closing_the_stream_cancels_the_group(engine):
 # Adapter tests last: the transformers engine cannot serve after its active adapter is deleted
 # (see the xfail below), and the module-scoped engine is shared.
 async def test_adapter_logprobs_equal_a_local_peft_model(engine, tiny_model):
+    needs_model(engine)
     adapter = make_adapter(tiny_model, seed=7, r=8)
     await engine.load_adapter("c-load-1", manifest_for(adapter, "contract", 1), adapter.payload)
     try:
@@ -196,6 +186,7 @@ async def test_adapter_logprobs_equal_a_local_peft_model(engine, tiny_model):
 
 
 async def test_unload_then_load_a_new_version(engine, tiny_model):
+    needs_model(engine)
     a1, a2 = make_adapter(tiny_model, seed=11, r=4), make_adapter(tiny_model, seed=12, r=4)
     await engine.load_adapter("c-uv-1", manifest_for(a1, "cycle", 1), a1.payload)
     await engine.unload_adapter("c-uv-1")

@@ -25,6 +25,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from rollwire.common.errors import RollwireError, from_rpc_error, to_status
+from rollwire.common.reasons import Reason
 from rollwire.proxy import faults
 from rollwire.proxy.breaker import Breaker
 from rollwire.proxy.config import RoutingSection
@@ -36,20 +37,8 @@ from rollwire.v1 import generator_pb2_grpc
 
 C = grpc.StatusCode
 CODES = [c for c in C if c != C.OK]
-KNOWN_REASONS = [
-    "",
-    "INTERNAL",
-    "UNKNOWN",
-    "ENGINE_FAILED",
-    "ROW_FAILED",
-    "NON_FINITE_LOGITS",
-    "QUEUE_FULL",
-    "ADAPTER_NOT_FOUND",
-    "ADAPTER_VERSION_EVICTED",
-    "BAD_TEMPERATURE",
-    "BAD_REQUEST_ID",
-    "SHUTTING_DOWN",
-]
+KNOWN_REASONS = ["", "INTERNAL", "UNKNOWN", *Reason, "BAD_REQUEST_ID", "SHUTTING_DOWN"]
+"""No reason, the code's name (what a status without one carries), every reason, and two no service sends."""
 reasons = st.one_of(st.sampled_from(KNOWN_REASONS), st.text(max_size=20))
 flags = st.booleans()
 
@@ -59,7 +48,7 @@ def sick(code: grpc.StatusCode, reason: str, deadline_passed: bool) -> bool:
     return (
         code == C.UNAVAILABLE
         or (code == C.DEADLINE_EXCEEDED and not deadline_passed)
-        or (code in (C.INTERNAL, C.UNKNOWN) and reason == "ENGINE_FAILED")
+        or (code in (C.INTERNAL, C.UNKNOWN) and reason == Reason.ENGINE_FAILED)
     )
 
 
@@ -84,13 +73,13 @@ def test_client_causable_statuses_are_never_counted(code, reason, passed, suspec
         code, reason, group_deadline_passed=passed, version_pinned=False, suspected_before=suspected
     )
     assert not verdict.counts
-    assert verdict.retry == (code == C.RESOURCE_EXHAUSTED and reason == "QUEUE_FULL")  # busy: elsewhere, uncounted
+    assert verdict.retry == (code == C.RESOURCE_EXHAUSTED and reason == Reason.QUEUE_FULL)  # busy: elsewhere, uncounted
 
 
 @settings(max_examples=500, deadline=None)
 @given(
     st.sampled_from([C.INTERNAL, C.UNKNOWN]),
-    reasons.filter(lambda r: r not in ("", "INTERNAL", "UNKNOWN", "ENGINE_FAILED")),
+    reasons.filter(lambda r: r not in ("", "INTERNAL", "UNKNOWN", Reason.ENGINE_FAILED)),
 )
 def test_a_named_per_request_failure_is_relayed_and_never_counted(code, reason):
     verdict = faults.classify(code, reason)
@@ -101,24 +90,24 @@ def test_the_table():
     cases = {
         (C.UNAVAILABLE, ""): (True, True),
         (C.DEADLINE_EXCEEDED, ""): (True, True),
-        (C.INTERNAL, "ENGINE_FAILED"): (True, True),
-        (C.INTERNAL, "ROW_FAILED"): (False, False),
-        (C.FAILED_PRECONDITION, "NON_FINITE_LOGITS"): (False, False),
+        (C.INTERNAL, Reason.ENGINE_FAILED): (True, True),
+        (C.INTERNAL, Reason.ROW_FAILED): (False, False),
+        (C.FAILED_PRECONDITION, Reason.NON_FINITE_LOGITS): (False, False),
         (C.INTERNAL, ""): (True, False),  # suspect: once elsewhere, counted only if it then succeeds
         (C.UNKNOWN, "UNKNOWN"): (True, False),
         (C.DATA_LOSS, ""): (True, False),
         (C.CANCELLED, ""): (True, False),
-        (C.RESOURCE_EXHAUSTED, "QUEUE_FULL"): (True, False),
-        (C.RESOURCE_EXHAUSTED, "PROMPT_TOO_LONG"): (False, False),
-        (C.INVALID_ARGUMENT, "BAD_TEMPERATURE"): (False, False),
-        (C.NOT_FOUND, "ADAPTER_NOT_FOUND"): (False, False),
+        (C.RESOURCE_EXHAUSTED, Reason.QUEUE_FULL): (True, False),
+        (C.RESOURCE_EXHAUSTED, Reason.PROMPT_TOO_LONG): (False, False),
+        (C.INVALID_ARGUMENT, Reason.BAD_TEMPERATURE): (False, False),
+        (C.NOT_FOUND, Reason.ADAPTER_NOT_FOUND): (False, False),
     }
     for (code, reason), want in cases.items():
         verdict = faults.classify(code, reason)
         assert (verdict.retry, verdict.counts) == want, (code, reason)
     assert faults.classify(C.INTERNAL, "", suspected_before=True) == faults.CLIENT_FAULT
     assert faults.classify(C.DEADLINE_EXCEEDED, "", group_deadline_passed=True) == faults.DEADLINE
-    assert faults.classify(C.NOT_FOUND, "ADAPTER_VERSION_NOT_FOUND", version_pinned=True) == faults.STALE
+    assert faults.classify(C.NOT_FOUND, Reason.ADAPTER_VERSION_NOT_FOUND, version_pinned=True) == faults.STALE
 
 
 # -- whole groups through the real GroupRun, against scripted replicas -----------------------
@@ -242,7 +231,7 @@ def ejections(metrics) -> float:
 
 REQUEST_CAUSED = st.tuples(
     st.sampled_from([c for c in CODES if c not in (C.UNAVAILABLE, C.DEADLINE_EXCEEDED)]),
-    reasons.filter(lambda r: r != "ENGINE_FAILED"),
+    reasons.filter(lambda r: r != Reason.ENGINE_FAILED),
     st.booleans(),  # the replica showed tokens before failing
 )
 
@@ -284,7 +273,7 @@ def test_an_unexplained_internal_on_two_replicas_is_the_requests_and_is_relayed(
 
 
 def test_sick_replicas_still_count():
-    for code, reason in [(C.UNAVAILABLE, ""), (C.INTERNAL, "ENGINE_FAILED"), (C.DEADLINE_EXCEEDED, "")]:
+    for code, reason in [(C.UNAVAILABLE, ""), (C.INTERNAL, Reason.ENGINE_FAILED), (C.DEADLINE_EXCEEDED, "")]:
         bad = FakeReplica("bad", lambda req, c=code, r=reason: ([started("bad")], rpc_error(c, r)))
         good = FakeReplica("good", lambda req: ([started("good"), tokens(), finished()], None))
         _, error, _ = asyncio.run(run_group([bad, good]))
@@ -296,11 +285,14 @@ def test_a_per_request_failure_is_relayed_at_once():
 
     def outcome(request):
         calls.append(1)
-        return [started("a")], rpc_error(C.INTERNAL, "ROW_FAILED")
+        return [started("a")], rpc_error(C.INTERNAL, Reason.ROW_FAILED)
 
     replicas = [FakeReplica("a", outcome), FakeReplica("b", outcome)]
     _, error, _ = asyncio.run(run_group(replicas))
-    assert isinstance(error, Relay) and from_rpc_error(rpc_error(C.INTERNAL, "ROW_FAILED")).reason == "ROW_FAILED"
+    assert (
+        isinstance(error, Relay)
+        and from_rpc_error(rpc_error(C.INTERNAL, Reason.ROW_FAILED)).reason == Reason.ROW_FAILED
+    )
     assert len(calls) == 1 and all(r.breaker.failures == 0 for r in replicas)
 
 
@@ -349,7 +341,7 @@ CLIENT_CODES = {C.INVALID_ARGUMENT, C.NOT_FOUND, C.FAILED_PRECONDITION, C.OUT_OF
 
 @pytest.fixture(scope="module")
 def fleet(tiny_model, tmp_path_factory):
-    from test_proxy_helpers import start_generators, start_proxy, stop_all, wait_routable
+    from support.processes import start_generators, start_proxy, stop_all, wait_routable
 
     workdir = tmp_path_factory.mktemp("faults")
     replicas = start_generators(tiny_model, workdir, ["f1", "f2"])
@@ -360,8 +352,7 @@ def fleet(tiny_model, tmp_path_factory):
 
 
 def test_no_hostile_request_ejects_a_replica_or_disturbs_other_clients(fleet):
-    from helpers import metric_value
-    from test_proxy_helpers import request, run_group, status
+    from support.wire import metric_value, request, run_group, status
 
     proxy, _replicas = fleet
     stop, lock = threading.Event(), threading.Lock()

@@ -8,10 +8,10 @@ from __future__ import annotations
 
 import grpc
 import pytest
-from conftest import start_service
-from helpers import generate
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from support.processes import start_service
+from support.wire import generate
 
 from rollwire.v1 import generator_pb2 as pb
 from rollwire.v1 import generator_pb2_grpc

@@ -11,32 +11,10 @@ import threading
 import grpc
 import pytest
 import torch
-from helpers import fingerprint, generate, make_adapter, metric_value, peft_reference, push, stub
+from support.engines import forward_logprobs
+from support.wire import fingerprint, generate, make_adapter, metric_value, peft_reference, push, stub
 
 from rollwire.v1 import generator_pb2 as pb
-
-
-def forward_logprobs(model, prompt: list[int], completion: list[int], temperature=1.0, top_k=0, top_p=1.0):
-    """Log-probs of `completion` under the documented sampling transform, from one forward pass."""
-    ids = torch.tensor([prompt + completion])
-    with torch.no_grad():
-        logits = model(input_ids=ids).logits[0, len(prompt) - 1 : -1].float() / temperature
-    if top_k:
-        kth = torch.topk(logits, top_k, dim=-1).values[:, -1:]
-        logits = logits.masked_fill(logits < kth, float("-inf"))
-    if top_p < 1:
-        probs = torch.softmax(logits, -1)
-        out = logits.clone()
-        for row in range(len(logits)):
-            order = torch.argsort(probs[row], descending=True)
-            mass = 0.0
-            for rank, tok in enumerate(order.tolist()):
-                if rank > 0 and mass >= top_p:
-                    out[row, tok] = float("-inf")
-                mass += float(probs[row, tok])
-        logits = out
-    lp = torch.log_softmax(logits, -1)
-    return lp.gather(-1, torch.tensor(completion)[:, None])[:, 0]
 
 
 def test_base_logprobs_equal_forward_pass(generator, reference_model):

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import grpc
 import pytest
-from helpers import fingerprint, generate, make_adapter, push, push_messages, stub
 from safetensors.torch import save
+from support.wire import fingerprint, generate, make_adapter, push, push_messages, stub
 
 from rollwire.common.errors import from_rpc_error
 from rollwire.v1 import generator_pb2 as pb

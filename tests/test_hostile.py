@@ -20,10 +20,10 @@ from dataclasses import dataclass, field
 
 import grpc
 import pytest
-from helpers import fingerprint, make_adapter, push_messages
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from test_proxy_helpers import request, routable, run_group, start_generators, start_proxy, stop_all, wait_routable
+from support.processes import routable, start_generators, start_proxy, stop_all, wait_routable
+from support.wire import fingerprint, make_adapter, push_messages, request, run_group
 
 from rollwire.common.errors import from_rpc_error
 from rollwire.v1 import generator_pb2 as pb

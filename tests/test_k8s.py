@@ -8,7 +8,7 @@ from pathlib import Path
 import kubernetes_validate
 import pytest
 import yaml
-from helpers import metric_value
+from support.wire import metric_value
 
 from rollwire.common.config import load_config
 from rollwire.generator.config import GeneratorConfig
@@ -186,3 +186,32 @@ def test_scraped_learner_metrics_bind_all_interfaces(tmp_path):
     if job["metadata"].get("annotations", {}).get("prometheus.io/scrape") == "true":
         assert not is_loopback(learner.metrics_host)  # the default (loopback) would hide it from Prometheus
         assert job["metadata"]["annotations"]["prometheus.io/port"] == str(learner.metrics_port)
+
+
+def test_two_proxies_share_one_truth_and_survive_a_voluntary_disruption(tmp_path, monkeypatch):
+    """Two proxy pods, peers of each other through the headless Service, each with its own id;
+    a PodDisruptionBudget keeps one serving; the learner balances over both (docs/deploy.md)."""
+    from rollwire.learner.config import LearnerConfig
+    from rollwire.proxy.config import ProxyConfig
+
+    deployment = by_kind("Deployment")["rollwire-proxy"]
+    assert deployment["spec"]["replicas"] >= 2
+    assert deployment["spec"]["strategy"]["rollingUpdate"]["maxUnavailable"] == 0
+    labels = deployment["spec"]["template"]["metadata"]["labels"]
+    pdb = by_kind("PodDisruptionBudget")["rollwire-proxy"]
+    assert pdb["spec"]["selector"]["matchLabels"].items() <= labels.items()
+    assert 1 <= pdb["spec"]["minAvailable"] < deployment["spec"]["replicas"]
+    env = {e["name"]: e for e in deployment["spec"]["template"]["spec"]["containers"][0]["env"]}
+    assert env["ROLLWIRE_PROXY_ID"]["valueFrom"]["fieldRef"]["fieldPath"] == "metadata.name"  # unique per pod
+
+    headless = by_kind("Service")["rollwire-proxy-headless"]
+    assert headless["spec"]["clusterIP"] == "None" and headless["spec"]["selector"].items() <= labels.items()
+    maps = by_kind("ConfigMap")
+    (tmp_path / "proxy.toml").write_text(maps["rollwire-proxy-config"]["data"]["proxy.toml"])
+    (tmp_path / "learner.toml").write_text(maps["rollwire-learner-config"]["data"]["learner.toml"])
+    monkeypatch.setenv("ROLLWIRE_PROXY_ID", "rollwire-proxy-abc")
+    proxy = load_config(ProxyConfig, tmp_path / "proxy.toml")
+    assert proxy.proxy_id == "rollwire-proxy-abc"  # the variable the pod sets is the config key
+    name = f"dns:///rollwire-proxy-headless.rollwire.svc.cluster.local:{proxy.port}"
+    assert proxy.peers == [name]
+    assert load_config(LearnerConfig, tmp_path / "learner.toml").target == name

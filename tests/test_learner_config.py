@@ -4,15 +4,20 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import tomllib
 from pathlib import Path
 
 import pytest
 import yaml
 
-from rollwire.common.config import ConfigError
-from rollwire.learner.config import LearnerConfig, dump_learner_config, load_learner_config
+from rollwire.common.config import ConfigError, dump_config, load_config
+from rollwire.learner.config import LearnerConfig
 
 ROOT = Path(__file__).resolve().parents[1]
+
+
+def load_learner_config(path: str | None, overrides: list[str] | None = None) -> LearnerConfig:
+    return load_config(LearnerConfig, path, overrides or [])
 
 
 def test_defaults_are_the_asynchronous_mode_with_one_exact_match_reward():
@@ -71,7 +76,7 @@ def test_dry_run_prints_toml_that_reads_back(tmp_path):
         text=True,
         check=True,
     ).stdout
-    assert "lr = 0.003" in out and "[[rewards]]" in out
+    assert "lr = 0.003" in out and [r["kind"] for r in tomllib.loads(out)["rewards"]] == ["exact_match"]
     path = tmp_path / "resolved.toml"
     path.write_text(out)
     assert load_learner_config(str(path)) == load_learner_config(
@@ -100,4 +105,4 @@ def test_the_kubernetes_learner_config_is_valid(tmp_path):
 
 def test_dump_round_trips_defaults():
     cfg = load_learner_config(None, ["base_model=/m"])
-    assert "max_staleness = 1" in dump_learner_config(cfg)
+    assert "max_staleness = 1" in dump_config(cfg)

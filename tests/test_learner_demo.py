@@ -4,13 +4,30 @@ from __future__ import annotations
 
 import json
 import struct
-import zlib
+import sys
 from types import SimpleNamespace
 
 import pytest
 
 from rollwire.demo.plot import Series, line_chart
 from rollwire.demo.run import SUMMARY_KEYS, finish, new_run_folder, print_table, progress_line
+
+LEARNER_SUMMARY = {
+    "accuracy_before": 0.3,
+    "accuracy_after": 0.9,
+    "steps": 5,
+    "groups_per_s": 12.5,
+    "staleness_mean": 0.8,
+    "staleness_max": 1,
+    "push_latency_s": 0.05,
+    "push_latency_max_s": 0.2,
+    "first_version": 1,
+    "last_version": 6,
+    "ratio_mean_staleness0": 1.0,
+    "groups": {"trained": 40, "dropped": {"stale": 2}},
+    "evals": [{"step": 0, "accuracy": 0.3}, {"step": 5, "accuracy": 0.9}],
+}
+"""What the learner writes to summary.json, as far as the demo reads it."""
 
 
 def test_run_folders_and_the_latest_link(tmp_path):
@@ -22,6 +39,9 @@ def test_run_folders_and_the_latest_link(tmp_path):
 
 
 def test_line_chart_is_a_valid_png(tmp_path):
+    pytest.importorskip("matplotlib")
+    from matplotlib.image import imread
+
     path = line_chart(
         tmp_path / "c.png",
         [
@@ -33,15 +53,28 @@ def test_line_chart_is_a_valid_png(tmp_path):
         width=200,
         height=120,
     )
+    assert path is not None
     data = path.read_bytes()
     assert data.startswith(b"\x89PNG\r\n\x1a\n")
     _length, kind = struct.unpack(">I4s", data[8:16])
     assert kind == b"IHDR" and struct.unpack(">II", data[16:24]) == (200, 120)
-    idat = data.index(b"IDAT")
-    size = struct.unpack(">I", data[idat - 4 : idat])[0]
-    raw = zlib.decompress(data[idat + 4 : idat + 4 + size])
-    assert len(raw) == 120 * (1 + 3 * 200)
-    assert b"\x00\x00\xff" in raw  # the reward line is drawn
+    rgb = imread(path)[..., :3]
+    assert rgb.shape == (120, 200, 3)
+    assert ((rgb[..., 2] > 0.9) & (rgb[..., :2].max(axis=-1) < 0.1)).any()  # the reward line is drawn
+
+
+def test_without_matplotlib_the_chart_is_skipped_with_a_note(tmp_path, monkeypatch, capsys):
+    monkeypatch.setitem(sys.modules, "matplotlib.figure", None)  # `import` now raises ImportError
+    assert line_chart(tmp_path / "c.png", [Series("reward", [0, 1], [0.2, 0.5], (0, 0, 255))], "t", "step") is None
+    assert not (tmp_path / "c.png").exists()
+    learner = tmp_path / "learner"
+    learner.mkdir()
+    (learner / "steps.jsonl").write_text(json.dumps({"step": 1, "rollout_reward_mean": 0.5}) + "\n")
+    (learner / "summary.json").write_text(json.dumps(LEARNER_SUMMARY))
+    out = finish(tmp_path, SimpleNamespace(budget_s=60, replicas=2))
+    assert out["reward_curve"] is None and json.loads((tmp_path / "summary.json").read_text())["reward_curve"] is None
+    print_table(out, tmp_path)
+    assert "skipped: matplotlib is not installed" in capsys.readouterr().out
 
 
 def test_finish_writes_summary_and_curve_and_the_table_prints(tmp_path, capsys):
@@ -49,21 +82,7 @@ def test_finish_writes_summary_and_curve_and_the_table_prints(tmp_path, capsys):
     learner.mkdir()
     steps = [{"step": i, "rollout_reward_mean": 0.3 + 0.1 * i} for i in range(1, 6)]
     (learner / "steps.jsonl").write_text("".join(json.dumps(s) + "\n" for s in steps))
-    summary = {
-        "accuracy_before": 0.3,
-        "accuracy_after": 0.9,
-        "steps": 5,
-        "groups_per_s": 12.5,
-        "staleness_mean": 0.8,
-        "staleness_max": 1,
-        "push_latency_s": 0.05,
-        "push_latency_max_s": 0.2,
-        "first_version": 1,
-        "last_version": 6,
-        "ratio_mean_staleness0": 1.0,
-        "groups": {"trained": 40, "dropped": {"stale": 2}},
-        "evals": [{"step": 0, "accuracy": 0.3}, {"step": 5, "accuracy": 0.9}],
-    }
+    summary = LEARNER_SUMMARY
     (learner / "summary.json").write_text(json.dumps(summary))
     out = finish(tmp_path, SimpleNamespace(budget_s=60, replicas=2))
     saved = json.loads((tmp_path / "summary.json").read_text())

@@ -5,19 +5,12 @@ from __future__ import annotations
 import random
 
 import pytest
-from learner_fixtures import (
-    learner_args,
-    log_events,
-    start_stack,
-    steps,
-    summary,
-    wait_for_steps,
-)
+from support.learner import learner_args, log_events, steps, summary, wait_for_steps
+from support.processes import FAST_STOP, start, start_stack
 
-from rollwire.common.services import start
+from rollwire.common.reasons import Reason
 from rollwire.learner.task import Example, addition_examples, write_jsonl
 
-pytest_plugins = ["learner_fixtures"]  # one taught model and one shared stack per session
 pytestmark = pytest.mark.slow
 
 FLAKY_REWARD = """
@@ -29,7 +22,9 @@ def flaky(completion, example):
 
 
 def test_faults_are_counted_and_survived(taught_model, tmp_path):
-    stack = start_stack(taught_model, tmp_path / "stack", 2, "--set", "limits.max_prompt_tokens=16")
+    stack = start_stack(
+        taught_model, tmp_path / "stack", 2, generator_args=(*FAST_STOP, "--set", "limits.max_prompt_tokens=16")
+    )
     try:
         train, held = addition_examples(0.1)
         long_prompt = Example(99_999, "1" * 40 + "+1=", "x")  # over the replicas' 16-token prompt limit
@@ -61,7 +56,9 @@ def test_faults_are_counted_and_survived(taught_model, tmp_path):
 
     dropped = s["groups"]["dropped"]
     assert dropped.get("refused", 0) >= 1, dropped  # the long prompt: skipped, counted
-    assert any("PROMPT_TOO_LONG" in e["error"] or "prompt" in e["error"] for e in log_events(log, "rollout_dropped"))
+    assert any(
+        Reason.PROMPT_TOO_LONG in e["error"] or "prompt" in e["error"] for e in log_events(log, "rollout_dropped")
+    )
     assert dropped.get("reward_error", 0) >= 1, dropped  # groups with a prompt starting with 1
     assert any("ZeroDivisionError" in f for e in log_events(log, "reward_failed") for f in e["failures"])
     assert s["steps"] == 14 and s["served_version"] == s["last_version"]  # trained and pushed through it all

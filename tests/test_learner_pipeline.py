@@ -9,6 +9,7 @@ import pytest
 
 from rollwire.client._common import AdapterVersion, GenerateResult, Sample
 from rollwire.common.errors import FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted, Unavailable
+from rollwire.common.reasons import Reason
 from rollwire.learner.buffer import Buffer, GroupLedger, Signal
 from rollwire.learner.config import RewardSpec, RolloutSection
 from rollwire.learner.producer import Producer
@@ -41,23 +42,40 @@ class FakeGenerator:
         return result(prompt, answer)
 
 
+class Hooks:
+    """Admits every request; records the producer's calls for adapters it found missing."""
+
+    def __init__(self) -> None:
+        self.missing: list[int] = []
+
+    def may_request(self) -> bool:
+        return True
+
+    def adapter_missing(self) -> None:
+        self.missing.append(1)
+
+    def scored(self, group, restarts: int) -> None:
+        pass
+
+    def reward_failed(self, reward: str) -> None:
+        pass
+
+
 def producer_for(answers: dict, examples: list[Example], rewards=None, in_flight=4):
     ledger = GroupLedger()
     buffer = Buffer(max_staleness=1, keep_zero_variance=False, ledger=ledger)
-    missing = []
+    hooks = Hooks()
     producer = Producer(
         FakeGenerator(answers),
         DataStream(examples, seed=0),
         build_rewards(rewards or [RewardSpec()]),
         buffer,
-        ledger,
         RolloutSection(n=2, groups_in_flight=in_flight, retry_backoff_s=0.01),
         "policy@latest",
         seed=0,
-        admit=lambda: True,
-        on_adapter_missing=lambda: missing.append(1),
+        hooks=hooks,
     )
-    return producer, ledger, buffer, missing
+    return producer, ledger, buffer, hooks.missing
 
 
 async def run_until(ledger: GroupLedger, producer: Producer, requested: int) -> None:
@@ -172,7 +190,7 @@ async def test_start_moves_above_a_version_that_landed_after_the_learner_looked(
 
     from rollwire.learner import session
 
-    target = FakeTarget([FailedPrecondition("v3 is not above v4", reason="VERSION_NOT_MONOTONIC")])
+    target = FakeTarget([FailedPrecondition("v3 is not above v4", reason=Reason.VERSION_NOT_MONOTONIC)])
     target.release.set()
     s = session.Session.__new__(session.Session)
     s.publisher = Publisher(target, "policy", "fp", {}, Signal(), 0.01)

@@ -3,20 +3,11 @@
 from __future__ import annotations
 
 import pytest
-from learner_fixtures import (
-    adapter_versions,
-    learner_args,
-    log_events,
-    run_learner,
-    steps,
-    summary,
-    wait_for_steps,
-)
+from support.learner import adapter_versions, learner_args, log_events, run_learner, steps, summary, wait_for_steps
+from support.processes import start
 
-from rollwire.common.services import start
 from rollwire.learner.checkpoint import load_latest
 
-pytest_plugins = ["learner_fixtures"]  # one taught model and one shared stack per session
 pytestmark = pytest.mark.slow
 
 

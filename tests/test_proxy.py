@@ -15,35 +15,28 @@ import threading
 import time
 from collections import Counter, defaultdict
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 
 import grpc
 import pytest
-from conftest import ROOT, rollwire_cmd, start_generator
-from helpers import fingerprint, make_adapter, metric_value, push
-from test_proxy_helpers import (
+from support.processes import (
     GENERATOR_ARGS,
-    admin,
-    request,
+    ROOT,
+    rollwire_cmd,
     routable,
-    run_group,
+    start_generator,
     start_generators,
     start_proxy,
-    status,
     stop_all,
     wait_routable,
     wait_until,
 )
+from support.wire import admin, fingerprint, make_adapter, metric_value, push, request, run_group, status
 
 from rollwire.common.errors import from_rpc_error
+from rollwire.common.reasons import Reason
 from rollwire.v1 import admin_pb2 as apb
 from rollwire.v1 import generator_pb2 as pb
 from rollwire.v1 import generator_pb2_grpc
-
-
-@pytest.fixture(scope="module")
-def workdir(tmp_path_factory) -> Path:
-    return tmp_path_factory.mktemp("proxy")
 
 
 @pytest.fixture(scope="module")
@@ -252,7 +245,7 @@ def test_backpressure_refuses_beyond_the_queue_with_a_retry_hint(replicas, workd
     refused = [o for o in outcomes if not hasattr(o, "tokens")]
     assert 6 - len(refused) >= 2  # one ran, one waited its turn
     assert refused and all(
-        (e.code, e.reason, e.retry_after_s) == (grpc.StatusCode.RESOURCE_EXHAUSTED, "PROXY_QUEUE_FULL", 1.0)
+        (e.code, e.reason, e.retry_after_s) == (grpc.StatusCode.RESOURCE_EXHAUSTED, Reason.PROXY_QUEUE_FULL, 1.0)
         for e in refused
     )
     assert "add replicas" in refused[0].message

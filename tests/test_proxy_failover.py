@@ -15,37 +15,27 @@ import statistics
 import threading
 import time
 from collections import defaultdict
-from pathlib import Path
 
 import grpc
 import pytest
-from conftest import start_generator
-from helpers import fingerprint, make_adapter, push
-from test_proxy_helpers import (
+from support.processes import (
     GENERATOR_ARGS,
-    GroupResult,
-    admin,
-    request,
     routable,
-    run_group,
+    start_generator,
     start_generators,
     start_proxy,
-    status,
     stop_all,
     wait_routable,
     wait_until,
 )
+from support.wire import GroupResult, admin, fingerprint, make_adapter, push, request, run_group, status
 
 from rollwire.common.errors import from_rpc_error
+from rollwire.common.reasons import Reason
 from rollwire.v1 import admin_pb2 as apb
 from rollwire.v1 import generator_pb2_grpc
 
 FAST_HEALTH = ("--set", "health.timeout_s=0.5")
-
-
-@pytest.fixture(scope="module")
-def workdir(tmp_path_factory) -> Path:
-    return tmp_path_factory.mktemp("failover")
 
 
 @pytest.fixture(scope="module")
@@ -123,7 +113,7 @@ def test_after_its_last_attempt_a_group_ends_with_unavailable_and_a_sentence(clu
     finally:
         stop_all([px])
     err = from_rpc_error(info.value)
-    assert (err.code, err.reason, err.retry_after_s) == (grpc.StatusCode.UNAVAILABLE, "ATTEMPTS_EXHAUSTED", 1.0)
+    assert (err.code, err.reason, err.retry_after_s) == (grpc.StatusCode.UNAVAILABLE, Reason.ATTEMPTS_EXHAUSTED, 1.0)
     assert "failed on 1 attempts" in err.message and by_id[removed[0]].target in err.message
     assert "removed" in err.message and "retry the request" in err.message
 

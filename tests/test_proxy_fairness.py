@@ -24,6 +24,7 @@ import grpc
 import pytest
 
 from rollwire.common.errors import ResourceExhausted, from_rpc_error
+from rollwire.common.reasons import Reason
 from rollwire.proxy.config import FairnessSection, ProxyConfig, RoutingSection
 from rollwire.proxy.dispatch import Client, Dispatcher, Need, client_name
 from rollwire.proxy.metrics import ProxyMetrics
@@ -107,7 +108,7 @@ def test_per_client_limits_refuse_only_that_client_with_a_retry_hint():
         with d.admit("a") as a1, d.admit("a"):
             with pytest.raises(ResourceExhausted) as info, d.admit("a"):
                 pass
-            assert (info.value.reason, info.value.retry_after_s) == ("CLIENT_LIMIT", 0.5)
+            assert (info.value.reason, info.value.retry_after_s) == (Reason.CLIENT_LIMIT, 0.5)
             with d.admit("b") as b:  # another client is not affected
                 held = await d.acquire(Need(), b"", 10, frozenset(), deadline, client=b)
                 # a's first queued request is accepted however large; the next over the limit is refused
@@ -116,7 +117,7 @@ def test_per_client_limits_refuse_only_that_client_with_a_retry_hint():
                 assert a1.queued_work == 500
                 with pytest.raises(ResourceExhausted) as queued:
                     await d.acquire(Need(), b"", 1, frozenset(), deadline, client=a1)
-                assert queued.value.reason == "CLIENT_LIMIT" and "tokens of work" in queued.value.message
+                assert queued.value.reason == Reason.CLIENT_LIMIT and "tokens of work" in queued.value.message
                 # a retry of an admitted request is not refused for the client's queued work
                 retry = asyncio.create_task(d.acquire(Need(), b"", 1, frozenset(), deadline, client=a1, first=False))
                 # b queues beside a's big one
@@ -137,7 +138,7 @@ def test_per_client_limits_refuse_only_that_client_with_a_retry_hint():
         for s in f.samples
         if s.name.endswith("_total")
     }
-    assert values == {"in_flight": 1.0, "queued_tokens": 1.0}
+    assert values == {"in_flight": 1.0, "queued_tokens": 1.0, "slow_reader": 0.0}  # every limit exists from 0
 
 
 def test_a_client_is_its_token_where_auth_is_on_and_its_host_otherwise():
@@ -172,8 +173,7 @@ def auth(who: str):
 
 @pytest.fixture(scope="module")
 def fleet(tiny_model, tmp_path_factory):
-    from conftest import start_generator
-    from test_proxy_helpers import start_proxy, stop_all, wait_until
+    from support.processes import start_generator, start_proxy, stop_all, wait_until
 
     workdir = tmp_path_factory.mktemp("fairness")
     tokens = workdir / "generate.tokens"
@@ -266,7 +266,8 @@ class NonReader:
 
 
 def test_a_client_that_never_reads_is_cut_off_and_frees_its_slot(fleet):
-    from test_proxy_helpers import run_group, wait_until
+    from support.processes import wait_until
+    from support.wire import run_group
 
     proxy, _ = fleet
     big = pb.GenerateRequest(text="long", n=64, sampling=pb.SamplingParams(max_new_tokens=240, ignore_eos=True, seed=1))
@@ -292,7 +293,7 @@ def test_a_client_that_never_reads_is_cut_off_and_frees_its_slot(fleet):
                 )
         assert len(results) == 6
         count, code, reason = stuck.read_all()  # when it finally reads: what was sent, then a clear status
-        assert (code, reason) == (grpc.StatusCode.RESOURCE_EXHAUSTED, "SLOW_READER") and count >= 1
+        assert (code, reason) == (grpc.StatusCode.RESOURCE_EXHAUSTED, Reason.SLOW_READER) and count >= 1
     finally:
         stuck.close()
     metrics = proxy.metrics()
@@ -304,7 +305,8 @@ def test_one_clients_load_does_not_starve_another_and_its_limit_is_its_own(fleet
     """`greedy` opens 5 long groups (its limit) on the 2 slots; a 6th is refused at once with
     a retry hint; `polite`'s 2 groups, queued behind greedy's 3, each wait for at most one of
     greedy's (first come first served would make them wait for all 3)."""
-    from test_proxy_helpers import run_group, wait_until
+    from support.processes import wait_until
+    from support.wire import run_group
 
     proxy, _ = fleet
     long = pb.GenerateRequest(
@@ -325,7 +327,11 @@ def test_one_clients_load_does_not_starve_another_and_its_limit_is_its_own(fleet
         with grpc.insecure_channel(proxy.target) as channel, pytest.raises(grpc.RpcError) as info:
             list(generator_pb2_grpc.GeneratorServiceStub(channel).Generate(long, timeout=10, metadata=auth("greedy")))
         err = from_rpc_error(info.value)
-        assert (err.code, err.reason, err.retry_after_s) == (grpc.StatusCode.RESOURCE_EXHAUSTED, "CLIENT_LIMIT", 1.0)
+        assert (err.code, err.reason, err.retry_after_s) == (
+            grpc.StatusCode.RESOURCE_EXHAUSTED,
+            Reason.CLIENT_LIMIT,
+            1.0,
+        )
         polite = [pool.submit(run, "polite", small(i)) for i in range(2)]
         for f in greedy + polite:
             f.result(timeout=60)

@@ -6,11 +6,9 @@ from __future__ import annotations
 
 import grpc
 import pytest
-from conftest import start_generator, start_service
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from helpers import make_adapter, push_messages
-from test_proxy_helpers import GENERATOR_ARGS, request, run_group, wait_until
-from test_security import all_methods, free_port, pki  # noqa: F401 (pki is a fixture)
+from support.processes import GENERATOR_ARGS, free_port, start_generator, start_service, wait_until
+from support.wire import all_methods, make_adapter, push_messages, request, run_group
 
 from rollwire.serving.security import METHOD_ROLES
 from rollwire.v1 import admin_pb2 as apb
@@ -27,7 +25,7 @@ AUTH_ERRORS = (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIE
 
 
 @pytest.fixture(scope="module")
-def secured(tiny_model, pki, tmp_path_factory):  # noqa: F811
+def secured(tiny_model, pki, tmp_path_factory):
     work = tmp_path_factory.mktemp("proxy-security")
     for name, token in TOKENS.items():
         (work / f"{name}.token").write_text(token + "\n")

@@ -9,6 +9,7 @@ import grpc
 import pytest
 
 from rollwire.common.errors import RollwireError
+from rollwire.common.reasons import Reason
 from rollwire.proxy.spool import Spool
 from rollwire.v1 import generator_pb2 as pb
 
@@ -66,21 +67,21 @@ def test_same_version_same_bytes_is_idempotent_and_different_bytes_conflict(tmp_
     put(spool, "pol", 1, b"aaaa")
     assert put(spool, "pol", 1, b"aaaa")[1] is False
     err = refusal(spool, "pol", 1, b"bbbb")
-    assert (err.code, err.reason) == (grpc.StatusCode.FAILED_PRECONDITION, "VERSION_CONFLICT")
+    assert (err.code, err.reason) == (grpc.StatusCode.FAILED_PRECONDITION, Reason.VERSION_CONFLICT)
     err = refusal(spool, "pol", 0, b"bbbb")
-    assert (err.code, err.reason) == (grpc.StatusCode.INVALID_ARGUMENT, "BAD_ADAPTER_VERSION")
+    assert (err.code, err.reason) == (grpc.StatusCode.INVALID_ARGUMENT, Reason.BAD_ADAPTER_VERSION)
     put(spool, "pol", 3, b"cccc")
     err = refusal(spool, "pol", 2, b"dddd")
-    assert (err.code, err.reason) == (grpc.StatusCode.FAILED_PRECONDITION, "VERSION_NOT_MONOTONIC")
+    assert (err.code, err.reason) == (grpc.StatusCode.FAILED_PRECONDITION, Reason.VERSION_NOT_MONOTONIC)
 
 
 @pytest.mark.parametrize(
     "changes, reason",
     [
-        (dict(sha256="0" * 64), "DIGEST_MISMATCH"),
-        (dict(byte_length=11), "LENGTH_MISMATCH"),
-        (dict(byte_length=9), "LENGTH_MISMATCH"),
-        (dict(sha256="XYZ"), "BAD_DIGEST"),
+        (dict(sha256="0" * 64), Reason.DIGEST_MISMATCH),
+        (dict(byte_length=11), Reason.LENGTH_MISMATCH),
+        (dict(byte_length=9), Reason.LENGTH_MISMATCH),
+        (dict(sha256="XYZ"), Reason.BAD_DIGEST),
     ],
 )
 def test_bad_uploads_are_refused_and_leave_nothing_behind(tmp_path, changes, reason):
@@ -92,17 +93,17 @@ def test_bad_uploads_are_refused_and_leave_nothing_behind(tmp_path, changes, rea
 
 def test_a_name_that_could_escape_the_folder_is_refused(tmp_path):
     err = refusal(spool_at(tmp_path), "../escape", 1, b"0123456789")
-    assert (err.code, err.reason) == (grpc.StatusCode.INVALID_ARGUMENT, "BAD_ADAPTER_NAME")
+    assert (err.code, err.reason) == (grpc.StatusCode.INVALID_ARGUMENT, Reason.BAD_ADAPTER_NAME)
     assert not (tmp_path.parent / "escape").exists()
 
 
 def test_too_large_adapters_are_refused_before_any_byte(tmp_path):
     err = refusal(spool_at(tmp_path, max_adapter_bytes=5), "pol", 1, b"0123456789")
-    assert (err.code, err.reason) == (grpc.StatusCode.RESOURCE_EXHAUSTED, "ADAPTER_TOO_LARGE")
+    assert (err.code, err.reason) == (grpc.StatusCode.RESOURCE_EXHAUSTED, Reason.ADAPTER_TOO_LARGE)
     spool = spool_at(tmp_path, max_bytes=15)
     put(spool, "a", 1, b"0123456789")
     err = refusal(spool, "b", 1, b"0123456789")  # a's newest version may not be evicted for b
-    assert (err.code, err.reason) == (grpc.StatusCode.RESOURCE_EXHAUSTED, "SPOOL_FULL")
+    assert (err.code, err.reason) == (grpc.StatusCode.RESOURCE_EXHAUSTED, Reason.SPOOL_FULL)
 
 
 def test_keeps_the_newest_versions_and_evicts_old_ones_for_room(tmp_path):

@@ -18,22 +18,17 @@ from pathlib import Path
 
 import grpc
 import pytest
-from conftest import start_service
 from google.protobuf import json_format
-from helpers import make_adapter, metric_value, push_messages
-from test_proxy_helpers import request, start_generators, status, stop_all, wait_routable, wait_until
+from support.processes import start_generators, start_service, stop_all, wait_routable, wait_until
+from support.wire import make_adapter, metric_value, push_messages, request, status
 
 from rollwire.common.errors import from_rpc_error
+from rollwire.common.reasons import Reason
 from rollwire.v1 import generator_pb2 as pb
 from rollwire.v1 import generator_pb2_grpc
 
 IDLE_S = 1.5
 PROXY_ARGS = ("--set", f"spool.upload_idle_timeout_s={IDLE_S}")
-
-
-@pytest.fixture(scope="module")
-def workdir(tmp_path_factory) -> Path:
-    return tmp_path_factory.mktemp("pushsafety")
 
 
 @pytest.fixture(scope="module")
@@ -217,7 +212,7 @@ def test_a_version_at_the_top_of_the_range_is_refused_and_the_name_stays_usable(
     for target in (replicas[1].target, proxy.target):
         for version in (2**64 - 1, 2**53 + 1, 1_000_001):
             code, reason, _ = refusal(target, adapter.manifest("top", version, fp), adapter.payload)
-            assert (code, reason) == (grpc.StatusCode.INVALID_ARGUMENT, "VERSION_TOO_FAR"), (target, version)
+            assert (code, reason) == (grpc.StatusCode.INVALID_ARGUMENT, Reason.VERSION_TOO_FAR), (target, version)
     reply = stub(proxy.target).PushAdapter(push_messages(adapter.manifest("top", 1, fp), adapter.payload), timeout=30)
     assert reply.version == 1 and len(reply.replicas) == 2
     assert all(r.code == "OK" for r in reply.replicas), reply.replicas
@@ -254,12 +249,12 @@ def test_idle_uploads_time_out_and_replicas_bound_concurrent_pushes(proxy, repli
         t.start()
     time.sleep(0.5)  # both replica slots are taken by stalled uploads: a third push is refused at once
     code, reason, message = refusal(replicas[1].target, adapter.manifest("idle4", 1, fp), adapter.payload)
-    assert (code, reason) == (grpc.StatusCode.RESOURCE_EXHAUSTED, "TOO_MANY_PUSHES"), message
+    assert (code, reason) == (grpc.StatusCode.RESOURCE_EXHAUSTED, Reason.TOO_MANY_PUSHES), message
     for t in threads:
         t.join(15)
     release.set()
     for key, (code, reason, took) in results.items():
-        assert (code, reason) == (grpc.StatusCode.DEADLINE_EXCEEDED, "PUSH_IDLE"), key
+        assert (code, reason) == (grpc.StatusCode.DEADLINE_EXCEEDED, Reason.PUSH_IDLE), key
         assert IDLE_S - 0.1 < took < IDLE_S + 3, (key, took)
     spool = proxy_spool(proxy)
     assert not list((spool / ".incoming").iterdir())

@@ -11,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from rollwire.proxy.breaker import Breaker
-from rollwire.proxy.policies import POLICY_NAMES, Affinity, Candidate, LeastLoaded, RoundRobin, make_policy, routing_key
+from rollwire.proxy.policies import POLICIES, Affinity, Candidate, LeastLoaded, RoundRobin, make_policy, routing_key
 
 ADDRESSES = [f"10.0.0.{i}:50051" for i in range(1, 6)]
 
@@ -23,14 +23,19 @@ candidate_sets = st.lists(
 )
 
 
-@pytest.mark.parametrize("name", POLICY_NAMES)
+@pytest.mark.parametrize("name", POLICIES.names())
 @settings(max_examples=200, deadline=None)
 @given(candidates=candidate_sets, key=st.binary(max_size=40))
 def test_every_policy_chooses_one_of_the_candidates(name, candidates, key):
     assert make_policy(name).choose(candidates, key) in candidates
 
 
-@pytest.mark.parametrize("name", POLICY_NAMES)
+@pytest.mark.parametrize("name", POLICIES.names())
+def test_every_policy_reports_the_name_it_is_registered_under(name):
+    assert make_policy(name).name == name  # the Policy protocol's `name` never drifts from the registry
+
+
+@pytest.mark.parametrize("name", POLICIES.names())
 def test_a_single_candidate_is_always_chosen(name):
     only = Candidate("10.0.0.1:1", in_flight=99, work=9999)
     assert all(make_policy(name).choose([only], bytes([i])) == only for i in range(20))

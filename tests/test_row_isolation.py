@@ -20,12 +20,13 @@ import grpc
 import pytest
 import pytest_asyncio
 import torch
-from helpers import generate, stub
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from support.wire import generate, stub
 
 from rollwire.common.errors import FailedPrecondition, Internal, RollwireError, clip, from_rpc_error
 from rollwire.common.logs import request_id_from
+from rollwire.common.reasons import Reason
 from rollwire.generator.engines import transformers_engine as te
 from rollwire.generator.types import GroupRequest, SampleDone, SamplingParams, TokenDelta
 from rollwire.v1 import generator_pb2 as pb
@@ -86,28 +87,31 @@ def assert_same(alone: dict, together: dict) -> None:
 
 @pytest.fixture
 def poison(monkeypatch):
-    """The honest seam: the engine's own sampling_logprobs, with NaN injected into one row of
-    the groups seeded POISON_SEED from their `at`-th step on, and draw raising for RAISE_SEED."""
-    real_logprobs, real_draw = te.sampling_logprobs, te.draw
+    """The honest seam: the engine's own sampling_logprobs (called with each row's params for
+    the whole batch), with NaN injected into one row of the groups seeded POISON_SEED from
+    their `at`-th step on, and the draw raising whenever a row of a RAISE_SEED group is in it."""
+    real_logprobs, real_inverse_cdf = te.sampling_logprobs, te.inverse_cdf
     steps: dict[int, int] = {}
     at = {"step": 0}
 
     def logprobs(logits, params):
         out = real_logprobs(logits, params)
-        if params.seed == POISON_SEED:
-            steps[id(params)] = steps.get(id(params), 0) + 1
-            if steps[id(params)] > at["step"]:
+        poisoned = [i for i, p in enumerate(params) if p.seed == POISON_SEED]
+        if poisoned:
+            key = id(params[poisoned[0]])
+            steps[key] = steps.get(key, 0) + 1
+            if steps[key] > at["step"]:
                 out = out.clone()
-                out[-1, 3] = math.nan
+                out[poisoned[-1], 3] = math.nan
         return out
 
-    def draw(lp, params, generators):
-        if params.seed == RAISE_SEED:
+    def inverse_cdf(lp, params, uniforms):
+        if any(p.seed == RAISE_SEED for p in params):
             raise RuntimeError("injected sampling failure " + "x" * 1000)
-        return real_draw(lp, params, generators)
+        return real_inverse_cdf(lp, params, uniforms)
 
     monkeypatch.setattr(te, "sampling_logprobs", logprobs)
-    monkeypatch.setattr(te, "draw", draw)
+    monkeypatch.setattr(te, "inverse_cdf", inverse_cdf)
     return at
 
 
@@ -119,7 +123,7 @@ async def test_non_finite_row_ends_its_group_only(engine, poison, step):
     bad = group(engine, "poisoned", n=2, seed=POISON_SEED)
     results = await cobatched(engine, [good[0], bad, good[1]])
     err = results[1]["error"]
-    assert isinstance(err, FailedPrecondition) and err.reason == "NON_FINITE_LOGITS", err
+    assert isinstance(err, FailedPrecondition) and err.reason == Reason.NON_FINITE_LOGITS, err
     assert "NaN or infinite" in err.message
     assert all(len(t) == step for t in results[1]["tokens"].values())  # the steps before the NaN went out
     assert not results[1]["done"]
@@ -138,7 +142,7 @@ async def test_an_exception_while_sampling_ends_its_group_only(engine, poison):
     bad = group(engine, "raises", n=1, seed=RAISE_SEED)
     results = await cobatched(engine, [bad, good])
     err = results[0]["error"]
-    assert isinstance(err, Internal) and err.reason == "ROW_FAILED", err
+    assert isinstance(err, Internal) and err.reason == Reason.ROW_FAILED, err
     assert "injected sampling failure" in err.message and len(err.message) < 400  # clipped
     assert_same(alone, results[1])
 
@@ -150,7 +154,7 @@ async def test_temperatures_past_the_edge_fail_alone_without_a_seam(engine, temp
     alone = await run(engine, good)
     bad = group(engine, "frozen", n=2, seed=10, temperature=temperature)
     results = await cobatched(engine, [good, bad])
-    assert results[1]["error"].reason == "NON_FINITE_LOGITS"
+    assert results[1]["error"].reason == Reason.NON_FINITE_LOGITS
     assert_same(alone, results[0])
 
 
@@ -171,7 +175,7 @@ async def test_a_failed_prefill_spares_the_running_batch(engine, monkeypatch):
     while not calls:
         await asyncio.sleep(0.005)
     late = await run(engine, group(engine, "late", n=1, seed=4))
-    assert late["error"].reason == "ENGINE_FAILED" and late["error"].code == grpc.StatusCode.INTERNAL
+    assert late["error"].reason == Reason.ENGINE_FAILED and late["error"].code == grpc.StatusCode.INTERNAL
     assert_same(alone, await asyncio.wait_for(task, 60))
 
 
@@ -187,7 +191,7 @@ async def test_a_failed_decode_pass_fails_its_groups_as_a_replica_fault(engine, 
 
     monkeypatch.setattr(engine, "_forward", forward)
     results = await cobatched(engine, [group(engine, "one", seed=1), group(engine, "two", seed=2)])
-    assert [r["error"].reason for r in results] == ["ENGINE_FAILED", "ENGINE_FAILED"]
+    assert [r["error"].reason for r in results] == [Reason.ENGINE_FAILED, Reason.ENGINE_FAILED]
     monkeypatch.setattr(engine, "_forward", real_forward)
     assert (await run(engine, group(engine, "after", n=1, seed=1, max_new_tokens=3)))["error"] is None
 
@@ -216,30 +220,30 @@ def request(text="ok", n=1, request_id="", group_key="", adapter="", **sampling)
 
 
 REFUSED = {
-    "denormal temperature": (request(temperature=1e-45), "BAD_TEMPERATURE"),
-    "temperature 1e-4": (request(temperature=1e-4), "BAD_TEMPERATURE"),
-    "inf temperature": (request(temperature=math.inf), "BAD_TEMPERATURE"),
-    "nan temperature": (request(temperature=math.nan), "BAD_TEMPERATURE"),
-    "negative temperature": (request(temperature=-1.0), "BAD_TEMPERATURE"),
-    "temperature 101": (request(temperature=101.0), "BAD_TEMPERATURE"),
-    "nan top_p": (request(top_p=math.nan), "BAD_TOP_P"),
-    "zero top_p": (request(top_p=0.0), "BAD_TOP_P"),
-    "top_p 1.5": (request(top_p=1.5), "BAD_TOP_P"),
-    "huge top_k": (request(top_k=2**32 - 1), "BAD_TOP_K"),
-    "top_k past the vocabulary": (request(top_k=101), "BAD_TOP_K"),
-    "empty stop string": (request(stop=[""]), "BAD_STOP"),
-    "64 KiB stop string": (request(stop=["y" * 65536]), "BAD_STOP"),
-    "a thousand stop strings": (request(stop=["x"] * 1000), "BAD_STOP"),
-    "7 MiB text prompt": (request(text="9" * (7 << 20)), "PROMPT_TOO_LONG"),
+    "denormal temperature": (request(temperature=1e-45), Reason.BAD_TEMPERATURE),
+    "temperature 1e-4": (request(temperature=1e-4), Reason.BAD_TEMPERATURE),
+    "inf temperature": (request(temperature=math.inf), Reason.BAD_TEMPERATURE),
+    "nan temperature": (request(temperature=math.nan), Reason.BAD_TEMPERATURE),
+    "negative temperature": (request(temperature=-1.0), Reason.BAD_TEMPERATURE),
+    "temperature 101": (request(temperature=101.0), Reason.BAD_TEMPERATURE),
+    "nan top_p": (request(top_p=math.nan), Reason.BAD_TOP_P),
+    "zero top_p": (request(top_p=0.0), Reason.BAD_TOP_P),
+    "top_p 1.5": (request(top_p=1.5), Reason.BAD_TOP_P),
+    "huge top_k": (request(top_k=2**32 - 1), Reason.BAD_TOP_K),
+    "top_k past the vocabulary": (request(top_k=101), Reason.BAD_TOP_K),
+    "empty stop string": (request(stop=[""]), Reason.BAD_STOP),
+    "64 KiB stop string": (request(stop=["y" * 65536]), Reason.BAD_STOP),
+    "a thousand stop strings": (request(stop=["x"] * 1000), Reason.BAD_STOP),
+    "7 MiB text prompt": (request(text="9" * (7 << 20)), Reason.PROMPT_TOO_LONG),
     "a million token ids": (
         pb.GenerateRequest(
             token_ids=pb.TokenIds(ids=[5] * 1_000_000), n=1, sampling=pb.SamplingParams(max_new_tokens=1)
         ),
-        "PROMPT_TOO_LONG",
+        Reason.PROMPT_TOO_LONG,
     ),
-    "64 KiB adapter name": (request(adapter="a" * 65536), "BAD_ADAPTER_NAME"),
-    "adapter name with a newline": (request(adapter="lora\n"), "BAD_ADAPTER_NAME"),
-    "1 MiB group key": (request(group_key="k" * (1 << 20)), "BAD_GROUP_KEY"),
+    "64 KiB adapter name": (request(adapter="a" * 65536), Reason.BAD_ADAPTER_NAME),
+    "adapter name with a newline": (request(adapter="lora\n"), Reason.BAD_ADAPTER_NAME),
+    "1 MiB group key": (request(group_key="k" * (1 << 20)), Reason.BAD_GROUP_KEY),
 }
 
 
@@ -286,7 +290,7 @@ def test_a_long_text_is_tokenized_off_the_event_loop(generator):
         assert time.monotonic() - t < 2.0
         for f in big:
             err, seconds = f.result()
-            assert err.code == grpc.StatusCode.INVALID_ARGUMENT and err.reason == "PROMPT_TOO_LONG", err
+            assert err.code == grpc.StatusCode.INVALID_ARGUMENT and err.reason == Reason.PROMPT_TOO_LONG, err
             assert seconds < 1.0
 
 

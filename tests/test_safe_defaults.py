@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 import grpc
 import pytest
-from conftest import start_generator
+from support.processes import start_generator
 
 from rollwire.serving import security
 from rollwire.serving.security import AuthSection, TlsSection, TokenAuth, TokenFile, is_loopback, warn_if_exposed

@@ -13,9 +13,9 @@ from safetensors.numpy import save
 from rollwire.client import Client
 from rollwire.common.errors import InvalidArgument
 from rollwire.common.fingerprint import model_fingerprint
+from rollwire.common.lora import LoraShape
 from rollwire.common.safetensors_header import read_file_header
 from rollwire.generator.adapters import (
-    LoraShape,
     Manifest,
     base_linear_shapes,
     config_linear_shapes,
@@ -143,7 +143,7 @@ def lora_payload(shapes: dict[str, tuple[int, int]]) -> bytes:
 
 
 def test_push_and_generate_on_a_scripted_replica(tmp_path):
-    from conftest import start_generator
+    from support.processes import start_generator
 
     model = tmp_path / "qwen-0.5b-config"
     model.mkdir()

@@ -7,16 +7,17 @@ import json
 import subprocess
 
 import pytest
-from conftest import rollwire_cmd
-from helpers import make_adapter
+from support.processes import rollwire_cmd
+from support.wire import make_adapter
 
 from rollwire.client import AsyncClient, Client
 from rollwire.common.errors import FailedPrecondition, InvalidArgument, NotFound
+from rollwire.common.reasons import Reason
 
 
 def save_peft_dir(tiny_model, adapter, path):
     """A PEFT folder as save_pretrained writes it, carrying the test adapter's weights."""
-    from helpers import peft_reference
+    from support.wire import peft_reference
 
     peft_reference(tiny_model, adapter).save_pretrained(path)
     return path
@@ -40,7 +41,7 @@ def test_sdk_raises_typed_errors(generator):
     with Client(generator.target, timeout=30) as c:
         with pytest.raises(NotFound) as err:
             c.generate("hi", adapter="absent@latest", max_new_tokens=2)
-        assert err.value.reason == "ADAPTER_NOT_FOUND"
+        assert err.value.reason == Reason.ADAPTER_NOT_FOUND
         with pytest.raises(InvalidArgument):
             c.generate("hi", n=1000, max_new_tokens=2)
 
@@ -71,6 +72,23 @@ def test_cli_generate_json(generator):
     for s in out["samples"]:
         assert set(s) >= {"text", "token_ids", "logprobs", "finish_reason", "adapter_version"}
         assert len(s["token_ids"]) == len(s["logprobs"]) <= 5
+
+
+def test_cli_generate_moves_past_a_dead_address(generator):
+    """`--target a,b`: every call goes through, whichever address is down (the SDK's rotation)."""
+    from support.processes import free_port
+
+    targets = f"127.0.0.1:{free_port()},{generator.target}"  # a fresh process tries the dead one first
+    proc = run_cli("generate", "--target", targets, "--max-new-tokens", "3", "--json", "ab")
+    assert proc.returncode == 0, proc.stderr
+    assert len(json.loads(proc.stdout)["samples"]) == 1
+
+
+def test_a_dns_target_is_balanced_over_what_the_name_resolves_to(generator):
+    """dns:///localhost:PORT resolves to 127.0.0.1 and maybe ::1; round robin uses the one
+    that answers (the generator listens on 127.0.0.1 only)."""
+    with Client(f"dns:///localhost:{generator.port}", timeout=30) as c:
+        assert all(c.get_status().role == "generator" for _ in range(3))
 
 
 def test_cli_push_adapter_and_status(generator, tiny_model, tmp_path):

@@ -27,9 +27,11 @@ from rollwire.client import (
     GroupAccumulator,
     Internal,
     InvalidArgument,
+    LoraShape,
     LoraSpec,
     RequestError,
     ResourceExhausted,
+    Restarted,
     RetryPolicy,
     Unavailable,
     cli,
@@ -38,6 +40,7 @@ from rollwire.client import (
     read_peft_dir,
 )
 from rollwire.client import _common as common
+from rollwire.client._failover import DOWN_MIN_S, CallAttempts, Rotation, parse_targets
 from rollwire.common.errors import RollwireError
 from rollwire.v1 import generator_pb2 as pb
 
@@ -303,7 +306,7 @@ def test_chunks_follow_the_manifest_and_rebuild_the_payload():
 
 def test_small_chunk_size_and_limits():
     payload = bytes(range(256)) * 10
-    manifest = common.build_manifest("a", 1, payload, LoraSpec(1, 1.0, ("all-linear",)), "fp")
+    manifest = common.build_manifest("a", 1, payload, LoraShape(1, 1.0, ("all-linear",)), "fp")
     chunks = [m.chunk for m in list(common.push_requests(manifest, payload, chunk_size=1000))[1:]]
     assert [len(c) for c in chunks] == [1000, 1000, 560] and b"".join(chunks) == payload
     with pytest.raises(RequestError, match="chunk_size"):
@@ -322,7 +325,7 @@ def test_small_chunk_size_and_limits():
 def test_manifest_refuses_what_the_server_would(args, needle):
     name, version, payload, fp = args
     with pytest.raises(RequestError, match=needle):
-        common.build_manifest(name, version, payload, LoraSpec(8, 16.0, ("q_proj",)), fp)
+        common.build_manifest(name, version, payload, LoraShape(8, 16.0, ("q_proj",)), fp)
 
 
 # ---------------------------------------------------------------- PEFT folders
@@ -353,7 +356,7 @@ def test_read_peft_dir(tmp_path):
     adapter = read_peft_dir(folder)
     raw = (folder / "adapter_model.safetensors").read_bytes()
     assert adapter.payload == raw and adapter.sha256 == hashlib.sha256(raw).hexdigest()
-    assert adapter.lora == LoraSpec(r=8, lora_alpha=16.0, target_modules=("q_proj", "v_proj"), use_rslora=True)
+    assert adapter.lora == LoraShape(r=8, lora_alpha=16.0, target_modules=("q_proj", "v_proj"), use_rslora=True)
     assert adapter.base_model_name_or_path == "org/some-hub-model"
     wire = adapter.lora.to_pb()
     assert (wire.r, wire.lora_alpha, wire.use_rslora) == (8, 16.0, True)
@@ -378,10 +381,13 @@ def test_read_peft_dir_refusals(tmp_path):
         read_peft_dir(write_peft_dir(tmp_path / "none", target_modules=None))
 
 
-def test_lora_spec_from_a_peft_like_object():
-    spec = LoraSpec.from_peft(SimpleNamespace(r=4, lora_alpha=8, target_modules={"k_proj", "o_proj"}, use_rslora=False))
-    assert spec == LoraSpec(4, 8.0, ("k_proj", "o_proj"), False)
-    spec = LoraSpec.from_peft({"r": 2, "lora_alpha": 2, "target_modules": "all-linear"})
+def test_lora_shape_from_a_peft_like_object():
+    assert LoraSpec is LoraShape  # the SDK's first name, kept for existing callers
+    spec = LoraShape.from_peft(
+        SimpleNamespace(r=4, lora_alpha=8, target_modules={"k_proj", "o_proj"}, use_rslora=False)
+    )
+    assert spec == LoraShape(4, 8.0, ("k_proj", "o_proj"), False)
+    spec = LoraShape.from_peft({"r": 2, "lora_alpha": 2, "target_modules": "all-linear"})
     assert spec.target_modules == ("all-linear",)
 
 
@@ -418,8 +424,17 @@ def test_next_delay_respects_attempts_and_deadline():
 
 
 class FakeRpcError(grpc.RpcError):
-    def __init__(self, code: grpc.StatusCode) -> None:
+    """A status as gRPC reports it: from the transport (no reason) or from a rollwire server
+    (its ErrorInfo reason in the trailers)."""
+
+    def __init__(self, code: grpc.StatusCode, reason: str = "") -> None:
         self._code = code
+        self._trailers = ()
+        if reason:
+            from rollwire.common.errors import to_status
+
+            status = to_status(RollwireError(self.details(), code=code, reason=reason))
+            self._trailers = status.trailing_metadata
 
     def code(self) -> grpc.StatusCode:
         return self._code
@@ -428,7 +443,7 @@ class FakeRpcError(grpc.RpcError):
         return f"{self._code.name} from the test"
 
     def trailing_metadata(self):
-        return ()
+        return self._trailers
 
 
 class ScriptedCall:
@@ -469,7 +484,8 @@ class StubDouble:
 
 def client_with(outcomes, **kwargs):
     client = Client("127.0.0.1:1", token="s3cret", **kwargs)
-    client._stub = StubDouble(outcomes)
+    client._stubs = [StubDouble(outcomes)]
+    client._stub = client._stubs[0]  # the test's handle on it
     return client
 
 
@@ -504,7 +520,10 @@ def test_generate_hides_restarts_and_retries_only_before_the_first_message():
     assert len(client._stub.calls) == 2 and result.restarts == 1
     assert result.replica == "r1" and result.samples[0].text == "y"
 
-    client = client_with([[started(), unavailable], [started(), finished(0)]])
+    # a server's own UNAVAILABLE after the first message (it names a reason) is final: the
+    # proxy already spent its attempts, the SDK does not multiply them
+    exhausted = FakeRpcError(grpc.StatusCode.UNAVAILABLE, reason="ATTEMPTS_EXHAUSTED")
+    client = client_with([[started(), exhausted], [started(), finished(0)]])
     with pytest.raises(Unavailable):
         client.generate("hi")
     assert len(client._stub.calls) == 1
@@ -521,6 +540,110 @@ def test_closing_a_stream_early_cancels_the_rpc():
     with pytest.raises(Internal, match="logprobs"):
         client.generate("hi")
     assert client._stub.last_call.cancelled
+
+
+# ---------------------------------------------------------------- outliving a proxy (_failover.py)
+
+
+def test_targets_are_one_address_several_or_a_grpc_name():
+    assert parse_targets("a:1") == ("a:1",)
+    assert parse_targets(" a:1, b:2 ,a:1") == ("a:1", "b:2")  # spaces and duplicates dropped
+    assert parse_targets(["a:1", "[::1]:2"]) == ("a:1", "[::1]:2")
+    assert parse_targets("dns:///proxy.ns.svc:50050") == ("dns:///proxy.ns.svc:50050",)
+    assert parse_targets("ipv4:10.0.0.1:1,10.0.0.2:1") == ("ipv4:10.0.0.1:1,10.0.0.2:1",)  # gRPC's own list
+    for bad in ("", " , ", [], [b"a:1"], 5, None):
+        with pytest.raises(RequestError, match="target"):
+            parse_targets(bad)
+
+
+def test_rotation_takes_turns_and_puts_failed_addresses_last_for_a_doubling_while():
+    now = [100.0]
+    rotation = Rotation(["a", "b", "c"], clock=lambda: now[0])
+    assert [rotation.order()[0] for _ in range(4)] == [0, 1, 2, 0]
+    rotation.failed(1)
+    assert rotation.order() == [2, 0, 1]  # b's turn, but it failed a moment ago
+    now[0] += DOWN_MIN_S
+    assert [rotation.order() for _ in range(3)] == [[2, 0, 1], [0, 1, 2], [1, 2, 0]]  # back in turn after its pause
+    rotation.failed(1)
+    rotation.failed(1)  # second failure in a row: 2 x DOWN_MIN_S; a third: 4 x
+    rotation.failed(1)
+    now[0] += 3.5 * DOWN_MIN_S
+    assert rotation.order() == [2, 0, 1] and rotation.order() == [0, 2, 1]  # still paused
+    rotation.succeeded(1)
+    assert rotation.order() == [1, 2, 0]
+
+
+def test_call_attempts_try_every_address_at_once_then_back_off_within_the_deadline():
+    policy = RetryPolicy(initial_backoff_s=0.1, max_backoff_s=1.0)
+    refused = Unavailable("failed to connect to all addresses")
+    attempts = CallAttempts(Rotation(["a", "b"]), policy, common.Deadline(30), rand=lambda: 1.0)
+    assert attempts.target == "a"
+    assert attempts.next(refused, received=False) == 0.0 and attempts.target == "b"  # no wait: b is untried
+    assert attempts.next(refused, received=False) == pytest.approx(0.1)  # a whole round failed: back off
+    assert attempts.next(refused, received=False) == 0.0
+    assert attempts.next(refused, received=False) == pytest.approx(0.2)
+    assert attempts.attempt == 5
+
+    # a server's UNAVAILABLE (it names a reason) is retried, its hint respected, the address not marked down
+    attempts = CallAttempts(Rotation(["a"]), policy, common.Deadline(30), rand=lambda: 0.0)
+    no_replica = Unavailable("no replica", reason="NO_REPLICA", retry_after_s=0.7)
+    assert attempts.next(no_replica, received=False) == pytest.approx(0.7)
+    assert attempts.rotation.order() == [0]
+
+    # after a response: only a broken connection restarts, and only where the call allows it
+    broken = Unavailable("Stream removed")
+    for error, restartable, expect in (
+        (broken, True, True),
+        (broken, False, False),
+        (Unavailable("given up", reason="ATTEMPTS_EXHAUSTED"), True, False),
+        (DeadlineExceeded("Deadline Exceeded"), True, False),
+    ):
+        attempts = CallAttempts(Rotation(["a", "b"]), policy, common.Deadline(30))
+        assert (attempts.next(error, received=True, restartable=restartable) is not None) is expect
+
+    # never past the deadline, never past max_attempts
+    attempts = CallAttempts(Rotation(["a"]), policy, common.Deadline(0.05), rand=lambda: 1.0)
+    assert attempts.next(refused, received=False) is None
+    attempts = CallAttempts(Rotation(["a", "b"]), RetryPolicy(max_attempts=1), common.Deadline(30))
+    assert attempts.next(refused, received=False) is None
+
+
+def test_a_stream_cut_mid_group_is_started_again_and_announced_like_a_proxy_restart():
+    cut = FakeRpcError(grpc.StatusCode.UNAVAILABLE)  # no reason: the connection broke
+    client = client_with(
+        [[started(), tokens(0, [1], "x"), cut], [started(replica="r1"), tokens(0, [2], "y"), finished(0)]]
+    )
+    events = list(client.generate_stream("hi"))
+    kinds = [type(e).__name__ for e in events]
+    assert kinds == ["Started", "Tokens", "Restarted", "Started", "Tokens", "Finished"]
+    restart = events[2]
+    assert isinstance(restart, Restarted) and restart.attempt == 2 and "discard the partial samples" in restart.reason
+
+    client = client_with(
+        [[started(), tokens(0, [1], "x"), cut], [started(replica="r1"), tokens(0, [2], "y"), finished(0)]]
+    )
+    result = client.generate("hi")
+    assert result.restarts == 1 and result.replica == "r1" and result.samples[0].token_ids == [2]
+
+
+def test_a_dead_address_costs_one_refusal_and_later_calls_skip_it():
+    refused = FakeRpcError(grpc.StatusCode.UNAVAILABLE)
+    client = Client(["127.0.0.1:1", "127.0.0.1:2"], timeout=20)
+    dead, alive = StubDouble([refused] * 5), StubDouble([pb.GetStatusResponse(role="proxy")] * 5)
+    client._stubs = [dead, alive]
+    start = time.monotonic()
+    for _ in range(4):
+        assert client.get_status().role == "proxy"
+    assert time.monotonic() - start < 0.5  # no backoff: the other address was tried at once
+    assert len(dead.calls) == 1 and len(alive.calls) == 4  # the dead one was tried once, then skipped
+    client.close()
+
+
+def test_a_final_transport_error_names_the_address_and_the_attempts():
+    port = free_port()
+    with Client(f"127.0.0.1:{port}", timeout=10, max_attempts=2) as client, pytest.raises(Unavailable) as info:
+        client.get_status()
+    assert f"127.0.0.1:{port}" in str(info.value) and "2 attempt(s)" in str(info.value)
 
 
 def free_port() -> int:

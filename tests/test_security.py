@@ -2,34 +2,17 @@
 
 from __future__ import annotations
 
-import socket
-import subprocess
-
 import grpc
 import pytest
-from conftest import start_generator
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+from support.processes import free_port, start_generator
+from support.wire import all_methods
 
 from rollwire.client import Client, TlsConfig
 from rollwire.common.errors import PermissionDenied, Unauthenticated, Unavailable
 from rollwire.serving.security import METHOD_ROLES
-from rollwire.v1 import admin_pb2, generator_pb2
 
 GENERATE_TOKEN, ADMIN_TOKEN = "gen-secret-123", "admin-secret-456"
-
-
-def all_methods():
-    """Every RPC of every rollwire.v1 service, read from the compiled protos."""
-    for module in (generator_pb2, admin_pb2):
-        for service in module.DESCRIPTOR.services_by_name.values():
-            for method in service.methods:
-                yield f"/{service.full_name}/{method.name}", method
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def test_every_rpc_has_a_role():
@@ -98,63 +81,6 @@ def test_roles_through_the_sdk(secured):
     with Client(secured.target, timeout=30) as c, pytest.raises(Unauthenticated, match="bearer token"):
         c.get_status()
     assert GENERATE_TOKEN not in secured.log_path.read_text() and ADMIN_TOKEN not in secured.log_path.read_text()
-
-
-@pytest.fixture(scope="module")
-def pki(tmp_path_factory):
-    """A CA, a server certificate for 127.0.0.1 and a client certificate, made with openssl."""
-    d = tmp_path_factory.mktemp("pki")
-
-    def run(*args):
-        subprocess.run(["openssl", *args], cwd=d, check=True, capture_output=True)
-
-    run(
-        "req",
-        "-x509",
-        "-newkey",
-        "rsa:2048",
-        "-nodes",
-        "-keyout",
-        "ca.key",
-        "-out",
-        "ca.pem",
-        "-days",
-        "2",
-        "-subj",
-        "/CN=rollwire-test-ca",
-    )
-    (d / "san.ext").write_text("subjectAltName=IP:127.0.0.1,DNS:localhost\n")
-    for name in ("server", "client"):
-        run(
-            "req",
-            "-newkey",
-            "rsa:2048",
-            "-nodes",
-            "-keyout",
-            f"{name}.key",
-            "-out",
-            f"{name}.csr",
-            "-subj",
-            f"/CN={name}",
-        )
-        run(
-            "x509",
-            "-req",
-            "-in",
-            f"{name}.csr",
-            "-CA",
-            "ca.pem",
-            "-CAkey",
-            "ca.key",
-            "-CAcreateserial",
-            "-out",
-            f"{name}.pem",
-            "-days",
-            "2",
-            "-extfile",
-            "san.ext",
-        )
-    return d
 
 
 @pytest.mark.parametrize("mutual", [False, True], ids=["tls", "mtls"])

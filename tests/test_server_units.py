@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import math
+import random
 
 import numpy as np
 import pytest
@@ -11,15 +12,15 @@ import torch
 from safetensors.numpy import save
 
 from rollwire.common.errors import FailedPrecondition, InvalidArgument, NotFound
+from rollwire.common.lora import LoraShape
 from rollwire.generator.adapters import (
     AdapterRegistry,
-    LoraShape,
     Manifest,
     check_manifest,
     check_payload,
     expected_lora_shapes,
 )
-from rollwire.generator.sampling import draw, sample_seed, sampling_logprobs
+from rollwire.generator.sampling import draw, sample_generator, sample_seed, sampling_logprobs
 from rollwire.generator.types import SampleDone, SamplingParams, TokenDelta, coalesce
 
 
@@ -44,11 +45,11 @@ def test_greedy_reports_untempered_logprob_and_draw_is_seeded():
     logits = torch.tensor([[0.0, 2.0, 1.0]])
     params = SamplingParams(1, temperature=0.0)
     lp = sampling_logprobs(logits, params)
-    assert int(draw(lp, params, [torch.Generator()])[0]) == 1
+    assert int(draw(lp, params, [random.Random(0)])[0]) == 1
     assert torch.allclose(lp, torch.log_softmax(logits, -1))
     params = SamplingParams(1)
     lp = sampling_logprobs(torch.zeros(1, 50), params)
-    a = [int(draw(lp, params, [torch.Generator().manual_seed(sample_seed(7, 0))])[0]) for _ in range(3)]
+    a = [int(draw(lp, params, [sample_generator(7, 0)])[0]) for _ in range(3)]
     assert len(set(a)) == 1
     assert sample_seed(7, 0) != sample_seed(7, 1) != sample_seed(8, 0)
 

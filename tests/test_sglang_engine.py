@@ -1,7 +1,7 @@
 """The sglang engine against the SGLang double: exact requests, stream parsing, errors,
 adapter files and ordering through the registry, and recovery when SGLang dies.
 
-tests/sglang_double.py is a protocol-level double of SGLang 0.5.23's HTTP API; no real
+tests/support/sglang_double.py is a protocol-level double of SGLang 0.5.23's HTTP API; no real
 SGLang runs here (tests/test_sglang_gpu.py does that where a GPU is present).
 """
 
@@ -18,11 +18,10 @@ import grpc
 import pytest
 import pytest_asyncio
 import torch
-from conftest import ROOT, start_generator
-from helpers import fingerprint, generate, make_adapter, push
-from sglang_double import DoubleModel, DoubleServer, Options
-from test_engine_contract import collect, manifest_for
-from test_generator import forward_logprobs
+from support.engines import collect, forward_logprobs, manifest_for
+from support.processes import ROOT, start_generator
+from support.sglang_double import DoubleModel, DoubleServer, Options
+from support.wire import fingerprint, generate, make_adapter, push
 
 from rollwire.common.errors import (
     DeadlineExceeded,
@@ -33,7 +32,8 @@ from rollwire.common.errors import (
     Unauthenticated,
     Unavailable,
 )
-from rollwire.generator.adapters import AdapterRegistry, LoraShape, Manifest
+from rollwire.common.lora import LoraShape
+from rollwire.generator.adapters import AdapterRegistry, Manifest
 from rollwire.generator.config import SGLangSection
 from rollwire.generator.engines.sglang_engine import SGLangEngine, peft_config
 from rollwire.generator.engines.sglang_protocol import (
@@ -45,7 +45,7 @@ from rollwire.generator.engines.sglang_protocol import (
 )
 from rollwire.generator.types import AdapterSelection, GroupRequest, SampleDone, SamplingParams, TokenDelta
 
-DOUBLE = [sys.executable, str(ROOT / "tests" / "sglang_double.py")]
+DOUBLE = [sys.executable, str(ROOT / "tests" / "support" / "sglang_double.py")]
 _ids = itertools.count()
 
 
@@ -145,8 +145,14 @@ def chunk(ids, lps, finish=None, index=None, prompt=2):
     return out
 
 
+class Letters:
+    """A stand-in detokenizer for the stream parser: token i is the letter chr(64 + i)."""
+
+    def add(self, ids: list[int]) -> str:
+        return "".join(chr(64 + i) for i in ids)
+
+
 def test_cumulative_and_incremental_streams_give_the_same_events():
-    decode = lambda ids: "".join(chr(64 + i) for i in ids)  # noqa: E731
     cumulative = [
         chunk([1], [-0.1]),
         chunk([1, 2], [-0.1, -0.2]),
@@ -161,7 +167,7 @@ def test_cumulative_and_incremental_streams_give_the_same_events():
         },
     ]
     for stream in (cumulative, incremental):
-        t = StreamTracker(group([5, 6]), decode)
+        t = StreamTracker(group([5, 6]), Letters)
         events = [e for c in stream for e in t.feed(c)]
         assert [e.token_ids for e in events if isinstance(e, TokenDelta)] == [[1], [2], [3]]
         assert "".join(e.text for e in events if isinstance(e, TokenDelta)) == "ABC"
@@ -169,7 +175,7 @@ def test_cumulative_and_incremental_streams_give_the_same_events():
 
 
 def test_finish_reasons_and_broken_streams():
-    t = StreamTracker(group([5], n=3), lambda ids: "")
+    t = StreamTracker(group([5], n=3), Letters)
     assert t.feed(chunk([2], [-1.0], {"type": "stop", "matched": 2}, index=0))[-1].reason == "eos"
     assert t.feed(chunk([7], [-1.0], {"type": "stop", "matched": "e"}, index=1))[-1].reason == "stop"
     with pytest.raises(Internal, match="output was lost"):
@@ -226,7 +232,7 @@ async def test_requests_on_the_wire(engine, double, tiny_model):
     folder = engine.adapter_dir / name
     assert sorted(p.name for p in folder.iterdir()) == ["adapter_config.json", "adapter_model.safetensors"]
     assert (folder / "adapter_model.safetensors").read_bytes() == adapter.payload
-    assert not [p for p in engine.adapter_dir.iterdir() if p.name.startswith(".tmp")]
+    assert not [p for p in engine.adapter_dir.iterdir() if ".tmp-" in p.name]  # no temporary folder is left
     await collect(engine, group([10, 11], n=3, adapter=AdapterSelection("pol", 1, "rw1"), max_new_tokens=4))
     body = double.generate_calls()[-1]
     assert body["lora_path"] == name and body["sampling_params"]["n"] == 3 and body["input_ids"] == [10, 11]

@@ -33,9 +33,8 @@ if (_reason := _why_skip()) is not None:
     pytest.skip(_reason, allow_module_level=True)
 
 import torch  # noqa: E402
-from helpers import make_adapter, peft_reference  # noqa: E402
-from test_engine_contract import collect, manifest_for  # noqa: E402
-from test_generator import forward_logprobs  # noqa: E402
+from support.engines import collect, forward_logprobs, manifest_for  # noqa: E402
+from support.wire import make_adapter, peft_reference  # noqa: E402
 
 from rollwire.generator.adapters import AdapterRegistry  # noqa: E402
 from rollwire.generator.config import SGLangSection  # noqa: E402

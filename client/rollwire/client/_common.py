@@ -4,6 +4,8 @@ Invariants:
 - a request is validated here before any byte leaves the process (`RequestError`);
 - the only failure ever retried is UNAVAILABLE before the first response message: nothing
   was generated for the caller yet, and a push of the same version and digest is idempotent;
+  the one exception, a Generate stream whose connection broke after its first message, is
+  started again and announced with `Restarted`, as a proxy does (_failover.py);
 - after a `GroupRestarted` every partial sample is discarded, so a complete result never
   mixes tokens of two attempts;
 - protos stop here: the clients hand out the plain dataclasses below (status excepted).
@@ -13,10 +15,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-import math
-import operator
 import random
-import re
 import time
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -25,11 +24,19 @@ from typing import Any, TypedDict
 
 import grpc
 
-from rollwire.common.errors import Internal, InvalidArgument, RollwireError
+from rollwire.common import push as protocol
+from rollwire.common.errors import Internal, RequestError, RollwireError
+from rollwire.common.errors import finite_number as _float
+from rollwire.common.errors import whole_number as _int
+from rollwire.common.keepalive import DEFAULT as DEFAULT_KEEPALIVE
+from rollwire.common.keepalive import Keepalive
+from rollwire.common.lora import LoraShape
+from rollwire.common.reasons import Reason
+from rollwire.common.retries import SDK_RETRIES
 from rollwire.common.safetensors_header import HeaderError, read_header
 from rollwire.v1 import generator_pb2 as pb
 
-MAX_CHUNK_BYTES = 1 << 20
+MAX_CHUNK_BYTES = protocol.MAX_CHUNK
 """Largest payload chunk of a PushAdapter stream (the contract's limit)."""
 MAX_MESSAGE_BYTES = 256 << 20
 """Message size limit of SDK channels: far above any sane prompt, status or chunk."""
@@ -37,17 +44,12 @@ DEFAULT_MAX_NEW_TOKENS = 128
 _UINT32 = (1 << 32) - 1
 _UINT64 = (1 << 64) - 1
 _INT32 = (1 << 31) - 1
-_NAME = re.compile(r"[A-Za-z0-9._-]{1,64}")
 _FINISH = {pb.FINISH_REASON_EOS: "eos", pb.FINISH_REASON_STOP: "stop", pb.FINISH_REASON_LENGTH: "length"}
-
-
-class RequestError(InvalidArgument, ValueError):
-    """A request the SDK refuses before sending it; an InvalidArgument and a ValueError."""
 
 
 def _protocol_error(message: str) -> Internal:
     """The server broke the stream contract; says so instead of returning a wrong result."""
-    return Internal(f"the server broke the Generate stream contract: {message}", reason="STREAM_PROTOCOL")
+    return Internal(f"the server broke the Generate stream contract: {message}", reason=Reason.STREAM_PROTOCOL)
 
 
 # ---------------------------------------------------------------- adapters and requests
@@ -65,8 +67,9 @@ class AdapterVersion:
 
 
 def check_adapter_name(name: str) -> str:
-    if not isinstance(name, str) or not _NAME.fullmatch(name):
-        raise RequestError(f"adapter name {name!r} must be 1-64 letters, digits, '-', '_' or '.'")
+    """The name, if a server would accept it (the push protocol's one rule)."""
+    if not protocol.name_ok(name):
+        raise RequestError(f"adapter name {name!r} is invalid: use {protocol.NAME_RULE}")
     return name
 
 
@@ -98,24 +101,6 @@ class GenerateOptions(TypedDict, total=False):
     adapter: str | AdapterVersion | None
     group_key: str
     request_id: str
-
-
-def _int(name: str, value: Any, low: int, high: int) -> int:
-    if isinstance(value, bool):
-        raise RequestError(f"{name} must be a whole number, got {value!r}")
-    try:
-        number = operator.index(value)
-    except TypeError:
-        raise RequestError(f"{name} must be a whole number, got {value!r}") from None
-    if not low <= number <= high:
-        raise RequestError(f"{name} must be between {low} and {high}, got {number}")
-    return number
-
-
-def _float(name: str, value: Any) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-        raise RequestError(f"{name} must be a finite number, got {value!r}")
-    return float(value)
 
 
 def _set_prompt(request: pb.GenerateRequest, prompt: str | Sequence[int]) -> None:
@@ -227,13 +212,20 @@ def check_target(target: str) -> str:
     return target
 
 
-def open_channel(target: str, tls: TlsConfig | bool | None, api: Any = grpc) -> Any:
-    """A channel from `api` (the grpc module, or grpc.aio) with rollwire's options."""
+def open_channel(
+    target: str, tls: TlsConfig | bool | None, api: Any = grpc, keepalive: Keepalive = DEFAULT_KEEPALIVE
+) -> Any:
+    """A channel from `api` (the grpc module, or grpc.aio) with rollwire's options: keepalive
+    (a silent server is noticed within `keepalive.bound_s`), quick reconnects, and for a
+    `dns:///` target round-robin balancing over every address the name resolves to."""
     check_target(target)
-    options = [
+    options: list[tuple[str, int | str]] = [
         ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
         ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+        *keepalive.channel_options(),
     ]
+    if target.startswith("dns:"):
+        options.append(("grpc.lb_policy_name", "round_robin"))
     if tls is None or tls is False:
         return api.insecure_channel(target, options=options)
     config = TlsConfig() if tls is True else tls
@@ -263,20 +255,23 @@ def check_timeout(timeout: float | None, default: float) -> float:
 
 
 def is_retryable(error: RollwireError, received_response: bool) -> bool:
-    """The one retry predicate: UNAVAILABLE, and nothing received from the server yet."""
-    return error.code == grpc.StatusCode.UNAVAILABLE and not received_response
+    """The SDK's one retry predicate: a code in retries.SDK_RETRIES (UNAVAILABLE), and nothing
+    received from the server yet (so no work can be duplicated); the why: rollwire.common.retries."""
+    return error.code in SDK_RETRIES and not received_response
 
 
 @dataclass(frozen=True)
 class RetryPolicy:
-    """Bounded attempts with jittered exponential backoff, inside the call's deadline."""
+    """Attempts with jittered exponential backoff, inside the call's deadline."""
 
-    max_attempts: int = 3
+    max_attempts: int | None = None
+    """None: as many as the call's deadline allows (a proxy restarting is waited out)."""
     initial_backoff_s: float = 0.1
-    max_backoff_s: float = 2.0
+    max_backoff_s: float = 1.0
 
     def __post_init__(self) -> None:
-        _int("max_attempts", self.max_attempts, 1, 100)
+        if self.max_attempts is not None:
+            _int("max_attempts", self.max_attempts, 1, 10_000)
 
     def backoff_s(self, attempt: int, hint_s: float | None = None, rand: Any = random.random) -> float:
         """Delay after failed attempt `attempt` (1-based): half to all of the exponential step."""
@@ -298,7 +293,7 @@ def next_delay(
     policy: RetryPolicy, error: RollwireError, *, attempt: int, received: bool, deadline: Deadline
 ) -> float | None:
     """Seconds to wait before trying again, or None when `error` is final."""
-    if attempt >= policy.max_attempts or not is_retryable(error, received):
+    if (policy.max_attempts is not None and attempt >= policy.max_attempts) or not is_retryable(error, received):
         return None
     delay = policy.backoff_s(attempt, error.retry_after_s)
     return delay if delay < deadline.remaining() else None
@@ -485,34 +480,8 @@ class GroupAccumulator:
 # ---------------------------------------------------------------- adapter push
 
 
-@dataclass(frozen=True)
-class LoraSpec:
-    """The shape of a LoRA adapter, as the wire's LoraConfig carries it."""
-
-    r: int
-    lora_alpha: float
-    target_modules: tuple[str, ...]
-    use_rslora: bool = False
-
-    @classmethod
-    def from_peft(cls, config: LoraSpec | Mapping[str, Any] | Any) -> LoraSpec:
-        """From a LoraSpec, an adapter_config.json dict, or a peft.LoraConfig object."""
-        if isinstance(config, LoraSpec):
-            return config
-        get = config.get if isinstance(config, Mapping) else lambda key, default=None: getattr(config, key, default)
-        modules = get("target_modules")
-        if isinstance(modules, str) and modules != "all-linear":
-            raise RequestError(f"target_modules {modules!r} is a pattern; list the module names or use 'all-linear'")
-        if not modules:
-            raise RequestError("the LoRA config has no target_modules; list the module names the adapter targets")
-        names = (modules,) if isinstance(modules, str) else tuple(sorted(modules))
-        alpha = _float("lora_alpha", get("lora_alpha"))
-        return cls(_int("r", get("r"), 1, _UINT32), alpha, names, bool(get("use_rslora", False)))
-
-    def to_pb(self) -> pb.LoraConfig:
-        return pb.LoraConfig(
-            r=self.r, lora_alpha=self.lora_alpha, target_modules=list(self.target_modules), use_rslora=self.use_rslora
-        )
+LoraSpec = LoraShape
+"""The SDK's first name for rollwire.common.lora.LoraShape, kept for existing callers."""
 
 
 @dataclass(frozen=True)
@@ -521,7 +490,7 @@ class PeftAdapter:
 
     payload: bytes
     """adapter_model.safetensors, byte for byte."""
-    lora: LoraSpec
+    lora: LoraShape
     base_model_name_or_path: str | None
 
     @property
@@ -550,14 +519,14 @@ def read_peft_dir(path: str | Path) -> PeftAdapter:
         read_header(payload)
     except HeaderError as exc:
         raise RequestError(f"{weights_path} is not a valid safetensors file: {exc}") from None
-    return PeftAdapter(payload, LoraSpec.from_peft(config), config.get("base_model_name_or_path") or None)
+    return PeftAdapter(payload, LoraShape.from_peft(config), config.get("base_model_name_or_path") or None)
 
 
 def build_manifest(
     name: str,
     version: int,
     payload: bytes,
-    lora_config: LoraSpec | Mapping[str, Any] | Any,
+    lora_config: LoraShape | Mapping[str, Any] | Any,
     base_model_fingerprint: str,
 ) -> pb.AdapterManifest:
     """The manifest message that opens a push; checks what the server would refuse anyway."""
@@ -569,7 +538,7 @@ def build_manifest(
         name=check_adapter_name(name),
         version=_int("version", version, 1, _UINT64),
         base_model_fingerprint=base_model_fingerprint,
-        lora_config=LoraSpec.from_peft(lora_config).to_pb(),
+        lora_config=LoraShape.from_peft(lora_config).to_pb(),
         byte_length=len(payload),
         sha256=hashlib.sha256(payload).hexdigest(),
     )
@@ -583,11 +552,7 @@ def push_requests(
     manifest: pb.AdapterManifest, payload: bytes, chunk_size: int = MAX_CHUNK_BYTES
 ) -> Iterator[pb.PushAdapterRequest]:
     """The manifest, then the payload in chunks of at most `chunk_size` bytes."""
-    size = check_chunk_size(chunk_size)
-    yield pb.PushAdapterRequest(manifest=manifest)
-    view = memoryview(payload)
-    for start in range(0, len(view), size):
-        yield pb.PushAdapterRequest(chunk=bytes(view[start : start + size]))
+    yield from protocol.messages(manifest, payload, check_chunk_size(chunk_size))
 
 
 @dataclass(frozen=True, slots=True)

@@ -1,13 +1,14 @@
 """asyncio client of a generator replica or a proxy, on grpc.aio; same API as `Client`.
 
-Cancelling the caller's task cancels the RPC, so the server stops the work. The channel is
+Cancelling the caller's task cancels the RPC, so the server stops the work. The channels are
 opened on first use, inside the running event loop, so an AsyncClient may be built anywhere.
+Given several proxies (or a dns:/// name) it spreads its calls over them and outlives any
+one's death, with the same rules as `Client` (_failover.py).
 """
 
 from __future__ import annotations
 
 import asyncio
-import itertools
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
@@ -20,7 +21,7 @@ from rollwire.client._common import (
     Deadline,
     GenerateResult,
     GroupAccumulator,
-    LoraSpec,
+    LoraShape,
     PushResult,
     RetryPolicy,
     StreamEvent,
@@ -29,16 +30,17 @@ from rollwire.client._common import (
     build_manifest,
     call_metadata,
     check_chunk_size,
-    check_target,
     check_timeout,
     events_from_pb,
-    next_delay,
     open_channel,
     push_requests,
     push_result_from_pb,
     read_peft_dir,
 )
-from rollwire.common.errors import RollwireError, from_rpc_error
+from rollwire.client._failover import CallAttempts, Rotation, parse_targets
+from rollwire.common.errors import from_rpc_error
+from rollwire.common.keepalive import DEFAULT as DEFAULT_KEEPALIVE
+from rollwire.common.keepalive import Keepalive
 from rollwire.v1 import generator_pb2 as pb
 from rollwire.v1 import generator_pb2_grpc
 
@@ -55,19 +57,23 @@ class AsyncClient:
 
     def __init__(
         self,
-        target: str,
+        target: str | Sequence[str],
         *,
         timeout: float = 60.0,
         token: str | None = None,
         tls: TlsConfig | bool | None = None,
-        max_attempts: int = 3,
+        max_attempts: int | None = None,
+        keepalive: Keepalive = DEFAULT_KEEPALIVE,
     ) -> None:
-        self._target, self._tls = check_target(target), tls
+        """`target`: "host:port", several ("a:1,b:2" or a list), or "dns:///name:port".
+        `max_attempts`: None retries connection failures for as long as the deadline allows."""
+        self._rotation = Rotation(parse_targets(target))
+        self._tls, self._keepalive = tls, keepalive
         self._timeout = check_timeout(timeout, 60.0)
         self._metadata = call_metadata(token)
         self._retry = RetryPolicy(max_attempts=max_attempts)
-        self._channel: grpc.aio.Channel | None = None
-        self._stub_cache: generator_pb2_grpc.GeneratorServiceStub | None = None
+        self._channels: list[grpc.aio.Channel] = []
+        self._stub_cache: list[generator_pb2_grpc.GeneratorServiceStub] = []
 
     async def generate(
         self,
@@ -108,7 +114,7 @@ class AsyncClient:
         name: str,
         version: int,
         payload: bytes,
-        lora_config: LoraSpec | Mapping[str, Any] | Any,
+        lora_config: LoraShape | Mapping[str, Any] | Any,
         base_model_fingerprint: str,
         *,
         chunk_size: int = MAX_CHUNK_BYTES,
@@ -118,9 +124,9 @@ class AsyncClient:
         manifest = build_manifest(name, version, payload, lora_config, base_model_fingerprint)
         check_chunk_size(chunk_size)
 
-        def invoke(remaining: float) -> Any:
-            requests = push_requests(manifest, payload, chunk_size)
-            return self._stub().PushAdapter(requests, timeout=remaining, metadata=self._metadata)
+        def invoke(stub: generator_pb2_grpc.GeneratorServiceStub, remaining: float) -> Any:
+            requests = push_requests(manifest, payload, chunk_size)  # whole again on every attempt
+            return stub.PushAdapter(requests, timeout=remaining, metadata=self._metadata)
 
         return push_result_from_pb(await self._unary(invoke, timeout))
 
@@ -143,13 +149,13 @@ class AsyncClient:
     async def get_status(self, *, timeout: float | None = None) -> pb.GetStatusResponse:
         """The service's GetStatusResponse message, as sent (a report for people and tools)."""
         return await self._unary(
-            lambda remaining: self._stub().GetStatus(pb.GetStatusRequest(), timeout=remaining, metadata=self._metadata),
+            lambda stub, remaining: stub.GetStatus(pb.GetStatusRequest(), timeout=remaining, metadata=self._metadata),
             timeout,
         )
 
     async def close(self) -> None:
-        if self._channel is not None:
-            channel, self._channel, self._stub_cache = self._channel, None, None
+        channels, self._channels, self._stub_cache = self._channels, [], []
+        for channel in channels:
             await channel.close()
 
     async def __aenter__(self) -> AsyncClient:
@@ -158,20 +164,23 @@ class AsyncClient:
     async def __aexit__(self, *exc_info: object) -> None:
         await self.close()
 
-    def _stub(self) -> generator_pb2_grpc.GeneratorServiceStub:
-        if self._stub_cache is None:
-            self._channel = open_channel(self._target, self._tls, grpc.aio)
-            self._stub_cache = generator_pb2_grpc.GeneratorServiceStub(self._channel)
-        return self._stub_cache
+    def _stub(self, index: int) -> generator_pb2_grpc.GeneratorServiceStub:
+        if not self._stub_cache:
+            self._channels = [open_channel(t, self._tls, grpc.aio, self._keepalive) for t in self._rotation.targets]
+            self._stub_cache = [generator_pb2_grpc.GeneratorServiceStub(c) for c in self._channels]
+        return self._stub_cache[index]
 
     async def _stream(self, request: pb.GenerateRequest, timeout: float | None) -> AsyncGenerator[StreamEvent, None]:
-        deadline = Deadline(check_timeout(timeout, self._timeout))
-        for attempt in itertools.count(1):
-            call = self._stub().Generate(request, timeout=deadline.remaining(), metadata=self._metadata)
+        attempts = CallAttempts(self._rotation, self._retry, Deadline(check_timeout(timeout, self._timeout)))
+        while True:
+            stub = self._stub(attempts.index)
+            call = stub.Generate(request, timeout=attempts.deadline.remaining(), metadata=self._metadata)
             received = False
             try:
                 async for message in call:
-                    received = True
+                    if not received:
+                        received = True
+                        attempts.succeeded()
                     for event in events_from_pb(message):
                         yield event
                 return
@@ -179,24 +188,30 @@ class AsyncClient:
                 error = from_rpc_error(exc)
             finally:
                 call.cancel()  # caller cancelled or stopped early: free the server's work
-            await self._wait_or_raise(error, attempt, received, deadline)
+            delay = attempts.next(error, received, restartable=True)
+            if delay is None:
+                raise attempts.final(error)
+            if received:
+                yield attempts.restarted(error)
+            await asyncio.sleep(delay)
 
-    async def _unary(self, invoke: Callable[[float], Awaitable[T]], timeout: float | None) -> T:
-        deadline = Deadline(check_timeout(timeout, self._timeout))
-        for attempt in itertools.count(1):
-            call = invoke(deadline.remaining())
+    async def _unary(
+        self, invoke: Callable[[generator_pb2_grpc.GeneratorServiceStub, float], Awaitable[T]], timeout: float | None
+    ) -> T:
+        attempts = CallAttempts(self._rotation, self._retry, Deadline(check_timeout(timeout, self._timeout)))
+        while True:
+            call = invoke(self._stub(attempts.index), attempts.deadline.remaining())
             try:
-                return await call
+                reply = await call
             except grpc.RpcError as exc:
                 error = from_rpc_error(exc)
             except asyncio.CancelledError:
                 call.cancel()  # type: ignore[attr-defined]
                 raise
-            await self._wait_or_raise(error, attempt, False, deadline)
-        raise AssertionError("unreachable")
-
-    async def _wait_or_raise(self, error: RollwireError, attempt: int, received: bool, deadline: Deadline) -> None:
-        delay = next_delay(self._retry, error, attempt=attempt, received=received, deadline=deadline)
-        if delay is None:
-            raise error
-        await asyncio.sleep(delay)
+            else:
+                attempts.succeeded()
+                return reply
+            delay = attempts.next(error, received=False)
+            if delay is None:
+                raise attempts.final(error)
+            await asyncio.sleep(delay)

@@ -1,18 +1,21 @@
 """The `rollwire` command: one console script, a subcommand per process.
 
-Startup imports grpc and the stubs only. Other packages add their subcommands through a
-`register(subparsers)` hook that imports nothing heavy, so `--help` answers fast and never
-imports torch. Every subcommand is `func(args) -> int`. Exit codes: 0 done, 1 an error
-status (printed as `error: CODE: message`), 2 bad usage.
+Startup imports grpc and the stubs only. The SDK's own commands (generate, push-adapter,
+status) are defined here; every other command comes from an entry point in the
+`rollwire.commands` group (pyproject.toml's `[project.entry-points."rollwire.commands"]`):
+a `register(subparsers)` function that imports nothing heavy, so `--help` answers fast and
+never imports torch, and the SDK names no server or learner module. Every subcommand is
+`func(args) -> int`. Exit codes: 0 done, 1 an error status (printed as
+`error: CODE: message`), 2 bad usage.
 """
 
 from __future__ import annotations
 
 import argparse
-import importlib
 import json
 import sys
 from collections.abc import Iterable, Sequence
+from importlib.metadata import EntryPoint, entry_points
 from pathlib import Path
 from typing import Any, TextIO
 
@@ -34,8 +37,8 @@ from rollwire.client._common import (
 from rollwire.client.sync import Client
 from rollwire.common.errors import RollwireError
 
-PLUGINS = ("rollwire.generator.cli", "rollwire.learner.cli")
-"""Modules whose `register(subparsers)` adds the generator, proxy, model and learner commands."""
+COMMANDS_GROUP = "rollwire.commands"
+"""Entry-point group whose `register(subparsers)` functions add the other packages' commands."""
 
 
 class UsageError(Exception):
@@ -69,25 +72,21 @@ def build_parser() -> argparse.ArgumentParser:
     _add_generate(commands)
     _add_push_adapter(commands)
     _add_status(commands)
-    for module in PLUGINS:
-        register_plugin(module, commands)
+    for entry_point in command_entry_points():
+        entry_point.load()(commands)
     return parser
 
 
-def register_plugin(module_name: str, commands: Any) -> bool:
-    """Call `module_name.register(commands)`; False when that module is not installed.
+def command_entry_points() -> list[EntryPoint]:
+    """The installed `rollwire.commands` entry points, one per name (the first installed wins).
 
-    Only the absence of the module itself is forgiven: an ImportError raised inside it is a
-    bug that must show.
+    Loading one imports only its command module; an ImportError inside it is a bug that must
+    show, so it is not caught.
     """
-    try:
-        module = importlib.import_module(module_name)
-    except ModuleNotFoundError as exc:
-        if exc.name and (module_name == exc.name or module_name.startswith(exc.name + ".")):
-            return False
-        raise
-    module.register(commands)
-    return True
+    chosen: dict[str, EntryPoint] = {}
+    for entry_point in entry_points(group=COMMANDS_GROUP):
+        chosen.setdefault(entry_point.name, entry_point)
+    return list(chosen.values())
 
 
 # ---------------------------------------------------------------- shared arguments
@@ -96,7 +95,12 @@ def register_plugin(module_name: str, commands: Any) -> bool:
 def add_connection_args(parser: argparse.ArgumentParser, *, timeout: float) -> None:
     """--target, --timeout, --token-file and TLS flags, read back by `client_from_args`."""
     group = parser.add_argument_group("connection")
-    group.add_argument("--target", required=True, metavar="HOST:PORT", help="generator or proxy address")
+    group.add_argument(
+        "--target",
+        required=True,
+        metavar="HOST:PORT",
+        help="generator or proxy address; several proxies comma-separated (a:1,b:2), or dns:///NAME:PORT",
+    )
     group.add_argument(
         "--timeout",
         type=_positive(float),

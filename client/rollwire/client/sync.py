@@ -1,15 +1,16 @@
 """Blocking client of a generator replica or a proxy (both speak GeneratorService).
 
 Every call carries a deadline (the client's `timeout` unless the call gives its own) that
-also bounds its retries; every grpc.RpcError leaves as a typed RollwireError.
+also bounds its retries; every grpc.RpcError leaves as a typed RollwireError. Given several
+proxies (or a dns:/// name) the client spreads its calls over them and outlives any one's
+death (_failover.py). Safe to share between threads.
 """
 
 from __future__ import annotations
 
 import contextlib
-import itertools
 import time
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Generator, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -20,7 +21,7 @@ from rollwire.client._common import (
     Deadline,
     GenerateResult,
     GroupAccumulator,
-    LoraSpec,
+    LoraShape,
     PushResult,
     RetryPolicy,
     StreamEvent,
@@ -31,13 +32,15 @@ from rollwire.client._common import (
     check_chunk_size,
     check_timeout,
     events_from_pb,
-    next_delay,
     open_channel,
     push_requests,
     push_result_from_pb,
     read_peft_dir,
 )
-from rollwire.common.errors import RollwireError, from_rpc_error
+from rollwire.client._failover import CallAttempts, Rotation, parse_targets
+from rollwire.common.errors import from_rpc_error
+from rollwire.common.keepalive import DEFAULT as DEFAULT_KEEPALIVE
+from rollwire.common.keepalive import Keepalive
 from rollwire.v1 import generator_pb2 as pb
 from rollwire.v1 import generator_pb2_grpc
 
@@ -54,18 +57,22 @@ class Client:
 
     def __init__(
         self,
-        target: str,
+        target: str | Sequence[str],
         *,
         timeout: float = 60.0,
         token: str | None = None,
         tls: TlsConfig | bool | None = None,
-        max_attempts: int = 3,
+        max_attempts: int | None = None,
+        keepalive: Keepalive = DEFAULT_KEEPALIVE,
     ) -> None:
+        """`target`: "host:port", several ("a:1,b:2" or a list), or "dns:///name:port".
+        `max_attempts`: None retries connection failures for as long as the deadline allows."""
+        self._rotation = Rotation(parse_targets(target))
         self._timeout = check_timeout(timeout, 60.0)
         self._metadata = call_metadata(token)
         self._retry = RetryPolicy(max_attempts=max_attempts)
-        self._channel = open_channel(target, tls, grpc)
-        self._stub = generator_pb2_grpc.GeneratorServiceStub(self._channel)
+        self._channels = [open_channel(t, tls, grpc, keepalive) for t in self._rotation.targets]
+        self._stubs = [generator_pb2_grpc.GeneratorServiceStub(c) for c in self._channels]
 
     def generate(
         self,
@@ -103,7 +110,7 @@ class Client:
         name: str,
         version: int,
         payload: bytes,
-        lora_config: LoraSpec | Mapping[str, Any] | Any,
+        lora_config: LoraShape | Mapping[str, Any] | Any,
         base_model_fingerprint: str,
         *,
         chunk_size: int = MAX_CHUNK_BYTES,
@@ -113,9 +120,9 @@ class Client:
         manifest = build_manifest(name, version, payload, lora_config, base_model_fingerprint)
         check_chunk_size(chunk_size)
 
-        def invoke(remaining: float) -> pb.PushAdapterResponse:
-            requests = push_requests(manifest, payload, chunk_size)
-            return self._stub.PushAdapter(requests, timeout=remaining, metadata=self._metadata)
+        def invoke(stub: generator_pb2_grpc.GeneratorServiceStub, remaining: float) -> pb.PushAdapterResponse:
+            requests = push_requests(manifest, payload, chunk_size)  # whole again on every attempt
+            return stub.PushAdapter(requests, timeout=remaining, metadata=self._metadata)
 
         return push_result_from_pb(self._unary(invoke, timeout))
 
@@ -138,12 +145,13 @@ class Client:
     def get_status(self, *, timeout: float | None = None) -> pb.GetStatusResponse:
         """The service's GetStatusResponse message, as sent (a report for people and tools)."""
         return self._unary(
-            lambda remaining: self._stub.GetStatus(pb.GetStatusRequest(), timeout=remaining, metadata=self._metadata),
+            lambda stub, remaining: stub.GetStatus(pb.GetStatusRequest(), timeout=remaining, metadata=self._metadata),
             timeout,
         )
 
     def close(self) -> None:
-        self._channel.close()
+        for channel in self._channels:
+            channel.close()
 
     def __enter__(self) -> Client:
         return self
@@ -151,34 +159,41 @@ class Client:
     def __exit__(self, *exc_info: object) -> None:
         self.close()
 
-    def _stream(self, request: pb.GenerateRequest, timeout: float | None) -> Iterator[StreamEvent]:
-        deadline = Deadline(check_timeout(timeout, self._timeout))
-        for attempt in itertools.count(1):
-            call = self._stub.Generate(request, timeout=deadline.remaining(), metadata=self._metadata)
+    def _stream(self, request: pb.GenerateRequest, timeout: float | None) -> Generator[StreamEvent, None, None]:
+        attempts = CallAttempts(self._rotation, self._retry, Deadline(check_timeout(timeout, self._timeout)))
+        while True:
+            stub = self._stubs[attempts.index]
+            call = stub.Generate(request, timeout=attempts.deadline.remaining(), metadata=self._metadata)
             received = False
             try:
                 for message in call:
-                    received = True
+                    if not received:
+                        received = True
+                        attempts.succeeded()
                     yield from events_from_pb(message)
                 return
             except grpc.RpcError as exc:
                 error = from_rpc_error(exc)
             finally:
                 call.cancel()  # frees server work when the caller stops early
-            self._wait_or_raise(error, attempt, received, deadline)
+            delay = attempts.next(error, received, restartable=True)
+            if delay is None:
+                raise attempts.final(error)
+            if received:
+                yield attempts.restarted(error)
+            time.sleep(delay)
 
-    def _unary(self, invoke: Callable[[float], T], timeout: float | None) -> T:
-        deadline = Deadline(check_timeout(timeout, self._timeout))
-        for attempt in itertools.count(1):
+    def _unary(self, invoke: Callable[[generator_pb2_grpc.GeneratorServiceStub, float], T], timeout: float | None) -> T:
+        attempts = CallAttempts(self._rotation, self._retry, Deadline(check_timeout(timeout, self._timeout)))
+        while True:
             try:
-                return invoke(deadline.remaining())
+                reply = invoke(self._stubs[attempts.index], attempts.deadline.remaining())
             except grpc.RpcError as exc:
                 error = from_rpc_error(exc)
-            self._wait_or_raise(error, attempt, False, deadline)
-        raise AssertionError("unreachable")
-
-    def _wait_or_raise(self, error: RollwireError, attempt: int, received: bool, deadline: Deadline) -> None:
-        delay = next_delay(self._retry, error, attempt=attempt, received=received, deadline=deadline)
-        if delay is None:
-            raise error
-        time.sleep(delay)
+            else:
+                attempts.succeeded()
+                return reply
+            delay = attempts.next(error, received=False)
+            if delay is None:
+                raise attempts.final(error)
+            time.sleep(delay)

@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import struct
 from dataclasses import dataclass
+from itertools import pairwise
 
 _DTYPE_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1, "BOOL": 1}
 _MAX_HEADER = 100 * 1024 * 1024
@@ -60,7 +61,7 @@ def read_header(data: bytes, body_length: int | None = None, **limits) -> dict[s
     return {name: (e.dtype, e.shape) for name, e in read_entries(data, body_length, **limits).items()}
 
 
-def header_length(data: bytes) -> int:
+def header_length(data: bytes | bytearray) -> int:
     """The declared header length (the first 8 bytes, little-endian)."""
     if len(data) < 8:
         raise HeaderError(f"payload is {len(data)} bytes; a safetensors file starts with an 8-byte header length")
@@ -162,3 +163,60 @@ def _block_finite(block: bytes, dtype: str) -> bool:
         return True
     flags = int.from_bytes(high.translate(_HI7), "little") & int.from_bytes(block[lo::size].translate(_TOP1), "little")
     return flags == 0
+
+
+class StreamingFinite:
+    """`nonfinite_tensor` over a file that arrives in pieces: `feed` them in order (header
+    included); `bad` names the first float tensor seen to hold a NaN or an infinity.
+
+    Each piece is scanned once, as it arrives, in whole elements: a value split between two
+    pieces is completed with the next piece's first bytes. Overlapping tensors (not valid
+    safetensors, but not refused by `read_entries`) cannot be scanned in one pass: then
+    `needs_full_scan` is set and the caller runs `nonfinite_tensor` on the whole file."""
+
+    def __init__(self, entries: dict[str, TensorEntry], body_offset: int) -> None:
+        regions = sorted(
+            (body_offset + e.start, body_offset + e.end, name, e.dtype)
+            for name, e in entries.items()
+            if e.dtype in ("F32", "BF16", "F16")
+        )
+        self.needs_full_scan = any(a[1] > b[0] for a, b in pairwise(regions))
+        self.regions = [] if self.needs_full_scan else regions
+        self.pos = 0  # offset in the file of the next byte fed
+        self.index = 0  # first region not scanned to its end
+        self.carry = b""  # the start of a value split by the end of the last piece
+        self.bad: str | None = None
+
+    def feed(self, piece: bytes | memoryview) -> str | None:
+        view = memoryview(piece)
+        start, end = self.pos, self.pos + len(view)
+        self.pos = end
+        while self.bad is None and self.index < len(self.regions):
+            first, last, name, dtype = self.regions[self.index]
+            if first >= end:
+                break
+            low, high = max(first, start), min(last, end)
+            if low < high and not self._scan(view[low - start : high - start], dtype):
+                self.bad = name
+            if last > end:
+                break
+            self.index += 1
+        return self.bad
+
+    def _scan(self, data: memoryview, dtype: str) -> bool:
+        size = _DTYPE_BYTES[dtype]
+        if self.carry:
+            value = self.carry + bytes(data[: size - len(self.carry)])
+            data = data[size - len(self.carry) :]
+            if len(value) < size:  # the piece ended inside this value
+                self.carry = value
+                return True
+            self.carry = b""
+            if not _block_finite(value, dtype):
+                return False
+        whole = len(data) - len(data) % size
+        for pos in range(0, whole, _BLOCK):
+            if not _block_finite(bytes(data[pos : min(pos + _BLOCK, whole)]), dtype):
+                return False
+        self.carry = bytes(data[whole:])
+        return True

@@ -155,36 +155,86 @@ class AdapterManifest(_message.Message):
     def __init__(self, name: _Optional[str] = ..., version: _Optional[int] = ..., base_model_fingerprint: _Optional[str] = ..., lora_config: _Optional[_Union[LoraConfig, _Mapping]] = ..., byte_length: _Optional[int] = ..., sha256: _Optional[str] = ...) -> None: ...
 
 class PushAdapterRequest(_message.Message):
-    __slots__ = ("manifest", "chunk")
+    __slots__ = ("manifest", "chunk", "relay", "stage_only")
     MANIFEST_FIELD_NUMBER: _ClassVar[int]
     CHUNK_FIELD_NUMBER: _ClassVar[int]
+    RELAY_FIELD_NUMBER: _ClassVar[int]
+    STAGE_ONLY_FIELD_NUMBER: _ClassVar[int]
     manifest: AdapterManifest
     chunk: bytes
-    def __init__(self, manifest: _Optional[_Union[AdapterManifest, _Mapping]] = ..., chunk: _Optional[bytes] = ...) -> None: ...
+    relay: RelayPlan
+    stage_only: bool
+    def __init__(self, manifest: _Optional[_Union[AdapterManifest, _Mapping]] = ..., chunk: _Optional[bytes] = ..., relay: _Optional[_Union[RelayPlan, _Mapping]] = ..., stage_only: _Optional[bool] = ...) -> None: ...
+
+class RelayPlan(_message.Message):
+    __slots__ = ("nodes",)
+    NODES_FIELD_NUMBER: _ClassVar[int]
+    nodes: _containers.RepeatedCompositeFieldContainer[RelayNode]
+    def __init__(self, nodes: _Optional[_Iterable[_Union[RelayNode, _Mapping]]] = ...) -> None: ...
+
+class RelayNode(_message.Message):
+    __slots__ = ("address", "name", "parent")
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    PARENT_FIELD_NUMBER: _ClassVar[int]
+    address: str
+    name: str
+    parent: int
+    def __init__(self, address: _Optional[str] = ..., name: _Optional[str] = ..., parent: _Optional[int] = ...) -> None: ...
 
 class ReplicaPushResult(_message.Message):
-    __slots__ = ("replica", "code", "message")
+    __slots__ = ("replica", "code", "message", "address", "staged", "reason")
     REPLICA_FIELD_NUMBER: _ClassVar[int]
     CODE_FIELD_NUMBER: _ClassVar[int]
     MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    STAGED_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
     replica: str
     code: str
     message: str
-    def __init__(self, replica: _Optional[str] = ..., code: _Optional[str] = ..., message: _Optional[str] = ...) -> None: ...
+    address: str
+    staged: bool
+    reason: str
+    def __init__(self, replica: _Optional[str] = ..., code: _Optional[str] = ..., message: _Optional[str] = ..., address: _Optional[str] = ..., staged: _Optional[bool] = ..., reason: _Optional[str] = ...) -> None: ...
 
 class PushAdapterResponse(_message.Message):
-    __slots__ = ("name", "version", "already_loaded", "loaded_versions", "replicas")
+    __slots__ = ("name", "version", "already_loaded", "loaded_versions", "replicas", "staged")
     NAME_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
     ALREADY_LOADED_FIELD_NUMBER: _ClassVar[int]
     LOADED_VERSIONS_FIELD_NUMBER: _ClassVar[int]
     REPLICAS_FIELD_NUMBER: _ClassVar[int]
+    STAGED_FIELD_NUMBER: _ClassVar[int]
     name: str
     version: int
     already_loaded: bool
     loaded_versions: _containers.RepeatedScalarFieldContainer[int]
     replicas: _containers.RepeatedCompositeFieldContainer[ReplicaPushResult]
-    def __init__(self, name: _Optional[str] = ..., version: _Optional[int] = ..., already_loaded: _Optional[bool] = ..., loaded_versions: _Optional[_Iterable[int]] = ..., replicas: _Optional[_Iterable[_Union[ReplicaPushResult, _Mapping]]] = ...) -> None: ...
+    staged: bool
+    def __init__(self, name: _Optional[str] = ..., version: _Optional[int] = ..., already_loaded: _Optional[bool] = ..., loaded_versions: _Optional[_Iterable[int]] = ..., replicas: _Optional[_Iterable[_Union[ReplicaPushResult, _Mapping]]] = ..., staged: _Optional[bool] = ...) -> None: ...
+
+class CommitAdapterRequest(_message.Message):
+    __slots__ = ("name", "version", "sha256")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    SHA256_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    version: int
+    sha256: str
+    def __init__(self, name: _Optional[str] = ..., version: _Optional[int] = ..., sha256: _Optional[str] = ...) -> None: ...
+
+class CommitAdapterResponse(_message.Message):
+    __slots__ = ("name", "version", "already_loaded", "loaded_versions")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    ALREADY_LOADED_FIELD_NUMBER: _ClassVar[int]
+    LOADED_VERSIONS_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    version: int
+    already_loaded: bool
+    loaded_versions: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, name: _Optional[str] = ..., version: _Optional[int] = ..., already_loaded: _Optional[bool] = ..., loaded_versions: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class GetStatusRequest(_message.Message):
     __slots__ = ()

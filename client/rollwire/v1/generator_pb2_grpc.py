@@ -45,6 +45,11 @@ class GeneratorServiceStub:
                 request_serializer=rollwire_dot_v1_dot_generator__pb2.PushAdapterRequest.SerializeToString,
                 response_deserializer=rollwire_dot_v1_dot_generator__pb2.PushAdapterResponse.FromString,
                 _registered_method=True)
+        self.CommitAdapter = channel.unary_unary(
+                '/rollwire.v1.GeneratorService/CommitAdapter',
+                request_serializer=rollwire_dot_v1_dot_generator__pb2.CommitAdapterRequest.SerializeToString,
+                response_deserializer=rollwire_dot_v1_dot_generator__pb2.CommitAdapterResponse.FromString,
+                _registered_method=True)
         self.GetStatus = channel.unary_unary(
                 '/rollwire.v1.GeneratorService/GetStatus',
                 request_serializer=rollwire_dot_v1_dot_generator__pb2.GetStatusRequest.SerializeToString,
@@ -69,7 +74,18 @@ class GeneratorServiceServicer:
 
     def PushAdapter(self, request_iterator, context):
         """PushAdapter uploads one version of a LoRA adapter: first a manifest, then
-        the payload in chunks of at most 1 MiB.
+        the payload in chunks of at most 1 MiB. With a relay plan the receiver
+        forwards every chunk to its children while it receives it; with
+        `stage_only` the version is verified and staged but not served until
+        CommitAdapter.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def CommitAdapter(self, request, context):
+        """CommitAdapter makes a version staged by a `stage_only` push servable.
+        A proxy refuses it with FAILED_PRECONDITION: it commits by itself.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -94,6 +110,11 @@ def add_GeneratorServiceServicer_to_server(servicer, server):
                     servicer.PushAdapter,
                     request_deserializer=rollwire_dot_v1_dot_generator__pb2.PushAdapterRequest.FromString,
                     response_serializer=rollwire_dot_v1_dot_generator__pb2.PushAdapterResponse.SerializeToString,
+            ),
+            'CommitAdapter': grpc.unary_unary_rpc_method_handler(
+                    servicer.CommitAdapter,
+                    request_deserializer=rollwire_dot_v1_dot_generator__pb2.CommitAdapterRequest.FromString,
+                    response_serializer=rollwire_dot_v1_dot_generator__pb2.CommitAdapterResponse.SerializeToString,
             ),
             'GetStatus': grpc.unary_unary_rpc_method_handler(
                     servicer.GetStatus,
@@ -156,6 +177,33 @@ class GeneratorService:
             '/rollwire.v1.GeneratorService/PushAdapter',
             rollwire_dot_v1_dot_generator__pb2.PushAdapterRequest.SerializeToString,
             rollwire_dot_v1_dot_generator__pb2.PushAdapterResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def CommitAdapter(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/rollwire.v1.GeneratorService/CommitAdapter',
+            rollwire_dot_v1_dot_generator__pb2.CommitAdapterRequest.SerializeToString,
+            rollwire_dot_v1_dot_generator__pb2.CommitAdapterResponse.FromString,
             options,
             channel_credentials,
             insecure,

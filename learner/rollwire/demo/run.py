@@ -14,11 +14,11 @@ import json
 import signal
 import sys
 import time
-from concurrent.futures import ThreadPoolExecutor
 from datetime import datetime
 from pathlib import Path
 
-from rollwire.common.services import ServiceProcess, start
+from rollwire.demo.plot import MISSING
+from rollwire.demo.stack import Service, start, start_stack
 
 SUMMARY_KEYS = (
     "accuracy_before",
@@ -55,18 +55,15 @@ def main(argv=None) -> int:
     signal.signal(signal.SIGINT, signal.default_int_handler)
     signal.signal(signal.SIGTERM, signal.default_int_handler)
     run = new_run_folder(Path(args.runs_dir))
-    services: list[ServiceProcess] = []
+    services: list[Service] = []
     say(f"rollwire demo: {args.replicas} generator replicas behind a proxy, {args.budget_s:.0f} s of GRPO training")
     try:
         model = teach_model(Path(args.model_dir), run)
-        services += start_replicas(model, run, args.replicas)
-        proxy = start(
-            ["proxy", "--port", "0", "--metrics-port", "0", *[a for g in services for a in ("--generator", g.target)]],
-            run,
-            "proxy",
-        )
-        services.append(proxy)
-        say(f"proxy on {proxy.target} -> replicas {', '.join(g.target for g in services[:-1])}")
+        stack = start_stack(model, run, args.replicas)  # the replicas start at once (each loads torch and the model)
+        services += stack.services
+        proxy = stack.proxy
+        say(f"{args.replicas} generator replicas ready")
+        say(f"proxy on {proxy.target} -> replicas {', '.join(g.target for g in stack.replicas)}")
         config = write_learner_config(run, proxy.target, model, args)
         learner = start(["learner", "--config", str(config)], run, "learner", timeout=300)
         services.append(learner)
@@ -122,60 +119,32 @@ def teach_model(folder: Path, run: Path) -> Path:
     return folder
 
 
-def start_replicas(model: Path, run: Path, count: int) -> list[ServiceProcess]:
-    """Start the replicas concurrently (each loads torch and the model)."""
-
-    def one(i: int) -> ServiceProcess:
-        return start(
-            [
-                "generator",
-                "--model",
-                str(model),
-                "--port",
-                "0",
-                "--metrics-port",
-                "0",
-                "--set",
-                "transformers.threads=1",
-            ],
-            run,
-            f"generator-{i}",
-        )
-
-    with ThreadPoolExecutor(count) as pool:
-        replicas = list(pool.map(one, range(1, count + 1)))
-    say(f"{count} generator replicas ready")
-    return replicas
-
-
 def write_learner_config(run: Path, target: str, model: Path, args) -> Path:
-    lines = [
-        f'target = "{target}"',
-        f'base_model = "{model}"',
-        f'run_dir = "{run / "learner"}"',
-        "metrics_port = 0",
-        f"max_seconds = {args.budget_s}",
-        "progress = false",
-        "",
-        "[train]",
-        "threads = 1",
-        "",
-        "[eval]",
-        "every_steps = 15",
-        "",
-        "[checkpoint]",
-        "every_steps = 50",
-    ]
-    path = run / "learner.toml"
-    path.write_text("\n".join(lines) + "\n")
-    if args.overrides:
-        from rollwire.learner.config import dump_learner_config, load_learner_config
+    """The demo's learner config as TOML; `--set` overrides are validated and resolved into it."""
+    import tomli_w
 
-        path.write_text(dump_learner_config(load_learner_config(str(path), args.overrides)))
+    from rollwire.common.config import dump_config, load_config
+    from rollwire.learner.config import LearnerConfig
+
+    demo = {
+        "target": target,
+        "base_model": str(model),
+        "run_dir": str(run / "learner"),
+        "metrics_port": 0,
+        "max_seconds": args.budget_s,
+        "progress": False,
+        "train": {"threads": 1},
+        "eval": {"every_steps": 15},
+        "checkpoint": {"every_steps": 50},
+    }
+    path = run / "learner.toml"
+    path.write_text(tomli_w.dumps(demo))
+    if args.overrides:
+        path.write_text(dump_config(load_config(LearnerConfig, path, args.overrides)))
     return path
 
 
-def follow(learner: ServiceProcess, run_dir: Path, budget_s: float) -> int:
+def follow(learner: Service, run_dir: Path, budget_s: float) -> int:
     """Show a live progress line until the learner exits; returns its exit code."""
     started, last, evals, printed = time.monotonic(), {}, {}, 0.0
     steps_file, evals_file = run_dir / "steps.jsonl", run_dir / "evals.jsonl"
@@ -251,7 +220,7 @@ def finish(run: Path, args) -> dict:
     summary.update(
         budget_s=args.budget_s,
         replicas=args.replicas,
-        reward_curve=str(chart),
+        reward_curve=str(chart) if chart else None,
         push_latency_max_s=learner["push_latency_max_s"],
         groups=learner["groups"],
         ratio_mean_staleness0=learner["ratio_mean_staleness0"],
@@ -283,14 +252,14 @@ def print_table(s: dict, run: Path) -> None:
         ("push latency", f"mean {1000 * s['push_latency_s']:.0f} ms, max {1000 * s['push_latency_max_s']:.0f} ms"),
         ("ratio at staleness 0", "n/a" if s["ratio_mean_staleness0"] is None else f"{s['ratio_mean_staleness0']:.6f}"),
         ("groups dropped", dropped),
-        ("reward curve", s["reward_curve"]),
+        ("reward curve", s["reward_curve"] or f"skipped: {MISSING}"),
     ]
     say("")
     for name, value in rows:
         say(f"  {name:<22}{value}")
 
 
-def stop_all(services: list[ServiceProcess]) -> None:
+def stop_all(services: list[Service]) -> None:
     """One at a time, in reverse order of starting: the learner (it checkpoints and pushes its
     last version) while the proxy still serves, then the proxy, then the replicas."""
     for svc in reversed(services):

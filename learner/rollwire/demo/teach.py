@@ -21,13 +21,12 @@ import dataclasses
 import hashlib
 import json
 import math
-import os
 import random
-import shutil
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from rollwire.common.durable import atomic_dir
 from rollwire.demo.tiny_model import TinyModelSpec
 from rollwire.learner.task import Example, addition_examples, carry_free_answer, eval_subset, is_correct
 
@@ -64,21 +63,17 @@ def build_taught_model(out_dir: str | Path, spec: TeachSpec = TeachSpec(), log=p
     out = Path(out_dir)
     if cached_key(out) == spec.key():
         return out
-    tmp = out.parent / f".{out.name}.building-{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
     started = time.monotonic()
     model, tokenizer, report = teach(spec, log)
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()
-    model.save_pretrained(tmp, safe_serialization=True)
-    tokenizer.save_pretrained(tmp)
-    report.update(key=spec.key(), spec=dataclasses.asdict(spec), seconds=round(time.monotonic() - started, 1))
-    (tmp / "teach.json").write_text(json.dumps(report, indent=2) + "\n")
-    if out.exists():
-        shutil.rmtree(out)
-    os.replace(tmp, out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with atomic_dir(out) as tmp:  # a crash mid-save never leaves a model that looks cached
+        model.save_pretrained(tmp, safe_serialization=True)
+        tokenizer.save_pretrained(tmp)
+        report.update(key=spec.key(), spec=dataclasses.asdict(spec), seconds=round(time.monotonic() - started, 1))
+        (tmp / "teach.json").write_text(json.dumps(report, indent=2) + "\n")
     return out
 
 

@@ -14,9 +14,10 @@ from __future__ import annotations
 import asyncio
 import time
 from collections import Counter, deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from rollwire.learner.admission import buffer_refusal, split_stale
 from rollwire.learner.task import Example
 
 
@@ -62,33 +63,40 @@ class ScoredGroup:
         return max(rewards) - min(rewards) < 1e-12
 
 
-def staleness(group: ScoredGroup, version: int) -> int:
-    """How many versions behind `version` the group's oldest token is."""
-    return version - group.min_version
-
-
-def split_stale(
-    groups: Sequence[ScoredGroup], version: int, max_staleness: int
-) -> tuple[list[ScoredGroup], list[ScoredGroup]]:
-    """(fresh, stale) for training at `version`; order is kept."""
-    fresh = [g for g in groups if staleness(g, version) <= max_staleness]
-    stale = [g for g in groups if staleness(g, version) > max_staleness]
-    return fresh, stale
-
-
 class Signal:
-    """Wakes every waiter when shared state changes; waiters re-check their own predicate."""
+    """Wakes every waiter when shared state changes; waiters re-check their own predicate.
+
+    The waiting is an `asyncio.Condition`'s. Its `notify_all` needs the condition's lock, which
+    the synchronous code that changes the state (the ledger's counters, done callbacks, timers)
+    cannot take; so `notify` schedules one `notify_all` on the running loop. Notifications that
+    arrive before it runs are folded into it, which loses nothing: a waiter re-checks the state,
+    it does not count wake-ups, and the scheduled `notify_all` runs after every change it covers.
+    """
 
     def __init__(self) -> None:
-        self._event = asyncio.Event()
+        self._condition = asyncio.Condition()
+        self._scheduled: asyncio.Task | None = None
 
     def notify(self) -> None:
-        event, self._event = self._event, asyncio.Event()
-        event.set()
+        """Wake every waiter soon (after the caller's synchronous code). Without a running loop
+        nobody can be waiting, so there is nothing to wake."""
+        if self._scheduled is not None:
+            return
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:
+            return
+        self._scheduled = loop.create_task(self._notify_all(), name="rollwire-signal")
 
     async def wait_for(self, predicate: Callable[[], bool]) -> None:
-        while not predicate():
-            await self._event.wait()
+        """Return once `predicate()` is true; it is checked now and after every notification."""
+        async with self._condition:
+            await self._condition.wait_for(predicate)
+
+    async def _notify_all(self) -> None:
+        async with self._condition:
+            self._scheduled = None  # a change after this line schedules a new notify_all
+            self._condition.notify_all()
 
 
 class LedgerError(AssertionError):
@@ -173,9 +181,10 @@ class Buffer:
         return len(self._groups)
 
     def put(self, group: ScoredGroup) -> bool:
-        """Add a scored group (its request already ended); False when dropped as zero-variance."""
-        if group.zero_variance and not self.keep_zero_variance:
-            self.ledger.drop("zero_variance")
+        """Add a scored group (its request already ended); False when dropped (admission.buffer_refusal)."""
+        refusal = buffer_refusal(group, self.keep_zero_variance)
+        if refusal is not None:
+            self.ledger.drop(refusal)
             return False
         self._groups.append(group)
         self.ledger.buffered += 1

@@ -24,7 +24,7 @@ from collections.abc import Iterable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from rollwire.common.durable import fsync_dir, write_atomic, write_synced
+from rollwire.common.durable import atomic_dir, write_atomic, write_synced
 
 LATEST = "latest"
 
@@ -58,19 +58,13 @@ def save(directory: str | Path, state: LearnerState, adapter: bytes, optimizer_s
     final = root / f"step-{state.step:06d}"
     for orphan in root.glob(".step-*.tmp-*"):  # left by a save that crashed
         shutil.rmtree(orphan, ignore_errors=True)
-    tmp = root / f".{final.name}.tmp-{os.getpid()}"
-    tmp.mkdir()
-    write_synced(tmp / "adapter.safetensors", adapter)
-    with open(tmp / "trainer.pt", "wb") as f:
-        torch.save({"optimizer": optimizer_state, "torch_rng": torch.get_rng_state()}, f)
-        f.flush()
-        os.fsync(f.fileno())
-    write_synced(tmp / "state.json", (json.dumps(asdict(state)) + "\n").encode())
-    fsync_dir(tmp)
-    if final.exists():
-        shutil.rmtree(final)
-    os.replace(tmp, final)
-    fsync_dir(root)
+    with atomic_dir(final) as tmp:
+        write_synced(tmp / "adapter.safetensors", adapter)
+        with open(tmp / "trainer.pt", "wb") as f:
+            torch.save({"optimizer": optimizer_state, "torch_rng": torch.get_rng_state()}, f)
+            f.flush()
+            os.fsync(f.fileno())
+        write_synced(tmp / "state.json", (json.dumps(asdict(state)) + "\n").encode())
     write_atomic(root / LATEST, (final.name + "\n").encode())
     for old in sorted(p for p in root.glob("step-*") if p.is_dir())[:-keep]:
         shutil.rmtree(old, ignore_errors=True)

@@ -1,4 +1,8 @@
-"""`rollwire model` and `rollwire learner`: argument parsing only, imports stay light (no torch)."""
+"""`rollwire model` and `rollwire learner`: argument parsing only, imports stay light (no torch).
+
+Registered as the `model` and `learner` entry points of the `rollwire.commands` group
+(pyproject.toml).
+"""
 
 from __future__ import annotations
 
@@ -6,12 +10,8 @@ import argparse
 import sys
 
 
-def register(subparsers) -> None:
-    _add_model(subparsers)
-    _add_learner(subparsers)
-
-
-def _add_model(subparsers) -> None:
+def register_model(subparsers) -> None:
+    """Add `rollwire model` (building local models)."""
     p = subparsers.add_parser("model", help="build local models", description="Build models locally, without a hub.")
     sub = p.add_subparsers(dest="model_command", required=True)
     tiny = sub.add_parser(
@@ -27,25 +27,24 @@ def _add_model(subparsers) -> None:
     tiny.set_defaults(func=run_model_tiny)
 
 
-def _add_learner(subparsers) -> None:
+def register(subparsers) -> None:
+    """Add `rollwire learner` (imports the config model only: pydantic, no torch)."""
+    from rollwire.common.config import add_config_arguments
+    from rollwire.learner.config import LearnerConfig
+
     p = subparsers.add_parser(
         "learner",
         help="train a LoRA adapter with asynchronous GRPO",
         description="Train a LoRA adapter with GRPO on rollouts from a proxy or generator, pushing each new version.",
     )
-    p.add_argument("--config", help="TOML or YAML file (see rollwire.learner.config for every key)")
-    p.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="dotted overrides, e.g. train.lr=5e-4")
+    add_config_arguments(
+        p, LearnerConfig, example="train.lr=5e-4", file_help="TOML or YAML file (see rollwire.learner.config)"
+    )
     p.add_argument(
-        "--set",
-        dest="more_overrides",
-        action="append",
-        default=[],
-        metavar="KEY=VALUE",
-        help="another dotted override (same as a positional one)",
+        "overrides", nargs="*", metavar="KEY=VALUE", help="more overrides, the same as --set (applied before --set)"
     )
     p.add_argument("--resume", action="store_true", help="continue from the newest checkpoint in run_dir, if any")
     p.add_argument("--ready-file", help="write {port, metrics_port, pid} here once serving metrics")
-    p.add_argument("--dry-run", action="store_true", help="print the resolved configuration and exit")
     p.set_defaults(func=run_learner)
 
 
@@ -71,23 +70,23 @@ def run_model_tiny(args: argparse.Namespace) -> int:
 
 
 def run_learner(args: argparse.Namespace) -> int:
-    from rollwire.common.config import ConfigError
-    from rollwire.learner.config import dump_learner_config, load_learner_config
+    from rollwire.common.config import ConfigError, dump_config, load_config
+    from rollwire.learner.config import LearnerConfig
 
     try:
-        config = load_learner_config(args.config, args.overrides + args.more_overrides)
+        config = load_config(LearnerConfig, args.config, args.overrides + args.set)
     except ConfigError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     if args.dry_run:
-        print(dump_learner_config(config), end="")
+        print(dump_config(config), end="")
         return 0
     import asyncio
 
     from rollwire.common.logs import setup_logging
     from rollwire.learner.loop import run_learner as run
     from rollwire.learner.publisher import NonFiniteWeights
-    from rollwire.learner.session import LearnerError
+    from rollwire.learner.wiring import LearnerError
 
     setup_logging("learner", config.log_level)
     try:

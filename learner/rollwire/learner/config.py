@@ -1,18 +1,19 @@
-"""Typed configuration of the learner (`rollwire learner --config FILE key.sub=value ...`).
+"""Typed configuration of the learner (`rollwire learner --config FILE --set key.sub=value ...`).
 
-A TOML (or YAML) file gives values, dotted overrides win, every field has its help text
-and bounds, and cross-field rules that would deadlock or silently misbehave are refused
-with a message naming the keys.
+Loaded by `rollwire.common.config.load_config(LearnerConfig, ...)`: a TOML (or YAML) file,
+then ROLLWIRE_* environment variables, then dotted overrides, each winning over the one
+before; every field has its help text and bounds, and cross-field rules that would deadlock
+or silently misbehave are refused with a message naming the keys.
 """
 
 from __future__ import annotations
 
-from pathlib import Path
-from typing import Literal
+from typing import Annotated, Literal
 
 from pydantic import Field, model_validator
 
-from rollwire.common.config import ConfigError, Section, load_config, parse_override
+from rollwire.common.config import Section
+from rollwire.learner.losses import LOSSES
 
 LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
@@ -20,35 +21,49 @@ LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", 
 class ClientSection(Section):
     """How the learner reaches the target (a proxy or one generator)."""
 
-    timeout_s: float = Field(120.0, gt=0, description="Deadline of one Generate or PushAdapter call, in seconds.")
-    max_attempts: int = Field(3, ge=1, le=20, description="Attempts of a call that fails UNAVAILABLE before any reply.")
-    token_file: str = Field("", description="File holding the bearer token (admin role: the learner pushes).")
-    tls_ca_file: str = Field("", description="PEM roots for TLS; TLS is on when this or tls_cert_file is set.")
-    tls_cert_file: str = Field("", description="PEM client certificate for mutual TLS.")
-    tls_key_file: str = Field("", description="PEM private key of tls_cert_file.")
-    tls_server_name: str = Field("", description="Name to check the server certificate against, if not the host.")
+    timeout_s: float = Field(
+        default=120.0, gt=0, description="Deadline of one Generate or PushAdapter call, in seconds."
+    )
+    max_attempts: int = Field(
+        default=0,
+        ge=0,
+        le=10_000,
+        description="Attempts of a call whose connection fails (UNAVAILABLE before any reply); 0 = as many as "
+        "timeout_s allows, so a proxy that restarts or dies (with another listed in target) is waited out.",
+    )
+    token_file: str = Field(default="", description="File holding the bearer token (admin role: the learner pushes).")
+    tls_ca_file: str = Field(default="", description="PEM roots for TLS; TLS is on when this or tls_cert_file is set.")
+    tls_cert_file: str = Field(default="", description="PEM client certificate for mutual TLS.")
+    tls_key_file: str = Field(default="", description="PEM private key of tls_cert_file.")
+    tls_server_name: str = Field(
+        default="", description="Name to check the server certificate against, if not the host."
+    )
 
 
 class TaskSection(Section):
     """Where prompts and their verifiable answers come from."""
 
-    kind: Literal["addition", "jsonl"] = Field("addition", description="Built-in two-digit addition, or JSON lines.")
-    train_path: str = Field("", description='jsonl: file of {"prompt", "answer"} objects to train on.')
-    held_out_path: str = Field("", description="jsonl: held-out file; empty splits train_path by prompt hash.")
-    held_out_fraction: float = Field(0.1, gt=0, lt=1, description="Share of prompts held out when splitting by hash.")
-    eval_size: int = Field(200, ge=0, description="Held-out prompts scored greedily at start and end; 0 = all.")
+    kind: Literal["addition", "jsonl"] = Field(
+        default="addition", description="Built-in two-digit addition, or JSON lines."
+    )
+    train_path: str = Field(default="", description='jsonl: file of {"prompt", "answer"} objects to train on.')
+    held_out_path: str = Field(default="", description="jsonl: held-out file; empty splits train_path by prompt hash.")
+    held_out_fraction: float = Field(
+        default=0.1, gt=0, lt=1, description="Share of prompts held out when splitting by hash."
+    )
+    eval_size: int = Field(default=200, ge=0, description="Held-out prompts scored greedily at start and end; 0 = all.")
 
 
 class RewardSpec(Section):
     """One reward function; a sample's reward is the weighted sum over all of them."""
 
     kind: Literal["exact_match", "numeric", "regex", "python"] = Field(
-        "exact_match", description="exact_match | numeric (first number equals the answer) | regex | python."
+        default="exact_match", description="exact_match | numeric (first number equals the answer) | regex | python."
     )
-    name: str = Field("", description="Label in metrics and logs; defaults to the kind.")
-    weight: float = Field(1.0, description="Multiplier of this reward in the sum.")
-    pattern: str = Field("", description="regex: the stripped completion must fully match this pattern.")
-    function: str = Field("", description="python: 'package.module:function' or 'path/to/file.py:function'.")
+    name: str = Field(default="", description="Label in metrics and logs; defaults to the kind.")
+    weight: float = Field(default=1.0, description="Multiplier of this reward in the sum.")
+    pattern: str = Field(default="", description="regex: the stripped completion must fully match this pattern.")
+    function: str = Field(default="", description="python: 'package.module:function' or 'path/to/file.py:function'.")
 
     @model_validator(mode="after")
     def _needs(self) -> RewardSpec:
@@ -62,18 +77,20 @@ class RewardSpec(Section):
 class RolloutSection(Section):
     """What the producer asks the target for."""
 
-    n: int = Field(8, ge=2, description="Samples per group (GRPO needs at least 2 to compare).")
+    n: int = Field(default=8, ge=2, description="Samples per group (GRPO needs at least 2 to compare).")
     groups_in_flight: int = Field(
-        16, ge=1, description="Groups requested but not yet trained on (generating or buffered); bounds the work ahead."
+        default=16,
+        ge=1,
+        description="Groups requested but not yet trained on (generating or buffered); bounds the work ahead.",
     )
-    max_new_tokens: int = Field(8, ge=1, description="Completion length limit.")
+    max_new_tokens: int = Field(default=8, ge=1, description="Completion length limit.")
     temperature: float = Field(
-        1.0,
+        default=1.0,
         gt=0,
         description="Sampling temperature; the learner divides its logits by the same value (top-k/top-p stay off).",
     )
     retry_backoff_s: float = Field(
-        0.5, ge=0, description="Pause after an UNAVAILABLE or busy target before asking again."
+        default=0.5, ge=0, description="Pause after an UNAVAILABLE or busy target before asking again."
     )
 
 
@@ -81,43 +98,54 @@ class BufferSection(Section):
     """Which scored groups may reach the loss."""
 
     max_staleness: int = Field(
-        1,
+        default=1,
         ge=0,
         description="Largest (trained version - sampling version) allowed; 0 is the synchronous mode (blocking push).",
     )
     keep_zero_variance: bool = Field(
-        False, description="Train on groups whose rewards are all equal (they carry no advantage)."
+        default=False, description="Train on groups whose rewards are all equal (they carry no advantage)."
     )
 
 
 class TrainSection(Section):
     """The GRPO step: LoRA, optimiser and loss."""
 
-    groups_per_step: int = Field(8, ge=1, description="Groups in one optimiser step.")
+    groups_per_step: int = Field(default=8, ge=1, description="Groups in one optimiser step.")
     micro_batch_groups: int = Field(
-        0, ge=0, description="Groups per forward/backward; 0 = the whole step at once; fewer accumulates gradients."
+        default=0,
+        ge=0,
+        description="Groups per forward/backward; 0 = the whole step at once; fewer accumulates gradients.",
     )
-    lr: float = Field(1e-3, gt=0, description="AdamW learning rate.")
-    weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay.")
-    max_grad_norm: float = Field(1.0, gt=0, description="Gradients are clipped to this global norm.")
-    lora_r: int = Field(8, ge=1, description="LoRA rank.")
-    lora_alpha: float = Field(16.0, gt=0, description="LoRA alpha (scale alpha/r).")
+    lr: float = Field(default=1e-3, gt=0, description="AdamW learning rate.")
+    weight_decay: float = Field(default=0.0, ge=0, description="AdamW weight decay.")
+    max_grad_norm: float = Field(default=1.0, gt=0, description="Gradients are clipped to this global norm.")
+    lora_r: int = Field(default=8, ge=1, description="LoRA rank.")
+    lora_alpha: float = Field(default=16.0, gt=0, description="LoRA alpha (scale alpha/r).")
     target_modules: list[str] = Field(
         default_factory=lambda: list(LORA_TARGETS), description="Linear layers that get LoRA."
     )
-    normalize_std: bool = Field(True, description="Divide group-relative advantages by the group's reward std.")
-    clip_low: float = Field(
-        0.2, ge=0, lt=1, description="Ratio below 1 - clip_low is clipped (for negative advantages)."
+    loss: Annotated[str, LOSSES] = Field(
+        default="clipped",
+        description="Policy loss, a name registered in rollwire.learner.losses (docs/learner.md); clipped is the "
+        "clipped, truncated surrogate below.",
     )
-    clip_high: float = Field(0.28, ge=0, description="Ratio above 1 + clip_high is clipped (for positive advantages).")
+    normalize_std: bool = Field(default=True, description="Divide group-relative advantages by the group's reward std.")
+    clip_low: float = Field(
+        default=0.2, ge=0, lt=1, description="Ratio below 1 - clip_low is clipped (for negative advantages)."
+    )
+    clip_high: float = Field(
+        default=0.28, ge=0, description="Ratio above 1 + clip_high is clipped (for positive advantages)."
+    )
     ratio_cap: float = Field(
-        4.0, gt=1, description="Importance weights are truncated at this value (dual clip for negative advantages)."
+        default=4.0,
+        gt=1,
+        description="Importance weights are truncated at this value (dual clip for negative advantages).",
     )
     kl_coef: float = Field(
-        0.0, ge=0, description="Weight of the per-token KL to the base model (adapter disabled); 0 = off."
+        default=0.0, ge=0, description="Weight of the per-token KL to the base model (adapter disabled); 0 = off."
     )
-    threads: int = Field(0, ge=0, description="torch CPU threads of the learner; 0 keeps torch's default.")
-    device: str = Field("cpu", description="torch device, e.g. cpu or cuda:0.")
+    threads: int = Field(default=0, ge=0, description="torch CPU threads of the learner; 0 keeps torch's default.")
+    device: str = Field(default="cpu", description="torch device, e.g. cpu or cuda:0.")
 
     @model_validator(mode="after")
     def _accumulation(self) -> TrainSection:
@@ -131,37 +159,45 @@ class TrainSection(Section):
 class EvalSection(Section):
     """Greedy held-out accuracy through the target."""
 
-    at_start: bool = Field(True, description="Score the starting policy before training.")
-    at_end: bool = Field(True, description="Score the final policy after training.")
-    every_steps: int = Field(0, ge=0, description="Also score every this many steps; 0 = never.")
-    concurrency: int = Field(32, ge=1, description="Held-out requests in flight at once.")
+    at_start: bool = Field(default=True, description="Score the starting policy before training.")
+    at_end: bool = Field(default=True, description="Score the final policy after training.")
+    every_steps: int = Field(default=0, ge=0, description="Also score every this many steps; 0 = never.")
+    concurrency: int = Field(default=32, ge=1, description="Held-out requests in flight at once.")
 
 
 class CheckpointSection(Section):
     """Checkpoints: adapter, optimiser, step, version, data cursor, RNG."""
 
-    every_steps: int = Field(10, ge=0, description="Save every this many steps (and always at exit); 0 = only at exit.")
-    keep: int = Field(2, ge=1, description="Newest checkpoints kept on disk.")
+    every_steps: int = Field(
+        default=10, ge=0, description="Save every this many steps (and always at exit); 0 = only at exit."
+    )
+    keep: int = Field(default=2, ge=1, description="Newest checkpoints kept on disk.")
 
 
 class LearnerConfig(Section):
     """The asynchronous GRPO learner."""
 
-    target: str = Field("127.0.0.1:50050", description="Address of the proxy (or of one generator) as host:port.")
-    base_model: str = Field("", description="Local folder of the base model the replicas serve (same files).")
-    adapter_name: str = Field("policy", description="Name the adapter versions are pushed under.")
-    run_dir: str = Field("runs/learner", description="Folder for checkpoints, steps.jsonl and summary.json.")
-    seed: int = Field(0, ge=0, description="Seed of the data order and of every sampling request.")
-    max_steps: int = Field(0, ge=0, description="Stop after this many optimiser steps in this run; 0 = no limit.")
-    max_seconds: float = Field(0.0, ge=0, description="Stop training after this many seconds; 0 = no limit.")
+    target: str = Field(
+        default="127.0.0.1:50050",
+        description="Address of the proxy (or of one generator) as host:port; several proxies comma-separated "
+        "(a:1,b:2) or dns:///NAME:PORT for all the addresses a name resolves to (the SDK balances over them).",
+    )
+    base_model: str = Field(default="", description="Local folder of the base model the replicas serve (same files).")
+    adapter_name: str = Field(default="policy", description="Name the adapter versions are pushed under.")
+    run_dir: str = Field(default="runs/learner", description="Folder for checkpoints, steps.jsonl and summary.json.")
+    seed: int = Field(default=0, ge=0, description="Seed of the data order and of every sampling request.")
+    max_steps: int = Field(
+        default=0, ge=0, description="Stop after this many optimiser steps in this run; 0 = no limit."
+    )
+    max_seconds: float = Field(default=0.0, ge=0, description="Stop training after this many seconds; 0 = no limit.")
     metrics_host: str = Field(
-        "127.0.0.1",
+        default="127.0.0.1",
         description="Address the Prometheus /metrics endpoint (plain HTTP, no auth) binds; loopback by default, "
         "0.0.0.0 where a Prometheus on another host (or pod) scrapes it.",
     )
-    metrics_port: int = Field(9402, ge=0, le=65535, description="Prometheus /metrics port; 0 picks a free one.")
-    log_level: str = Field("info", description="debug, info, warning or error.")
-    progress: bool = Field(True, description="Print a progress line per step when stdout is a terminal.")
+    metrics_port: int = Field(default=9402, ge=0, le=65535, description="Prometheus /metrics port; 0 picks a free one.")
+    log_level: str = Field(default="info", description="debug, info, warning or error.")
+    progress: bool = Field(default=True, description="Print a progress line per step when stdout is a terminal.")
     client: ClientSection = Field(default_factory=ClientSection, description="Connection to the target.")
     task: TaskSection = Field(default_factory=TaskSection, description="Prompts and answers.")
     rewards: list[RewardSpec] = Field(default_factory=lambda: [RewardSpec()], description="Reward functions, summed.")
@@ -189,67 +225,3 @@ class LearnerConfig(Section):
     def sync(self) -> bool:
         """The synchronous baseline: on-policy batches and a blocking push."""
         return self.buffer.max_staleness == 0
-
-
-def load_learner_config(path: str | None, overrides: list[str] | None = None) -> LearnerConfig:
-    """The config from a TOML or YAML file plus `key.sub=value` overrides."""
-    if path and Path(path).suffix in (".yaml", ".yml"):
-        return _load_yaml(path, overrides or [])
-    return load_config(LearnerConfig, path, overrides)
-
-
-def _load_yaml(path: str, overrides: list[str]) -> LearnerConfig:
-    try:
-        import yaml
-    except ImportError:
-        raise ConfigError(f"{path}: YAML configs need PyYAML (pip install pyyaml), or use TOML") from None
-
-    try:
-        data = yaml.safe_load(Path(path).read_text()) or {}
-    except FileNotFoundError:
-        raise ConfigError(f"config file {path} does not exist") from None
-    except yaml.YAMLError as exc:
-        raise ConfigError(f"config file {path} is not valid YAML: {exc}") from None
-    if not isinstance(data, dict):
-        raise ConfigError(f"config file {path} must hold a mapping of keys")
-    values = _flatten(data)
-    for keys, value in map(parse_override, overrides):
-        values[".".join(keys)] = value
-    return load_config(LearnerConfig, None, None, values)
-
-
-def _flatten(data: dict, prefix: str = "") -> dict:
-    """{"a": {"b": 1}} -> {"a.b": 1}; lists (e.g. of reward tables) stay whole values."""
-    flat: dict = {}
-    for key, value in data.items():
-        if isinstance(value, dict) and value:
-            flat.update(_flatten(value, f"{prefix}{key}."))
-        else:
-            flat[f"{prefix}{key}"] = value
-    return flat
-
-
-def dump_learner_config(config: LearnerConfig) -> str:
-    """The resolved configuration as TOML that `--config` reads back (for --dry-run)."""
-    return _to_toml(config.model_dump(mode="json")).strip() + "\n"
-
-
-def _to_toml(data: dict, prefix: str = "") -> str:
-    """Plain mappings to TOML: scalars and lists first, then tables, then arrays of tables."""
-    import json
-
-    lines, tables, arrays = [], [], []
-    for key, value in data.items():
-        if isinstance(value, dict):
-            tables.append((key, value))
-        elif isinstance(value, list) and value and all(isinstance(v, dict) for v in value):
-            arrays.append((key, value))
-        else:
-            lines.append(f"{key} = {json.dumps(value)}")
-    out = "\n".join(lines) + "\n"
-    for key, value in tables:
-        out += f"\n[{prefix}{key}]\n" + _to_toml(value, f"{prefix}{key}.")
-    for key, items in arrays:
-        for item in items:
-            out += f"\n[[{prefix}{key}]]\n" + _to_toml(item, f"{prefix}{key}.")
-    return out

@@ -13,13 +13,19 @@ No model, no I/O: tensors in, tensors out, so every formula is unit-tested by ha
   exp(ref - logp) - (ref - logp) - 1 (non-negative, unbiased under the current policy).
 - Aggregation is per token: the sum over every completion token of the batch divided by
   the batch's token count (`normaliser`), so micro-batches accumulate to the full-batch loss.
+
+`train.loss` selects the loss by name (losses.py); "clipped" is `clipped_loss`, the above.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:
+    from rollwire.learner.config import TrainSection
 
 
 def group_advantages(rewards: torch.Tensor, normalize_std: bool = True, eps: float = 1e-6) -> torch.Tensor:
@@ -101,4 +107,38 @@ def policy_loss(
         clipped=int(was_clipped.sum()),
         truncated=int(was_truncated.sum()),
         kl_sum=float((kl * mask).sum().detach()),
+    )
+
+
+@dataclass(frozen=True)
+class LossBatch:
+    """One micro-batch as every loss sees it (losses.py): [B, T] tensors aligned with the shifted targets."""
+
+    logp: torch.Tensor
+    """Current-policy logprobs of the sampled tokens, with grad."""
+    behaviour_logp: torch.Tensor
+    """Logprobs the replicas reported when they sampled these tokens."""
+    advantages: torch.Tensor
+    """Each sample's advantage repeated on its tokens."""
+    mask: torch.Tensor
+    """1 on completion tokens, 0 on prompt and padding."""
+    ref_logp: torch.Tensor | None
+    """Base-model logprobs (adapter disabled) when train.kl_coef > 0, else None."""
+    normaliser: float
+    """Completion tokens in the whole step: the loss is a sum divided by it."""
+
+
+def clipped_loss(batch: LossBatch, cfg: TrainSection) -> LossTerms:
+    """The loss registered as "clipped": `policy_loss` with the run's clip, cap and KL weight."""
+    return policy_loss(
+        batch.logp,
+        batch.behaviour_logp,
+        batch.advantages,
+        batch.mask,
+        clip_low=cfg.clip_low,
+        clip_high=cfg.clip_high,
+        ratio_cap=cfg.ratio_cap,
+        ref_logp=batch.ref_logp,
+        kl_coef=cfg.kl_coef,
+        normaliser=batch.normaliser,
     )

@@ -2,7 +2,9 @@
 
 The synchronous baseline (`buffer.max_staleness = 0`) is this same loop: the producer then
 only requests with the newest weights and the push is awaited before the next batch.
-See session.py for the named steps and buffer.py / publisher.py for the invariants.
+The named steps are session.py's; wiring.py builds the run, admission.py decides which
+rollouts are requested and trained, report.py writes what the run tells people, and
+buffer.py / publisher.py / producer.py state their invariants.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import signal
 from rollwire.common.logs import get_logger
 from rollwire.learner.config import LearnerConfig
 from rollwire.learner.session import Session
+from rollwire.learner.wiring import open_session
 from rollwire.serving.scaffold import write_ready_file
 
 log = get_logger(__name__)
@@ -48,13 +51,13 @@ async def train(s: Session) -> dict:
 
 async def run_learner(cfg: LearnerConfig, *, resume: bool = False, ready_file: str | None = None) -> dict:
     """Open a session, serve metrics, stop cleanly on SIGINT/SIGTERM, train."""
-    session = await Session.open(cfg, resume)
+    session = await open_session(cfg, resume)
     try:
         metrics_port = session.metrics.serve(cfg.metrics_host, cfg.metrics_port)
         loop, main = asyncio.get_running_loop(), asyncio.current_task()
 
         def on_signal() -> None:  # the first signal stops cleanly (checkpoint), a second one at once
-            if session.stopping.is_set():
+            if session.stopping.is_set() and main is not None:
                 main.cancel()
             session.request_stop("signal")
 

@@ -13,6 +13,20 @@ from rollwire.learner.publisher import PushRecord
 from rollwire.learner.trainer import StepStats
 
 SECONDS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
+GROUP_OUTCOMES = ("requested", "trained")
+DROP_REASONS = (
+    "stale",
+    "zero_variance",
+    "refused",
+    "unavailable",
+    "busy",
+    "adapter_missing",
+    "reward_error",
+    "error",
+    "shutdown",
+)
+"""The ledger's drop reasons (buffer.py, producer.drop_reason); another code's name may still appear."""
+PUSH_OUTCOMES = ("ok", "superseded", "retried", "failed")
 STALENESS = (0, 1, 2, 3, 4, 6, 8, 16, 32)
 
 
@@ -79,6 +93,19 @@ class LearnerMetrics:
         self.push_seconds = Histogram(
             p + "push_seconds", "From push start to the version being served.", buckets=SECONDS, registry=r
         )
+        # counters a dashboard rates exist at 0 from the start (Prometheus' advice): rate() then
+        # sees the first drop or failed push instead of a series that appears at 1
+        for outcome in GROUP_OUTCOMES:
+            self.groups.labels(outcome)
+        for reason in DROP_REASONS:
+            self.dropped.labels(reason)
+        for outcome in PUSH_OUTCOMES:
+            self.pushes.labels(outcome)
+
+    def know_rewards(self, names: list[str]) -> None:
+        """Create each reward function's error counter at 0 (the names come from the config)."""
+        for name in names:
+            self.reward_errors.labels(name)
 
     def serve(self, host: str, port: int) -> int:
         """Start the /metrics endpoint; returns the bound port."""

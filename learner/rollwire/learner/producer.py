@@ -4,7 +4,8 @@ Invariants:
 - at most `groups_in_flight` groups are pending (generating or buffered), so the producer
   never runs further ahead of the trainer than configured;
 - a request starts only when the version it will be served with can still be trained on
-  (`admit`): in the synchronous mode that means after the previous push is served;
+  (`Hooks.may_request`, admission.may_request): in the synchronous mode that means after the
+  previous push is served;
 - every request ends in the ledger exactly once: scored into the buffer, or dropped with a
   reason — refused (the target said INVALID_ARGUMENT/OUT_OF_RANGE/...), unavailable,
   busy, adapter_missing, reward_error, error, or shutdown. Nothing is retried blindly: a
@@ -15,13 +16,13 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Callable
+from typing import Protocol
 
 import grpc
 
 from rollwire.common.errors import RollwireError
 from rollwire.common.logs import get_logger
-from rollwire.learner.buffer import Buffer, GroupLedger, ScoredGroup, ScoredSample
+from rollwire.learner.buffer import Buffer, ScoredGroup, ScoredSample
 from rollwire.learner.config import RolloutSection
 from rollwire.learner.rewards import Reward, score
 from rollwire.learner.task import DataStream, Example, is_correct
@@ -50,6 +51,26 @@ def request_seed(seed: int, cursor: int) -> int:
     return (seed * 1_000_003 + cursor) % (2**63 - 1)
 
 
+class Hooks(Protocol):
+    """What the producer asks of the run around it (wiring.RunHooks in a learner run)."""
+
+    def may_request(self) -> bool:
+        """Whether a request may start now (admission.may_request); asked again on every change."""
+        ...
+
+    def adapter_missing(self) -> None:
+        """A replica did not hold the adapter a request asked for: push it again."""
+        ...
+
+    def scored(self, group: ScoredGroup, restarts: int) -> None:
+        """A group was scored (before the buffer decides on it); `restarts` by the proxy."""
+        ...
+
+    def reward_failed(self, reward: str) -> None:
+        """Reward function `reward` raised on a sample; its group is dropped as reward_error."""
+        ...
+
+
 class Producer:
     """Requests groups, scores them and hands them to the buffer."""
 
@@ -59,18 +80,14 @@ class Producer:
         stream: DataStream,
         rewards: list[Reward],
         buffer: Buffer,
-        ledger: GroupLedger,
         cfg: RolloutSection,
         adapter: str,
         seed: int,
-        admit: Callable[[], bool],
-        on_adapter_missing: Callable[[], None],
-        on_group: Callable[[ScoredGroup, int], None] = lambda g, r: None,
-        on_reward_error: Callable[[str], None] = lambda name: None,
+        hooks: Hooks,
     ) -> None:
-        self.client, self.stream, self.rewards, self.buffer, self.ledger = client, stream, rewards, buffer, ledger
-        self.cfg, self.adapter, self.seed, self.admit = cfg, adapter, seed, admit
-        self.on_adapter_missing, self.on_group, self.on_reward_error = on_adapter_missing, on_group, on_reward_error
+        self.client, self.stream, self.rewards, self.buffer = client, stream, rewards, buffer
+        self.ledger = buffer.ledger
+        self.cfg, self.adapter, self.seed, self.hooks = cfg, adapter, seed, hooks
         self.restarts = 0
         self._tasks: set[asyncio.Task] = set()
         self._runner: asyncio.Task | None = None
@@ -91,7 +108,9 @@ class Producer:
 
     def _ready(self) -> bool:
         return self._stopping or (
-            self.ledger.pending < self.cfg.groups_in_flight and time.monotonic() >= self._paused_until and self.admit()
+            self.ledger.pending < self.cfg.groups_in_flight
+            and time.monotonic() >= self._paused_until
+            and self.hooks.may_request()
         )
 
     async def _run(self) -> None:
@@ -131,7 +150,7 @@ class Producer:
         self.ledger.generated()
         if failures:
             for failure in failures:
-                self.on_reward_error(failure.reward)
+                self.hooks.reward_failed(failure.reward)
             log.warning(
                 "reward_failed",
                 example=example.id,
@@ -140,7 +159,7 @@ class Producer:
             )
             self.ledger.drop("reward_error")
             return
-        self.on_group(group, result.restarts)
+        self.hooks.scored(group, result.restarts)
         self.buffer.put(group)
 
     def _score(self, example: Example, result):
@@ -172,7 +191,7 @@ class Producer:
         if reason in BACK_OFF:
             self._pause()
         if reason == "adapter_missing":
-            self.on_adapter_missing()
+            self.hooks.adapter_missing()
         self._end(reason)
 
     def _end(self, reason: str) -> None:

@@ -21,20 +21,14 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-import grpc
-
 from rollwire.common.errors import RollwireError
 from rollwire.common.logs import get_logger
+from rollwire.common.lora import LoraShape
+from rollwire.common.retries import PUSH_TRANSIENT
 from rollwire.common.safetensors_header import HeaderError, header_length, nonfinite_tensor, read_entries
 from rollwire.learner.buffer import Signal
 
 log = get_logger(__name__)
-TRANSIENT = {
-    grpc.StatusCode.UNAVAILABLE,
-    grpc.StatusCode.DEADLINE_EXCEEDED,
-    grpc.StatusCode.RESOURCE_EXHAUSTED,
-    grpc.StatusCode.ABORTED,
-}
 
 
 class NonFiniteWeights(RuntimeError):
@@ -71,12 +65,12 @@ class Publisher:
         client,
         name: str,
         fingerprint: str,
-        lora_spec: dict,
+        lora: LoraShape,
         changed: Signal,
         retry_backoff_s: float = 0.5,
         on_push: Callable[[PushRecord], None] = lambda record: None,
     ) -> None:
-        self.client, self.name, self.fingerprint, self.lora_spec = client, name, fingerprint, lora_spec
+        self.client, self.name, self.fingerprint, self.lora = client, name, fingerprint, lora
         self.changed = changed
         self.retry_backoff_s = retry_backoff_s
         self.on_push = on_push
@@ -142,10 +136,10 @@ class Publisher:
         started = time.monotonic()
         while True:
             try:
-                result = await self.client.push_adapter(self.name, version, payload, self.lora_spec, self.fingerprint)
+                result = await self.client.push_adapter(self.name, version, payload, self.lora, self.fingerprint)
                 break
             except RollwireError as exc:
-                if exc.code not in TRANSIENT:
+                if exc.code not in PUSH_TRANSIENT:
                     log.error("push_refused", version=version, code=exc.code.name, reason=exc.reason, error=exc.message)
                     self.on_push(PushRecord(version, time.monotonic() - started, "failed"))
                     self._fatal = exc

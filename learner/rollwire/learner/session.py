@@ -1,5 +1,8 @@
-"""Everything one learner run holds, assembled from the config, and the named steps the
-main loop calls (take a batch, step, publish, record, checkpoint, evaluate, summarise).
+"""The named steps of one learner run, which the main loop (loop.py) calls: take a batch,
+step, publish, record, checkpoint, evaluate, shut down, summarise.
+
+The run's parts are assembled from the config in wiring.py; which rollouts are requested,
+kept and trained is decided in admission.py; what the run writes and exports is report.py's.
 
 Version numbering: the trainer's weights are always some version `version`. The run starts
 by publishing its starting weights as `next_version(checkpoint, target)`; a batch taken at
@@ -12,59 +15,27 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hashlib
-import json
-import os
-import sys
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from rollwire.client import AsyncClient
-from rollwire.client._common import TlsConfig
 from rollwire.common.errors import FailedPrecondition
-from rollwire.common.fingerprint import model_fingerprint
 from rollwire.common.logs import get_logger
+from rollwire.common.retries import VERSION_TAKEN
 from rollwire.learner import checkpoint
-from rollwire.learner.buffer import Buffer, GroupLedger, ScoredGroup, staleness
+from rollwire.learner.admission import staleness
+from rollwire.learner.buffer import Buffer, GroupLedger, ScoredGroup
 from rollwire.learner.config import LearnerConfig
 from rollwire.learner.evaluate import held_out_accuracy
 from rollwire.learner.metrics import LearnerMetrics
 from rollwire.learner.producer import Producer
-from rollwire.learner.publisher import Publisher, PushRecord
-from rollwire.learner.rewards import build_rewards
-from rollwire.learner.task import DataStream, addition_examples, eval_subset, is_held_out, read_jsonl
+from rollwire.learner.publisher import Publisher
+from rollwire.learner.report import Report
+from rollwire.learner.task import DataStream, Example
 from rollwire.learner.trainer import StepStats, Trainer
 
 log = get_logger(__name__)
-VERSION_REFUSALS = {"VERSION_NOT_MONOTONIC", "VERSION_CONFLICT"}
-
-
-class LearnerError(RuntimeError):
-    """A run that cannot start or continue; the message says what to change."""
-
-
-def load_task(cfg: LearnerConfig):
-    """(train, held_out) examples for the configured task."""
-    t = cfg.task
-    if t.kind == "addition":
-        return addition_examples(t.held_out_fraction)
-    train = read_jsonl(t.train_path)
-    if t.held_out_path:
-        return train, read_jsonl(t.held_out_path)
-    return (
-        [e for e in train if not is_held_out(e.prompt, t.held_out_fraction)],
-        [e for e in train if is_held_out(e.prompt, t.held_out_fraction)],
-    )
-
-
-def make_client(cfg: LearnerConfig) -> AsyncClient:
-    c = cfg.client
-    token = Path(c.token_file).read_text().strip() if c.token_file else None
-    tls = None
-    if c.tls_ca_file or c.tls_cert_file:
-        tls = TlsConfig.from_files(
-            c.tls_ca_file or None, c.tls_cert_file or None, c.tls_key_file or None, c.tls_server_name or None
-        )
-    return AsyncClient(cfg.target, timeout=c.timeout_s, token=token, tls=tls, max_attempts=c.max_attempts)
 
 
 async def target_versions(client: AsyncClient, name: str) -> tuple[str, list[int]]:
@@ -74,113 +45,39 @@ async def target_versions(client: AsyncClient, name: str) -> tuple[str, list[int
     return status.model_fingerprint, [v for a in adapters if a.name == name for v in a.versions]
 
 
+@dataclass(eq=False)
 class Session:
-    """One learner run; build it with `await Session.open(cfg, resume)`."""
+    """One learner run; `wiring.open_session(cfg, resume)` builds it."""
 
-    @classmethod
-    async def open(cls, cfg: LearnerConfig, resume: bool) -> Session:
-        self = cls()
-        self.cfg = cfg
-        self.run_dir = Path(cfg.run_dir)
-        self.run_dir.mkdir(parents=True, exist_ok=True)
-        self.checkpoint_dir = self.run_dir / "checkpoints"
-        saved = checkpoint.load_latest(self.checkpoint_dir)
-        if saved is not None and not resume:
-            raise LearnerError(
-                f"{self.checkpoint_dir} holds checkpoints of an earlier run: pass --resume to continue "
-                f"it, or set run_dir to a new folder"
-            )
-        self.metrics = LearnerMetrics()
-        self.ledger = GroupLedger()
-        self.ledger.observers.append(self.metrics.on_ledger)
-        self.buffer = Buffer(cfg.buffer.max_staleness, cfg.buffer.keep_zero_variance, self.ledger)
-        train, held = load_task(cfg)
-        self.eval_examples = eval_subset(held, cfg.task.eval_size, cfg.seed)
-        self.stream = DataStream(train, cfg.seed)
-        self.client = make_client(cfg)
-        self.fingerprint = await asyncio.to_thread(model_fingerprint, cfg.base_model)
-        served_fp, remote = await target_versions(self.client, cfg.adapter_name)
-        if served_fp and served_fp != self.fingerprint:
-            raise LearnerError(
-                f"the target serves base model {served_fp}, but base_model {cfg.base_model} is "
-                f"{self.fingerprint}: point both at the same model files"
-            )
-        self.trainer = await asyncio.to_thread(Trainer, cfg.base_model, cfg.train, cfg.rollout.temperature, cfg.seed)
-        self.step, saved_version = 0, 0
-        if saved is not None:
-            self._restore(saved)
-            saved_version = saved.state.version
-        self.version = checkpoint.next_version(saved_version, remote)
+    cfg: LearnerConfig
+    client: AsyncClient
+    trainer: Trainer
+    stream: DataStream
+    buffer: Buffer
+    publisher: Publisher
+    producer: Producer
+    metrics: LearnerMetrics
+    report: Report
+    checkpoint_dir: Path
+    eval_examples: list[Example]
+    step: int
+    """Optimiser steps taken, over every run of this run folder."""
+    version: int
+    """The version of the trainer's weights (see the module docstring)."""
+    first_version: int = field(init=False)
+    steps_this_run: int = 0
+    stop_reason: str = ""
+    stopping: asyncio.Event = field(default_factory=asyncio.Event)
+    background: set[asyncio.Task] = field(default_factory=set)
+    last_checkpoint_step: int = field(init=False)
+
+    def __post_init__(self) -> None:
         self.first_version = self.version
-        self.buffer.next_train_version = self.version
-        self.publisher = Publisher(
-            self.client,
-            cfg.adapter_name,
-            self.fingerprint,
-            self.trainer.lora_spec,
-            self.ledger.changed,
-            cfg.rollout.retry_backoff_s,
-            self._on_push,
-        )
-        self.producer = Producer(
-            self.client,
-            self.stream,
-            build_rewards(cfg.rewards),
-            self.buffer,
-            self.ledger,
-            cfg.rollout,
-            f"{cfg.adapter_name}@latest",
-            cfg.seed,
-            self._admit,
-            self.publisher.republish,
-            on_group=self._on_group,
-            on_reward_error=lambda name: self.metrics.reward_errors.labels(name).inc(),
-        )
-        self.steps_log = (self.run_dir / "steps.jsonl").open("a")
-        self.started = time.monotonic()
-        self.train_started = None
-        self.steps_this_run = 0
-        self.staleness_seen: list[int] = []
-        self.ratios_fresh: list[float] = []
-        self.push_latencies: list[float] = []
-        self.evals: list[dict] = []
-        self.scored: list[tuple[float, bool]] = []  # (reward, correct) of every sample scored since the last step
-        self.stop_reason = ""
-        self.stopping = asyncio.Event()
-        self.background: set[asyncio.Task] = set()
         self.last_checkpoint_step = self.step
-        log.info(
-            "learner_ready",
-            target=cfg.target,
-            base_model=cfg.base_model,
-            fingerprint=self.fingerprint,
-            resumed_from=str(saved.path) if saved else None,
-            step=self.step,
-            version=self.version,
-            data_cursor=self.stream.cursor,
-            sync=cfg.sync,
-        )
-        return self
 
-    def _restore(self, saved: checkpoint.Checkpoint) -> None:
-        import torch
-
-        self.trainer.load_adapter(saved.adapter)
-        self.trainer.optimizer.load_state_dict(saved.trainer["optimizer"])
-        torch.set_rng_state(saved.trainer["torch_rng"])
-        checkpoint.restore_python_rng(saved.state.python_rng)
-        self.stream.cursor = saved.state.data_cursor
-        self.step = saved.state.step
-
-    # -- the loop's named steps ------------------------------------------------------------
-    def _admit(self) -> bool:
-        """Start a request only if its version can still be trained on when its batch comes.
-
-        With `pending` groups ahead of it, a new group lands in the batch trained at about
-        buffer.next_train_version + pending // groups_per_step; it is sampled at `served` or newer.
-        """
-        ahead = self.ledger.pending // self.cfg.train.groups_per_step
-        return self.publisher.served >= self.buffer.next_train_version + ahead - self.cfg.buffer.max_staleness
+    @property
+    def ledger(self) -> GroupLedger:
+        return self.buffer.ledger
 
     def request_stop(self, reason: str) -> None:
         if not self.stopping.is_set():
@@ -194,7 +91,7 @@ class Session:
         return self.stopping.is_set()
 
     def start_producing(self) -> None:
-        self.train_started = time.monotonic()
+        self.report.train_started = time.monotonic()
         if self.cfg.max_seconds:
             asyncio.get_running_loop().call_later(self.cfg.max_seconds, self.request_stop, "max_seconds")
         self.producer.start()
@@ -238,7 +135,7 @@ class Session:
             try:
                 return await self.publisher.publish(self.version, payload, wait=True)
             except FailedPrecondition as exc:
-                if exc.reason not in VERSION_REFUSALS or attempt == attempts:
+                if exc.reason not in VERSION_TAKEN or attempt == attempts:
                     raise
                 _, remote = await target_versions(self.client, self.cfg.adapter_name)
                 log.warning("start_version_taken", version=self.version, target_versions=remote, error=exc.message)
@@ -260,44 +157,10 @@ class Session:
             self.metrics.phase.labels(name).observe(seconds[name])
 
     def record(self, batch: list[ScoredGroup], stats: StepStats, seconds: dict) -> None:
-        """Metrics, the steps.jsonl line, the progress line; checkpoint and evaluation when due."""
-        trained_at = self.version - 1
-        stale = [staleness(g, trained_at) for g in batch]
-        self.staleness_seen += stale
-        if stats.ratio_mean_fresh is not None:
-            self.ratios_fresh.append(stats.ratio_mean_fresh)
-        self.metrics.on_step(stats, stale, self.version)
-        self.metrics.served_version.set(self.publisher.served)
-        self.metrics.pending.labels("in_flight").set(self.ledger.in_flight)
-        self.metrics.pending.labels("buffered").set(self.ledger.buffered)
+        """Report the step; checkpoint and start an evaluation when due."""
+        stale = [staleness(g, self.version - 1) for g in batch]  # trained at the version before the step
         self.ledger.check()
-        scored, self.scored = self.scored, []
-        rollout = {
-            "rollout_reward_mean": sum(r for r, _ in scored) / len(scored) if scored else None,
-            "rollout_accuracy": sum(c for _, c in scored) / len(scored) if scored else None,
-        }
-        line = {
-            "step": self.step,
-            "version": self.version,
-            "served": self.publisher.served,
-            **rollout,
-            "elapsed_s": round(time.monotonic() - self.started, 3),
-            "staleness_mean": sum(stale) / len(stale),
-            "staleness_max": max(stale),
-            "phase_seconds": {k: round(v, 4) for k, v in seconds.items()},
-            "groups": self.ledger.snapshot(),
-            **{k: _round(v) for k, v in vars(stats).items()},
-        }
-        self.steps_log.write(json.dumps(line) + "\n")
-        self.steps_log.flush()
-        log.info(
-            "step",
-            **{
-                k: line[k]
-                for k in ("step", "version", "reward_mean", "accuracy", "staleness_mean", "ratio_mean", "loss")
-            },
-        )
-        self._progress(line)
+        self.report.step(self.step, self.version, self.publisher.served, stale, stats, seconds, self.ledger)
         every = self.cfg.checkpoint.every_steps
         if every and self.step % every == 0:
             self.save_checkpoint()
@@ -305,16 +168,6 @@ class Session:
             task = asyncio.ensure_future(self.evaluate(self.version, "periodic"))  # runs beside training
             self.background.add(task)
             task.add_done_callback(self.background.discard)
-
-    def _progress(self, line: dict) -> None:
-        if self.cfg.progress and sys.stdout.isatty():
-            print(
-                f"\rstep {line['step']:5d}  v{line['version']}  reward {line['reward_mean']:.3f}  "
-                f"acc {line['accuracy']:.3f}  staleness {line['staleness_mean']:.2f}  "
-                f"ratio {line['ratio_mean']:.4f}  dropped {sum(line['groups']['dropped'].values())}",
-                end="",
-                flush=True,
-            )
 
     def save_checkpoint(self) -> None:
         state = checkpoint.LearnerState(
@@ -343,22 +196,7 @@ class Session:
             self.cfg.rollout.max_new_tokens,
             self.cfg.eval.concurrency,
         )
-        record = {
-            "label": label,
-            "version": version,
-            "step": self.step,
-            "accuracy": result.accuracy,
-            "answered": result.answered,
-            "failed": result.failed,
-            "elapsed_s": round(time.monotonic() - self.started, 3),
-        }
-        self.evals.append(record)
-        with (self.run_dir / "evals.jsonl").open("a") as f:
-            f.write(json.dumps(record) + "\n")
-        if result.accuracy is not None:
-            self.metrics.eval_accuracy.set(result.accuracy)
-        log.info("evaluated", seconds=round(time.monotonic() - started, 2), **record)
-        return result.accuracy
+        return self.report.evaluation(label, version, self.step, result, time.monotonic() - started)
 
     async def shutdown(self) -> None:
         """Stop producing, count what is left, finish pushing, checkpoint."""
@@ -379,57 +217,24 @@ class Session:
             self.ledger.check(idle=True)
 
     def summary(self) -> dict:
-        elapsed = (time.monotonic() - self.train_started) if self.train_started else 0.0
-        before = next((e["accuracy"] for e in self.evals if e["label"] == "before"), None)
-        after = next((e["accuracy"] for e in reversed(self.evals) if e["label"] == "after"), None)
-        stale = self.staleness_seen
-        return {
-            "accuracy_before": before,
-            "accuracy_after": after,
-            "steps": self.steps_this_run,
-            "step": self.step,
-            "first_version": self.first_version,
-            "last_version": self.version,
-            "served_version": self.publisher.served,
-            "groups_per_s": self.ledger.trained / elapsed if elapsed else 0.0,
-            "staleness_mean": sum(stale) / len(stale) if stale else None,
-            "staleness_max": max(stale) if stale else None,
-            "push_latency_s": sum(self.push_latencies) / len(self.push_latencies) if self.push_latencies else None,
-            "push_latency_max_s": max(self.push_latencies) if self.push_latencies else None,
-            "ratio_mean_staleness0": sum(self.ratios_fresh) / len(self.ratios_fresh) if self.ratios_fresh else None,
-            "ratio_max_dev_staleness0": max((abs(r - 1) for r in self.ratios_fresh), default=None),
-            "training_seconds": elapsed,
-            "groups": self.ledger.snapshot(),
-            "restarts": self.producer.restarts,
-            "stop_reason": self.stop_reason,
-            "evals": self.evals,
-            "sync": self.cfg.sync,
-        }
+        return self.report.summary(
+            self.ledger,
+            steps=self.steps_this_run,
+            step=self.step,
+            first_version=self.first_version,
+            last_version=self.version,
+            served_version=self.publisher.served,
+            restarts=self.producer.restarts,
+            stop_reason=self.stop_reason,
+            sync=self.cfg.sync,
+        )
 
     def write_summary(self, summary: dict) -> Path:
-        path = self.run_dir / "summary.json"
-        tmp = path.with_name(".summary.json.tmp")
-        tmp.write_text(json.dumps(summary, indent=2) + "\n")
-        os.replace(tmp, path)
-        return path
+        return self.report.write_summary(summary)
 
     async def close(self) -> None:
-        self.steps_log.close()
+        self.report.close()
         await self.client.close()
-
-    def _on_group(self, group: ScoredGroup, restarts: int) -> None:
-        self.metrics.restarts.inc(restarts)
-        self.scored += [(s.reward, s.correct) for s in group.samples]
-
-    def _on_push(self, record: PushRecord) -> None:
-        self.metrics.on_push(record)
-        if record.outcome == "ok":
-            self.push_latencies.append(record.seconds)
-            self.metrics.served_version.set(record.version)
-
-
-def _round(value):
-    return round(value, 6) if isinstance(value, float) else value
 
 
 def _digest(cfg: LearnerConfig) -> str:

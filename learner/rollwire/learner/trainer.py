@@ -20,9 +20,11 @@ from pathlib import Path
 
 import torch
 
+from rollwire.common.lora import LoraShape
 from rollwire.learner.buffer import ScoredGroup
 from rollwire.learner.config import TrainSection
-from rollwire.learner.grpo import group_advantages, policy_loss, token_logprobs
+from rollwire.learner.grpo import LossBatch, group_advantages, token_logprobs
+from rollwire.learner.losses import LOSSES
 from rollwire.learner.publisher import NonFiniteWeights
 
 
@@ -60,12 +62,13 @@ class Trainer:
             torch.set_num_threads(cfg.threads)
         torch.manual_seed(seed)
         self.cfg = cfg
+        self.loss = LOSSES.load(cfg.loss)  # the one seam for another loss: losses.py
         self.temperature = temperature
         self.device = torch.device(cfg.device)
-        base = AutoModelForCausalLM.from_pretrained(base_model, dtype=torch.float32).to(self.device)
+        base = AutoModelForCausalLM.from_pretrained(base_model, dtype=torch.float32).to(self.device)  # pyright: ignore[reportArgumentType]  # the library's annotation is narrower than what it accepts
         self.lora = LoraConfig(
             r=cfg.lora_r,
-            lora_alpha=cfg.lora_alpha,
+            lora_alpha=cfg.lora_alpha,  # pyright: ignore[reportArgumentType]  # the library's annotation is narrower than what it accepts
             target_modules=list(cfg.target_modules),
             lora_dropout=0.0,
             bias="none",
@@ -76,14 +79,9 @@ class Trainer:
         self.optimizer = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
 
     @property
-    def lora_spec(self) -> dict:
-        """The LoRA config as the push manifest carries it."""
-        return {
-            "r": self.cfg.lora_r,
-            "lora_alpha": self.cfg.lora_alpha,
-            "target_modules": sorted(self.cfg.target_modules),
-            "use_rslora": False,
-        }
+    def lora_shape(self) -> LoraShape:
+        """The adapter's shape as the push manifest carries it."""
+        return LoraShape(self.cfg.lora_r, self.cfg.lora_alpha, tuple(sorted(self.cfg.target_modules)))
 
     def adapter_payload(self) -> bytes:
         """The adapter as replicas load it: PEFT state dict keys, safetensors bytes."""
@@ -164,18 +162,10 @@ class Trainer:
                     self.model(input_ids=ids, attention_mask=mask).logits[:, :-1], targets, self.temperature
                 )
         behaviour = rows.behaviour.to(self.device)
-        terms = policy_loss(
-            logp,
-            behaviour,
-            rows.advantages.to(self.device),
-            rows.completion.to(self.device),
-            clip_low=self.cfg.clip_low,
-            clip_high=self.cfg.clip_high,
-            ratio_cap=self.cfg.ratio_cap,
-            ref_logp=ref,
-            kl_coef=self.cfg.kl_coef,
-            normaliser=normaliser,
+        batch = LossBatch(
+            logp, behaviour, rows.advantages.to(self.device), rows.completion.to(self.device), ref, normaliser
         )
+        terms = self.loss(batch, self.cfg)
         with torch.no_grad():
             fresh = rows.fresh.to(self.device)
             fresh_sum = float((torch.exp(logp - behaviour) * fresh).sum())

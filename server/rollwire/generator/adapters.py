@@ -6,8 +6,11 @@ Invariants:
 - every push is checked in full (length, digest, fingerprint, config, a bounded header,
   tensor names, shapes and dtypes against the base model, every value finite) before the
   engine is touched, so a refused push leaves the replica serving exactly what it served
-  before; the proxy runs the same checks (`check_manifest`, `check_payload`) before it
-  spools a push, off the event loop and in time linear in the payload;
+  before; replicas and the proxy run the same checks (push.check_manifest, then
+  `PayloadInspector` and the digest while the bytes arrive; `check_payload` on bytes at
+  rest), off the event loop and in time linear in the payload;
+- a version staged by a `stage_only` push is loaded but never servable until committed
+  with its digest, and is dropped when not committed within `stage_timeout_s`;
 - versions are at most 2**53 and at most `max_version_step` above the newest;
 - the K newest versions of each name are servable; an older version stops being servable
   at once and is unloaded from the engine when its last request finishes (leases);
@@ -20,15 +23,27 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import json
-import math
-import re
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from rollwire.common.errors import DeadlineExceeded, FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted
+from rollwire.common.errors import FailedPrecondition, InvalidArgument, NotFound, RollwireError
+from rollwire.common.lora import LoraShape
+from rollwire.common.push import (  # noqa: F401 (the manifest rules live in the push protocol; re-exported)
+    DEFAULT_MAX_VERSION_STEP,
+    MAX_LORA_R,
+    MAX_VERSION,
+    NAME_RE,
+    Manifest,
+    check_manifest,
+    check_push_version,
+    idle_bounded,
+    manifest_from_pb,
+)
+from rollwire.common.reasons import Reason
 from rollwire.common.safetensors_header import (
     HeaderError,
+    StreamingFinite,
     TensorEntry,
     header_length,
     nonfinite_tensor,
@@ -37,42 +52,9 @@ from rollwire.common.safetensors_header import (
 )
 from rollwire.generator.types import AdapterSelection
 
-NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
 PEFT_PREFIX = "base_model.model."
 ALL_LINEAR = "all-linear"
 LORA_DTYPES = {"F32", "F16", "BF16"}
-
-
-@dataclass(frozen=True)
-class LoraShape:
-    """The LoRA hyper-parameters that decide tensor shapes and scaling."""
-
-    r: int
-    lora_alpha: float
-    target_modules: tuple[str, ...]
-    use_rslora: bool = False
-
-
-@dataclass(frozen=True)
-class Manifest:
-    """What a push declares before its bytes arrive."""
-
-    name: str
-    version: int
-    base_model_fingerprint: str
-    lora: LoraShape
-    byte_length: int
-    sha256: str
-
-
-MAX_VERSION = 1 << 53
-"""Largest adapter version: exact in JSON and in a double, so every tool reads it right."""
-DEFAULT_MAX_VERSION_STEP = 1_000_000
-"""A version may be at most newest + this (newest = 0 for a new name), so no single push can
-use up a name's version range; pushing 2**53 takes 9e9 pushes."""
-MAX_LORA_R = 4096
-MAX_TARGET_MODULES = 256
-MAX_TARGET_MODULE_CHARS = 256
 MAX_HEADER_BYTES = 16 << 20
 """Largest safetensors header of a pushed adapter; with known base shapes the bound is
 HEADER_SLACK_BYTES + HEADER_BYTES_PER_TENSOR x the number of tensors expected."""
@@ -81,110 +63,39 @@ HEADER_SLACK_BYTES = 64 << 10
 MAX_TENSORS = 1 << 17
 """Most tensors in an adapter whose base shapes are not known (a spool reload)."""
 MAX_TENSOR_DIMS = 4
-
-
-def check_manifest(m: Manifest, *, fingerprint: str | None, max_bytes: int, holder: str = "replica") -> None:
-    """Refuse a manifest before any byte is read; each failure has its own sentence.
-    `fingerprint=None` skips the base-model check (a spool reload, before any replica is known)."""
-    if not isinstance(m.name, str) or not NAME_RE.fullmatch(m.name):
-        raise InvalidArgument(
-            f"adapter name {str(m.name)[:80]!r} is invalid: use 1-64 letters, digits, '.', '_' or '-', starting with a letter or digit",
-            reason="BAD_ADAPTER_NAME",
-        )
-    if m.version < 1:
-        raise InvalidArgument("adapter version must be >= 1", reason="BAD_ADAPTER_VERSION")
-    if m.version > MAX_VERSION:
-        raise InvalidArgument(
-            f"adapter version {m.version} is above the largest version, 2**53 ({MAX_VERSION})", reason="VERSION_TOO_FAR"
-        )
-    if fingerprint is not None and m.base_model_fingerprint != fingerprint:
-        raise FailedPrecondition(
-            f"adapter {m.name!r} v{m.version} was trained on base model {m.base_model_fingerprint[:80] or '(none given)'}, "
-            f"but the base model served here is {fingerprint}; push an adapter of this base model",
-            reason="BASE_MODEL_MISMATCH",
-        )
-    lora = m.lora
-    modules = lora.target_modules
-    if (
-        not 1 <= lora.r <= MAX_LORA_R
-        or not math.isfinite(lora.lora_alpha)
-        or not lora.lora_alpha > 0
-        or not 1 <= len(modules) <= MAX_TARGET_MODULES
-        or not all(1 <= len(t) <= MAX_TARGET_MODULE_CHARS for t in modules)
-    ):
-        raise InvalidArgument(
-            f"lora_config needs 1 <= r <= {MAX_LORA_R}, a finite lora_alpha > 0 and 1 to {MAX_TARGET_MODULES} target "
-            f"modules of 1 to {MAX_TARGET_MODULE_CHARS} characters (got r={lora.r}, lora_alpha={lora.lora_alpha}, "
-            f"{len(modules)} target modules)",
-            reason="BAD_LORA_CONFIG",
-        )
-    if not re.fullmatch(r"[0-9a-f]{64}", m.sha256):
-        raise InvalidArgument("sha256 must be 64 lowercase hex digits", reason="BAD_DIGEST")
-    if m.byte_length < 1:
-        raise InvalidArgument("byte_length must be > 0", reason="BAD_LENGTH")
-    if m.byte_length > max_bytes:
-        raise ResourceExhausted(
-            f"adapter of {m.byte_length} bytes exceeds this {holder}'s limit of {max_bytes} bytes",
-            reason="ADAPTER_TOO_LARGE",
-        )
-
-
-def check_push_version(
-    m, newest: int, held_sha256: str | None, holder: str, max_step: int = DEFAULT_MAX_VERSION_STEP
-) -> bool:
-    """The version rule shared by replicas and the proxy's spool: True when this exact
-    version is already held (an idempotent re-push); raises when it may not be pushed.
-    `m` is a Manifest or the wire AdapterManifest: only name, version and sha256 are read.
-    A version above 2**53 or more than `max_step` above the newest (0 for a new name) is
-    refused, so no push can use up the range of a name."""
-    if m.version > MAX_VERSION or m.version > newest + max_step:
-        raise InvalidArgument(
-            f"adapter {m.name!r} v{m.version} is too far ahead: a version may be at most {max_step} above the newest "
-            f"(v{newest} on this {holder}) and at most 2**53; push v{newest + 1}",
-            reason="VERSION_TOO_FAR",
-        )
-    if held_sha256 is not None:
-        if held_sha256 == m.sha256:
-            return True
-        raise FailedPrecondition(
-            f"adapter {m.name!r} v{m.version} is already loaded with a different digest; "
-            f"versions are immutable, push it as v{newest + 1}",
-            reason="VERSION_CONFLICT",
-        )
-    if m.version <= newest:
-        raise FailedPrecondition(
-            f"adapter {m.name!r} v{m.version} is not above the newest version v{newest} this {holder} has "
-            f"accepted; versions only increase, push v{newest + 1} or higher",
-            reason="VERSION_NOT_MONOTONIC",
-        )
-    return False
+DEFAULT_STAGE_TIMEOUT_S = 300.0
+"""A staged version not committed within this long is dropped (limits.stage_timeout_s)."""
 
 
 def check_payload(m: Manifest, payload: bytes, base_shapes: dict[str, tuple[int, int]] | None) -> None:
-    """The one payload check of replicas and the proxy: length, digest, a bounded header,
-    every tensor's name, shape and dtype against the base model, and every value finite.
-
-    Linear in the payload with capped header work; run it off the event loop
-    (`check_payload_async`). `base_shapes=None` (a spool reload) checks the tensors against
-    the LoRA config alone. Raises InvalidArgument with a sentence and a reason."""
+    """The whole check of bytes that were not hashed while they arrived (a spool reload, a
+    test): length, digest, then `check_tensors`. Raises InvalidArgument with a reason."""
     if len(payload) != m.byte_length:
         raise InvalidArgument(
             f"upload ended after {len(payload)} of the {m.byte_length} bytes the manifest declared; "
             "the upload was truncated or the manifest is wrong",
-            reason="LENGTH_MISMATCH",
+            reason=Reason.LENGTH_MISMATCH,
         )
     digest = hashlib.sha256(payload).hexdigest()
     if digest != m.sha256:
         raise InvalidArgument(
             f"payload sha256 is {digest} but the manifest declared {m.sha256}; the bytes were corrupted or the manifest is stale",
-            reason="DIGEST_MISMATCH",
+            reason=Reason.DIGEST_MISMATCH,
         )
+    check_tensors(m, payload, base_shapes)
+
+
+def check_header(m: Manifest, data: bytes, base_shapes: dict[str, tuple[int, int]] | None) -> dict[str, TensorEntry]:
+    """The safetensors header of a payload of `m.byte_length` bytes, from `data` (the whole
+    payload or only a prefix holding the header): a bounded header, then every tensor's
+    name, shape and dtype against the base model (or, with `base_shapes=None`, against the
+    LoRA config alone). Raises InvalidArgument (BAD_PAYLOAD, TENSOR_MISMATCH, BAD_LORA_CONFIG)."""
     if base_shapes is not None:
         expected = expected_lora_shapes(m.lora, base_shapes)
         if not expected:
             raise InvalidArgument(
                 f"target_modules {list(m.lora.target_modules)[:8]} match no linear layer of the base model",
-                reason="BAD_LORA_CONFIG",
+                reason=Reason.BAD_LORA_CONFIG,
             )
         limits = dict(
             max_header=min(MAX_HEADER_BYTES, HEADER_SLACK_BYTES + HEADER_BYTES_PER_TENSOR * len(expected)),
@@ -193,19 +104,98 @@ def check_payload(m: Manifest, payload: bytes, base_shapes: dict[str, tuple[int,
     else:
         expected, limits = None, dict(max_header=MAX_HEADER_BYTES, max_tensors=MAX_TENSORS)
     try:
-        tensors = read_entries(payload, max_dims=MAX_TENSOR_DIMS, **limits)
+        body = m.byte_length - 8 - header_length(data)
+        tensors = read_entries(data, body, max_dims=MAX_TENSOR_DIMS, **limits)
     except HeaderError as exc:
-        raise InvalidArgument(f"payload is not a safetensors adapter: {exc}", reason="BAD_PAYLOAD") from None
+        raise InvalidArgument(f"payload is not a safetensors adapter: {exc}", reason=Reason.BAD_PAYLOAD) from None
     if expected is None:
         _check_lora_tensors(m.lora, tensors)
     else:
         _check_expected_tensors(m.lora, tensors, expected)
+    return tensors
+
+
+def header_bytes_needed(data: bytes) -> int | None:
+    """How many leading bytes of a payload hold its whole header; None before 8 bytes."""
+    return None if len(data) < 8 else 8 + header_length(data)
+
+
+def check_tensors(m: Manifest, payload: bytes, base_shapes: dict[str, tuple[int, int]] | None) -> None:
+    """The payload check that follows an incremental digest (push.PushReader): the header
+    (`check_header`), then every value finite. Linear in the payload with capped header work;
+    run it off the event loop (`check_tensors_async`)."""
+    tensors = check_header(m, payload, base_shapes)
     bad = nonfinite_tensor(payload, tensors, 8 + header_length(payload))
     if bad is not None:
         raise InvalidArgument(
             f"tensor {bad} holds NaN or infinite values; a diverged adapter is never served, push finite weights",
-            reason="NON_FINITE_WEIGHTS",
+            reason=Reason.NON_FINITE_WEIGHTS,
         )
+
+
+class PayloadInspector:
+    """`check_tensors` while the payload arrives: push.PushReader feeds it every chunk, in
+    order, on its worker thread. The header is checked as soon as it is complete (a bad one
+    is refused before the rest arrives) and every float value once, as it passes, so when
+    the stream ends only its last piece is left to look at. The same checks, sentences and
+    reasons as `check_tensors`; `error` holds the first failure."""
+
+    def __init__(self, m: Manifest, base_shapes: dict[str, tuple[int, int]] | None) -> None:
+        self.manifest, self.base_shapes = m, base_shapes
+        self.prefix: bytearray | None = bytearray()
+        self.scanner: StreamingFinite | None = None
+        self.error: RollwireError | None = None
+
+    def feed(self, chunk: bytes) -> None:
+        if self.error is not None:
+            return
+        try:
+            if self.scanner is None:
+                assert self.prefix is not None
+                self.prefix += chunk
+                if not self._header_ready():
+                    return
+                body_offset = 8 + header_length(self.prefix)
+                tensors = check_header(self.manifest, bytes(self.prefix[:body_offset]), self.base_shapes)
+                self.scanner = StreamingFinite(tensors, body_offset)
+                chunk, self.prefix = bytes(self.prefix), None
+            bad = self.scanner.feed(chunk)
+            if bad is not None:
+                raise InvalidArgument(
+                    f"tensor {bad} holds NaN or infinite values; a diverged adapter is never served, push finite weights",
+                    reason=Reason.NON_FINITE_WEIGHTS,
+                )
+        except InvalidArgument as exc:
+            self.error = exc
+
+    def _header_ready(self) -> bool:
+        """Enough bytes to judge the header: all of it, or enough to know it is too large."""
+        assert self.prefix is not None
+        if len(self.prefix) < 8:
+            return False
+        need = 8 + header_length(self.prefix)
+        return len(self.prefix) >= need or need > min(self.manifest.byte_length, 8 + MAX_HEADER_BYTES)
+
+    def finish(self, payload: bytes | list[bytes]) -> None:
+        """After the last chunk, with the payload (or its chunks): raises the first failure;
+        checks what could not be checked in pieces (a payload too short for its header,
+        overlapping tensors: only hostile payloads, so joining chunks there costs nothing real)."""
+        if self.error is None and (self.scanner is None or self.scanner.needs_full_scan):
+            whole = payload if isinstance(payload, bytes) else b"".join(payload)
+            tensors = check_header(self.manifest, whole, self.base_shapes)  # raises if the header never completed
+            bad = nonfinite_tensor(whole, tensors, 8 + header_length(whole))
+            if bad is not None:
+                self.error = InvalidArgument(
+                    f"tensor {bad} holds NaN or infinite values; a diverged adapter is never served, push finite weights",
+                    reason=Reason.NON_FINITE_WEIGHTS,
+                )
+        if self.error is not None:
+            raise self.error
+
+
+async def check_tensors_async(m: Manifest, payload: bytes, base_shapes: dict[str, tuple[int, int]] | None) -> None:
+    """`check_tensors` in a worker thread (the finiteness scan works in blocks)."""
+    await asyncio.to_thread(check_tensors, m, payload, base_shapes)
 
 
 async def check_payload_async(m: Manifest, payload: bytes, base_shapes: dict[str, tuple[int, int]] | None) -> None:
@@ -222,7 +212,7 @@ def _check_expected_tensors(
         raise InvalidArgument(
             f"adapter tensors do not match the base model and lora_config: "
             f"{len(missing)} missing (e.g. {missing[:2]}), {len(unexpected)} unexpected (e.g. {[u[:120] for u in unexpected[:2]]})",
-            reason="TENSOR_MISMATCH",
+            reason=Reason.TENSOR_MISMATCH,
         )
     for name, shape in expected.items():
         e = tensors[name]
@@ -230,14 +220,14 @@ def _check_expected_tensors(
             raise InvalidArgument(
                 f"tensor {name} has shape {list(e.shape)} ({e.dtype}); the base model and r={lora.r} "
                 f"need {list(shape)} in F32, F16 or BF16",
-                reason="TENSOR_MISMATCH",
+                reason=Reason.TENSOR_MISMATCH,
             )
 
 
 def _check_lora_tensors(lora: LoraShape, tensors: dict[str, TensorEntry]) -> None:
     """Without the base model: PEFT names, 2-D LoRA shapes of rank r, float dtypes."""
     if not tensors:
-        raise InvalidArgument("the adapter holds no tensors", reason="TENSOR_MISMATCH")
+        raise InvalidArgument("the adapter holds no tensors", reason=Reason.TENSOR_MISMATCH)
     for name, e in tensors.items():
         kind = "A" if name.endswith(".lora_A.weight") else "B" if name.endswith(".lora_B.weight") else ""
         rank_ok = len(e.shape) == 2 and e.shape[0 if kind == "A" else 1] == lora.r
@@ -245,37 +235,8 @@ def _check_lora_tensors(lora: LoraShape, tensors: dict[str, TensorEntry]) -> Non
             raise InvalidArgument(
                 f"tensor {name[:120]} ({e.dtype}, shape {list(e.shape)}) is not a LoRA weight of rank r={lora.r} in "
                 "F32, F16 or BF16",
-                reason="TENSOR_MISMATCH",
+                reason=Reason.TENSOR_MISMATCH,
             )
-
-
-def manifest_from_pb(m) -> Manifest:
-    """The wire AdapterManifest as a Manifest (the digest as sent: only lowercase hex is valid)."""
-    lora = LoraShape(
-        r=m.lora_config.r,
-        lora_alpha=m.lora_config.lora_alpha,
-        target_modules=tuple(m.lora_config.target_modules),
-        use_rslora=m.lora_config.use_rslora,
-    )
-    return Manifest(m.name, m.version, m.base_model_fingerprint, lora, m.byte_length, m.sha256)
-
-
-async def idle_bounded(messages, idle_s: float, holder: str):
-    """The messages of a push stream; DEADLINE_EXCEEDED when none arrives for `idle_s`, so a
-    stalled sender cannot hold an upload slot (and its buffered bytes) until its deadline."""
-    it = aiter(messages)
-    while True:
-        try:
-            msg = await asyncio.wait_for(anext(it), idle_s)
-        except StopAsyncIteration:
-            return
-        except TimeoutError:
-            raise DeadlineExceeded(
-                f"the push sent no message for {idle_s:g} s, so this {holder} cancelled it; send the chunks without "
-                "pausing and push again",
-                reason="PUSH_IDLE",
-            ) from None
-        yield msg
 
 
 def expected_lora_shapes(lora: LoraShape, base_shapes: dict[str, tuple[int, int]]) -> dict[str, tuple[int, int]]:
@@ -364,13 +325,32 @@ class PushOutcome:
     version: int
     already_loaded: bool
     loaded_versions: list[int] = field(default_factory=list)
+    staged: bool = False
+    """True when the version was staged (not served until committed)."""
+
+
+@dataclass
+class _Staged:
+    """A verified version loaded in the engine but not servable until committed."""
+
+    version: int
+    sha256: str
+    handle: str
+    expiry: asyncio.TimerHandle | None = None
 
 
 class AdapterRegistry:
     """The replica's book of adapter versions; the engine holds the weights.
 
     `load(handle, manifest, payload)` and `unload(handle)` are the engine's calls. All
-    bookkeeping runs on the event loop; a per-replica lock serialises pushes.
+    bookkeeping runs on the event loop; a per-replica lock serialises pushes and commits.
+
+    Staging (a `stage_only` push): a verified version is loaded into the engine under a
+    fresh handle but is not servable: `acquire` and `loaded` never see it. At most one
+    version per name is staged; another stage of that name replaces it. `commit` makes it servable
+    exactly as a plain push would, provided the digest is the one staged and the version is
+    still above the newest; a staged version not committed within `stage_timeout_s` is
+    unloaded, so a publisher that died between stage and commit leaves nothing behind.
     """
 
     def __init__(
@@ -378,10 +358,13 @@ class AdapterRegistry:
         load: Callable[[str, Manifest, bytes], Awaitable[None]],
         unload: Callable[[str], Awaitable[None]],
         window: int,
+        stage_timeout_s: float = DEFAULT_STAGE_TIMEOUT_S,
     ) -> None:
         self._load, self._unload, self.window = load, unload, window
+        self.stage_timeout_s = stage_timeout_s
         self._versions: dict[str, list[_Version]] = {}
         self._newest: dict[str, int] = {}
+        self._staged: dict[str, _Staged] = {}
         self._lock = asyncio.Lock()
         self._counter = 0
         self._pending_unloads: set[asyncio.Task] = set()
@@ -392,21 +375,105 @@ class AdapterRegistry:
         return check_push_version(m, self._newest.get(m.name, 0), same.sha256 if same else None, "replica", max_step)
 
     async def push(self, m: Manifest, payload: bytes, max_step: int = DEFAULT_MAX_VERSION_STEP) -> PushOutcome:
-        """Load a checked payload as a new version and retire what leaves the window."""
+        """Load a checked payload as a new version and retire what leaves the window (a
+        version staged with the same digest is committed without loading it again)."""
         async with self._lock:
             if self.check_version(m, max_step):
                 return PushOutcome(m.name, m.version, True, self.loaded().get(m.name, []))
-            self._counter += 1
-            handle = f"rw{self._counter}"
-            await self._load(handle, m, payload)
-            versions = self._versions.setdefault(m.name, [])
-            versions.append(_Version(m.version, m.sha256, handle))
-            self._newest[m.name] = m.version
-            servable = [v for v in versions if v.servable]
-            for old in servable[: max(0, len(servable) - self.window)]:
-                old.servable = False
-                self._maybe_unload(m.name, old)
-            return PushOutcome(m.name, m.version, False, self.loaded().get(m.name, []))
+            staged = self._staged.get(m.name)
+            if staged is not None and (staged.version, staged.sha256) == (m.version, m.sha256):
+                return self._make_servable(m.name, self._unstage(m.name))
+            handle = await self._load_new(m, payload)
+            return self._make_servable(m.name, _Staged(m.version, m.sha256, handle))
+
+    async def stage(self, m: Manifest, payload: bytes, max_step: int = DEFAULT_MAX_VERSION_STEP) -> PushOutcome:
+        """Load a checked payload without serving it; `commit` serves it. Staging the staged
+        version again only restarts its timer; a version already served is an idempotent
+        success (`already_loaded`, not staged)."""
+        async with self._lock:
+            if self.check_version(m, max_step):
+                return PushOutcome(m.name, m.version, True, self.loaded().get(m.name, []))
+            staged = self._staged.get(m.name)
+            if staged is None or (staged.version, staged.sha256) != (m.version, m.sha256):
+                handle = await self._load_new(m, payload)
+                self._drop_staged(m.name)
+                staged = self._staged[m.name] = _Staged(m.version, m.sha256, handle)
+            if staged.expiry is not None:
+                staged.expiry.cancel()
+            staged.expiry = asyncio.get_running_loop().call_later(
+                self.stage_timeout_s, self._expire, m.name, staged.handle
+            )
+            return PushOutcome(m.name, m.version, False, self.loaded().get(m.name, []), staged=True)
+
+    async def commit(self, name: str, version: int, sha256: str) -> PushOutcome:
+        """Serve the staged `version` of `name`; idempotent once served with that digest.
+        FAILED_PRECONDITION when it is not staged with this digest (never staged, replaced,
+        expired, or this replica restarted) or is no longer above the newest version."""
+        async with self._lock:
+            held = next((v for v in self._versions.get(name, []) if v.version == version and v.servable), None)
+            if held is not None and held.sha256 == sha256:
+                return PushOutcome(name, version, True, self.loaded().get(name, []))
+            staged = self._staged.get(name)
+            if staged is None or (staged.version, staged.sha256) != (version, sha256):
+                now = f"v{staged.version} is staged" if staged else "nothing is staged"
+                raise FailedPrecondition(
+                    f"adapter {name!r} v{version} with this digest is not staged on this replica ({now}): it was never "
+                    f"pushed here with stage_only, was replaced, or expired after {self.stage_timeout_s:g} s; "
+                    "push it again",
+                    reason=Reason.NOT_STAGED,
+                )
+            newest = self._newest.get(name, 0)
+            if version <= newest:
+                self._drop_staged(name)
+                raise FailedPrecondition(
+                    f"adapter {name!r} v{version} is not above the newest version v{newest} this replica serves "
+                    f"(committed meanwhile); versions only increase, push v{newest + 1} or higher",
+                    reason=Reason.VERSION_NOT_MONOTONIC,
+                )
+            return self._make_servable(name, self._unstage(name))
+
+    def staged(self) -> dict[str, int]:
+        """The staged (not servable) version of each name."""
+        return {name: s.version for name, s in self._staged.items()}
+
+    async def _load_new(self, m: Manifest, payload: bytes) -> str:
+        self._counter += 1
+        handle = f"rw{self._counter}"
+        await self._load(handle, m, payload)
+        return handle
+
+    def _make_servable(self, name: str, item: _Staged) -> PushOutcome:
+        versions = self._versions.setdefault(name, [])
+        versions.append(_Version(item.version, item.sha256, item.handle))
+        self._newest[name] = item.version
+        servable = [v for v in versions if v.servable]
+        for old in servable[: max(0, len(servable) - self.window)]:
+            old.servable = False
+            self._maybe_unload(name, old)
+        staged = self._staged.get(name)
+        if staged is not None and staged.version <= item.version:
+            self._drop_staged(name)  # it can never be committed now: versions only increase
+        return PushOutcome(name, item.version, False, self.loaded().get(name, []))
+
+    def _unstage(self, name: str) -> _Staged:
+        item = self._staged.pop(name)
+        if item.expiry is not None:
+            item.expiry.cancel()
+        return item
+
+    def _drop_staged(self, name: str) -> None:
+        if name in self._staged:
+            self._unload_later(self._unstage(name).handle)
+
+    def _expire(self, name: str, handle: str) -> None:
+        staged = self._staged.get(name)
+        if staged is not None and staged.handle == handle:
+            self._drop_staged(name)
+
+    def _unload_later(self, handle: str) -> None:
+        task = asyncio.ensure_future(self._unload(handle))
+        self._pending_unloads.add(task)
+        task.add_done_callback(self._pending_unloads.discard)
 
     def acquire(self, name: str, version: int) -> AdapterSelection:
         """Resolve a request's adapter (version 0 = newest) and hold it until release."""
@@ -417,7 +484,7 @@ class AdapterRegistry:
             known = ", ".join(sorted(self.loaded())) or "none"
             raise NotFound(
                 f"no adapter named {name!r} is loaded on this replica (loaded: {known}); push it first",
-                reason="ADAPTER_NOT_FOUND",
+                reason=Reason.ADAPTER_NOT_FOUND,
             )
         if version == 0:
             chosen = versions[-1]
@@ -429,12 +496,12 @@ class AdapterRegistry:
                     raise FailedPrecondition(
                         f"adapter {name!r} v{version} has left this replica's window of the {self.window} newest "
                         f"versions (loaded: {loaded}); request a loaded version or the latest",
-                        reason="ADAPTER_VERSION_EVICTED",
+                        reason=Reason.ADAPTER_VERSION_EVICTED,
                     )
                 raise NotFound(
                     f"adapter {name!r} v{version} is not loaded on this replica (loaded: {loaded}); "
                     "it has not been pushed here yet",
-                    reason="ADAPTER_VERSION_NOT_FOUND",
+                    reason=Reason.ADAPTER_VERSION_NOT_FOUND,
                 )
         chosen.leases += 1
         return AdapterSelection(name, chosen.version, chosen.handle)
@@ -462,9 +529,7 @@ class AdapterRegistry:
         if v.servable or v.leases > 0:
             return
         self._versions[name].remove(v)
-        task = asyncio.get_running_loop().create_task(self._unload(v.handle))
-        self._pending_unloads.add(task)
-        task.add_done_callback(self._pending_unloads.discard)
+        self._unload_later(v.handle)
 
     async def settle(self) -> None:
         """Wait for pending unloads (tests and shutdown)."""

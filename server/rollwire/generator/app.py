@@ -10,6 +10,8 @@ from rollwire.common.fingerprint import model_fingerprint
 from rollwire.common.logs import get_logger
 from rollwire.generator.adapters import AdapterRegistry, base_linear_shapes
 from rollwire.generator.config import GeneratorConfig
+from rollwire.generator.engines import ENGINES
+from rollwire.generator.engines.base import Engine
 from rollwire.generator.metrics import GeneratorMetrics
 from rollwire.generator.servicer import GeneratorServicer
 from rollwire.serving.scaffold import Endpoint, listen, serve_until_signal
@@ -19,31 +21,9 @@ log = get_logger(__name__)
 SERVICE = generator_pb2.DESCRIPTOR.services_by_name["GeneratorService"].full_name
 
 
-def make_engine(config: GeneratorConfig, metrics: GeneratorMetrics):
-    """The configured engine; each backend lives in its own module."""
-    if config.engine == "transformers":
-        from rollwire.generator.engines.transformers_engine import TransformersEngine
-
-        t = config.transformers
-        return TransformersEngine(
-            config.model,
-            max_batch_rows=t.max_batch_rows,
-            threads=t.threads,
-            device=t.device,
-            on_forward=metrics.on_forward,
-        )
-    if config.engine == "sglang":
-        from rollwire.generator.engines.sglang_engine import SGLangEngine
-
-        return SGLangEngine.from_config(config)
-    if config.engine == "scripted":
-        from rollwire.generator.engines.scripted import ScriptedEngine
-
-        s = config.scripted
-        return ScriptedEngine(
-            config.model, tokens_per_s=s.tokens_per_s, logprob=s.logprob, max_concurrent_groups=s.max_concurrent_groups
-        )
-    raise NotImplementedError(f"engine {config.engine!r} is not available in this build")
+def make_engine(config: GeneratorConfig, metrics: GeneratorMetrics) -> Engine:
+    """The configured engine, built by the builder registered under its name (engines/__init__.py)."""
+    return ENGINES.load(config.engine)(config, metrics)
 
 
 @dataclass
@@ -63,6 +43,7 @@ class RunningGenerator:
 
     async def stop(self, grace: float) -> None:
         await self.endpoint.stop(grace)
+        await self.servicer.close()
         await self.servicer.engine.close()
 
 
@@ -77,11 +58,20 @@ async def start_generator(config: GeneratorConfig) -> RunningGenerator:
     await engine.start()
     metrics.queue_depth.set_function(lambda: engine.stats().queued)
     metrics.running.set_function(lambda: engine.stats().running)
-    config_only = config.engine == "scripted"  # the benchmark engine may serve a folder without weights
+    config_only = not ENGINES.entry(config.engine).traits.get("runs_model", True)  # may serve config.json alone
     fingerprint = await asyncio.to_thread(model_fingerprint, config.model, config_only=config_only)
-    registry = AdapterRegistry(engine.load_adapter, engine.unload_adapter, config.adapter_window)
+    registry = AdapterRegistry(
+        engine.load_adapter, engine.unload_adapter, config.adapter_window, config.limits.stage_timeout_s
+    )
     endpoint = listen(
-        "generator", config.host, config.port, config.auth, config.tls, config.metrics_port, metrics.registry
+        "generator",
+        config.host,
+        config.port,
+        config.auth,
+        config.tls,
+        config.metrics_port,
+        metrics.registry,
+        config.keepalive.keepalive(),
     )
     replica = config.replica_id or f"{config.host}:{endpoint.port}"
     servicer = GeneratorServicer(

@@ -6,6 +6,7 @@ run several services in one process without their series mixing.
 
 from __future__ import annotations
 
+import grpc
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
@@ -60,6 +61,14 @@ class GeneratorMetrics:
             buckets=LATENCY_BUCKETS,
             registry=r,
         )
+
+        # counters a dashboard rates exist at 0 from the start (Prometheus' advice), so rate()
+        # sees the first failure instead of a series that appears at 1
+        for code in grpc.StatusCode:
+            self.requests.labels(code.name)
+            self.pushes.labels(code.name)
+        for kind in ("prompt", "completion"):
+            self.tokens.labels(kind)
 
     def on_forward(self, rows: int) -> None:
         self.forward_passes.inc()

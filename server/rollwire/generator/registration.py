@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 
 import grpc
 
+from rollwire.common.keepalive import DEFAULT as DEFAULT_KEEPALIVE
 from rollwire.common.logs import get_logger
 from rollwire.v1 import admin_pb2 as apb
 from rollwire.v1 import admin_pb2_grpc
@@ -40,11 +41,12 @@ class Registration:
 class Heartbeat:
     def __init__(self, registration: Registration, address: str) -> None:
         self.registration, self.address = registration, address
+        options = DEFAULT_KEEPALIVE.channel_options()  # a proxy that comes back is dialled again within a second
         if registration.tls_ca is None:
-            self.channel = grpc.aio.insecure_channel(registration.proxy)
+            self.channel = grpc.aio.insecure_channel(registration.proxy, options=options)
         else:
             self.channel = grpc.aio.secure_channel(
-                registration.proxy, grpc.ssl_channel_credentials(registration.tls_ca)
+                registration.proxy, grpc.ssl_channel_credentials(registration.tls_ca), options=options
             )
         self.metadata = (("authorization", f"Bearer {registration.token}"),) if registration.token else ()
         self.admin = admin_pb2_grpc.AdminServiceStub(self.channel)

@@ -9,24 +9,26 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import io
 import math
 import time
 
 import grpc
 import structlog
 
-from rollwire.common.errors import InvalidArgument, ResourceExhausted, RollwireError, clip, to_status
-from rollwire.common.logs import get_logger, request_id_from
-from rollwire.generator.adapters import (
-    NAME_RE,
-    AdapterRegistry,
-    LoraShape,
-    Manifest,
+from rollwire.common.errors import FailedPrecondition, InvalidArgument, ResourceExhausted, RollwireError, to_status
+from rollwire.common.logs import REQUEST_ID_KEY, get_logger, request_id_from
+from rollwire.common.push import (
+    Opening,
+    PushReader,
+    check_commit,
     check_manifest,
-    check_payload_async,
-    idle_bounded,
+    check_name,
+    manifest_from_pb,
+    split_plan,
+    status_with_results,
 )
+from rollwire.common.reasons import Reason
+from rollwire.generator.adapters import AdapterRegistry, PayloadInspector
 from rollwire.generator.config import GeneratorConfig
 from rollwire.generator.engines.base import Engine
 from rollwire.generator.metrics import GeneratorMetrics
@@ -39,11 +41,11 @@ from rollwire.generator.types import (
     coalesce,
 )
 from rollwire.serving import __version__
+from rollwire.serving.forward import ChannelPool, Forwarder
 from rollwire.v1 import generator_pb2 as pb
 from rollwire.v1 import generator_pb2_grpc
 
 log = get_logger(__name__)
-MAX_CHUNK = 1 << 20
 # Generate's bounds on client strings (docs/protocol.md lists them with the Limits section):
 PROMPT_BYTES_PER_TOKEN = 32  # a text prompt may have 32 UTF-8 bytes per allowed token, checked before tokenizing
 INLINE_TOKENIZE_CHARS = 2048  # longer texts are tokenized on a worker thread, not the event loop
@@ -67,6 +69,10 @@ class GeneratorServicer(generator_pb2_grpc.GeneratorServiceServicer):
         self.config, self.engine, self.registry, self.metrics = config, engine, registry, metrics
         self.fingerprint, self.base_shapes, self.replica = fingerprint, base_shapes, replica
         self.in_flight = 0
+        relay = config.relay  # channels to relay children; a TLS file that cannot be read fails at start
+        self._channels = ChannelPool.from_files(
+            relay.tls, relay.ca_file, relay.cert_file, relay.key_file, relay.server_name, config.keepalive.keepalive()
+        )
 
     # -- Generate ----------------------------------------------------------------------
     async def Generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext):
@@ -97,7 +103,7 @@ class GeneratorServicer(generator_pb2_grpc.GeneratorServiceServicer):
                 )
             )
             self.metrics.tokens.labels("prompt").inc(len(group.prompt_ids) * group.n)
-            async with contextlib.aclosing(self.engine.generate(group)) as stream:
+            async with contextlib.aclosing(self.engine.generate(group)) as stream:  # pyright: ignore[reportArgumentType]  # the library's annotation is narrower than what it accepts
                 async for events in stream:
                     if first_token_at is None:
                         first_token_at = time.monotonic()
@@ -106,7 +112,7 @@ class GeneratorServicer(generator_pb2_grpc.GeneratorServiceServicer):
         except RollwireError as err:
             code = err.code
             log.info("generate_refused", code=code.name, reason=err.reason, error=err.message)
-            await context.abort_with_status(to_status(err))
+            await context.abort_with_status(to_status(err))  # pyright: ignore[reportAttributeAccessIssue]  # grpc's stubs lack it; it exists at run time
         except asyncio.CancelledError:
             code = grpc.StatusCode.CANCELLED
             log.info("generate_cancelled")
@@ -126,7 +132,7 @@ class GeneratorServicer(generator_pb2_grpc.GeneratorServiceServicer):
             raise ResourceExhausted(
                 f"this replica has {stats.queued} groups waiting (limit {self.config.limits.max_queue}); retry shortly "
                 "or add replicas",
-                reason="QUEUE_FULL",
+                reason=Reason.QUEUE_FULL,
                 retry_after_s=1.0,
             )
 
@@ -138,27 +144,22 @@ class GeneratorServicer(generator_pb2_grpc.GeneratorServiceServicer):
         tokenized, and a long text is tokenized off the event loop."""
         lim = self.config.limits
         if not 1 <= req.n <= lim.max_n:
-            raise InvalidArgument(f"n is {req.n}; it must be between 1 and {lim.max_n}", reason="BAD_N")
+            raise InvalidArgument(f"n is {req.n}; it must be between 1 and {lim.max_n}", reason=Reason.BAD_N)
         params = self._sampling(req.sampling)
-        name = req.adapter.name
-        if name and not NAME_RE.fullmatch(name):
-            raise InvalidArgument(
-                f"adapter name {clip(name)} is not a valid adapter name: 1-64 characters of letters, digits, "
-                "'.', '_' and '-', starting with a letter or digit",
-                reason="BAD_ADAPTER_NAME",
-            )
+        if req.adapter.name:
+            check_name(req.adapter.name)
         if len(req.group_key) > MAX_GROUP_KEY_CHARS:
             raise InvalidArgument(
                 f"group_key has {len(req.group_key)} characters; use at most {MAX_GROUP_KEY_CHARS} "
                 "(a hash of a long key routes the same)",
-                reason="BAD_GROUP_KEY",
+                reason=Reason.BAD_GROUP_KEY,
             )
         prompt = await self._prompt(req)
         if len(prompt) + params.max_new_tokens > self.engine.max_context:
             raise InvalidArgument(
                 f"prompt ({len(prompt)} tokens) plus max_new_tokens ({params.max_new_tokens}) exceeds the model's "
                 f"context of {self.engine.max_context} tokens",
-                reason="CONTEXT_TOO_LONG",
+                reason=Reason.CONTEXT_TOO_LONG,
             )
         return GroupRequest(rid, prompt, req.n, params)
 
@@ -175,7 +176,7 @@ class GeneratorServicer(generator_pb2_grpc.GeneratorServiceServicer):
                 raise InvalidArgument(
                     f"the prompt text is longer than {cap} bytes ({PROMPT_BYTES_PER_TOKEN} bytes for each of the "
                     f"{tokens} tokens a prompt may have here); shorten it, or send token_ids",
-                    reason="PROMPT_TOO_LONG",
+                    reason=Reason.PROMPT_TOO_LONG,
                 )
             if len(text) > INLINE_TOKENIZE_CHARS:
                 prompt = await asyncio.to_thread(self.engine.tokenize, text)
@@ -186,25 +187,25 @@ class GeneratorServicer(generator_pb2_grpc.GeneratorServiceServicer):
                 raise InvalidArgument(
                     f"the prompt has {len(req.token_ids.ids)} tokens; this replica accepts at most "
                     f"{lim.max_prompt_tokens}",
-                    reason="PROMPT_TOO_LONG",
+                    reason=Reason.PROMPT_TOO_LONG,
                 )
             prompt = list(req.token_ids.ids)
             bad = [t for t in prompt if not 0 <= t < self.engine.vocab_size]
             if bad:
                 raise InvalidArgument(
                     f"prompt token ids {bad[:5]} are outside the vocabulary [0, {self.engine.vocab_size})",
-                    reason="BAD_TOKEN_ID",
+                    reason=Reason.BAD_TOKEN_ID,
                 )
         else:
             prompt = []
         if not prompt:
             raise InvalidArgument(
-                "the prompt is empty: set `text` or `token_ids` to at least one token", reason="EMPTY_PROMPT"
+                "the prompt is empty: set `text` or `token_ids` to at least one token", reason=Reason.EMPTY_PROMPT
             )
         if len(prompt) > lim.max_prompt_tokens:
             raise InvalidArgument(
                 f"the prompt has {len(prompt)} tokens; this replica accepts at most {lim.max_prompt_tokens}",
-                reason="PROMPT_TOO_LONG",
+                reason=Reason.PROMPT_TOO_LONG,
             )
         return prompt
 
@@ -214,32 +215,33 @@ class GeneratorServicer(generator_pb2_grpc.GeneratorServiceServicer):
         if not 1 <= s.max_new_tokens <= lim.max_new_tokens:
             raise InvalidArgument(
                 f"sampling.max_new_tokens is {s.max_new_tokens}; it must be between 1 and {lim.max_new_tokens}",
-                reason="BAD_MAX_NEW_TOKENS",
+                reason=Reason.BAD_MAX_NEW_TOKENS,
             )
         temperature = s.temperature if s.HasField("temperature") else 1.0
         if not (temperature == 0 or MIN_TEMPERATURE <= temperature <= MAX_TEMPERATURE):  # NaN fails both
             raise InvalidArgument(
                 f"sampling.temperature is {temperature}; use 0 for greedy decoding or a value from "
                 f"{MIN_TEMPERATURE} to {MAX_TEMPERATURE:g}",
-                reason="BAD_TEMPERATURE",
+                reason=Reason.BAD_TEMPERATURE,
             )
         top_p = s.top_p if s.HasField("top_p") else 1.0
         if not (math.isfinite(top_p) and 0 < top_p <= 1):
             raise InvalidArgument(
-                f"sampling.top_p is {top_p}; it must be in (0, 1] (1 disables nucleus sampling)", reason="BAD_TOP_P"
+                f"sampling.top_p is {top_p}; it must be in (0, 1] (1 disables nucleus sampling)",
+                reason=Reason.BAD_TOP_P,
             )
         top_k = s.top_k if s.HasField("top_k") else 0
         if top_k > self.engine.vocab_size:
             raise InvalidArgument(
                 f"sampling.top_k is {top_k}; it must be at most the vocabulary size {self.engine.vocab_size} "
                 "(0 disables it)",
-                reason="BAD_TOP_K",
+                reason=Reason.BAD_TOP_K,
             )
         if len(s.stop) > lim.max_stop_strings or any(not 1 <= len(x) <= MAX_STOP_CHARS for x in s.stop):
             raise InvalidArgument(
                 f"give at most {lim.max_stop_strings} stop strings of 1 to {MAX_STOP_CHARS} characters "
                 f"(got {len(s.stop)}" + (f", the longest {max(len(x) for x in s.stop)} characters)" if s.stop else ")"),
-                reason="BAD_STOP",
+                reason=Reason.BAD_STOP,
             )
         return SamplingParams(
             max_new_tokens=s.max_new_tokens,
@@ -278,66 +280,61 @@ class GeneratorServicer(generator_pb2_grpc.GeneratorServiceServicer):
     """PushAdapter streams being received now (bounded by limits.max_concurrent_pushes)."""
 
     async def PushAdapter(self, request_iterator, context: grpc.aio.ServicerContext) -> pb.PushAdapterResponse:
+        """Read the push with the shared protocol (push.PushReader: hashed, and its tensors
+        checked against the base model, as it arrives); with a relay plan, forward every
+        chunk to the children while receiving; stage this replica's own verified copy
+        (`stage_only`) or serve it; then report this replica's outcome, with its subtree's
+        outcomes in `replicas` (or in the refusal's details). Nothing is served, or staged,
+        before every check passed on this replica's own bytes."""
         rid = request_id_from(context.invocation_metadata())
         structlog.contextvars.bind_contextvars(request_id=rid)
-        start, code, received = time.monotonic(), grpc.StatusCode.OK, 0
+        start, code = time.monotonic(), grpc.StatusCode.OK
         lim = self.config.limits
+        reader = PushReader(request_iterator, lim.push_idle_timeout_s, "replica")
+        forward: Forwarder | None = None
+        subtree: list[pb.ReplicaPushResult] = []
         admitted = False
         try:
             if self._pushes_active >= lim.max_concurrent_pushes:
                 raise ResourceExhausted(
                     f"this replica is receiving {self._pushes_active} pushes already (limit {lim.max_concurrent_pushes}); "
                     "retry shortly",
-                    reason="TOO_MANY_PUSHES",
+                    reason=Reason.TOO_MANY_PUSHES,
                     retry_after_s=1.0,
                 )
             self._pushes_active += 1
             admitted = True
-            manifest = None
-            # BytesIO grows in place and getvalue() hands over its buffer without a copy, so a
-            # payload costs its size once, not twice as a list of chunks plus their join would.
-            buffer = io.BytesIO()
-            async for msg in idle_bounded(request_iterator, lim.push_idle_timeout_s, "replica"):
-                part = msg.WhichOneof("part")
-                if manifest is None:
-                    if part != "manifest":
-                        raise InvalidArgument(
-                            "the first PushAdapter message must be the manifest", reason="NO_MANIFEST"
-                        )
-                    manifest = _to_manifest(msg.manifest)
-                    check_manifest(manifest, fingerprint=self.fingerprint, max_bytes=lim.max_adapter_bytes)
-                    self.registry.check_version(manifest, lim.max_version_step)
-                    continue
-                if part != "chunk":
-                    raise InvalidArgument(
-                        "only the first PushAdapter message may be a manifest", reason="SECOND_MANIFEST"
-                    )
-                if len(msg.chunk) > MAX_CHUNK:
-                    raise InvalidArgument(
-                        f"a chunk of {len(msg.chunk)} bytes exceeds the 1 MiB ({MAX_CHUNK} bytes) chunk limit; "
-                        "split the payload into smaller chunks",
-                        reason="CHUNK_TOO_LARGE",
-                    )
-                received += len(msg.chunk)
-                if received > manifest.byte_length:
-                    raise InvalidArgument(
-                        f"received more than the {manifest.byte_length} bytes the manifest declared",
-                        reason="LENGTH_MISMATCH",
-                    )
-                buffer.write(msg.chunk)
-            if manifest is None:
-                raise InvalidArgument("the upload was empty: send a manifest, then the chunks", reason="NO_MANIFEST")
-            payload = buffer.getvalue()
-            del buffer
-            await check_payload_async(manifest, payload, self.base_shapes)  # hashing, header, finiteness: off the loop
-            outcome = await self.registry.push(manifest, payload, lim.max_version_step)
+            first = await reader.open()
+            manifest = manifest_from_pb(first.manifest)
+            check_manifest(manifest, fingerprint=self.fingerprint, max_bytes=lim.max_adapter_bytes)
+            self.registry.check_version(manifest, lim.max_version_step)
+            if first.relay.nodes:
+                forward = self._relay(first, context)
+            try:
+                async for chunk in reader.chunks(inspector=PayloadInspector(manifest, self.base_shapes)):
+                    self.metrics.push_bytes.inc(len(chunk))
+                    if forward is not None:
+                        await forward.send(chunk)
+            except BaseException as exc:
+                if forward is not None:
+                    forward.abort(f"its parent's upload failed: {exc}"[:300])
+                raise
+            if forward is not None:
+                forward.end()  # the children judge the bytes they got on their own
+            payload = await reader.finish()  # length, digest, header, finiteness: checked as the bytes came
+            push = self.registry.stage if first.stage_only else self.registry.push
+            outcome = await push(manifest, payload, lim.max_version_step)
+            del payload
             self.metrics.set_adapters(self.registry.loaded())
+            if forward is not None:
+                subtree = await forward.results()
             log.info(
-                "adapter_pushed",
+                "adapter_staged" if outcome.staged else "adapter_pushed",
                 adapter=manifest.name,
                 version=manifest.version,
-                bytes=received,
+                bytes=reader.received,
                 already_loaded=outcome.already_loaded,
+                relayed_to=len(subtree),
                 seconds=round(time.monotonic() - start, 4),
             )
             return pb.PushAdapterResponse(
@@ -345,21 +342,78 @@ class GeneratorServicer(generator_pb2_grpc.GeneratorServiceServicer):
                 version=outcome.version,
                 already_loaded=outcome.already_loaded,
                 loaded_versions=outcome.loaded_versions,
+                replicas=subtree,
+                staged=outcome.staged,
             )
         except RollwireError as err:
             code = err.code
+            if forward is not None and not subtree:
+                subtree = await forward.results()
             log.info("adapter_push_refused", code=code.name, reason=err.reason, error=err.message)
-            await context.abort_with_status(to_status(err))
+            await context.abort_with_status(status_with_results(err, subtree))  # pyright: ignore[reportAttributeAccessIssue]  # grpc's stubs lack it; it exists at run time
+            raise AssertionError("unreachable: abort_with_status raises") from err
         except asyncio.CancelledError:
             code = grpc.StatusCode.CANCELLED
+            if forward is not None:
+                forward.abort("its parent's push was cancelled")
             raise
         finally:
+            reader.close()
             if admitted:
                 self._pushes_active -= 1
             self.metrics.pushes.labels(code.name).inc()
-            self.metrics.push_bytes.inc(received)
             self.metrics.push_latency.observe(time.monotonic() - start)
             structlog.contextvars.unbind_contextvars("request_id")
+
+    def _relay(self, first: Opening, context: grpc.aio.ServicerContext) -> Forwarder:
+        """Open a stream to each child of the plan; the caller's authorization and request id
+        travel with them, and their deadline is what is left of this push's own."""
+        relay = self.config.relay
+        if not relay.enabled:
+            raise FailedPrecondition(
+                "this replica does not relay pushes (relay.enabled is false); push to it without a relay plan",
+                reason=Reason.RELAY_DISABLED,
+            )
+        children = split_plan(first.relay, max_children=relay.max_children)
+        remaining = context.time_remaining()
+        deadline = time.monotonic() + (relay.timeout_s if remaining is None else remaining)
+        metadata = [
+            (k, v)
+            for k, v in context.invocation_metadata() or ()
+            if k in ("authorization", REQUEST_ID_KEY) and isinstance(v, str)
+        ]
+        return Forwarder(
+            children,
+            first.manifest,
+            stage_only=first.stage_only,
+            stub_for=self._channels.stub,
+            metadata=metadata,
+            deadline=deadline,
+            queue_chunks=relay.queue_chunks,
+            stall_s=relay.stall_timeout_s,
+            settle_s=relay.settle_timeout_s,
+        )
+
+    async def close(self) -> None:
+        """Close the relay channels (at shutdown)."""
+        await self._channels.close()
+
+    async def CommitAdapter(self, request: pb.CommitAdapterRequest, context) -> pb.CommitAdapterResponse:
+        """Serve a version a `stage_only` push staged here, if its digest is the one named."""
+        try:
+            check_commit(request.name, request.version, request.sha256)
+            outcome = await self.registry.commit(request.name, request.version, request.sha256)
+        except RollwireError as err:
+            log.info("adapter_commit_refused", code=err.code.name, reason=err.reason, error=err.message)
+            await context.abort_with_status(to_status(err))
+        self.metrics.set_adapters(self.registry.loaded())
+        log.info("adapter_committed", adapter=outcome.name, version=outcome.version, again=outcome.already_loaded)
+        return pb.CommitAdapterResponse(
+            name=outcome.name,
+            version=outcome.version,
+            already_loaded=outcome.already_loaded,
+            loaded_versions=outcome.loaded_versions,
+        )
 
     # -- GetStatus ---------------------------------------------------------------------
     async def GetStatus(self, request: pb.GetStatusRequest, context) -> pb.GetStatusResponse:
@@ -389,13 +443,3 @@ class GeneratorServicer(generator_pb2_grpc.GeneratorServiceServicer):
                 for m, (o, i) in sorted(self.base_shapes.items())
             ],
         )
-
-
-def _to_manifest(m: pb.AdapterManifest) -> Manifest:
-    lora = LoraShape(
-        r=m.lora_config.r,
-        lora_alpha=m.lora_config.lora_alpha,
-        target_modules=tuple(m.lora_config.target_modules),
-        use_rslora=m.lora_config.use_rslora,
-    )
-    return Manifest(m.name, m.version, m.base_model_fingerprint, lora, m.byte_length, m.sha256.lower())

@@ -14,6 +14,7 @@ import grpc
 
 from rollwire.common.errors import InvalidArgument, NotFound, RollwireError, to_status
 from rollwire.common.logs import get_logger
+from rollwire.common.reasons import Reason
 from rollwire.proxy.config import check_address
 from rollwire.proxy.replica import Replica
 from rollwire.proxy.replicas import ReplicaSet
@@ -31,7 +32,7 @@ class AdminServicer(admin_pb2_grpc.AdminServiceServicer):
         try:
             check_address(request.address)
         except ValueError as exc:
-            return await _abort(context, InvalidArgument(f"address: {exc}", reason="BAD_ADDRESS"))
+            return await _abort(context, InvalidArgument(f"address: {exc}", reason=Reason.BAD_ADDRESS))
         replica, created = self.replicas.add(request.address, "registered", request.ttl_seconds or None)
         return apb.RegisterGeneratorResponse(replica=replica.status(), created=created)
 
@@ -63,7 +64,7 @@ class AdminServicer(admin_pb2_grpc.AdminServiceServicer):
         known = ", ".join(r.address for r in self.replicas.all()) or "none"
         return NotFound(
             f"no replica {address!r} is registered here (known: {known}); ListGenerators shows them",
-            reason="UNKNOWN_REPLICA",
+            reason=Reason.UNKNOWN_REPLICA,
         )
 
 

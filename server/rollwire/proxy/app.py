@@ -22,6 +22,7 @@ from rollwire.proxy.discovery import DnsDiscovery
 from rollwire.proxy.dispatch import Dispatcher
 from rollwire.proxy.fanout import FanOut
 from rollwire.proxy.metrics import ProxyMetrics
+from rollwire.proxy.peers import Peers
 from rollwire.proxy.policies import make_policy
 from rollwire.proxy.replicas import SERVICE, ReplicaSet
 from rollwire.proxy.servicer import ProxyServicer
@@ -43,6 +44,7 @@ class RunningProxy:
     replicas: ReplicaSet
     spool_dir: Path
     owns_spool: bool
+    peers: Peers | None = None
     tasks: list[asyncio.Task] = field(default_factory=list)
 
     @property
@@ -57,6 +59,8 @@ class RunningProxy:
         await self.endpoint.stop(grace)
         for task in self.tasks:
             task.cancel()
+        if self.peers is not None:
+            await self.peers.close()
         await self.replicas.close()
         if self.owns_spool:
             shutil.rmtree(self.spool_dir, ignore_errors=True)
@@ -66,7 +70,10 @@ async def start_proxy(config: ProxyConfig) -> RunningProxy:
     """Listen at once; replicas join as their health checks and catch-ups succeed."""
     routing = config.routing
     metrics = ProxyMetrics(config.policy)
-    endpoint = listen("proxy", config.host, config.port, config.auth, config.tls, config.metrics_port, metrics.registry)
+    keepalive = config.keepalive.keepalive()
+    endpoint = listen(
+        "proxy", config.host, config.port, config.auth, config.tls, config.metrics_port, metrics.registry, keepalive
+    )
     owns_spool = not config.spool.dir
     spool_dir = Path(config.spool.dir or tempfile.mkdtemp(prefix="rollwire-spool-"))
     spool_dir.mkdir(parents=True, exist_ok=True)
@@ -82,14 +89,26 @@ async def start_proxy(config: ProxyConfig) -> RunningProxy:
         if dispatcher is not None:
             dispatcher.wake()
 
-    replicas = ReplicaSet(config, spool, metrics, on_change, Upstream.from_config(config.upstream))
+    upstream = Upstream.from_config(config.upstream, keepalive)
+    replicas = ReplicaSet(config, spool, metrics, on_change, upstream)
     policy = make_policy(
         config.policy, affinity_load_factor=routing.affinity_load_factor, affinity_min_gap=routing.affinity_min_gap
     )
     dispatcher = Dispatcher(replicas, policy, routing, metrics, config.fairness)
     proxy_id = config.proxy_id or f"proxy@{config.host}:{endpoint.port}"
-    fanout = FanOut(spool, replicas, config.health, routing, metrics)
-    servicer = ProxyServicer(config, replicas, dispatcher, spool, fanout, metrics, proxy_id)
+    peers = Peers(
+        config.peers,
+        config.peering,
+        spool=spool,
+        replicas=replicas,
+        metrics=metrics,
+        proxy_id=proxy_id,
+        upstream=upstream,
+        check_timeout_s=config.health.timeout_s,
+        idle_s=config.spool.upload_idle_timeout_s,
+    )
+    fanout = FanOut(spool, replicas, config, metrics, peers)
+    servicer = ProxyServicer(config, replicas, dispatcher, spool, fanout, metrics, proxy_id, peers)
     generator_pb2_grpc.add_GeneratorServiceServicer_to_server(servicer, endpoint.server)
     admin_pb2_grpc.add_AdminServiceServicer_to_server(AdminServicer(replicas), endpoint.server)
     await endpoint.start([SERVICE, ADMIN_SERVICE], config.host, config.tls)
@@ -97,7 +116,8 @@ async def start_proxy(config: ProxyConfig) -> RunningProxy:
     await endpoint.set_health(SERVICE, False)
     for address in config.generators:
         replicas.add(address, "static")
-    running = RunningProxy(endpoint, servicer, replicas, spool_dir, owns_spool)
+    running = RunningProxy(endpoint, servicer, replicas, spool_dir, owns_spool, peers)
+    peers.start()
     if config.discover:
         discovery = DnsDiscovery(
             config.discover, config.discover_interval_s, lambda found: replicas.reconcile("dns", found)
@@ -111,6 +131,7 @@ async def start_proxy(config: ProxyConfig) -> RunningProxy:
         policy=config.policy,
         generators=config.generators,
         discover=config.discover,
+        peers=config.peers,
         spool=str(spool_dir),
     )
     return running

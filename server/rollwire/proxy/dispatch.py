@@ -30,6 +30,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from rollwire.common.errors import DeadlineExceeded, ResourceExhausted, Unavailable
+from rollwire.common.reasons import Reason
 from rollwire.proxy.config import FairnessSection, RoutingSection
 from rollwire.proxy.metrics import ProxyMetrics
 from rollwire.proxy.policies import Policy
@@ -144,7 +145,7 @@ class Dispatcher:
             raise ResourceExhausted(
                 f"this client already has {client.in_flight} requests open at the proxy (limit {limit} per client); "
                 "wait for some to finish, or retry after the hinted delay",
-                reason="CLIENT_LIMIT",
+                reason=Reason.CLIENT_LIMIT,
                 retry_after_s=self.routing.retry_after_s,
             )
         self.clients[name] = client
@@ -183,7 +184,7 @@ class Dispatcher:
                 f"this client already has {client.queued_work} tokens of work (n x max_new_tokens) waiting in the "
                 f"proxy's queue and this request would take it over the limit of {limit} per client; retry after the "
                 "hinted delay",
-                reason="CLIENT_LIMIT",
+                reason=Reason.CLIENT_LIMIT,
                 retry_after_s=self.routing.retry_after_s,
             )
         if self._waiting >= self.routing.max_queue:
@@ -192,7 +193,7 @@ class Dispatcher:
                 f"every replica that can serve {need} is at its limit of {self.routing.max_in_flight_per_replica} groups "
                 f"and {self._waiting} requests already wait in the proxy (limit {self.routing.max_queue}); "
                 "retry after the hinted delay or add replicas",
-                reason="PROXY_QUEUE_FULL",
+                reason=Reason.PROXY_QUEUE_FULL,
                 retry_after_s=self.routing.retry_after_s,
             )
         waiter = _Waiter(need, key, work, exclude, client)
@@ -240,7 +241,7 @@ class Dispatcher:
                     raise DeadlineExceeded(
                         f"the request waited {now - start:.1f}s in the proxy's queue and its deadline passed before "
                         "a replica slot freed up; send fewer concurrent requests or add replicas",
-                        reason="QUEUE_DEADLINE",
+                        reason=Reason.QUEUE_DEADLINE,
                     )
                 raise self._no_replica(waiter.need, now - start)
             done, _ = await asyncio.wait({waiter.future}, timeout=limit - now)
@@ -261,7 +262,7 @@ class Dispatcher:
         return Unavailable(
             f"no generator replica could serve {need} for {waited:.1f}s ({self.replicas.describe()}); "
             "retry later or check the replicas",
-            reason="NO_REPLICA",
+            reason=Reason.NO_REPLICA,
             retry_after_s=self.routing.retry_after_s,
         )
 

@@ -27,6 +27,7 @@ import grpc
 
 from rollwire.common.errors import DeadlineExceeded, Unavailable, from_rpc_error
 from rollwire.common.logs import REQUEST_ID_KEY, get_logger
+from rollwire.common.reasons import Reason
 from rollwire.proxy import faults
 from rollwire.proxy.config import RoutingSection
 from rollwire.proxy.dispatch import Client, Dispatcher, Lease, Need
@@ -108,7 +109,7 @@ class GroupRun:
             )
             failure = None
             try:
-                async with contextlib.aclosing(self._attempt(lease)) as stream:
+                async with contextlib.aclosing(self._attempt(lease)) as stream:  # pyright: ignore[reportArgumentType]  # the library's annotation is narrower than what it accepts
                     async for message in stream:
                         yield message
             except AttemptFailed as exc:
@@ -129,7 +130,7 @@ class GroupRun:
         raise Unavailable(
             f"the group failed on {len(failures)} attempts and was not completed: "
             f"{'; '.join(_sentence(f) for f in failures)}; retry the request",
-            reason="ATTEMPTS_EXHAUSTED",
+            reason=Reason.ATTEMPTS_EXHAUSTED,
             retry_after_s=self.routing.retry_after_s,
         )
 
@@ -160,7 +161,8 @@ class GroupRun:
         except grpc.aio.AioRpcError as exc:
             raise self._classify(replica, exc, visible) from None
         except asyncio.CancelledError:
-            if attempt.abandoned and not asyncio.current_task().cancelling():
+            task = asyncio.current_task()
+            if attempt.abandoned and not (task and task.cancelling()):
                 raise AttemptFailed(replica, "ABANDONED", attempt.abandoned, visible, "abandoned") from None
             raise
         finally:
@@ -227,7 +229,7 @@ class GroupRun:
     def _deadline_error(self) -> DeadlineExceeded:
         return DeadlineExceeded(
             "the group did not finish before its deadline; give the request a longer deadline or ask for fewer tokens",
-            reason="DEADLINE",
+            reason=Reason.DEADLINE,
         )
 
 

@@ -1,17 +1,42 @@
-"""Publishing an adapter version: spool it, then push it to every healthy replica at once.
+"""Publishing an adapter version: relay it down a tree of replicas while it arrives, stage it
+everywhere, heal whoever missed it, then commit it everywhere.
 
-Invariants:
-- versions of one name are published one at a time, in the order they commit to the spool,
-  so every replica receives them in increasing order;
-- the reply lists every replica: its push result, or why it was not pushed now;
-- the push succeeds when at least one replica accepted it; a healthy replica that refused
-  it while others accepted is taken out of rotation until a catch-up brings it up to date;
-- when every replica refused, the push itself is at fault: the first replica's status is
-  passed through unchanged, the new version leaves the spool and no replica changes state;
-- only validated uploads are published (the proxy ran the replicas' checks on them), and a
-  publication, once started, runs to its end even when the client goes away (deadline,
-  cancellation): the version committed to the spool is known good, replicas accept it now or
-  on catch-up, so a cut-off push cannot leave the spool holding something they refuse.
+The steps of one publication (`FanOut.push`):
+1. the client's manifest is checked as a replica would (base model, name, version, size,
+   spool room); the version's name is locked, so versions of one name are published one at
+   a time, in order;
+2. cut-through: chunks go on to the proxy's children of a relay tree (plan.py) as they
+   arrive, `stage_only`, and each replica forwards them to its own children while it
+   receives them; the proxy's copy is hashed and written to the spool's `.incoming/` by a
+   worker thread alongside (push.PushReader). Nothing is forwarded before the payload's
+   header passed the replicas' header checks, and the chunk that completes the payload is
+   held back until the digest and the full payload check passed at the proxy, so no replica
+   ever holds a complete payload the proxy refused;
+3. the version is committed to the spool (atomically, durably): catch-up can use it now;
+4. every replica verifies its own copy (length, sha256, tensors against the base model,
+   finiteness) and stages it; a healthy target that did not stage it (its parent died or
+   was cut off for stalling, or it refused bytes a hop altered) gets it again from the
+   proxy's copy: first a relay over the missed targets (the ones that failed themselves as
+   leaves), then, for any still missing, directly; all within `health.push_timeout_s`;
+5. the proxy commits (CommitAdapter with the digest) on every target that staged it.
+
+What "all-or-nothing" means: no replica serves the version before every healthy target has
+staged it or has definitively failed to (step 4 ended); then it is committed on every
+target that staged it, within one round of commit calls. A healthy target that still could
+not stage it, or whose commit failed, is taken out of rotation until a catch-up brings it
+up to date, so among routable replicas the version is served by all or by none (up to the
+commit round). When no target staged it, nothing is committed anywhere, the version leaves
+the spool, and the first target's own refusal is returned as the replica gave it.
+
+Further invariants:
+- the reply lists every replica: its outcome, or why it was not pushed now;
+- a publication, once the upload completed, runs to its end even when the client goes away
+  (deadline, cancellation): the version committed to the spool is known good, replicas
+  accept it now or on catch-up; an upload cut short stages nothing (every child stream is
+  cancelled) and leaves nothing in the spool;
+- the proxy holds the payload once in memory, as the chunks it received (`bytes` objects,
+  never copied or joined), which it forwards and, when healing, sends again; it hashes and
+  checks them once, on its reader's worker thread.
 """
 
 from __future__ import annotations
@@ -19,109 +44,387 @@ from __future__ import annotations
 import asyncio
 import time
 from collections import defaultdict
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
 
-from rollwire.common.errors import Unavailable
-from rollwire.common.logs import get_logger
-from rollwire.proxy.config import HealthSection, RoutingSection
+import grpc
+
+from rollwire.common.errors import FailedPrecondition, Unavailable
+from rollwire.common.logs import REQUEST_ID_KEY, get_logger
+from rollwire.common.push import Manifest, PushReader, manifest_from_pb
+from rollwire.common.reasons import Reason
+from rollwire.common.safetensors_header import HeaderError, header_length
+from rollwire.generator.adapters import MAX_HEADER_BYTES, PayloadInspector, check_header
+from rollwire.proxy.config import ProxyConfig
 from rollwire.proxy.metrics import ProxyMetrics
-from rollwire.proxy.relay import Relay
+from rollwire.proxy.peers import Peers
+from rollwire.proxy.plan import Target, choose_fanout, layout
 from rollwire.proxy.replica import PushResult, Replica
 from rollwire.proxy.replicas import ReplicaSet
 from rollwire.proxy.spool import Spool, SpooledAdapter, Upload
+from rollwire.serving.forward import Forwarder
 from rollwire.v1 import generator_pb2 as pb
 
 log = get_logger(__name__)
+SUSPECT_S = 600.0
+"""A replica whose own relay hop failed is planned as a leaf for this long."""
+MIN_HEAL_S = 0.5
+"""A heal round starts only with at least this much of the push deadline left."""
+INLINE_HEADER_BYTES = 64 << 10  # larger headers are parsed off the event loop
+
+
+class HeaderGate:
+    """What the proxy forwards of a client's upload, and when: nothing until the payload's
+    safetensors header passed the replicas' header checks (so a malformed payload never
+    reaches a replica), then each chunk as it arrives, except the one that completes the
+    payload, held in `held` until the proxy's digest and full payload check passed."""
+
+    def __init__(self, manifest: Manifest, base_shapes: dict[str, tuple[int, int]]) -> None:
+        self.manifest, self.base_shapes = manifest, base_shapes
+        self.prefix = bytearray()
+        self.header_ok = False
+        self.waiting: list[bytes] = []
+        self.seen = 0
+        self.held: bytes | None = None
+
+    async def feed(self, chunk: bytes) -> list[bytes]:
+        """The chunks that may be forwarded now."""
+        self.seen += len(chunk)
+        self.waiting.append(chunk)
+        if not self.header_ok:
+            self.prefix += chunk
+            if not await self._header_checked():
+                return []
+        ready, self.waiting = self.waiting, []
+        if self.seen == self.manifest.byte_length and ready:
+            self.held = ready.pop()
+        return ready
+
+    async def _header_checked(self) -> bool:
+        """True once the header passed; raises when it fails; False while it is incomplete."""
+        if len(self.prefix) < 8:
+            return self.seen >= self.manifest.byte_length and self._check(bytes(self.prefix))
+        try:
+            need = 8 + header_length(self.prefix)
+        except HeaderError:  # pragma: no cover - 8 bytes are there
+            need = 8
+        if len(self.prefix) < need and need <= min(self.manifest.byte_length, 8 + MAX_HEADER_BYTES):
+            return False  # the header is still arriving (what read_entries would refuse is refused then)
+        data = bytes(self.prefix[: max(need, 8)])
+        if len(data) > INLINE_HEADER_BYTES:
+            await asyncio.to_thread(self._check, data)
+        else:
+            self._check(data)
+        self.prefix = bytearray()
+        self.header_ok = True
+        return True
+
+    def _check(self, data: bytes) -> bool:
+        check_header(self.manifest, data, self.base_shapes)
+        return True
+
+
+@dataclass
+class _Outcome:
+    """Where one target stands in a publication."""
+
+    replica: Replica
+    code: grpc.StatusCode = grpc.StatusCode.UNAVAILABLE
+    message: str = "not pushed: the relay did not reach it"
+    reason: str = Reason.RELAY_NOT_REACHED
+    direct: bool = False
+    """Its last copy came straight from the proxy (a refusal of those bytes is its own verdict)."""
+    healed: bool = False
+
+    @property
+    def ok(self) -> bool:
+        return self.code == grpc.StatusCode.OK
+
+    def retry_worthwhile(self) -> bool:
+        """Might another copy of the same bytes succeed? Not for a version conflict or a
+        base-model mismatch, a size over the replica's limit, or bytes it refused that it got
+        from the proxy directly; yes for a failure of the path (a dead or stalled parent, bytes
+        altered on the way, a full replica, an unreachable one, one that does not relay: it is
+        planned as a leaf then)."""
+        if self.ok:
+            return False
+        if self.code == grpc.StatusCode.FAILED_PRECONDITION:
+            return self.reason == Reason.RELAY_DISABLED  # it takes the bytes as a leaf
+        if self.code == grpc.StatusCode.RESOURCE_EXHAUSTED and self.reason == Reason.ADAPTER_TOO_LARGE:
+            return False
+        return not (self.code == grpc.StatusCode.INVALID_ARGUMENT and self.direct)
+
+
+@dataclass
+class _Publication:
+    """One version on its way: its manifest, targets, deadline and request id."""
+
+    manifest: pb.AdapterManifest
+    targets: dict[str, Replica]
+    deadline: float
+    request_id: str
+    base_shapes: dict[str, tuple[int, int]]
+    outcomes: dict[str, _Outcome] = field(default_factory=dict)
+    started: float = field(default_factory=time.monotonic)
 
 
 class FanOut:
     def __init__(
-        self, spool: Spool, replicas: ReplicaSet, health: HealthSection, routing: RoutingSection, metrics: ProxyMetrics
+        self, spool: Spool, replicas: ReplicaSet, config: ProxyConfig, metrics: ProxyMetrics, peers: Peers | None = None
     ) -> None:
-        self.spool, self.replicas, self.health, self.routing, self.metrics = spool, replicas, health, routing, metrics
+        self.spool, self.replicas, self.config, self.metrics = spool, replicas, config, metrics
+        self.peers = peers
         self._locks: defaultdict[str, asyncio.Lock] = defaultdict(asyncio.Lock)
         self._tasks: set[asyncio.Task] = set()
+        self._suspect: dict[str, float] = {}  # address -> when its own relay hop last failed
 
-    async def publish(self, upload: Upload, request_id: str) -> pb.PushAdapterResponse:
-        """Commit a validated `upload` to the spool and push it to every healthy replica
-        concurrently. Takes ownership of the upload; a cancelled caller does not stop it."""
-        if not upload.validated:
-            upload.discard()
-            raise RuntimeError("only validated uploads may be published")
-        task = asyncio.create_task(self._publish(upload, request_id))
+    # -- receiving (the client's call) ----------------------------------------------------
+    async def push(self, messages: AsyncIterator[pb.PushAdapterRequest], request_id: str) -> pb.PushAdapterResponse:
+        """Receive a client's upload, relaying it as it arrives, then publish it. Until the
+        upload is complete every exit (a refusal, the client's cancellation) cancels the relay
+        and leaves nothing behind; after that the publication runs to its end."""
+        reader = PushReader(messages, self.config.spool.upload_idle_timeout_s, "proxy", keep_chunks=True)
+        upload: Upload | None = None
+        lock: asyncio.Lock | None = None
+        forward: Forwarder | None = None
+        try:
+            first = await reader.open()
+            if first.relay.nodes or first.stage_only:
+                raise FailedPrecondition(
+                    "a proxy plans its own relay and stages and commits by itself: push without relay and "
+                    "stage_only (those are for replicas)",
+                    reason=Reason.PROXY_PUBLISHES,
+                )
+            fingerprint, base_shapes = self.replicas.push_basis()
+            upload = self.spool.admit(first.manifest, fingerprint)
+            name_lock = self._locks[first.manifest.name]
+            await name_lock.acquire()
+            lock = name_lock  # only once held: a caller cancelled while waiting releases nothing
+            self.spool.check_version(first.manifest)  # again: a publication of this name may have ended meanwhile
+            pub = self._start(first.manifest, base_shapes, request_id)
+            gate = HeaderGate(manifest_from_pb(first.manifest), base_shapes)
+            inspector = PayloadInspector(manifest_from_pb(first.manifest), base_shapes)
+            async for chunk in reader.chunks(store=upload.path, inspector=inspector):
+                for piece in await gate.feed(chunk):
+                    forward = forward or self._relay(pub)
+                    await forward.send(piece)
+            payload = await reader.finish_chunks(sync=False)  # digest and tensors checked: the replicas' checks
+            upload.validated = True
+        except BaseException as exc:
+            if forward is not None:
+                forward.abort(f"the upload to the proxy failed: {exc}"[:300])
+            reader.close()
+            if upload is not None:
+                upload.discard()
+            if lock is not None:
+                lock.release()
+            raise
+        task = asyncio.create_task(self._publish(pub, upload, payload, gate.held, forward, lock))
         self._tasks.add(task)
         task.add_done_callback(self._finished)
         return await asyncio.shield(task)
+
+    def _start(self, manifest: pb.AdapterManifest, base_shapes, request_id: str) -> _Publication:
+        targets = self.replicas.healthy()
+        if not targets:
+            raise Unavailable(
+                f"no healthy generator replica to push adapter {manifest.name!r} v{manifest.version} to "
+                f"({self.replicas.describe()}); nothing was applied, retry when a replica is up",
+                reason=Reason.NO_REPLICA,
+                retry_after_s=self.config.routing.retry_after_s,
+            )
+        deadline = time.monotonic() + self.config.health.push_timeout_s
+        pub = _Publication(manifest, {r.address: r for r in targets}, deadline, request_id, base_shapes)
+        pub.outcomes = {r.address: _Outcome(r) for r in targets}
+        return pub
 
     def _finished(self, task: asyncio.Task) -> None:
         self._tasks.discard(task)
         if not task.cancelled() and task.exception() is not None:
             log.info("adapter_publish_ended", error=str(task.exception())[:300])
 
-    async def _publish(self, upload: Upload, request_id: str) -> pb.PushAdapterResponse:
-        async with self._locks[upload.manifest.name]:
-            adapter, created = self.spool.commit(upload)  # consumes the upload on every exit
-            targets = self.replicas.healthy()
-            if not targets:
-                self._forget(adapter, created)
-                raise Unavailable(
-                    f"no healthy generator replica to push adapter {adapter.name!r} v{adapter.version} to "
-                    f"({self.replicas.describe()}); nothing was applied, retry when a replica is up",
-                    reason="NO_REPLICA",
-                    retry_after_s=self.routing.retry_after_s,
-                )
-            start = time.monotonic()
-            payload = await adapter.payload()
-            results = await asyncio.gather(*(self._push(r, adapter, payload, request_id) for r in targets))
-            self.metrics.fanout_latency.observe(time.monotonic() - start)
-            accepted = [r for r in results if r.ok]
+    # -- the relay ------------------------------------------------------------------------
+    def _order(self, addresses: list[str]) -> list[Target]:
+        """Targets in planning order: the trusted first (inner nodes), suspects last (leaves)."""
+        now = time.monotonic()
+        self._suspect = {a: t for a, t in self._suspect.items() if now - t < SUSPECT_S}
+        members = {r.address: r for r in self.replicas.all()}
+
+        def key(address: str):
+            r = members.get(address)
+            return (address in self._suspect, not (r is not None and r.routable(now)), address)
+
+        return [Target(a, members[a].name if a in members else a) for a in sorted(addresses, key=key)]
+
+    def _relay(self, pub: _Publication, addresses: list[str] | None = None, star: bool = False) -> Forwarder:
+        """Plan a tree over `addresses` (default: every target) and open the proxy's streams."""
+        order = self._order(list(pub.targets) if addresses is None else addresses)
+        k = len(order) if star else self._fanout(len(order), pub.manifest.byte_length)
+        children = layout(order, k)
+        for child in children:
+            pub.outcomes[child.address].direct = True
+        for child in children:
+            for address, _ in child.subtree():
+                pub.outcomes[address].direct = False
+        log.info(
+            "adapter_relay_planned",
+            adapter=pub.manifest.name,
+            version=pub.manifest.version,
+            replicas=len(order),
+            fanout=k,
+            children=[c.address for c in children],
+        )
+        metadata = ((REQUEST_ID_KEY, pub.request_id), *self.replicas.upstream.metadata)
+        return Forwarder(
+            children,
+            pub.manifest,
+            stage_only=True,
+            stub_for=lambda address: pub.targets[address].generator,
+            metadata=metadata,
+            deadline=pub.deadline,
+            queue_chunks=self.config.push.queue_chunks,
+            stall_s=self.config.push.stall_timeout_s,
+            settle_s=self.config.push.settle_timeout_s,
+        )
+
+    def _fanout(self, n: int, size: int) -> int:
+        p = self.config.push
+        return choose_fanout(p.fanout, n, size, p.max_fanout)
+
+    async def _collect(self, pub: _Publication, forward: Forwarder, healing: bool) -> None:
+        """Record what the relay tree reported; a replica that failed by itself (not for want of
+        a parent) becomes a suspect, planned as a leaf for a while."""
+        for r in await forward.results():
+            outcome = pub.outcomes.get(r.address)
+            if outcome is None:  # a hostile or confused replica reported a stranger: ignore it
+                continue
+            outcome.code = grpc.StatusCode[r.code] if r.code in grpc.StatusCode.__members__ else grpc.StatusCode.UNKNOWN
+            outcome.message, outcome.reason = r.message, r.reason
+            if outcome.ok and healing:
+                outcome.healed = True
+                self.metrics.push_heals.labels(r.address).inc()
+            if not outcome.ok and r.reason != Reason.RELAY_NOT_REACHED:
+                self._suspect[r.address] = time.monotonic()
+
+    async def _heal(self, pub: _Publication, payload: list[bytes]) -> None:
+        """Give the bytes again, from the proxy's copy, to every healthy target that missed
+        them for a reason another copy may fix: a relay over them, then directly."""
+        for star in (False, True):
+            healthy = {r.address for r in self.replicas.healthy()}
+            missing = [a for a, o in pub.outcomes.items() if o.retry_worthwhile() and a in healthy]
+            if not missing or pub.deadline - time.monotonic() < MIN_HEAL_S:
+                return
             log.info(
-                "adapter_published",
-                adapter=adapter.name,
-                version=adapter.version,
-                accepted=len(accepted),
-                replicas=len(results),
-                seconds=round(time.monotonic() - start, 4),
+                "adapter_relay_healing",
+                adapter=pub.manifest.name,
+                version=pub.manifest.version,
+                replicas=missing,
+                direct=star,
             )
-            if not accepted:
-                if not created:  # an older spooled copy: maybe one no replica accepts (quarantined then)
-                    for result in results:
-                        self.replicas.note_refusal(result.replica, adapter, result.code, result.reason, result.message)
-                self._forget(adapter, created)
-                first = results[0]
-                raise (
-                    Relay(first.error) if first.error is not None else Unavailable(first.message, reason="PUSH_FAILED")
-                )
-            for result in results:
-                if not result.ok:
-                    self.replicas.note_refusal(result.replica, adapter, result.code, result.reason, result.message)
-                    self.replicas.mark_unsynced(
-                        result.replica,
-                        f"push of {adapter.name!r} v{adapter.version} failed with {result.code.name}: {result.message}",
-                    )
-            return self._reply(adapter, results, targets)
+            forward = self._relay(pub, missing, star=star)
+            for piece in payload:
+                await forward.send(piece)
+            forward.end()
+            await self._collect(pub, forward, healing=True)
 
-    async def _push(self, replica: Replica, adapter: SpooledAdapter, payload: bytes, request_id: str) -> PushResult:
-        async with replica.push_lock:
-            result = await replica.push(adapter, payload, self.health.push_timeout_s, request_id)
-        self.metrics.pushes.labels(replica.address, result.code.name).inc()
-        if result.ok:
-            self.metrics.versions.labels(replica.address, adapter.name).set(replica.newest(adapter.name))
-        return result
-
-    def _forget(self, adapter: SpooledAdapter, created: bool) -> None:
-        if created:
-            self.spool.discard(adapter)
-
-    def _reply(
-        self, adapter: SpooledAdapter, results: list[PushResult], targets: list[Replica]
+    # -- publishing -----------------------------------------------------------------------
+    async def _publish(
+        self,
+        pub: _Publication,
+        upload: Upload,
+        payload: list[bytes],
+        held: bytes | None,
+        forward: Forwarder | None,
+        lock: asyncio.Lock,
     ) -> pb.PushAdapterResponse:
-        accepted = [r.reply for r in results if r.ok]
-        loaded = set.intersection(*(set(reply.loaded_versions) for reply in accepted))
+        try:
+            forward = forward or self._relay(pub)
+            if held is not None:
+                await forward.send(held)
+            forward.end()
+            try:  # the spool write becomes durable while the replicas verify and stage
+                await asyncio.to_thread(self.spool.sync, upload)
+                adapter, created = self.spool.commit(upload)  # consumes the upload on every exit
+            except BaseException as exc:
+                forward.abort(f"the proxy could not spool the payload: {exc}"[:300])
+                upload.discard()
+                raise
+            await self._collect(pub, forward, healing=False)
+            await self._heal(pub, payload)
+            del payload
+            if self.peers is not None and any(o.ok for o in pub.outcomes.values()):
+                await self.peers.share(
+                    adapter, pub.request_id
+                )  # in every peer proxy's spool before any replica serves it
+            results = await self._commit(pub)
+            self.metrics.fanout_latency.observe(time.monotonic() - pub.started)
+            return self._settle(pub, adapter, created, results)
+        finally:
+            lock.release()
+
+    async def _commit(self, pub: _Publication) -> list[PushResult]:
+        """CommitAdapter on every target that staged the version; the others keep their
+        staging failure. One result per target, in address order."""
+        timeout = self.config.push.commit_timeout_s
+        ready = [o.replica for o in pub.outcomes.values() if o.ok]
+        committed = await asyncio.gather(*(r.commit(pub.manifest, timeout, pub.request_id) for r in ready))
+        by_address = {r.replica.address: r for r in committed}
+        results = []
+        for address in sorted(pub.outcomes):
+            o = pub.outcomes[address]
+            result = by_address.get(address) or PushResult(o.replica, o.code, o.message, o.reason)
+            self.metrics.pushes.labels(address, result.code.name).inc()
+            if result.ok:
+                self.metrics.versions.labels(address, pub.manifest.name).set(o.replica.newest(pub.manifest.name))
+            results.append(result)
+        return results
+
+    def _settle(
+        self, pub: _Publication, adapter: SpooledAdapter, created: bool, results: list[PushResult]
+    ) -> pb.PushAdapterResponse:
+        accepted = [r for r in results if r.ok]
+        log.info(
+            "adapter_published",
+            adapter=adapter.name,
+            version=adapter.version,
+            accepted=len(accepted),
+            replicas=len(results),
+            healed=sum(o.healed for o in pub.outcomes.values()),
+            seconds=round(time.monotonic() - pub.started, 4),
+        )
+        # only a refusal of the proxy's own bytes is the replica's verdict on the version (what
+        # quarantine counts); bytes a hop altered, a dead parent or a failed commit are not
+        verdicts = [
+            r
+            for r in results
+            if not r.ok and pub.outcomes[r.replica.address].direct and not pub.outcomes[r.replica.address].ok
+        ]
+        if not accepted:
+            if not created:  # an older spooled copy: maybe one no replica accepts (quarantined then)
+                for result in verdicts:
+                    self.replicas.note_refusal(result.replica, adapter, result.code, result.reason, result.message)
+            if created:
+                self.spool.discard(adapter)
+            own = [r for r in results if r.reason not in (Reason.RELAY_NOT_REACHED, Reason.RELAY_ABORTED)]
+            raise (own or results)[0].refusal(self.config.routing.retry_after_s)
+        for result in verdicts:
+            self.replicas.note_refusal(result.replica, adapter, result.code, result.reason, result.message)
+        for result in results:
+            if not result.ok:
+                self.replicas.mark_unsynced(
+                    result.replica,
+                    f"push of {adapter.name!r} v{adapter.version} failed with {result.code.name}: {result.message}",
+                )
+        return self._reply(adapter, results, list(pub.targets))
+
+    def _reply(self, adapter: SpooledAdapter, results: list[PushResult], pushed: list[str]) -> pb.PushAdapterResponse:
+        accepted = [r.reply for r in results if r.ok and r.reply is not None]
+        loaded = set.intersection(*(set(reply.loaded_versions) for reply in accepted)) if accepted else set()
         per_replica = [r.to_pb() for r in results]
-        pushed = {r.address for r in targets}
         per_replica += [
             pb.ReplicaPushResult(
                 replica=r.name,
+                address=r.address,
                 code="UNAVAILABLE",
                 message=f"not pushed now ({r.state()}); it is caught up before it serves again",
             )

@@ -9,27 +9,16 @@ Rule: only a status that means the replica is sick counts; a status a client can
 never does, so no request, however malformed, can eject a replica. A relayed status is the
 client's and is counted per code in `rollwire_proxy_client_errors_total`.
 
-| replica status                                        | retry        | counts      |
-|-------------------------------------------------------|--------------|-------------|
-| UNAVAILABLE (refused/reset connection, shutting down) | yes          | yes         |
-| DEADLINE_EXCEEDED before the group's deadline (stall) | yes          | yes         |
-| DEADLINE_EXCEEDED at the group's deadline             | no (DEADLINE_EXCEEDED to the client) | no |
-| INTERNAL/UNKNOWN reason ENGINE_FAILED (whole batch)   | yes          | yes         |
-| INTERNAL/UNKNOWN with no rollwire reason, or DATA_LOSS, ABORTED, UNIMPLEMENTED and codes not listed here | once ("suspect") | only if the same request then succeeds on another replica |
-| INTERNAL/UNKNOWN with a per-request reason (ROW_FAILED, NON_FINITE_LOGITS, any other) | no | no |
-| RESOURCE_EXHAUSTED reason QUEUE_FULL (replica busy)   | yes          | no          |
-| NOT_FOUND/FAILED_PRECONDITION ADAPTER_* where the proxy believed the replica held the version (stale view) | yes (replica re-synced, not ejected) | no |
-| CANCELLED (the replica cancelled: not the client, whose cancellation never reaches here) | yes | no |
-| INVALID_ARGUMENT, FAILED_PRECONDITION, NOT_FOUND, OUT_OF_RANGE, ALREADY_EXISTS, PERMISSION_DENIED, UNAUTHENTICATED, other RESOURCE_EXHAUSTED | no | no |
+The rows (which codes and reasons mean sick, busy, stale, unexplained or client-caused) are
+the fleet's retry policy, stated for every layer in rollwire.common.retries (its TABLE is
+the proxy's columns of docs/protocol.md); this module applies them to one attempt.
 
-A suspect (an unexplained INTERNAL/UNKNOWN) may be a replica bug or a request that
-trips a bug on every replica: it is retried once elsewhere; if the same request succeeds
-there the first replica was at fault and one failure is counted against it; if it fails
-the same way again it is the request: the second status is relayed and nothing is counted.
-
-Retries by layer: the SDK retries only UNAVAILABLE and RESOURCE_EXHAUSTED with the
-server's hint (its own policy); the proxy retries per the table, at most
-`routing.max_attempts` attempts within the request's deadline; a replica never retries.
+A suspect (an unexplained INTERNAL/UNKNOWN, or a code no row names) may be a replica bug or
+a request that trips a bug on every replica: it is retried once elsewhere; if the same
+request succeeds there the first replica was at fault and one failure is counted against it;
+if it fails the same way again it is the request: the second status is relayed and nothing
+is counted. The proxy retries at most `routing.max_attempts` attempts within the request's
+deadline.
 """
 
 from __future__ import annotations
@@ -38,26 +27,17 @@ from dataclasses import dataclass
 
 import grpc
 
-C = grpc.StatusCode
-ENGINE_FAILED = "ENGINE_FAILED"
-"""Reason of an INTERNAL that failed a whole forward pass: no row to blame, the replica is sick."""
-STALE_VIEW = frozenset({"ADAPTER_NOT_FOUND", "ADAPTER_VERSION_NOT_FOUND", "ADAPTER_VERSION_EVICTED"})
-"""A replica refusing a version the proxy believed it held: the proxy's view is stale."""
-SICK = frozenset({C.UNAVAILABLE})
-"""Statuses that mean the replica itself failed, whatever the request."""
-UNEXPLAINED = frozenset({C.INTERNAL, C.UNKNOWN})
-CLIENT = frozenset(
-    {
-        C.INVALID_ARGUMENT,
-        C.FAILED_PRECONDITION,
-        C.NOT_FOUND,
-        C.OUT_OF_RANGE,
-        C.ALREADY_EXISTS,
-        C.PERMISSION_DENIED,
-        C.UNAUTHENTICATED,
-        C.RESOURCE_EXHAUSTED,
-    }
+from rollwire.common.retries import (
+    CLIENT_CAUSED,
+    REPLICA_BUSY,
+    REPLICA_SICK,
+    REPLICA_SICK_REASONS,
+    STALE_VIEW,
+    UNEXPLAINED,
 )
+
+C = grpc.StatusCode
+CLIENT = CLIENT_CAUSED
 """Statuses a request can cause: relayed, never counted."""
 
 
@@ -93,7 +73,7 @@ def classify(
     version_pinned: bool = False,
     suspected_before: bool = False,
 ) -> Verdict:
-    """The verdict on one failed attempt (see the module docstring's table).
+    """The verdict on one failed attempt (the rows: rollwire.common.retries.TABLE).
 
     `group_deadline_passed`: the request's own deadline is reached (a DEADLINE_EXCEEDED then
     is the client's deadline, not a stall). `version_pinned`: the proxy routed the group to
@@ -102,17 +82,17 @@ def classify(
     """
     if code == C.DEADLINE_EXCEEDED:
         return DEADLINE if group_deadline_passed else REPLICA
-    if code in SICK:
+    if code in REPLICA_SICK:
         return REPLICA
     if code == C.CANCELLED:
         return CANCELLED
-    if code == C.RESOURCE_EXHAUSTED and reason == "QUEUE_FULL":
+    if code == C.RESOURCE_EXHAUSTED and reason in REPLICA_BUSY:
         return BUSY
     if reason in STALE_VIEW and version_pinned:
         return STALE
     if code in CLIENT:
         return CLIENT_FAULT
-    if code in UNEXPLAINED and reason == ENGINE_FAILED:
+    if code in UNEXPLAINED and reason in REPLICA_SICK_REASONS:
         return REPLICA
     if code in UNEXPLAINED and not no_reason(code, reason):
         return CLIENT_FAULT  # a per-request failure the replica named (ROW_FAILED, NON_FINITE_LOGITS, ...)

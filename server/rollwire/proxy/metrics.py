@@ -1,16 +1,39 @@
 """Prometheus metrics of the routing proxy, prefixed `rollwire_proxy_`.
 
 Labels come from fixed sets only: the replica address (members of the replica set; their
-series are removed when a replica leaves), the policy name, gRPC code names, adapter names,
-per-client limit names. Never request ids or client identities (unbounded).
+series are removed when a replica leaves), peer proxy addresses (from the config), the policy
+name, gRPC code names, adapter names, per-client limit names. Never request ids or client
+identities (unbounded). Counters that dashboards rate start at 0 for every label value known
+in advance (codes, limits, each replica as it joins, each peer).
 """
 
 from __future__ import annotations
 
+import grpc
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+from rollwire.common.retries import CLIENT_CAUSED
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
 PREFIX = "rollwire_proxy_"
+CODES = tuple(code.name for code in grpc.StatusCode)
+"""Every gRPC code: the proxy's request counter starts with each at 0."""
+CLIENT_CODES = tuple(sorted(code.name for code in CLIENT_CAUSED))
+"""The codes a client can cause (retries.CLIENT_CAUSED): client_errors_total starts with each."""
+CLIENT_LIMITS = ("in_flight", "queued_tokens", "slow_reader")
+REPLICA_CODES = (
+    "OK",
+    "CANCELLED",
+    "DEADLINE_EXCEEDED",
+    "RESOURCE_EXHAUSTED",
+    "FAILED_PRECONDITION",
+    "INVALID_ARGUMENT",
+    "UNAVAILABLE",
+    "INTERNAL",
+)
+"""Codes each replica's attempt and push counters start with (the outcomes that happen; the rare
+rest appear when they first occur, so a replica costs 16 series here, not 34)."""
+PEER_CODES = ("OK", "DEADLINE_EXCEEDED", "FAILED_PRECONDITION", "UNAVAILABLE")
 
 
 class ProxyMetrics:
@@ -71,9 +94,47 @@ class ProxyMetrics:
             "quarantined_versions_total", "Spooled adapter versions every replica refused, moved out of the spool."
         )
         self.fanout_latency = histogram(
-            "push_fanout_duration_seconds", "From a spooled push to every healthy replica answering."
+            "push_fanout_duration_seconds",
+            "From a push's manifest to its version committed on every replica that staged it (relay, heal, commit).",
+        )
+        self.push_heals = counter(
+            "push_heals_total",
+            "Replicas that got a pushed version again from the proxy because the relay tree did not deliver it.",
+            ["replica"],
         )
         self.replicas = gauge("replicas", "Replicas known to the proxy.")
+        self.peer_pushes = counter(
+            "peer_pushes_total",
+            "Adapter versions sent to each peer proxy's spool (replication and catch-up), by code.",
+            ["peer", "code"],
+        )
+        self.peer_synced = gauge(
+            "peer_synced", "1 when the peer proxy is known to hold every version this proxy spools.", ["peer"]
+        )
+        # counters a dashboard rates exist at 0 from the start (Prometheus' advice), so rate()
+        # sees their first event instead of a series appearing at 1
+        for code in CODES:
+            self.requests.labels(policy, code)
+        for code in CLIENT_CODES:
+            self.client_errors.labels(code)
+        for limit in CLIENT_LIMITS:
+            self.client_limited.labels(limit)
+
+    def know_replica(self, address: str) -> None:
+        """Create a new replica's series at 0, so its first retry, restart, ejection or failed
+        push is seen by rate() (a series that appears at 1 has no rate)."""
+        for metric in (self.retries, self.restarts, self.ejections, self.catchup_pushes, self.push_heals):
+            metric.labels(address)
+        for code in REPLICA_CODES:
+            self.attempts.labels(address, code)
+            self.pushes.labels(address, code)
+        self.in_flight.labels(address).set(0)
+
+    def know_peer(self, peer: str) -> None:
+        """Create a peer proxy's series at 0 (see know_replica)."""
+        for code in PEER_CODES:
+            self.peer_pushes.labels(peer, code)
+        self.peer_synced.labels(peer).set(0)
 
     def forget_replica(self, address: str) -> None:
         """Drop every series of a replica that left, so dashboards do not show ghosts."""
@@ -88,6 +149,7 @@ class ProxyMetrics:
             self.versions,
             self.pushes,
             self.catchup_pushes,
+            self.push_heals,
         ):
             for labels in list(metric._metrics):  # prometheus_client keeps children by label tuple
                 if labels and labels[0] == address:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import grpc
 
-DETAILS_KEY = "grpc-status-details-bin"
+from rollwire.common.errors import DETAILS_KEY
 
 
 class Relay(Exception):

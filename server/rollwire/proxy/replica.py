@@ -5,7 +5,9 @@ Invariants:
   with the spool since it last (re)connected, it is not draining, and its circuit is not open;
 - `versions` holds only versions the replica itself confirmed (a push reply or GetStatus),
   so version-aware routing never sends a group to a replica that lacks its version;
-- pushes to one replica hold `push_lock`, so they reach it one at a time, oldest version first.
+- catch-up pushes to one replica hold `push_lock`, so they reach it one at a time, oldest
+  version first; a publication (fanout.py) does not wait for it: a catch-up version older
+  than one a publication committed is refused by the replica as already ahead, and skipped.
 """
 
 from __future__ import annotations
@@ -17,11 +19,12 @@ from dataclasses import dataclass
 import grpc
 from grpc_health.v1 import health_pb2_grpc
 
-from rollwire.common.errors import from_rpc_error
+from rollwire.common import push as protocol
+from rollwire.common.errors import RollwireError, from_rpc_error
 from rollwire.common.logs import REQUEST_ID_KEY
 from rollwire.proxy.breaker import Breaker
 from rollwire.proxy.policies import Candidate
-from rollwire.proxy.spool import MAX_CHUNK, SpooledAdapter
+from rollwire.proxy.spool import SpooledAdapter
 from rollwire.proxy.upstream import Upstream
 from rollwire.v1 import generator_pb2 as pb
 from rollwire.v1 import generator_pb2_grpc
@@ -35,7 +38,7 @@ class PushResult:
     code: grpc.StatusCode
     message: str = ""
     reason: str = ""
-    reply: pb.PushAdapterResponse | None = None
+    reply: pb.PushAdapterResponse | pb.CommitAdapterResponse | None = None
     error: grpc.aio.AioRpcError | None = None
 
     @property
@@ -43,7 +46,21 @@ class PushResult:
         return self.code == grpc.StatusCode.OK
 
     def to_pb(self) -> pb.ReplicaPushResult:
-        return pb.ReplicaPushResult(replica=self.replica.name, code=self.code.name, message=self.message)
+        return pb.ReplicaPushResult(
+            replica=self.replica.name,
+            address=self.replica.address,
+            code=self.code.name,
+            message=self.message,
+            reason=self.reason,
+        )
+
+    def refusal(self, retry_after_s: float) -> RollwireError:
+        """The replica's refusal as an error the proxy can return to its client unchanged
+        (code, sentence and reason; a retry hint where the code invites a retry)."""
+        retry = self.code in (grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.UNAVAILABLE)
+        return RollwireError(
+            self.message, reason=self.reason, code=self.code, retry_after_s=retry_after_s if retry else None
+        )
 
 
 class Attempt:
@@ -136,7 +153,7 @@ class Replica:
         """Upload one spooled version; the caller holds `push_lock`."""
         try:
             metadata = ((REQUEST_ID_KEY, request_id), *self.metadata)
-            messages = _push_messages(adapter.manifest, payload)
+            messages = protocol.messages(adapter.manifest, payload)
             reply = await self.generator.PushAdapter(messages, timeout=timeout, metadata=metadata)
         except grpc.aio.AioRpcError as exc:
             err = from_rpc_error(exc)
@@ -144,9 +161,14 @@ class Replica:
         self.versions[reply.name] = list(reply.loaded_versions)
         return PushResult(self, grpc.StatusCode.OK, reply=reply)
 
-
-def _push_messages(manifest: pb.AdapterManifest, payload: bytes):
-    yield pb.PushAdapterRequest(manifest=manifest)
-    view = memoryview(payload)
-    for i in range(0, len(payload), MAX_CHUNK):
-        yield pb.PushAdapterRequest(chunk=bytes(view[i : i + MAX_CHUNK]))
+    async def commit(self, manifest: pb.AdapterManifest, timeout: float, request_id: str) -> PushResult:
+        """Serve a version this replica staged (CommitAdapter with the version's digest)."""
+        request = pb.CommitAdapterRequest(name=manifest.name, version=manifest.version, sha256=manifest.sha256)
+        try:
+            metadata = ((REQUEST_ID_KEY, request_id), *self.metadata)
+            reply = await self.generator.CommitAdapter(request, timeout=timeout, metadata=metadata)
+        except grpc.aio.AioRpcError as exc:
+            err = from_rpc_error(exc)
+            return PushResult(self, exc.code(), err.message, err.reason, error=exc)
+        self.versions[reply.name] = list(reply.loaded_versions)
+        return PushResult(self, grpc.StatusCode.OK, reply=reply)

@@ -33,6 +33,8 @@ from grpc_health.v1 import health_pb2
 
 from rollwire.common.errors import Unavailable
 from rollwire.common.logs import get_logger, new_request_id
+from rollwire.common.reasons import Reason
+from rollwire.common.retries import VERSION_TAKEN, push_refused_for_good
 from rollwire.proxy.breaker import Breaker
 from rollwire.proxy.config import ProxyConfig
 from rollwire.proxy.metrics import ProxyMetrics
@@ -43,16 +45,6 @@ from rollwire.v1 import generator_pb2 as pb
 
 log = get_logger(__name__)
 SERVICE = pb.DESCRIPTOR.services_by_name["GeneratorService"].full_name
-# A replica refusing a catch-up version for these reasons already holds something newer.
-ALREADY_AHEAD = {"VERSION_NOT_MONOTONIC", "VERSION_CONFLICT"}
-PERMANENT = {grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.FAILED_PRECONDITION}
-
-
-def is_permanent_refusal(code: grpc.StatusCode, reason: str) -> bool:
-    """A replica refused these bytes for good (it will refuse them again), not for now."""
-    if code == grpc.StatusCode.RESOURCE_EXHAUSTED:
-        return reason == "ADAPTER_TOO_LARGE"
-    return code in PERMANENT and reason not in ALREADY_AHEAD
 
 
 class ReplicaSet:
@@ -87,6 +79,7 @@ class ReplicaSet:
         breaker = Breaker(hc.eject_after_failures, hc.eject_s, hc.eject_max_s)
         replica = Replica(address, source, breaker, self.upstream, expires)
         self.members[address] = replica
+        self.metrics.know_replica(address)
         replica.tasks = [asyncio.create_task(self._monitor(replica)), asyncio.create_task(self._watch_channel(replica))]
         self.metrics.replicas.set(len(self.members))
         log.info("replica_added", replica=address, source=source, ttl_s=ttl_s)
@@ -175,7 +168,7 @@ class ReplicaSet:
             raise Unavailable(
                 f"no generator replica has reported its base model yet ({self.describe()}); nothing was applied, "
                 "retry when a replica is up",
-                reason="NO_REPLICA",
+                reason=Reason.NO_REPLICA,
                 retry_after_s=self.config.routing.retry_after_s,
             )
         return self.fingerprint, self.base_shapes
@@ -186,7 +179,7 @@ class ReplicaSet:
         the version is (now) out of the spool."""
         if not self.spool.holds(adapter):
             return True
-        if not is_permanent_refusal(code, reason):
+        if not push_refused_for_good(code, reason):
             return False
         key = (adapter.name, adapter.version, adapter.manifest.sha256)
         live = {(a.name, a.version, a.manifest.sha256) for n in self.spool.names() for a in self.spool.versions(n)}
@@ -261,7 +254,7 @@ class ReplicaSet:
         """(serving, answered, why not). A replica shutting down answers NOT_SERVING while
         its in-flight groups finish; one that does not answer at all is hung or gone."""
         try:
-            reply = await replica.health.Check(
+            reply = await replica.health.Check(  # pyright: ignore[reportAttributeAccessIssue]  # grpc's stubs lack it; it exists at run time
                 health_pb2.HealthCheckRequest(service=SERVICE),
                 timeout=self.config.health.timeout_s,
                 metadata=replica.metadata,
@@ -313,6 +306,21 @@ class ReplicaSet:
                 replica.synced, replica.detail = True, ""
                 log.info("replica_ready", replica=replica.address, identity=replica.identity, adapters=replica.versions)
 
+    async def refresh(self, replica: Replica) -> None:
+        """Re-read what a replica serves (GetStatus), without catching it up: a peer proxy sent
+        a version another proxy is committing on the replicas now (peers.py). A failure
+        changes nothing: the monitor's own checks judge the replica's health."""
+        try:
+            status = await replica.generator.GetStatus(
+                pb.GetStatusRequest(), timeout=self.config.health.timeout_s, metadata=replica.metadata
+            )
+        except grpc.aio.AioRpcError:
+            return
+        if self.fingerprint and status.model_fingerprint != self.fingerprint:
+            return
+        replica.versions = {a.name: list(a.versions) for a in status.adapters}
+        self._publish(replica)
+
     async def _catch_up(self, replica: Replica) -> bool:
         """Push every spooled version above what the replica holds, oldest first. A version
         that ends up quarantined is skipped; one this replica refused for good is not pushed
@@ -333,7 +341,7 @@ class ReplicaSet:
                 if result.ok:
                     self.metrics.catchup_pushes.labels(replica.address).inc()
                     log.info("replica_caught_up", replica=replica.address, adapter=name, version=adapter.version)
-                elif result.reason not in ALREADY_AHEAD:
+                elif result.reason not in VERSION_TAKEN:  # else it already holds that version or a newer one
                     log.warning(
                         "catch_up_failed",
                         replica=replica.address,
@@ -345,7 +353,7 @@ class ReplicaSet:
                     replica.detail = (
                         f"catching up {name} v{adapter.version} failed with {result.code.name}: {result.message}"
                     )
-                    if not is_permanent_refusal(result.code, result.reason):
+                    if not push_refused_for_good(result.code, result.reason):
                         replica.synced = False
                         return False
                     self.note_refusal(replica, adapter, result.code, result.reason, result.message)

@@ -14,13 +14,16 @@ import time
 import grpc
 import structlog
 
-from rollwire.common.errors import ResourceExhausted, RollwireError, to_status
+from rollwire.common.errors import FailedPrecondition, ResourceExhausted, RollwireError, to_status
 from rollwire.common.logs import get_logger, request_id_from
+from rollwire.common.reasons import Reason
+from rollwire.common.retries import CLIENT_BEHAVIOUR
 from rollwire.proxy.config import ProxyConfig
 from rollwire.proxy.dispatch import Dispatcher, client_name
 from rollwire.proxy.failover import GroupRun
 from rollwire.proxy.fanout import FanOut
 from rollwire.proxy.metrics import ProxyMetrics
+from rollwire.proxy.peers import Peers
 from rollwire.proxy.relay import Relay
 from rollwire.proxy.replicas import ReplicaSet
 from rollwire.proxy.spool import Spool
@@ -29,7 +32,6 @@ from rollwire.v1 import generator_pb2 as pb
 from rollwire.v1 import generator_pb2_grpc
 
 log = get_logger(__name__)
-CLIENT_REASONS = frozenset({"CLIENT_LIMIT", "SLOW_READER"})
 """Reasons of the proxy's own refusals that are the client's doing (rollwire_proxy_client_errors_total)."""
 
 
@@ -43,9 +45,10 @@ class ProxyServicer(generator_pb2_grpc.GeneratorServiceServicer):
         fanout: FanOut,
         metrics: ProxyMetrics,
         proxy_id: str,
+        peers: Peers | None = None,
     ) -> None:
         self.config, self.replicas, self.dispatcher, self.spool = config, replicas, dispatcher, spool
-        self.fanout, self.metrics, self.proxy_id = fanout, metrics, proxy_id
+        self.fanout, self.metrics, self.proxy_id, self.peers = fanout, metrics, proxy_id, peers
 
     async def Generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext) -> None:
         """Admitted under the client's limits (dispatch.py), run by failover.py; messages are
@@ -61,6 +64,8 @@ class ProxyServicer(generator_pb2_grpc.GeneratorServiceServicer):
         timeout = limit if remaining is None else min(remaining, limit)
         auth = self.config.auth
         name = client_name(metadata, context.peer(), bool(auth.generate_tokens_file or auth.admin_tokens_file))
+        if self.peers is not None and request.adapter.name and not request.adapter.version:
+            await self.peers.settled(request.adapter.name, timeout)  # a version a peer proxy is committing now
         try:
             with self.dispatcher.admit(name) as client:  # exits (frees the client's slot) before any abort below
                 run = GroupRun(
@@ -73,15 +78,15 @@ class ProxyServicer(generator_pb2_grpc.GeneratorServiceServicer):
                     self.metrics,
                     client,
                 )
-                async with contextlib.aclosing(run.events()) as events:  # closing it releases the lease
+                async with contextlib.aclosing(run.events()) as events:  # closing it releases the lease  # pyright: ignore[reportArgumentType]  # the library's annotation is narrower than what it accepts
                     async for message in events:
                         await self._write(context, message, name)
         except RollwireError as err:
             code = err.code
             log.info("generate_failed", code=code.name, reason=err.reason, error=err.message)
-            if err.reason in CLIENT_REASONS:
+            if err.reason in CLIENT_BEHAVIOUR:
                 self.metrics.client_errors.labels(code.name).inc()
-            await self._finish(context, context.abort_with_status(to_status(err)), err.reason == "SLOW_READER")
+            await self._finish(context, context.abort_with_status(to_status(err)), err.reason == Reason.SLOW_READER)  # pyright: ignore[reportAttributeAccessIssue]  # grpc's stubs lack it; it exists at run time
         except Relay as relay:
             code = relay.code
             log.info("generate_refused_by_replica", code=code.name, error=relay.details)
@@ -108,7 +113,7 @@ class ProxyServicer(generator_pb2_grpc.GeneratorServiceServicer):
             raise ResourceExhausted(
                 f"the client did not read this stream for {patience:g}s, so the proxy ended the request and freed its "
                 "slot; read responses as they come (or ask for fewer tokens per request)",
-                reason="SLOW_READER",
+                reason=Reason.SLOW_READER,
             ) from None
 
     async def _finish(self, context: grpc.aio.ServicerContext, aborting, slow_reader: bool = False) -> None:
@@ -122,32 +127,32 @@ class ProxyServicer(generator_pb2_grpc.GeneratorServiceServicer):
             raise asyncio.CancelledError from None
 
     async def PushAdapter(self, request_iterator, context: grpc.aio.ServicerContext) -> pb.PushAdapterResponse:
-        """Receive (bounded, idle-timed), validate as a replica would (off the event loop),
-        then commit and fan out. Until `publish` takes the upload, every exit, cancellation
-        included, removes it and frees its reserved spool bytes."""
+        """Receive (bounded, idle-timed, checked as a replica would), relay as it arrives, then
+        stage everywhere and commit (fanout.py). Until the upload is complete every exit,
+        cancellation included, leaves nothing behind."""
         rid = request_id_from(context.invocation_metadata())
         structlog.contextvars.bind_contextvars(request_id=rid)
-        upload = None
         try:
-            upload = await self.spool.receive(
-                request_iterator,
-                admit=lambda: self.replicas.push_basis()[0],
-                idle_s=self.config.spool.upload_idle_timeout_s,
-            )
-            _, base_shapes = self.replicas.push_basis()
-            await self.spool.validate(upload, base_shapes)
-            owned, upload = upload, None
-            return await self.fanout.publish(owned, rid)
+            origin = Peers.origin(context.invocation_metadata())
+            if origin and self.peers is not None:  # a peer proxy's copy: spool it, no fan-out (peers.py)
+                return await self.peers.receive(request_iterator, origin, rid)
+            return await self.fanout.push(request_iterator, rid)
         except RollwireError as err:
             log.info("adapter_push_refused", code=err.code.name, reason=err.reason, error=err.message)
-            await context.abort_with_status(to_status(err))
-        except Relay as relay:
-            log.info("adapter_push_refused_by_replicas", code=relay.code.name, error=relay.details)
-            await relay.abort(context)
+            await context.abort_with_status(to_status(err))  # pyright: ignore[reportAttributeAccessIssue]  # grpc's stubs lack it; it exists at run time
+            raise AssertionError("unreachable: abort_with_status raises") from err
         finally:
-            if upload is not None:
-                upload.discard()
             structlog.contextvars.unbind_contextvars("request_id")
+
+    async def CommitAdapter(self, request: pb.CommitAdapterRequest, context) -> pb.CommitAdapterResponse:
+        """A proxy commits by itself, on every replica that staged a version it publishes."""
+        err = FailedPrecondition(
+            "a proxy stages and commits pushed versions by itself; push the adapter through it with PushAdapter "
+            "(CommitAdapter is for replicas that staged a version)",
+            reason=Reason.PROXY_PUBLISHES,
+        )
+        await context.abort_with_status(to_status(err))
+        raise AssertionError("abort_with_status returned")  # pragma: no cover
 
     async def GetStatus(self, request: pb.GetStatusRequest, context) -> pb.GetStatusResponse:
         return self.status()

@@ -1,11 +1,11 @@
 """The proxy's on-disk adapter spool: the source of fan-out and of every catch-up.
 
 Invariants:
-- a version is listed only once it is known good: its bytes are complete on disk and pass
-  the replicas' own checks (adapters.check_manifest / check_payload: length, sha256, a
-  bounded header, tensor names and shapes against the base model, dtype, finiteness);
-  a partial upload lives under `.incoming/` and is removed on every exit, cancellation
-  included;
+- a version is listed only once it is known good: its bytes are complete on disk and passed
+  the replicas' own checks (push.check_manifest, then adapters.PayloadInspector and the
+  digest while the bytes arrived: length, sha256, a bounded header, tensor names and shapes
+  against the base model, dtype, finiteness); a partial upload lives under `.incoming/` and
+  is removed on every exit, cancellation included;
 - a commit is atomic and durable: payload fsynced in `.incoming/`, manifest written to a
   temporary file and fsynced, both renamed into place, the folder fsynced. A crash leaves at
   worst an orphan (a temporary file, a payload without manifest or the reverse), removed at
@@ -22,7 +22,6 @@ Invariants:
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import os
 import shutil
 import time
@@ -33,22 +32,21 @@ from pathlib import Path
 
 from google.protobuf import json_format
 
-from rollwire.common.durable import fsync_dir, write_synced
+from rollwire.common.durable import fsync_dir, write_atomic
 from rollwire.common.errors import InvalidArgument, ResourceExhausted, Unavailable
 from rollwire.common.logs import get_logger
-from rollwire.generator.adapters import (
+from rollwire.common.push import (
     DEFAULT_MAX_VERSION_STEP,
+    PushReader,
     check_manifest,
-    check_payload,
-    check_payload_async,
     check_push_version,
-    idle_bounded,
     manifest_from_pb,
 )
+from rollwire.common.reasons import Reason
+from rollwire.generator.adapters import check_payload, check_tensors_async
 from rollwire.v1 import generator_pb2 as pb
 
 log = get_logger(__name__)
-MAX_CHUNK = 1 << 20
 DEFAULT_IDLE_S = 30.0
 
 
@@ -77,7 +75,7 @@ class SpooledAdapter:
         except FileNotFoundError:
             raise Unavailable(
                 f"adapter {self.name!r} v{self.version} left the spool (evicted or quarantined) while being pushed",
-                reason="SPOOL_CHANGED",
+                reason=Reason.SPOOL_CHANGED,
                 retry_after_s=1.0,
             ) from None
 
@@ -144,6 +142,12 @@ class Spool:
         return sum(a.size for versions in self._by_name.values() for a in versions)
 
     # -- receiving ---------------------------------------------------------------------
+    def admit(self, m: pb.AdapterManifest, fingerprint: str | None) -> Upload:
+        """Check a manifest as a replica would (and against the spool's room), then reserve
+        its bytes; the upload's file is written by the push reader (push.PushReader)."""
+        self._check_manifest(m, fingerprint)
+        return Upload(m, self.incoming / f"{uuid.uuid4().hex}.part", self._reserve(m.byte_length))
+
     async def receive(
         self,
         messages: AsyncIterator[pb.PushAdapterRequest],
@@ -151,63 +155,40 @@ class Spool:
         admit: Callable[[], str] | None = None,
         idle_s: float = DEFAULT_IDLE_S,
     ) -> Upload:
-        """Read one PushAdapter stream to a temporary file, refusing what a replica refuses.
+        """Read one whole PushAdapter stream to a temporary file, refusing what a replica
+        refuses (the proxy's publication reads with the same reader, but forwards as it goes).
 
         `admit()` returns the base-model fingerprint pushes must match, or raises (no
         replica known yet); None skips that check. A stream silent for `idle_s` is cut off."""
-        manifest, upload, received = None, None, 0
-        digest = hashlib.sha256()
-        out = None
+        reader = PushReader(messages, idle_s, "proxy")
+        upload = None
         try:
-            async for msg in idle_bounded(messages, idle_s, "proxy"):
-                part = msg.WhichOneof("part")
-                if manifest is None:
-                    if part != "manifest":
-                        raise InvalidArgument(
-                            "the first PushAdapter message must be the manifest", reason="NO_MANIFEST"
-                        )
-                    manifest = msg.manifest
-                    self._check_manifest(manifest, admit)
-                    upload = Upload(
-                        manifest, self.incoming / f"{uuid.uuid4().hex}.part", self._reserve(manifest.byte_length)
-                    )
-                    out = upload.path.open("wb")
-                    continue
-                if part != "chunk":
-                    raise InvalidArgument(
-                        "only the first PushAdapter message may be a manifest", reason="SECOND_MANIFEST"
-                    )
-                if len(msg.chunk) > MAX_CHUNK:
-                    raise InvalidArgument(
-                        f"a chunk of {len(msg.chunk)} bytes exceeds the 1 MiB ({MAX_CHUNK} bytes) chunk limit; "
-                        "split the payload into smaller chunks",
-                        reason="CHUNK_TOO_LARGE",
-                    )
-                received += len(msg.chunk)
-                if received > manifest.byte_length:
-                    raise InvalidArgument(
-                        f"received more than the {manifest.byte_length} bytes the manifest declared",
-                        reason="LENGTH_MISMATCH",
-                    )
-                await asyncio.to_thread(_absorb, out, digest, msg.chunk)  # hashing and disk off the event loop
-            if manifest is None:
-                raise InvalidArgument("the upload was empty: send a manifest, then the chunks", reason="NO_MANIFEST")
-            await asyncio.to_thread(_sync_close, out)
-            out = None
-            _check_received(manifest, received, digest.hexdigest())
+            first = await reader.open()
+            upload = self.admit(first.manifest, admit() if admit is not None else None)
+            async for _ in reader.chunks(store=upload.path):
+                pass
+            await reader.finish()
             return upload
         except BaseException:
-            if out is not None:
-                out.close()
+            reader.close()
             if upload is not None:
                 upload.discard()
             raise
 
-    async def validate(self, upload: Upload, base_shapes: dict[str, tuple[int, int]] | None) -> None:
-        """The replicas' full payload check, off the event loop; raises InvalidArgument."""
-        payload = await asyncio.to_thread(upload.path.read_bytes)
-        await check_payload_async(manifest_from_pb(upload.manifest), payload, base_shapes)
+    async def validate(self, upload: Upload, payload: bytes, base_shapes: dict[str, tuple[int, int]] | None) -> None:
+        """The replicas' payload check after the incremental digest (header, tensor names and
+        shapes, finiteness), off the event loop; raises InvalidArgument."""
+        await check_tensors_async(manifest_from_pb(upload.manifest), payload, base_shapes)
         upload.validated = True
+
+    @staticmethod
+    def sync(upload: Upload) -> None:
+        """Flush an upload's file to disk (blocking: run it in a thread) before `commit`."""
+        fd = os.open(upload.path, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
 
     def _reserve(self, size: int) -> Callable[[], None]:
         self.reserved += size
@@ -217,11 +198,11 @@ class Spool:
 
         return release
 
-    def _check_manifest(self, m: pb.AdapterManifest, admit: Callable[[], str] | None) -> None:
+    def _check_manifest(self, m: pb.AdapterManifest, fingerprint: str | None) -> None:
         manifest = manifest_from_pb(m)
         check_manifest(manifest, fingerprint=None, max_bytes=self.max_adapter_bytes, holder="proxy")
-        if admit is not None:
-            check_manifest(manifest, fingerprint=admit(), max_bytes=self.max_adapter_bytes, holder="proxy")
+        if fingerprint is not None:
+            check_manifest(manifest, fingerprint=fingerprint, max_bytes=self.max_adapter_bytes, holder="proxy")
         self.check_version(m)
         room = self.max_bytes - self.reserved - sum(v[-1].size for n, v in self._by_name.items() if n != m.name)
         if m.byte_length > room:
@@ -233,7 +214,7 @@ class Spool:
             raise ResourceExhausted(
                 f"the proxy's adapter spool has room for {max(room, 0)} bytes but the adapter has {m.byte_length}{busy}; "
                 "raise spool.max_bytes or push fewer adapter names",
-                reason="SPOOL_FULL",
+                reason=Reason.SPOOL_FULL,
                 retry_after_s=1.0 if self.reserved else None,
             )
 
@@ -252,16 +233,15 @@ class Spool:
         m = upload.manifest
         try:
             if self.check_version(m):
-                return self.get(m.name, m.version), False
+                held = self.get(m.name, m.version)
+                assert held is not None  # check_version says it is spooled
+                return held, False
             folder = self.folder / m.name
             created_folder = not folder.exists()
             folder.mkdir(exist_ok=True)
             path, meta = folder / f"{m.version}.safetensors", folder / f"{m.version}.json"
-            tmp = folder / f".{m.version}.json.{uuid.uuid4().hex[:8]}.tmp"
-            write_synced(tmp, json_format.MessageToJson(m).encode())
             os.replace(upload.path, path)  # payload first: a crash here leaves a payload without manifest (an orphan)
-            os.replace(tmp, meta)
-            fsync_dir(folder)
+            write_atomic(meta, json_format.MessageToJson(m).encode())  # and fsyncs `folder`: both renames are durable
             if created_folder:
                 fsync_dir(self.folder)
         finally:
@@ -346,12 +326,14 @@ class Spool:
             try:
                 m = json_format.Parse(meta.read_text(), pb.AdapterManifest())
                 if m.name != meta.parent.name or meta.stem != str(m.version):
-                    raise InvalidArgument(f"manifest of {m.name!r} v{m.version} is filed as {meta}", reason="MISFILED")
+                    raise InvalidArgument(
+                        f"manifest of {m.name!r} v{m.version} is filed as {meta}", reason=Reason.MISFILED
+                    )
                 check_manifest(manifest_from_pb(m), fingerprint=None, max_bytes=self.max_adapter_bytes, holder="proxy")
                 path = meta.with_suffix(".safetensors")
                 check_payload(manifest_from_pb(m), path.read_bytes(), None)
                 if self.get(m.name, m.version) is not None:
-                    raise InvalidArgument("duplicate version", reason="DUPLICATE")
+                    raise InvalidArgument("duplicate version", reason=Reason.DUPLICATE)
             except Exception as exc:  # a damaged file must not stop the proxy
                 self._move_to_quarantine(meta, f"failed its check at start: {exc}")
                 self.quarantined.append((meta.parent.name, 0, str(exc)))
@@ -360,28 +342,3 @@ class Spool:
         for name, versions in self._by_name.items():
             versions.sort(key=lambda a: a.version)
             self._evict(name)
-
-
-def _absorb(out, digest, chunk: bytes) -> None:
-    digest.update(chunk)
-    out.write(chunk)
-
-
-def _sync_close(out) -> None:
-    out.flush()
-    os.fsync(out.fileno())
-    out.close()
-
-
-def _check_received(m: pb.AdapterManifest, received: int, digest: str) -> None:
-    if received != m.byte_length:
-        raise InvalidArgument(
-            f"upload ended after {received} of the {m.byte_length} bytes the manifest declared; "
-            "the upload was truncated or the manifest is wrong",
-            reason="LENGTH_MISMATCH",
-        )
-    if digest != m.sha256:
-        raise InvalidArgument(
-            f"payload sha256 is {digest} but the manifest declared {m.sha256}; the bytes were corrupted or the manifest is stale",
-            reason="DIGEST_MISMATCH",
-        )

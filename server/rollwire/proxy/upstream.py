@@ -14,30 +14,37 @@ import grpc
 from pydantic import Field
 
 from rollwire.common.config import Section
+from rollwire.common.keepalive import DEFAULT as DEFAULT_KEEPALIVE
+from rollwire.common.keepalive import Keepalive
 from rollwire.serving.security import read_tokens
 
 CHANNEL_OPTIONS = [
-    # a replica that restarts at the same address must be found again within a health interval
-    ("grpc.initial_reconnect_backoff_ms", 200),
-    ("grpc.min_reconnect_backoff_ms", 200),
-    ("grpc.max_reconnect_backoff_ms", 2000),
     ("grpc.max_receive_message_length", 8 << 20),
     ("grpc.max_send_message_length", 8 << 20),
 ]
+"""Besides keepalive and reconnect timing (rollwire.common.keepalive): a replica that restarts at
+the same address is dialled again within a second, and one that goes silent without closing its
+connection has its streams ended within the keepalive bound, even between two health checks."""
+
+
+def channel_options(keepalive: Keepalive = DEFAULT_KEEPALIVE) -> list:
+    return [*CHANNEL_OPTIONS, *keepalive.channel_options()]
 
 
 class UpstreamSection(Section):
     """Credentials for replicas that require tokens or TLS."""
 
     token_file: str = Field(
-        "", description="File holding the bearer token sent to replicas (admin role: the proxy pushes)."
+        default="", description="File holding the bearer token sent to replicas (admin role: the proxy pushes)."
     )
-    tls: bool = Field(False, description="Dial replicas over TLS (trusting the system roots unless ca_file is set).")
-    ca_file: str = Field("", description="PEM roots that sign the replicas' certificates; implies tls.")
-    cert_file: str = Field("", description="PEM client certificate for replicas that require mutual TLS.")
-    key_file: str = Field("", description="PEM private key of cert_file.")
+    tls: bool = Field(
+        default=False, description="Dial replicas over TLS (trusting the system roots unless ca_file is set)."
+    )
+    ca_file: str = Field(default="", description="PEM roots that sign the replicas' certificates; implies tls.")
+    cert_file: str = Field(default="", description="PEM client certificate for replicas that require mutual TLS.")
+    key_file: str = Field(default="", description="PEM private key of cert_file.")
     server_name: str = Field(
-        "", description="Name to check replica certificates against when it differs from their host."
+        default="", description="Name to check replica certificates against when it differs from their host."
     )
 
 
@@ -45,15 +52,15 @@ class UpstreamSection(Section):
 class Upstream:
     credentials: grpc.ChannelCredentials | None = None
     metadata: tuple[tuple[str, str], ...] = ()
-    options: list = field(default_factory=lambda: list(CHANNEL_OPTIONS))
+    options: list = field(default_factory=channel_options)
 
     @classmethod
-    def from_config(cls, section: UpstreamSection) -> Upstream:
+    def from_config(cls, section: UpstreamSection, keepalive: Keepalive = DEFAULT_KEEPALIVE) -> Upstream:
         metadata = ()
         if section.token_file:
             token = sorted(read_tokens(section.token_file))[0]
             metadata = (("authorization", f"Bearer {token}"),)
-        options = list(CHANNEL_OPTIONS)
+        options = channel_options(keepalive)
         if section.server_name:
             options.append(("grpc.ssl_target_name_override", section.server_name))
         if not (section.tls or section.ca_file or section.cert_file):

@@ -19,12 +19,14 @@ from http.server import HTTPServer
 from pathlib import Path
 
 import grpc
-from grpc_health.v1 import _async as health_aio
+from grpc_health.v1 import _async as health_aio  # pyright: ignore[reportAttributeAccessIssue]  # grpc's stubs lack it; it exists at run time
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 from prometheus_client import CollectorRegistry, start_http_server
 
 from rollwire.common.durable import write_atomic
+from rollwire.common.keepalive import DEFAULT as DEFAULT_KEEPALIVE
+from rollwire.common.keepalive import Keepalive
 from rollwire.serving.security import (
     AuthSection,
     TlsSection,
@@ -39,6 +41,13 @@ SERVER_OPTIONS = [
     ("grpc.max_send_message_length", 8 << 20),
     ("grpc.so_reuseport", 0),
 ]
+"""Options of every rollwire server besides keepalive (`server_options` adds it)."""
+
+
+def server_options(keepalive: Keepalive = DEFAULT_KEEPALIVE) -> list[tuple[str, int]]:
+    """SERVER_OPTIONS plus keepalive: the server pings silent clients and accepts the pings of
+    rollwire channels (rollwire.common.keepalive states the bound this gives)."""
+    return [*SERVER_OPTIONS, *keepalive.server_options()]
 
 
 @dataclass
@@ -72,15 +81,22 @@ class Endpoint:
 
 
 def listen(
-    role: str, host: str, port: int, auth: AuthSection, tls: TlsSection, metrics_port: int, registry: CollectorRegistry
+    role: str,
+    host: str,
+    port: int,
+    auth: AuthSection,
+    tls: TlsSection,
+    metrics_port: int,
+    registry: CollectorRegistry,
+    keepalive: Keepalive = DEFAULT_KEEPALIVE,
 ) -> Endpoint:
-    """Serve metrics, create the gRPC server with auth and TLS, and bind it (not started yet).
+    """Serve metrics, create the gRPC server with auth, TLS and keepalive, and bind it (not started yet).
 
     Refuses to run, with a sentence, when the port cannot be bound; warns loudly when a
     non-loopback bind has neither auth nor TLS.
     """
     metrics_server, _ = start_http_server(metrics_port, addr=host, registry=registry)
-    server = grpc.aio.server(options=SERVER_OPTIONS, interceptors=interceptors(auth))
+    server = grpc.aio.server(options=server_options(keepalive), interceptors=interceptors(auth))
     bound = add_port(server, f"{host}:{port}", tls)
     if bound == 0:
         metrics_server.shutdown()

@@ -30,6 +30,7 @@ from pydantic import Field
 from rollwire.common.config import Section
 from rollwire.common.errors import PermissionDenied, RollwireError, Unauthenticated, to_status
 from rollwire.common.logs import get_logger
+from rollwire.common.reasons import Reason
 
 log = get_logger(__name__)
 
@@ -42,6 +43,7 @@ METHOD_ROLES = {
     "/rollwire.v1.GeneratorService/Generate": GENERATE,
     "/rollwire.v1.GeneratorService/GetStatus": GENERATE,
     "/rollwire.v1.GeneratorService/PushAdapter": ADMIN,
+    "/rollwire.v1.GeneratorService/CommitAdapter": ADMIN,
     "/rollwire.v1.AdminService/RegisterGenerator": ADMIN,
     "/rollwire.v1.AdminService/DeregisterGenerator": ADMIN,
     "/rollwire.v1.AdminService/ListGenerators": ADMIN,
@@ -52,18 +54,22 @@ METHOD_ROLES = {
 class AuthSection(Section):
     """Bearer tokens; auth is on when either file is set."""
 
-    generate_tokens_file: str = Field("", description="File of tokens with the `generate` role, one per line.")
-    admin_tokens_file: str = Field("", description="File of tokens with the `admin` role (all RPCs), one per line.")
+    generate_tokens_file: str = Field(default="", description="File of tokens with the `generate` role, one per line.")
+    admin_tokens_file: str = Field(
+        default="", description="File of tokens with the `admin` role (all RPCs), one per line."
+    )
 
 
 class TlsSection(Section):
     """Server TLS; mutual TLS when client_ca_file is set."""
 
-    cert_file: str = Field("", description="PEM server certificate chain; TLS is on when set.")
-    key_file: str = Field("", description="PEM private key of the server certificate.")
-    client_ca_file: str = Field("", description="PEM CA that signs client certificates; set to require mutual TLS.")
+    cert_file: str = Field(default="", description="PEM server certificate chain; TLS is on when set.")
+    key_file: str = Field(default="", description="PEM private key of the server certificate.")
+    client_ca_file: str = Field(
+        default="", description="PEM CA that signs client certificates; set to require mutual TLS."
+    )
     health_port: int = Field(
-        0,
+        default=0,
         ge=0,
         le=65535,
         description="Plaintext port serving only grpc.health.v1 (kubelet gRPC probes cannot speak TLS); 0 = off.",
@@ -184,20 +190,20 @@ class TokenAuth:
         needed = METHOD_ROLES.get(method)
         short = method.rsplit("/", 1)[-1]
         if needed is None:
-            raise PermissionDenied(f"{short} has no role assigned on this server; refusing it", reason="NO_ROLE")
+            raise PermissionDenied(f"{short} has no role assigned on this server; refusing it", reason=Reason.NO_ROLE)
         header = next((v for k, v in metadata or () if k == "authorization"), None)
         if not header:
             raise Unauthenticated(
                 f"{short} needs a bearer token: send `authorization: Bearer <token>` (the CLI's --token-file)",
-                reason="NO_TOKEN",
+                reason=Reason.NO_TOKEN,
             )
         scheme, _, token = str(header).partition(" ")
         role = self._role_of(token.strip()) if scheme.lower() == "bearer" else None
         if role is None:
-            raise Unauthenticated("the bearer token is not valid on this server", reason="BAD_TOKEN")
+            raise Unauthenticated("the bearer token is not valid on this server", reason=Reason.BAD_TOKEN)
         if needed == ADMIN and role != ADMIN:
             raise PermissionDenied(
-                f"{short} needs the admin role; this token has the generate role", reason="WRONG_ROLE"
+                f"{short} needs the admin role; this token has the generate role", reason=Reason.WRONG_ROLE
             )
 
     def _role_of(self, token: str) -> str | None:

@@ -1,0 +1,62 @@
+"""The engines, each a module behind the `Engine` protocol (base.py), named once in ENGINES.
+
+ENGINES is the only place an engine's name is written: the config's `engine` field, the
+`--engine` choices, `make_engine`, the contract tests (tests/test_engine_contract.py) and the
+docs check (tests/test_registries.py) all read it. An entry names a builder
+`build(config: GeneratorConfig, metrics: GeneratorMetrics) -> Engine`; a builder imports its
+engine module (and torch) only when a replica builds that engine, so importing this package,
+listing the names or validating a config imports nothing heavy.
+
+Adding an engine: its module, with a `build(config, metrics)` function, and one line here,
+`ENGINES.register("name", "rollwire.generator.engines.module:build", "summary")`.
+Trait `runs_model=False` marks an engine that serves a folder holding only config.json and
+emits scripted tokens, so the contract suite checks no model numbers against it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+from rollwire.common.registry import Registry
+
+if TYPE_CHECKING:
+    from rollwire.generator.config import GeneratorConfig
+    from rollwire.generator.engines.base import Engine
+    from rollwire.generator.metrics import GeneratorMetrics
+
+EngineBuilder = Callable[["GeneratorConfig", "GeneratorMetrics"], "Engine"]
+
+
+def _transformers(config: GeneratorConfig, metrics: GeneratorMetrics) -> Engine:
+    from rollwire.generator.engines.transformers_engine import TransformersEngine
+
+    t = config.transformers
+    return TransformersEngine(
+        config.model, max_batch_rows=t.max_batch_rows, threads=t.threads, device=t.device, on_forward=metrics.on_forward
+    )
+
+
+def _sglang(config: GeneratorConfig, metrics: GeneratorMetrics) -> Engine:
+    from rollwire.generator.engines.sglang_engine import SGLangEngine
+
+    return SGLangEngine.from_config(config)
+
+
+def _scripted(config: GeneratorConfig, metrics: GeneratorMetrics) -> Engine:
+    from rollwire.generator.engines.scripted import ScriptedEngine
+
+    s = config.scripted
+    return ScriptedEngine(
+        config.model, tokens_per_s=s.tokens_per_s, logprob=s.logprob, max_concurrent_groups=s.max_concurrent_groups
+    )
+
+
+ENGINES: Registry[EngineBuilder] = Registry("engine")
+ENGINES.register("transformers", _transformers, "transformers + PEFT in the replica's own process; CPU or GPU")
+ENGINES.register("sglang", _sglang, "a real SGLang server, launched by the replica or reached by URL; NVIDIA GPU")
+ENGINES.register(
+    "scripted", _scripted, "benchmark engine: tokens at a set rate from config.json alone, no model", runs_model=False
+)
+
+__all__ = ["ENGINES", "EngineBuilder"]

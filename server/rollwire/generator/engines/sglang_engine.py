@@ -25,7 +25,6 @@ import asyncio
 import itertools
 import json
 import math
-import os
 import re
 import secrets
 import shutil
@@ -34,12 +33,14 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from rollwire.common.durable import fsync_dir, write_synced
+from rollwire.common.durable import atomic_dir, write_synced
 from rollwire.common.errors import FailedPrecondition, Internal, ResourceExhausted, RollwireError, Unavailable
 from rollwire.common.logs import get_logger
+from rollwire.common.reasons import Reason
 from rollwire.common.safetensors_header import read_header
 from rollwire.generator.adapters import Manifest
 from rollwire.generator.config import GeneratorConfig, SGLangSection
+from rollwire.generator.detokenize import TextStream, backend
 from rollwire.generator.engines.base import EngineStats
 from rollwire.generator.engines.sglang_process import (
     SGLangHTTP,
@@ -143,6 +144,7 @@ class SGLangEngine:
         self.vocab_size = int(config["vocab_size"])
         self.max_context = int(config.get("max_position_embeddings") or 1 << 30)
         self.tokenizer = AutoTokenizer.from_pretrained(self.model_dir)
+        self._text_backend = backend(self.tokenizer)
 
     def _prepare_adapter_dir(self) -> None:
         if self.settings.adapter_dir:
@@ -170,8 +172,15 @@ class SGLangEngine:
             extra_args=s.extra_args,
         )
 
+    @property
+    def api(self) -> SGLangHTTP:
+        """The SGLang HTTP client; only a started engine has one."""
+        if self.http is None:
+            raise RuntimeError("the sglang engine is not started")
+        return self.http
+
     async def _read_server_info(self) -> None:
-        info = await self.http.get_json("/server_info", "reading /server_info")
+        info = await self.api.get_json("/server_info", "reading /server_info")
         self.server_version = str(info.get("version", ""))
         deterministic = _find_key(info, "enable_deterministic_inference")
         if deterministic is not None:
@@ -181,7 +190,7 @@ class SGLangEngine:
         log.info(
             "engine_loaded",
             engine=self.name,
-            url=self.http.base_url,
+            url=self.api.base_url,
             sglang=self.server_version,
             seeds=self.honours_seeds,
             max_adapters=self.max_adapters,
@@ -211,12 +220,12 @@ class SGLangEngine:
         return EngineStats(running=self._running, queued=self._waiting)
 
     async def generate(self, group: GroupRequest) -> AsyncIterator[list[Event]]:
-        self.supervisor.check_up()
+        self.supervisor.check_up()  # pyright: ignore[reportOptionalMemberAccess]  # set by start()
         seeds = self._seeds(group)
         lora = self._lora_name(group)
         rid = f"{group.request_id}.{next(self._rids)}"
         body, rids = generate_body(group, lora, seeds, rid)
-        tracker = StreamTracker(group, self._decode)
+        tracker = StreamTracker(group, self._text_stream)
         self._waiting += 1
         try:
             await self._slots.acquire()
@@ -224,18 +233,18 @@ class SGLangEngine:
             self._waiting -= 1
         self._running += 1
         try:
-            async with self.http.stream_lines("/generate", body, f"generation of {rid}") as lines:
+            async with self.api.stream_lines("/generate", body, f"generation of {rid}") as lines:
                 async for line in lines:
                     item = parse_sse_line(line)
                     if item is DONE:
                         break
-                    if item is not None and (events := tracker.feed(item)):
+                    if isinstance(item, dict) and (events := tracker.feed(item)):
                         yield events
             if not tracker.complete:
                 raise Unavailable(
                     f"SGLang ended the stream of {rid} before all {group.n} samples finished; "
                     "the partial samples are void, retry the group",
-                    reason="SGLANG_STREAM_CUT",
+                    reason=Reason.SGLANG_STREAM_CUT,
                     retry_after_s=1.0,
                 )
         finally:
@@ -251,7 +260,7 @@ class SGLangEngine:
             raise FailedPrecondition(
                 "this replica's SGLang runs without --enable-deterministic-inference, so it would ignore the "
                 "request's seed; drop the seed or start the replica with sglang.deterministic=true",
-                reason="SEED_UNSUPPORTED",
+                reason=Reason.SEED_UNSUPPORTED,
             )
         from rollwire.generator.sampling import sample_seed  # one definition of per-sample seeds
 
@@ -267,8 +276,8 @@ class SGLangEngine:
             )
         return adapter.lora_name
 
-    def _decode(self, ids: list[int]) -> str:
-        return self.tokenizer.decode(ids, skip_special_tokens=True)
+    def _text_stream(self) -> TextStream:
+        return TextStream(self._text_backend)
 
     def _abort(self, rids: list[str]) -> None:
         """Ask SGLang to stop the given requests now (closing the stream stops them too, later)."""
@@ -281,7 +290,7 @@ class SGLangEngine:
     async def _send_aborts(self, rids: list[str]) -> None:
         for rid in rids:
             try:
-                await self.http.post_json("/abort_request", abort_body(rid), f"aborting {rid}", admin=True)
+                await self.api.post_json("/abort_request", abort_body(rid), f"aborting {rid}", admin=True)
             except RollwireError as err:
                 log.info("sglang_abort_failed", rid=rid, error=err.message)
 
@@ -295,7 +304,7 @@ class SGLangEngine:
         )
         adapter = _Adapter(lora_name, folder, self._server_path(lora_name), label)
         try:
-            self.supervisor.check_up()
+            self.supervisor.check_up()  # pyright: ignore[reportOptionalMemberAccess]  # set by start()
             await self._sglang_load(adapter)
         except BaseException:
             await asyncio.to_thread(shutil.rmtree, folder, True)
@@ -309,14 +318,14 @@ class SGLangEngine:
                 f"adapter {m.name!r} v{m.version} has rank r={m.lora.r}, above sglang.max_lora_rank="
                 f"{self.settings.max_lora_rank} that SGLang reserved memory for at start-up; push r<="
                 f"{self.settings.max_lora_rank} or restart the replica with a larger sglang.max_lora_rank",
-                reason="LORA_RANK_TOO_LARGE",
+                reason=Reason.LORA_RANK_TOO_LARGE,
             )
         if len(self._adapters) >= self.max_adapters:
             raise ResourceExhausted(
                 f"SGLang already holds {len(self._adapters)} adapter versions (its limit: the window plus one "
                 "for the swap) and the oldest still serve in-flight requests; retry the push when they finish, "
                 "or raise sglang.max_loaded_adapters",
-                reason="ADAPTER_SLOTS_FULL",
+                reason=Reason.ADAPTER_SLOTS_FULL,
                 retry_after_s=1.0,
             )
 
@@ -325,7 +334,7 @@ class SGLangEngine:
         return f"{root.rstrip('/')}/{lora_name}"
 
     async def _sglang_load(self, adapter: _Adapter) -> None:
-        await self.http.post_json(
+        await self.api.post_json(
             "/load_lora_adapter",
             load_lora_body(adapter.lora_name, adapter.server_path),
             f"loading adapter {adapter.label}",
@@ -337,7 +346,7 @@ class SGLangEngine:
         if adapter is None:
             return
         try:
-            await self.http.post_json(
+            await self.api.post_json(
                 "/unload_lora_adapter",
                 unload_lora_body(adapter.lora_name),
                 f"unloading adapter {adapter.label}",
@@ -396,18 +405,11 @@ def write_peft_folder(root: Path, name: str, manifest: Manifest, payload: bytes,
     final = root / name
     if final.exists():
         raise Internal(f"adapter folder {final} already exists; adapter names are never reused, so it is stale")
-    tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{name}-", dir=root))
-    try:
+    with atomic_dir(final, replace=False) as tmp:
         write_synced(tmp / "adapter_model.safetensors", payload)
         write_synced(
             tmp / "adapter_config.json", json.dumps(peft_config(manifest, payload, base_model), indent=1).encode()
         )
-        fsync_dir(tmp)
-        os.rename(tmp, final)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    fsync_dir(root)
     return final
 
 

@@ -29,6 +29,7 @@ import httpx2 as httpx
 
 from rollwire.common.errors import DeadlineExceeded, FailedPrecondition, RollwireError, Unavailable
 from rollwire.common.logs import get_logger
+from rollwire.common.reasons import Reason
 from rollwire.generator.engines.sglang_protocol import error_from_reply
 
 log = get_logger(__name__)
@@ -112,19 +113,19 @@ def transport_error(exc: Exception, url: str, what: str, timeout_s: float) -> Ro
     if isinstance(exc, (httpx.ConnectError, httpx.ConnectTimeout)):
         return Unavailable(
             f"cannot reach SGLang at {url} for {what} ({exc}); it is down or restarting, retry shortly",
-            reason="SGLANG_UNREACHABLE",
+            reason=Reason.SGLANG_UNREACHABLE,
             retry_after_s=2.0,
         )
     if isinstance(exc, httpx.ReadTimeout):
         return DeadlineExceeded(
             f"SGLang at {url} sent nothing for {timeout_s:g}s during {what}; it may be overloaded or hung "
             "(raise sglang.request_timeout_s for very long generations)",
-            reason="SGLANG_TIMEOUT",
+            reason=Reason.SGLANG_TIMEOUT,
         )
     return Unavailable(
         f"SGLang at {url} dropped the connection during {what} ({type(exc).__name__}: {exc}); it probably "
         "crashed or restarted, so any partial samples are void: retry the whole group",
-        reason="SGLANG_CONNECTION_LOST",
+        reason=Reason.SGLANG_CONNECTION_LOST,
         retry_after_s=2.0,
     )
 
@@ -277,7 +278,7 @@ class Supervisor:
         if not self.up:
             raise Unavailable(
                 f"this replica's SGLang cannot serve right now: {self.down_reason}; retry shortly or on another replica",
-                reason="SGLANG_DOWN",
+                reason=Reason.SGLANG_DOWN,
                 retry_after_s=2.0,
             )
 
@@ -294,7 +295,7 @@ class Supervisor:
         raise DeadlineExceeded(
             f"SGLang at {self.http.base_url} did not become healthy within {self.startup_timeout_s:g}s "
             f"(last probe: {why}); raise sglang.startup_timeout_s for big models{self._log_hint()}",
-            reason="SGLANG_START_TIMEOUT",
+            reason=Reason.SGLANG_START_TIMEOUT,
         )
 
     def _raise_if_exited(self) -> None:
@@ -302,7 +303,7 @@ class Supervisor:
             raise FailedPrecondition(
                 f"SGLang exited with code {self.process.returncode} while starting; its log "
                 f"({self.process.log_path}) ends with:\n{self.process.log_tail()}",
-                reason="SGLANG_START_FAILED",
+                reason=Reason.SGLANG_START_FAILED,
             )
 
     async def _pause(self, seconds: float) -> None:

@@ -34,6 +34,8 @@ from rollwire.common.errors import (
     Unauthenticated,
     Unavailable,
 )
+from rollwire.common.reasons import Reason
+from rollwire.generator.detokenize import TextStream
 from rollwire.generator.types import Event, GroupRequest, SampleDone, SamplingParams, TokenDelta
 
 TARGET_VERSION = "0.5.23"
@@ -128,23 +130,22 @@ def parse_sse_line(line: str):
 
 @dataclass
 class _Sample:
+    text: TextStream
     tokens: list[int] = field(default_factory=list)
-    text: str = ""
     done: bool = False
 
 
 class StreamTracker:
     """Turns SGLang's streamed chunks of one group into rollwire events.
 
-    `decode` turns a sample's token ids into text (the replica's own tokenizer, so text
-    deltas follow the same rule as the transformers engine: a delta is released only once
-    it is a complete prefix extension).
+    `text_stream` makes each sample's incremental detokenizer (detokenize.TextStream over
+    the replica's own tokenizer, so text deltas follow the same rules as the transformers
+    engine's; O(new tokens) per chunk).
     """
 
-    def __init__(self, group: GroupRequest, decode: Callable[[list[int]], str]) -> None:
+    def __init__(self, group: GroupRequest, text_stream: Callable[[], TextStream]) -> None:
         self.group = group
-        self.decode = decode
-        self.samples = [_Sample() for _ in range(group.n)]
+        self.samples = [_Sample(text_stream()) for _ in range(group.n)]
         self.rids: set[str] = set()
 
     @property
@@ -192,15 +193,8 @@ class StreamTracker:
             raise Internal(f"SGLang's logprobs for sample {index} do not belong to its output tokens")
         sample.tokens.extend(tokens)
         return TokenDelta(
-            index, tokens, [float(e[0]) for e in entries], self._new_text(sample), self.group.adapter.version
+            index, tokens, [float(e[0]) for e in entries], sample.text.add(tokens), self.group.adapter.version
         )
-
-    def _new_text(self, sample: _Sample) -> str:
-        full = self.decode(sample.tokens)
-        if full.endswith("\ufffd") or not full.startswith(sample.text):
-            return ""  # an incomplete multi-byte character: wait for the next token
-        delta, sample.text = full[len(sample.text) :], full
-        return delta
 
     def _finish(self, index: int, finish: dict, meta: dict) -> SampleDone:
         kind = finish.get("type") if isinstance(finish, dict) else None
@@ -238,17 +232,17 @@ def sglang_message(body) -> str:
 
 
 _BY_STATUS: dict[int, tuple[type[RollwireError], str]] = {
-    400: (InvalidArgument, "SGLANG_BAD_REQUEST"),
-    401: (Unauthenticated, "SGLANG_UNAUTHENTICATED"),
-    403: (PermissionDenied, "SGLANG_FORBIDDEN"),
-    404: (FailedPrecondition, "SGLANG_NO_ROUTE"),
-    408: (DeadlineExceeded, "SGLANG_TIMEOUT"),
-    413: (InvalidArgument, "SGLANG_TOO_LARGE"),
-    422: (InvalidArgument, "SGLANG_BAD_REQUEST"),
-    429: (ResourceExhausted, "SGLANG_OVERLOADED"),
-    500: (Internal, "SGLANG_INTERNAL"),
-    503: (Unavailable, "SGLANG_UNAVAILABLE"),
-    504: (DeadlineExceeded, "SGLANG_TIMEOUT"),
+    400: (InvalidArgument, Reason.SGLANG_BAD_REQUEST),
+    401: (Unauthenticated, Reason.SGLANG_UNAUTHENTICATED),
+    403: (PermissionDenied, Reason.SGLANG_FORBIDDEN),
+    404: (FailedPrecondition, Reason.SGLANG_NO_ROUTE),
+    408: (DeadlineExceeded, Reason.SGLANG_TIMEOUT),
+    413: (InvalidArgument, Reason.SGLANG_TOO_LARGE),
+    422: (InvalidArgument, Reason.SGLANG_BAD_REQUEST),
+    429: (ResourceExhausted, Reason.SGLANG_OVERLOADED),
+    500: (Internal, Reason.SGLANG_INTERNAL),
+    503: (Unavailable, Reason.SGLANG_UNAVAILABLE),
+    504: (DeadlineExceeded, Reason.SGLANG_TIMEOUT),
 }
 
 _HINTS = {
@@ -260,7 +254,7 @@ _HINTS = {
 
 def error_from_body(status: int, body, what: str) -> RollwireError:
     """A RollwireError for an SGLang error reply, with SGLang's message and an action."""
-    cls, reason = _BY_STATUS.get(status, (Unavailable if status >= 500 else InvalidArgument, "SGLANG_ERROR"))
+    cls, reason = _BY_STATUS.get(status, (Unavailable if status >= 500 else InvalidArgument, Reason.SGLANG_ERROR))
     message = f"SGLang {what} failed (HTTP {status} {_phrase(status)}): {sglang_message(body)}"
     if status in _HINTS:
         message += f"; {_HINTS[status]}"

@@ -4,17 +4,27 @@ One worker thread owns the model. It runs a continuous-batching loop: each itera
 applies adapter loads/unloads, admits waiting groups (one prefill for all of them, their
 KV caches left-padded and merged into the running batch), then runs one decode step for
 every running row. Rows of different groups, different sampling params and different
-adapters share every forward pass (PEFT's mixed-adapter batches). Finished and cancelled
-rows leave the batch at once. Row i of a group samples with its own torch.Generator
-seeded from (seed, i), so results do not depend on what else is batched.
+adapters share every forward pass (LoRA deltas per adapter sub-batch, lora.py). Finished
+and cancelled rows leave the batch at once.
+
+Per step, everything after the forward pass is done for the whole batch at once: one
+sampling transform over every row (sampling.py: each row with its own params), one draw
+(row i of a group takes its uniforms from its own generator seeded from (seed, i), so a
+seeded sample does not depend on what else is batched), one transfer of the tokens and
+logprobs to Python, a DecodeStream step per row (detokenize.py), and one hand-off of every
+group's events to the event loop (`_Mailbox`: at most one wake-up per step, none while the
+loop has not yet taken the previous step's events).
 
 Failure isolation (blast radius): a row's failure ends its own group, never the batch.
-Each group is sampled on its own; when the distribution it would sample from holds NaN or
-+inf (or the chosen token's logprob is not finite) the group ends with FAILED_PRECONDITION,
-reason NON_FINITE_LOGITS (the model or the request's adapter produced values nothing can be
-sampled from; no client should retry it unchanged); any other exception while sampling or
-emitting a group ends that group with INTERNAL, reason ROW_FAILED (a bug tied to that
-request). Either way its rows leave the batch and every other row continues. The proxy must
+When the distribution a row would sample from holds NaN or +inf (or the chosen token's
+logprob is not finite) its group ends with FAILED_PRECONDITION, reason NON_FINITE_LOGITS
+(the model or the request's adapter produced values nothing can be sampled from; no client
+should retry it unchanged); the check is per row, so its neighbours are untouched. If
+sampling the whole batch raises, the step is redone group by group with the same uniforms,
+so the group that raises is found and every other group gets exactly the tokens it would
+have had; any exception while sampling or emitting a group ends that group with INTERNAL,
+reason ROW_FAILED (a bug tied to that request). Either way its rows leave the batch and
+every other row continues. The proxy must
 classify by reason: neither of these means the replica is sick. Only a failure of a forward
 pass itself (OOM, a device error), which no row can be blamed for, ends the groups in that
 pass with INTERNAL, reason ENGINE_FAILED: that one is a replica fault. A failed prefill
@@ -24,26 +34,31 @@ ends only the groups being admitted; the running batch keeps decoding.
 from __future__ import annotations
 
 import asyncio
+import random
 import secrets
 import threading
 from collections import deque
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import Future
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
 from rollwire.common.errors import FailedPrecondition, Internal, InvalidArgument
 from rollwire.common.logs import get_logger
+from rollwire.common.reasons import Reason
 from rollwire.generator.adapters import Manifest
+from rollwire.generator.detokenize import TextStream, backend
 from rollwire.generator.engines.base import EngineStats
-from rollwire.generator.sampling import draw, finite, sample_seed, sampling_logprobs
-from rollwire.generator.types import Event, GroupRequest, SampleDone, TokenDelta
+from rollwire.generator.engines.lora import LoraSet
+from rollwire.generator.sampling import inverse_cdf, nonfinite_rows, row_uniforms, sample_generator, sampling_logprobs
+from rollwire.generator.types import Event, GroupRequest, SampleDone, SamplingParams, TokenDelta
 
 log = get_logger(__name__)
-BASE = "__base__"  # PEFT's name for "no adapter" in a mixed batch
 _MAX_ERROR_CHARS = 200  # an exception's text as a status message may echo it
+_STOP_TAIL = 64  # characters of a sample's text kept for stop strings (at most 64 characters each)
 
 
 @dataclass
@@ -66,6 +81,40 @@ def _put_all(queue: asyncio.Queue, items: list) -> None:
         queue.put_nowait(item)
 
 
+class _Mailbox:
+    """Events on their way from the worker to one event loop.
+
+    The worker posts each step's events and wakes the loop only when no wake-up is already
+    pending, so a loop that falls behind takes several steps' events in one callback (and
+    each group's stream sends them as one message) instead of being woken once per step.
+    Order is kept: events go out in the order they were posted."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self.loop = loop
+        self._lock = threading.Lock()
+        self._items: list[tuple[_Group, list]] = []
+        self._due = False
+
+    def post(self, deliveries: list[tuple[_Group, list]]) -> bool:
+        """False when the loop is gone (nobody is listening)."""
+        with self._lock:
+            self._items.extend(deliveries)
+            if self._due:
+                return True
+            self._due = True
+        try:
+            self.loop.call_soon_threadsafe(self._drain)
+        except RuntimeError:
+            return False
+        return True
+
+    def _drain(self) -> None:
+        with self._lock:
+            items, self._items, self._due = self._items, [], False
+        for group, events in items:
+            _put_all(group.events, events)
+
+
 _END = object()
 
 
@@ -73,27 +122,27 @@ _END = object()
 class _Row:
     group: _Group
     index: int
-    generator: torch.Generator
+    generator: random.Random
     position: int  # position id of the next token fed to the model
-    adapter: str
-    generated: list[int] = field(default_factory=list)
-    emitted_text: str = ""
+    adapter: str | None  # engine handle; None = the base model
+    text: TextStream
+    generated: int = 0  # tokens sampled so far
     last_token: int = -1
-    prefix_offset: int = 0  # incremental detokenizing: tokens before this are already text
-    read_offset: int = 0
 
 
 @dataclass
 class _Batch:
     rows: list[_Row]
-    cache: object  # transformers DynamicCache, rows in the same order
+    cache: Any  # transformers DynamicCache, rows in the same order
     mask: torch.Tensor  # [rows, kv_len] 1 = real token
 
 
 class TransformersEngine:
-    """Engine over transformers + PEFT; see the module docstring for the batching loop."""
+    """Engine over transformers, LoRA adapters by forward hooks (lora.py); see the module
+    docstring for the batching loop."""
 
     name = "transformers"
+    _lora: LoraSet  # set by _load, with the model
 
     def __init__(
         self,
@@ -115,7 +164,7 @@ class TransformersEngine:
         self._running_groups = 0
         self._stop = False
         self._thread: threading.Thread | None = None
-        self._peft = None
+        self._mailboxes: dict[asyncio.AbstractEventLoop, _Mailbox] = {}  # touched by the worker only
 
     # -- lifecycle -------------------------------------------------------------------
     async def start(self) -> None:
@@ -131,10 +180,13 @@ class TransformersEngine:
         if not (self.model_dir / "config.json").is_file():
             raise FailedPrecondition(f"{self.model_dir} is not a local Hugging Face model folder (no config.json)")
         self.tokenizer = AutoTokenizer.from_pretrained(self.model_dir)
-        self.model = AutoModelForCausalLM.from_pretrained(self.model_dir, dtype=torch.float32).to(self.device).eval()
+        model: Any = AutoModelForCausalLM.from_pretrained(self.model_dir, dtype=torch.float32)  # stubs lack .to()
+        self.model = model.to(self.device).eval()
         self.vocab_size = int(self.model.config.vocab_size)
         self.max_context = int(getattr(self.model.config, "max_position_embeddings", 0) or 1 << 30)
         self.eos_ids = _eos_ids(self.model.config, self.tokenizer)
+        self._text_backend = backend(self.tokenizer)
+        self._lora = LoraSet(self.model)
         log.info("engine_loaded", engine=self.name, model=str(self.model_dir), vocab=self.vocab_size)
 
     async def close(self) -> None:
@@ -243,45 +295,17 @@ class TransformersEngine:
                 continue
             try:
                 if op[0] == "load":
-                    self._load_adapter(*op[1:])
+                    _, handle, manifest, tensors = op
+                    self._lora.load(handle, manifest.lora, tensors)
                 else:
-                    self._peft.delete_adapter(op[1])
+                    self._lora.unload(op[1])
                 fut.set_result(None)
             except Exception as exc:
                 fut.set_exception(exc)
 
-    def _load_adapter(self, handle: str, manifest: Manifest, tensors: dict) -> None:
-        from peft import LoraConfig, get_peft_model, set_peft_model_state_dict
-
-        lora = manifest.lora
-        targets = "all-linear" if "all-linear" in lora.target_modules else list(lora.target_modules)
-        config = LoraConfig(
-            r=lora.r,
-            lora_alpha=lora.lora_alpha,
-            target_modules=targets,
-            use_rslora=lora.use_rslora,
-            lora_dropout=0.0,
-            inference_mode=True,
-        )
-        if self._peft is None:
-            self._peft = get_peft_model(self.model, config, adapter_name=handle)
-        else:
-            self._peft.add_adapter(handle, config)
-            # PEFT keeps a deleted adapter "active" once the last one is gone, and its
-            # forward looks the active one up even with adapter_names: point it at a live one.
-            self._peft.set_adapter(handle)
-        result = set_peft_model_state_dict(self._peft, tensors, adapter_name=handle)
-        unexpected = getattr(result, "unexpected_keys", [])
-        if unexpected:
-            self._peft.delete_adapter(handle)
-            raise InvalidArgument(f"adapter has tensors the model does not: {unexpected[:3]}")
-        self._peft.eval()
-
-    def _forward(self, rows: list[_Row], **inputs) -> torch.Tensor:
-        model = self.model  # LoRA layers without a loaded adapter compute the base model
-        if self._peft is not None and self._peft.peft_config:
-            model, inputs["adapter_names"] = self._peft, [r.adapter for r in rows]
-        out = model(**inputs, use_cache=True)
+    def _forward(self, rows: list[_Row], **inputs):
+        with self._lora.routed([r.adapter for r in rows]):
+            out = self.model(**inputs, use_cache=True)
         self.on_forward(len(rows))
         return out
 
@@ -314,22 +338,23 @@ class TransformersEngine:
     def _prefill(self, groups: list[_Group]) -> _Batch | None:
         from transformers import DynamicCache
 
-        rows, prompts = [], []
+        rows = []
         for g in groups:
             seed = g.req.sampling.seed if g.req.sampling.seed is not None else secrets.randbits(62)
-            adapter = g.req.adapter.handle or BASE
+            keep = _STOP_TAIL if g.req.sampling.stop else 0
             for i in range(g.req.n):
-                gen = torch.Generator(device=self.device).manual_seed(sample_seed(seed, i))
-                rows.append(_Row(g, i, gen, len(g.req.prompt_ids), adapter))
-                prompts.append(g.req.prompt_ids)
+                text = TextStream(self._text_backend, keep)
+                rows.append(_Row(g, i, sample_generator(seed, i), len(g.req.prompt_ids), g.req.adapter.handle, text))
             g.open_rows = g.req.n
-        width = max(len(p) for p in prompts)
-        ids = torch.full((len(rows), width), self.tokenizer.pad_token_id or 0, dtype=torch.long)
-        mask = torch.zeros((len(rows), width), dtype=torch.long)
-        for i, p in enumerate(prompts):
-            ids[i, width - len(p) :] = torch.tensor(p)
-            mask[i, width - len(p) :] = 1
-        ids, mask = ids.to(self.device), mask.to(self.device)
+        width = max(len(g.req.prompt_ids) for g in groups)
+        ids = torch.full((len(groups), width), self.tokenizer.pad_token_id or 0, dtype=torch.long)
+        mask = torch.zeros((len(groups), width), dtype=torch.long)
+        for k, g in enumerate(groups):  # one left-padded row per group, then one copy per sample
+            ids[k, width - len(g.req.prompt_ids) :] = torch.tensor(g.req.prompt_ids)
+            mask[k, width - len(g.req.prompt_ids) :] = 1
+        samples = torch.tensor([g.req.n for g in groups])
+        ids = ids.repeat_interleave(samples, 0).to(self.device)
+        mask = mask.repeat_interleave(samples, 0).to(self.device)
         positions = (mask.cumsum(-1) - 1).clamp(min=0)
         cache = DynamicCache(config=self.model.config)
         out = self._forward(
@@ -338,84 +363,106 @@ class TransformersEngine:
         return self._sample_and_emit(_Batch(rows, out.cache, mask), out.logits[:, -1, :])
 
     def _sample_and_emit(self, batch: _Batch, logits: torch.Tensor) -> _Batch | None:
-        """Sample one token per row (rows of a group share params), emit, drop finished rows.
+        """Sample one token for every row at once, emit each group's events, drop finished rows.
 
-        Each group is sampled alone: one that fails (see the module docstring) is ended
-        with its own status and all its rows are dropped; the others are unaffected."""
+        A group whose sampling fails (see the module docstring) is ended with its own status
+        and all its rows are dropped; the others are unaffected."""
+        rows = batch.rows
+        params = [r.group.req.sampling for r in rows]
+        uniforms = row_uniforms(params, [r.generator for r in rows])  # drawn once: a retry reuses them
+        failed: dict[int, Exception] = {}
+        try:
+            tokens, chosen, broken = _sample(logits, params, uniforms)
+        except Exception:  # find the group to blame: redo the step group by group
+            tokens, chosen, broken = self._sample_by_group(rows, logits, params, uniforms, failed)
+        for i, where in enumerate(broken):
+            if where is not None:
+                failed.setdefault(id(rows[i].group), _NonFinite(where))
+        outbox: dict[int, tuple[_Group, list]] = {}
         done: list[int] = []
-        by_group: dict[int, list[int]] = {}
-        for i, r in enumerate(batch.rows):
-            by_group.setdefault(id(r.group), []).append(i)
-        for idxs in by_group.values():
-            group = batch.rows[idxs[0]].group
+        for i, row in enumerate(rows):
+            group = row.group
+            if id(group) in failed:
+                continue
             try:
-                events, finished = self._sample_group(batch, logits, idxs)
+                events, finished = self._advance(row, tokens[i], chosen[i])
             except Exception as exc:
-                events, finished = [_row_error(group, exc), _END], idxs
-                group.open_rows = 0
-                group.cancelled = True  # nothing more is sent to it
-            else:
-                if group.open_rows == 0:
-                    events.append(_END)
-            group.send(events)
-            done.extend(finished)
+                failed[id(group)] = exc
+                continue
+            outbox.setdefault(id(group), (group, []))[1].extend(events)
+            if finished:
+                done.append(i)
+        for i, row in enumerate(rows):
+            if id(row.group) in failed:
+                done.append(i)
+        for key, exc in failed.items():
+            group = next(r.group for r in rows if id(r.group) == key)
+            outbox[key] = (group, [_row_error(group, exc), _END])
+            group.open_rows = 0
+            group.cancelled = True  # nothing more is sent to it
+        for key, (group, events) in outbox.items():
+            if group.open_rows == 0 and key not in failed:
+                events.append(_END)
+        self._deliver(outbox)
         batch = self._drop_rows(batch, done)
         return batch if batch.rows else None
 
-    def _sample_group(self, batch: _Batch, logits: torch.Tensor, idxs: list[int]) -> tuple[list, list[int]]:
-        """One token for each row `idxs` of one group: its events and the rows it finished.
+    def _deliver(self, outbox: dict[int, tuple[_Group, list]]) -> None:
+        """Hand one step's events to their event loops' mailboxes."""
+        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[_Group, list]]] = {}
+        for group, items in outbox.values():
+            by_loop.setdefault(group.loop, []).append((group, items))
+        for loop, deliveries in by_loop.items():
+            box = self._mailboxes.get(loop)
+            if box is None:
+                box = self._mailboxes[loop] = _Mailbox(loop)
+            if not box.post(deliveries):
+                del self._mailboxes[loop]
+                for group, _ in deliveries:
+                    group.cancelled = True
 
-        Raises _NonFinite before anything is drawn when the distribution cannot be sampled
-        from; row state changes only after every check passed."""
-        group = batch.rows[idxs[0]].group
-        params = group.req.sampling
-        logprobs = sampling_logprobs(logits[idxs], params)
-        if not finite(logprobs):
-            raise _NonFinite("the sampling distribution")
-        tokens = draw(logprobs, params, [batch.rows[i].generator for i in idxs])
-        chosen = logprobs.gather(-1, tokens[:, None])[:, 0]
-        if not bool(torch.isfinite(chosen).all()):
-            raise _NonFinite("the sampled token's logprob")
-        tokens, chosen = tokens.tolist(), chosen.tolist()
-        events: list = []
-        finished: list[int] = []
-        for k, i in enumerate(idxs):
-            row = batch.rows[i]
-            token, lp = int(tokens[k]), float(chosen[k])
-            row.generated.append(token)
-            row.last_token = token
-            text = self._new_text(row)
-            events.append(TokenDelta(row.index, [token], [lp], text, group.req.adapter.version))
-            reason = self._finish_reason(row, token)
-            if reason:
-                events.append(SampleDone(row.index, reason, len(group.req.prompt_ids), len(row.generated)))
-                group.open_rows -= 1
-                finished.append(i)
-        return events, finished
+    def _sample_by_group(
+        self, rows: list[_Row], logits: torch.Tensor, params: list, uniforms: torch.Tensor, failed: dict
+    ) -> tuple[list[int], list[float], list[str | None]]:
+        """The whole-batch sampling raised: sample each group alone (same uniforms, so the
+        groups that do not raise get the tokens they would have had), and record the ones
+        that raise in `failed`."""
+        tokens, chosen = [0] * len(rows), [0.0] * len(rows)
+        broken: list[str | None] = [None] * len(rows)
+        by_group: dict[int, list[int]] = {}
+        for i, r in enumerate(rows):
+            by_group.setdefault(id(r.group), []).append(i)
+        for key, idxs in by_group.items():
+            index = torch.tensor(idxs, device=logits.device)
+            try:
+                t, c, b = _sample(logits[index], [params[i] for i in idxs], uniforms[idxs])
+            except Exception as exc:
+                failed[key] = exc
+                continue
+            for k, i in enumerate(idxs):
+                tokens[i], chosen[i], broken[i] = t[k], c[k], b[k]
+        return tokens, chosen, broken
 
-    def _new_text(self, row: _Row) -> str:
-        """Text added by the newest token, decoding only a short window (O(1) per token).
-
-        Decoding the window with its left context keeps spacing and multi-byte characters
-        right; an incomplete character (U+FFFD at the end) waits for the next token."""
-        decode = self.tokenizer.decode
-        before = decode(row.generated[row.prefix_offset : row.read_offset], skip_special_tokens=True)
-        after = decode(row.generated[row.prefix_offset :], skip_special_tokens=True)
-        if len(after) <= len(before) or after.endswith("\ufffd"):
-            return ""
-        delta = after[len(before) :]
-        row.prefix_offset, row.read_offset = row.read_offset, len(row.generated)
-        row.emitted_text += delta
-        return delta
+    def _advance(self, row: _Row, token: int, logprob: float) -> tuple[list, bool]:
+        """Append one sampled token to a row: its events and whether the sample finished."""
+        group = row.group
+        row.generated += 1
+        row.last_token = token
+        events: list = [TokenDelta(row.index, [token], [logprob], row.text.add(token), group.req.adapter.version)]
+        reason = self._finish_reason(row, token)
+        if reason is None:
+            return events, False
+        events.append(SampleDone(row.index, reason, len(group.req.prompt_ids), row.generated))
+        group.open_rows -= 1
+        return events, True
 
     def _finish_reason(self, row: _Row, token: int) -> str | None:
         params = row.group.req.sampling
         if token in self.eos_ids and not params.ignore_eos:
             return "eos"
-        tail = row.emitted_text[-64:]
-        if any(s and s in tail and row.emitted_text.endswith(s) for s in params.stop):
+        if params.stop and any(row.text.tail.endswith(s) for s in params.stop if s):
             return "stop"
-        if len(row.generated) >= params.max_new_tokens:
+        if row.generated >= params.max_new_tokens:
             return "length"
         return None
 
@@ -436,6 +483,28 @@ class _NonFinite(Exception):
     """A group's sampling met NaN or +inf; the argument says where."""
 
 
+def _sample(
+    logits: torch.Tensor, params: list[SamplingParams], uniforms: torch.Tensor
+) -> tuple[list[int], list[float], list[str | None]]:
+    """One token per row: the tokens, their logprobs, and per row None or where it met NaN/+inf.
+
+    Pure (the uniforms are drawn before), so a retry of some of the rows gives them the
+    same tokens."""
+    logprobs = sampling_logprobs(logits, params)
+    bad_distribution = nonfinite_rows(logprobs)
+    tokens = inverse_cdf(logprobs, params, uniforms)
+    chosen = logprobs.gather(-1, tokens[:, None])[:, 0]
+    bad_token = ~torch.isfinite(chosen)
+    broken: list[str | None] = [None] * len(tokens)
+    if bool(bad_distribution.any()) or bool(bad_token.any()):
+        for i, (dist, tok) in enumerate(zip(bad_distribution.tolist(), bad_token.tolist(), strict=True)):
+            if dist:
+                broken[i] = "the sampling distribution"
+            elif tok:
+                broken[i] = "the sampled token's logprob"
+    return tokens.tolist(), chosen.tolist(), broken
+
+
 def _row_error(group: _Group, exc: Exception):
     """The status that ends one group whose sampling failed (see the module docstring)."""
     rid = group.req.request_id
@@ -445,13 +514,13 @@ def _row_error(group: _Group, exc: Exception):
             f"the model produced NaN or infinite values in {exc} of this request (adapter "
             f"{group.req.adapter.name or 'base'} v{group.req.adapter.version}); nothing can be sampled from "
             "them. Check the adapter's weights (a diverged run produces them) or sample from another version",
-            reason="NON_FINITE_LOGITS",
+            reason=Reason.NON_FINITE_LOGITS,
         )
     log.exception("group_sampling_failed", request_id=rid, exc_info=exc)
     return Internal(
         f"sampling this request failed on this replica ({_clip_exc(exc)}); the other requests were not "
         "affected. Report it with the request id",
-        reason="ROW_FAILED",
+        reason=Reason.ROW_FAILED,
     )
 
 
@@ -463,7 +532,7 @@ def _fail_engine(groups: list[_Group], exc: Exception) -> None:
             [
                 Internal(
                     f"generation failed on this replica ({_clip_exc(exc)}); retry on another replica",
-                    reason="ENGINE_FAILED",
+                    reason=Reason.ENGINE_FAILED,
                 ),
                 _END,
             ]

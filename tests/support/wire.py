@@ -1,14 +1,18 @@
-"""Test helpers: real LoRA adapters for the tiny model and raw-stub calls over the wire."""
+"""Real LoRA adapters for the tiny model, raw-stub calls over the wire, and reading a
+Generate stream while checking the protocol."""
 
 from __future__ import annotations
 
 import hashlib
-from dataclasses import dataclass
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
 
 import grpc
 
+from rollwire.common.lora import LoraShape
+from rollwire.v1 import admin_pb2, admin_pb2_grpc, generator_pb2_grpc
 from rollwire.v1 import generator_pb2 as pb
-from rollwire.v1 import generator_pb2_grpc
 
 TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
@@ -27,12 +31,16 @@ class Adapter:
     def sha256(self) -> str:
         return hashlib.sha256(self.payload).hexdigest()
 
+    @property
+    def shape(self) -> LoraShape:
+        return LoraShape(self.r, self.lora_alpha, self.targets)
+
     def manifest(self, name: str, version: int, fingerprint: str, **changes) -> pb.AdapterManifest:
         fields = dict(
             name=name,
             version=version,
             base_model_fingerprint=fingerprint,
-            lora_config=pb.LoraConfig(r=self.r, lora_alpha=self.lora_alpha, target_modules=list(self.targets)),
+            lora_config=self.shape.to_pb(),
             byte_length=len(self.payload),
             sha256=self.sha256,
         )
@@ -134,3 +142,97 @@ def metric_value(text: str, name: str, labels: str = "") -> float:
         if line.startswith(want + " "):
             return float(line.split()[-1])
     return 0.0
+
+
+# -- Generate streams through a proxy ----------------------------------------------------------
+def status(target: str) -> pb.GetStatusResponse:
+    with grpc.insecure_channel(target) as ch:
+        return generator_pb2_grpc.GeneratorServiceStub(ch).GetStatus(pb.GetStatusRequest(), timeout=10)
+
+
+def admin(target: str) -> admin_pb2_grpc.AdminServiceStub:
+    return admin_pb2_grpc.AdminServiceStub(grpc.insecure_channel(target))
+
+
+def request(
+    prompt: str, n: int = 2, max_new_tokens: int = 8, adapter: str = "", request_id: str = "", **params
+) -> pb.GenerateRequest:
+    sampling = pb.SamplingParams(max_new_tokens=max_new_tokens, **params)
+    req = pb.GenerateRequest(text=prompt, n=n, request_id=request_id, sampling=sampling)
+    if adapter:
+        req.adapter.name = adapter
+    return req
+
+
+@dataclass
+class GroupResult:
+    """One complete group as the client keeps it, and what happened on the way."""
+
+    request_id: str
+    replica: str
+    version: int
+    tokens: dict[int, list[int]]
+    restarts: int
+    attempts_started: list[str] = field(default_factory=list)
+    sent_at: float = 0.0
+    seconds: float = 0.0
+
+
+def run_group(
+    stub: generator_pb2_grpc.GeneratorServiceStub,
+    req: pb.GenerateRequest,
+    timeout: float = 30,
+    on_event: Callable[[pb.GenerateResponse], None] | None = None,
+    metadata=(),
+) -> GroupResult:
+    """Read one Generate stream, asserting the protocol: `started` first and again after
+    every `restarted` (which discards what came before); each sample finished exactly once."""
+    sent_at = time.monotonic()
+    started, restarts, starts = None, 0, []
+    tokens: dict[int, list[int]] = {}
+    finished: dict[int, pb.SampleFinished] = {}
+    versions: set[int] = set()
+    for msg in stub.Generate(req, timeout=timeout, metadata=metadata):
+        if on_event:
+            on_event(msg)
+        if msg.HasField("restarted"):
+            assert not (msg.HasField("started") or msg.tokens or msg.finished), "`restarted` must come alone"
+            restarts += 1
+            started, tokens, finished, versions = None, {}, {}, set()
+            continue
+        if msg.HasField("started"):
+            assert started is None, "a second `started` without `restarted` before it"
+            started = msg.started
+            starts.append(started.replica)
+        assert started is not None, "tokens or finishes before `started`"
+        for t in msg.tokens:
+            assert t.sample_index not in finished, "tokens after the sample finished"
+            tokens.setdefault(t.sample_index, []).extend(t.token_ids)
+            versions.add(t.adapter_version)
+        for f in msg.finished:
+            assert f.sample_index not in finished, "a sample finished twice"
+            finished[f.sample_index] = f
+    assert started is not None and sorted(finished) == list(range(req.n)), (
+        "the stream ended before every sample finished"
+    )
+    for i, f in finished.items():
+        assert len(tokens.get(i, [])) == f.completion_tokens
+    assert versions <= {started.adapter.version}, "tokens from another adapter version than `started` announced"
+    return GroupResult(
+        started.request_id,
+        started.replica,
+        started.adapter.version,
+        tokens,
+        restarts,
+        starts,
+        sent_at,
+        time.monotonic() - sent_at,
+    )
+
+
+def all_methods():
+    """Every RPC of every rollwire.v1 service, read from the compiled protos."""
+    for module in (pb, admin_pb2):
+        for service in module.DESCRIPTOR.services_by_name.values():
+            for method in service.methods:
+                yield f"/{service.full_name}/{method.name}", method

@@ -1,83 +1,17 @@
-"""Fixtures for the learner's integration tests: the taught model and a proxy with 2 replicas.
-
-The taught model is cached by its content key under .cache/ in the repository, so it is built
-once (about a minute) and reused by every later test session and by `make demo`-like runs.
-"""
+"""Running `rollwire learner` against a stack, and reading what it wrote."""
 
 from __future__ import annotations
 
 import json
 import subprocess
 import time
-from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 from pathlib import Path
 
-import pytest
+from rollwire.demo.stack import rollwire_cmd
 
-from rollwire.common.services import ServiceProcess, rollwire_cmd, start
-
-ROOT = Path(__file__).resolve().parents[1]
-TAUGHT_DIR = ROOT / ".cache" / "rollwire" / "taught"
-
-
-@pytest.fixture(scope="session")
-def taught_model() -> Path:
-    from rollwire.demo.teach import build_taught_model
-
-    return build_taught_model(TAUGHT_DIR, log=lambda line: None)
-
-
-@dataclass
-class Stack:
-    proxy: ServiceProcess
-    replicas: list[ServiceProcess]
-    workdir: Path
-
-    def stop(self) -> None:
-        for svc in [self.proxy, *self.replicas]:
-            svc.stop()
-
-
-def start_stack(model: Path, workdir: Path, replicas: int = 2, *generator_args: str) -> Stack:
-    """Replicas (1 torch thread each, started concurrently) behind a proxy."""
-
-    def one(i: int) -> ServiceProcess:
-        return start(
-            [
-                "generator",
-                "--model",
-                str(model),
-                "--port",
-                "0",
-                "--metrics-port",
-                "0",
-                "--set",
-                "transformers.threads=1",
-                "--set",
-                "grace_seconds=1",
-                *generator_args,
-            ],
-            workdir,
-            f"generator-{i}",
-        )
-
-    with ThreadPoolExecutor(replicas) as pool:
-        gens = list(pool.map(one, range(replicas)))
-    proxy = start(
-        ["proxy", "--port", "0", "--metrics-port", "0", *[a for g in gens for a in ("--generator", g.target)]],
-        workdir,
-        "proxy",
-    )
-    return Stack(proxy, gens, workdir)
-
-
-@pytest.fixture(scope="session")
-def stack(taught_model, tmp_path_factory):
-    """One proxy with 2 replicas of the taught model, shared: each test uses its own adapter name."""
-    s = start_stack(taught_model, tmp_path_factory.mktemp("learner-stack"))
-    yield s
-    s.stop()
+TAUGHT_DIR = Path(__file__).resolve().parents[2] / ".cache" / "rollwire" / "taught"
+"""The taught model, cached by its content key: built once (about a minute) and reused by
+every later test session."""
 
 
 def learner_args(target: str, model: Path, run_dir: Path, adapter: str, *overrides: str) -> list[str]:

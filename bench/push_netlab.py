@@ -1,0 +1,246 @@
+"""Weight push on netlab: a LoRA adapter through the proxy to N replicas, each a host behind its own link.
+
+The proxy and every replica run in their own network namespace (rollwire.netlab) behind a
+link shaped to --rate Mbit/s in each direction; the pusher (this process) is outside, on a
+link of the same rate. Replicas are scripted engines serving a config-only Qwen2.5-1.5B-shaped
+folder, and the payload is a synthetic rank-16 adapter on all linear layers (bf16, 36.9 MB),
+so every byte is received, hashed and checked as in production (as in bench/weight_push.py).
+A push is timed from the push call until every replica serves the version: the proxy's
+reply, then a 1-token Generate pinned to the version on each replica directly.
+
+  star     the proxy sends every replica its own copy (push.fanout=0): N copies share the
+           proxy's uplink, so time grows ~ (1 + N) x link time
+  relay    the proxy is the root of a relay tree of replicas (push.fanout=K): every replica
+           forwards each chunk to its children as it arrives
+  link     one TCP copy of the same payload over one shaped path in the same lab (outside to
+           a host): the floor every push is compared with (`*_over_link`)
+
+Repeats alternate: every repeat runs each N (forward, then backward on the next repeat) and
+each mode, with a fresh proxy each time (warmed by a rank-1 push first), so drift on a shared
+machine spreads over all figures. Writes bench/results/push_netlab.json (--quick:
+push_netlab_quick.json, N = 1, 2, one repeat).
+Needs root (network namespaces): run .venv/bin/python bench/push_netlab.py [--mode star relay]
+[--replicas 1 2 4 8] [--repeats 2] [--rate 200] [--fanout auto] [--quick]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from common import QWEN25, WORK, config_only_model, spread, write_result
+from weight_push import Pusher, lora_shapes, safetensors_bytes
+
+from rollwire import netlab
+from rollwire.common.fingerprint import model_fingerprint
+from rollwire.common.push import MAX_CHUNK
+from rollwire.demo.stack import rollwire_cmd, wait_routable
+
+MODEL, RANK, GiB = "1.5B", 16, 1 << 30
+LOGS = WORK / "netlab"
+
+REPLICA_SETTINGS = ("engine=scripted", "scripted.tokens_per_s=0", f"limits.max_adapter_bytes={2 * GiB}")
+PROXY_SETTINGS = (
+    f"spool.max_adapter_bytes={2 * GiB}",
+    "spool.keep_versions=1",
+    "health.push_timeout_s=600",
+    "grace_seconds=1",
+)
+
+
+def mode_settings(mode: str, args: argparse.Namespace) -> list[str]:
+    """The proxy settings (`--set key=value`) that select a broadcast mode: the one place the
+    modes differ. Replicas are shared by every mode, so they take no mode settings."""
+    if mode == "star":
+        return ["push.fanout=0"]
+    if mode == "relay":
+        return [f"push.fanout={args.fanout}"]
+    raise ValueError(f"unknown mode {mode!r}")
+
+
+MODES = ("star", "relay")
+
+
+@dataclass
+class NetService:
+    """A rollwire process on a netlab host (the lab kills it at teardown if `stop` did not)."""
+
+    name: str
+    proc: subprocess.Popen
+    host: netlab.Host
+    port: int
+    log_path: Path
+
+    @property
+    def target(self) -> str:
+        return f"{self.host.ip}:{self.port}"
+
+    def stop(self, timeout: float = 20) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+
+def launch(host: netlab.Host, name: str, args: list[str]) -> tuple[subprocess.Popen, Path, Path]:
+    """`rollwire <args>` on `host`, listening on its address, logging to LOGS/<name>.log."""
+    LOGS.mkdir(parents=True, exist_ok=True)
+    ready, log_path = LOGS / f"{name}.ready.json", LOGS / f"{name}.log"
+    ready.unlink(missing_ok=True)
+    argv = rollwire_cmd(*args, "--host", host.ip, "--port", "0", "--metrics-port", "0", "--ready-file", str(ready))
+    with log_path.open("ab") as log:
+        proc = host.popen(argv, stdout=log, stderr=subprocess.STDOUT)
+    return proc, ready, log_path
+
+
+def wait_ready(name: str, host: netlab.Host, proc: subprocess.Popen, ready: Path, log_path: Path, timeout: float = 120):
+    """The NetService once it wrote its ready file; RuntimeError with its log's tail otherwise."""
+    deadline = time.monotonic() + timeout
+    while not ready.exists():
+        if proc.poll() is not None or time.monotonic() > deadline:
+            proc.kill()
+            proc.wait()
+            tail = log_path.read_text(errors="replace")[-3000:]
+            raise RuntimeError(f"{name} on {host.name} did not start (exit {proc.returncode}); {log_path}:\n{tail}")
+        time.sleep(0.05)
+    return NetService(name, proc, host, json.loads(ready.read_text())["port"], log_path)
+
+
+def start_replicas(hosts: list[netlab.Host], model: Path) -> list[NetService]:
+    """One scripted replica per host, started at once."""
+    settings = [a for s in REPLICA_SETTINGS for a in ("--set", s)]
+    launched = [(h, launch(h, f"replica-{h.name}", ["generator", "--model", str(model), *settings])) for h in hosts]
+    return [wait_ready(f"replica-{h.name}", h, proc, ready, log) for h, (proc, ready, log) in launched]
+
+
+def start_proxy(host: netlab.Host, replicas: list[NetService], settings: list[str]) -> NetService:
+    """A proxy on `host` in front of `replicas`, returned once it routes to every one."""
+    args = ["proxy", *(a for r in replicas for a in ("--generator", r.target))]
+    args += [a for s in (*PROXY_SETTINGS, *settings) for a in ("--set", s)]
+    proxy = wait_ready("proxy", host, *launch(host, "proxy", args))
+    try:
+        wait_routable(proxy, replicas, timeout=60)  # type: ignore[arg-type]  # duck-typed: name, target, log_path
+    except BaseException:
+        proxy.stop()
+        raise
+    return proxy
+
+
+def link_time(lab: netlab.Netlab, host: netlab.Host, size: int, repeats: int) -> dict:
+    """One TCP copy of `size` bytes from the outside to `host` (outside uplink, host downlink)."""
+    netlab.copy_time(lab.outside, host, 1 << 20)  # warm: interpreter, ARP, page cache
+    return spread([netlab.copy_time(lab.outside, host, size) for _ in range(repeats)])
+
+
+def run(args: argparse.Namespace) -> dict:
+    model = config_only_model(f"qwen2.5-{MODEL.lower()}", QWEN25[MODEL])
+    config = json.loads((model / "config.json").read_text())
+    payload = safetensors_bytes(lora_shapes(config, RANK))
+    warm = safetensors_bytes(lora_shapes(config, 1))
+    fingerprint = model_fingerprint(model, config_only=True)
+    version = {"lora": 0, "warmup": 0}  # newest per name: the replicas outlive every proxy
+    runs: list[dict] = []
+    with netlab.Netlab(rate_mbit=args.rate, delay_ms=args.delay) as lab:
+        proxy_host = lab.add_host("proxy")
+        hosts = [lab.add_host(f"r{i}") for i in range(max(args.replicas))]
+        link = link_time(lab, proxy_host, len(payload), 3)
+        print(f"link: {len(payload) / 1e6:.1f} MB in {link['median']:.3f} s over {args.rate:g} Mbit/s", flush=True)
+        replicas = start_replicas(hosts, model)
+        for rep in range(args.repeats):
+            for n in args.replicas if rep % 2 == 0 else args.replicas[::-1]:
+                for mode in args.mode:
+                    proxy = start_proxy(proxy_host, replicas[:n], mode_settings(mode, args))
+                    pusher = Pusher(proxy, replicas[:n], fingerprint)
+                    try:
+                        version["warmup"] += 1
+                        pusher.push("warmup", version["warmup"], warm, 1)
+                        version["lora"] += 1
+                        times = pusher.push("lora", version["lora"], payload, RANK)
+                    finally:
+                        pusher.close()
+                        proxy.stop()
+                    runs.append({"mode": mode, "n": n, "repeat": rep, **times})
+                    print(
+                        f"repeat {rep} {mode:5s} N={n}: served {times['served_s']:.3f} s "
+                        f"(reply {times['reply_s']:.3f} s) = {times['served_s'] / link['median']:.2f} x link",
+                        flush=True,
+                    )
+    return summarise(args, runs, link, len(payload))
+
+
+def summarise(args: argparse.Namespace, runs: list[dict], link: dict, size: int) -> dict:
+    modes: dict = {}
+    for mode in args.mode:
+        mine = [r for r in runs if r["mode"] == mode]
+        per_n = {str(n): [r for r in mine if r["n"] == n] for n in args.replicas}
+        modes[mode] = {
+            "settings": mode_settings(mode, args),
+            "push_s": {n: spread([r["served_s"] for r in rs]) for n, rs in per_n.items()},
+            "reply_s": {n: spread([r["reply_s"] for r in rs]) for n, rs in per_n.items()},
+            "over_link": {n: statistics.median(r["served_s"] for r in rs) / link["median"] for n, rs in per_n.items()},
+        }
+    out: dict = {
+        "model": f"Qwen2.5-{MODEL} (config only, scripted replicas)",
+        "rank": RANK,
+        "payload_bytes": size,
+        "chunk_bytes": MAX_CHUNK,
+        "rate_mbit": args.rate,
+        "link_delay_ms": args.delay,
+        "delay_ms": 2 * args.delay,  # one way between two hosts: each crosses its own link
+        "replicas": args.replicas,
+        "repeats": args.repeats,
+        "link_time_s": link["median"],
+        "link": link,
+        "link_MB_per_s": size / link["median"] / 1e6,
+        "modes": modes,
+        "runs": runs,
+    }
+    if "relay" in args.mode:
+        out["fanout" if str(args.fanout).isdigit() else "fanout_setting"] = (
+            int(args.fanout) if str(args.fanout).isdigit() else args.fanout
+        )
+    top = max(args.replicas)
+    if 1 in args.replicas and top > 1:
+        for mode in args.mode:
+            push = modes[mode]["push_s"]
+            out[f"{mode}_{top}_over_1"] = push[str(top)]["median"] / push["1"]["median"]
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
+    ap.add_argument("--mode", nargs="+", default=["star"], choices=MODES)
+    ap.add_argument("--replicas", nargs="+", type=int, default=[1, 2, 4, 8])
+    ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--rate", type=float, default=200, help="every link's rate, Mbit/s each direction")
+    ap.add_argument("--delay", type=float, default=0, help="every link's added delay, ms each direction (sch_netem)")
+    ap.add_argument("--fanout", default="auto", help="relay mode: children per node (1 = chain) or auto")
+    ap.add_argument("--quick", action="store_true", help="smoke: N = 1, 2 and one repeat")
+    args = ap.parse_args()
+    if args.quick:
+        args.replicas, args.repeats = [1, 2], 1
+    ok, why = netlab.available()
+    if not ok:
+        sys.exit(f"push_netlab needs netlab: {why}")
+    load_before = os.getloadavg()[0]
+    data = run(args)
+    data["load_avg_1m"] = {"before": load_before, "after": os.getloadavg()[0]}  # others' work on this machine
+    for mode, row in data["modes"].items():
+        cells = ", ".join(f"N={n} {s['median']:.2f}s" for n, s in row["push_s"].items())
+        print(f"{mode}: {cells}; link {data['link_time_s']:.2f}s")
+    name = "push_netlab_quick" if args.quick else "push_netlab"
+    write_result(name, " ".join([".venv/bin/python bench/push_netlab.py", *sys.argv[1:]]), data)
+
+
+if __name__ == "__main__":
+    main()

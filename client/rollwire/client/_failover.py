@@ -1,0 +1,174 @@
+"""How one SDK call survives a proxy that dies, restarts or goes silent: which address each
+attempt goes to, how long it waits first, and when a broken Generate stream starts again.
+Shared by the sync and the asyncio client, which only do the I/O.
+
+Invariants:
+- every attempt of a call runs inside the call's one deadline; the last error is raised
+  (naming the address it came from) as soon as the next wait would not fit in it;
+- an attempt is redone only after UNAVAILABLE: before any response (nothing ran for the
+  caller; a push of the same version and digest is idempotent by the wire contract), or, for
+  Generate alone, after responses when the connection itself broke — UNAVAILABLE with no
+  server reason ("Stream removed", "Socket closed", a keepalive ping timeout). A status a
+  server decided (it carries an ErrorInfo reason: the proxy's ATTEMPTS_EXHAUSTED, a replica's
+  refusal) is final, so the SDK never multiplies the proxy's own attempts;
+- a Generate stream started again is announced with `Restarted` before its new `Started`,
+  exactly like a proxy restarting a group, so callers handle one case (GroupAccumulator);
+- calls take the addresses in turn (round robin); an address whose connection failed goes
+  to the back for a while (DOWN_MIN_S, doubling to DOWN_MAX_S while it keeps failing).
+  Within one round a call tries every address once without waiting — a dead proxy costs one
+  fast refusal, a partitioned one at most the connect timeout (keepalive.timeout_s); after a
+  round without success the call backs off (jittered, exponential, at least the server's
+  retry hint) and starts another round.
+"""
+
+from __future__ import annotations
+
+import random
+import threading
+import time
+from collections.abc import Callable, Sequence
+
+import grpc
+
+from rollwire.client._common import Deadline, Restarted, RetryPolicy, check_target, is_retryable
+from rollwire.common.errors import RequestError, RollwireError
+
+DOWN_MIN_S = 1.0
+"""How long an address whose connection just failed is tried last."""
+DOWN_MAX_S = 30.0
+"""The longest an address that keeps failing is tried last (it is still tried when all are)."""
+SCHEMES = ("dns:", "ipv4:", "ipv6:", "unix:", "unix-abstract:", "vsock:", "xds:")
+"""gRPC target schemes: such a target is one name gRPC resolves (and may balance) itself."""
+
+
+def parse_targets(target: str | Sequence[str]) -> tuple[str, ...]:
+    """The addresses a client spreads its calls over.
+
+    "host:port" -> one; "a:1,b:2" or ["a:1", "b:2"] -> several (each its own channel, picked
+    by the SDK); "dns:///name:port" -> one channel that gRPC balances round robin over every
+    address the name resolves to (any gRPC scheme is kept whole)."""
+    if isinstance(target, str):
+        if target.strip().startswith(SCHEMES):
+            parts = [target.strip()]
+        else:
+            parts = [p.strip() for p in target.split(",")]
+    elif isinstance(target, Sequence) and all(isinstance(t, str) for t in target):
+        parts = [t.strip() for t in target]
+    else:
+        raise RequestError(f"target must be 'host:port', 'a:1,b:2', a list of them or dns:///name:port; got {target!r}")
+    parts = [check_target(p) for p in parts if p]
+    if not parts:
+        raise RequestError(f"target must name at least one address like host:port, got {target!r}")
+    return tuple(dict.fromkeys(parts))
+
+
+def connection_failed(error: RollwireError) -> bool:
+    """The connection failed, not the server: UNAVAILABLE carrying no server reason (every
+    rollwire server names one; gRPC's own "failed to connect", "Stream removed", "Socket
+    closed" and keepalive's "ping timeout" carry none)."""
+    return error.code == grpc.StatusCode.UNAVAILABLE and not error.reason
+
+
+class Rotation:
+    """The client's view of its addresses: whose turn it is, and which failed lately.
+    Thread-safe: the sync client is shared by threads."""
+
+    def __init__(self, targets: Sequence[str], clock: Callable[[], float] = time.monotonic) -> None:
+        self.targets = tuple(targets)
+        self._clock = clock
+        self._lock = threading.Lock()
+        self._next = 0
+        self._down_until = [0.0] * len(self.targets)
+        self._failures = [0] * len(self.targets)
+
+    def order(self) -> list[int]:
+        """Every address once, for one round of a call: from the next in turn, those that
+        failed lately last (the one back soonest first)."""
+        with self._lock:
+            n, start = len(self.targets), self._next
+            self._next = (start + 1) % n
+            ring = [(start + i) % n for i in range(n)]
+            now = self._clock()
+            up = [i for i in ring if self._down_until[i] <= now]
+            down = sorted((i for i in ring if self._down_until[i] > now), key=self._down_until.__getitem__)
+            return up + down
+
+    def failed(self, index: int) -> None:
+        with self._lock:
+            self._failures[index] += 1
+            pause = min(DOWN_MAX_S, DOWN_MIN_S * 2 ** (self._failures[index] - 1))
+            self._down_until[index] = self._clock() + pause
+
+    def succeeded(self, index: int) -> None:
+        with self._lock:
+            self._failures[index], self._down_until[index] = 0, 0.0
+
+
+class CallAttempts:
+    """The attempts of one call: `index` is the address of the current one; `next` moves on."""
+
+    def __init__(
+        self, rotation: Rotation, policy: RetryPolicy, deadline: Deadline, rand: Callable[[], float] = random.random
+    ) -> None:
+        self.rotation, self.policy, self.deadline, self._rand = rotation, policy, deadline, rand
+        self.attempt = 1
+        self.rounds = 1
+        self._round = rotation.order()
+        self.index = self._round.pop(0)
+        self.started = time.monotonic()
+
+    @property
+    def target(self) -> str:
+        return self.rotation.targets[self.index]
+
+    def succeeded(self) -> None:
+        """The current address answered (a response arrived): it is not down."""
+        self.rotation.succeeded(self.index)
+
+    def next(self, error: RollwireError, received: bool, restartable: bool = False) -> float | None:
+        """After the current attempt failed with `error` (`received`: some response had
+        arrived), move to the next attempt; returns the seconds to wait before it, or None
+        when `error` is final. `restartable`: the call may start over after responses
+        (Generate, announced with Restarted)."""
+        broken = connection_failed(error)
+        if broken:
+            self.rotation.failed(self.index)
+        if received and not (restartable and broken):
+            return None
+        if not received and not is_retryable(error, False):
+            return None
+        if self.policy.max_attempts is not None and self.attempt >= self.policy.max_attempts:
+            return None
+        if self._round:
+            delay = 0.0  # another address has not been tried in this round: no reason to wait
+        else:
+            self._round = self.rotation.order()
+            delay = self.policy.backoff_s(self.rounds, error.retry_after_s, rand=self._rand)
+            self.rounds += 1
+        if delay >= self.deadline.remaining():
+            return None
+        self.index = self._round.pop(0)
+        self.attempt += 1
+        return delay
+
+    def restarted(self, error: RollwireError) -> Restarted:
+        """The event announcing that the group starts over (attempt: the new attempt's number)."""
+        return Restarted(
+            self.attempt,
+            f"the connection broke mid-stream ({error.message}); the client starts the group again on "
+            f"{self.target}: discard the partial samples",
+        )
+
+    def final(self, error: RollwireError) -> RollwireError:
+        """`error`, raised to the caller; when gRPC itself produced it (no server reason) the
+        sentence names the address, the attempts and the time they took."""
+        if error.reason:
+            return error
+        spent = time.monotonic() - self.started
+        where = self.target + (f" (of {', '.join(self.rotation.targets)})" if len(self.rotation.targets) > 1 else "")
+        message = f"{error.message} — from {where}, after {self.attempt} attempt(s) in {spent:.1f}s"
+        if error.code == grpc.StatusCode.DEADLINE_EXCEEDED:
+            message += "; the call's deadline passed: give a longer timeout or check that the server is reachable"
+        elif error.code == grpc.StatusCode.UNAVAILABLE:
+            message += "; the server is down or unreachable: check the address and that it is running"
+        return type(error)(message, code=error.code, retry_after_s=error.retry_after_s)

@@ -1,0 +1,247 @@
+"""Starting rollwire processes on this machine and waiting until they serve: the one stack
+starter of the demo, the tests and the benchmarks.
+
+Invariants:
+- a process started here runs `rollwire <command> ... --ready-file F` with this interpreter
+  and logs to `workdir/<name>.log`; `start` returns only once the process wrote F (it serves:
+  the servers write it after they listen), and otherwise raises with the end of that log,
+  the process killed. Every wait has a deadline.
+- `Service.stop` and `stop_all` end only processes this module started, never others.
+- `start_stack` leaves nothing running when it raises: what it started is stopped.
+
+Why here: the SDK (rollwire.client, rollwire.common) must not launch servers, and the demo
+is the one user-facing program that runs the whole local stack; this module imports nothing
+heavy (no torch), so tests and benchmarks use it freely.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+import urllib.request
+from collections.abc import Callable, Iterable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+
+import grpc
+
+from rollwire.v1 import generator_pb2 as pb
+from rollwire.v1 import generator_pb2_grpc
+
+ONE_THREAD = ("--set", "transformers.threads=1")
+"""Several model processes on a few cores with torch's default threads fight over them and
+run up to 20x slower, so a local replica gets one torch thread."""
+
+
+def rollwire_cmd(*args: str) -> list[str]:
+    """The `rollwire` command line run by this interpreter."""
+    return [sys.executable, "-m", "rollwire.client.cli", *args]
+
+
+@dataclass
+class Service:
+    """A rollwire process this module started; `stop` ends only it."""
+
+    name: str
+    proc: subprocess.Popen
+    port: int
+    metrics_port: int
+    log_path: Path
+    host: str = "127.0.0.1"
+    """Where it listens (another address for a process in a network namespace)."""
+
+    @property
+    def target(self) -> str:
+        return f"{self.host}:{self.port}"
+
+    def metrics(self) -> str:
+        with urllib.request.urlopen(f"http://{self.host}:{self.metrics_port}/metrics", timeout=10) as r:
+            return r.read().decode()
+
+    def log_tail(self, chars: int = 3000) -> str:
+        return _tail(self.log_path, chars)
+
+    def stop(self, timeout: float = 20) -> None:
+        """SIGTERM (the process drains and exits), then SIGKILL after `timeout` seconds."""
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+    def kill(self) -> None:
+        self.proc.kill()
+        self.proc.wait()
+
+
+def start(
+    args: Sequence[str],
+    workdir: str | Path,
+    name: str,
+    timeout: float = 120,
+    *,
+    probe: bool = False,
+    host: str = "127.0.0.1",
+    popen: Callable[..., subprocess.Popen] = subprocess.Popen,
+) -> Service:
+    """Run `rollwire <args> --ready-file ...`, logging to workdir/name.log, and wait until it
+    serves. `probe`: also wait, within the same deadline, until a plaintext gRPC channel to it
+    is ready (a server without TLS). `popen` and `host`: how to run it and where it listens,
+    for a process in another network namespace (netlab's `Host.popen` and address)."""
+    workdir = Path(workdir)
+    workdir.mkdir(parents=True, exist_ok=True)
+    ready, log_path = workdir / f"{name}.ready.json", workdir / f"{name}.log"
+    ready.unlink(missing_ok=True)
+    with log_path.open("ab") as log:
+        proc = popen(rollwire_cmd(*args, "--ready-file", str(ready)), stdout=log, stderr=subprocess.STDOUT)
+    deadline = time.monotonic() + timeout
+    while not ready.exists():
+        if proc.poll() is not None:
+            raise RuntimeError(f"{name} exited with code {proc.returncode}; see {log_path}:\n{_tail(log_path)}")
+        if time.monotonic() > deadline:
+            proc.kill()
+            proc.wait()
+            raise TimeoutError(f"{name} was not ready after {timeout:.0f}s; see {log_path}:\n{_tail(log_path)}")
+        time.sleep(0.05)
+    info = json.loads(ready.read_text())
+    service = Service(name, proc, info["port"], info["metrics_port"], log_path, host)
+    if probe:
+        try:
+            with grpc.insecure_channel(service.target) as channel:
+                grpc.channel_ready_future(channel).result(timeout=max(1.0, deadline - time.monotonic()))
+        except BaseException:
+            service.kill()
+            raise
+    return service
+
+
+def generator_args(model: str | Path, *extra: str) -> list[str]:
+    """`rollwire generator` of `model` on free ports, then `extra` flags."""
+    return ["generator", "--model", str(model), "--port", "0", "--metrics-port", "0", *extra]
+
+
+def start_generators(
+    model: str | Path,
+    workdir: str | Path,
+    names: Iterable[str],
+    *extra: str,
+    parallel: bool = False,
+    probe: bool = False,
+) -> list[Service]:
+    """One replica per name. `parallel` starts them at once (each loads torch and the model:
+    faster with spare cores, slower on two busy ones). If one fails, the others are stopped."""
+    names = list(names)
+
+    def one(name: str) -> Service:
+        return start(generator_args(model, *extra), workdir, name, probe=probe)
+
+    if not parallel:
+        started: list[Service] = []
+        try:
+            for name in names:
+                started.append(one(name))
+        except BaseException:
+            stop_all(started)
+            raise
+        return started
+    with ThreadPoolExecutor(max(1, len(names))) as pool:
+        futures = [pool.submit(one, name) for name in names]
+    failed = [f.exception() for f in futures if f.exception() is not None]
+    if failed:
+        stop_all([f.result() for f in futures if f.exception() is None])
+        raise failed[0]  # type: ignore[misc]
+    return [f.result() for f in futures]
+
+
+def start_proxy(
+    workdir: str | Path, name: str, generators: Sequence[Service], *extra: str, probe: bool = False
+) -> Service:
+    """`rollwire proxy` on free ports in front of `generators`, then `extra` flags."""
+    args = ["proxy", "--port", "0", "--metrics-port", "0", *(a for g in generators for a in ("--generator", g.target))]
+    return start([*args, *extra], workdir, name, probe=probe)
+
+
+def routable(proxy: Service) -> set[str]:
+    """Addresses of the replicas the proxy routes to now (healthy ones)."""
+    with grpc.insecure_channel(proxy.target) as channel:
+        status = generator_pb2_grpc.GeneratorServiceStub(channel).GetStatus(pb.GetStatusRequest(), timeout=10)
+    return {r.address for r in status.replicas if r.healthy}
+
+
+def wait_routable(proxy: Service, replicas: Sequence[Service], timeout: float = 30) -> None:
+    """Wait until the proxy routes to every one of `replicas`; TimeoutError naming its log."""
+    want, deadline = {r.target for r in replicas}, time.monotonic() + timeout
+    while not want <= routable(proxy):
+        if time.monotonic() > deadline:
+            raise TimeoutError(
+                f"{proxy.name} does not route to {sorted(want)} after {timeout:g}s; see {proxy.log_path}"
+            )
+        time.sleep(0.1)
+
+
+def stop_all(services: Iterable[Service], timeout: float = 20) -> None:
+    """SIGTERM every one at once, then wait for each (a replica takes seconds to drain)."""
+    services = list(services)
+    for s in services:
+        if s.proc.poll() is None:
+            s.proc.terminate()
+    for s in services:
+        s.stop(timeout)
+
+
+@dataclass
+class Stack:
+    """Replicas behind one proxy, all started by `start_stack`."""
+
+    proxy: Service
+    replicas: list[Service]
+    workdir: Path
+
+    @property
+    def services(self) -> list[Service]:
+        """In the order they started: the replicas, then the proxy."""
+        return [*self.replicas, self.proxy]
+
+    def stop(self) -> None:
+        stop_all([self.proxy, *self.replicas])
+
+
+def start_stack(
+    model: str | Path,
+    workdir: str | Path,
+    replicas: int = 2,
+    *,
+    generator_args: Sequence[str] = (),
+    proxy_args: Sequence[str] = (),
+    prefix: str = "",
+    routable_timeout: float | None = None,
+) -> Stack:
+    """`replicas` replicas of `model` (one torch thread each, started at once, named
+    `<prefix>generator-<i>` from 1) behind a proxy named `<prefix>proxy`; with
+    `routable_timeout`, returned only once the proxy routes to every replica."""
+    gens = start_generators(
+        model, workdir, [f"{prefix}generator-{i}" for i in range(1, replicas + 1)], *ONE_THREAD, *generator_args,
+        parallel=True,
+    )  # fmt: skip
+    try:
+        proxy = start_proxy(workdir, f"{prefix}proxy", gens, *proxy_args)
+    except BaseException:
+        stop_all(gens)
+        raise
+    stack = Stack(proxy, gens, Path(workdir))
+    if routable_timeout is not None:
+        try:
+            wait_routable(proxy, gens, routable_timeout)
+        except BaseException:
+            stack.stop()
+            raise
+    return stack
+
+
+def _tail(path: Path, chars: int = 3000) -> str:
+    return path.read_text(errors="replace")[-chars:]

@@ -1,0 +1,175 @@
+"""One learner run assembled from its config: task, client, trainer, rewards, buffer and
+ledger, publisher, producer, metrics, report and checkpoint state, joined into a Session.
+
+Invariants checked before anything trains:
+- a run folder that holds an earlier run's checkpoints is continued only with `resume`;
+- the target serves the same base model (by content fingerprint) as `base_model`;
+- the first version this run publishes is above the checkpoint's and every version the
+  target or its replicas hold (checkpoint.next_version), so a replica never sees a version
+  number reused for other weights.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass
+from pathlib import Path
+
+from rollwire.client import AsyncClient
+from rollwire.client._common import TlsConfig
+from rollwire.common.fingerprint import model_fingerprint
+from rollwire.common.logs import get_logger
+from rollwire.learner import checkpoint
+from rollwire.learner.admission import may_request
+from rollwire.learner.buffer import Buffer, GroupLedger, ScoredGroup
+from rollwire.learner.config import LearnerConfig
+from rollwire.learner.metrics import LearnerMetrics
+from rollwire.learner.producer import Producer
+from rollwire.learner.publisher import Publisher
+from rollwire.learner.report import Report
+from rollwire.learner.rewards import build_rewards
+from rollwire.learner.session import Session, target_versions
+from rollwire.learner.task import DataStream, addition_examples, eval_subset, is_held_out, read_jsonl
+from rollwire.learner.trainer import Trainer
+
+log = get_logger(__name__)
+
+
+class LearnerError(RuntimeError):
+    """A run that cannot start or continue; the message says what to change."""
+
+
+def load_task(cfg: LearnerConfig):
+    """(train, held_out) examples for the configured task."""
+    t = cfg.task
+    if t.kind == "addition":
+        return addition_examples(t.held_out_fraction)
+    train = read_jsonl(t.train_path)
+    if t.held_out_path:
+        return train, read_jsonl(t.held_out_path)
+    return (
+        [e for e in train if not is_held_out(e.prompt, t.held_out_fraction)],
+        [e for e in train if is_held_out(e.prompt, t.held_out_fraction)],
+    )
+
+
+def make_client(cfg: LearnerConfig) -> AsyncClient:
+    c = cfg.client
+    token = Path(c.token_file).read_text().strip() if c.token_file else None
+    tls = None
+    if c.tls_ca_file or c.tls_cert_file:
+        tls = TlsConfig.from_files(
+            c.tls_ca_file or None, c.tls_cert_file or None, c.tls_key_file or None, c.tls_server_name or None
+        )
+    return AsyncClient(cfg.target, timeout=c.timeout_s, token=token, tls=tls, max_attempts=c.max_attempts or None)
+
+
+@dataclass
+class RunHooks:
+    """The producer's view of the run (producer.Hooks): admission, re-pushes, observations."""
+
+    cfg: LearnerConfig
+    buffer: Buffer
+    publisher: Publisher
+    report: Report
+
+    def may_request(self) -> bool:
+        return may_request(
+            served=self.publisher.served,
+            next_train_version=self.buffer.next_train_version,
+            pending=self.buffer.ledger.pending,
+            groups_per_step=self.cfg.train.groups_per_step,
+            max_staleness=self.cfg.buffer.max_staleness,
+        )
+
+    def adapter_missing(self) -> None:
+        self.publisher.republish()
+
+    def scored(self, group: ScoredGroup, restarts: int) -> None:
+        self.report.on_group(group, restarts)
+
+    def reward_failed(self, reward: str) -> None:
+        self.report.on_reward_error(reward)
+
+
+async def open_session(cfg: LearnerConfig, resume: bool) -> Session:
+    """Build every part of the run; raises LearnerError when it cannot start as configured."""
+    run_dir = Path(cfg.run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    checkpoint_dir = run_dir / "checkpoints"
+    saved = checkpoint.load_latest(checkpoint_dir)
+    if saved is not None and not resume:
+        raise LearnerError(
+            f"{checkpoint_dir} holds checkpoints of an earlier run: pass --resume to continue it, or set run_dir to a new folder"
+        )
+    metrics = LearnerMetrics()
+    ledger = GroupLedger()
+    ledger.observers.append(metrics.on_ledger)
+    buffer = Buffer(cfg.buffer.max_staleness, cfg.buffer.keep_zero_variance, ledger)
+    train, held = load_task(cfg)
+    stream = DataStream(train, cfg.seed)
+    client = make_client(cfg)
+    fingerprint = await asyncio.to_thread(model_fingerprint, cfg.base_model)
+    served_fp, remote = await target_versions(client, cfg.adapter_name)
+    if served_fp and served_fp != fingerprint:
+        raise LearnerError(
+            f"the target serves base model {served_fp}, but base_model {cfg.base_model} is "
+            f"{fingerprint}: point both at the same model files"
+        )
+    trainer = await asyncio.to_thread(Trainer, cfg.base_model, cfg.train, cfg.rollout.temperature, cfg.seed)
+    step = restore(saved, trainer, stream) if saved is not None else 0
+    version = checkpoint.next_version(saved.state.version if saved is not None else 0, remote)
+    buffer.next_train_version = version
+    report = Report(run_dir, metrics, cfg.progress)
+    publisher = Publisher(
+        client,
+        cfg.adapter_name,
+        fingerprint,
+        trainer.lora_shape,
+        ledger.changed,
+        cfg.rollout.retry_backoff_s,
+        report.on_push,
+    )
+    rewards = build_rewards(cfg.rewards)
+    metrics.know_rewards([r.name for r in rewards])
+    hooks = RunHooks(cfg, buffer, publisher, report)
+    producer = Producer(client, stream, rewards, buffer, cfg.rollout, f"{cfg.adapter_name}@latest", cfg.seed, hooks)
+    session = Session(
+        cfg=cfg,
+        client=client,
+        trainer=trainer,
+        stream=stream,
+        buffer=buffer,
+        publisher=publisher,
+        producer=producer,
+        metrics=metrics,
+        report=report,
+        checkpoint_dir=checkpoint_dir,
+        eval_examples=eval_subset(held, cfg.task.eval_size, cfg.seed),
+        step=step,
+        version=version,
+    )
+    log.info(
+        "learner_ready",
+        target=cfg.target,
+        base_model=cfg.base_model,
+        fingerprint=fingerprint,
+        resumed_from=str(saved.path) if saved else None,
+        step=step,
+        version=version,
+        data_cursor=stream.cursor,
+        sync=cfg.sync,
+    )
+    return session
+
+
+def restore(saved: checkpoint.Checkpoint, trainer: Trainer, stream: DataStream) -> int:
+    """Put the checkpoint's adapter, optimiser, RNGs and data cursor back; returns its step."""
+    import torch
+
+    trainer.load_adapter(saved.adapter)
+    trainer.optimizer.load_state_dict(saved.trainer["optimizer"])
+    torch.set_rng_state(saved.trainer["torch_rng"])
+    checkpoint.restore_python_rng(saved.state.python_rng)
+    stream.cursor = saved.state.data_cursor
+    return saved.state.step

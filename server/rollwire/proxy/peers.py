@@ -1,0 +1,439 @@
+"""Several proxies, one truth about adapter versions: every version one proxy publishes is in
+every other proxy's spool before its push returns OK, so any proxy can catch a replica up.
+
+Sending (`Peers.share`, called once by fanout.py, after the replicas staged the version and
+before they commit it): the spooled version goes to every peer proxy at once, as a PushAdapter
+carrying `PEER_KEY` metadata (this proxy's id), within `peering.timeout_s`.
+
+Receiving (`Peers.receive`, for a push carrying `PEER_KEY`): the version is checked like any
+push (manifest, digest, tensors; a version already held with that digest is answered after
+the manifest, without the payload) and committed to the spool (atomically, durably); it is
+never fanned out to the replicas (the sender does that) and never sent on to other peers, so
+there are no loops and no double fan-out. Then, for `peering.hold_s` at most, requests for
+"latest" of that name wait until this proxy sees a routable replica serve the version (it
+re-reads the replicas every `REFRESH_EVERY_S` meanwhile): the sender commits it on the
+replicas right after, and a client that moves from one proxy to the other never sees its
+versions go backwards.
+
+Invariants:
+- a peer that is down, partitioned or slow never fails a push: its send fails within
+  `peering.timeout_s` (sooner: the connection's keepalive bound), it is marked behind
+  (`rollwire_proxy_peer_synced` 0) and skipped by later pushes until it is caught up;
+- a monitor per peer checks it every `peering.interval_s` (gRPC health, `health.timeout_s`);
+  a peer that fails the check, or whose connection drops (it restarted, perhaps with an empty
+  spool), is marked behind; one found answering again is sent every spooled version, oldest
+  first (those it holds cost a manifest each), and is synced once a whole pass sent nothing
+  new, with no await between that check and the flag, so no version published meanwhile is
+  missed (`share` runs after the spool commit and sends to every synced peer);
+- what was built instead of "a proxy pulls at start what its peers hold": the peers push. A
+  proxy that starts (or comes back) is a new or dropped connection to each of its peers, so
+  every peer sends it all its spool within one check interval; there is no pull RPC;
+- a peer whose GetStatus reports this proxy's own id is this proxy (a `dns:///` entry that
+  resolves to every proxy, itself included): never sent to; proxy ids must be unique;
+- peer pushes need the admin role at the peer like any push (`peering.token_file`, else the
+  upstream token); the marker only changes what a receiver does with a version it would
+  accept from any admin anyway.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from pydantic import Field
+
+from rollwire.common import push as protocol
+from rollwire.common.config import Section
+from rollwire.common.errors import FailedPrecondition, Unavailable, from_rpc_error
+from rollwire.common.logs import REQUEST_ID_KEY, get_logger, new_request_id
+from rollwire.common.push import PushReader
+from rollwire.common.reasons import Reason
+from rollwire.common.retries import VERSION_TAKEN, push_refused_for_good
+from rollwire.v1 import generator_pb2 as pb
+from rollwire.v1 import generator_pb2_grpc
+
+if TYPE_CHECKING:
+    from rollwire.proxy.metrics import ProxyMetrics
+    from rollwire.proxy.replicas import ReplicaSet
+    from rollwire.proxy.spool import Spool, SpooledAdapter
+    from rollwire.proxy.upstream import Upstream
+
+log = get_logger(__name__)
+PEER_KEY = "x-rollwire-peer"
+"""Metadata of a push from a peer proxy; its value is the sender's proxy id."""
+REFRESH_EVERY_S = 0.05
+"""While a received version is held, how often the replicas are asked what they serve."""
+
+
+class PeeringSection(Section):
+    """How this proxy keeps its peer proxies' spools in step with its own (`peers` lists them)."""
+
+    timeout_s: float = Field(
+        default=30.0, gt=0, description="Deadline of sending one adapter version to one peer proxy; a peer over it is "
+        "marked behind (the push still succeeds) and caught up when it answers again.",
+    )  # fmt: skip
+    interval_s: float = Field(
+        default=1.0, gt=0, description="Seconds between health checks of each peer; a peer found answering after a failure "
+        "(or a dropped connection) is sent every spooled version it may lack.",
+    )  # fmt: skip
+    hold_s: float = Field(
+        default=5.0, ge=0, description="After a peer sent a version, requests for the latest version of its name wait up "
+        "to this long for a replica here to serve it, so versions never go backwards for a client that switches "
+        "proxies; 0 = do not wait.",
+    )  # fmt: skip
+    token_file: str = Field(
+        default="", description="Bearer token sent to peer proxies (admin role there); empty = upstream.token_file."
+    )
+    server_name: str = Field(
+        default="", description="Name to check peer proxies' certificates against; empty = upstream.server_name. Peers are "
+        "dialled with the upstream section's TLS settings otherwise.",
+    )  # fmt: skip
+
+
+def check_peer(entry: str) -> str:
+    """A peer is HOST:PORT or dns:///NAME:PORT (every address it resolves to, this proxy skipped)."""
+    from rollwire.proxy.config import check_address
+    from rollwire.proxy.discovery import parse_dns_target
+
+    if entry.startswith("dns:"):
+        parse_dns_target(entry)
+        return entry
+    return check_address(entry)
+
+
+@dataclass(eq=False)
+class _Peer:
+    address: str
+    channel: grpc.aio.Channel
+    stub: generator_pb2_grpc.GeneratorServiceStub
+    health: health_pb2_grpc.HealthStub
+    synced: bool = False
+    """Known to hold every version this proxy spools: pushes are sent to it."""
+    is_self: bool = False
+    dropped: bool = False
+    lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+    """Sends to one peer go one at a time, in order."""
+    wake: asyncio.Event = field(default_factory=asyncio.Event)
+    tasks: list[asyncio.Task] = field(default_factory=list)
+
+
+class Peers:
+    """This proxy's peer proxies: sending published versions, receiving theirs."""
+
+    def __init__(
+        self,
+        entries: list[str],
+        section: PeeringSection,
+        *,
+        spool: Spool,
+        replicas: ReplicaSet,
+        metrics: ProxyMetrics,
+        proxy_id: str,
+        upstream: Upstream,
+        check_timeout_s: float,
+        idle_s: float,
+    ) -> None:
+        self.entries, self.section = [check_peer(e) for e in entries], section
+        self.spool, self.replicas, self.metrics, self.proxy_id = spool, replicas, metrics, proxy_id
+        if section.server_name:
+            options = [o for o in upstream.options if o[0] != "grpc.ssl_target_name_override"]
+            upstream = dataclasses.replace(
+                upstream, options=[*options, ("grpc.ssl_target_name_override", section.server_name)]
+            )
+        self.upstream, self.check_timeout_s, self.idle_s = upstream, check_timeout_s, idle_s
+        self.metadata = upstream.metadata
+        if section.token_file:
+            from rollwire.serving.security import read_tokens
+
+            self.metadata = (("authorization", f"Bearer {sorted(read_tokens(section.token_file))[0]}"),)
+        self.peers: dict[str, _Peer] = {}
+        self._from_dns: dict[str, set[str]] = {}
+        self._tasks: list[asyncio.Task] = []
+        self._holds: dict[str, tuple[int, float]] = {}  # name -> (version a peer sent, hold until)
+        self._refresher: asyncio.Task | None = None
+
+    # -- membership -----------------------------------------------------------------------
+    def start(self) -> None:
+        """Open a link to every static peer, resolve the dns:/// ones; monitors start now."""
+        from rollwire.proxy.discovery import DnsDiscovery
+
+        for entry in self.entries:
+            if entry.startswith("dns:"):
+                found = DnsDiscovery(entry, self.section.interval_s * 10, lambda a, e=entry: self._resolved(e, a))
+                self._tasks.append(asyncio.create_task(found.run()))
+            else:
+                self._add(entry)
+
+    def _resolved(self, entry: str, addresses: set[str]) -> None:
+        """A dns:/// entry's addresses now: new ones get a link, vanished ones lose theirs."""
+        before, self._from_dns[entry] = self._from_dns.get(entry, set()), addresses
+        for address in sorted(addresses - before):
+            self._add(address)
+        static = {e for e in self.entries if not e.startswith("dns:")}
+        still = static.union(*self._from_dns.values())
+        for address in sorted(before - addresses - still):
+            peer = self.peers.pop(address, None)
+            if peer is not None:
+                self._drop(peer)
+
+    def _add(self, address: str) -> None:
+        if address in self.peers:
+            return
+        channel = self.upstream.channel(address)
+        peer = _Peer(
+            address, channel, generator_pb2_grpc.GeneratorServiceStub(channel), health_pb2_grpc.HealthStub(channel)
+        )
+        self.peers[address] = peer
+        self.metrics.know_peer(address)
+        peer.tasks = [asyncio.create_task(self._monitor(peer)), asyncio.create_task(self._watch(peer))]
+        log.info("peer_added", peer=address)
+
+    def _drop(self, peer: _Peer) -> None:
+        """Stop a peer's tasks, close its link and forget its series (it left, or is this proxy)."""
+        current = asyncio.current_task()
+        for task in peer.tasks:
+            if task is not current:
+                task.cancel()
+        peer.dropped = True
+        self._tasks.append(asyncio.create_task(peer.channel.close(grace=None)))
+        for metric in (self.metrics.peer_pushes, self.metrics.peer_synced):
+            for labels in list(metric._metrics):  # prometheus_client keeps children by label tuple
+                if labels and labels[0] == peer.address:
+                    metric.remove(*labels)
+        if not peer.is_self:
+            log.info("peer_removed", peer=peer.address)
+
+    async def close(self) -> None:
+        tasks = [*self._tasks, *(t for p in self.peers.values() for t in p.tasks)]
+        if self._refresher is not None:
+            tasks.append(self._refresher)
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        for peer in self.peers.values():
+            if not peer.dropped:
+                await peer.channel.close(grace=None)
+
+    # -- sending --------------------------------------------------------------------------
+    async def share(self, adapter: SpooledAdapter, request_id: str = "") -> None:
+        """Store `adapter` (just committed to this proxy's spool) in every synced peer's spool,
+        at once, each within `peering.timeout_s`; a peer that fails is marked behind. Returns
+        when every send ended; never raises for a peer's failure."""
+        peers = [p for p in self.peers.values() if p.synced and not p.is_self]
+        if not peers:
+            return
+        try:
+            payload = await adapter.payload()
+        except Unavailable:
+            return  # evicted or quarantined meanwhile: nothing to share
+        request_id = request_id or new_request_id()
+        started = time.monotonic()
+        sent = await asyncio.gather(*(self._share_one(p, adapter, payload, request_id) for p in peers))
+        log.info(
+            "adapter_shared_with_peers",
+            adapter=adapter.name,
+            version=adapter.version,
+            peers=len(peers),
+            delivered=sum(sent),
+            seconds=round(time.monotonic() - started, 4),
+        )
+
+    async def _share_one(self, peer: _Peer, adapter: SpooledAdapter, payload: bytes, request_id: str) -> bool:
+        async with peer.lock:
+            if not peer.synced:  # it failed meanwhile: its catch-up will send this version
+                return False
+            delivered = await self._send(peer, adapter, payload, request_id)
+            if not delivered:
+                self._behind(peer, f"sending {adapter.name!r} v{adapter.version} failed")
+            return delivered
+
+    async def _send(self, peer: _Peer, adapter: SpooledAdapter, payload: bytes, request_id: str) -> bool:
+        """One version to one peer; True when the peer holds it (or a newer one, or refuses
+        these bytes for good: then nothing is to be gained by sending them again)."""
+        metadata = ((PEER_KEY, self.proxy_id), (REQUEST_ID_KEY, request_id), *self.metadata)
+        try:
+            await peer.stub.PushAdapter(
+                protocol.messages(adapter.manifest, payload), timeout=self.section.timeout_s, metadata=metadata
+            )
+            code, reason, message = grpc.StatusCode.OK, "", ""
+        except grpc.aio.AioRpcError as exc:
+            err = from_rpc_error(exc)
+            code, reason, message = exc.code(), err.reason, err.message
+        self.metrics.peer_pushes.labels(peer.address, code.name).inc()
+        if code == grpc.StatusCode.OK or reason in VERSION_TAKEN:
+            if reason == Reason.VERSION_CONFLICT:
+                log.error("peer_version_conflict", peer=peer.address, adapter=adapter.name, version=adapter.version)
+            return True
+        if push_refused_for_good(code, reason):
+            log.error(
+                "peer_refused_version",
+                peer=peer.address,
+                adapter=adapter.name,
+                version=adapter.version,
+                code=code.name,
+                error=message,
+            )
+            return True
+        log.warning(
+            "peer_send_failed",
+            peer=peer.address,
+            adapter=adapter.name,
+            version=adapter.version,
+            code=code.name,
+            error=message,
+        )
+        return False
+
+    def _behind(self, peer: _Peer, why: str) -> None:
+        if peer.synced:
+            log.warning("peer_behind", peer=peer.address, why=why)
+        peer.synced = False
+        self.metrics.peer_synced.labels(peer.address).set(0)
+        peer.wake.set()
+
+    # -- keeping peers in step --------------------------------------------------------------
+    async def _monitor(self, peer: _Peer) -> None:
+        while True:
+            peer.wake.clear()
+            if await self._answers(peer):
+                if not peer.synced:
+                    await self._catch_up(peer)
+            elif peer.is_self:  # kept in `peers` (a DNS refresh must not add it again), without a link
+                self._drop(peer)
+                return
+            else:
+                self._behind(peer, "it does not answer health checks")
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(peer.wake.wait(), self.section.interval_s)
+
+    async def _answers(self, peer: _Peer) -> bool:
+        """A health check; before a catch-up, also who it is (GetStatus), to skip this proxy."""
+        timeout = self.check_timeout_s
+        try:
+            await peer.health.Check(health_pb2.HealthCheckRequest(), timeout=timeout, metadata=self.metadata)  # pyright: ignore[reportAttributeAccessIssue]  # grpc's stubs lack it; it exists at run time
+            if not peer.synced:
+                status = await peer.stub.GetStatus(pb.GetStatusRequest(), timeout=timeout, metadata=self.metadata)
+                if status.replica == self.proxy_id:
+                    peer.is_self = True
+                    log.info("peer_is_this_proxy", peer=peer.address)
+                    return False
+        except grpc.aio.AioRpcError:
+            return False
+        return True
+
+    async def _watch(self, peer: _Peer) -> None:
+        """A dropped connection may come back to a restarted peer that lost its spool."""
+        ready = grpc.ChannelConnectivity.READY
+        state = peer.channel.get_state(try_to_connect=True)
+        while True:
+            await peer.channel.wait_for_state_change(state)
+            new = peer.channel.get_state()
+            if state == ready and new != ready:
+                self._behind(peer, "its connection dropped")
+            state = new
+
+    def _spooled(self) -> list[SpooledAdapter]:
+        return [a for name in self.spool.names() for a in self.spool.versions(name)]
+
+    async def _catch_up(self, peer: _Peer) -> None:
+        """Send the peer every spooled version, oldest first per name, until a pass sends
+        nothing new; then it is synced (the check and the flag with no await between)."""
+        async with peer.lock:
+            while not peer.synced:
+                spooled = self._spooled()
+                for adapter in spooled:
+                    if not self.spool.holds(adapter):
+                        continue
+                    try:
+                        payload = await adapter.payload()
+                    except Unavailable:
+                        continue
+                    if not await self._send(peer, adapter, payload, new_request_id()):
+                        return  # still behind: the monitor tries again
+                if self._spooled() == spooled:
+                    peer.synced = True
+                    self.metrics.peer_synced.labels(peer.address).set(1)
+                    log.info("peer_synced", peer=peer.address, versions=len(spooled))
+
+    # -- receiving ----------------------------------------------------------------------
+    @staticmethod
+    def origin(metadata) -> str:
+        """The sending proxy's id when a push comes from a peer proxy, else ""."""
+        return next((str(v) for k, v in metadata or () if k == PEER_KEY), "")
+
+    async def receive(
+        self, messages: AsyncIterator[pb.PushAdapterRequest], origin: str, request_id: str
+    ) -> pb.PushAdapterResponse:
+        """Check and spool a version a peer proxy sent; no fan-out, no further sharing."""
+        reader = PushReader(messages, self.idle_s, "proxy")
+        upload = None
+        try:
+            first = await reader.open()
+            if first.relay.nodes or first.stage_only:
+                raise FailedPrecondition(
+                    "a peer proxy sends whole versions for the spool: push without relay and stage_only",
+                    reason=Reason.PROXY_PUBLISHES,
+                )
+            m = first.manifest
+            if self.spool.check_version(m):  # held with this digest: the payload need not travel
+                self._hold(m.name, m.version)
+                return pb.PushAdapterResponse(name=m.name, version=m.version, already_loaded=True)
+            upload = self.spool.admit(m, self.replicas.fingerprint or None)
+            async for _ in reader.chunks(store=upload.path):
+                pass
+            payload = await reader.finish()
+            await self.spool.validate(upload, payload, self.replicas.base_shapes)
+            staged, upload = upload, None
+            adapter, created = self.spool.commit(staged)  # consumes the upload on every exit
+        finally:
+            reader.close()
+            if upload is not None:
+                upload.discard()
+        self._hold(m.name, m.version)
+        log.info("adapter_received_from_peer", peer=origin, adapter=m.name, version=m.version, created=created)
+        for replica in self.replicas.all():
+            if not replica.synced:
+                replica.wake.set()  # a replica catching up may use it now
+        return pb.PushAdapterResponse(name=adapter.name, version=adapter.version, already_loaded=not created)
+
+    # -- "latest" never goes backwards across proxies ---------------------------------------
+    def _hold(self, name: str, version: int) -> None:
+        if self.section.hold_s <= 0 or self.replicas.latest(name) >= version:
+            return
+        held, _ = self._holds.get(name, (0, 0.0))
+        self._holds[name] = (max(held, version), time.monotonic() + self.section.hold_s)
+        if self._refresher is None or self._refresher.done():
+            self._refresher = asyncio.create_task(self._refresh())
+
+    def _unheld(self, name: str) -> bool:
+        hold = self._holds.get(name)
+        if hold is None:
+            return True
+        version, until = hold
+        if self.replicas.latest(name) >= version or time.monotonic() >= until:
+            self._holds.pop(name, None)
+            return True
+        return False
+
+    async def settled(self, name: str, timeout_s: float) -> None:
+        """Return once no version of `name` a peer sent is still waiting to be served here,
+        or after `timeout_s` (the request's own deadline) at most."""
+        end = time.monotonic() + timeout_s
+        while not self._unheld(name) and time.monotonic() < end:
+            await asyncio.sleep(REFRESH_EVERY_S)
+
+    async def _refresh(self) -> None:
+        """While some version is held, re-read what every healthy replica serves."""
+        while not all([self._unheld(name) for name in list(self._holds)]):
+            await asyncio.gather(*(self.replicas.refresh(r) for r in self.replicas.healthy()))
+            await asyncio.sleep(REFRESH_EVERY_S)
+
+
+__all__ = ["PEER_KEY", "PeeringSection", "Peers", "check_peer"]

@@ -1,0 +1,334 @@
+"""Forwarding a push down a relay tree: one PushAdapter stream per child, fed as bytes arrive.
+
+The proxy (root of the tree) and every relaying replica use this, so a chunk crosses each
+hop the moment it arrived there (cut-through), whatever the depth.
+
+Invariants:
+- each child has its own stream and a queue of at most `queue_chunks` chunks; a chunk is
+  queued by reference (the `bytes` received, never copied here);
+- a full queue is normal backpressure (the child's link is the slowest) and the sender waits
+  for room, but at most `stall_s`: a child that took no chunk for that long is cut off (its
+  call cancelled) and reported, so it never holds up the sender's upstream or its siblings
+  for longer; a child whose call ended early is skipped at once;
+- every child call has a deadline (what is left of the sender's own, less a margin for the
+  reply), so `results()` always returns, with one outcome for every replica of the subtree:
+  a child's own verdict, what it reported of its subtree, or "not reached" and why;
+- once the sender's stream ended, a child has `settle_s` per level of its subtree, plus one,
+  to verify, stage and answer; one that did not is cut off like a stalled one. A node waits
+  longer than any node below it, so a replica that hangs after taking every byte is cut off
+  by its own parent, and costs its ancestors neither their subtrees nor the push deadline.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections import deque
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+import grpc
+
+from rollwire.common.errors import from_rpc_error
+from rollwire.common.keepalive import DEFAULT as DEFAULT_KEEPALIVE
+from rollwire.common.keepalive import Keepalive
+from rollwire.common.logs import get_logger
+from rollwire.common.push import Child, opening, result, results_from_error
+from rollwire.common.reasons import Reason
+from rollwire.v1 import generator_pb2 as pb
+from rollwire.v1 import generator_pb2_grpc
+
+log = get_logger(__name__)
+REPLY_MARGIN = 0.1
+"""Share of the time left that a child's deadline leaves for its reply to travel back (at most 1 s)."""
+
+
+def child_timeout(remaining: float) -> float:
+    """A child's deadline from the sender's remaining time: a little less, so the sender
+    still hears and reports a child that ran out of time before its own deadline passes."""
+    return max(0.05, remaining - min(1.0, REPLY_MARGIN * remaining))
+
+
+class _Pipe:
+    """A bounded FIFO of chunks between the sender and one child's request stream."""
+
+    def __init__(self, capacity: int) -> None:
+        self.items: deque[bytes] = deque()
+        self.capacity = capacity
+        self.closed = False
+        self.readable = asyncio.Event()
+        self.room = asyncio.Event()
+
+    def full(self) -> bool:
+        return len(self.items) >= self.capacity
+
+    def push(self, chunk: bytes) -> None:
+        self.items.append(chunk)
+        self.readable.set()
+
+    def close(self) -> None:
+        self.closed = True
+        self.readable.set()
+
+    async def pop(self) -> bytes | None:
+        while not self.items:
+            if self.closed:
+                return None
+            self.readable.clear()
+            await self.readable.wait()
+        chunk = self.items.popleft()
+        self.room.set()
+        return chunk
+
+    async def wait_room(self) -> None:
+        while self.full():
+            self.room.clear()
+            await self.room.wait()
+
+
+class ChildLink:
+    """The stream to one child: its opening message, then whatever the sender queues."""
+
+    def __init__(
+        self,
+        child: Child,
+        manifest: pb.AdapterManifest,
+        stage_only: bool,
+        stub: generator_pb2_grpc.GeneratorServiceStub,
+        metadata: Sequence[tuple[str, str]],
+        timeout: float,
+        queue_chunks: int,
+    ) -> None:
+        self.child, self.pipe = child, _Pipe(queue_chunks)
+        self.height = child.height()
+        self.first = opening(manifest, relay=child.plan, stage_only=stage_only)
+        self.cut_reason, self.cut_code, self.cut_tag = "", grpc.StatusCode.OK, ""
+        self.sent = 0
+        self.call = stub.PushAdapter(self._requests(), timeout=timeout, metadata=tuple(metadata))
+        self.task = asyncio.ensure_future(self._wait())
+
+    async def _requests(self):
+        yield self.first
+        while (chunk := await self.pipe.pop()) is not None:
+            self.sent += len(chunk)
+            yield pb.PushAdapterRequest(chunk=chunk)
+
+    async def _wait(self):
+        return await self.call
+
+    @property
+    def live(self) -> bool:
+        return not self.task.done() and not self.cut_reason
+
+    async def put(self, chunk: bytes, stall_s: float) -> None:
+        """Queue a chunk, waiting at most `stall_s` for room; cuts the child off after that."""
+        if not self.pipe.full():
+            self.pipe.push(chunk)
+            return
+        room = asyncio.ensure_future(self.pipe.wait_room())
+        done, _ = await asyncio.wait({room, self.task}, timeout=stall_s, return_when=asyncio.FIRST_COMPLETED)
+        if room in done:
+            self.pipe.push(chunk)
+            return
+        room.cancel()
+        if not self.task.done():
+            why = f"it took no chunk for {stall_s:g} s (stalled link or replica), so its sender cut it off"
+            self.cut(why, grpc.StatusCode.DEADLINE_EXCEEDED, Reason.RELAY_STALLED)
+
+    def end(self) -> None:
+        """The sender has no more chunks: the child's stream ends once its queue is drained."""
+        self.pipe.close()
+
+    def cut(self, why: str, code: grpc.StatusCode, tag: str) -> None:
+        """Cancel the child's call (it stages nothing from a cancelled stream)."""
+        if not self.task.done() and not self.cut_reason:
+            self.cut_reason, self.cut_code, self.cut_tag = why, code, tag
+            self.call.cancel()
+        self.pipe.close()
+
+    def outcome(self) -> list[pb.ReplicaPushResult]:
+        """This child's verdict and what it reported of its subtree (call after `task` ended)."""
+        c = self.child
+        if self.cut_reason or self.task.cancelled():
+            why = self.cut_reason or "its stream was cancelled"
+            own = result(
+                c.address,
+                c.name,
+                self.cut_code if self.cut_reason else grpc.StatusCode.CANCELLED,
+                why,
+                self.cut_tag or Reason.RELAY_ABORTED,
+            )
+            return [own, *unreached(c, f"its parent {c.name or c.address} was cut off: {why}")]
+        exc = self.task.exception()
+        if exc is None:
+            reply: pb.PushAdapterResponse = self.task.result()
+            own = result(c.address, c.name, grpc.StatusCode.OK, staged=reply.staged)
+            reported = {r.address for r in reply.replicas}
+            missing = [(a, n) for a, n in c.subtree() if a not in reported]
+            return [own, *reply.replicas, *unreached_list(missing, f"{c.name or c.address} did not report it")]
+        if isinstance(exc, grpc.RpcError):
+            err = from_rpc_error(exc)
+            own = result(c.address, c.name, err.code, err.message, err.reason)
+            reported = results_from_error(exc) or []
+            seen = {r.address for r in reported}
+            why = f"its parent {c.name or c.address} failed with {err.code.name}: {err.message[:200]}"
+            return [own, *reported, *unreached_list([(a, n) for a, n in c.subtree() if a not in seen], why)]
+        own = result(c.address, c.name, grpc.StatusCode.UNAVAILABLE, f"could not push to it: {exc!r}"[:300])
+        return [own, *unreached(c, f"its parent {c.name or c.address} could not be reached")]
+
+
+def unreached(child: Child, why: str) -> list[pb.ReplicaPushResult]:
+    return unreached_list(child.subtree(), why)
+
+
+def unreached_list(nodes: Sequence[tuple[str, str]], why: str) -> list[pb.ReplicaPushResult]:
+    return [
+        result(a, n, grpc.StatusCode.UNAVAILABLE, f"not reached: {why}", Reason.RELAY_NOT_REACHED) for a, n in nodes
+    ]
+
+
+class Forwarder:
+    """Feeds one push to every child of a relay node while the node receives it.
+
+    `stub_for(address)` gives the stub to reach a child; `metadata` travels on every child
+    call (the caller's authorization and request id); `deadline` is a time.monotonic()
+    instant. Call `send` for each chunk, then `end` (upload complete) or `abort` (failed),
+    then `results`."""
+
+    def __init__(
+        self,
+        children: Sequence[Child],
+        manifest: pb.AdapterManifest,
+        *,
+        stage_only: bool,
+        stub_for: Callable[[str], generator_pb2_grpc.GeneratorServiceStub],
+        metadata: Sequence[tuple[str, str]],
+        deadline: float,
+        queue_chunks: int,
+        stall_s: float,
+        settle_s: float,
+    ) -> None:
+        self.stall_s, self.settle_s = stall_s, settle_s
+        self.ended_at: float | None = None
+        timeout = child_timeout(deadline - time.monotonic())
+        self.links = [
+            ChildLink(c, manifest, stage_only, stub_for(c.address), metadata, timeout, queue_chunks) for c in children
+        ]
+
+    def _settled_by(self, link: ChildLink) -> float:
+        assert self.ended_at is not None
+        return self.ended_at + self.settle_s * (link.height + 1)
+
+    async def send(self, chunk: bytes) -> None:
+        """Queue `chunk` for every live child; waits only while some child's queue is full,
+        at most `stall_s` (then that child is cut off)."""
+        slow = []
+        for link in self.links:
+            if not link.live:
+                continue
+            if link.pipe.full():
+                slow.append(link)
+            else:
+                link.pipe.push(chunk)
+        if slow:
+            await asyncio.gather(*(link.put(chunk, self.stall_s) for link in slow))
+
+    def end(self) -> None:
+        self.ended_at = time.monotonic()
+        for link in self.links:
+            link.end()
+
+    def abort(self, why: str) -> None:
+        """The sender's upload failed: cancel every child stream (a partial push stages nothing)."""
+        for link in self.links:
+            link.cut(why, grpc.StatusCode.CANCELLED, Reason.RELAY_ABORTED)
+
+    async def results(self) -> list[pb.ReplicaPushResult]:
+        """One outcome per replica of the subtree, once every child call ended: by itself, at
+        its settle time after `end` (cut off), or at its deadline."""
+        pending = {link for link in self.links if not link.task.done()}
+        while pending:
+            now = time.monotonic()
+            if self.ended_at is not None:
+                late = {link for link in pending if now >= self._settled_by(link)}
+                for link in late:
+                    why = f"it did not answer within {self.settle_s * (link.height + 1):g} s of its last chunk"
+                    link.cut(why, grpc.StatusCode.DEADLINE_EXCEEDED, Reason.RELAY_STALLED)
+                waiting = [self._settled_by(link) for link in pending if not link.cut_reason]
+                wait = min(waiting) - now if waiting else None  # the cut ones end with their cancellation
+            else:
+                wait = None  # aborted or never ended: every call ends by its cancellation or deadline
+            await asyncio.wait({link.task for link in pending}, timeout=wait, return_when=asyncio.FIRST_COMPLETED)
+            pending = {link for link in pending if not link.task.done()}
+        out: list[pb.ReplicaPushResult] = []
+        for link in self.links:
+            out += link.outcome()
+        return out
+
+
+class ChannelPool:
+    """Channels a relaying replica dials its children on, kept for the next push (relay trees
+    are planned from the same replicas each time); at most `size`, the oldest closed first."""
+
+    OPTIONS = (("grpc.max_send_message_length", 8 << 20), ("grpc.max_receive_message_length", 8 << 20))
+
+    def __init__(
+        self,
+        credentials: grpc.ChannelCredentials | None,
+        server_name: str = "",
+        size: int = 64,
+        keepalive: Keepalive = DEFAULT_KEEPALIVE,
+    ) -> None:
+        self.credentials, self.size = credentials, size
+        # keepalive: a child that goes silent mid-relay ends its stream within keepalive.bound_s
+        self.options: list[tuple[str, int | str]] = [*self.OPTIONS, *keepalive.channel_options()]
+        if server_name:
+            self.options.append(("grpc.ssl_target_name_override", server_name))
+        self.channels: dict[str, grpc.aio.Channel] = {}
+        self._closing: set[asyncio.Task] = set()
+
+    @classmethod
+    def from_files(
+        cls,
+        tls: bool,
+        ca_file: str,
+        cert_file: str,
+        key_file: str,
+        server_name: str,
+        keepalive: Keepalive = DEFAULT_KEEPALIVE,
+    ) -> ChannelPool:
+        """Plaintext unless TLS is asked for; raises SystemExit naming a file it cannot read."""
+        if not (tls or ca_file or cert_file):
+            return cls(None, server_name, keepalive=keepalive)
+        if bool(cert_file) != bool(key_file):
+            raise SystemExit("relay.cert_file and relay.key_file go together: give both for mutual TLS")
+        try:
+            ca, cert, key = (Path(f).read_bytes() if f else None for f in (ca_file, cert_file, key_file))
+        except OSError as exc:
+            raise SystemExit(f"cannot read relay TLS file {exc.filename}: {exc.strerror}") from None
+        return cls(grpc.ssl_channel_credentials(ca, key, cert), server_name, keepalive=keepalive)
+
+    def stub(self, address: str) -> generator_pb2_grpc.GeneratorServiceStub:
+        channel = self.channels.pop(address, None)
+        if channel is None:
+            if self.credentials is None:
+                channel = grpc.aio.insecure_channel(address, options=self.options)
+            else:
+                channel = grpc.aio.secure_channel(address, self.credentials, options=self.options)
+        self.channels[address] = channel  # most recently used last
+        while len(self.channels) > self.size:
+            oldest = next(iter(self.channels))
+            self._close(self.channels.pop(oldest))
+        return generator_pb2_grpc.GeneratorServiceStub(channel)
+
+    def _close(self, channel: grpc.aio.Channel) -> None:
+        task = asyncio.ensure_future(channel.close(grace=5.0))
+        self._closing.add(task)
+        task.add_done_callback(self._closing.discard)
+
+    async def close(self) -> None:
+        for channel in self.channels.values():
+            self._close(channel)
+        self.channels.clear()
+        if self._closing:
+            await asyncio.gather(*self._closing, return_exceptions=True)

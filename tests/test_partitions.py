@@ -1,0 +1,235 @@
+"""Partitions and freezes are detected within the keepalive bound, and heal.
+
+The partition cases run on the emulated network (rollwire.netlab: each process in its own
+network namespace, links cut silently: no FIN, no RST, no ICMP), skipped with netlab's reason
+where namespaces cannot be made; the freeze case (SIGSTOP) runs on loopback everywhere. Every
+process uses a short keepalive (1 s + 1 s: a silent peer is noticed within 2 s, see
+rollwire.common.keepalive) so each case takes seconds.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import grpc
+import pytest
+from support.processes import GENERATOR_ARGS, start_generators, start_service, stop_all, wait_until
+from support.wire import make_adapter
+
+from rollwire import netlab
+from rollwire.client import Client, Finished, Restarted, RollwireError, Started
+from rollwire.common.keepalive import Keepalive
+from rollwire.demo.stack import Service, rollwire_cmd
+from rollwire.v1 import generator_pb2 as pb
+from rollwire.v1 import generator_pb2_grpc
+
+FAST = Keepalive(time_s=1.0, timeout_s=1.0)
+KEEPALIVE_ARGS = ("--set", f"keepalive.time_s={FAST.time_s:g}", "--set", f"keepalive.timeout_s={FAST.timeout_s:g}")
+PROXY_ARGS = (
+    *KEEPALIVE_ARGS,
+    "--set", "health.interval_s=0.2",
+    "--set", "health.timeout_s=0.5",
+    "--set", "push.stall_timeout_s=1",
+    "--set", "health.push_timeout_s=15",
+)  # fmt: skip
+SLACK_S = 1.5
+"""Scheduling slack on two shared cores, on top of the documented bound."""
+NAME = "part"
+LONG = dict(n=4, max_new_tokens=128, ignore_eos=True, seed=5)
+"""A group that is still streaming when the test interferes (a few seconds on a CPU)."""
+
+
+# -- processes inside netlab hosts ---------------------------------------------------------------
+def start_in(host: netlab.Host, args: list[str], workdir: Path, name: str, timeout: float = 120) -> Service:
+    """`rollwire <args>` inside `host`'s namespace; returns once it wrote its ready file."""
+    ready, log_path = workdir / f"{name}.ready.json", workdir / f"{name}.log"
+    ready.unlink(missing_ok=True)
+    with log_path.open("ab") as log:
+        proc = host.popen(rollwire_cmd(*args, "--ready-file", str(ready)), stdout=log, stderr=subprocess.STDOUT)
+    deadline = time.monotonic() + timeout
+    while not ready.exists():
+        if proc.poll() is not None or time.monotonic() > deadline:
+            proc.kill()
+            raise RuntimeError(f"{name} did not start; see {log_path}:\n{log_path.read_text()[-3000:]}")
+        time.sleep(0.05)
+    info = json.loads(ready.read_text())
+    return Service(name, proc, info["port"], info["metrics_port"], log_path)
+
+
+def status(address: str) -> pb.GetStatusResponse:
+    with grpc.insecure_channel(address) as channel:
+        return generator_pb2_grpc.GeneratorServiceStub(channel).GetStatus(pb.GetStatusRequest(), timeout=5)
+
+
+def newest(address: str) -> int:
+    return max((a.versions[-1] for a in status(address).adapters if a.name == NAME and a.versions), default=0)
+
+
+def routable(proxy: str) -> set[str]:
+    return {r.replica for r in status(proxy).replicas if r.healthy}
+
+
+def push(client: Client, adapter, version: int, fp: str, timeout: float = 30):
+    return client.push_adapter(NAME, version, adapter.payload, adapter.shape, fp, timeout=timeout)
+
+
+def read_group(stream, on_started) -> tuple[list, float | None]:
+    """Every event of a Generate stream; `on_started` runs at the first Started. Returns the
+    events and when the first Restarted arrived."""
+    events, restarted_at, fired = [], None, False
+    for event in stream:
+        events.append(event)
+        if isinstance(event, Started) and not fired:
+            fired = True
+            on_started(event)
+        if isinstance(event, Restarted) and restarted_at is None:
+            restarted_at = time.monotonic()
+    return events, restarted_at
+
+
+@pytest.fixture(scope="module")
+def adapters(tiny_model):
+    return [make_adapter(tiny_model, seed=90 + i) for i in range(3)]
+
+
+@pytest.fixture(scope="module")
+def lab():
+    ok, why = netlab.available()
+    if not ok:
+        pytest.skip(f"netlab cannot build namespaces here: {why}")
+    with netlab.Netlab(rate_mbit=1000) as lab:
+        yield lab
+
+
+@pytest.fixture(scope="module")
+def fleet(lab, tiny_model, tmp_path_factory):
+    """Replicas r1, r2 and a proxy, each on its own emulated host; the test is outside."""
+    workdir = tmp_path_factory.mktemp("partitions")
+    hosts = {name: lab.add_host(name) for name in ("r1", "r2", "px")}
+    replicas = {}
+    for name in ("r1", "r2"):
+        args = ["generator", "--model", str(tiny_model), "--host", hosts[name].ip, "--port", "50051"]
+        args += ["--metrics-port", "0", "--replica-id", name, *GENERATOR_ARGS, *KEEPALIVE_ARGS]
+        replicas[name] = start_in(hosts[name], args, workdir, name)
+    args = ["proxy", "--host", hosts["px"].ip, "--port", "50050", "--metrics-port", "0", "--proxy-id", "px"]
+    for name in ("r1", "r2"):
+        args += ["--generator", f"{hosts[name].ip}:50051"]
+    proxy = start_in(hosts["px"], [*args, *PROXY_ARGS], workdir, "px")
+    address = f"{hosts['px'].ip}:50050"
+    wait_until(lambda: routable(address) == {"r1", "r2"}, 60, "the proxy routes to both replicas")
+    yield hosts, address
+    stop_all([proxy, *replicas.values()], timeout=5)
+
+
+def test_a_replica_cut_off_mid_stream_is_detected_and_its_group_restarted_then_it_heals(fleet, adapters):
+    hosts, proxy = fleet
+    fp = status(f"{hosts['r1'].ip}:50051").model_fingerprint
+    with Client(proxy, timeout=60, keepalive=FAST) as client:
+        push(client, adapters[0], 1, fp)
+        cut: list = []
+
+        def cut_its_link(started: Started) -> None:
+            hosts[started.replica].cut()
+            cut.append((started.replica, time.monotonic()))
+
+        events, restarted_at = read_group(client.generate_stream("cut: ", adapter=NAME, **LONG), cut_its_link)
+        ((victim, cut_at),) = cut
+        other = {"r1": "r2", "r2": "r1"}[victim]
+        try:
+            assert restarted_at is not None, "the group was not restarted"
+            assert restarted_at - cut_at < FAST.bound_s + SLACK_S  # detected within the keepalive bound
+            print(f"{victim} cut off: its group restarted on {other} after {restarted_at - cut_at:.2f}s")
+            last_start = [e for e in events if isinstance(e, Started)][-1]
+            after = events[events.index(last_start) :]
+            assert last_start.replica == other and sum(isinstance(e, Finished) for e in after) == LONG["n"]
+            # mid-partition push: the cut replica cannot stage it, the push still succeeds on the other
+            started = time.monotonic()
+            reply = push(client, adapters[1], 2, fp)
+            codes = {r.replica: r.code for r in reply.replicas}
+            assert codes[other] == "OK" and codes.get(victim, "UNAVAILABLE") != "OK", codes
+            assert time.monotonic() - started < 15
+        finally:
+            hosts[victim].heal()
+        victim_address = f"{hosts[victim].ip}:50051"
+        wait_until(lambda: victim in routable(proxy), 30, f"{victim} is back in rotation after the heal")
+        assert newest(victim_address) == 2  # caught up with the version pushed while it was cut off
+        with Client(victim_address, timeout=30) as direct:
+            result = direct.generate("after: ", adapter=NAME, max_new_tokens=4)
+        assert result.adapter.version == 2 and result.replica == victim
+
+
+def test_a_client_cut_off_from_the_proxy_fails_within_its_deadline_naming_the_proxy(lab, fleet, adapters):
+    hosts, proxy = fleet
+    fp = status(f"{hosts['r1'].ip}:50051").model_fingerprint
+    deadline_s = 6.0
+    with Client(proxy, timeout=deadline_s, keepalive=FAST) as client:
+        push(client, adapters[2], 3, fp)
+        begun = time.monotonic()
+        with pytest.raises(RollwireError) as info:
+            try:
+                read_group(client.generate_stream("alone: ", adapter=NAME, **LONG), lambda _: lab.outside.cut())
+            finally:
+                failed_after = time.monotonic() - begun
+        try:
+            assert info.value.code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED), info.value
+            assert proxy in str(info.value)  # the sentence names the peer that went silent
+            assert failed_after < deadline_s + SLACK_S
+            print(f"client cut off: {info.value.code.name} after {failed_after:.2f}s of its {deadline_s:g}s")
+            # a learner pushing through a partition: the same bound, the same sentence
+            begun = time.monotonic()
+            with pytest.raises(RollwireError) as info:
+                push(client, adapters[0], 4, fp, timeout=4.0)
+            assert time.monotonic() - begun < 4.0 + SLACK_S and proxy in str(info.value)
+        finally:
+            lab.outside.heal()
+        assert client.generate("back: ", adapter=NAME, max_new_tokens=4, timeout=30).adapter.version == 3
+
+
+# -- freezes (loopback: no netlab needed) ----------------------------------------------------------
+@pytest.fixture(scope="module")
+def frozen_fleet(tiny_model, tmp_path_factory):
+    workdir = tmp_path_factory.mktemp("freeze")
+    replicas = start_generators(tiny_model, workdir, ["f1", "f2"], *KEEPALIVE_ARGS, "--set", "grace_seconds=1")
+    args = ["proxy", "--port", "0", "--metrics-port", "0", "--proxy-id", "fz", *PROXY_ARGS]
+    for r in replicas:
+        args += ["--generator", r.target]
+    proxy = start_service(args, workdir, "fz")
+    wait_until(lambda: routable(proxy.target) == {"f1", "f2"}, 60, "the proxy routes to both replicas")
+    yield {r.name: r for r in replicas}, proxy
+    stop_all([proxy, *replicas])
+
+
+def test_a_frozen_replica_is_detected_and_after_sigcont_serves_the_newest_version(frozen_fleet, adapters):
+    replicas, proxy = frozen_fleet
+    fp = status(replicas["f1"].target).model_fingerprint
+    with Client(proxy.target, timeout=60, keepalive=FAST) as client:
+        push(client, adapters[0], 1, fp)
+        frozen: list = []
+
+        def freeze(started: Started) -> None:
+            os.kill(replicas[started.replica].proc.pid, signal.SIGSTOP)
+            frozen.append((started.replica, time.monotonic()))
+
+        try:
+            events, restarted_at = read_group(client.generate_stream("ice: ", adapter=NAME, **LONG), freeze)
+            ((victim, frozen_at),) = frozen
+            assert restarted_at is not None and restarted_at - frozen_at < FAST.bound_s + SLACK_S
+            print(f"{victim} frozen: its group restarted after {restarted_at - frozen_at:.2f}s")
+            assert [e for e in events if isinstance(e, Started)][-1].replica != victim
+            reply = push(client, adapters[1], 2, fp)  # while it is frozen: it cannot take it
+            assert {r.replica: r.code for r in reply.replicas}.get(victim) != "OK"
+        finally:
+            for name, _ in frozen:
+                os.kill(replicas[name].proc.pid, signal.SIGCONT)
+        wait_until(lambda: victim in routable(proxy.target), 30, f"{victim} is back in rotation after SIGCONT")
+        assert newest(replicas[victim].target) == 2
+        with Client(replicas[victim].target, timeout=30) as direct:
+            assert direct.generate("thaw: ", adapter=NAME, max_new_tokens=4).adapter.version == 2
+
+
+pytestmark = pytest.mark.integration  # starts processes (and network namespaces): not in make test-fast

@@ -1,0 +1,498 @@
+"""The broadcast (issue 10): a push relayed down a tree of real replicas, staged, then committed.
+
+Three tiny-model replicas and real proxies over real sockets. A hostile peer (a small
+GeneratorService written here with the shared push module: it joins a proxy as if it were a
+replica, relays pushes, and may alter the bytes it forwards, lie about the outcome, or hold
+its reply) stands in for a hop that misbehaves at the protocol level.
+
+Checked: with fan-out 1 (a chain) and 2 the replicas relay to each other and end with the same
+verified bytes (same version, same sampled tokens and logprobs, pinned to that version); a
+replica SIGKILLed while it relays does not keep the others from serving the version within
+the push deadline, and holds it once restarted; bytes altered by a hop are refused by the
+replica below and healed (by the proxy's heal round, or, when the hop lies about it, by the
+failed commit and a catch-up); a staged version is never served before the commit; replicas
+relay to each other over mutual TLS with the proxy's token; a malformed plan is refused.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import socket
+import struct
+import threading
+import time
+from datetime import datetime
+from pathlib import Path
+
+import grpc
+import pytest
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from support.processes import (
+    GENERATOR_ARGS,
+    start_generator,
+    start_generators,
+    start_proxy,
+    stop_all,
+    wait_routable,
+    wait_until,
+)
+from support.wire import generate, make_adapter, metric_value, status
+
+from rollwire.common import push as protocol
+from rollwire.common.errors import from_rpc_error
+from rollwire.serving.forward import Forwarder
+from rollwire.v1 import generator_pb2 as pb
+from rollwire.v1 import generator_pb2_grpc
+
+pytestmark = pytest.mark.integration  # starts processes or servers: not in make test-fast
+
+PUSH_DEADLINE_S = 30
+PROXY_ARGS = ("--set", f"health.push_timeout_s={PUSH_DEADLINE_S}", "--set", "push.stall_timeout_s=10")
+SERVICE = pb.DESCRIPTOR.services_by_name["GeneratorService"].full_name
+
+
+@pytest.fixture(scope="module")
+def workdir(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("relay")
+
+
+@pytest.fixture(scope="module")
+def replicas(tiny_model, workdir):
+    services = start_generators(tiny_model, workdir, ["q1", "q2", "q3"])
+    yield services
+    stop_all(services)
+
+
+@pytest.fixture(scope="module")
+def adapter(tiny_model):
+    return make_adapter(tiny_model, seed=21)
+
+
+def log_events(path: Path, event: str) -> list[dict]:
+    """The JSON log lines of one event in a service's log."""
+    out = []
+    for line in path.read_text(errors="replace").splitlines():
+        if f'"{event}"' in line:
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError:
+                continue
+            if record.get("event") == event:
+                out.append(record)
+    return out
+
+
+def holds(target: str, name: str, version: int) -> bool:
+    return version in {v for a in status(target).adapters if a.name == name for v in a.versions}
+
+
+def sampled(target: str, name: str, version: int):
+    """A seeded group pinned to the version: its tokens and logprobs depend on every weight."""
+    g = generate(target, "3+4=", n=2, adapter=(name, version), max_new_tokens=6, seed=5, temperature=1.0)
+    assert g.started.adapter.version == version
+    return g.tokens, {i: [round(x, 5) for x in lp] for i, lp in g.logprobs.items()}
+
+
+def pinned_refusal(target: str, name: str, version: int) -> grpc.StatusCode:
+    try:
+        generate(target, "3+4=", n=1, adapter=(name, version), max_new_tokens=2)
+    except grpc.RpcError as exc:
+        return exc.code()
+    return grpc.StatusCode.OK
+
+
+def push_via(target: str, manifest: pb.AdapterManifest, payload: bytes) -> pb.PushAdapterResponse:
+    with grpc.insecure_channel(target) as channel:
+        stub = generator_pb2_grpc.GeneratorServiceStub(channel)
+        return stub.PushAdapter(protocol.messages(manifest, payload), timeout=PUSH_DEADLINE_S + 10)
+
+
+def low_port() -> int:
+    """A free port below the ephemeral range: the proxy plans replicas in address order
+    (the trusted ones first), so a peer here is the first hop of a chain."""
+    for port in range(21000, 29000, 7):
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError("no free port between 21000 and 29000")
+
+
+# -- a protocol-level hostile peer ----------------------------------------------------------
+class HostilePeer(generator_pb2_grpc.GeneratorServiceServicer):
+    """A GeneratorService that joins a proxy as a replica (its GetStatus is a real replica's,
+    under another name) and relays pushes with the shared push module, but misbehaves:
+    `corrupt` flips one bit of the first tensor value it forwards (a finite value stays
+    finite: only the digest can tell), `lie` reports every replica below it as staged
+    whatever they said, `hold` keeps its reply until `release` is set, `stall` reads nothing
+    after the first message until then. It stages nothing itself and answers every commit
+    with OK."""
+
+    def __init__(self, real: str, *, corrupt=False, lie=False, hold=False, stall=False) -> None:
+        self.real, self.corrupt, self.lie, self.hold, self.stall = real, corrupt, lie, hold, stall
+        self.release = threading.Event()
+        self.accepted: dict[str, list[int]] = {}
+        self.pushes = 0
+        self.channels: dict[str, grpc.aio.Channel] = {}
+
+    async def GetStatus(self, request, context):
+        async with grpc.aio.insecure_channel(self.real) as channel:
+            reply = await generator_pb2_grpc.GeneratorServiceStub(channel).GetStatus(request, timeout=5)
+        reply.replica = "hostile-peer"
+        del reply.adapters[:]
+        reply.adapters.extend(pb.LoadedAdapter(name=n, versions=v) for n, v in self.accepted.items())
+        return reply
+
+    def _stub(self, address: str):
+        if address not in self.channels:
+            self.channels[address] = grpc.aio.insecure_channel(address)
+        return generator_pb2_grpc.GeneratorServiceStub(self.channels[address])
+
+    async def PushAdapter(self, request_iterator, context):
+        self.pushes += 1
+        reader = protocol.PushReader(request_iterator, 30, "hostile peer", keep_chunks=True)
+        first = await reader.open()
+        if self.stall:
+            await asyncio.to_thread(self.release.wait, 60)
+        children = protocol.split_plan(first.relay, max_children=64) if first.relay.nodes else []
+        forward = Forwarder(
+            children,
+            first.manifest,
+            stage_only=first.stage_only,
+            stub_for=self._stub,
+            metadata=[],
+            deadline=time.monotonic() + 20,
+            queue_chunks=8,
+            stall_s=5,
+            settle_s=5,
+        )
+        flipped = not self.corrupt
+        async for chunk in reader.chunks():
+            if not flipped:
+                at = 8 + struct.unpack("<Q", chunk[:8])[0]  # the first tensor's first (lowest) byte
+                chunk = chunk[:at] + bytes([chunk[at] ^ 1]) + chunk[at + 1 :]
+                flipped = True
+            await forward.send(chunk)
+        forward.end()
+        await reader.finish_chunks()
+        results = await forward.results()
+        if self.hold:
+            await asyncio.to_thread(self.release.wait, 30)
+        if self.lie:
+            results = [
+                pb.ReplicaPushResult(replica=r.replica, address=r.address, code="OK", staged=True) for r in results
+            ]
+        m = first.manifest
+        self.accepted.setdefault(m.name, []).append(m.version)
+        return pb.PushAdapterResponse(
+            name=m.name, version=m.version, staged=first.stage_only, loaded_versions=[m.version], replicas=results
+        )
+
+    async def CommitAdapter(self, request, context):
+        return pb.CommitAdapterResponse(name=request.name, version=request.version, loaded_versions=[request.version])
+
+
+class PeerServer:
+    """The hostile peer served on its own event loop in a thread of the test process."""
+
+    def __init__(self, peer: HostilePeer) -> None:
+        self.peer, self.port = peer, low_port()
+        self.loop = asyncio.new_event_loop()
+        self.ready = threading.Event()
+        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+        self.thread.start()
+        asyncio.run_coroutine_threadsafe(self._start(), self.loop).result(10)
+
+    async def _start(self) -> None:
+        self.server = grpc.aio.server()
+        generator_pb2_grpc.add_GeneratorServiceServicer_to_server(self.peer, self.server)
+        checks = health.aio.HealthServicer()
+        health_pb2_grpc.add_HealthServicer_to_server(checks, self.server)
+        self.server.add_insecure_port(f"127.0.0.1:{self.port}")
+        await self.server.start()
+        await checks.set(SERVICE, health_pb2.HealthCheckResponse.SERVING)
+
+    @property
+    def target(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    def stop(self) -> None:
+        self.peer.release.set()
+        asyncio.run_coroutine_threadsafe(self.server.stop(0), self.loop).result(10)
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(10)
+
+
+@pytest.fixture
+def peer_proxy(replicas, workdir, request):
+    """A hostile peer and a proxy over it and the real replicas; the peer plans first."""
+    behaviour, fanout, *extra = request.param
+    peer = PeerServer(HostilePeer(replicas[0].target, **behaviour))
+    args = ["--generator", peer.target, "--set", f"push.fanout={fanout}", *PROXY_ARGS, *extra]
+    proxy = start_proxy(workdir, f"peer-proxy-{'-'.join(behaviour) or 'plain'}-{fanout}", replicas, *args)
+    wait_until(lambda: len([r for r in status(proxy.target).replicas if r.healthy]) == 4, 30, "all four are routable")
+    yield proxy, peer
+    stop_all([proxy])
+    peer.stop()
+
+
+# -- the tests --------------------------------------------------------------------------------
+@pytest.mark.parametrize("fanout", [1, 2])
+def test_a_relayed_push_gives_every_replica_the_same_verified_bytes(fanout, replicas, workdir, adapter):
+    proxy = start_proxy(workdir, f"relay-proxy-{fanout}", replicas, "--set", f"push.fanout={fanout}", *PROXY_ARGS)
+    try:
+        wait_routable(proxy, replicas)
+        name = f"relay{fanout}"
+        fp = status(proxy.target).model_fingerprint
+        reply = push_via(proxy.target, adapter.manifest(name, 1, fp), adapter.payload)
+        assert sorted((r.replica, r.code) for r in reply.replicas) == [("q1", "OK"), ("q2", "OK"), ("q3", "OK")]
+        planned = log_events(proxy.log_path, "adapter_relay_planned")[-1]
+        assert (planned["fanout"], len(planned["children"])) == (fanout, fanout)
+        # each replica forwarded to its subtree while receiving: a chain 2, 1, 0; a 2-ary tree 1, 0, 0
+        relayed = sorted(
+            next(e["relayed_to"] for e in log_events(r.log_path, "adapter_staged") if e["adapter"] == name)
+            for r in replicas
+        )
+        assert relayed == ([0, 1, 2] if fanout == 1 else [0, 0, 1])
+        assert all(holds(r.target, name, 1) for r in replicas)
+        samples = [sampled(r.target, name, 1) for r in replicas]
+        assert samples[0] == samples[1] == samples[2]
+        base = generate(replicas[0].target, "3+4=", n=2, max_new_tokens=6, seed=5, temperature=1.0)
+        assert samples[0][1] != {i: [round(x, 5) for x in lp] for i, lp in base.logprobs.items()}
+        assert metric_value(proxy.metrics(), "rollwire_proxy_push_heals_total", f'replica="{replicas[0].target}"') == 0
+    finally:
+        stop_all([proxy])
+
+
+@pytest.mark.parametrize("peer_proxy", [({"hold": True}, 0, "--set", "push.settle_timeout_s=60")], indirect=True)
+def test_a_staged_version_is_never_served_before_the_commit(peer_proxy, replicas, adapter):
+    proxy, peer = peer_proxy
+    fp = status(proxy.target).model_fingerprint
+    box: dict = {}
+
+    def run() -> None:
+        box["reply"] = push_via(proxy.target, adapter.manifest("unseen", 1, fp), adapter.payload)
+
+    pusher = threading.Thread(target=run)
+    pusher.start()
+    try:
+        # every real replica has verified and staged the bytes; the peer holds the commit back
+        wait_until(
+            lambda: all(
+                any(e["adapter"] == "unseen" for e in log_events(r.log_path, "adapter_staged")) for r in replicas
+            ),
+            20,
+            "every replica staged the version",
+        )
+        for r in replicas:
+            assert pinned_refusal(r.target, "unseen", 1) == grpc.StatusCode.NOT_FOUND
+            assert not holds(r.target, "unseen", 1)
+        assert "reply" not in box
+    finally:
+        peer.peer.release.set()
+        pusher.join(PUSH_DEADLINE_S + 15)
+    assert all(r.code == "OK" for r in box["reply"].replicas), box["reply"].replicas
+    for r in replicas:
+        assert pinned_refusal(r.target, "unseen", 1) == grpc.StatusCode.OK
+
+
+STALL_S = 1.5
+
+
+@pytest.mark.parametrize(
+    "peer_proxy",
+    [({"stall": True}, 0, "--set", f"push.stall_timeout_s={STALL_S}", "--set", f"push.settle_timeout_s={STALL_S}")],
+    indirect=True,
+)
+def test_a_child_that_stalls_is_cut_off_without_holding_up_the_others(peer_proxy, replicas, adapter):
+    proxy, peer = peer_proxy
+    fp = status(proxy.target).model_fingerprint
+    manifest = adapter.manifest("stalled", 1, fp)
+    # small chunks, so the stalled peer's flow-control window and queue fill up
+    started, wall = time.monotonic(), time.time()
+    with grpc.insecure_channel(proxy.target) as channel:
+        reply = generator_pb2_grpc.GeneratorServiceStub(channel).PushAdapter(
+            protocol.messages(manifest, adapter.payload, 1024), timeout=PUSH_DEADLINE_S + 10
+        )
+    took = time.monotonic() - started
+    outcomes = {r.address: (r.code, r.reason) for r in reply.replicas}
+    assert all(outcomes[r.target] == ("OK", "") for r in replicas), outcomes
+    assert outcomes[peer.target] == ("DEADLINE_EXCEEDED", "RELAY_STALLED")
+    # the relay, the heal relay and the direct heal each gave up on it after STALL_S, no more
+    assert took < 3 * STALL_S + 10, took
+    # and its siblings waited for it once, at most STALL_S: they staged long before the end
+    for r in replicas:
+        staged = next(e["timestamp"] for e in log_events(r.log_path, "adapter_staged") if e["adapter"] == "stalled")
+        delay = datetime.fromisoformat(staged.replace("Z", "+00:00")).timestamp() - wall
+        assert delay < STALL_S + 4, (r.name, delay)
+        assert holds(r.target, "stalled", 1)
+
+
+@pytest.mark.parametrize("peer_proxy", [({"corrupt": True}, 1)], indirect=True)
+def test_bytes_a_hop_alters_are_refused_below_it_and_healed(peer_proxy, replicas, adapter):
+    proxy, peer = peer_proxy
+    fp = status(proxy.target).model_fingerprint
+    assert log_events(proxy.log_path, "adapter_relay_planned") == []
+    reply = push_via(proxy.target, adapter.manifest("altered", 1, fp), adapter.payload)
+    planned = log_events(proxy.log_path, "adapter_relay_planned")
+    assert planned[0]["children"] == [peer.target]  # the chain starts at the hostile hop
+    refused = [
+        e for r in replicas for e in log_events(r.log_path, "adapter_push_refused") if e["reason"] == "DIGEST_MISMATCH"
+    ]
+    assert refused, "the replica below the hostile hop refused the altered bytes"
+    codes = {r.address: r.code for r in reply.replicas}
+    assert all(codes[r.target] == "OK" for r in replicas), reply.replicas
+    heals = sum(
+        metric_value(proxy.metrics(), "rollwire_proxy_push_heals_total", f'replica="{r.target}"') for r in replicas
+    )
+    assert heals == 3  # the relay below the hostile hop delivered nothing: each got the bytes again
+    samples = [sampled(r.target, "altered", 1) for r in replicas]
+    assert samples[0] == samples[1] == samples[2]
+
+
+@pytest.mark.parametrize("peer_proxy", [({"corrupt": True, "lie": True}, 1)], indirect=True)
+def test_a_hop_that_alters_bytes_and_lies_is_caught_by_the_commit(peer_proxy, replicas, adapter):
+    proxy, _peer = peer_proxy
+    fp = status(proxy.target).model_fingerprint
+    reply = push_via(proxy.target, adapter.manifest("lied", 1, fp), adapter.payload)
+    # the replicas below never staged the altered bytes, so the commit the lie asked for fails
+    outcomes = {r.address: (r.code, r.reason) for r in reply.replicas}
+    assert all(outcomes[r.target] == ("FAILED_PRECONDITION", "NOT_STAGED") for r in replicas), outcomes
+    # out of rotation, then caught up from the spool: the right bytes, verified by each replica
+    wait_until(lambda: all(holds(r.target, "lied", 1) for r in replicas), 20, "the replicas caught up")
+    wait_routable(proxy, replicas, timeout=20)
+    samples = [sampled(r.target, "lied", 1) for r in replicas]
+    assert samples[0] == samples[1] == samples[2]
+
+
+def test_a_replica_killed_mid_relay_stops_nobody_and_rejoins_with_the_version(replicas, workdir, adapter, tiny_model):
+    proxy = start_proxy(workdir, "kill-proxy", replicas, "--set", "push.fanout=1", *PROXY_ARGS)
+    try:
+        wait_routable(proxy, replicas)
+        fp = status(proxy.target).model_fingerprint
+        manifest = adapter.manifest("survive", 1, fp)
+        half = len(adapter.payload) // 2
+        killed = threading.Event()
+
+        def upload():  # slow enough to be caught mid-relay: small chunks, the second half after the kill
+            yield protocol.opening(manifest)
+            for i in range(0, half, 1024):
+                yield pb.PushAdapterRequest(chunk=adapter.payload[i : min(i + 1024, half)])
+            killed.wait(30)
+            for i in range(half, len(adapter.payload), 1024):
+                yield pb.PushAdapterRequest(chunk=adapter.payload[i : i + 1024])
+
+        channel = grpc.insecure_channel(proxy.target)
+        future = generator_pb2_grpc.GeneratorServiceStub(channel).PushAdapter.future(
+            upload(), timeout=PUSH_DEADLINE_S + 10
+        )
+        planned = wait_until(lambda: log_events(proxy.log_path, "adapter_relay_planned"), 15, "the relay is planned")
+        first = next(r for r in replicas if r.target == planned[-1]["children"][0])
+        wait_until(
+            lambda: metric_value(first.metrics(), "rollwire_generator_adapter_push_bytes_total") > 0,
+            15,
+            "the first hop receives the push",
+        )
+        first.proc.kill()  # SIGKILL while it relays to the rest of the chain
+        first.proc.wait(10)
+        started = time.monotonic()
+        killed.set()
+        reply = future.result(timeout=PUSH_DEADLINE_S + 10)
+        assert time.monotonic() - started < PUSH_DEADLINE_S
+        channel.close()
+        codes = {r.address: r.code for r in reply.replicas}
+        others = [r for r in replicas if r is not first]
+        assert [codes[r.target] for r in others] == ["OK", "OK"], reply.replicas
+        assert codes[first.target] != "OK"
+        for r in others:
+            assert sampled(r.target, "survive", 1)
+        # it comes back on its port and is caught up before it takes work
+        again = start_generator(
+            tiny_model, workdir, "q-again", *GENERATOR_ARGS, "--replica-id", "q-again", "--port", str(first.port)
+        )
+        replicas[replicas.index(first)] = again
+        wait_until(lambda: holds(again.target, "survive", 1), 30, "the restarted replica caught up")
+        wait_routable(proxy, replicas, timeout=30)
+        assert sampled(again.target, "survive", 1) == sampled(others[0].target, "survive", 1)
+    finally:
+        stop_all([proxy])
+
+
+def test_a_replica_refuses_a_bad_relay_plan_before_it_dials_anyone(replicas, adapter):
+    fp = status(replicas[0].target).model_fingerprint
+    bad_plans = {
+        "parent after child": protocol.plan_from_parents([("127.0.0.1:1", "a", 2), ("127.0.0.1:2", "b", 0)]),
+        "same address twice": protocol.plan_from_parents([("127.0.0.1:1", "a", 0), ("127.0.0.1:1", "b", 1)]),
+        "not an address": protocol.plan_from_parents([("http://x", "a", 0)]),
+        "too many children": protocol.plan_from_parents([(f"127.0.0.1:{1000 + i}", "", 0) for i in range(17)]),
+    }
+    for case, plan in bad_plans.items():
+        messages = protocol.messages(adapter.manifest("plans", 1, fp), adapter.payload, relay=plan, stage_only=True)
+        with pytest.raises(grpc.RpcError) as info:
+            generator_pb2_grpc.GeneratorServiceStub(grpc.insecure_channel(replicas[0].target)).PushAdapter(
+                messages, timeout=10
+            )
+        err = from_rpc_error(info.value)
+        assert (err.code, err.reason) == (grpc.StatusCode.INVALID_ARGUMENT, "BAD_RELAY_PLAN"), case
+    assert not holds(replicas[0].target, "plans", 1)
+
+
+def test_replicas_relay_to_each_other_over_mutual_tls_with_the_proxys_token(tiny_model, pki, workdir, adapter):
+    """The relay hop speaks what the proxy's hop speaks: TLS with a client certificate (the
+    replicas require one), and the proxy's admin token, which the first replica forwards."""
+    from support.processes import start_service
+
+    (workdir / "admin.token").write_text("relay-admin-777\n")
+    tls = ["--set", f"tls.cert_file={pki / 'server.pem'}", "--set", f"tls.key_file={pki / 'server.key'}"]
+
+    def client_side(section: str) -> list[str]:  # how `section` dials a replica: mutual TLS
+        files = {"ca_file": "ca.pem", "cert_file": "client.pem", "key_file": "client.key"}
+        return [x for key, f in files.items() for x in ("--set", f"{section}.{key}={pki / f}")]
+
+    secured = [
+        start_generator(
+            tiny_model,
+            workdir,
+            name,
+            *GENERATOR_ARGS,
+            "--replica-id",
+            name,
+            *tls,
+            "--set",
+            f"tls.client_ca_file={pki / 'ca.pem'}",
+            "--set",
+            f"auth.admin_tokens_file={workdir / 'admin.token'}",
+            *client_side("relay"),
+            plaintext=False,
+        )
+        for name in ("tls1", "tls2")
+    ]
+    proxy = start_service(
+        ["proxy", "--port", "0", "--metrics-port", "0", "--set", "health.interval_s=0.2", "--set", "push.fanout=1"]
+        + ["--set", f"upstream.token_file={workdir / 'admin.token'}", *client_side("upstream")]
+        + [x for s in secured for x in ("--generator", s.target)],
+        workdir,
+        "tls-proxy",
+    )
+    try:
+        wait_routable(proxy, secured)
+        fp = status(proxy.target).model_fingerprint
+        reply = push_via(proxy.target, adapter.manifest("sealed", 1, fp), adapter.payload)
+        assert sorted((r.replica, r.code) for r in reply.replicas) == [("tls1", "OK"), ("tls2", "OK")], reply.replicas
+        relayed = sorted(
+            next(e["relayed_to"] for e in log_events(s.log_path, "adapter_staged") if e["adapter"] == "sealed")
+            for s in secured
+        )
+        assert relayed == [0, 1]  # the first hop relayed to the second, over TLS, with the token
+        assert (
+            sum(
+                metric_value(proxy.metrics(), "rollwire_proxy_push_heals_total", f'replica="{s.target}"')
+                for s in secured
+            )
+            == 0
+        )
+    finally:
+        stop_all([proxy, *secured])
