@@ -124,7 +124,7 @@ def to_target(curve: list[tuple[float, float]]) -> tuple[float | None, int | Non
 
 
 def trl_dataset():
-    from datasets import Dataset
+    from datasets import Dataset  # pyright: ignore[reportMissingImports]  # the bench extra: pip install -e .[bench]
 
     train = addition_examples(0.1)[0]  # the training split: no held-out prompt is ever sampled
     return Dataset.from_dict({"prompt": [e.prompt for e in train], "answer": [e.answer for e in train]})
@@ -140,7 +140,7 @@ def run_trl(model_dir: Path, name: str, budget_s: float, max_steps: int = 0) -> 
     import torch
     from peft import get_peft_model_state_dict
     from transformers import AutoModelForCausalLM, AutoTokenizer, PrinterCallback, TrainerCallback
-    from trl import GRPOConfig, GRPOTrainer  # pyright: ignore[reportPrivateImportUsage]  # trl exports it at run time
+    from trl import GRPOConfig, GRPOTrainer  # pyright: ignore[reportMissingImports, reportPrivateImportUsage]  # the bench extra
 
     torch.set_num_threads(TRL_THREADS)
     out = WORK / "peer-trl" / name
