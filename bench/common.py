@@ -107,16 +107,10 @@ def start_scripted(model: Path, count: int, name: str, *settings: str) -> list:
 
 def start_proxy(replicas: list, name: str, *settings: str):
     """A proxy in front of `replicas`, returned once every one of them takes traffic."""
+    from rollwire.demo.stack import routing
     from rollwire.demo.stack import start_proxy as start
-    from rollwire.demo.stack import wait_routable
 
-    proxy = start(WORK, name, replicas, *(a for s in settings for a in ("--set", s)))
-    try:
-        wait_routable(proxy, replicas, timeout=60)
-    except BaseException:
-        proxy.stop()
-        raise
-    return proxy
+    return routing(start(WORK, name, replicas, *(a for s in settings for a in ("--set", s))), replicas, timeout=60)
 
 
 def stop_all(processes) -> None:

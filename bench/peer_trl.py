@@ -42,11 +42,13 @@ Run: .venv/bin/python bench/peer_trl.py [--repeats 2] [--budget-s 30]
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import resource
 import shutil
 import statistics
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import async_vs_sync as avs
@@ -59,7 +61,14 @@ from rollwire.learner.task import Example, addition_examples, eval_subset
 TARGET, EVAL_SIZE, SEED = avs.TARGET, avs.EVAL_SIZE, avs.SEED
 N, GROUPS_PER_STEP, LR, LORA_R, LORA_ALPHA, MAX_NEW_TOKENS, TEMPERATURE = 8, 8, 1e-3, 8, 16.0, 8, 1.0
 TRL_THREADS = 1  # see Threads above; --trl-threads
-ROLLWIRE_MODES = {"rollwire-sync": 0, "rollwire-async": 1}  # name -> buffer.max_staleness
+ROLLWIRE_MODES: dict[str, tuple[int, tuple[str, ...]]] = {
+    "rollwire-sync": (0, ()),
+    "rollwire-async": (1, ()),
+    "rollwire-async-all": (1, ("buffer.keep_zero_variance=true",)),
+}
+"""name -> (buffer.max_staleness, more learner settings). `-all` trains on every group, zero
+advantage included, as TRL does: a step then needs half the rollouts (about half the groups
+of this task have equal rewards), and those groups add no gradient, only tokens to the mean."""
 SPOOL = WORK / "peer-trl-spool"
 
 
@@ -188,18 +197,12 @@ def run_trl(model_dir: Path, name: str, budget_s: float, max_steps: int = 0) -> 
 
     class Timed(GRPOTrainer):
         def _generate(self, prompts):
-            started = time.perf_counter()
-            try:
+            with clock.timed("generate"):
                 return super()._generate(prompts)
-            finally:
-                clock.phase["generate"] += time.perf_counter() - started
 
         def _generate_and_score_completions(self, inputs):
-            started = time.perf_counter()
-            try:
+            with clock.timed("rollout"):
                 return super()._generate_and_score_completions(inputs)
-            finally:
-                clock.phase["rollout"] += time.perf_counter() - started
 
     class Callback(TrainerCallback):
         def on_train_begin(self, args, state, control, **kw):
@@ -260,28 +263,32 @@ class BudgetClock:
     """Training seconds since `begin`, less the paused spans; what the TRL callbacks record."""
 
     def __init__(self, budget_s: float) -> None:
-        self.budget_s, self.started, self.paused_s, self.steps = budget_s, 0.0, 0.0, 0
+        self.budget_s, self.started, self.steps = budget_s, 0.0, 0
         self.points: list[tuple[float, dict]] = []
         self.logs: list[dict] = []
-        self.phase = {"generate": 0.0, "rollout": 0.0}
+        self.phase = {"generate": 0.0, "rollout": 0.0, "paused": 0.0}
+
+    @property
+    def paused_s(self) -> float:
+        return self.phase["paused"]
 
     def begin(self) -> None:
-        self.started, self.paused_s = time.perf_counter(), 0.0
+        self.started, self.phase["paused"] = time.perf_counter(), 0.0
 
     def now(self) -> float:
         return time.perf_counter() - self.started - self.paused_s
 
-    def paused(self):
-        clock = self
+    @contextlib.contextmanager
+    def timed(self, phase: str) -> Iterator[None]:
+        """Adds the seconds the block takes to `phase` ("paused": `now` leaves them out)."""
+        started = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.phase[phase] += time.perf_counter() - started
 
-        class _Pause:
-            def __enter__(self):
-                self.t = time.perf_counter()
-
-            def __exit__(self, *exc):
-                clock.paused_s += time.perf_counter() - self.t
-
-        return _Pause()
+    def paused(self) -> contextlib.AbstractContextManager[None]:
+        return self.timed("paused")
 
 
 def _self_cpu() -> float:
@@ -393,8 +400,9 @@ def main() -> None:
                 if system == "trl":
                     result, points = run_trl(model_dir, f"trl-{index}", args.budget_s)
                 else:
+                    staleness, settings = ROLLWIRE_MODES[system]
                     result, points = run_rollwire(
-                        stack, model_dir, f"peer-{system}-{index}", ROLLWIRE_MODES[system], args.budget_s
+                        stack, model_dir, f"peer-{system}-{index}", staleness, args.budget_s, *settings
                     )
                 torch.set_num_threads(TRL_THREADS)
                 scoring = time.perf_counter()

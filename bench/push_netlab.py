@@ -18,7 +18,10 @@ reply, then a 1-token Generate pinned to the version on each replica directly.
 Repeats alternate: every repeat runs each N (forward, then backward on the next repeat) and
 each mode, with a fresh proxy each time (warmed by a rank-1 push first), so drift on a shared
 machine spreads over all figures. Writes bench/results/push_netlab.json (--quick:
-push_netlab_quick.json, N = 1, 2, one repeat).
+push_netlab_quick.json, N = 1, 2, one repeat; another --rate R: push_netlab_Rmbit.json).
+Each push also records the CPU seconds of the proxy and replicas and how busy the machine
+was (`machine_busy`): every emulated host shares this machine's cores, so past some rate a
+push measures the cores, not the links.
 Needs root (network namespaces): run .venv/bin/python bench/push_netlab.py [--mode star relay]
 [--replicas 1 2 4 8] [--repeats 2] [--rate 200] [--fanout auto] [--quick]
 """
@@ -29,10 +32,8 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
-import time
-from dataclasses import dataclass
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from common import QWEN25, WORK, config_only_model, spread, write_result
@@ -41,7 +42,7 @@ from weight_push import Pusher, lora_shapes, safetensors_bytes
 from rollwire import netlab
 from rollwire.common.fingerprint import model_fingerprint
 from rollwire.common.push import MAX_CHUNK
-from rollwire.demo.stack import rollwire_cmd, wait_routable
+from rollwire.demo.stack import Service, routing, start
 
 MODEL, RANK, GiB = "1.5B", 16, 1 << 30
 LOGS = WORK / "netlab"
@@ -68,72 +69,62 @@ def mode_settings(mode: str, args: argparse.Namespace) -> list[str]:
 MODES = ("star", "relay")
 
 
-@dataclass
-class NetService:
-    """A rollwire process on a netlab host (the lab kills it at teardown if `stop` did not)."""
-
-    name: str
-    proc: subprocess.Popen
-    host: netlab.Host
-    port: int
-    log_path: Path
-
-    @property
-    def target(self) -> str:
-        return f"{self.host.ip}:{self.port}"
-
-    def stop(self, timeout: float = 20) -> None:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(timeout)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+def start_on(host: netlab.Host, name: str, args: list[str]) -> Service:
+    """`rollwire <args>` on `host`, listening on its address, logging to LOGS/<name>.log; returned
+    once it serves (the lab kills it at teardown if `stop` did not)."""
+    args = [*args, "--host", host.ip, "--port", "0", "--metrics-port", "0"]
+    return start(args, LOGS, name, popen=host.popen, host=host.ip)
 
 
-def launch(host: netlab.Host, name: str, args: list[str]) -> tuple[subprocess.Popen, Path, Path]:
-    """`rollwire <args>` on `host`, listening on its address, logging to LOGS/<name>.log."""
-    LOGS.mkdir(parents=True, exist_ok=True)
-    ready, log_path = LOGS / f"{name}.ready.json", LOGS / f"{name}.log"
-    ready.unlink(missing_ok=True)
-    argv = rollwire_cmd(*args, "--host", host.ip, "--port", "0", "--metrics-port", "0", "--ready-file", str(ready))
-    with log_path.open("ab") as log:
-        proc = host.popen(argv, stdout=log, stderr=subprocess.STDOUT)
-    return proc, ready, log_path
-
-
-def wait_ready(name: str, host: netlab.Host, proc: subprocess.Popen, ready: Path, log_path: Path, timeout: float = 120):
-    """The NetService once it wrote its ready file; RuntimeError with its log's tail otherwise."""
-    deadline = time.monotonic() + timeout
-    while not ready.exists():
-        if proc.poll() is not None or time.monotonic() > deadline:
-            proc.kill()
-            proc.wait()
-            tail = log_path.read_text(errors="replace")[-3000:]
-            raise RuntimeError(f"{name} on {host.name} did not start (exit {proc.returncode}); {log_path}:\n{tail}")
-        time.sleep(0.05)
-    return NetService(name, proc, host, json.loads(ready.read_text())["port"], log_path)
-
-
-def start_replicas(hosts: list[netlab.Host], model: Path) -> list[NetService]:
+def start_replicas(hosts: list[netlab.Host], model: Path) -> list[Service]:
     """One scripted replica per host, started at once."""
     settings = [a for s in REPLICA_SETTINGS for a in ("--set", s)]
-    launched = [(h, launch(h, f"replica-{h.name}", ["generator", "--model", str(model), *settings])) for h in hosts]
-    return [wait_ready(f"replica-{h.name}", h, proc, ready, log) for h, (proc, ready, log) in launched]
+    with ThreadPoolExecutor(len(hosts)) as pool:
+        args = ["generator", "--model", str(model), *settings]
+        return list(pool.map(lambda h: start_on(h, f"replica-{h.name}", args), hosts))
 
 
-def start_proxy(host: netlab.Host, replicas: list[NetService], settings: list[str]) -> NetService:
+def start_proxy(host: netlab.Host, replicas: list[Service], settings: list[str]) -> Service:
     """A proxy on `host` in front of `replicas`, returned once it routes to every one."""
     args = ["proxy", *(a for r in replicas for a in ("--generator", r.target))]
     args += [a for s in (*PROXY_SETTINGS, *settings) for a in ("--set", s)]
-    proxy = wait_ready("proxy", host, *launch(host, "proxy", args))
-    try:
-        wait_routable(proxy, replicas, timeout=60)  # type: ignore[arg-type]  # duck-typed: name, target, log_path
-    except BaseException:
-        proxy.stop()
-        raise
-    return proxy
+    return routing(start_on(host, "proxy", args), replicas, timeout=60)
+
+
+def cpu_ticks(pids: list[int]) -> int:
+    """User + system clock ticks the processes `pids` have used (utime, stime of /proc/PID/stat)."""
+    total = 0
+    for pid in pids:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        total += int(fields[11]) + int(fields[12])
+    return total
+
+
+def machine_ticks() -> tuple[int, int]:
+    """(busy, all) clock ticks of every CPU since boot, from /proc/stat's first line; softirq
+    counts as busy: that is where the emulated links' packets are shaped and bridged."""
+    values = [int(v) for v in Path("/proc/stat").read_text().splitlines()[0].split()[1:]]
+    idle = values[3] + values[4]  # idle + iowait
+    return sum(values[:8]) - idle, sum(values[:8])
+
+
+def timed_push(pusher: Pusher, services: list[Service], payload: bytes, version: int) -> dict:
+    """`pusher.push` plus what it cost: CPU seconds of the proxy (`services[0]`) and the
+    replicas (the rest), and how busy
+    the whole machine was. A push whose machine_busy is near 1.0 is bound by this machine's
+    cores (every emulated host shares them), not by the links."""
+    hz = os.sysconf("SC_CLK_TCK")
+    proxy, replicas = [services[0].proc.pid], [s.proc.pid for s in services[1:]]
+    p0, r0, (busy0, all0) = cpu_ticks(proxy), cpu_ticks(replicas), machine_ticks()
+    times = pusher.push("lora", version, payload, RANK)
+    p1, r1, (busy1, all1) = cpu_ticks(proxy), cpu_ticks(replicas), machine_ticks()
+    return {
+        **times,
+        "proxy_cpu_s": (p1 - p0) / hz,
+        "replicas_cpu_s": (r1 - r0) / hz,
+        "services_cpu_s": (p1 - p0 + r1 - r0) / hz,
+        "machine_busy": (busy1 - busy0) / max(1, all1 - all0),
+    }
 
 
 def link_time(lab: netlab.Netlab, host: netlab.Host, size: int, repeats: int) -> dict:
@@ -165,14 +156,15 @@ def run(args: argparse.Namespace) -> dict:
                         version["warmup"] += 1
                         pusher.push("warmup", version["warmup"], warm, 1)
                         version["lora"] += 1
-                        times = pusher.push("lora", version["lora"], payload, RANK)
+                        times = timed_push(pusher, [proxy, *replicas[:n]], payload, version["lora"])
                     finally:
                         pusher.close()
                         proxy.stop()
                     runs.append({"mode": mode, "n": n, "repeat": rep, **times})
                     print(
                         f"repeat {rep} {mode:5s} N={n}: served {times['served_s']:.3f} s "
-                        f"(reply {times['reply_s']:.3f} s) = {times['served_s'] / link['median']:.2f} x link",
+                        f"(reply {times['reply_s']:.3f} s) = {times['served_s'] / link['median']:.2f} x link; "
+                        f"CPU s: proxy {times['proxy_cpu_s']:.2f}, replicas {times['replicas_cpu_s']:.2f}; machine {times['machine_busy']:.0%} busy",
                         flush=True,
                     )
     return summarise(args, runs, link, len(payload))
@@ -187,6 +179,8 @@ def summarise(args: argparse.Namespace, runs: list[dict], link: dict, size: int)
             "settings": mode_settings(mode, args),
             "push_s": {n: spread([r["served_s"] for r in rs]) for n, rs in per_n.items()},
             "reply_s": {n: spread([r["reply_s"] for r in rs]) for n, rs in per_n.items()},
+            "services_cpu_s": {n: statistics.median(r["services_cpu_s"] for r in rs) for n, rs in per_n.items()},
+            "machine_busy": {n: statistics.median(r["machine_busy"] for r in rs) for n, rs in per_n.items()},
             "over_link": {n: statistics.median(r["served_s"] for r in rs) / link["median"] for n, rs in per_n.items()},
         }
     out: dict = {
@@ -239,6 +233,8 @@ def main() -> None:
         cells = ", ".join(f"N={n} {s['median']:.2f}s" for n, s in row["push_s"].items())
         print(f"{mode}: {cells}; link {data['link_time_s']:.2f}s")
     name = "push_netlab_quick" if args.quick else "push_netlab"
+    if args.rate != 200:
+        name += f"_{args.rate:g}mbit"  # the acceptance's figures are at 200 Mbit/s; others beside them
     write_result(name, " ".join([".venv/bin/python bench/push_netlab.py", *sys.argv[1:]]), data)
 
 

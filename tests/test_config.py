@@ -168,7 +168,7 @@ def test_dry_run_prints_toml_that_loads_back_to_the_same_config(argv, model, tmp
 
 def test_dry_run_of_a_bad_key_exits_2_naming_it(capsys):
     assert cli.main(["proxy", "--dry-run", "--set", "routing.max_queue=-1"]) == 2
-    assert "routing.max_queue" in capsys.readouterr().out
+    assert "routing.max_queue" in capsys.readouterr().err  # errors go to stderr, as every command does
 
 
 @pytest.mark.parametrize(

@@ -171,8 +171,8 @@ class FakeLease:
 
 
 class FakeDispatcher:
-    def __init__(self, replicas):
-        self.replicas = replicas
+    def __init__(self, replicas, routing, metrics):
+        self.replicas, self.routing, self.metrics = replicas, routing, metrics
 
     async def acquire(self, need, key, work, exclude, deadline, client=None, first=True):
         members = self.replicas.members
@@ -205,10 +205,7 @@ async def run_group(replicas, max_attempts=3):
         pb.GenerateRequest(text="x", n=1, sampling=pb.SamplingParams(max_new_tokens=1)),
         "rid",
         time.monotonic() + 30,
-        FakeDispatcher(fakes),
-        fakes,
-        RoutingSection(max_attempts=max_attempts),
-        metrics,
+        FakeDispatcher(fakes, RoutingSection(max_attempts=max_attempts), metrics),
     )
     got, error = [], None
     try:

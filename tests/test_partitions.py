@@ -2,7 +2,9 @@
 
 The partition cases run on the emulated network (rollwire.netlab: each process in its own
 network namespace, links cut silently: no FIN, no RST, no ICMP), skipped with netlab's reason
-where namespaces cannot be made; the freeze case (SIGSTOP) runs on loopback everywhere. Every
+where namespaces cannot be made: a replica cut mid-stream, an interior replica of a relay
+chain cut mid-push, a client and a learner cut off from the proxy. The freeze case (SIGSTOP)
+runs on loopback everywhere. Every
 process uses a short keepalive (1 s + 1 s: a silent peer is noticed within 2 s, see
 rollwire.common.keepalive) so each case takes seconds.
 """
@@ -13,6 +15,7 @@ import json
 import os
 import signal
 import subprocess
+import threading
 import time
 from pathlib import Path
 
@@ -29,13 +32,15 @@ from rollwire.v1 import generator_pb2 as pb
 from rollwire.v1 import generator_pb2_grpc
 
 FAST = Keepalive(time_s=1.0, timeout_s=1.0)
+PUSH_DEADLINE_S = 15
+"""The proxies' `health.push_timeout_s` here."""
 KEEPALIVE_ARGS = ("--set", f"keepalive.time_s={FAST.time_s:g}", "--set", f"keepalive.timeout_s={FAST.timeout_s:g}")
 PROXY_ARGS = (
     *KEEPALIVE_ARGS,
     "--set", "health.interval_s=0.2",
     "--set", "health.timeout_s=0.5",
     "--set", "push.stall_timeout_s=1",
-    "--set", "health.push_timeout_s=15",
+    "--set", f"health.push_timeout_s={PUSH_DEADLINE_S}",
 )  # fmt: skip
 SLACK_S = 1.5
 """Scheduling slack on two shared cores, on top of the documented bound."""
@@ -64,6 +69,11 @@ def start_in(host: netlab.Host, args: list[str], workdir: Path, name: str, timeo
 def status(address: str) -> pb.GetStatusResponse:
     with grpc.insecure_channel(address) as channel:
         return generator_pb2_grpc.GeneratorServiceStub(channel).GetStatus(pb.GetStatusRequest(), timeout=5)
+
+
+def held(ip: str, name: str) -> set[int]:
+    """Versions of `name` the replica at `ip` holds, asked directly."""
+    return {v for a in status(f"{ip}:50051").adapters if a.name == name for v in a.versions}
 
 
 def newest(address: str) -> int:
@@ -188,6 +198,94 @@ def test_a_client_cut_off_from_the_proxy_fails_within_its_deadline_naming_the_pr
         finally:
             lab.outside.heal()
         assert client.generate("back: ", adapter=NAME, max_new_tokens=4, timeout=30).adapter.version == 3
+
+
+RELAY_NAME = "part-relay"
+
+
+@pytest.fixture(scope="module")
+def relay_proxy(lab, fleet, tmp_path_factory):
+    """A second proxy over r1 and r2 that relays pushes down a chain (push.fanout=1: proxy ->
+    the replica with the lowest address -> the other), on a slow link (8 Mbit/s) so a push
+    takes a second or two to stream; pushes under its own adapter name."""
+    hosts, _ = fleet
+    workdir = tmp_path_factory.mktemp("partitions-relay")
+    host = lab.add_host("pr", rate_mbit=8)
+    args = ["proxy", "--host", host.ip, "--port", "50050", "--metrics-port", "0", "--proxy-id", "pr"]
+    for name in ("r1", "r2"):
+        args += ["--generator", f"{hosts[name].ip}:50051"]
+    proxy = start_in(host, [*args, *PROXY_ARGS, "--set", "push.fanout=1"], workdir, "pr")
+    address = f"{host.ip}:50050"
+    wait_until(lambda: routable(address) == {"r1", "r2"}, 60, "the relay proxy routes to both replicas")
+    yield address, proxy
+    stop_all([proxy], timeout=5)
+
+
+def relay_children(proxy: Service, version: int) -> list[str] | None:
+    """The proxy's direct children in its relay plan of RELAY_NAME `version`, once it logged it."""
+    for line in proxy.log_path.read_text(errors="replace").splitlines():
+        if '"adapter_relay_planned"' in line and line.startswith("{"):
+            event = json.loads(line)
+            if event.get("adapter") == RELAY_NAME and event.get("version") == version:
+                return event["children"]
+    return None
+
+
+def test_an_interior_replica_cut_off_mid_push_stops_nobody_and_catches_up(fleet, relay_proxy, tiny_model):
+    """The relay proxy streams v1 down the chain; once it relays, the interior replica's link is
+    cut: the replica below it is healed from the proxy's copy and serves v1 within the push
+    deadline (`health.push_timeout_s`, 15 s here), the push succeeds; after the heal, the cut
+    replica is caught up and serves v1 too."""
+    hosts, _ = fleet
+    proxy, service = relay_proxy
+    by_ip = {h.ip: name for name, h in hosts.items()}
+    adapter = make_adapter(tiny_model, seed=97, r=64)  # 1.3 MB: ~1.4 s through the proxy's 8 Mbit/s link
+    fp = status(f"{hosts['r1'].ip}:50051").model_fingerprint
+    outcome: dict = {}
+
+    def push_it() -> None:
+        # the default keepalive: 1 s pings would queue behind the upload on the 8 Mbit/s link
+        with Client(proxy, timeout=60) as client:
+            try:
+                outcome["reply"] = client.push_adapter(
+                    RELAY_NAME, 1, adapter.payload, adapter.shape, fp, chunk_size=64 << 10
+                )
+            except RollwireError as exc:
+                outcome["error"] = exc
+        outcome["at"] = time.monotonic()
+
+    pusher = threading.Thread(target=push_it)
+    pusher.start()
+    victim = None
+    try:
+        children = wait_until(lambda: relay_children(service, 1), 30, "the relay proxy relays v1")
+        assert isinstance(children, list) and len(children) == 1, (
+            children
+        )  # a chain: the one child is the interior replica
+        victim = by_ip[children[0].rsplit(":", 1)[0]]
+        hosts[victim].cut()
+        cut_at = time.monotonic()
+        other = {"r1": "r2", "r2": "r1"}[victim]
+        pusher.join(PUSH_DEADLINE_S + SLACK_S + 5)
+        assert not pusher.is_alive(), "the push did not end"
+        assert "error" not in outcome, outcome.get("error")
+        codes = {r.replica: r.code for r in outcome["reply"].replicas}
+        assert codes[other] == "OK" and codes[victim] != "OK", codes
+        assert outcome["at"] - cut_at < PUSH_DEADLINE_S + SLACK_S
+        print(f"{victim} cut off mid-push: {other} staged and serves v1 after {outcome['at'] - cut_at:.2f}s")
+        assert 1 in held(hosts[other].ip, RELAY_NAME)
+        with Client(f"{hosts[other].ip}:50051", timeout=30) as direct:
+            result = direct.generate("relay: ", adapter=f"{RELAY_NAME}@1", max_new_tokens=4)
+            assert result.adapter is not None and result.adapter.version == 1
+    finally:
+        if victim is not None:
+            hosts[victim].heal()
+        pusher.join(60)
+    wait_until(lambda: victim in routable(proxy), 30, f"{victim} is back in the relay proxy's rotation after the heal")
+    assert 1 in held(hosts[victim].ip, RELAY_NAME)  # caught up from the relay proxy's spool
+    with Client(f"{hosts[victim].ip}:50051", timeout=30) as direct:
+        result = direct.generate("healed: ", adapter=f"{RELAY_NAME}@1", max_new_tokens=4)
+        assert result.adapter is not None and result.adapter.version == 1
 
 
 # -- freezes (loopback: no netlab needed) ----------------------------------------------------------

@@ -107,6 +107,37 @@ PANELS = [
         ],
     ),
     (
+        "Proxy",
+        "Failover by replica (retries, restarts, ejections)",
+        "short",
+        [  # each replica's series exist at 0 from the moment it is known, so rate() sees the first one
+            (f"sum by (replica) (rate(rollwire_proxy_retries_total[{W}]))", "retries/s {{replica}}"),
+            (f"sum by (replica) (rate(rollwire_proxy_restarts_total[{W}]))", "restarts/s {{replica}}"),
+            (f"sum by (replica) (increase(rollwire_proxy_ejections_total[{W}]))", "ejections {{replica}}"),
+        ],
+    ),
+    (
+        "Proxy",
+        "Versions re-sent to a replica (catch-up, heal)",
+        "short",
+        [
+            (f"sum by (replica) (increase(rollwire_proxy_catchup_pushes_total[{W}]))", "catch-up {{replica}}"),
+            (f"sum by (replica) (increase(rollwire_proxy_push_heals_total[{W}]))", "heal {{replica}}"),
+        ],
+    ),
+    (
+        "Proxy",
+        "Peer proxies: replication and peers behind",
+        "short",
+        [  # a proxy without peers has no peer series: these read 0 then
+            (
+                f"sum by (peer, code) (rate(rollwire_proxy_peer_pushes_total[{W}])) or vector(0)",
+                "sent/s {{peer}} {{code}}",
+            ),
+            ("count(rollwire_proxy_peer_synced == 0) or vector(0)", "peers behind"),
+        ],
+    ),
+    (
         "Generators",
         "Time to first token (p50, p99)",
         "s",
@@ -215,6 +246,12 @@ PANELS = [
         "Groups dropped by reason",
         "short",
         [(f"sum by (reason) (increase(rollwire_learner_groups_dropped_total[{W}])) or vector(0)", "{{reason}}")],
+    ),
+    (
+        "Learner",
+        "Groups restarted on another replica (failover)",
+        "short",
+        [(f"sum(rate(rollwire_learner_group_restarts_total[{W}])) or vector(0)", "restarts/s")],
     ),
 ]
 

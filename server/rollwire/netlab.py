@@ -49,6 +49,7 @@ from __future__ import annotations
 import argparse
 import atexit
 import contextlib
+import dataclasses
 import fcntl
 import ipaddress
 import json
@@ -344,8 +345,10 @@ def _free_subnet() -> ipaddress.IPv4Network:
 # --------------------------------------------------------------------------- the lab
 
 
-@dataclass
-class _Shape:
+@dataclass(frozen=True)
+class LinkShape:
+    """A host link's rate (Mbit/s), added delay (ms) and random loss (%), each direction."""
+
     rate_mbit: float
     delay_ms: float
     loss_pct: float
@@ -358,7 +361,8 @@ class Host:
     def __init__(self, lab: Netlab, name: str, ns: str | None, ip: str, devices: list[tuple[str | None, str]]):
         self.lab, self.name, self.ns, self.ip = lab, name, ns, ip
         self._devices = devices  # (namespace, device): the host's end (its upload), the switch's end (its download)
-        self._shape = _Shape(lab.rate_mbit, lab.delay_ms, lab.loss_pct)
+        self.link = LinkShape(lab.rate_mbit, lab.delay_ms, lab.loss_pct)
+        """The link's shape now (`shape` changes it)."""
         self._cut = False
 
     def __repr__(self) -> str:
@@ -386,14 +390,6 @@ class Host:
     # -- the link
 
     @property
-    def rate_mbit(self) -> float:
-        return self._shape.rate_mbit
-
-    @property
-    def delay_ms(self) -> float:
-        return self._shape.delay_ms
-
-    @property
     def is_cut(self) -> bool:
         return self._cut
 
@@ -403,13 +399,13 @@ class Host:
         """Change the link's rate (Mbit/s, each direction), added delay (ms, each direction) or
         random loss (%, each direction); what is not given is kept. A cut link stays cut.
         Delay and loss need sch_netem (`netem_available()`); NetlabError otherwise."""
-        new = _Shape(
-            self._shape.rate_mbit if rate_mbit is None else rate_mbit,
-            self._shape.delay_ms if delay_ms is None else delay_ms,
-            self._shape.loss_pct if loss_pct is None else loss_pct,
+        new = LinkShape(
+            self.link.rate_mbit if rate_mbit is None else rate_mbit,
+            self.link.delay_ms if delay_ms is None else delay_ms,
+            self.link.loss_pct if loss_pct is None else loss_pct,
         )
         _check_shape(new, self.lab.netem)
-        old, self._shape = self._shape, new
+        old, self.link = self.link, new
         for ns, dev in self._devices:
             if new.rate_mbit != old.rate_mbit:
                 _tc(ns, "qdisc", "change", "dev", dev, "root", "handle", "1:", *_tbf_args(new.rate_mbit))
@@ -437,16 +433,16 @@ class Host:
         """The qdisc under the token bucket: netem (delay, loss) where the kernel has it, else a
         byte FIFO as deep as QUEUE_S of the rate; a cut is 100% loss or a FIFO of 0 bytes."""
         if self.lab.netem:
-            return _netem_args(self._shape.delay_ms, 100 if cut else self._shape.loss_pct)
-        return ["bfifo", "limit", "0" if cut else str(_queue_bytes(self._shape.rate_mbit))]
+            return _netem_args(self.link.delay_ms, 100 if cut else self.link.loss_pct)
+        return ["bfifo", "limit", "0" if cut else str(_queue_bytes(self.link.rate_mbit))]
 
     def _install(self) -> None:
         for ns, dev in self._devices:
-            _tc(ns, "qdisc", "add", "dev", dev, "root", "handle", "1:", *_tbf_args(self._shape.rate_mbit))
+            _tc(ns, "qdisc", "add", "dev", dev, "root", "handle", "1:", *_tbf_args(self.link.rate_mbit))
             _tc(ns, "qdisc", "add", "dev", dev, "parent", "1:1", "handle", "10:", *self._child_args())
 
 
-def _check_shape(shape: _Shape, netem: bool = True) -> None:
+def _check_shape(shape: LinkShape, netem: bool = True) -> None:
     if not shape.rate_mbit > 0:
         raise ValueError(f"rate_mbit must be > 0, not {shape.rate_mbit}")
     if shape.delay_ms < 0:
@@ -480,7 +476,7 @@ class Netlab:
             raise NetlabError(f"netlab cannot run here: {why}")
         self.netem = netem_available()
         """Whether links emulate delay and loss (sch_netem); without it they are rate-limited only."""
-        _check_shape(_Shape(rate_mbit, delay_ms, loss_pct), self.netem)
+        _check_shape(LinkShape(rate_mbit, delay_ms, loss_pct), self.netem)
         self.rate_mbit, self.delay_ms, self.loss_pct = rate_mbit, delay_ms, loss_pct
         self.prefix = _next_prefix()
         self.switch_ns = f"{self.prefix}-sw"
@@ -526,7 +522,7 @@ class Netlab:
         self.outside = Host(
             self, "outside", None, self.outside_ip, [(None, self.outside_link), (self.switch_ns, "out")]
         )
-        self.outside._shape.rate_mbit = outside_rate_mbit
+        self.outside.link = dataclasses.replace(self.outside.link, rate_mbit=outside_rate_mbit)
         self._attach(self.outside, "out", None, self.outside_link)
 
     def _add_netns(self, ns: str) -> None:
@@ -562,12 +558,12 @@ class Netlab:
             _ip(ns, "link", "set", "lo", "up")
             _ip(ns, "addr", "add", f"{ip}/{self.subnet.prefixlen}", "dev", "eth0")
             host = Host(self, name, ns, ip, [(ns, "eth0"), (self.switch_ns, peer)])
-            host._shape = _Shape(
+            host.link = LinkShape(
                 self.rate_mbit if rate_mbit is None else rate_mbit,
                 self.delay_ms if delay_ms is None else delay_ms,
                 self.loss_pct if loss_pct is None else loss_pct,
             )
-            _check_shape(host._shape, self.netem)
+            _check_shape(host.link, self.netem)
             self._attach(host, peer, ns, "eth0")
             self.hosts[name] = host
             return host

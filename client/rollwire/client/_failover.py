@@ -116,6 +116,8 @@ class CallAttempts:
         self._round = rotation.order()
         self.index = self._round.pop(0)
         self.started = time.monotonic()
+        self.received = False
+        """A response of the current attempt has arrived."""
 
     @property
     def target(self) -> str:
@@ -124,6 +126,22 @@ class CallAttempts:
     def succeeded(self) -> None:
         """The current address answered (a response arrived): it is not down."""
         self.rotation.succeeded(self.index)
+
+    def responded(self) -> None:
+        """A response of the current attempt arrived (the first one proves its address alive)."""
+        if not self.received:
+            self.received = True
+            self.succeeded()
+
+    def retry(self, error: RollwireError, restartable: bool = False) -> tuple[float, Restarted | None]:
+        """After the current attempt failed with `error`: the seconds to wait before the next
+        one, and the `Restarted` to announce first when a stream had responses (`next`);
+        raises `final(error)` when `error` ends the call."""
+        received, self.received = self.received, False
+        delay = self.next(error, received, restartable)
+        if delay is None:
+            raise self.final(error)
+        return delay, self.restarted(error) if received else None
 
     def next(self, error: RollwireError, received: bool, restartable: bool = False) -> float | None:
         """After the current attempt failed with `error` (`received`: some response had

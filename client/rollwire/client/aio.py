@@ -9,71 +9,41 @@ one's death, with the same rules as `Client` (_failover.py).
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Mapping, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Mapping, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any
 
 import grpc
 import grpc.aio
 
+from rollwire.client._base import ClientBase, Invoke
 from rollwire.client._common import (
     MAX_CHUNK_BYTES,
-    Deadline,
     GenerateResult,
     GroupAccumulator,
     LoraShape,
     PushResult,
-    RetryPolicy,
     StreamEvent,
-    TlsConfig,
     build_generate_request,
     build_manifest,
-    call_metadata,
-    check_chunk_size,
-    check_timeout,
     events_from_pb,
-    open_channel,
-    push_requests,
     push_result_from_pb,
     read_peft_dir,
 )
-from rollwire.client._failover import CallAttempts, Rotation, parse_targets
 from rollwire.common.errors import from_rpc_error
-from rollwire.common.keepalive import DEFAULT as DEFAULT_KEEPALIVE
-from rollwire.common.keepalive import Keepalive
 from rollwire.v1 import generator_pb2 as pb
-from rollwire.v1 import generator_pb2_grpc
 
 if TYPE_CHECKING:
     from typing_extensions import Unpack
 
     from rollwire.client._common import GenerateOptions
 
-T = TypeVar("T")
 
-
-class AsyncClient:
+class AsyncClient(ClientBase):
     """asyncio rollwire client; use it as an async context manager or await close()."""
 
-    def __init__(
-        self,
-        target: str | Sequence[str],
-        *,
-        timeout: float = 60.0,
-        token: str | None = None,
-        tls: TlsConfig | bool | None = None,
-        max_attempts: int | None = None,
-        keepalive: Keepalive = DEFAULT_KEEPALIVE,
-    ) -> None:
-        """`target`: "host:port", several ("a:1,b:2" or a list), or "dns:///name:port".
-        `max_attempts`: None retries connection failures for as long as the deadline allows."""
-        self._rotation = Rotation(parse_targets(target))
-        self._tls, self._keepalive = tls, keepalive
-        self._timeout = check_timeout(timeout, 60.0)
-        self._metadata = call_metadata(token)
-        self._retry = RetryPolicy(max_attempts=max_attempts)
-        self._channels: list[grpc.aio.Channel] = []
-        self._stub_cache: list[generator_pb2_grpc.GeneratorServiceStub] = []
+    _grpc = grpc.aio
+    _open_at_init = False  # grpc.aio channels belong to the running loop: opened on first use
 
     async def generate(
         self,
@@ -122,12 +92,7 @@ class AsyncClient:
     ) -> PushResult:
         """Upload one adapter version (a PEFT safetensors payload); returns once it is served."""
         manifest = build_manifest(name, version, payload, lora_config, base_model_fingerprint)
-        check_chunk_size(chunk_size)
-
-        def invoke(stub: generator_pb2_grpc.GeneratorServiceStub, remaining: float) -> Any:
-            requests = push_requests(manifest, payload, chunk_size)  # whole again on every attempt
-            return stub.PushAdapter(requests, timeout=remaining, metadata=self._metadata)
-
+        invoke = self._push_invoke(manifest, payload, chunk_size)
         return push_result_from_pb(await self._unary(invoke, timeout))
 
     async def push_adapter_dir(
@@ -148,13 +113,10 @@ class AsyncClient:
 
     async def get_status(self, *, timeout: float | None = None) -> pb.GetStatusResponse:
         """The service's GetStatusResponse message, as sent (a report for people and tools)."""
-        return await self._unary(
-            lambda stub, remaining: stub.GetStatus(pb.GetStatusRequest(), timeout=remaining, metadata=self._metadata),
-            timeout,
-        )
+        return await self._unary(self._get_status, timeout)
 
     async def close(self) -> None:
-        channels, self._channels, self._stub_cache = self._channels, [], []
+        channels, self._channels, self._stubs = self._channels, [], []
         for channel in channels:
             await channel.close()
 
@@ -164,23 +126,13 @@ class AsyncClient:
     async def __aexit__(self, *exc_info: object) -> None:
         await self.close()
 
-    def _stub(self, index: int) -> generator_pb2_grpc.GeneratorServiceStub:
-        if not self._stub_cache:
-            self._channels = [open_channel(t, self._tls, grpc.aio, self._keepalive) for t in self._rotation.targets]
-            self._stub_cache = [generator_pb2_grpc.GeneratorServiceStub(c) for c in self._channels]
-        return self._stub_cache[index]
-
     async def _stream(self, request: pb.GenerateRequest, timeout: float | None) -> AsyncGenerator[StreamEvent, None]:
-        attempts = CallAttempts(self._rotation, self._retry, Deadline(check_timeout(timeout, self._timeout)))
+        attempts = self._attempts(timeout)
         while True:
-            stub = self._stub(attempts.index)
-            call = stub.Generate(request, timeout=attempts.deadline.remaining(), metadata=self._metadata)
-            received = False
+            call = self._generate_call(request, attempts)
             try:
                 async for message in call:
-                    if not received:
-                        received = True
-                        attempts.succeeded()
+                    attempts.responded()
                     for event in events_from_pb(message):
                         yield event
                 return
@@ -188,30 +140,23 @@ class AsyncClient:
                 error = from_rpc_error(exc)
             finally:
                 call.cancel()  # caller cancelled or stopped early: free the server's work
-            delay = attempts.next(error, received, restartable=True)
-            if delay is None:
-                raise attempts.final(error)
-            if received:
-                yield attempts.restarted(error)
+            delay, restarted = attempts.retry(error, restartable=True)
+            if restarted:
+                yield restarted
             await asyncio.sleep(delay)
 
-    async def _unary(
-        self, invoke: Callable[[generator_pb2_grpc.GeneratorServiceStub, float], Awaitable[T]], timeout: float | None
-    ) -> T:
-        attempts = CallAttempts(self._rotation, self._retry, Deadline(check_timeout(timeout, self._timeout)))
+    async def _unary(self, invoke: Invoke, timeout: float | None) -> Any:
+        attempts = self._attempts(timeout)
         while True:
-            call = invoke(self._stub(attempts.index), attempts.deadline.remaining())
+            call = invoke(self._stub_for(attempts), attempts.deadline.remaining())
             try:
                 reply = await call
             except grpc.RpcError as exc:
                 error = from_rpc_error(exc)
             except asyncio.CancelledError:
-                call.cancel()  # type: ignore[attr-defined]
+                call.cancel()
                 raise
             else:
-                attempts.succeeded()
+                attempts.responded()
                 return reply
-            delay = attempts.next(error, received=False)
-            if delay is None:
-                raise attempts.final(error)
-            await asyncio.sleep(delay)
+            await asyncio.sleep(attempts.retry(error)[0])

@@ -21,6 +21,7 @@ from typing import Any, TextIO
 
 from rollwire.client._common import (
     DEFAULT_MAX_NEW_TOKENS,
+    GenerateOptions,
     GenerateResult,
     GroupAccumulator,
     PeftAdapter,
@@ -36,6 +37,7 @@ from rollwire.client._common import (
 )
 from rollwire.client.sync import Client
 from rollwire.common.errors import RollwireError
+from rollwire.common.secrets import SecretFileError, read_secret_file
 
 COMMANDS_GROUP = "rollwire.commands"
 """Entry-point group whose `register(subparsers)` functions add the other packages' commands."""
@@ -123,12 +125,9 @@ def _read_token(path: str | None) -> str | None:
     if path is None:
         return None
     try:
-        token = Path(path).read_text().strip()
-    except OSError as exc:
-        raise UsageError(f"cannot read the token file {path}: {exc.strerror}") from None
-    if not token:
-        raise UsageError(f"the token file {path} is empty")
-    return token
+        return read_secret_file(path, "--token-file")
+    except SecretFileError as exc:
+        raise UsageError(str(exc)) from None
 
 
 def _tls(args: argparse.Namespace) -> TlsConfig | None:
@@ -200,18 +199,8 @@ def _add_generate(commands: Any) -> None:
 
 def cmd_generate(args: argparse.Namespace) -> int:
     prompt = _prompt(args.prompt, args.token_ids)
-    options: dict[str, Any] = dict(
-        max_new_tokens=args.max_new_tokens,
-        temperature=args.temperature,
-        top_p=args.top_p,
-        top_k=args.top_k,
-        stop=args.stop,
-        seed=args.seed,
-        ignore_eos=args.ignore_eos,
-        adapter=args.adapter,
-        group_key=args.group_key,
-        request_id=args.request_id,
-    )
+    # every keyword option of generate has a flag of that name (_add_generate)
+    options: dict[str, Any] = {key: getattr(args, key) for key in GenerateOptions.__annotations__}
     with client_from_args(args) as client:
         if args.json:
             print(json.dumps(result_to_json(client.generate(prompt, args.n, **options))))

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -38,9 +39,20 @@ ENV_NESTING = "__"
 
 
 class Section(BaseModel):
-    """Base for config sections: unknown keys are refused, assignment is validated."""
+    """Base for config sections: unknown keys are refused, assignment is validated.
 
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+    A field's help is the docstring under it (`use_attribute_docstrings`), the same habit as
+    the dataclasses elsewhere; it becomes the field's description, with its line breaks
+    folded, which --help, the docs and error messages read."""
+
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, use_attribute_docstrings=True)
+
+    @classmethod
+    def __pydantic_init_subclass__(cls, **kwargs: Any) -> None:
+        super().__pydantic_init_subclass__(**kwargs)
+        for info in cls.model_fields.values():
+            if info.description:
+                info.description = " ".join(info.description.split())
 
 
 class ConfigError(ValueError):
@@ -235,6 +247,40 @@ def add_config_arguments(
     for spec in specs:
         group.add_argument(spec.flag, dest=spec.dest, default=None, **_flag_kwargs(model, spec))
     parser.set_defaults(config_flags=tuple(spec.key for spec in specs))
+
+
+def add_process_command(
+    subparsers: Any,
+    name: str,
+    model: type[BaseModel],
+    flags: Sequence[Flag | str] = (),
+    *,
+    help: str,
+    description: str,
+    example: str,
+    file_help: str = "TOML file of config keys",
+) -> argparse.ArgumentParser:
+    """`rollwire NAME`, a long-running process configured by `model`: its config arguments
+    (add_config_arguments) and --ready-file; the caller adds its own and sets `func`."""
+    p = subparsers.add_parser(name, help=help, description=description)
+    add_config_arguments(p, model, flags, example=example, file_help=file_help)
+    p.add_argument("--ready-file", help="write {port, metrics_port, pid} as JSON here once serving")
+    return p
+
+
+def config_for_command(model: type[T], args: argparse.Namespace, overrides: Sequence[str] = ()) -> T | int:
+    """The config a command's arguments resolve to (flags > `overrides` and --set > env > file),
+    or the exit code when the command ends here: 2 after printing the error to stderr, 0 after
+    --dry-run printed the config as TOML."""
+    try:
+        config = load_config(model, args.config, [*overrides, *args.set], flag_values(args))
+    except ConfigError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    if args.dry_run:
+        print(dump_config(config), end="")
+        return 0
+    return config
 
 
 def flag_values(args: argparse.Namespace) -> dict[str, object]:

@@ -75,14 +75,21 @@ class Keepalive:
         """Longest time from a peer's last byte to its connection being closed."""
         return self.time_s + self.timeout_s
 
-    def channel_options(self) -> list[tuple[str, int]]:
-        """Options of a client channel (SDK, proxy to replicas and peers, relays, heartbeats)."""
+    def _ping_options(self) -> list[tuple[str, int]]:
+        """Both ends alike: ping after `time_s` without receiving anything, close the connection
+        when a ping is not answered within `timeout_s`, ping even when no call is open."""
         return [
             ("grpc.keepalive_time_ms", _ms(self.time_s)),
             ("grpc.keepalive_timeout_ms", _ms(self.timeout_s)),
             ("grpc.http2.ping_timeout_ms", _ms(self.timeout_s)),
             ("grpc.keepalive_permit_without_calls", 1),
             ("grpc.http2.max_pings_without_data", 0),
+        ]
+
+    def channel_options(self) -> list[tuple[str, int]]:
+        """Options of a client channel (SDK, proxy to replicas and peers, relays, heartbeats)."""
+        return [
+            *self._ping_options(),
             # despite its name, gRPC uses min_reconnect_backoff_ms as the connect timeout (measured)
             ("grpc.min_reconnect_backoff_ms", _ms(self.timeout_s)),
             ("grpc.initial_reconnect_backoff_ms", _ms(RECONNECT_MIN_S)),
@@ -93,11 +100,7 @@ class Keepalive:
         """Options of a server: it pings its clients like a channel does (a learner or proxy that
         vanished frees its streams and their replica work), and accepts their pings."""
         return [
-            ("grpc.keepalive_time_ms", _ms(self.time_s)),
-            ("grpc.keepalive_timeout_ms", _ms(self.timeout_s)),
-            ("grpc.http2.ping_timeout_ms", _ms(self.timeout_s)),
-            ("grpc.keepalive_permit_without_calls", 1),
-            ("grpc.http2.max_pings_without_data", 0),
+            *self._ping_options(),
             ("grpc.http2.min_ping_interval_without_data_ms", _ms(MIN_PING_INTERVAL_S)),
             ("grpc.http2.max_ping_strikes", MAX_PING_STRIKES),
         ]

@@ -14,7 +14,9 @@ Invariants:
   length and digest are checked when the stream ends, before anything may use the payload;
 - `PushReader.chunks()` hands each chunk on as the very `bytes` object received, before the
   upload ends, so a relay forwards it at once; the receiver's own copy (one buffer, and a
-  file when asked) is written by the same worker, so a host holds the payload once;
+  file when asked) is written by the same worker, so a host holds the payload once; a file
+  that cannot be written ends the upload with RESOURCE_EXHAUSTED (DISK_FULL) when its disk
+  is full, else UNAVAILABLE (STORE_FAILED) (durable.storage_error);
 - one adapter-name rule (`NAME_RE`) for the SDK, the proxy and the replica, and one set of
   manifest rules (`check_manifest`, `check_push_version`);
 - a relay plan is a flat list in which every node follows its parent, so a receiver checks
@@ -39,13 +41,13 @@ from typing import Protocol
 
 import grpc
 
+from rollwire.common.durable import storage_error
 from rollwire.common.errors import (
     DeadlineExceeded,
     FailedPrecondition,
     InvalidArgument,
     ResourceExhausted,
     RollwireError,
-    Unavailable,
     clip,
     status_detail,
     to_status,
@@ -463,7 +465,11 @@ class _Sink:
         # payload costs its size once, not twice as a list of chunks plus their join would.
         self.buffer: io.BytesIO | None = None if keep_chunks else io.BytesIO()
         self.kept: list[bytes] | None = [] if keep_chunks else None
-        self.file = store.open("wb") if store is not None else None
+        self.store = store
+        try:
+            self.file = store.open("wb") if store is not None else None
+        except OSError as exc:
+            raise self.store_error(exc) from None
         self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="push-sink")
         self.pending: list[bytes] = []
         self.pending_bytes = 0
@@ -495,13 +501,14 @@ class _Sink:
         try:
             await future
         except OSError as exc:
-            raise Unavailable(
-                f"could not store the upload ({exc.strerror or exc}); nothing was applied, retry later",
-                reason=Reason.STORE_FAILED,
-                retry_after_s=1.0,
-            ) from None
+            raise self.store_error(exc) from None
         self.inflight.popleft()
         self.inflight_bytes -= size
+
+    def store_error(self, exc: OSError) -> RollwireError:
+        """A failed write of the store: DISK_FULL when its disk is full, else STORE_FAILED."""
+        where = f"the upload's file {self.store}" if self.store is not None else "the upload's buffer"
+        return storage_error(exc, where)
 
     def _write(self, batch: list[bytes]) -> None:
         for chunk in batch:
@@ -545,11 +552,7 @@ class _Sink:
         try:
             return await asyncio.get_running_loop().run_in_executor(self.pool, self._seal, sync)
         except OSError as exc:
-            raise Unavailable(
-                f"could not store the upload ({exc.strerror or exc}); nothing was applied, retry later",
-                reason=Reason.STORE_FAILED,
-                retry_after_s=1.0,
-            ) from None
+            raise self.store_error(exc) from None
         finally:
             self.close()
 

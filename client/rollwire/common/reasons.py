@@ -109,6 +109,8 @@ class Reason(StrEnum):
     """RESOURCE_EXHAUSTED; retry: The replica takes no more pushes now; after the hint."""
     STORE_FAILED = "STORE_FAILED"
     """UNAVAILABLE; retry: The receiver could not store the upload; nothing applied."""
+    DISK_FULL = "DISK_FULL"
+    """RESOURCE_EXHAUSTED; retry when space is freed: The disk under the proxy's spool is full; nothing applied."""
 
     # -- PushAdapter: the payload ---------------------------------------------------------
     BAD_PAYLOAD = "BAD_PAYLOAD"

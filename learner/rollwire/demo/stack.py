@@ -184,6 +184,17 @@ def wait_routable(proxy: Service, replicas: Sequence[Service], timeout: float = 
         time.sleep(0.1)
 
 
+def routing(proxy: Service, replicas: Sequence[Service], timeout: float = 30) -> Service:
+    """`proxy`, once it routes to every one of `replicas`; if it does not in time, it is stopped
+    and wait_routable's TimeoutError raised."""
+    try:
+        wait_routable(proxy, replicas, timeout)
+    except BaseException:
+        proxy.stop()
+        raise
+    return proxy
+
+
 def stop_all(services: Iterable[Service], timeout: float = 20) -> None:
     """SIGTERM every one at once, then wait for each (a replica takes seconds to drain)."""
     services = list(services)

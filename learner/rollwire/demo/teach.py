@@ -38,7 +38,7 @@ TEACH_FORMAT = 1
 class TeachSpec:
     """Everything that decides the taught model; its hash is the cache key."""
 
-    model: TinyModelSpec = field(default_factory=lambda: TinyModelSpec(max_positions=64))
+    model: TinyModelSpec = field(default_factory=lambda: TinyModelSpec(max_position_embeddings=64))
     steps: int = 1000
     batch_size: int = 64
     lr: float = 2e-3

@@ -9,7 +9,7 @@ the base-model fingerprint is stable across machines with the same torch.
 from __future__ import annotations
 
 import string
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 SPECIALS = ["<pad>", "<s>", "</s>", "<unk>"]
@@ -18,13 +18,14 @@ CHARS = [c for c in string.printable if c not in "\t\r\x0b\x0c"]  # 95 printable
 
 @dataclass(frozen=True)
 class TinyModelSpec:
-    """Shape of the tiny model; the defaults train in seconds on a laptop CPU."""
+    """Shape of the tiny model, in LlamaConfig's words, and the seed of its initial weights;
+    the defaults train in seconds on a laptop CPU."""
 
     hidden_size: int = 128
-    num_layers: int = 2
-    num_heads: int = 4
+    num_hidden_layers: int = 2
+    num_attention_heads: int = 4
     intermediate_size: int = 384
-    max_positions: int = 256
+    max_position_embeddings: int = 256
     seed: int = 0
 
 
@@ -63,14 +64,11 @@ def new_tiny_model(spec: TinyModelSpec = TinyModelSpec()):
     from transformers import LlamaConfig, LlamaForCausalLM
 
     tokenizer = build_tokenizer()
+    shape = {key: value for key, value in asdict(spec).items() if key != "seed"}
     config = LlamaConfig(
+        **shape,
         vocab_size=len(tokenizer),
-        hidden_size=spec.hidden_size,
-        intermediate_size=spec.intermediate_size,
-        num_hidden_layers=spec.num_layers,
-        num_attention_heads=spec.num_heads,
-        num_key_value_heads=spec.num_heads,
-        max_position_embeddings=spec.max_positions,
+        num_key_value_heads=spec.num_attention_heads,
         pad_token_id=tokenizer.pad_token_id,  # pyright: ignore[reportArgumentType]  # ints: the tokenizer defines them
         bos_token_id=tokenizer.bos_token_id,  # pyright: ignore[reportArgumentType]  # ints: the tokenizer defines them
         eos_token_id=tokenizer.eos_token_id,  # pyright: ignore[reportArgumentType]  # ints: the tokenizer defines them

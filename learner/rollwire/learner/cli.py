@@ -29,22 +29,22 @@ def register_model(subparsers) -> None:
 
 def register(subparsers) -> None:
     """Add `rollwire learner` (imports the config model only: pydantic, no torch)."""
-    from rollwire.common.config import add_config_arguments
+    from rollwire.common.config import add_process_command
     from rollwire.learner.config import LearnerConfig
 
-    p = subparsers.add_parser(
+    p = add_process_command(
+        subparsers,
         "learner",
+        LearnerConfig,
         help="train a LoRA adapter with asynchronous GRPO",
         description="Train a LoRA adapter with GRPO on rollouts from a proxy or generator, pushing each new version.",
-    )
-    add_config_arguments(
-        p, LearnerConfig, example="train.lr=5e-4", file_help="TOML or YAML file (see rollwire.learner.config)"
+        example="train.lr=5e-4",
+        file_help="TOML or YAML file (see rollwire.learner.config)",
     )
     p.add_argument(
         "overrides", nargs="*", metavar="KEY=VALUE", help="more overrides, the same as --set (applied before --set)"
     )
     p.add_argument("--resume", action="store_true", help="continue from the newest checkpoint in run_dir, if any")
-    p.add_argument("--ready-file", help="write {port, metrics_port, pid} here once serving metrics")
     p.set_defaults(func=run_learner)
 
 
@@ -70,17 +70,12 @@ def run_model_tiny(args: argparse.Namespace) -> int:
 
 
 def run_learner(args: argparse.Namespace) -> int:
-    from rollwire.common.config import ConfigError, dump_config, load_config
+    from rollwire.common.config import config_for_command
     from rollwire.learner.config import LearnerConfig
 
-    try:
-        config = load_config(LearnerConfig, args.config, args.overrides + args.set)
-    except ConfigError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
-    if args.dry_run:
-        print(dump_config(config), end="")
-        return 0
+    config = config_for_command(LearnerConfig, args, args.overrides)
+    if isinstance(config, int):
+        return config
     import asyncio
 
     from rollwire.common.logs import setup_logging

@@ -21,49 +21,51 @@ LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", 
 class ClientSection(Section):
     """How the learner reaches the target (a proxy or one generator)."""
 
-    timeout_s: float = Field(
-        default=120.0, gt=0, description="Deadline of one Generate or PushAdapter call, in seconds."
-    )
-    max_attempts: int = Field(
-        default=0,
-        ge=0,
-        le=10_000,
-        description="Attempts of a call whose connection fails (UNAVAILABLE before any reply); 0 = as many as "
-        "timeout_s allows, so a proxy that restarts or dies (with another listed in target) is waited out.",
-    )
-    token_file: str = Field(default="", description="File holding the bearer token (admin role: the learner pushes).")
-    tls_ca_file: str = Field(default="", description="PEM roots for TLS; TLS is on when this or tls_cert_file is set.")
-    tls_cert_file: str = Field(default="", description="PEM client certificate for mutual TLS.")
-    tls_key_file: str = Field(default="", description="PEM private key of tls_cert_file.")
-    tls_server_name: str = Field(
-        default="", description="Name to check the server certificate against, if not the host."
-    )
+    timeout_s: float = Field(default=120.0, gt=0)
+    """Deadline of one Generate or PushAdapter call, in seconds."""
+    max_attempts: int = Field(default=0, ge=0, le=10_000)
+    """Attempts of a call whose connection fails (UNAVAILABLE before any reply); 0 = as many as timeout_s allows, so a
+    proxy that restarts or dies (with another listed in target) is waited out."""
+    token_file: str = Field(default="")
+    """File holding the bearer token (admin role: the learner pushes)."""
+    tls_ca_file: str = Field(default="")
+    """PEM roots for TLS; TLS is on when this or tls_cert_file is set."""
+    tls_cert_file: str = Field(default="")
+    """PEM client certificate for mutual TLS."""
+    tls_key_file: str = Field(default="")
+    """PEM private key of tls_cert_file."""
+    tls_server_name: str = Field(default="")
+    """Name to check the server certificate against, if not the host."""
 
 
 class TaskSection(Section):
     """Where prompts and their verifiable answers come from."""
 
-    kind: Literal["addition", "jsonl"] = Field(
-        default="addition", description="Built-in two-digit addition, or JSON lines."
-    )
-    train_path: str = Field(default="", description='jsonl: file of {"prompt", "answer"} objects to train on.')
-    held_out_path: str = Field(default="", description="jsonl: held-out file; empty splits train_path by prompt hash.")
-    held_out_fraction: float = Field(
-        default=0.1, gt=0, lt=1, description="Share of prompts held out when splitting by hash."
-    )
-    eval_size: int = Field(default=200, ge=0, description="Held-out prompts scored greedily at start and end; 0 = all.")
+    kind: Literal["addition", "jsonl"] = Field(default="addition")
+    """Built-in two-digit addition, or JSON lines."""
+    train_path: str = Field(default="")
+    """jsonl: file of {"prompt", "answer"} objects to train on."""
+    held_out_path: str = Field(default="")
+    """jsonl: held-out file; empty splits train_path by prompt hash."""
+    held_out_fraction: float = Field(default=0.1, gt=0, lt=1)
+    """Share of prompts held out when splitting by hash."""
+    eval_size: int = Field(default=200, ge=0)
+    """Held-out prompts scored greedily at start and end; 0 = all."""
 
 
 class RewardSpec(Section):
     """One reward function; a sample's reward is the weighted sum over all of them."""
 
-    kind: Literal["exact_match", "numeric", "regex", "python"] = Field(
-        default="exact_match", description="exact_match | numeric (first number equals the answer) | regex | python."
-    )
-    name: str = Field(default="", description="Label in metrics and logs; defaults to the kind.")
-    weight: float = Field(default=1.0, description="Multiplier of this reward in the sum.")
-    pattern: str = Field(default="", description="regex: the stripped completion must fully match this pattern.")
-    function: str = Field(default="", description="python: 'package.module:function' or 'path/to/file.py:function'.")
+    kind: Literal["exact_match", "numeric", "regex", "python"] = Field(default="exact_match")
+    """exact_match | numeric (first number equals the answer) | regex | python."""
+    name: str = Field(default="")
+    """Label in metrics and logs; defaults to the kind."""
+    weight: float = Field(default=1.0)
+    """Multiplier of this reward in the sum."""
+    pattern: str = Field(default="")
+    """regex: the stripped completion must fully match this pattern."""
+    function: str = Field(default="")
+    """python: 'package.module:function' or 'path/to/file.py:function'."""
 
     @model_validator(mode="after")
     def _needs(self) -> RewardSpec:
@@ -77,75 +79,63 @@ class RewardSpec(Section):
 class RolloutSection(Section):
     """What the producer asks the target for."""
 
-    n: int = Field(default=8, ge=2, description="Samples per group (GRPO needs at least 2 to compare).")
-    groups_in_flight: int = Field(
-        default=16,
-        ge=1,
-        description="Groups requested but not yet trained on (generating or buffered); bounds the work ahead.",
-    )
-    max_new_tokens: int = Field(default=8, ge=1, description="Completion length limit.")
-    temperature: float = Field(
-        default=1.0,
-        gt=0,
-        description="Sampling temperature; the learner divides its logits by the same value (top-k/top-p stay off).",
-    )
-    retry_backoff_s: float = Field(
-        default=0.5, ge=0, description="Pause after an UNAVAILABLE or busy target before asking again."
-    )
+    n: int = Field(default=8, ge=2)
+    """Samples per group (GRPO needs at least 2 to compare)."""
+    groups_in_flight: int = Field(default=16, ge=1)
+    """Groups requested but not yet trained on (generating or buffered); bounds the work ahead."""
+    max_new_tokens: int = Field(default=8, ge=1)
+    """Completion length limit."""
+    temperature: float = Field(default=1.0, gt=0)
+    """Sampling temperature; the learner divides its logits by the same value (top-k/top-p stay off)."""
+    retry_backoff_s: float = Field(default=0.5, ge=0)
+    """Pause after an UNAVAILABLE or busy target before asking again."""
 
 
 class BufferSection(Section):
     """Which scored groups may reach the loss."""
 
-    max_staleness: int = Field(
-        default=1,
-        ge=0,
-        description="Largest (trained version - sampling version) allowed; 0 is the synchronous mode (blocking push).",
-    )
-    keep_zero_variance: bool = Field(
-        default=False, description="Train on groups whose rewards are all equal (they carry no advantage)."
-    )
+    max_staleness: int = Field(default=1, ge=0)
+    """Largest (trained version - sampling version) allowed; 0 is the synchronous mode (blocking push)."""
+    keep_zero_variance: bool = Field(default=False)
+    """Train on groups whose rewards are all equal (they carry no advantage)."""
 
 
 class TrainSection(Section):
     """The GRPO step: LoRA, optimiser and loss."""
 
-    groups_per_step: int = Field(default=8, ge=1, description="Groups in one optimiser step.")
-    micro_batch_groups: int = Field(
-        default=0,
-        ge=0,
-        description="Groups per forward/backward; 0 = the whole step at once; fewer accumulates gradients.",
-    )
-    lr: float = Field(default=1e-3, gt=0, description="AdamW learning rate.")
-    weight_decay: float = Field(default=0.0, ge=0, description="AdamW weight decay.")
-    max_grad_norm: float = Field(default=1.0, gt=0, description="Gradients are clipped to this global norm.")
-    lora_r: int = Field(default=8, ge=1, description="LoRA rank.")
-    lora_alpha: float = Field(default=16.0, gt=0, description="LoRA alpha (scale alpha/r).")
-    target_modules: list[str] = Field(
-        default_factory=lambda: list(LORA_TARGETS), description="Linear layers that get LoRA."
-    )
-    loss: Annotated[str, LOSSES] = Field(
-        default="clipped",
-        description="Policy loss, a name registered in rollwire.learner.losses (docs/learner.md); clipped is the "
-        "clipped, truncated surrogate below.",
-    )
-    normalize_std: bool = Field(default=True, description="Divide group-relative advantages by the group's reward std.")
-    clip_low: float = Field(
-        default=0.2, ge=0, lt=1, description="Ratio below 1 - clip_low is clipped (for negative advantages)."
-    )
-    clip_high: float = Field(
-        default=0.28, ge=0, description="Ratio above 1 + clip_high is clipped (for positive advantages)."
-    )
-    ratio_cap: float = Field(
-        default=4.0,
-        gt=1,
-        description="Importance weights are truncated at this value (dual clip for negative advantages).",
-    )
-    kl_coef: float = Field(
-        default=0.0, ge=0, description="Weight of the per-token KL to the base model (adapter disabled); 0 = off."
-    )
-    threads: int = Field(default=0, ge=0, description="torch CPU threads of the learner; 0 keeps torch's default.")
-    device: str = Field(default="cpu", description="torch device, e.g. cpu or cuda:0.")
+    groups_per_step: int = Field(default=8, ge=1)
+    """Groups in one optimiser step."""
+    micro_batch_groups: int = Field(default=0, ge=0)
+    """Groups per forward/backward; 0 = the whole step at once; fewer accumulates gradients."""
+    lr: float = Field(default=1e-3, gt=0)
+    """AdamW learning rate."""
+    weight_decay: float = Field(default=0.0, ge=0)
+    """AdamW weight decay."""
+    max_grad_norm: float = Field(default=1.0, gt=0)
+    """Gradients are clipped to this global norm."""
+    lora_r: int = Field(default=8, ge=1)
+    """LoRA rank."""
+    lora_alpha: float = Field(default=16.0, gt=0)
+    """LoRA alpha (scale alpha/r)."""
+    target_modules: list[str] = Field(default_factory=lambda: list(LORA_TARGETS))
+    """Linear layers that get LoRA."""
+    loss: Annotated[str, LOSSES] = Field(default="clipped")
+    """Policy loss, a name registered in rollwire.learner.losses (docs/learner.md); clipped is the clipped, truncated
+    surrogate below."""
+    normalize_std: bool = Field(default=True)
+    """Divide group-relative advantages by the group's reward std."""
+    clip_low: float = Field(default=0.2, ge=0, lt=1)
+    """Ratio below 1 - clip_low is clipped (for negative advantages)."""
+    clip_high: float = Field(default=0.28, ge=0)
+    """Ratio above 1 + clip_high is clipped (for positive advantages)."""
+    ratio_cap: float = Field(default=4.0, gt=1)
+    """Importance weights are truncated at this value (dual clip for negative advantages)."""
+    kl_coef: float = Field(default=0.0, ge=0)
+    """Weight of the per-token KL to the base model (adapter disabled); 0 = off."""
+    threads: int = Field(default=0, ge=0)
+    """torch CPU threads of the learner; 0 keeps torch's default."""
+    device: str = Field(default="cpu")
+    """torch device, e.g. cpu or cuda:0."""
 
     @model_validator(mode="after")
     def _accumulation(self) -> TrainSection:
@@ -159,53 +149,68 @@ class TrainSection(Section):
 class EvalSection(Section):
     """Greedy held-out accuracy through the target."""
 
-    at_start: bool = Field(default=True, description="Score the starting policy before training.")
-    at_end: bool = Field(default=True, description="Score the final policy after training.")
-    every_steps: int = Field(default=0, ge=0, description="Also score every this many steps; 0 = never.")
-    concurrency: int = Field(default=32, ge=1, description="Held-out requests in flight at once.")
+    at_start: bool = Field(default=True)
+    """Score the starting policy before training."""
+    at_end: bool = Field(default=True)
+    """Score the final policy after training."""
+    every_steps: int = Field(default=0, ge=0)
+    """Also score every this many steps; 0 = never."""
+    concurrency: int = Field(default=32, ge=1)
+    """Held-out requests in flight at once."""
 
 
 class CheckpointSection(Section):
     """Checkpoints: adapter, optimiser, step, version, data cursor, RNG."""
 
-    every_steps: int = Field(
-        default=10, ge=0, description="Save every this many steps (and always at exit); 0 = only at exit."
-    )
-    keep: int = Field(default=2, ge=1, description="Newest checkpoints kept on disk.")
+    every_steps: int = Field(default=10, ge=0)
+    """Save every this many steps (and always at exit); 0 = only at exit."""
+    keep: int = Field(default=2, ge=1)
+    """Newest checkpoints kept on disk."""
 
 
 class LearnerConfig(Section):
     """The asynchronous GRPO learner."""
 
-    target: str = Field(
-        default="127.0.0.1:50050",
-        description="Address of the proxy (or of one generator) as host:port; several proxies comma-separated "
-        "(a:1,b:2) or dns:///NAME:PORT for all the addresses a name resolves to (the SDK balances over them).",
-    )
-    base_model: str = Field(default="", description="Local folder of the base model the replicas serve (same files).")
-    adapter_name: str = Field(default="policy", description="Name the adapter versions are pushed under.")
-    run_dir: str = Field(default="runs/learner", description="Folder for checkpoints, steps.jsonl and summary.json.")
-    seed: int = Field(default=0, ge=0, description="Seed of the data order and of every sampling request.")
-    max_steps: int = Field(
-        default=0, ge=0, description="Stop after this many optimiser steps in this run; 0 = no limit."
-    )
-    max_seconds: float = Field(default=0.0, ge=0, description="Stop training after this many seconds; 0 = no limit.")
-    metrics_host: str = Field(
-        default="127.0.0.1",
-        description="Address the Prometheus /metrics endpoint (plain HTTP, no auth) binds; loopback by default, "
-        "0.0.0.0 where a Prometheus on another host (or pod) scrapes it.",
-    )
-    metrics_port: int = Field(default=9402, ge=0, le=65535, description="Prometheus /metrics port; 0 picks a free one.")
-    log_level: str = Field(default="info", description="debug, info, warning or error.")
-    progress: bool = Field(default=True, description="Print a progress line per step when stdout is a terminal.")
-    client: ClientSection = Field(default_factory=ClientSection, description="Connection to the target.")
-    task: TaskSection = Field(default_factory=TaskSection, description="Prompts and answers.")
-    rewards: list[RewardSpec] = Field(default_factory=lambda: [RewardSpec()], description="Reward functions, summed.")
-    rollout: RolloutSection = Field(default_factory=RolloutSection, description="Sampling requests.")
-    buffer: BufferSection = Field(default_factory=BufferSection, description="Staleness and zero-variance rules.")
-    train: TrainSection = Field(default_factory=TrainSection, description="The GRPO step.")
-    eval: EvalSection = Field(default_factory=EvalSection, description="Held-out evaluation.")
-    checkpoint: CheckpointSection = Field(default_factory=CheckpointSection, description="Checkpointing.")
+    target: str = Field(default="127.0.0.1:50050")
+    """Address of the proxy (or of one generator) as host:port; several proxies comma-separated (a:1,b:2) or
+    dns:///NAME:PORT for all the addresses a name resolves to (the SDK balances over them)."""
+    base_model: str = Field(default="")
+    """Local folder of the base model the replicas serve (same files)."""
+    adapter_name: str = Field(default="policy")
+    """Name the adapter versions are pushed under."""
+    run_dir: str = Field(default="runs/learner")
+    """Folder for checkpoints, steps.jsonl and summary.json."""
+    seed: int = Field(default=0, ge=0)
+    """Seed of the data order and of every sampling request."""
+    max_steps: int = Field(default=0, ge=0)
+    """Stop after this many optimiser steps in this run; 0 = no limit."""
+    max_seconds: float = Field(default=0.0, ge=0)
+    """Stop training after this many seconds; 0 = no limit."""
+    metrics_host: str = Field(default="127.0.0.1")
+    """Address the Prometheus /metrics endpoint (plain HTTP, no auth) binds; loopback by default, 0.0.0.0 where a
+    Prometheus on another host (or pod) scrapes it."""
+    metrics_port: int = Field(default=9402, ge=0, le=65535)
+    """Prometheus /metrics port; 0 picks a free one."""
+    log_level: str = Field(default="info")
+    """debug, info, warning or error."""
+    progress: bool = Field(default=True)
+    """Print a progress line per step when stdout is a terminal."""
+    client: ClientSection = Field(default_factory=ClientSection)
+    """Connection to the target."""
+    task: TaskSection = Field(default_factory=TaskSection)
+    """Prompts and answers."""
+    rewards: list[RewardSpec] = Field(default_factory=lambda: [RewardSpec()])
+    """Reward functions, summed."""
+    rollout: RolloutSection = Field(default_factory=RolloutSection)
+    """Sampling requests."""
+    buffer: BufferSection = Field(default_factory=BufferSection)
+    """Staleness and zero-variance rules."""
+    train: TrainSection = Field(default_factory=TrainSection)
+    """The GRPO step."""
+    eval: EvalSection = Field(default_factory=EvalSection)
+    """Held-out evaluation."""
+    checkpoint: CheckpointSection = Field(default_factory=CheckpointSection)
+    """Checkpointing."""
 
     @model_validator(mode="after")
     def _consistent(self) -> LearnerConfig:

@@ -7,8 +7,9 @@ accumulate over the run.
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+from prometheus_client import CollectorRegistry, start_http_server
 
+from rollwire.common.metrics import MetricFactory
 from rollwire.learner.publisher import PushRecord
 from rollwire.learner.trainer import StepStats
 
@@ -34,65 +35,40 @@ class LearnerMetrics:
     """Every metric the learner exports."""
 
     def __init__(self, registry: CollectorRegistry | None = None) -> None:
-        r = self.registry = registry or CollectorRegistry()
-        p = "rollwire_learner_"
-        self.steps = Counter(p + "steps_total", "Optimiser steps taken.", registry=r)
-        self.policy_version = Gauge(
-            p + "policy_version", "Adapter version of the trainer's current weights.", registry=r
-        )
-        self.served_version = Gauge(
-            p + "served_version", "Newest adapter version the target confirmed serving.", registry=r
-        )
-        self.reward_mean = Gauge(p + "reward_mean", "Mean reward of the last step's samples.", registry=r)
-        self.reward_std = Gauge(p + "reward_std", "Reward standard deviation of the last step's samples.", registry=r)
-        self.accuracy = Gauge(
-            p + "accuracy", "Share of the last step's samples the task's verifier accepts.", registry=r
-        )
-        self.eval_accuracy = Gauge(
-            p + "eval_accuracy", "Greedy accuracy on the held-out prompts, last scored.", registry=r
-        )
-        self.staleness = Histogram(
-            p + "staleness",
+        self.registry = registry or CollectorRegistry()
+        m = MetricFactory("rollwire_learner_", self.registry)
+        self.steps = m.counter("steps_total", "Optimiser steps taken.")
+        self.policy_version = m.gauge("policy_version", "Adapter version of the trainer's current weights.")
+        self.served_version = m.gauge("served_version", "Newest adapter version the target confirmed serving.")
+        self.reward_mean = m.gauge("reward_mean", "Mean reward of the last step's samples.")
+        self.reward_std = m.gauge("reward_std", "Reward standard deviation of the last step's samples.")
+        self.accuracy = m.gauge("accuracy", "Share of the last step's samples the task's verifier accepts.")
+        self.eval_accuracy = m.gauge("eval_accuracy", "Greedy accuracy on the held-out prompts, last scored.")
+        self.staleness = m.histogram(
+            "staleness",
             "Versions between a trained group's oldest token and the weights it trained.",
             buckets=STALENESS,
-            registry=r,
         )
-        self.ratio = Gauge(
-            p + "importance_ratio", "Importance ratio pi/mu over the last step's tokens.", ["stat"], registry=r
+        self.ratio = m.gauge("importance_ratio", "Importance ratio pi/mu over the last step's tokens.", ["stat"])
+        self.clip_fraction = m.gauge("clip_fraction", "Share of the last step's tokens the PPO clip zeroed.")
+        self.truncated_fraction = m.gauge(
+            "truncated_fraction", "Share of the last step's tokens whose importance weight hit ratio_cap."
         )
-        self.clip_fraction = Gauge(
-            p + "clip_fraction", "Share of the last step's tokens the PPO clip zeroed.", registry=r
+        self.kl = m.gauge("kl", "Mean per-token KL to the base model (k3) in the last step.")
+        self.loss = m.gauge("loss", "Loss of the last step.")
+        self.grad_norm = m.gauge("grad_norm", "Gradient norm before clipping, last step.")
+        self.phase = m.histogram("step_phase_seconds", "Time per step phase.", ["phase"], buckets=SECONDS)
+        self.tokens = m.counter("tokens_total", "Completion tokens trained on.")
+        self.tokens_per_second = m.gauge("tokens_per_second", "Completion tokens trained per second of the last step.")
+        self.groups = m.counter("groups_total", "Groups by outcome (requested, trained).", ["outcome"])
+        self.dropped = m.counter("groups_dropped_total", "Groups dropped, by reason.", ["reason"])
+        self.pending = m.gauge("groups_pending", "Groups requested and not yet trained, by state.", ["state"])
+        self.restarts = m.counter("group_restarts_total", "Groups the proxy restarted on another replica.")
+        self.reward_errors = m.counter("reward_errors_total", "Reward functions that raised, by reward.", ["reward"])
+        self.pushes = m.counter(
+            "pushes_total", "Adapter pushes by outcome (ok, superseded, retried, failed).", ["outcome"]
         )
-        self.truncated_fraction = Gauge(
-            p + "truncated_fraction",
-            "Share of the last step's tokens whose importance weight hit ratio_cap.",
-            registry=r,
-        )
-        self.kl = Gauge(p + "kl", "Mean per-token KL to the base model (k3) in the last step.", registry=r)
-        self.loss = Gauge(p + "loss", "Loss of the last step.", registry=r)
-        self.grad_norm = Gauge(p + "grad_norm", "Gradient norm before clipping, last step.", registry=r)
-        self.phase = Histogram(p + "step_phase_seconds", "Time per step phase.", ["phase"], buckets=SECONDS, registry=r)
-        self.tokens = Counter(p + "tokens_total", "Completion tokens trained on.", registry=r)
-        self.tokens_per_second = Gauge(
-            p + "tokens_per_second", "Completion tokens trained per second of the last step.", registry=r
-        )
-        self.groups = Counter(p + "groups_total", "Groups by outcome (requested, trained).", ["outcome"], registry=r)
-        self.dropped = Counter(p + "groups_dropped_total", "Groups dropped, by reason.", ["reason"], registry=r)
-        self.pending = Gauge(
-            p + "groups_pending", "Groups requested and not yet trained, by state.", ["state"], registry=r
-        )
-        self.restarts = Counter(
-            p + "group_restarts_total", "Groups the proxy restarted on another replica.", registry=r
-        )
-        self.reward_errors = Counter(
-            p + "reward_errors_total", "Reward functions that raised, by reward.", ["reward"], registry=r
-        )
-        self.pushes = Counter(
-            p + "pushes_total", "Adapter pushes by outcome (ok, superseded, retried, failed).", ["outcome"], registry=r
-        )
-        self.push_seconds = Histogram(
-            p + "push_seconds", "From push start to the version being served.", buckets=SECONDS, registry=r
-        )
+        self.push_seconds = m.histogram("push_seconds", "From push start to the version being served.", buckets=SECONDS)
         # counters a dashboard rates exist at 0 from the start (Prometheus' advice): rate() then
         # sees the first drop or failed push instead of a series that appears at 1
         for outcome in GROUP_OUTCOMES:

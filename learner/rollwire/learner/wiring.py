@@ -19,6 +19,7 @@ from rollwire.client import AsyncClient
 from rollwire.client._common import TlsConfig
 from rollwire.common.fingerprint import model_fingerprint
 from rollwire.common.logs import get_logger
+from rollwire.common.secrets import SecretFileError, read_secret_file
 from rollwire.learner import checkpoint
 from rollwire.learner.admission import may_request
 from rollwire.learner.buffer import Buffer, GroupLedger, ScoredGroup
@@ -55,7 +56,10 @@ def load_task(cfg: LearnerConfig):
 
 def make_client(cfg: LearnerConfig) -> AsyncClient:
     c = cfg.client
-    token = Path(c.token_file).read_text().strip() if c.token_file else None
+    try:
+        token = read_secret_file(c.token_file, "client.token_file") if c.token_file else None
+    except SecretFileError as exc:
+        raise LearnerError(str(exc)) from None
     tls = None
     if c.tls_ca_file or c.tls_cert_file:
         tls = TlsConfig.from_files(

@@ -14,7 +14,7 @@ from rollwire.generator.engines import ENGINES
 from rollwire.generator.engines.base import Engine
 from rollwire.generator.metrics import GeneratorMetrics
 from rollwire.generator.servicer import GeneratorServicer
-from rollwire.serving.scaffold import Endpoint, listen, serve_until_signal
+from rollwire.serving.scaffold import Running, listen, serve
 from rollwire.v1 import generator_pb2, generator_pb2_grpc
 
 log = get_logger(__name__)
@@ -27,22 +27,12 @@ def make_engine(config: GeneratorConfig, metrics: GeneratorMetrics) -> Engine:
 
 
 @dataclass
-class RunningGenerator:
+class RunningGenerator(Running):
     """A started replica: its endpoint and the servicer tests may inspect."""
 
-    endpoint: Endpoint
     servicer: GeneratorServicer
 
-    @property
-    def port(self) -> int:
-        return self.endpoint.port
-
-    @property
-    def metrics_port(self) -> int:
-        return self.endpoint.metrics_port
-
-    async def stop(self, grace: float) -> None:
-        await self.endpoint.stop(grace)
+    async def close(self) -> None:
         await self.servicer.close()
         await self.servicer.engine.close()
 
@@ -63,16 +53,7 @@ async def start_generator(config: GeneratorConfig) -> RunningGenerator:
     registry = AdapterRegistry(
         engine.load_adapter, engine.unload_adapter, config.adapter_window, config.limits.stage_timeout_s
     )
-    endpoint = listen(
-        "generator",
-        config.host,
-        config.port,
-        config.auth,
-        config.tls,
-        config.metrics_port,
-        metrics.registry,
-        config.keepalive.keepalive(),
-    )
+    endpoint = listen("generator", config, metrics.registry)
     replica = config.replica_id or f"{config.host}:{endpoint.port}"
     servicer = GeneratorServicer(
         config,
@@ -104,17 +85,11 @@ async def run_generator(config: GeneratorConfig, ready_file: str | None = None, 
     that proxy with heartbeats, and on shutdown has the proxy drain it before it stops.
     """
     running = await start_generator(config)
-    heartbeat = None
-    if registration is not None:
-        from rollwire.generator.registration import Heartbeat
+    if registration is None:
+        await serve("generator", running, config, ready_file)
+        return
+    from rollwire.generator.registration import Heartbeat
 
-        heartbeat = Heartbeat(registration, registration.address or f"{config.host}:{running.port}")
-        heartbeat.start()
-
-    async def on_stop() -> None:
-        log.info("generator_stopping", grace_seconds=config.grace_seconds)
-        if heartbeat is not None:
-            await heartbeat.leave(config.grace_seconds)
-        await running.stop(config.grace_seconds)
-
-    await serve_until_signal(ready_file, {"port": running.port, "metrics_port": running.metrics_port}, on_stop)
+    heartbeat = Heartbeat(registration, registration.address or f"{config.host}:{running.port}")
+    heartbeat.start()
+    await serve("generator", running, config, ready_file, lambda: heartbeat.leave(config.grace_seconds))

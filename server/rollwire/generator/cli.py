@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import argparse
 
-from rollwire.common.config import Flag, add_config_arguments
+from rollwire.common.config import Flag, add_process_command
 
 FLAGS = (
     Flag("model", metavar="DIR"),
@@ -33,36 +33,28 @@ def register(subparsers) -> None:
     """Add `rollwire generator` (imports the config model only: pydantic, no torch)."""
     from rollwire.generator.config import GeneratorConfig
 
-    p = subparsers.add_parser(
+    p = add_process_command(
+        subparsers,
         "generator",
+        GeneratorConfig,
+        FLAGS,
         help="run a generator replica",
         description="Serve GeneratorService from a local Hugging Face model folder.",
+        example="limits.max_n=16",
     )
-    add_config_arguments(p, GeneratorConfig, FLAGS, example="limits.max_n=16")
-    p.add_argument("--ready-file", help="write {port, metrics_port, pid} as JSON here once serving")
     p.set_defaults(func=run_generator_command)
 
 
 def run_generator_command(args: argparse.Namespace) -> int:
-    from rollwire.common.config import ConfigError, dump_config, flag_values, load_config
     from rollwire.generator.config import GeneratorConfig
+    from rollwire.serving.scaffold import run_server_command
 
-    try:
-        config = load_config(GeneratorConfig, args.config, args.set, flag_values(args))
-    except ConfigError as exc:
-        print(f"error: {exc}")
-        return 2
-    if args.dry_run:
-        print(dump_config(config), end="")
-        return 0
-    import asyncio
+    async def serve(config: GeneratorConfig) -> None:
+        from rollwire.generator.app import run_generator  # torch: only once the config is good
 
-    from rollwire.common.logs import setup_logging
-    from rollwire.generator.app import run_generator
+        await run_generator(config, args.ready_file, _registration(config))
 
-    setup_logging("generator", config.log_level)
-    asyncio.run(run_generator(config, args.ready_file, _registration(config)))
-    return 0
+    return run_server_command(args, GeneratorConfig, "generator", serve)
 
 
 def _registration(config):

@@ -41,6 +41,7 @@ from rollwire.generator.types import (
     coalesce,
 )
 from rollwire.serving import __version__
+from rollwire.serving.dial import Dialer
 from rollwire.serving.forward import ChannelPool, Forwarder
 from rollwire.v1 import generator_pb2 as pb
 from rollwire.v1 import generator_pb2_grpc
@@ -69,10 +70,8 @@ class GeneratorServicer(generator_pb2_grpc.GeneratorServiceServicer):
         self.config, self.engine, self.registry, self.metrics = config, engine, registry, metrics
         self.fingerprint, self.base_shapes, self.replica = fingerprint, base_shapes, replica
         self.in_flight = 0
-        relay = config.relay  # channels to relay children; a TLS file that cannot be read fails at start
-        self._channels = ChannelPool.from_files(
-            relay.tls, relay.ca_file, relay.cert_file, relay.key_file, relay.server_name, config.keepalive.keepalive()
-        )
+        # channels to relay children; a TLS file that cannot be read fails at start
+        self._channels = ChannelPool(Dialer.from_config(config.relay, "relay", config.keepalive.keepalive()))
 
     # -- Generate ----------------------------------------------------------------------
     async def Generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext):

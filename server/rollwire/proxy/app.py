@@ -27,8 +27,8 @@ from rollwire.proxy.policies import make_policy
 from rollwire.proxy.replicas import SERVICE, ReplicaSet
 from rollwire.proxy.servicer import ProxyServicer
 from rollwire.proxy.spool import Spool
-from rollwire.proxy.upstream import Upstream
-from rollwire.serving.scaffold import Endpoint, listen, serve_until_signal
+from rollwire.proxy.upstream import upstream_dialer
+from rollwire.serving.scaffold import Endpoint, Running, listen, serve
 from rollwire.v1 import admin_pb2, admin_pb2_grpc, generator_pb2_grpc
 
 log = get_logger(__name__)
@@ -36,10 +36,9 @@ ADMIN_SERVICE = admin_pb2.DESCRIPTOR.services_by_name["AdminService"].full_name
 
 
 @dataclass
-class RunningProxy:
+class RunningProxy(Running):
     """A started proxy: its endpoint and the pieces tests may inspect."""
 
-    endpoint: Endpoint
     servicer: ProxyServicer
     replicas: ReplicaSet
     spool_dir: Path
@@ -47,16 +46,7 @@ class RunningProxy:
     peers: Peers | None = None
     tasks: list[asyncio.Task] = field(default_factory=list)
 
-    @property
-    def port(self) -> int:
-        return self.endpoint.port
-
-    @property
-    def metrics_port(self) -> int:
-        return self.endpoint.metrics_port
-
-    async def stop(self, grace: float) -> None:
-        await self.endpoint.stop(grace)
+    async def close(self) -> None:
         for task in self.tasks:
             task.cancel()
         if self.peers is not None:
@@ -71,9 +61,7 @@ async def start_proxy(config: ProxyConfig) -> RunningProxy:
     routing = config.routing
     metrics = ProxyMetrics(config.policy)
     keepalive = config.keepalive.keepalive()
-    endpoint = listen(
-        "proxy", config.host, config.port, config.auth, config.tls, config.metrics_port, metrics.registry, keepalive
-    )
+    endpoint = listen("proxy", config, metrics.registry)
     owns_spool = not config.spool.dir
     spool_dir = Path(config.spool.dir or tempfile.mkdtemp(prefix="rollwire-spool-"))
     spool_dir.mkdir(parents=True, exist_ok=True)
@@ -89,26 +77,16 @@ async def start_proxy(config: ProxyConfig) -> RunningProxy:
         if dispatcher is not None:
             dispatcher.wake()
 
-    upstream = Upstream.from_config(config.upstream, keepalive)
+    upstream = upstream_dialer(config.upstream, keepalive)
     replicas = ReplicaSet(config, spool, metrics, on_change, upstream)
     policy = make_policy(
         config.policy, affinity_load_factor=routing.affinity_load_factor, affinity_min_gap=routing.affinity_min_gap
     )
     dispatcher = Dispatcher(replicas, policy, routing, metrics, config.fairness)
     proxy_id = config.proxy_id or f"proxy@{config.host}:{endpoint.port}"
-    peers = Peers(
-        config.peers,
-        config.peering,
-        spool=spool,
-        replicas=replicas,
-        metrics=metrics,
-        proxy_id=proxy_id,
-        upstream=upstream,
-        check_timeout_s=config.health.timeout_s,
-        idle_s=config.spool.upload_idle_timeout_s,
-    )
+    peers = Peers(config, proxy_id, spool, replicas, upstream)
     fanout = FanOut(spool, replicas, config, metrics, peers)
-    servicer = ProxyServicer(config, replicas, dispatcher, spool, fanout, metrics, proxy_id, peers)
+    servicer = ProxyServicer(config, dispatcher, fanout, proxy_id)
     generator_pb2_grpc.add_GeneratorServiceServicer_to_server(servicer, endpoint.server)
     admin_pb2_grpc.add_AdminServiceServicer_to_server(AdminServicer(replicas), endpoint.server)
     await endpoint.start([SERVICE, ADMIN_SERVICE], config.host, config.tls)
@@ -123,17 +101,9 @@ async def start_proxy(config: ProxyConfig) -> RunningProxy:
             config.discover, config.discover_interval_s, lambda found: replicas.reconcile("dns", found)
         )
         running.tasks.append(asyncio.create_task(discovery.run()))
-    log.info(
-        "proxy_ready",
-        proxy=proxy_id,
-        port=endpoint.port,
-        metrics_port=endpoint.metrics_port,
-        policy=config.policy,
-        generators=config.generators,
-        discover=config.discover,
-        peers=config.peers,
-        spool=str(spool_dir),
-    )
+    sources = {"generators": config.generators, "discover": config.discover, "peers": config.peers}
+    log.info("proxy_ready", proxy=proxy_id, port=endpoint.port, metrics_port=endpoint.metrics_port, **sources)
+    log.info("proxy_settings", policy=config.policy, fanout=config.push.fanout, spool=str(spool_dir))
     return running
 
 
@@ -154,10 +124,4 @@ class _ServingFlag:
 
 async def run_proxy(config: ProxyConfig, ready_file: str | None = None) -> None:
     """Serve until SIGINT/SIGTERM, then stop taking work and let in-flight groups finish."""
-    running = await start_proxy(config)
-
-    async def on_stop() -> None:
-        log.info("proxy_stopping", grace_seconds=config.grace_seconds)
-        await running.stop(config.grace_seconds)
-
-    await serve_until_signal(ready_file, {"port": running.port, "metrics_port": running.metrics_port}, on_stop)
+    await serve("proxy", await start_proxy(config), config, ready_file)

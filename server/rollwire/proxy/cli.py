@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import argparse
 
-from rollwire.common.config import Flag, add_config_arguments
+from rollwire.common.config import Flag, add_process_command
 
 FLAGS = (
     Flag("host"),
@@ -28,33 +28,25 @@ def register(subparsers) -> None:
     """Add `rollwire proxy` (imports the config model only: pydantic and grpc, no torch)."""
     from rollwire.proxy.config import ProxyConfig
 
-    p = subparsers.add_parser(
+    p = add_process_command(
+        subparsers,
         "proxy",
+        ProxyConfig,
+        FLAGS,
         help="run the routing proxy in front of generator replicas",
         description="Serve GeneratorService and AdminService for many generator replicas behind one address.",
+        example="routing.max_in_flight_per_replica=16",
     )
-    add_config_arguments(p, ProxyConfig, FLAGS, example="routing.max_in_flight_per_replica=16")
-    p.add_argument("--ready-file", help="write {port, metrics_port, pid} as JSON here once serving")
     p.set_defaults(func=run_proxy_command)
 
 
 def run_proxy_command(args: argparse.Namespace) -> int:
-    from rollwire.common.config import ConfigError, dump_config, flag_values, load_config
     from rollwire.proxy.config import ProxyConfig
+    from rollwire.serving.scaffold import run_server_command
 
-    try:
-        config = load_config(ProxyConfig, args.config, args.set, flag_values(args))
-    except ConfigError as exc:
-        print(f"error: {exc}")
-        return 2
-    if args.dry_run:
-        print(dump_config(config), end="")
-        return 0
-    import asyncio
+    async def serve(config: ProxyConfig) -> None:
+        from rollwire.proxy.app import run_proxy
 
-    from rollwire.common.logs import setup_logging
-    from rollwire.proxy.app import run_proxy
+        await run_proxy(config, args.ready_file)
 
-    setup_logging("proxy", config.log_level)
-    asyncio.run(run_proxy(config, args.ready_file))
-    return 0
+    return run_server_command(args, ProxyConfig, "proxy", serve)

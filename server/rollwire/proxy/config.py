@@ -11,8 +11,7 @@ from rollwire.common.config import Section
 from rollwire.proxy.peers import PeeringSection
 from rollwire.proxy.policies import POLICIES
 from rollwire.proxy.upstream import UpstreamSection
-from rollwire.serving.keepalive import KeepaliveSection
-from rollwire.serving.security import AuthSection, TlsSection
+from rollwire.serving.config import ForwardSection, PushLimits, ServerConfig, port_field, push_idle_field
 
 MiB = 1 << 20
 ADDRESS_RE = re.compile(r"^(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9_.-]+):[0-9]{1,5}$")
@@ -28,97 +27,60 @@ def check_address(address: str) -> str:
 class RoutingSection(Section):
     """How requests are placed on replicas, retried and queued."""
 
-    max_in_flight_per_replica: int = Field(
-        default=32, ge=1, description="Groups the proxy runs on one replica at once; more wait in the proxy's queue."
-    )
-    max_queue: int = Field(
-        default=1024,
-        ge=0,
-        description="Requests that may wait for a replica slot; beyond it RESOURCE_EXHAUSTED with a retry hint.",
-    )
-    max_attempts: int = Field(
-        default=3, ge=1, description="Attempts per group, the first included; then UNAVAILABLE naming what failed."
-    )
-    request_timeout_s: float = Field(
-        default=600.0,
-        gt=0,
-        description="Deadline of a request whose client set none (or a longer one), so nothing hangs.",
-    )
-    no_replica_wait_s: float = Field(
-        default=10.0, ge=0, description="How long a request waits for some replica able to serve it before UNAVAILABLE."
-    )
-    retry_after_s: float = Field(
-        default=1.0, ge=0, description="Retry hint sent with RESOURCE_EXHAUSTED and UNAVAILABLE."
-    )
-    affinity_prefix: int = Field(
-        default=64,
-        ge=1,
-        description="Leading prompt tokens (characters of a text prompt) hashed when no group_key is given.",
-    )
-    affinity_load_factor: float = Field(
-        default=1.25,
-        ge=1.0,
-        description="Affinity spills to the least-loaded replica when its choice runs over this x the average...",
-    )
-    affinity_min_gap: int = Field(
-        default=4, ge=0, description="...and at least this many groups more than the least-loaded replica."
-    )
+    max_in_flight_per_replica: int = Field(default=32, ge=1)
+    """Groups the proxy runs on one replica at once; more wait in the proxy's queue."""
+    max_queue: int = Field(default=1024, ge=0)
+    """Requests that may wait for a replica slot; beyond it RESOURCE_EXHAUSTED with a retry hint."""
+    max_attempts: int = Field(default=3, ge=1)
+    """Attempts per group, the first included; then UNAVAILABLE naming what failed."""
+    request_timeout_s: float = Field(default=600.0, gt=0)
+    """Deadline of a request whose client set none (or a longer one), so nothing hangs."""
+    no_replica_wait_s: float = Field(default=10.0, ge=0)
+    """How long a request waits for some replica able to serve it before UNAVAILABLE."""
+    retry_after_s: float = Field(default=1.0, ge=0)
+    """Retry hint sent with RESOURCE_EXHAUSTED and UNAVAILABLE."""
+    affinity_prefix: int = Field(default=64, ge=1)
+    """Leading prompt tokens (characters of a text prompt) hashed when no group_key is given."""
+    affinity_load_factor: float = Field(default=1.25, ge=1.0)
+    """Affinity spills to the least-loaded replica when its choice runs over this x the average..."""
+    affinity_min_gap: int = Field(default=4, ge=0)
+    """...and at least this many groups more than the least-loaded replica."""
 
 
 class HealthSection(Section):
     """Active health checks, ejection (circuit breaking) and recovery."""
 
-    interval_s: float = Field(default=1.0, gt=0, description="Seconds between gRPC health checks of each replica.")
-    timeout_s: float = Field(default=2.0, gt=0, description="Deadline of one health check or GetStatus call.")
-    unhealthy_after: int = Field(
-        default=2, ge=1, description="Consecutive failed health checks that take a replica out of rotation."
-    )
-    status_every_s: float = Field(
-        default=5.0,
-        gt=0,
-        description="Seconds between GetStatus refreshes of what each replica holds (finds lost versions).",
-    )
-    eject_after_failures: int = Field(
-        default=3, ge=1, description="Consecutive failed attempts on one replica that open its circuit (eject it)."
-    )
-    eject_s: float = Field(
-        default=2.0, gt=0, description="First ejection; doubles on each consecutive ejection up to eject_max_s."
-    )
-    eject_max_s: float = Field(default=30.0, gt=0, description="Longest ejection.")
-    push_timeout_s: float = Field(
-        default=120.0, gt=0, description="Deadline of one adapter push to one replica (fan-out or catch-up)."
-    )
+    interval_s: float = Field(default=1.0, gt=0)
+    """Seconds between gRPC health checks of each replica."""
+    timeout_s: float = Field(default=2.0, gt=0)
+    """Deadline of one health check or GetStatus call."""
+    unhealthy_after: int = Field(default=2, ge=1)
+    """Consecutive failed health checks that take a replica out of rotation."""
+    status_every_s: float = Field(default=5.0, gt=0)
+    """Seconds between GetStatus refreshes of what each replica holds (finds lost versions)."""
+    eject_after_failures: int = Field(default=3, ge=1)
+    """Consecutive failed attempts on one replica that open its circuit (eject it)."""
+    eject_s: float = Field(default=2.0, gt=0)
+    """First ejection; doubles on each consecutive ejection up to eject_max_s."""
+    eject_max_s: float = Field(default=30.0, gt=0)
+    """Longest ejection."""
+    push_timeout_s: float = Field(default=120.0, gt=0)
+    """Deadline of one adapter push to one replica (fan-out or catch-up)."""
 
 
-class SpoolSection(Section):
+class SpoolSection(PushLimits):
     """The on-disk adapter spool: what new and returning replicas are caught up from."""
 
-    dir: str = Field(
-        default="",
-        description="Folder of spooled adapters, reloaded at start; empty = a private folder removed at exit.",
-    )
-    max_bytes: int = Field(
-        default=4096 * MiB, ge=1, description="Bytes the spool may hold; older versions are evicted first."
-    )
-    keep_versions: int = Field(
-        default=3,
-        ge=1,
-        description="Newest versions of each adapter kept for catch-up (set it to the replicas' adapter_window).",
-    )
-    max_adapter_bytes: int = Field(default=1024 * MiB, ge=1, description="Largest adapter payload the proxy accepts.")
-    upload_idle_timeout_s: float = Field(
-        default=30.0,
-        gt=0,
-        description="A push that sends no message for this long is cancelled with DEADLINE_EXCEEDED.",
-    )
-    max_version_step: int = Field(
-        default=1_000_000,
-        ge=1,
-        description="A pushed version may be at most this far above the newest of its name (0 for a new name).",
-    )
+    dir: str = Field(default="")
+    """Folder of spooled adapters, reloaded at start; empty = a private folder removed at exit."""
+    max_bytes: int = Field(default=4096 * MiB, ge=1)
+    """Bytes the spool may hold; older versions are evicted first."""
+    keep_versions: int = Field(default=3, ge=1)
+    """Newest versions of each adapter kept for catch-up (set it to the replicas' adapter_window)."""
+    upload_idle_timeout_s: float = push_idle_field()
 
 
-class PushSection(Section):
+class PushSection(ForwardSection):
     """How the proxy broadcasts a pushed adapter: a relay tree of replicas, stage then commit.
 
     Each replica of the tree forwards every chunk to its children while it receives it, so
@@ -128,30 +90,13 @@ class PushSection(Section):
     below the payload's chunk count, a wider tree beyond it. "auto" picks k per push from
     that model; 0 is a star (the proxy sends every replica its copy itself)."""
 
-    fanout: int | Literal["auto"] = Field(
-        default="auto",
-        description='Children per node of the relay tree: 1 = a chain, 0 = a star, "auto" = the k that minimises '
-        "k x (chunks + depth - 1) for this push.",
-    )
-    max_fanout: int = Field(default=16, ge=1, le=1024, description='Largest fan-out "auto" may pick.')
-    queue_chunks: int = Field(
-        default=8, ge=1, description="Chunks queued per child stream before the proxy waits for it."
-    )
-    stall_timeout_s: float = Field(
-        default=3.0,
-        gt=0,
-        description="A child that takes no chunk for this long is cut off; its subtree gets the bytes again from "
-        "the proxy (healing), within health.push_timeout_s.",
-    )
-    settle_timeout_s: float = Field(
-        default=10.0,
-        gt=0,
-        description="Per level of its subtree (plus one): how long after the last chunk a child may take to verify, "
-        "stage and answer before it is cut off and healed (a replica's relay.settle_timeout_s should not exceed it).",
-    )
-    commit_timeout_s: float = Field(
-        default=10.0, gt=0, description="Deadline of one CommitAdapter call to one replica."
-    )
+    fanout: int | Literal["auto"] = Field(default="auto")
+    """Children per node of the relay tree: 1 = a chain, 0 = a star, "auto" = the k that minimises k x (chunks + depth
+    - 1) for this push."""
+    max_fanout: int = Field(default=16, ge=1, le=1024)
+    """Largest fan-out "auto" may pick."""
+    commit_timeout_s: float = Field(default=10.0, gt=0)
+    """Deadline of one CommitAdapter call to one replica."""
 
     @field_validator("fanout")
     @classmethod
@@ -167,62 +112,43 @@ class FairnessSection(Section):
     A client is the bearer token's identity where auth is on (a hash of the token, never the
     token), the peer's host otherwise (every client behind one NAT or on one host is one client)."""
 
-    max_in_flight_per_client: int = Field(
-        default=256,
-        ge=1,
-        description="Generate requests one client may have open at the proxy (queued or running); beyond it "
-        "RESOURCE_EXHAUSTED, reason CLIENT_LIMIT, with a retry hint, before any work.",
-    )
-    max_queued_tokens_per_client: int = Field(
-        default=1 << 20,
-        ge=1,
-        description="Work one client may have waiting in the proxy's queue, as the sum of n x max_new_tokens of its "
-        "queued requests; a request that would go over it is refused like max_in_flight_per_client (a client's "
-        "first queued request is always accepted, however large).",
-    )
-    slow_reader_timeout_s: float = Field(
-        default=30.0,
-        gt=0,
-        description="A response message the client has not taken for this long (its flow-control window stays "
-        "full) ends the request with RESOURCE_EXHAUSTED, reason SLOW_READER, and frees its replica slot.",
-    )
+    max_in_flight_per_client: int = Field(default=256, ge=1)
+    """Generate requests one client may have open at the proxy (queued or running); beyond it RESOURCE_EXHAUSTED,
+    reason CLIENT_LIMIT, with a retry hint, before any work."""
+    max_queued_tokens_per_client: int = Field(default=1 << 20, ge=1)
+    """Work one client may have waiting in the proxy's queue, as the sum of n x max_new_tokens of its queued requests;
+    a request that would go over it is refused like max_in_flight_per_client (a client's first queued request is
+    always accepted, however large)."""
+    slow_reader_timeout_s: float = Field(default=30.0, gt=0)
+    """A response message the client has not taken for this long (its flow-control window stays full) ends the request
+    with RESOURCE_EXHAUSTED, reason SLOW_READER, and frees its replica slot."""
 
 
-class ProxyConfig(Section):
+class ProxyConfig(ServerConfig):
     """One routing proxy: where it listens, which replicas it routes to, and how."""
 
-    host: str = Field(
-        default="127.0.0.1", description="Address the gRPC server binds; 0.0.0.0 to accept remote clients."
-    )
-    port: int = Field(default=50050, ge=0, le=65535, description="gRPC port; 0 picks a free one.")
-    metrics_port: int = Field(default=9401, ge=0, le=65535, description="Prometheus /metrics port; 0 picks a free one.")
-    proxy_id: str = Field(default="", description="Name in logs and status; defaults to proxy@host:port.")
-    policy: Annotated[str, POLICIES] = Field(
-        default="least-loaded",
-        description="Routing policy, a name registered in rollwire.proxy.policies: least-loaded (power of two "
-        "choices), round-robin, or affinity (consistent hash).",
-    )
-    generators: list[str] = Field(default_factory=list, description="Static replicas, HOST:PORT each.")
-    discover: str = Field(
-        default="", description="dns:///NAME:PORT re-resolved periodically (e.g. a Kubernetes headless service)."
-    )
-    discover_interval_s: float = Field(default=10.0, gt=0, description="Seconds between DNS resolutions.")
-    log_level: str = Field(default="info", description="debug, info, warning or error.")
-    grace_seconds: float = Field(default=10.0, ge=0, description="On shutdown, how long in-flight requests may finish.")
+    port: int = port_field(50050, "gRPC")
+    metrics_port: int = port_field(9401, "Prometheus /metrics")
+    proxy_id: str = Field(default="")
+    """Name in logs and status; defaults to proxy@host:port."""
+    policy: Annotated[str, POLICIES] = Field(default="least-loaded")
+    """Routing policy, a name registered in rollwire.proxy.policies: least-loaded (power of two choices), round-robin,
+    or affinity (consistent hash)."""
+    generators: list[str] = Field(default_factory=list)
+    """Static replicas, HOST:PORT each."""
+    discover: str = Field(default="")
+    """dns:///NAME:PORT re-resolved periodically (e.g. a Kubernetes headless service)."""
+    discover_interval_s: float = Field(default=10.0, gt=0)
+    """Seconds between DNS resolutions."""
     routing: RoutingSection = Field(default_factory=RoutingSection)
     health: HealthSection = Field(default_factory=HealthSection)
     spool: SpoolSection = Field(default_factory=SpoolSection)
     fairness: FairnessSection = Field(default_factory=FairnessSection)
     push: PushSection = Field(default_factory=PushSection)
-    auth: AuthSection = Field(default_factory=AuthSection)
-    tls: TlsSection = Field(default_factory=TlsSection)
     upstream: UpstreamSection = Field(default_factory=UpstreamSection)
-    keepalive: KeepaliveSection = Field(default_factory=KeepaliveSection)
-    peers: list[str] = Field(
-        default_factory=list,
-        description="Other proxies serving the same replicas, HOST:PORT or dns:///NAME:PORT: each pushed version "
-        "is in their spools before the push returns (peers.py); this proxy itself may be listed.",
-    )
+    peers: list[str] = Field(default_factory=list)
+    """Other proxies serving the same replicas, HOST:PORT or dns:///NAME:PORT: each pushed version is in their spools
+    before the push returns (peers.py); this proxy itself may be listed."""
     peering: PeeringSection = Field(default_factory=PeeringSection)
 
     @field_validator("generators")

@@ -29,9 +29,7 @@ from rollwire.common.errors import DeadlineExceeded, Unavailable, from_rpc_error
 from rollwire.common.logs import REQUEST_ID_KEY, get_logger
 from rollwire.common.reasons import Reason
 from rollwire.proxy import faults
-from rollwire.proxy.config import RoutingSection
 from rollwire.proxy.dispatch import Client, Dispatcher, Lease, Need
-from rollwire.proxy.metrics import ProxyMetrics
 from rollwire.proxy.policies import routing_key
 from rollwire.proxy.relay import Relay
 from rollwire.proxy.replica import Attempt, Replica
@@ -76,21 +74,20 @@ class GroupRun:
         request_id: str,
         deadline: float,
         dispatcher: Dispatcher,
-        replicas: ReplicaSet,
-        routing: RoutingSection,
-        metrics: ProxyMetrics,
         client: Client | None = None,
     ) -> None:
+        """Runs `request` on the dispatcher's replicas, under its routing settings and metrics."""
         self.request, self.request_id, self.deadline, self.client = request, request_id, deadline, client
-        self.dispatcher, self.replicas, self.routing, self.metrics = dispatcher, replicas, routing, metrics
+        self.dispatcher, self.replicas = dispatcher, dispatcher.replicas
+        self.routing, self.metrics = dispatcher.routing, dispatcher.metrics
         request.request_id = request_id
-        self.need = resolve(request, replicas)
+        self.need = resolve(request, self.replicas)
         kind = request.WhichOneof("prompt")
         self.key = routing_key(
             request.group_key,
             request.text if kind == "text" else None,
             request.token_ids.ids if kind == "token_ids" else None,
-            routing.affinity_prefix,
+            self.routing.affinity_prefix,
         )
         self.work = max(1, request.n) * max(1, request.sampling.max_new_tokens)
         self.suspects: list[AttemptFailed] = []

@@ -279,7 +279,7 @@ class FanOut:
             children,
             pub.manifest,
             stage_only=True,
-            stub_for=lambda address: pub.targets[address].generator,
+            stub_for=lambda address: pub.targets[address].bulk,
             metadata=metadata,
             deadline=pub.deadline,
             queue_chunks=self.config.push.queue_chunks,

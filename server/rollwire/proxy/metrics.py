@@ -9,9 +9,12 @@ in advance (codes, limits, each replica as it joins, each peer).
 
 from __future__ import annotations
 
-import grpc
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from collections.abc import Sequence
 
+import grpc
+from prometheus_client import CollectorRegistry, Histogram
+
+from rollwire.common.metrics import MetricFactory
 from rollwire.common.retries import CLIENT_CAUSED
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
@@ -38,17 +41,13 @@ PEER_CODES = ("OK", "DEADLINE_EXCEEDED", "FAILED_PRECONDITION", "UNAVAILABLE")
 
 class ProxyMetrics:
     def __init__(self, policy: str, registry: CollectorRegistry | None = None) -> None:
-        r = self.registry = registry or CollectorRegistry()
+        self.registry = registry or CollectorRegistry()
         self.policy = policy
+        make = MetricFactory(PREFIX, self.registry)
+        counter, gauge = make.counter, make.gauge
 
-        def counter(name, text, labels=()):
-            return Counter(PREFIX + name, text, list(labels), registry=r)
-
-        def gauge(name, text, labels=()):
-            return Gauge(PREFIX + name, text, list(labels), registry=r)
-
-        def histogram(name, text, labels=()):
-            return Histogram(PREFIX + name, text, list(labels), buckets=LATENCY_BUCKETS, registry=r)
+        def histogram(name: str, text: str, labels: Sequence[str] = ()) -> Histogram:
+            return make.histogram(name, text, labels, buckets=LATENCY_BUCKETS)
 
         self.requests = counter(
             "requests_total", "Generate requests by routing policy and final gRPC code.", ["policy", "code"]

@@ -39,7 +39,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import dataclasses
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
@@ -56,14 +55,15 @@ from rollwire.common.logs import REQUEST_ID_KEY, get_logger, new_request_id
 from rollwire.common.push import PushReader
 from rollwire.common.reasons import Reason
 from rollwire.common.retries import VERSION_TAKEN, push_refused_for_good
+from rollwire.serving.dial import on_each_drop
 from rollwire.v1 import generator_pb2 as pb
 from rollwire.v1 import generator_pb2_grpc
 
 if TYPE_CHECKING:
-    from rollwire.proxy.metrics import ProxyMetrics
+    from rollwire.proxy.config import ProxyConfig
     from rollwire.proxy.replicas import ReplicaSet
     from rollwire.proxy.spool import Spool, SpooledAdapter
-    from rollwire.proxy.upstream import Upstream
+    from rollwire.serving.dial import Dialer
 
 log = get_logger(__name__)
 PEER_KEY = "x-rollwire-peer"
@@ -75,26 +75,20 @@ REFRESH_EVERY_S = 0.05
 class PeeringSection(Section):
     """How this proxy keeps its peer proxies' spools in step with its own (`peers` lists them)."""
 
-    timeout_s: float = Field(
-        default=30.0, gt=0, description="Deadline of sending one adapter version to one peer proxy; a peer over it is "
-        "marked behind (the push still succeeds) and caught up when it answers again.",
-    )  # fmt: skip
-    interval_s: float = Field(
-        default=1.0, gt=0, description="Seconds between health checks of each peer; a peer found answering after a failure "
-        "(or a dropped connection) is sent every spooled version it may lack.",
-    )  # fmt: skip
-    hold_s: float = Field(
-        default=5.0, ge=0, description="After a peer sent a version, requests for the latest version of its name wait up "
-        "to this long for a replica here to serve it, so versions never go backwards for a client that switches "
-        "proxies; 0 = do not wait.",
-    )  # fmt: skip
-    token_file: str = Field(
-        default="", description="Bearer token sent to peer proxies (admin role there); empty = upstream.token_file."
-    )
-    server_name: str = Field(
-        default="", description="Name to check peer proxies' certificates against; empty = upstream.server_name. Peers are "
-        "dialled with the upstream section's TLS settings otherwise.",
-    )  # fmt: skip
+    timeout_s: float = Field(default=30.0, gt=0)
+    """Deadline of sending one adapter version to one peer proxy; a peer over it is marked behind (the push still
+    succeeds) and caught up when it answers again."""
+    interval_s: float = Field(default=1.0, gt=0)
+    """Seconds between health checks of each peer; a peer found answering after a failure (or a dropped connection) is
+    sent every spooled version it may lack."""
+    hold_s: float = Field(default=5.0, ge=0)
+    """After a peer sent a version, requests for the latest version of its name wait up to this long for a replica here
+    to serve it, so versions never go backwards for a client that switches proxies; 0 = do not wait."""
+    token_file: str = Field(default="")
+    """Bearer token sent to peer proxies (admin role there); empty = upstream.token_file."""
+    server_name: str = Field(default="")
+    """Name to check peer proxies' certificates against; empty = upstream.server_name. Peers are dialled with the
+    upstream section's TLS settings otherwise."""
 
 
 def check_peer(entry: str) -> str:
@@ -114,6 +108,8 @@ class _Peer:
     channel: grpc.aio.Channel
     stub: generator_pb2_grpc.GeneratorServiceStub
     health: health_pb2_grpc.HealthStub
+    bulk_channel: grpc.aio.Channel
+    """Pushes to the peer, on a connection of their own (Dialer.channel)."""
     synced: bool = False
     """Known to hold every version this proxy spools: pushes are sent to it."""
     is_self: bool = False
@@ -128,31 +124,16 @@ class Peers:
     """This proxy's peer proxies: sending published versions, receiving theirs."""
 
     def __init__(
-        self,
-        entries: list[str],
-        section: PeeringSection,
-        *,
-        spool: Spool,
-        replicas: ReplicaSet,
-        metrics: ProxyMetrics,
-        proxy_id: str,
-        upstream: Upstream,
-        check_timeout_s: float,
-        idle_s: float,
+        self, config: ProxyConfig, proxy_id: str, spool: Spool, replicas: ReplicaSet, upstream: Dialer
     ) -> None:
-        self.entries, self.section = [check_peer(e) for e in entries], section
-        self.spool, self.replicas, self.metrics, self.proxy_id = spool, replicas, metrics, proxy_id
-        if section.server_name:
-            options = [o for o in upstream.options if o[0] != "grpc.ssl_target_name_override"]
-            upstream = dataclasses.replace(
-                upstream, options=[*options, ("grpc.ssl_target_name_override", section.server_name)]
-            )
-        self.upstream, self.check_timeout_s, self.idle_s = upstream, check_timeout_s, idle_s
-        self.metadata = upstream.metadata
-        if section.token_file:
-            from rollwire.serving.security import read_tokens
-
-            self.metadata = (("authorization", f"Bearer {sorted(read_tokens(section.token_file))[0]}"),)
+        """Peers are `config.peers`, dialled like the replicas (`upstream`) but for the
+        peering section's token and certificate name; a peer's health check has the
+        replicas' deadline, and a push it sends the same idle deadline as any other."""
+        self.entries, self.section = [check_peer(e) for e in config.peers], config.peering
+        self.spool, self.replicas, self.metrics, self.proxy_id = spool, replicas, replicas.metrics, proxy_id
+        self.dialer = upstream.overridden(self.section.server_name, self.section.token_file)
+        self.metadata = self.dialer.metadata
+        self.check_timeout_s, self.idle_s = config.health.timeout_s, config.spool.upload_idle_timeout_s
         self.peers: dict[str, _Peer] = {}
         self._from_dns: dict[str, set[str]] = {}
         self._tasks: list[asyncio.Task] = []
@@ -186,13 +167,15 @@ class Peers:
     def _add(self, address: str) -> None:
         if address in self.peers:
             return
-        channel = self.upstream.channel(address)
-        peer = _Peer(
-            address, channel, generator_pb2_grpc.GeneratorServiceStub(channel), health_pb2_grpc.HealthStub(channel)
-        )
+        channel, bulk = self.dialer.channel(address), self.dialer.channel(address, bulk=True)
+        stub, health = generator_pb2_grpc.GeneratorServiceStub(channel), health_pb2_grpc.HealthStub(channel)
+        peer = _Peer(address, channel, stub, health, bulk)
         self.peers[address] = peer
         self.metrics.know_peer(address)
-        peer.tasks = [asyncio.create_task(self._monitor(peer)), asyncio.create_task(self._watch(peer))]
+        peer.tasks = [
+            asyncio.create_task(self._monitor(peer)),
+            asyncio.create_task(on_each_drop(channel, lambda: self._behind(peer, "its connection dropped"))),
+        ]
         log.info("peer_added", peer=address)
 
     def _drop(self, peer: _Peer) -> None:
@@ -202,7 +185,7 @@ class Peers:
             if task is not current:
                 task.cancel()
         peer.dropped = True
-        self._tasks.append(asyncio.create_task(peer.channel.close(grace=None)))
+        self._tasks += [asyncio.create_task(c.close(grace=None)) for c in (peer.channel, peer.bulk_channel)]
         for metric in (self.metrics.peer_pushes, self.metrics.peer_synced):
             for labels in list(metric._metrics):  # prometheus_client keeps children by label tuple
                 if labels and labels[0] == peer.address:
@@ -220,6 +203,7 @@ class Peers:
         for peer in self.peers.values():
             if not peer.dropped:
                 await peer.channel.close(grace=None)
+                await peer.bulk_channel.close(grace=None)
 
     # -- sending --------------------------------------------------------------------------
     async def share(self, adapter: SpooledAdapter, request_id: str = "") -> None:
@@ -236,14 +220,9 @@ class Peers:
         request_id = request_id or new_request_id()
         started = time.monotonic()
         sent = await asyncio.gather(*(self._share_one(p, adapter, payload, request_id) for p in peers))
-        log.info(
-            "adapter_shared_with_peers",
-            adapter=adapter.name,
-            version=adapter.version,
-            peers=len(peers),
-            delivered=sum(sent),
-            seconds=round(time.monotonic() - started, 4),
-        )
+        seconds = round(time.monotonic() - started, 4)
+        said = log.bind(adapter=adapter.name, version=adapter.version)
+        said.info("adapter_shared_with_peers", peers=len(peers), delivered=sum(sent), seconds=seconds)
 
     async def _share_one(self, peer: _Peer, adapter: SpooledAdapter, payload: bytes, request_id: str) -> bool:
         async with peer.lock:
@@ -259,7 +238,7 @@ class Peers:
         these bytes for good: then nothing is to be gained by sending them again)."""
         metadata = ((PEER_KEY, self.proxy_id), (REQUEST_ID_KEY, request_id), *self.metadata)
         try:
-            await peer.stub.PushAdapter(
+            await generator_pb2_grpc.GeneratorServiceStub(peer.bulk_channel).PushAdapter(
                 protocol.messages(adapter.manifest, payload), timeout=self.section.timeout_s, metadata=metadata
             )
             code, reason, message = grpc.StatusCode.OK, "", ""
@@ -267,28 +246,15 @@ class Peers:
             err = from_rpc_error(exc)
             code, reason, message = exc.code(), err.reason, err.message
         self.metrics.peer_pushes.labels(peer.address, code.name).inc()
+        said = log.bind(peer=peer.address, adapter=adapter.name, version=adapter.version)
         if code == grpc.StatusCode.OK or reason in VERSION_TAKEN:
             if reason == Reason.VERSION_CONFLICT:
-                log.error("peer_version_conflict", peer=peer.address, adapter=adapter.name, version=adapter.version)
+                said.error("peer_version_conflict")
             return True
         if push_refused_for_good(code, reason):
-            log.error(
-                "peer_refused_version",
-                peer=peer.address,
-                adapter=adapter.name,
-                version=adapter.version,
-                code=code.name,
-                error=message,
-            )
+            said.error("peer_refused_version", code=code.name, error=message)
             return True
-        log.warning(
-            "peer_send_failed",
-            peer=peer.address,
-            adapter=adapter.name,
-            version=adapter.version,
-            code=code.name,
-            error=message,
-        )
+        said.warning("peer_send_failed", code=code.name, error=message)
         return False
 
     def _behind(self, peer: _Peer, why: str) -> None:
@@ -310,8 +276,12 @@ class Peers:
                 return
             else:
                 self._behind(peer, "it does not answer health checks")
+                peer.wake.clear()  # _behind wakes the monitor; this is the monitor: wait the interval, do not spin
+            # asyncio.timeout, not wait_for: on Python 3.11 wait_for swallows a cancellation that
+            # comes as the wait ends (a peer dropping as this proxy stops), and close() then hangs
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(peer.wake.wait(), self.section.interval_s)
+                async with asyncio.timeout(self.section.interval_s):
+                    await peer.wake.wait()
 
     async def _answers(self, peer: _Peer) -> bool:
         """A health check; before a catch-up, also who it is (GetStatus), to skip this proxy."""
@@ -327,17 +297,6 @@ class Peers:
         except grpc.aio.AioRpcError:
             return False
         return True
-
-    async def _watch(self, peer: _Peer) -> None:
-        """A dropped connection may come back to a restarted peer that lost its spool."""
-        ready = grpc.ChannelConnectivity.READY
-        state = peer.channel.get_state(try_to_connect=True)
-        while True:
-            await peer.channel.wait_for_state_change(state)
-            new = peer.channel.get_state()
-            if state == ready and new != ready:
-                self._behind(peer, "its connection dropped")
-            state = new
 
     def _spooled(self) -> list[SpooledAdapter]:
         return [a for name in self.spool.names() for a in self.spool.versions(name)]

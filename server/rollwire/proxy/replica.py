@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import time
 from dataclasses import dataclass
+from typing import Any
 
 import grpc
 from grpc_health.v1 import health_pb2_grpc
@@ -25,7 +26,7 @@ from rollwire.common.logs import REQUEST_ID_KEY
 from rollwire.proxy.breaker import Breaker
 from rollwire.proxy.policies import Candidate
 from rollwire.proxy.spool import SpooledAdapter
-from rollwire.proxy.upstream import Upstream
+from rollwire.serving.dial import Dialer
 from rollwire.v1 import generator_pb2 as pb
 from rollwire.v1 import generator_pb2_grpc
 
@@ -76,7 +77,7 @@ class Attempt:
 
 class Replica:
     def __init__(
-        self, address: str, source: str, breaker: Breaker, upstream: Upstream, expires_at: float | None = None
+        self, address: str, source: str, breaker: Breaker, upstream: Dialer, expires_at: float | None = None
     ) -> None:
         self.address, self.source, self.breaker, self.expires_at = address, source, breaker, expires_at
         self.channel = upstream.channel(address)
@@ -84,6 +85,10 @@ class Replica:
         """Sent on every call to the replica: the proxy's own bearer token, if any."""
         self.generator = generator_pb2_grpc.GeneratorServiceStub(self.channel)
         self.health = health_pb2_grpc.HealthStub(self.channel)
+        self.bulk_channel = upstream.channel(address, bulk=True)
+        self.bulk = generator_pb2_grpc.GeneratorServiceStub(self.bulk_channel)
+        """PushAdapter streams go on their own connection (Dialer.channel), never ahead of a
+        health check or a rollout; the connection opens with the first push."""
         self.identity = self.fingerprint = self.engine = ""
         self.limits: pb.Limits | None = None
         self.healthy = self.synced = self.draining = False
@@ -151,22 +156,19 @@ class Replica:
 
     async def push(self, adapter: SpooledAdapter, payload: bytes, timeout: float, request_id: str) -> PushResult:
         """Upload one spooled version; the caller holds `push_lock`."""
-        try:
-            metadata = ((REQUEST_ID_KEY, request_id), *self.metadata)
-            messages = protocol.messages(adapter.manifest, payload)
-            reply = await self.generator.PushAdapter(messages, timeout=timeout, metadata=metadata)
-        except grpc.aio.AioRpcError as exc:
-            err = from_rpc_error(exc)
-            return PushResult(self, exc.code(), err.message, err.reason, error=exc)
-        self.versions[reply.name] = list(reply.loaded_versions)
-        return PushResult(self, grpc.StatusCode.OK, reply=reply)
+        messages = protocol.messages(adapter.manifest, payload)
+        return await self._adapter_call(self.bulk.PushAdapter, messages, timeout, request_id)
 
     async def commit(self, manifest: pb.AdapterManifest, timeout: float, request_id: str) -> PushResult:
         """Serve a version this replica staged (CommitAdapter with the version's digest)."""
         request = pb.CommitAdapterRequest(name=manifest.name, version=manifest.version, sha256=manifest.sha256)
+        return await self._adapter_call(self.generator.CommitAdapter, request, timeout, request_id)
+
+    async def _adapter_call(self, rpc: Any, request: Any, timeout: float, request_id: str) -> PushResult:
+        """PushAdapter or CommitAdapter: the reply's loaded versions are what this replica holds now."""
         try:
             metadata = ((REQUEST_ID_KEY, request_id), *self.metadata)
-            reply = await self.generator.CommitAdapter(request, timeout=timeout, metadata=metadata)
+            reply = await rpc(request, timeout=timeout, metadata=metadata)
         except grpc.aio.AioRpcError as exc:
             err = from_rpc_error(exc)
             return PushResult(self, exc.code(), err.message, err.reason, error=exc)

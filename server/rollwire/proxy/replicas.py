@@ -40,7 +40,7 @@ from rollwire.proxy.config import ProxyConfig
 from rollwire.proxy.metrics import ProxyMetrics
 from rollwire.proxy.replica import Replica
 from rollwire.proxy.spool import Spool
-from rollwire.proxy.upstream import Upstream
+from rollwire.serving.dial import Dialer, on_each_drop
 from rollwire.v1 import generator_pb2 as pb
 
 log = get_logger(__name__)
@@ -54,10 +54,10 @@ class ReplicaSet:
         spool: Spool,
         metrics: ProxyMetrics,
         on_change: Callable[[], None],
-        upstream: Upstream | None = None,
+        upstream: Dialer | None = None,
     ) -> None:
         self.config, self.spool, self.metrics, self.on_change = config, spool, metrics, on_change
-        self.upstream = upstream or Upstream()
+        self.upstream = upstream or Dialer()
         self.members: dict[str, Replica] = {}
         self._background: set[asyncio.Task] = set()
         self.fingerprint = ""  # the base model every member must serve, set by the first to sync
@@ -80,7 +80,10 @@ class ReplicaSet:
         replica = Replica(address, source, breaker, self.upstream, expires)
         self.members[address] = replica
         self.metrics.know_replica(address)
-        replica.tasks = [asyncio.create_task(self._monitor(replica)), asyncio.create_task(self._watch_channel(replica))]
+        replica.tasks = [
+            asyncio.create_task(self._monitor(replica)),
+            asyncio.create_task(on_each_drop(replica.channel, lambda: self._dropped(replica))),
+        ]
         self.metrics.replicas.set(len(self.members))
         log.info("replica_added", replica=address, source=source, ttl_s=ttl_s)
         self._publish(replica)
@@ -96,6 +99,7 @@ class ReplicaSet:
             task.cancel()
         await asyncio.gather(*replica.tasks, return_exceptions=True)
         await replica.channel.close(grace=None)
+        await replica.bulk_channel.close(grace=None)
         self._forget_refusals(address)
         self.metrics.forget_replica(address)
         self.metrics.replicas.set(len(self.members))
@@ -247,8 +251,9 @@ class ReplicaSet:
                 if not replica.healthy:
                     replica.detail = why
             self._publish(replica)
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(replica.wake.wait(), hc.interval_s)
+            with contextlib.suppress(TimeoutError):  # not wait_for: see Peers._monitor
+                async with asyncio.timeout(hc.interval_s):
+                    await replica.wake.wait()
 
     async def _check(self, replica: Replica) -> tuple[bool, bool, str]:
         """(serving, answered, why not). A replica shutting down answers NOT_SERVING while
@@ -265,18 +270,9 @@ class ReplicaSet:
             return False, True, "health check reports NOT_SERVING (starting or shutting down)"
         return True, True, ""
 
-    async def _watch_channel(self, replica: Replica) -> None:
-        """A connection that drops may come back to a restarted process that lost its
-        adapters, so the replica must be checked and caught up before it serves again."""
-        ready = grpc.ChannelConnectivity.READY
-        state = replica.channel.get_state(try_to_connect=True)
-        while True:
-            await replica.channel.wait_for_state_change(state)
-            new = replica.channel.get_state()
-            if state == ready and new != ready:
-                self._forget_refusals(replica.address)  # a restarted replica may accept what it refused
-                self.mark_unsynced(replica, "its connection dropped; checking it again")
-            state = new
+    def _dropped(self, replica: Replica) -> None:
+        self._forget_refusals(replica.address)  # a restarted replica may accept what it refused
+        self.mark_unsynced(replica, "its connection dropped; checking it again")
 
     async def sync(self, replica: Replica) -> None:
         """Refresh what the replica holds, push what it lacks; routable once it holds it all."""

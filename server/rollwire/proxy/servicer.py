@@ -22,11 +22,8 @@ from rollwire.proxy.config import ProxyConfig
 from rollwire.proxy.dispatch import Dispatcher, client_name
 from rollwire.proxy.failover import GroupRun
 from rollwire.proxy.fanout import FanOut
-from rollwire.proxy.metrics import ProxyMetrics
 from rollwire.proxy.peers import Peers
 from rollwire.proxy.relay import Relay
-from rollwire.proxy.replicas import ReplicaSet
-from rollwire.proxy.spool import Spool
 from rollwire.serving import __version__
 from rollwire.v1 import generator_pb2 as pb
 from rollwire.v1 import generator_pb2_grpc
@@ -39,16 +36,19 @@ class ProxyServicer(generator_pb2_grpc.GeneratorServiceServicer):
     def __init__(
         self,
         config: ProxyConfig,
-        replicas: ReplicaSet,
         dispatcher: Dispatcher,
-        spool: Spool,
         fanout: FanOut,
-        metrics: ProxyMetrics,
         proxy_id: str,
-        peers: Peers | None = None,
     ) -> None:
-        self.config, self.replicas, self.dispatcher, self.spool = config, replicas, dispatcher, spool
-        self.fanout, self.metrics, self.proxy_id, self.peers = fanout, metrics, proxy_id, peers
+        """Generate goes through `dispatcher`, pushes through `fanout` (whose spool, replicas,
+        metrics and peers this servicer also answers from)."""
+        self.config, self.dispatcher, self.fanout, self.proxy_id = config, dispatcher, fanout, proxy_id
+        self.replicas, self.spool, self.metrics, self.peers = (
+            fanout.replicas,
+            fanout.spool,
+            fanout.metrics,
+            fanout.peers,
+        )
 
     async def Generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext) -> None:
         """Admitted under the client's limits (dispatch.py), run by failover.py; messages are
@@ -68,16 +68,7 @@ class ProxyServicer(generator_pb2_grpc.GeneratorServiceServicer):
             await self.peers.settled(request.adapter.name, timeout)  # a version a peer proxy is committing now
         try:
             with self.dispatcher.admit(name) as client:  # exits (frees the client's slot) before any abort below
-                run = GroupRun(
-                    request,
-                    rid,
-                    start + timeout,
-                    self.dispatcher,
-                    self.replicas,
-                    self.config.routing,
-                    self.metrics,
-                    client,
-                )
+                run = GroupRun(request, rid, start + timeout, self.dispatcher, client)
                 async with contextlib.aclosing(run.events()) as events:  # closing it releases the lease  # pyright: ignore[reportArgumentType]  # the library's annotation is narrower than what it accepts
                     async for message in events:
                         await self._write(context, message, name)

@@ -15,6 +15,11 @@ Invariants:
 - at most `keep_versions` per name and `max_bytes` in all, counting the bytes of uploads in
   flight (reserved at the manifest, released on every exit); the newest version of a name
   is never evicted to make room for another name's version;
+- a full disk refuses a push, never the proxy: a version the disk has no room for (its free
+  space less the uploads in flight) is refused at its manifest, and a write that still fails
+  for want of space (another process filled the disk) ends that push; both with
+  RESOURCE_EXHAUSTED (DISK_FULL) naming the spool's folder, its partial file removed and
+  every spooled version kept. Start, reload and quarantine never fail for a full disk;
 - a version every replica refuses is moved to `.quarantine/` (never retried, never deleted
   silently: an operator can look at it), see replicas.py.
 """
@@ -22,6 +27,7 @@ Invariants:
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import shutil
 import time
@@ -32,8 +38,8 @@ from pathlib import Path
 
 from google.protobuf import json_format
 
-from rollwire.common.durable import fsync_dir, write_atomic
-from rollwire.common.errors import InvalidArgument, ResourceExhausted, Unavailable
+from rollwire.common.durable import fsync_dir, storage_error, write_atomic
+from rollwire.common.errors import InvalidArgument, ResourceExhausted, RollwireError, Unavailable
 from rollwire.common.logs import get_logger
 from rollwire.common.push import (
     DEFAULT_MAX_VERSION_STEP,
@@ -48,6 +54,10 @@ from rollwire.v1 import generator_pb2 as pb
 
 log = get_logger(__name__)
 DEFAULT_IDLE_S = 30.0
+DISK_SLACK = 64 << 10
+"""Room a version needs on disk beyond its payload: its manifest, and file systems' rounding
+of both files up to whole blocks."""
+ROOM_FIX = ", or set spool.max_bytes below the room that disk has for the spool (older versions are evicted first)"
 
 
 @dataclass(frozen=True)
@@ -119,7 +129,10 @@ class Spool:
         """Bytes of uploads in flight, counted against max_bytes."""
         self.quarantined: list[tuple[str, int, str]] = []
         shutil.rmtree(self.incoming, ignore_errors=True)
-        self.incoming.mkdir(parents=True, exist_ok=True)
+        try:
+            self.incoming.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:  # a full disk: the proxy serves what it spooled; admit() tries again
+            log.error("spool_unwritable", folder=str(self.folder), error=str(exc))
         self._by_name: dict[str, list[SpooledAdapter]] = {}
         self._clean_orphans()
         self._reload()
@@ -146,6 +159,10 @@ class Spool:
         """Check a manifest as a replica would (and against the spool's room), then reserve
         its bytes; the upload's file is written by the push reader (push.PushReader)."""
         self._check_manifest(m, fingerprint)
+        try:
+            self.incoming.mkdir(exist_ok=True)  # it could not be made at start if the disk was full
+        except OSError as exc:
+            raise self.store_error(exc) from None
         return Upload(m, self.incoming / f"{uuid.uuid4().hex}.part", self._reserve(m.byte_length))
 
     async def receive(
@@ -181,14 +198,20 @@ class Spool:
         await check_tensors_async(manifest_from_pb(upload.manifest), payload, base_shapes)
         upload.validated = True
 
-    @staticmethod
-    def sync(upload: Upload) -> None:
+    def sync(self, upload: Upload) -> None:
         """Flush an upload's file to disk (blocking: run it in a thread) before `commit`."""
-        fd = os.open(upload.path, os.O_RDONLY)
         try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
+            fd = os.open(upload.path, os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+        except OSError as exc:
+            raise self.store_error(exc) from None
+
+    def store_error(self, exc: OSError) -> RollwireError:
+        """The status for a failed write into the spool: DISK_FULL naming it, or STORE_FAILED."""
+        return storage_error(exc, f"the proxy's adapter spool {self.folder}", ROOM_FIX)
 
     def _reserve(self, size: int) -> Callable[[], None]:
         self.reserved += size
@@ -217,6 +240,25 @@ class Spool:
                 reason=Reason.SPOOL_FULL,
                 retry_after_s=1.0 if self.reserved else None,
             )
+        self._check_disk(m)
+
+    def _check_disk(self, m: pb.AdapterManifest) -> None:
+        """Refuse, before any byte, a version the spool's disk has no room for; uploads in
+        flight count as if none of their bytes were written yet (so none can fail for another's)."""
+        try:
+            free = shutil.disk_usage(self.folder).free
+        except OSError:
+            return  # the writes will tell
+        if m.byte_length + DISK_SLACK <= free - self.reserved:
+            return
+        busy = f", {self.reserved} of them promised to uploads in flight" if self.reserved else ""
+        raise ResourceExhausted(
+            f"no space left on the disk holding the proxy's adapter spool {self.folder}: it has {free} bytes free{busy}, "
+            f"but adapter {m.name!r} v{m.version} needs {m.byte_length} (and {DISK_SLACK} for its manifest); nothing "
+            f"was applied: free space on that disk{ROOM_FIX}, then push again",
+            reason=Reason.DISK_FULL,
+            retry_after_s=1.0 if self.reserved else None,
+        )
 
     def check_version(self, m: pb.AdapterManifest) -> bool:
         """True when this exact version is spooled (an idempotent re-push); raises when the
@@ -238,12 +280,20 @@ class Spool:
                 return held, False
             folder = self.folder / m.name
             created_folder = not folder.exists()
-            folder.mkdir(exist_ok=True)
             path, meta = folder / f"{m.version}.safetensors", folder / f"{m.version}.json"
-            os.replace(upload.path, path)  # payload first: a crash here leaves a payload without manifest (an orphan)
-            write_atomic(meta, json_format.MessageToJson(m).encode())  # and fsyncs `folder`: both renames are durable
-            if created_folder:
-                fsync_dir(self.folder)
+            try:
+                folder.mkdir(exist_ok=True)
+                os.replace(upload.path, path)  # payload first: a crash here leaves an orphan payload
+                write_atomic(meta, json_format.MessageToJson(m).encode())  # and fsyncs `folder`: renames are durable
+                if created_folder:
+                    fsync_dir(self.folder)
+            except OSError as exc:  # a full disk (the manifest did not fit): undo, so nothing half-made stays
+                meta.unlink(missing_ok=True)
+                path.unlink(missing_ok=True)
+                if created_folder:
+                    with contextlib.suppress(OSError):
+                        folder.rmdir()
+                raise self.store_error(exc) from None
         finally:
             upload.discard()
         adapter = SpooledAdapter(m, path)
@@ -273,13 +323,22 @@ class Spool:
         return True
 
     def _move_to_quarantine(self, meta: Path, why: str) -> None:
+        """Move a version's files to `.quarantine/` with a note saying why; on a disk too full
+        for the note (or the folder) the files stay where they are, logged, never fatal."""
         target = self.quarantine_dir / meta.parent.name
-        target.mkdir(parents=True, exist_ok=True)
         stem = f"{meta.stem}-{time.strftime('%Y%m%dT%H%M%S')}-{uuid.uuid4().hex[:6]}"
-        for src, suffix in ((meta.with_suffix(".safetensors"), ".safetensors"), (meta, ".json")):
-            if src.exists():
-                os.replace(src, target / f"{stem}{suffix}")
-        (target / f"{stem}.why.txt").write_text(why + "\n")
+        try:
+            target.mkdir(parents=True, exist_ok=True)
+            for src, suffix in ((meta.with_suffix(".safetensors"), ".safetensors"), (meta, ".json")):
+                if src.exists():
+                    os.replace(src, target / f"{stem}{suffix}")
+        except OSError as exc:
+            log.error("spool_quarantine_failed", file=str(meta), why=why, error=str(exc))
+            return
+        try:
+            (target / f"{stem}.why.txt").write_text(why + "\n")
+        except OSError as exc:  # the log line below says why instead
+            log.warning("spool_quarantine_note_failed", file=str(meta), error=str(exc))
         log.error("spool_quarantined", file=str(meta), moved_to=str(target / stem), why=why)
 
     def _evict(self, name: str) -> None:

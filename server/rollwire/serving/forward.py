@@ -7,14 +7,16 @@ Invariants:
 - each child has its own stream and a queue of at most `queue_chunks` chunks; a chunk is
   queued by reference (the `bytes` received, never copied here);
 - a full queue is normal backpressure (the child's link is the slowest) and the sender waits
-  for room, but at most `stall_s`: a child that took no chunk for that long is cut off (its
-  call cancelled) and reported, so it never holds up the sender's upstream or its siblings
-  for longer; a child whose call ended early is skipped at once;
+  for room, but at most `stall_limit`: `stall_s`, or longer when the sender's own uplink is
+  what is slow (every child then gets a fair share of it, and none is stalled). A child that
+  took no chunk for that long is cut off (its call cancelled) and reported, so it never holds
+  up the sender's upstream or its siblings for longer; a child whose call ended early is
+  skipped at once;
 - every child call has a deadline (what is left of the sender's own, less a margin for the
   reply), so `results()` always returns, with one outcome for every replica of the subtree:
   a child's own verdict, what it reported of its subtree, or "not reached" and why;
-- once the sender's stream ended, a child has `settle_s` per level of its subtree, plus one,
-  to verify, stage and answer; one that did not is cut off like a stalled one. A node waits
+- once a child took the sender's last chunk, it has `settle_s` per level of its subtree, plus
+  one, to verify, stage and answer; one that did not is cut off like a stalled one. A node waits
   longer than any node below it, so a replica that hangs after taking every byte is cut off
   by its own parent, and costs its ancestors neither their subtrees nor the push deadline.
 """
@@ -25,22 +27,24 @@ import asyncio
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
-from pathlib import Path
 
 import grpc
 
 from rollwire.common.errors import from_rpc_error
-from rollwire.common.keepalive import DEFAULT as DEFAULT_KEEPALIVE
-from rollwire.common.keepalive import Keepalive
 from rollwire.common.logs import get_logger
-from rollwire.common.push import Child, opening, result, results_from_error
+from rollwire.common.push import MAX_CHUNK, Child, opening, result, results_from_error
 from rollwire.common.reasons import Reason
+from rollwire.serving.dial import Dialer
 from rollwire.v1 import generator_pb2 as pb
 from rollwire.v1 import generator_pb2_grpc
 
 log = get_logger(__name__)
 REPLY_MARGIN = 0.1
 """Share of the time left that a child's deadline leaves for its reply to travel back (at most 1 s)."""
+
+
+FAIR_SHARE_SLACK = 4.0
+"""A child is stalled when it took no chunk for this many times its fair share's chunk time."""
 
 
 def child_timeout(remaining: float) -> float:
@@ -104,6 +108,10 @@ class ChildLink:
         self.first = opening(manifest, relay=child.plan, stage_only=stage_only)
         self.cut_reason, self.cut_code, self.cut_tag = "", grpc.StatusCode.OK, ""
         self.sent = 0
+        self.took_at = time.monotonic()
+        """When the child last took a chunk (gRPC pulled it from the queue)."""
+        self.drained_at: float | None = None
+        """When the child took the sender's last chunk: its settle time counts from here."""
         self.call = stub.PushAdapter(self._requests(), timeout=timeout, metadata=tuple(metadata))
         self.task = asyncio.ensure_future(self._wait())
 
@@ -111,7 +119,9 @@ class ChildLink:
         yield self.first
         while (chunk := await self.pipe.pop()) is not None:
             self.sent += len(chunk)
+            self.took_at = time.monotonic()
             yield pb.PushAdapterRequest(chunk=chunk)
+        self.drained_at = time.monotonic()
 
     async def _wait(self):
         return await self.call
@@ -209,15 +219,23 @@ class Forwarder:
         settle_s: float,
     ) -> None:
         self.stall_s, self.settle_s = stall_s, settle_s
-        self.ended_at: float | None = None
+        self.started, self.ended_at = time.monotonic(), None
         timeout = child_timeout(deadline - time.monotonic())
         self.links = [
             ChildLink(c, manifest, stage_only, stub_for(c.address), metadata, timeout, queue_chunks) for c in children
         ]
 
-    def _settled_by(self, link: ChildLink) -> float:
-        assert self.ended_at is not None
-        return self.ended_at + self.settle_s * (link.height + 1)
+    def _due(self, link: ChildLink) -> tuple[float, str]:
+        """When a child that has not answered is cut off, and why, once the sender ended: while
+        it still drains its queue, when it took no chunk for `stall_limit`; once it took the
+        last chunk, `settle_s` per level of its subtree (plus one) after that. Counting from
+        the child's own last chunk, not the sender's, keeps a child behind a slow shared link
+        from being cut off for the time its queue takes to cross it."""
+        if link.drained_at is None:
+            limit = self.stall_limit(MAX_CHUNK)
+            return link.took_at + limit, f"it took no chunk for {limit:g} s (stalled link or replica)"
+        settle = self.settle_s * (link.height + 1)
+        return link.drained_at + settle, f"it did not answer within {settle:g} s of its last chunk"
 
     async def send(self, chunk: bytes) -> None:
         """Queue `chunk` for every live child; waits only while some child's queue is full,
@@ -231,7 +249,19 @@ class Forwarder:
             else:
                 link.pipe.push(chunk)
         if slow:
-            await asyncio.gather(*(link.put(chunk, self.stall_s) for link in slow))
+            stall_s = self.stall_limit(len(chunk))
+            await asyncio.gather(*(link.put(chunk, stall_s) for link in slow))
+
+    def stall_limit(self, chunk_bytes: int) -> float:
+        """How long a child may take no chunk before it is cut off: `stall_s`, or FAIR_SHARE_SLACK
+        times what one chunk takes at a fair share of what this sender moves, if longer. A slow
+        uplink shared by k children (a star over a thin link) slows each to 1/k of it, and none
+        of them is stalled; a child far below its fair share (a frozen host, a cut link) is."""
+        taken, elapsed = sum(link.sent for link in self.links), time.monotonic() - self.started
+        live = sum(1 for link in self.links if link.live)
+        if taken <= 0 or elapsed <= 0 or live == 0:
+            return self.stall_s
+        return max(self.stall_s, FAIR_SHARE_SLACK * live * chunk_bytes / (taken / elapsed))
 
     def end(self) -> None:
         self.ended_at = time.monotonic()
@@ -250,12 +280,12 @@ class Forwarder:
         while pending:
             now = time.monotonic()
             if self.ended_at is not None:
-                late = {link for link in pending if now >= self._settled_by(link)}
-                for link in late:
-                    why = f"it did not answer within {self.settle_s * (link.height + 1):g} s of its last chunk"
-                    link.cut(why, grpc.StatusCode.DEADLINE_EXCEEDED, Reason.RELAY_STALLED)
-                waiting = [self._settled_by(link) for link in pending if not link.cut_reason]
-                wait = min(waiting) - now if waiting else None  # the cut ones end with their cancellation
+                due = {link: self._due(link) for link in pending if not link.cut_reason}
+                for link, (at, why) in due.items():
+                    if now >= at:
+                        link.cut(why, grpc.StatusCode.DEADLINE_EXCEEDED, Reason.RELAY_STALLED)
+                waiting = [at for link, (at, _) in due.items() if not link.cut_reason]
+                wait = max(0.0, min(waiting) - now) if waiting else None  # the cut end with their cancellation
             else:
                 wait = None  # aborted or never ended: every call ends by its cancellation or deadline
             await asyncio.wait({link.task for link in pending}, timeout=wait, return_when=asyncio.FIRST_COMPLETED)
@@ -268,53 +298,16 @@ class Forwarder:
 
 class ChannelPool:
     """Channels a relaying replica dials its children on, kept for the next push (relay trees
-    are planned from the same replicas each time); at most `size`, the oldest closed first."""
+    are planned from the same replicas each time); at most `size`, the oldest closed first.
+    Its dialer's keepalive ends the stream of a child that goes silent mid-relay."""
 
-    OPTIONS = (("grpc.max_send_message_length", 8 << 20), ("grpc.max_receive_message_length", 8 << 20))
-
-    def __init__(
-        self,
-        credentials: grpc.ChannelCredentials | None,
-        server_name: str = "",
-        size: int = 64,
-        keepalive: Keepalive = DEFAULT_KEEPALIVE,
-    ) -> None:
-        self.credentials, self.size = credentials, size
-        # keepalive: a child that goes silent mid-relay ends its stream within keepalive.bound_s
-        self.options: list[tuple[str, int | str]] = [*self.OPTIONS, *keepalive.channel_options()]
-        if server_name:
-            self.options.append(("grpc.ssl_target_name_override", server_name))
+    def __init__(self, dialer: Dialer, size: int = 64) -> None:
+        self.dialer, self.size = dialer, size
         self.channels: dict[str, grpc.aio.Channel] = {}
         self._closing: set[asyncio.Task] = set()
 
-    @classmethod
-    def from_files(
-        cls,
-        tls: bool,
-        ca_file: str,
-        cert_file: str,
-        key_file: str,
-        server_name: str,
-        keepalive: Keepalive = DEFAULT_KEEPALIVE,
-    ) -> ChannelPool:
-        """Plaintext unless TLS is asked for; raises SystemExit naming a file it cannot read."""
-        if not (tls or ca_file or cert_file):
-            return cls(None, server_name, keepalive=keepalive)
-        if bool(cert_file) != bool(key_file):
-            raise SystemExit("relay.cert_file and relay.key_file go together: give both for mutual TLS")
-        try:
-            ca, cert, key = (Path(f).read_bytes() if f else None for f in (ca_file, cert_file, key_file))
-        except OSError as exc:
-            raise SystemExit(f"cannot read relay TLS file {exc.filename}: {exc.strerror}") from None
-        return cls(grpc.ssl_channel_credentials(ca, key, cert), server_name, keepalive=keepalive)
-
     def stub(self, address: str) -> generator_pb2_grpc.GeneratorServiceStub:
-        channel = self.channels.pop(address, None)
-        if channel is None:
-            if self.credentials is None:
-                channel = grpc.aio.insecure_channel(address, options=self.options)
-            else:
-                channel = grpc.aio.secure_channel(address, self.credentials, options=self.options)
+        channel = self.channels.pop(address, None) or self.dialer.channel(address)
         self.channels[address] = channel  # most recently used last
         while len(self.channels) > self.size:
             oldest = next(iter(self.channels))

@@ -20,13 +20,9 @@ class KeepaliveSection(Section):
         description="Ping a peer after this many seconds without receiving anything from it (at least "
         f"{MIN_PING_INTERVAL_S:g} s: servers refuse faster pings).",
     )
-    timeout_s: float = Field(
-        default=DEFAULT.timeout_s,
-        ge=0.1,
-        le=600,
-        description="Close a connection whose ping is unanswered after this many seconds: a silent peer is "
-        "detected within time_s + timeout_s of its last byte.",
-    )
+    timeout_s: float = Field(default=DEFAULT.timeout_s, ge=0.1, le=600)
+    """Close a connection whose ping is unanswered after this many seconds: a silent peer is detected within time_s +
+    timeout_s of its last byte."""
 
     @model_validator(mode="after")
     def _check(self) -> KeepaliveSection:

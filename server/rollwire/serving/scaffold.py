@@ -9,14 +9,16 @@ stop sending), then the server drains for `grace` seconds, then the probe and me
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import json
 import os
 import signal
-from collections.abc import Awaitable, Callable, Iterable
-from dataclasses import dataclass
+from collections.abc import Awaitable, Callable, Coroutine, Iterable
+from dataclasses import dataclass, field
 from http.server import HTTPServer
 from pathlib import Path
+from typing import Any, TypeVar
 
 import grpc
 from grpc_health.v1 import _async as health_aio  # pyright: ignore[reportAttributeAccessIssue]  # grpc's stubs lack it; it exists at run time
@@ -27,14 +29,18 @@ from prometheus_client import CollectorRegistry, start_http_server
 from rollwire.common.durable import write_atomic
 from rollwire.common.keepalive import DEFAULT as DEFAULT_KEEPALIVE
 from rollwire.common.keepalive import Keepalive
+from rollwire.common.logs import get_logger
+from rollwire.serving.config import ServerConfig
 from rollwire.serving.security import (
-    AuthSection,
     TlsSection,
     add_port,
     interceptors,
     start_health_port,
     warn_if_exposed,
 )
+
+log = get_logger(__name__)
+C = TypeVar("C", bound=ServerConfig)
 
 SERVER_OPTIONS = [
     ("grpc.max_receive_message_length", 8 << 20),  # room to refuse an oversized chunk ourselves
@@ -80,29 +86,79 @@ class Endpoint:
         self.metrics_server.shutdown()
 
 
-def listen(
-    role: str,
-    host: str,
-    port: int,
-    auth: AuthSection,
-    tls: TlsSection,
-    metrics_port: int,
-    registry: CollectorRegistry,
-    keepalive: Keepalive = DEFAULT_KEEPALIVE,
-) -> Endpoint:
-    """Serve metrics, create the gRPC server with auth, TLS and keepalive, and bind it (not started yet).
+def listen(role: str, config: ServerConfig, registry: CollectorRegistry) -> Endpoint:
+    """Serve metrics, create the gRPC server with the config's auth, TLS and keepalive, and bind
+    it to host:port (not started yet).
 
     Refuses to run, with a sentence, when the port cannot be bound; warns loudly when a
     non-loopback bind has neither auth nor TLS.
     """
-    metrics_server, _ = start_http_server(metrics_port, addr=host, registry=registry)
-    server = grpc.aio.server(options=server_options(keepalive), interceptors=interceptors(auth))
-    bound = add_port(server, f"{host}:{port}", tls)
+    host, auth, tls = config.host, config.auth, config.tls
+    metrics_server, _ = start_http_server(config.metrics_port, addr=host, registry=registry)
+    options = server_options(config.keepalive.keepalive())
+    server = grpc.aio.server(options=options, interceptors=interceptors(auth))
+    bound = add_port(server, f"{host}:{config.port}", tls)
     if bound == 0:
         metrics_server.shutdown()
-        raise SystemExit(f"cannot listen on {host}:{port}; is the port in use?")
+        raise SystemExit(f"cannot listen on {host}:{config.port}; is the port in use?")
     warn_if_exposed(role, host, bound, auth, tls, metrics_server.server_port)
     return Endpoint(server, health_aio.HealthServicer(), bound, metrics_server, metrics_server.server_port)
+
+
+@dataclass
+class Running:
+    """A started server process: its endpoint, plus (in subclasses) the parts tests may inspect.
+
+    `stop` drains the endpoint first (the shutdown order above), then `close`s the rest."""
+
+    endpoint: Endpoint
+    port: int = field(init=False)
+    metrics_port: int = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.port, self.metrics_port = self.endpoint.port, self.endpoint.metrics_port
+
+    async def stop(self, grace: float) -> None:
+        await self.endpoint.stop(grace)
+        await self.close()
+
+    async def close(self) -> None:
+        """What a subclass releases once no request runs any more."""
+
+
+async def serve(
+    role: str,
+    running: Running,
+    config: ServerConfig,
+    ready_file: str | None,
+    leave: Callable[[], Awaitable[None]] | None = None,
+) -> None:
+    """Serve until SIGINT/SIGTERM, then `leave` (e.g. deregister), stop taking work and let
+    in-flight requests finish within config.grace_seconds."""
+
+    async def on_stop() -> None:
+        log.info(f"{role}_stopping", grace_seconds=config.grace_seconds)
+        if leave is not None:
+            await leave()
+        await running.stop(config.grace_seconds)
+
+    await serve_until_signal(ready_file, {"port": running.port, "metrics_port": running.metrics_port}, on_stop)
+
+
+def run_server_command(
+    args: argparse.Namespace, model: type[C], role: str, main: Callable[[C], Coroutine[Any, Any, None]]
+) -> int:
+    """`rollwire generator|proxy`: resolve the config (flags > --set > env > --config file),
+    print it for --dry-run, else log as `role` and run `main(config)` until it returns."""
+    from rollwire.common.config import config_for_command
+    from rollwire.common.logs import setup_logging
+
+    config = config_for_command(model, args)
+    if isinstance(config, int):
+        return config
+    setup_logging(role, config.log_level)
+    asyncio.run(main(config))
+    return 0
 
 
 def write_ready_file(path: str, data: dict) -> None:

@@ -54,26 +54,23 @@ METHOD_ROLES = {
 class AuthSection(Section):
     """Bearer tokens; auth is on when either file is set."""
 
-    generate_tokens_file: str = Field(default="", description="File of tokens with the `generate` role, one per line.")
-    admin_tokens_file: str = Field(
-        default="", description="File of tokens with the `admin` role (all RPCs), one per line."
-    )
+    generate_tokens_file: str = Field(default="")
+    """File of tokens with the `generate` role, one per line."""
+    admin_tokens_file: str = Field(default="")
+    """File of tokens with the `admin` role (all RPCs), one per line."""
 
 
 class TlsSection(Section):
     """Server TLS; mutual TLS when client_ca_file is set."""
 
-    cert_file: str = Field(default="", description="PEM server certificate chain; TLS is on when set.")
-    key_file: str = Field(default="", description="PEM private key of the server certificate.")
-    client_ca_file: str = Field(
-        default="", description="PEM CA that signs client certificates; set to require mutual TLS."
-    )
-    health_port: int = Field(
-        default=0,
-        ge=0,
-        le=65535,
-        description="Plaintext port serving only grpc.health.v1 (kubelet gRPC probes cannot speak TLS); 0 = off.",
-    )
+    cert_file: str = Field(default="")
+    """PEM server certificate chain; TLS is on when set."""
+    key_file: str = Field(default="")
+    """PEM private key of the server certificate."""
+    client_ca_file: str = Field(default="")
+    """PEM CA that signs client certificates; set to require mutual TLS."""
+    health_port: int = Field(default=0, ge=0, le=65535)
+    """Plaintext port serving only grpc.health.v1 (kubelet gRPC probes cannot speak TLS); 0 = off."""
 
 
 def parse_tokens(text: str) -> set[str]:

@@ -6,6 +6,8 @@ adapter bookkeeping (adapters.py) and metrics. Adding a backend is one module.
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Protocol
@@ -20,6 +22,34 @@ class EngineStats:
 
     running: int
     queued: int
+
+
+class GroupSlots:
+    """At most `size` groups generate at once; the others wait here, counted as queued.
+    For engines whose backend takes whole groups (scripted, sglang); the transformers engine
+    batches rows itself."""
+
+    def __init__(self, size: int) -> None:
+        self._free = asyncio.Semaphore(size)
+        self.running = self.queued = 0
+
+    @contextlib.asynccontextmanager
+    async def held(self) -> AsyncIterator[None]:
+        """Wait for a slot, hold it for the body, give it back however the body ends."""
+        self.queued += 1
+        try:
+            await self._free.acquire()
+        finally:
+            self.queued -= 1
+        self.running += 1
+        try:
+            yield
+        finally:
+            self.running -= 1
+            self._free.release()
+
+    def stats(self) -> EngineStats:
+        return EngineStats(running=self.running, queued=self.queued)
 
 
 class Engine(Protocol):

@@ -24,7 +24,7 @@ from pathlib import Path
 
 from rollwire.common.errors import FailedPrecondition
 from rollwire.generator.adapters import Manifest
-from rollwire.generator.engines.base import EngineStats
+from rollwire.generator.engines.base import EngineStats, GroupSlots
 from rollwire.generator.types import Event, GroupRequest, SampleDone, TokenDelta
 
 _PRINTABLE = 95  # token id t decodes to chr(32 + t % 95): deterministic, printable text
@@ -47,8 +47,7 @@ class ScriptedEngine:
         self.tokens_per_s, self.logprob = tokens_per_s, logprob
         self.vocab_size, self.max_context = 0, 0
         self.adapters: dict[str, int] = {}  # handle -> version: what a real engine would hold
-        self._slots = asyncio.Semaphore(max_concurrent_groups)
-        self._running = self._queued = 0
+        self._slots = GroupSlots(max_concurrent_groups)
 
     async def start(self) -> None:
         path = self.model_dir / "config.json"
@@ -67,25 +66,16 @@ class ScriptedEngine:
         return [b % self.vocab_size for b in text.encode()]
 
     def stats(self) -> EngineStats:
-        return EngineStats(running=self._running, queued=self._queued)
+        return self._slots.stats()
 
     def token(self, seed: int, sample: int, position: int) -> int:
         """The deterministic token id of `sample` at `position` for a group seeded `seed`."""
         return (seed * 1_000_003 + sample * 7_919 + position * 31) % self.vocab_size
 
     async def generate(self, group: GroupRequest) -> AsyncIterator[list[Event]]:
-        self._queued += 1
-        try:
-            await self._slots.acquire()
-        finally:
-            self._queued -= 1
-        self._running += 1
-        try:
+        async with self._slots.held():
             async for events in self._steps(group):
                 yield events
-        finally:
-            self._running -= 1
-            self._slots.release()
 
     async def _steps(self, group: GroupRequest) -> AsyncIterator[list[Event]]:
         total, seed = group.sampling.max_new_tokens, group.sampling.seed or 0

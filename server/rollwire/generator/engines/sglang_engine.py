@@ -38,10 +38,11 @@ from rollwire.common.errors import FailedPrecondition, Internal, ResourceExhaust
 from rollwire.common.logs import get_logger
 from rollwire.common.reasons import Reason
 from rollwire.common.safetensors_header import read_header
+from rollwire.common.secrets import SecretFileError, read_secret_file
 from rollwire.generator.adapters import Manifest
 from rollwire.generator.config import GeneratorConfig, SGLangSection
 from rollwire.generator.detokenize import TextStream, backend
-from rollwire.generator.engines.base import EngineStats
+from rollwire.generator.engines.base import EngineStats, GroupSlots
 from rollwire.generator.engines.sglang_process import (
     SGLangHTTP,
     SGLangProcess,
@@ -94,9 +95,7 @@ class SGLangEngine:
         self._adapters: dict[str, _Adapter] = {}  # registry handle -> SGLang adapter, load order
         self._nonce = secrets.token_hex(3)
         self._rids = itertools.count(1)
-        self._slots = asyncio.Semaphore(settings.max_concurrent_groups)
-        self._running = 0
-        self._waiting = 0
+        self._slots = GroupSlots(settings.max_concurrent_groups)
         self._aborts: set[asyncio.Task] = set()
         self._own_dir = False
         self.adapter_dir = Path()
@@ -217,7 +216,7 @@ class SGLangEngine:
         return list(self.tokenizer(text, add_special_tokens=False).input_ids)
 
     def stats(self) -> EngineStats:
-        return EngineStats(running=self._running, queued=self._waiting)
+        return self._slots.stats()
 
     async def generate(self, group: GroupRequest) -> AsyncIterator[list[Event]]:
         self.supervisor.check_up()  # pyright: ignore[reportOptionalMemberAccess]  # set by start()
@@ -226,32 +225,25 @@ class SGLangEngine:
         rid = f"{group.request_id}.{next(self._rids)}"
         body, rids = generate_body(group, lora, seeds, rid)
         tracker = StreamTracker(group, self._text_stream)
-        self._waiting += 1
-        try:
-            await self._slots.acquire()
-        finally:
-            self._waiting -= 1
-        self._running += 1
-        try:
-            async with self.api.stream_lines("/generate", body, f"generation of {rid}") as lines:
-                async for line in lines:
-                    item = parse_sse_line(line)
-                    if item is DONE:
-                        break
-                    if isinstance(item, dict) and (events := tracker.feed(item)):
-                        yield events
-            if not tracker.complete:
-                raise Unavailable(
-                    f"SGLang ended the stream of {rid} before all {group.n} samples finished; "
-                    "the partial samples are void, retry the group",
-                    reason=Reason.SGLANG_STREAM_CUT,
-                    retry_after_s=1.0,
-                )
-        finally:
-            self._running -= 1
-            self._slots.release()
-            if not tracker.complete:
-                self._abort(rids or sorted(tracker.rids))
+        async with self._slots.held():
+            try:
+                async with self.api.stream_lines("/generate", body, f"generation of {rid}") as lines:
+                    async for line in lines:
+                        item = parse_sse_line(line)
+                        if item is DONE:
+                            break
+                        if isinstance(item, dict) and (events := tracker.feed(item)):
+                            yield events
+                if not tracker.complete:
+                    raise Unavailable(
+                        f"SGLang ended the stream of {rid} before all {group.n} samples finished; "
+                        "the partial samples are void, retry the group",
+                        reason=Reason.SGLANG_STREAM_CUT,
+                        retry_after_s=1.0,
+                    )
+            finally:
+                if not tracker.complete:
+                    self._abort(rids or sorted(tracker.rids))
 
     def _seeds(self, group: GroupRequest) -> list[int] | None:
         if group.sampling.seed is None:
@@ -418,12 +410,9 @@ def _read_secret(path: str, key: str) -> str | None:
     if not path:
         return None
     try:
-        value = Path(path).read_text().strip()
-    except OSError as exc:
-        raise FailedPrecondition(f"{key} is {path!r}, which cannot be read: {exc.strerror}") from None
-    if not value:
-        raise FailedPrecondition(f"{key} is {path!r}, which is empty; put the key in it or unset {key}")
-    return value
+        return read_secret_file(path, key)
+    except SecretFileError as exc:
+        raise FailedPrecondition(str(exc)) from None
 
 
 def _find_key(tree, key: str):

@@ -1,0 +1,68 @@
+"""What every rollwire server process's config shares: where it binds, logs, shutdown, auth, TLS
+and keepalive. GeneratorConfig and ProxyConfig extend it with their ports and their own sections,
+so a setting both servers have is declared, described and bounded once."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pydantic import Field
+
+from rollwire.common.config import Section
+from rollwire.serving.keepalive import KeepaliveSection
+from rollwire.serving.security import AuthSection, TlsSection
+
+
+def port_field(default: int, what: str) -> Any:
+    """A TCP port setting; each server gives its own default (GeneratorConfig, ProxyConfig)."""
+    return Field(default=default, ge=0, le=65535, description=f"{what} port; 0 picks a free one.")
+
+
+class ServerConfig(Section):
+    """A gRPC server process."""
+
+    host: str = Field(default="127.0.0.1")
+    """Address the gRPC server binds; 0.0.0.0 to accept remote clients."""
+    port: int = port_field(0, "gRPC")
+    metrics_port: int = port_field(0, "Prometheus /metrics")
+    log_level: str = Field(default="info")
+    """debug, info, warning or error."""
+    grace_seconds: float = Field(default=10.0, ge=0)
+    """On shutdown, how long in-flight requests may finish."""
+    auth: AuthSection = Field(default_factory=AuthSection)
+    tls: TlsSection = Field(default_factory=TlsSection)
+    keepalive: KeepaliveSection = Field(default_factory=KeepaliveSection)
+
+
+def push_idle_field() -> Any:
+    """The idle deadline of an incoming push (replica: limits.push_idle_timeout_s, proxy:
+    spool.upload_idle_timeout_s): the same bound on both servers, declared here once."""
+    return Field(
+        default=30.0,
+        gt=0,
+        description="A push that sends no message for this long is cancelled with DEADLINE_EXCEEDED.",
+    )
+
+
+class PushLimits(Section):
+    """What an incoming push may carry, checked alike by the proxy (spool) and every replica (limits)."""
+
+    max_adapter_bytes: int = Field(default=1 << 30, ge=1)
+    """Largest adapter payload accepted; a larger one is refused before any byte."""
+    max_version_step: int = Field(default=1_000_000, ge=1)
+    """A pushed version may be at most this far above the newest of its name (0 for a new name)."""
+
+
+class ForwardSection(Section):
+    """How a node of a relay tree feeds its children (serving/forward.py): the proxy at the root
+    (push.*) and every relaying replica (relay.*). A child cut off is healed by the proxy."""
+
+    queue_chunks: int = Field(default=8, ge=1)
+    """Chunks queued per child before the sender waits for it."""
+    stall_timeout_s: float = Field(default=3.0, gt=0)
+    """A child that takes no chunk for this long is cut off; the proxy sends its subtree the bytes again (healing),
+    within health.push_timeout_s."""
+    settle_timeout_s: float = Field(default=10.0, gt=0)
+    """Per level of its subtree (plus one): how long after the last chunk a child may take to verify, stage and answer
+    before it is cut off and healed (a replica's relay.settle_timeout_s should not exceed the proxy's
+    push.settle_timeout_s)."""
