@@ -22,7 +22,7 @@ from pathlib import Path
 import grpc
 import pytest
 from support.processes import GENERATOR_ARGS, start_generators, start_service, stop_all, wait_until
-from support.wire import make_adapter
+from support.wire import make_adapter, metric_value
 
 from rollwire import netlab
 from rollwire.client import Client, Finished, Restarted, RollwireError, Started
@@ -63,7 +63,7 @@ def start_in(host: netlab.Host, args: list[str], workdir: Path, name: str, timeo
             raise RuntimeError(f"{name} did not start; see {log_path}:\n{log_path.read_text()[-3000:]}")
         time.sleep(0.05)
     info = json.loads(ready.read_text())
-    return Service(name, proc, info["port"], info["metrics_port"], log_path)
+    return Service(name, proc, info["port"], info["metrics_port"], log_path, host.ip)
 
 
 def status(address: str) -> pb.GetStatusResponse:
@@ -286,6 +286,58 @@ def test_an_interior_replica_cut_off_mid_push_stops_nobody_and_catches_up(fleet,
     with Client(f"{hosts[victim].ip}:50051", timeout=30) as direct:
         result = direct.generate("healed: ", adapter=f"{RELAY_NAME}@1", max_new_tokens=4)
         assert result.adapter is not None and result.adapter.version == 1
+
+
+STAR_NAME = "part-star"
+
+
+@pytest.fixture(scope="module")
+def thin_star(lab, tiny_model, tmp_path_factory):
+    """Replicas s1, s2 and a proxy that sends every replica its own copy (push.fanout=0) over a
+    thin link (8 Mbit/s: each copy gets half), with push.stall_timeout_s (50 ms) below the
+    time one 64 KiB chunk takes at that half (~130 ms). Keepalive stays at its default here:
+    FAST's 1 s pings would wait behind the pushes' bytes on this link."""
+    workdir = tmp_path_factory.mktemp("partitions-star")
+    hosts = {name: lab.add_host(name) for name in ("s1", "s2")}
+    hosts["ps"] = lab.add_host("ps", rate_mbit=8)
+    services = []
+    for name in ("s1", "s2"):
+        args = ["generator", "--model", str(tiny_model), "--host", hosts[name].ip, "--port", "50051"]
+        services.append(
+            start_in(hosts[name], [*args, "--metrics-port", "0", "--replica-id", name, *GENERATOR_ARGS], workdir, name)
+        )
+    args = ["proxy", "--host", hosts["ps"].ip, "--port", "50050", "--metrics-port", "0", "--proxy-id", "ps"]
+    for name in ("s1", "s2"):
+        args += ["--generator", f"{hosts[name].ip}:50051"]
+    args += ["--set", "push.fanout=0", "--set", "push.stall_timeout_s=0.05", "--set", "health.interval_s=0.2"]
+    proxy = start_in(hosts["ps"], args, workdir, "ps")
+    services.append(proxy)
+    address = f"{hosts['ps'].ip}:50050"
+    try:
+        wait_until(lambda: routable(address) == {"s1", "s2"}, 60, "the star proxy routes to both replicas")
+        yield hosts, address, proxy
+    finally:
+        stop_all(services, timeout=5)
+
+
+def test_children_slowed_by_their_senders_thin_link_are_not_cut_off_as_stalled(thin_star, tiny_model):
+    """Two copies share the proxy's 8 Mbit/s link, so each child takes a chunk every ~130 ms,
+    longer than push.stall_timeout_s (50 ms): the link is slow, not the children. A child is
+    stalled only while its siblings keep taking chunks (serving/forward.py, Forwarder.stalled),
+    so neither is cut off and healed; both stage and serve v1 from the one push. (The fixed
+    limit this rule replaced passes here too: at this size gRPC's windows keep the queues from
+    filling. Where it failed, 8 copies of 37 MB over 50 Mbit/s, is bench/push_netlab.py's.)"""
+    hosts, proxy, service = thin_star
+    adapter = make_adapter(tiny_model, seed=98, r=64)  # 1.3 MB: 2 copies take ~2.7 s on the link
+    fp = status(f"{hosts['s1'].ip}:50051").model_fingerprint
+    with Client(proxy, timeout=60) as client:
+        reply = client.push_adapter(STAR_NAME, 1, adapter.payload, adapter.shape, fp, chunk_size=64 << 10)
+    codes = {r.replica: r.code for r in reply.replicas}
+    assert codes == {"s1": "OK", "s2": "OK"}, codes
+    for name in ("s1", "s2"):
+        heals = metric_value(service.metrics(), "rollwire_proxy_push_heals_total", f'replica="{hosts[name].ip}:50051"')
+        assert heals == 0, f"{name} was cut off and sent the bytes again ({heals:g} heals)"
+        assert 1 in held(hosts[name].ip, STAR_NAME)
 
 
 # -- freezes (loopback: no netlab needed) ----------------------------------------------------------

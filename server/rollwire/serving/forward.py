@@ -7,11 +7,11 @@ Invariants:
 - each child has its own stream and a queue of at most `queue_chunks` chunks; a chunk is
   queued by reference (the `bytes` received, never copied here);
 - a full queue is normal backpressure (the child's link is the slowest) and the sender waits
-  for room, but at most `stall_limit`: `stall_s`, or longer when the sender's own uplink is
-  what is slow (every child then gets a fair share of it, and none is stalled). A child that
-  took no chunk for that long is cut off (its call cancelled) and reported, so it never holds
-  up the sender's upstream or its siblings for longer; a child whose call ended early is
-  skipped at once;
+  for room; a child that took no chunk for `stall_s` while its siblings kept taking theirs
+  (or one with no sibling) is stalled: cut off (its call cancelled) and reported, so it never
+  holds up the sender's upstream or its siblings for longer. When every child is as slow (the
+  sender's own uplink is thin), none is stalled, and the push deadline bounds the wait; a
+  child whose call ended early is skipped at once;
 - every child call has a deadline (what is left of the sender's own, less a margin for the
   reply), so `results()` always returns, with one outcome for every replica of the subtree:
   a child's own verdict, what it reported of its subtree, or "not reached" and why;
@@ -32,7 +32,7 @@ import grpc
 
 from rollwire.common.errors import from_rpc_error
 from rollwire.common.logs import get_logger
-from rollwire.common.push import MAX_CHUNK, Child, opening, result, results_from_error
+from rollwire.common.push import Child, opening, result, results_from_error
 from rollwire.common.reasons import Reason
 from rollwire.serving.dial import Dialer
 from rollwire.v1 import generator_pb2 as pb
@@ -43,8 +43,9 @@ REPLY_MARGIN = 0.1
 """Share of the time left that a child's deadline leaves for its reply to travel back (at most 1 s)."""
 
 
-FAIR_SHARE_SLACK = 4.0
-"""A child is stalled when it took no chunk for this many times its fair share's chunk time."""
+FAIR_TURNS = 4
+"""Chunks each sibling takes while a child takes none, before that child counts as stalled
+(at most the queue's length: that is all a sibling can take while the sender waits)."""
 
 
 def child_timeout(remaining: float) -> float:
@@ -102,8 +103,13 @@ class ChildLink:
         metadata: Sequence[tuple[str, str]],
         timeout: float,
         queue_chunks: int,
+        turns: list[int],
     ) -> None:
         self.child, self.pipe = child, _Pipe(queue_chunks)
+        self.turns = turns
+        """Chunks taken by all the sender's children together, one shared counter."""
+        self.mark = 0
+        """`turns` when this child last took a chunk."""
         self.height = child.height()
         self.first = opening(manifest, relay=child.plan, stage_only=stage_only)
         self.cut_reason, self.cut_code, self.cut_tag = "", grpc.StatusCode.OK, ""
@@ -112,6 +118,8 @@ class ChildLink:
         """When the child last took a chunk (gRPC pulled it from the queue)."""
         self.drained_at: float | None = None
         """When the child took the sender's last chunk: its settle time counts from here."""
+        self.done_at: float | None = None
+        """When its call ended (it answered, failed or was cut): its bytes are off the link."""
         self.call = stub.PushAdapter(self._requests(), timeout=timeout, metadata=tuple(metadata))
         self.task = asyncio.ensure_future(self._wait())
 
@@ -120,30 +128,20 @@ class ChildLink:
         while (chunk := await self.pipe.pop()) is not None:
             self.sent += len(chunk)
             self.took_at = time.monotonic()
+            self.turns[0] += 1
+            self.mark = self.turns[0]
             yield pb.PushAdapterRequest(chunk=chunk)
         self.drained_at = time.monotonic()
 
     async def _wait(self):
-        return await self.call
+        try:
+            return await self.call
+        finally:
+            self.done_at = time.monotonic()
 
     @property
     def live(self) -> bool:
         return not self.task.done() and not self.cut_reason
-
-    async def put(self, chunk: bytes, stall_s: float) -> None:
-        """Queue a chunk, waiting at most `stall_s` for room; cuts the child off after that."""
-        if not self.pipe.full():
-            self.pipe.push(chunk)
-            return
-        room = asyncio.ensure_future(self.pipe.wait_room())
-        done, _ = await asyncio.wait({room, self.task}, timeout=stall_s, return_when=asyncio.FIRST_COMPLETED)
-        if room in done:
-            self.pipe.push(chunk)
-            return
-        room.cancel()
-        if not self.task.done():
-            why = f"it took no chunk for {stall_s:g} s (stalled link or replica), so its sender cut it off"
-            self.cut(why, grpc.StatusCode.DEADLINE_EXCEEDED, Reason.RELAY_STALLED)
 
     def end(self) -> None:
         """The sender has no more chunks: the child's stream ends once its queue is drained."""
@@ -219,27 +217,70 @@ class Forwarder:
         settle_s: float,
     ) -> None:
         self.stall_s, self.settle_s = stall_s, settle_s
-        self.started, self.ended_at = time.monotonic(), None
+        self.ended_at: float | None = None
+        self.turns = [0]
+        self.fair_turns = min(FAIR_TURNS, queue_chunks)  # a sibling can take no more while the sender waits
         timeout = child_timeout(deadline - time.monotonic())
         self.links = [
-            ChildLink(c, manifest, stage_only, stub_for(c.address), metadata, timeout, queue_chunks) for c in children
+            ChildLink(c, manifest, stage_only, stub_for(c.address), metadata, timeout, queue_chunks, self.turns)
+            for c in children
         ]
 
+    def stalled(self, link: ChildLink) -> str:
+        """Why `link` counts as stalled now, or "" when it does not. A child that took no chunk
+        for `stall_s` is stalled when its siblings that still take chunks each took
+        `fair_turns` meanwhile; with no sibling left on the link (none, or every one answered),
+        when it took none for `stall_s` since it was alone. Where its siblings are as slow (a
+        sender whose own uplink is thin, shared by all its children), it is not stalled: that is
+        the link's speed, not the child's fault, and the push deadline still bounds the wait."""
+        now = time.monotonic()
+        if now - link.took_at < self.stall_s:
+            return ""
+        others = [o for o in self.links if o is not link and not o.cut_reason]
+        taking = [o for o in others if o.drained_at is None and not o.task.done()]
+        if taking:
+            turns = self.turns[0] - link.mark
+            if turns < self.fair_turns * len(taking):
+                return ""
+            return f"it took no chunk for {now - link.took_at:.1f} s while its siblings took {turns}"
+        if any(o.done_at is None for o in others):
+            return ""  # a sibling's last bytes may still hold the link: judge once it answered
+        alone = now - max([link.took_at, *(o.done_at for o in others if o.done_at is not None)])
+        return f"it took no chunk for {alone:.1f} s" if alone >= self.stall_s else ""
+
+    async def _put(self, link: ChildLink, chunk: bytes) -> None:
+        """Queue a chunk once the child has room; cuts the child off if it stalls meanwhile."""
+        while link.pipe.full():
+            room = asyncio.ensure_future(link.pipe.wait_room())
+            done, _ = await asyncio.wait({room, link.task}, timeout=self.stall_s, return_when=asyncio.FIRST_COMPLETED)
+            if room in done:
+                break
+            room.cancel()
+            if link.task.done():
+                return
+            if why := self.stalled(link):
+                why = f"{why} (a stalled link or replica), so its sender cut it off"
+                link.cut(why, grpc.StatusCode.DEADLINE_EXCEEDED, Reason.RELAY_STALLED)
+                return
+        link.pipe.push(chunk)
+
     def _due(self, link: ChildLink) -> tuple[float, str]:
-        """When a child that has not answered is cut off, and why, once the sender ended: while
-        it still drains its queue, when it took no chunk for `stall_limit`; once it took the
+        """When to cut off a child that has not answered, once the sender ended, and why ("" =
+        look again then): while it drains its queue, when it is `stalled`; once it took the
         last chunk, `settle_s` per level of its subtree (plus one) after that. Counting from
         the child's own last chunk, not the sender's, keeps a child behind a slow shared link
         from being cut off for the time its queue takes to cross it."""
+        now = time.monotonic()
         if link.drained_at is None:
-            limit = self.stall_limit(MAX_CHUNK)
-            return link.took_at + limit, f"it took no chunk for {limit:g} s (stalled link or replica)"
+            if why := self.stalled(link):
+                return now, f"{why} (a stalled link or replica)"
+            return max(link.took_at + self.stall_s, now + min(self.stall_s, 1.0)), ""
         settle = self.settle_s * (link.height + 1)
         return link.drained_at + settle, f"it did not answer within {settle:g} s of its last chunk"
 
     async def send(self, chunk: bytes) -> None:
-        """Queue `chunk` for every live child; waits only while some child's queue is full,
-        at most `stall_s` (then that child is cut off)."""
+        """Queue `chunk` for every live child; waits only while some child's queue is full, and
+        cuts off a child that is `stalled` meanwhile."""
         slow = []
         for link in self.links:
             if not link.live:
@@ -249,19 +290,7 @@ class Forwarder:
             else:
                 link.pipe.push(chunk)
         if slow:
-            stall_s = self.stall_limit(len(chunk))
-            await asyncio.gather(*(link.put(chunk, stall_s) for link in slow))
-
-    def stall_limit(self, chunk_bytes: int) -> float:
-        """How long a child may take no chunk before it is cut off: `stall_s`, or FAIR_SHARE_SLACK
-        times what one chunk takes at a fair share of what this sender moves, if longer. A slow
-        uplink shared by k children (a star over a thin link) slows each to 1/k of it, and none
-        of them is stalled; a child far below its fair share (a frozen host, a cut link) is."""
-        taken, elapsed = sum(link.sent for link in self.links), time.monotonic() - self.started
-        live = sum(1 for link in self.links if link.live)
-        if taken <= 0 or elapsed <= 0 or live == 0:
-            return self.stall_s
-        return max(self.stall_s, FAIR_SHARE_SLACK * live * chunk_bytes / (taken / elapsed))
+            await asyncio.gather(*(self._put(link, chunk) for link in slow))
 
     def end(self) -> None:
         self.ended_at = time.monotonic()
@@ -282,7 +311,7 @@ class Forwarder:
             if self.ended_at is not None:
                 due = {link: self._due(link) for link in pending if not link.cut_reason}
                 for link, (at, why) in due.items():
-                    if now >= at:
+                    if why and now >= at:
                         link.cut(why, grpc.StatusCode.DEADLINE_EXCEEDED, Reason.RELAY_STALLED)
                 waiting = [at for link, (at, _) in due.items() if not link.cut_reason]
                 wait = max(0.0, min(waiting) - now) if waiting else None  # the cut end with their cancellation
