@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import asyncio
-import hashlib
 
 import grpc
 import pytest
+from support.wire import manifest_for, streamed
 
 from rollwire.common.errors import RollwireError
 from rollwire.common.reasons import Reason
@@ -14,26 +14,8 @@ from rollwire.proxy.spool import Spool
 from rollwire.v1 import generator_pb2 as pb
 
 
-def manifest(name: str, version: int, payload: bytes, **changes) -> pb.AdapterManifest:
-    fields = dict(
-        name=name,
-        version=version,
-        base_model_fingerprint="fp",
-        lora_config=pb.LoraConfig(r=1, lora_alpha=2, target_modules=["q_proj"]),
-        byte_length=len(payload),
-        sha256=hashlib.sha256(payload).hexdigest(),
-    )
-    fields.update(changes)
-    return pb.AdapterManifest(**fields)
-
-
-async def stream(messages):
-    for m in messages:
-        yield m
-
-
 def upload_msgs(name, version, payload, chunk=4, **changes):
-    yield pb.PushAdapterRequest(manifest=manifest(name, version, payload, **changes))
+    yield pb.PushAdapterRequest(manifest=manifest_for(payload, name, version, r=1, **changes))
     for i in range(0, len(payload), chunk):
         yield pb.PushAdapterRequest(chunk=payload[i : i + chunk])
 
@@ -44,7 +26,7 @@ def spool_at(path, **kw) -> Spool:
 
 
 def put(spool: Spool, name, version, payload, **changes):
-    upload = asyncio.run(spool.receive(stream(upload_msgs(name, version, payload, **changes))))
+    upload = asyncio.run(spool.receive(streamed(upload_msgs(name, version, payload, **changes))))
     return spool.commit(upload)
 
 

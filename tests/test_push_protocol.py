@@ -16,6 +16,7 @@ import struct
 
 import grpc
 import pytest
+from support.wire import manifest_for, streamed
 
 from rollwire.common import push as protocol
 from rollwire.common.errors import FailedPrecondition, InvalidArgument, RollwireError
@@ -42,26 +43,8 @@ def adapter_bytes(values: dict[str, list[float]] | None = None) -> bytes:
     return struct.pack("<Q", len(head)) + head + body
 
 
-def manifest_of(payload: bytes, name="pol", version=1, **changes) -> pb.AdapterManifest:
-    fields = dict(
-        name=name,
-        version=version,
-        base_model_fingerprint="fp",
-        lora_config=pb.LoraConfig(r=2, lora_alpha=4.0, target_modules=["q_proj"]),
-        byte_length=len(payload),
-        sha256=hashlib.sha256(payload).hexdigest(),
-    )
-    fields.update(changes)
-    return pb.AdapterManifest(**fields)
-
-
-async def stream(messages):
-    for m in messages:
-        yield m
-
-
 async def read_all(messages, inspector=None, keep_chunks=False):
-    reader = protocol.PushReader(stream(messages), 5, "test", keep_chunks=keep_chunks)
+    reader = protocol.PushReader(streamed(messages), 5, "test", keep_chunks=keep_chunks)
     try:
         first = await reader.open()
         got = [c async for c in reader.chunks(inspector=inspector)]
@@ -91,7 +74,7 @@ def test_bad_names_fail_in_the_sdk_and_on_the_server_alike(name):
 async def test_the_writer_and_the_reader_agree_chunk_for_chunk():
     payload = adapter_bytes()
     plan = protocol.plan_from_parents([("h:1", "a", 0), ("h:2", "b", 1)])
-    messages = list(protocol.messages(manifest_of(payload), payload, 100, relay=plan, stage_only=True))
+    messages = list(protocol.messages(manifest_for(payload), payload, 100, relay=plan, stage_only=True))
     assert messages[0].stage_only and list(messages[0].relay.nodes) == list(plan.nodes)
     assert all(len(m.chunk) <= 100 for m in messages[1:]) and b"".join(m.chunk for m in messages[1:]) == payload
     sent = [m.chunk for m in messages[1:]]
@@ -117,7 +100,7 @@ async def test_the_writer_and_the_reader_agree_chunk_for_chunk():
 )
 async def test_the_reader_refuses_what_breaks_the_stream_contract(change, reason):
     payload = adapter_bytes()
-    m = manifest_of(payload)
+    m = manifest_for(payload)
     messages = list(protocol.messages(m, payload, 64))
     if change == "digest":
         messages[0].manifest.sha256 = "0" * 64
@@ -143,7 +126,7 @@ async def test_the_reader_refuses_what_breaks_the_stream_contract(change, reason
 
 async def test_an_idle_sender_is_cut_off():
     async def stalled():
-        yield protocol.opening(manifest_of(b"x" * 10))
+        yield protocol.opening(manifest_for(b"x" * 10))
         await asyncio.sleep(5)
 
     reader = protocol.PushReader(stalled(), 0.2, "test")
@@ -157,7 +140,7 @@ async def test_an_idle_sender_is_cut_off():
 
 async def test_the_reader_writes_the_store_as_it_hashes(tmp_path):
     payload = adapter_bytes()
-    reader = protocol.PushReader(stream(protocol.messages(manifest_of(payload), payload, 7)), 5, "test")
+    reader = protocol.PushReader(streamed(protocol.messages(manifest_for(payload), payload, 7)), 5, "test")
     await reader.open()
     async for _ in reader.chunks(store=tmp_path / "p.part"):
         pass

@@ -81,6 +81,27 @@ def peft_reference(model_dir, adapter: Adapter):
     return model.eval()
 
 
+def manifest_for(payload: bytes, name: str = "pol", version: int = 1, r: int = 2, **changes) -> pb.AdapterManifest:
+    """A manifest that matches `payload` (length, sha256) for base model "fp" and a rank-`r`
+    LoRA on q_proj; `changes` override any field (to build a bad one)."""
+    fields = dict(
+        name=name,
+        version=version,
+        base_model_fingerprint="fp",
+        lora_config=pb.LoraConfig(r=r, lora_alpha=2.0 * r, target_modules=["q_proj"]),
+        byte_length=len(payload),
+        sha256=hashlib.sha256(payload).hexdigest(),
+    )
+    fields.update(changes)
+    return pb.AdapterManifest(**fields)
+
+
+async def streamed(messages):
+    """`messages` as the async iterator a servicer's request stream is."""
+    for m in messages:
+        yield m
+
+
 def push_messages(manifest: pb.AdapterManifest, payload: bytes, chunk: int = 1 << 20):
     yield pb.PushAdapterRequest(manifest=manifest)
     for i in range(0, len(payload), chunk):
