@@ -108,7 +108,7 @@ def add_connection_args(parser: argparse.ArgumentParser, *, timeout: float) -> N
         type=_positive(float),
         default=timeout,
         metavar="SECONDS",
-        help=f"deadline of the call, retries included (default {timeout:g})",
+        help="deadline of the call, retries included (default %(default)g)",
     )
     group.add_argument("--token-file", metavar="FILE", help="file holding the bearer token to send")
     group.add_argument("--tls", action="store_true", help="use TLS, trusting the system roots")
@@ -170,13 +170,13 @@ def _add_generate(commands: Any) -> None:
     )
     add_connection_args(p, timeout=300.0)
     p.add_argument("prompt", metavar="PROMPT", help="prompt text, '-' to read stdin, or ids with --token-ids")
-    p.add_argument("-n", type=_positive(int), default=1, help="samples in the group (default 1)")
+    p.add_argument("-n", type=_positive(int), default=1, help="samples in the group (default %(default)s)")
     p.add_argument(
         "--max-new-tokens",
         type=_positive(int),
         default=DEFAULT_MAX_NEW_TOKENS,
         metavar="N",
-        help=f"most tokens per sample (default {DEFAULT_MAX_NEW_TOKENS})",
+        help="most tokens per sample (default %(default)s)",
     )
     p.add_argument("--temperature", type=float, metavar="T", help="0 is greedy (server default 1.0)")
     p.add_argument("--top-p", type=float, metavar="P", help="nucleus mass in (0, 1]")

@@ -255,14 +255,16 @@ def add_process_command(
     model: type[BaseModel],
     flags: Sequence[Flag | str] = (),
     *,
-    help: str,
-    description: str,
     example: str,
+    help: str | None = None,
+    description: str | None = None,
     file_help: str = "TOML file of config keys",
 ) -> argparse.ArgumentParser:
     """`rollwire NAME`, a long-running process configured by `model`: its config arguments
-    (add_config_arguments) and --ready-file; the caller adds its own and sets `func`."""
-    p = subparsers.add_parser(name, help=help, description=description)
+    (add_config_arguments) and --ready-file; the caller adds its own and sets `func`. The help
+    line and the description default to the model's docstring, which says what the process is."""
+    about = " ".join((model.__doc__ or name).split())
+    p = subparsers.add_parser(name, help=help or about, description=description or about)
     add_config_arguments(p, model, flags, example=example, file_help=file_help)
     p.add_argument("--ready-file", help="write {port, metrics_port, pid} as JSON here once serving")
     return p

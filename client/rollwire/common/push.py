@@ -113,13 +113,7 @@ def check_manifest(m: Manifest, *, fingerprint: str | None, max_bytes: int, hold
     """Refuse a manifest before any byte is read; each failure has its own sentence.
     `fingerprint=None` skips the base-model check (a spool reload, before any replica is known)."""
     check_name(m.name)
-    if m.version < 1:
-        raise InvalidArgument("adapter version must be >= 1", reason=Reason.BAD_ADAPTER_VERSION)
-    if m.version > MAX_VERSION:
-        raise InvalidArgument(
-            f"adapter version {m.version} is above the largest version, 2**53 ({MAX_VERSION})",
-            reason=Reason.VERSION_TOO_FAR,
-        )
+    check_version_number(m.version)
     if fingerprint is not None and m.base_model_fingerprint != fingerprint:
         raise FailedPrecondition(
             f"adapter {m.name!r} v{m.version} was trained on base model {m.base_model_fingerprint[:80] or '(none given)'}, "
@@ -141,8 +135,7 @@ def check_manifest(m: Manifest, *, fingerprint: str | None, max_bytes: int, hold
             f"{len(modules)} target modules)",
             reason=Reason.BAD_LORA_CONFIG,
         )
-    if not _DIGEST_RE.fullmatch(m.sha256):
-        raise InvalidArgument("sha256 must be 64 lowercase hex digits", reason=Reason.BAD_DIGEST)
+    check_digest(m.sha256)
     if m.byte_length < 1:
         raise InvalidArgument("byte_length must be > 0", reason=Reason.BAD_LENGTH)
     if m.byte_length > max_bytes:
@@ -186,12 +179,26 @@ def check_push_version(
 def check_commit(name: str, version: int, sha256: str) -> None:
     """The fields of a CommitAdapterRequest; INVALID_ARGUMENT with a sentence."""
     check_name(name)
-    if not 1 <= version <= MAX_VERSION:
-        raise InvalidArgument(f"version {version} must be between 1 and 2**53", reason=Reason.BAD_ADAPTER_VERSION)
-    if not _DIGEST_RE.fullmatch(sha256):
+    check_version_number(version)
+    check_digest(sha256, "of the staged payload")
+
+
+def check_version_number(version: int) -> None:
+    """The one range rule of versions, for manifests and commits: 1 to MAX_VERSION (2**53);
+    INVALID_ARGUMENT with the reason a client acts on otherwise."""
+    if version < 1:
+        raise InvalidArgument(f"adapter version must be >= 1 (got {version})", reason=Reason.BAD_ADAPTER_VERSION)
+    if version > MAX_VERSION:
         raise InvalidArgument(
-            "sha256 must be the 64 lowercase hex digits of the staged payload", reason=Reason.BAD_DIGEST
+            f"adapter version {version} is above the largest version, 2**53 ({MAX_VERSION})",
+            reason=Reason.VERSION_TOO_FAR,
         )
+
+
+def check_digest(sha256: str, of: str = "of the payload") -> None:
+    """A sha256 as sent on the wire: exactly 64 lowercase hex digits; INVALID_ARGUMENT otherwise."""
+    if not _DIGEST_RE.fullmatch(sha256):
+        raise InvalidArgument(f"sha256 must be the 64 lowercase hex digits {of}", reason=Reason.BAD_DIGEST)
 
 
 # -- relay plans -----------------------------------------------------------------------------

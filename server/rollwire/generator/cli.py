@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import argparse
 
-from rollwire.common.config import Flag, add_process_command
+from rollwire.common.config import Flag
+from rollwire.serving.command import register_server
 
 FLAGS = (
     Flag("model", metavar="DIR"),
@@ -33,28 +34,21 @@ def register(subparsers) -> None:
     """Add `rollwire generator` (imports the config model only: pydantic, no torch)."""
     from rollwire.generator.config import GeneratorConfig
 
-    p = add_process_command(
+    register_server(
         subparsers,
         "generator",
         GeneratorConfig,
         FLAGS,
+        _serve,
         help="run a generator replica",
-        description="Serve GeneratorService from a local Hugging Face model folder.",
         example="limits.max_n=16",
     )
-    p.set_defaults(func=run_generator_command)
 
 
-def run_generator_command(args: argparse.Namespace) -> int:
-    from rollwire.generator.config import GeneratorConfig
-    from rollwire.serving.scaffold import run_server_command
+async def _serve(config, args: argparse.Namespace) -> None:
+    from rollwire.generator.app import run_generator  # torch: only once the config is good
 
-    async def serve(config: GeneratorConfig) -> None:
-        from rollwire.generator.app import run_generator  # torch: only once the config is good
-
-        await run_generator(config, args.ready_file, _registration(config))
-
-    return run_server_command(args, GeneratorConfig, "generator", serve)
+    await run_generator(config, args.ready_file, _registration(config))
 
 
 def _registration(config):

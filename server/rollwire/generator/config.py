@@ -133,7 +133,7 @@ class RegisterSection(Section):
 
 
 class GeneratorConfig(ServerConfig):
-    """One generator replica: the model, where it listens, and its limits."""
+    """A generator replica: serves GeneratorService from a local Hugging Face model folder."""
 
     model: str = Field(default="")
     """Local Hugging Face model folder (config.json + *.safetensors + tokenizer)."""

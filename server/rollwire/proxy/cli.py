@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import argparse
 
-from rollwire.common.config import Flag, add_process_command
+from rollwire.common.config import Flag
+from rollwire.serving.command import register_server
 
 FLAGS = (
     Flag("host"),
@@ -28,25 +29,18 @@ def register(subparsers) -> None:
     """Add `rollwire proxy` (imports the config model only: pydantic and grpc, no torch)."""
     from rollwire.proxy.config import ProxyConfig
 
-    p = add_process_command(
+    register_server(
         subparsers,
         "proxy",
         ProxyConfig,
         FLAGS,
+        _serve,
         help="run the routing proxy in front of generator replicas",
-        description="Serve GeneratorService and AdminService for many generator replicas behind one address.",
         example="routing.max_in_flight_per_replica=16",
     )
-    p.set_defaults(func=run_proxy_command)
 
 
-def run_proxy_command(args: argparse.Namespace) -> int:
-    from rollwire.proxy.config import ProxyConfig
-    from rollwire.serving.scaffold import run_server_command
+async def _serve(config, args: argparse.Namespace) -> None:
+    from rollwire.proxy.app import run_proxy
 
-    async def serve(config: ProxyConfig) -> None:
-        from rollwire.proxy.app import run_proxy
-
-        await run_proxy(config, args.ready_file)
-
-    return run_server_command(args, ProxyConfig, "proxy", serve)
+    await run_proxy(config, args.ready_file)

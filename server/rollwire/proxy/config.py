@@ -125,7 +125,7 @@ class FairnessSection(Section):
 
 
 class ProxyConfig(ServerConfig):
-    """One routing proxy: where it listens, which replicas it routes to, and how."""
+    """The routing proxy: one GeneratorService and AdminService address for many generator replicas."""
 
     port: int = port_field(50050, "gRPC")
     metrics_port: int = port_field(9401, "Prometheus /metrics")

@@ -9,16 +9,15 @@ stop sending), then the server drains for `grace` seconds, then the probe and me
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import json
 import os
 import signal
-from collections.abc import Awaitable, Callable, Coroutine, Iterable
+from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass, field
 from http.server import HTTPServer
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import TypeVar
 
 import grpc
 from grpc_health.v1 import _async as health_aio  # pyright: ignore[reportAttributeAccessIssue]  # grpc's stubs lack it; it exists at run time
@@ -143,22 +142,6 @@ async def serve(
         await running.stop(config.grace_seconds)
 
     await serve_until_signal(ready_file, {"port": running.port, "metrics_port": running.metrics_port}, on_stop)
-
-
-def run_server_command(
-    args: argparse.Namespace, model: type[C], role: str, main: Callable[[C], Coroutine[Any, Any, None]]
-) -> int:
-    """`rollwire generator|proxy`: resolve the config (flags > --set > env > --config file),
-    print it for --dry-run, else log as `role` and run `main(config)` until it returns."""
-    from rollwire.common.config import config_for_command
-    from rollwire.common.logs import setup_logging
-
-    config = config_for_command(model, args)
-    if isinstance(config, int):
-        return config
-    setup_logging(role, config.log_level)
-    asyncio.run(main(config))
-    return 0
 
 
 def write_ready_file(path: str, data: dict) -> None:
