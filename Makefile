@@ -10,7 +10,7 @@ PROTOS := $(wildcard proto/rollwire/v1/*.proto)
 .PHONY: help install system-deps test test-fast lint breaking proto demo bench clean
 
 help:
-	@echo "make demo     teach the tiny model, run 2 replicas + proxy + learner, watch GRPO learn"
+	@echo "make demo     teach the tiny model, run a replica + proxy + learner, watch GRPO learn"
 	@echo "make test     lint (buf, ruff, pyright), check proto/ for breaking changes, run the whole suite"
 	@echo "make test-fast  the unit tests only (no processes, no sockets): the inner loop, under 90 s"
 	@echo "make install  create .venv (CPU torch first, then rollwire with pinned dependencies)"

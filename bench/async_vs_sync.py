@@ -25,6 +25,7 @@ import shutil
 import threading
 import time
 from collections import Counter
+from collections.abc import Sequence
 from pathlib import Path
 
 from common import WORK, spread, stop_all, write_result
@@ -44,9 +45,11 @@ def taught_model() -> Path:
     return build_taught_model(WORK / "taught", log=lambda line: None)
 
 
-def start_stack(model: Path, *proxy_settings: str) -> list:
-    """2 transformers replicas (1 torch thread each) and a proxy (extra `--set` strings in
-    `proxy_settings`); the proxy is last.
+def start_stack(
+    model: Path, *proxy_settings: str, replicas: int = REPLICAS, generator_args: Sequence[str] = ()
+) -> list:
+    """`replicas` transformers replicas (1 torch thread each, `generator_args` added) and a
+    proxy (extra `--set` strings in `proxy_settings`); the proxy is last.
 
     In async mode a version being scored can leave the replicas' window of 3 (default) as
     newer ones arrive; the proxy holds requests for a version no replica has for
@@ -56,7 +59,10 @@ def start_stack(model: Path, *proxy_settings: str) -> list:
     be measured on a slower engine than the default one."""
     settings = (f"routing.no_replica_wait_s={NO_REPLICA_WAIT_S}", *proxy_settings)
     proxy_args = [a for s in settings for a in ("--set", s)]
-    return start_local_stack(model, WORK, REPLICAS, proxy_args=proxy_args, prefix="grpo-", routable_timeout=60).services
+    stack = start_local_stack(
+        model, WORK, replicas, generator_args=generator_args, proxy_args=proxy_args, prefix="grpo-", routable_timeout=60
+    )
+    return stack.services
 
 
 def learn(

@@ -3,8 +3,9 @@
 The peer is Hugging Face TRL (`pip install -e '.[model,bench]' -c constraints.txt`, trl 1.16.0): `GRPOTrainer` on the
 tiny model taught the addition task to a partial skill (rollwire.demo.teach), in this process,
 on the training split of rollwire's task, rewarded by rollwire's own `exact_match`. rollwire
-is its stack exactly as bench/async_vs_sync.py runs it (2 transformers replicas with 1 torch
-thread each behind one proxy, `rollwire learner` with 1 thread), in its synchronous
+is the local stack the demo runs (`--replicas`, default rollwire.demo.stack.LOCAL_REPLICAS = 1
+transformers replica with 1 torch thread, sending whole groups, behind one proxy; `rollwire
+learner` with 1 thread), started as bench/async_vs_sync.py starts it, in its synchronous
 (max_staleness 0) and asynchronous (max_staleness 1) modes. The systems alternate per
 repeat (the order reverses every other repeat), each run for a fixed training budget.
 
@@ -54,6 +55,7 @@ from pathlib import Path
 import async_vs_sync as avs
 from common import WORK, cpu_seconds, spread, stop_all, write_result
 
+from rollwire.demo.stack import LOCAL_REPLICAS, WHOLE_GROUPS
 from rollwire.learner.config import LORA_TARGETS
 from rollwire.learner.rewards import exact_match
 from rollwire.learner.task import Example, addition_examples, eval_subset
@@ -367,6 +369,7 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--budget-s", type=float, default=30.0, help="training seconds of each run")
     ap.add_argument("--systems", default="trl,rollwire-sync,rollwire-async", help="comma-separated, in run order")
+    ap.add_argument("--replicas", type=int, default=LOCAL_REPLICAS, help="rollwire's replicas (default: the demo's)")
     ap.add_argument("--trl-threads", type=int, default=TRL_THREADS, help="torch threads of TRL (and of the scorer)")
     args = ap.parse_args()
     TRL_THREADS = args.trl_threads
@@ -384,7 +387,13 @@ def main() -> None:
     scorer = Scorer(model_dir)
     shutil.rmtree(SPOOL, ignore_errors=True)
     stack = (
-        avs.start_stack(model_dir, f"spool.dir={SPOOL}", "spool.keep_versions=1000000")
+        avs.start_stack(
+            model_dir,
+            f"spool.dir={SPOOL}",
+            "spool.keep_versions=1000000",
+            replicas=args.replicas,
+            generator_args=WHOLE_GROUPS,
+        )
         if any(s in ROLLWIRE_MODES for s in systems)
         else []
     )
@@ -465,7 +474,9 @@ def main() -> None:
                 "lora": {"r": LORA_R, "alpha": LORA_ALPHA, "targets": LORA_TARGETS},
                 "max_new_tokens": MAX_NEW_TOKENS,
                 "temperature": TEMPERATURE,
-                "threads": {"trl": TRL_THREADS, "rollwire": "1 per replica (2) and 1 for the learner"},
+                "rollwire_replicas": args.replicas,
+                "rollwire_generator_args": list(WHOLE_GROUPS),
+                "threads": {"trl": TRL_THREADS, "rollwire": "1 per replica and 1 for the learner"},
                 "systems": systems,
                 "versions": _versions(),
             },

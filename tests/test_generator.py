@@ -12,7 +12,8 @@ import grpc
 import pytest
 import torch
 from support.engines import forward_logprobs
-from support.wire import fingerprint, generate, make_adapter, metric_value, peft_reference, push, stub
+from support.processes import start_generator
+from support.wire import fingerprint, generate, make_adapter, metric_value, peft_reference, push, request, stub
 
 from rollwire.v1 import generator_pb2 as pb
 
@@ -219,3 +220,33 @@ def test_metrics_count_requests_tokens_and_latency(generator):
 
 
 pytestmark = pytest.mark.integration  # starts processes or servers: not in make test-fast
+
+
+def test_stream_interval_sends_fewer_larger_messages_with_the_same_samples(generator, tiny_model, tmp_path):
+    """`stream_interval=8`: every message but the last carries 8 or more new tokens of some
+    sample (or a sample's end), and the seeded group is token for token and logprob for
+    logprob the one the per-token stream gives."""
+    gathered = start_generator(tiny_model, tmp_path, "gathered", "--set", "stream_interval=8")
+    try:
+        req = request("interval", n=3, max_new_tokens=20, seed=9, ignore_eos=True)
+        streams = {name: list(stub(svc.target).Generate(req, timeout=60)) for name, svc in
+                   (("per-token", generator), ("gathered", gathered))}  # fmt: skip
+    finally:
+        gathered.stop()
+    samples = {name: _samples(msgs) for name, msgs in streams.items()}
+    assert samples["gathered"] == samples["per-token"]
+    assert all(len(ids) == 20 for ids, _ in samples["gathered"].values())
+    body = streams["gathered"][1:]  # after `started`
+    assert len(body) <= 3 < len(streams["per-token"]) - 1, [len(m.tokens) for m in body]
+    for msg in body[:-1]:
+        assert msg.finished or max(len(c.token_ids) for c in msg.tokens) >= 8, msg
+
+
+def _samples(messages) -> dict[int, tuple[list[int], list[float]]]:
+    out: dict[int, tuple[list[int], list[float]]] = {}
+    for msg in messages:
+        for chunk in msg.tokens:
+            ids, logprobs = out.setdefault(chunk.sample_index, ([], []))
+            ids.extend(chunk.token_ids)
+            logprobs.extend(chunk.logprobs)
+    return out

@@ -325,7 +325,8 @@ async def idle_bounded(messages: AsyncIterable, idle_s: float, holder: str):
     it = aiter(messages)
     while True:
         try:
-            msg = await asyncio.wait_for(anext(it), idle_s)
+            async with asyncio.timeout(idle_s):  # not wait_for: see rollwire.common.waits
+                msg = await anext(it)
         except StopAsyncIteration:
             return
         except TimeoutError:

@@ -1,6 +1,6 @@
 """`make demo`: the whole stack on this machine, learning the built-in task in a fixed budget.
 
-Starts 2 generator replicas, a proxy in front of them and the learner, each as its own
+Starts a generator replica (--replicas for more), a proxy in front of it and the learner, each as its own
 process with its own log in the run folder; shows a live progress line; ends with a table
 (held-out accuracy before and after, steps, groups/s, staleness, push latency), a
 reward-curve PNG and summary.json. The last line printed names the run folder;
@@ -18,7 +18,7 @@ from datetime import datetime
 from pathlib import Path
 
 from rollwire.demo.plot import MISSING
-from rollwire.demo.stack import Service, start, start_stack
+from rollwire.demo.stack import LOCAL_REPLICAS, WHOLE_GROUPS, Service, start, start_stack
 
 SUMMARY_KEYS = (
     "accuracy_before",
@@ -34,7 +34,9 @@ SUMMARY_KEYS = (
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m rollwire.demo", description=(__doc__ or "").splitlines()[0])
     p.add_argument("--budget-s", type=float, default=120.0, help="seconds of training (default 120)")
-    p.add_argument("--replicas", type=int, default=2, help="generator replicas behind the proxy (default 2)")
+    p.add_argument(
+        "--replicas", type=int, default=LOCAL_REPLICAS, help="generator replicas behind the proxy (default %(default)s)"
+    )
     p.add_argument("--runs-dir", default="runs", help="where run folders go (default runs/)")
     p.add_argument("--model-dir", default="runs/models/taught", help="taught model folder, built once and reused")
     p.add_argument(
@@ -48,6 +50,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
+def _replicas(count: int) -> str:
+    return f"{count} generator replica" + ("s" if count != 1 else "")
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     # Ctrl-C (even when started in the background, where SIGINT may be ignored) and SIGTERM
@@ -56,13 +62,13 @@ def main(argv=None) -> int:
     signal.signal(signal.SIGTERM, signal.default_int_handler)
     run = new_run_folder(Path(args.runs_dir))
     services: list[Service] = []
-    say(f"rollwire demo: {args.replicas} generator replicas behind a proxy, {args.budget_s:.0f} s of GRPO training")
+    say(f"rollwire demo: {_replicas(args.replicas)} behind a proxy, {args.budget_s:.0f} s of GRPO training")
     try:
         model = teach_model(Path(args.model_dir), run)
-        stack = start_stack(model, run, args.replicas)  # the replicas start at once (each loads torch and the model)
+        stack = start_stack(model, run, args.replicas, generator_args=WHOLE_GROUPS)  # replicas start at once
         services += stack.services
         proxy = stack.proxy
-        say(f"{args.replicas} generator replicas ready")
+        say(f"{_replicas(args.replicas)} ready")
         say(f"proxy on {proxy.target} -> replicas {', '.join(g.target for g in stack.replicas)}")
         config = write_learner_config(run, proxy.target, model, args)
         learner = start(["learner", "--config", str(config)], run, "learner", timeout=300)

@@ -34,6 +34,13 @@ from rollwire.v1 import generator_pb2_grpc
 ONE_THREAD = ("--set", "transformers.threads=1")
 """Several model processes on a few cores with torch's default threads fight over them and
 run up to 20x slower, so a local replica gets one torch thread."""
+LOCAL_REPLICAS = 1
+"""Replicas of the stack a laptop runs for a learner (the demo, bench/peer_trl.py). Measured on
+2 cores (docs/benchmarks.md §7): one replica batching every group generates 15-20% more groups
+a second than two replicas splitting them, which pay for a second process and half-full batches."""
+WHOLE_GROUPS = ("--set", "stream_interval=16")
+"""A learner reads whole groups: its replicas send a sample's tokens 16 at a time (or at its
+end), not one message per token, which saves gRPC work in the replica, the proxy and the learner."""
 
 
 def rollwire_cmd(*args: str) -> list[str]:

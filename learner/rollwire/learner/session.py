@@ -23,6 +23,7 @@ from rollwire.client import AsyncClient
 from rollwire.common.errors import FailedPrecondition
 from rollwire.common.logs import get_logger
 from rollwire.common.retries import VERSION_TAKEN
+from rollwire.common.waits import wait_at_most
 from rollwire.learner import checkpoint
 from rollwire.learner.admission import staleness
 from rollwire.learner.buffer import Buffer, GroupLedger, ScoredGroup
@@ -208,9 +209,8 @@ class Session:
         # Interrupted: the stack is likely going down too, so the last push gets a short chance.
         flush_s = 5.0 if self.stop_reason == "signal" else self.cfg.client.timeout_s
         try:
-            await asyncio.wait_for(self.publisher.close(), timeout=flush_s)
-        except TimeoutError:
-            log.error("final_push_timed_out", version=self.version, waited_s=flush_s)
+            if not await wait_at_most(self.publisher.close(), flush_s):
+                log.error("final_push_timed_out", version=self.version, waited_s=flush_s)
         finally:
             if self.step > self.last_checkpoint_step or not checkpoint.load_latest(self.checkpoint_dir):
                 self.save_checkpoint()

@@ -146,6 +146,10 @@ class GeneratorConfig(ServerConfig):
     """Name in logs and status; defaults to host:port."""
     adapter_window: int = Field(default=3, ge=1)
     """Newest versions of each adapter kept loaded."""
+    stream_interval: int = Field(default=1, ge=1, le=4096)
+    """New tokens of a sample gathered before they are sent (a sample's end is always sent at once); 1 streams
+    every token as it is made. Larger values cut the per-message cost of gRPC, the proxy and the caller when the
+    callers want whole groups (a learner), at the price of later first tokens."""
     limits: Limits = Field(default_factory=Limits)
     transformers: TransformersSection = Field(default_factory=TransformersSection)
     sglang: SGLangSection = Field(default_factory=SGLangSection)

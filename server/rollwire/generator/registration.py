@@ -9,13 +9,13 @@ drain and deregister it before its server stops, so no group the proxy placed on
 from __future__ import annotations
 
 import asyncio
-import contextlib
 from dataclasses import dataclass, field
 
 import grpc
 
 from rollwire.common.keepalive import DEFAULT as DEFAULT_KEEPALIVE
 from rollwire.common.logs import get_logger
+from rollwire.common.waits import wait_at_most
 from rollwire.v1 import admin_pb2 as apb
 from rollwire.v1 import admin_pb2_grpc
 
@@ -70,8 +70,7 @@ class Heartbeat:
                     "heartbeat_failed", proxy=self.registration.proxy, code=exc.code().name, error=exc.details()
                 )
                 registered = False
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._stop.wait(), interval)
+            await wait_at_most(self._stop.wait(), interval)
 
     async def leave(self, timeout_s: float) -> None:
         """Stop heartbeats, then have the proxy drain and forget this replica."""

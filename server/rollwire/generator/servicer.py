@@ -39,6 +39,7 @@ from rollwire.generator.types import (
     SamplingParams,
     TokenDelta,
     coalesce,
+    worth_sending,
 )
 from rollwire.serving import __version__
 from rollwire.serving.dial import Dialer
@@ -103,11 +104,17 @@ class GeneratorServicer(generator_pb2_grpc.GeneratorServiceServicer):
             )
             self.metrics.tokens.labels("prompt").inc(len(group.prompt_ids) * group.n)
             async with contextlib.aclosing(self.engine.generate(group)) as stream:  # pyright: ignore[reportArgumentType]  # the library's annotation is narrower than what it accepts
+                gathered: list = []  # held back until worth a message (config.stream_interval)
                 async for events in stream:
                     if first_token_at is None:
                         first_token_at = time.monotonic()
                         self.metrics.ttft.observe(first_token_at - start)
-                    yield self._to_response(events)
+                    gathered.extend(events)
+                    if worth_sending(gathered, self.config.stream_interval):
+                        yield self._to_response(gathered)
+                        gathered = []
+                if gathered:
+                    yield self._to_response(gathered)
         except RollwireError as err:
             code = err.code
             log.info("generate_refused", code=code.name, reason=err.reason, error=err.message)

@@ -99,3 +99,18 @@ def coalesce(events: list[Event]) -> list[Event]:
             merged.pop(ev.sample_index, None)
             out.append(ev)
     return out
+
+
+def worth_sending(events: list[Event], interval: int) -> bool:
+    """Whether the events gathered for one stream make a message now: every batch when
+    `interval` is 1, else once some sample ended or has `interval` new tokens waiting."""
+    if interval <= 1:
+        return bool(events)
+    waiting: dict[int, int] = {}
+    for ev in events:
+        if not isinstance(ev, TokenDelta):
+            return True
+        waiting[ev.sample_index] = waiting.get(ev.sample_index, 0) + len(ev.token_ids)
+        if waiting[ev.sample_index] >= interval:
+            return True
+    return False

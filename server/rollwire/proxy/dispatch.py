@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 
 from rollwire.common.errors import DeadlineExceeded, ResourceExhausted, Unavailable
 from rollwire.common.reasons import Reason
+from rollwire.common.waits import wait_at_most
 from rollwire.proxy.config import FairnessSection, RoutingSection
 from rollwire.proxy.metrics import ProxyMetrics
 from rollwire.proxy.policies import Policy
@@ -111,25 +112,24 @@ class _Waiter:
     future: asyncio.Future = field(default_factory=lambda: asyncio.get_running_loop().create_future())
 
 
+@dataclass(eq=False)
 class Dispatcher:
-    def __init__(
-        self,
-        replicas: ReplicaSet,
-        policy: Policy,
-        routing: RoutingSection,
-        metrics: ProxyMetrics,
-        fairness: FairnessSection | None = None,
-    ) -> None:
-        self.replicas, self.policy, self.routing, self.metrics = replicas, policy, routing, metrics
-        self.fairness = fairness or FairnessSection()
-        self.clients: dict[str, Client] = {}
-        """Admitted clients by name (those with requests open)."""
-        self._queued: dict[Client, None] = {}
-        """Clients with waiters, in the order they started waiting (ties of `served` go by it)."""
-        self._anonymous = Client("")
-        self._waiting = 0
-        self._turn = 0
-        self._changed = asyncio.Event()
+    """Admits requests per client and hands out replica slots: a free slot goes to the waiting
+    client served longest ago, then to that client's oldest waiter (see the module docstring)."""
+
+    replicas: ReplicaSet
+    policy: Policy
+    routing: RoutingSection
+    metrics: ProxyMetrics
+    fairness: FairnessSection = field(default_factory=FairnessSection)
+    clients: dict[str, Client] = field(default_factory=dict, init=False)
+    """Admitted clients by name (those with requests open)."""
+    _queued: dict[Client, None] = field(default_factory=dict, init=False)
+    """Clients with waiters, in the order they started waiting (ties of `served` go by it)."""
+    _anonymous: Client = field(default_factory=lambda: Client(""), init=False)
+    _waiting: int = field(default=0, init=False)
+    _turn: int = field(default=0, init=False)
+    _changed: asyncio.Event = field(default_factory=asyncio.Event, init=False)
 
     def queued(self) -> int:
         return self._waiting
@@ -255,8 +255,7 @@ class Dispatcher:
         while not self.replicas.routable():
             if time.monotonic() >= limit:
                 raise self._no_replica(Need(), time.monotonic() - start)
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._changed.wait(), limit - time.monotonic())
+            await wait_at_most(self._changed.wait(), limit - time.monotonic())
 
     def _no_replica(self, need: Need, waited: float) -> Unavailable:
         return Unavailable(

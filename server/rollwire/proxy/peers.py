@@ -38,7 +38,6 @@ Invariants:
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
@@ -55,6 +54,7 @@ from rollwire.common.logs import REQUEST_ID_KEY, get_logger, new_request_id
 from rollwire.common.push import PushReader
 from rollwire.common.reasons import Reason
 from rollwire.common.retries import VERSION_TAKEN, push_refused_for_good
+from rollwire.common.waits import wait_at_most
 from rollwire.serving.dial import on_each_drop
 from rollwire.v1 import generator_pb2 as pb
 from rollwire.v1 import generator_pb2_grpc
@@ -277,11 +277,7 @@ class Peers:
             else:
                 self._behind(peer, "it does not answer health checks")
                 peer.wake.clear()  # _behind wakes the monitor; this is the monitor: wait the interval, do not spin
-            # asyncio.timeout, not wait_for: on Python 3.11 wait_for swallows a cancellation that
-            # comes as the wait ends (a peer dropping as this proxy stops), and close() then hangs
-            with contextlib.suppress(TimeoutError):
-                async with asyncio.timeout(self.section.interval_s):
-                    await peer.wake.wait()
+            await wait_at_most(peer.wake.wait(), self.section.interval_s)
 
     async def _answers(self, peer: _Peer) -> bool:
         """A health check; before a catch-up, also who it is (GetStatus), to skip this proxy."""

@@ -35,6 +35,7 @@ from rollwire.common.errors import Unavailable
 from rollwire.common.logs import get_logger, new_request_id
 from rollwire.common.reasons import Reason
 from rollwire.common.retries import VERSION_TAKEN, push_refused_for_good
+from rollwire.common.waits import wait_at_most
 from rollwire.proxy.breaker import Breaker
 from rollwire.proxy.config import ProxyConfig
 from rollwire.proxy.metrics import ProxyMetrics
@@ -251,9 +252,7 @@ class ReplicaSet:
                 if not replica.healthy:
                     replica.detail = why
             self._publish(replica)
-            with contextlib.suppress(TimeoutError):  # not wait_for: see Peers._monitor
-                async with asyncio.timeout(hc.interval_s):
-                    await replica.wake.wait()
+            await wait_at_most(replica.wake.wait(), hc.interval_s)
 
     async def _check(self, replica: Replica) -> tuple[bool, bool, str]:
         """(serving, answered, why not). A replica shutting down answers NOT_SERVING while

@@ -30,6 +30,7 @@ import httpx2 as httpx
 from rollwire.common.errors import DeadlineExceeded, FailedPrecondition, RollwireError, Unavailable
 from rollwire.common.logs import get_logger
 from rollwire.common.reasons import Reason
+from rollwire.common.waits import wait_at_most
 from rollwire.generator.engines.sglang_protocol import error_from_reply
 
 log = get_logger(__name__)
@@ -221,9 +222,7 @@ class SGLangProcess:
         if self.proc is None or self.proc.returncode is not None:
             return
         self._signal(signal.SIGTERM)
-        try:
-            await asyncio.wait_for(self.proc.wait(), grace_s)
-        except TimeoutError:
+        if not await wait_at_most(self.proc.wait(), grace_s):
             self._signal(signal.SIGKILL)
             await self.proc.wait()
 
@@ -311,8 +310,7 @@ class Supervisor:
         if self.process is None or self.process.proc is None:
             await asyncio.sleep(seconds)
             return
-        with contextlib.suppress(asyncio.TimeoutError):
-            await asyncio.wait_for(asyncio.shield(self.process.proc.wait()), seconds)
+        await wait_at_most(asyncio.shield(self.process.proc.wait()), seconds)
 
     def _log_hint(self) -> str:
         return f"; see {self.process.log_path}" if self.process is not None else ""
@@ -320,7 +318,8 @@ class Supervisor:
     async def wait_for(self, predicate: Callable[[Supervisor], bool], timeout_s: float) -> None:
         """Until `predicate(self)` holds after some state change (tests and operators)."""
         async with self._changed:
-            await asyncio.wait_for(self._changed.wait_for(lambda: predicate(self)), timeout_s)
+            async with asyncio.timeout(timeout_s):  # not wait_for: see rollwire.common.waits
+                await self._changed.wait_for(lambda: predicate(self))
 
     async def _notify(self) -> None:
         async with self._changed:
@@ -367,8 +366,7 @@ class Supervisor:
     async def _watch_url(self) -> None:
         """Probe an SGLang given by URL; re-sync adapters when it comes back."""
         while not self._stopping:
-            with contextlib.suppress(asyncio.TimeoutError):
-                await asyncio.wait_for(self._probe_now.wait(), self.health_interval_s)
+            await wait_at_most(self._probe_now.wait(), self.health_interval_s)
             self._probe_now.clear()
             ok, why = await self.http.healthy()
             if not ok:
