@@ -1,8 +1,9 @@
 """TRL's GRPOTrainer beside rollwire's own stack: same taught model, task, held-out set, settings.
 
 The peer is Hugging Face TRL (`pip install -e '.[model,bench]' -c constraints.txt`, trl 1.16.0): `GRPOTrainer` on the
-tiny model taught the addition task to a partial skill (rollwire.demo.teach), in this process,
-on the training split of rollwire's task, rewarded by rollwire's own `exact_match`. rollwire
+tiny model taught the addition task to a partial skill (rollwire.demo.teach), in a process started
+for each run as a user starts a training script (cold, as each run's `rollwire learner` is), on the
+training split of rollwire's task, rewarded by rollwire's own `exact_match`. rollwire
 is the local stack the demo runs (`--replicas`, default rollwire.demo.stack.LOCAL_REPLICAS = 1
 transformers replica with 1 torch thread, sending whole groups, behind one proxy; `rollwire
 learner` with 1 thread), started as bench/async_vs_sync.py starts it, in its synchronous
@@ -45,6 +46,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import multiprocessing
 import resource
 import shutil
 import statistics
@@ -261,6 +263,20 @@ def run_trl(model_dir: Path, name: str, budget_s: float, max_steps: int = 0) -> 
     return result, [(0.0, start_weights), *clock.points]
 
 
+def run_trl_fresh(model_dir: Path, name: str, budget_s: float) -> tuple[dict, list[tuple[float, dict]]]:
+    """`run_trl` in a process of its own, started for this run, as a user starts a training
+    script: torch, the model and the trainer start cold, as rollwire's learner does (a fresh
+    `rollwire learner` process each run; only the long-running replicas and proxy are warm)."""
+    with multiprocessing.get_context("spawn").Pool(1) as pool:
+        return pool.apply(_run_trl_in_child, (model_dir, name, budget_s, TRL_THREADS))
+
+
+def _run_trl_in_child(model_dir: Path, name: str, budget_s: float, threads: int):
+    global TRL_THREADS
+    TRL_THREADS = threads
+    return run_trl(model_dir, name, budget_s)
+
+
 class BudgetClock:
     """Training seconds since `begin`, less the paused spans; what the TRL callbacks record."""
 
@@ -402,12 +418,10 @@ def main() -> None:
     try:
         if stack:
             avs.learn(stack[-1].target, model_dir, "peer-warmup", 1, "max_steps=3", "eval.at_end=false", watch=False)
-        if "trl" in systems:
-            run_trl(model_dir, "warmup", 0, max_steps=3)
         for index in range(args.repeats):
             for system in systems if index % 2 == 0 else list(reversed(systems)):
                 if system == "trl":
-                    result, points = run_trl(model_dir, f"trl-{index}", args.budget_s)
+                    result, points = run_trl_fresh(model_dir, f"trl-{index}", args.budget_s)
                 else:
                     staleness, settings = ROLLWIRE_MODES[system]
                     result, points = run_rollwire(

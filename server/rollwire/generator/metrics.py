@@ -23,7 +23,7 @@ class GeneratorMetrics:
         self.requests = m.counter("requests_total", "Generate requests by final gRPC status code.", ["code"])
         self.tokens = m.counter("tokens_total", "Tokens processed, by kind (prompt or completion).", ["kind"])
         self.ttft = m.histogram(
-            "time_to_first_token_seconds", "From request arrival to its first token.", buckets=LATENCY_BUCKETS
+            "time_to_first_token_seconds", "From request arrival to its first token sent.", buckets=LATENCY_BUCKETS
         )
         self.latency = m.histogram(
             "request_duration_seconds", "From request arrival to its last message.", buckets=LATENCY_BUCKETS

@@ -106,11 +106,11 @@ class GeneratorServicer(generator_pb2_grpc.GeneratorServiceServicer):
             async with contextlib.aclosing(self.engine.generate(group)) as stream:  # pyright: ignore[reportArgumentType]  # the library's annotation is narrower than what it accepts
                 gathered: list = []  # held back until worth a message (config.stream_interval)
                 async for events in stream:
-                    if first_token_at is None:
-                        first_token_at = time.monotonic()
-                        self.metrics.ttft.observe(first_token_at - start)
                     gathered.extend(events)
                     if worth_sending(gathered, self.config.stream_interval):
+                        if first_token_at is None:  # the first token the client gets, gathered or not
+                            first_token_at = time.monotonic()
+                            self.metrics.ttft.observe(first_token_at - start)
                         yield self._to_response(gathered)
                         gathered = []
                 if gathered:
