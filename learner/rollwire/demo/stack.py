@@ -36,7 +36,7 @@ ONE_THREAD = ("--set", "transformers.threads=1")
 run up to 20x slower, so a local replica gets one torch thread."""
 LOCAL_REPLICAS = 1
 """Replicas of the stack a laptop runs for a learner (the demo, bench/peer_trl.py). Measured on
-2 cores (docs/benchmarks.md §7): one replica batching every group generates 15-20% more groups
+2 cores (docs/benchmarks.md §7): one replica batching every group generates about 20% more groups
 a second than two replicas splitting them, which pay for a second process and half-full batches."""
 WHOLE_GROUPS = ("--set", "stream_interval=16")
 """A learner reads whole groups: its replicas send a sample's tokens 16 at a time (or at its
