@@ -18,7 +18,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from rollwire.client._common import open_channel
 from rollwire.common.config import ConfigError, load_config
-from rollwire.common.keepalive import DEFAULT, MIN_PING_INTERVAL_S, Keepalive
+from rollwire.common.keepalive import BULK_PING_TIMEOUT_S, DEFAULT, MIN_PING_INTERVAL_S, Keepalive, for_pushes
 from rollwire.serving.scaffold import server_options
 
 FAST = Keepalive(time_s=MIN_PING_INTERVAL_S, timeout_s=1.0)
@@ -36,6 +36,18 @@ def test_the_numbers_agree_and_are_checked():
     for bad in (dict(time_s=0.5), dict(timeout_s=0.0), dict(time_s=7200)):
         with pytest.raises(ValueError, match="keepalive"):
             Keepalive(**bad)
+
+
+def test_a_push_connection_waits_longer_for_a_ping_answer_and_changes_nothing_else():
+    """A ping on a push connection queues behind the push's bytes: only its deadline grows."""
+    for keepalive in (DEFAULT, FAST, Keepalive(time_s=5, timeout_s=90)):
+        plain = dict(keepalive.channel_options())
+        bulk = dict(for_pushes(keepalive.channel_options()))
+        changed = {key for key in plain if plain[key] != bulk[key]}
+        assert bulk.keys() == plain.keys()
+        assert changed <= {"grpc.keepalive_timeout_ms", "grpc.http2.ping_timeout_ms"}
+        for key in ("grpc.keepalive_timeout_ms", "grpc.http2.ping_timeout_ms"):
+            assert bulk[key] == max(plain[key], round(BULK_PING_TIMEOUT_S * 1000))
 
 
 def test_the_config_section_refuses_pings_a_server_would_refuse(tmp_path):

@@ -40,6 +40,7 @@ rollwire.serving.keepalive.KeepaliveSection.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 MIN_PING_INTERVAL_S = 1.0
 """Shortest ping period a rollwire server accepts, and the shortest a rollwire channel uses."""
@@ -49,6 +50,12 @@ RECONNECT_MAX_S = 1.0
 """Longest wait between two connection attempts (gRPC's default grows to 120 s)."""
 MAX_PING_STRIKES = 2
 """Pings below MIN_PING_INTERVAL_S a server tolerates before GOAWAY (gRPC's default)."""
+BULK_PING_TIMEOUT_S = 60.0
+"""Ping deadline on a connection that carries only adapter pushes (`Dialer.channel(bulk=True)`).
+A ping queues behind the push bytes already in that connection's socket buffers, which drain
+at its share of the link: eight pushes sharing 50 Mbit/s took longer than `timeout_s` to send
+one, and the connection was closed mid-push ("ping timeout"). A dead or stalled receiver of a
+push is found by the push itself (the relay's stall rule and the push deadline), not by this."""
 
 
 def _ms(seconds: float) -> int:
@@ -108,12 +115,23 @@ class Keepalive:
 
 DEFAULT = Keepalive()
 
+_PING_DEADLINES = ("grpc.keepalive_timeout_ms", "grpc.http2.ping_timeout_ms")
+
+
+def for_pushes(options: list[tuple[str, Any]]) -> list[tuple[str, Any]]:
+    """A channel's options for a connection that carries only pushes: the same, with the ping
+    deadline raised to BULK_PING_TIMEOUT_S."""
+    slow = _ms(BULK_PING_TIMEOUT_S)
+    return [(key, max(value, slow)) if key in _PING_DEADLINES else (key, value) for key, value in options]
+
 
 __all__ = [
+    "BULK_PING_TIMEOUT_S",
     "DEFAULT",
     "MAX_PING_STRIKES",
     "MIN_PING_INTERVAL_S",
     "RECONNECT_MAX_S",
     "RECONNECT_MIN_S",
     "Keepalive",
+    "for_pushes",
 ]

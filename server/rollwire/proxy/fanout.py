@@ -12,7 +12,8 @@ The steps of one publication (`FanOut.push`):
    header passed the replicas' header checks, and the chunk that completes the payload is
    held back until the digest and the full payload check passed at the proxy, so no replica
    ever holds a complete payload the proxy refused;
-3. the version is committed to the spool (atomically, durably): catch-up can use it now;
+3. the version is committed to the spool (atomically, durably); catch-up leaves it to this
+   publication until it ends (`ReplicaSet.publishing`), then uses it for whoever missed it;
 4. every replica verifies its own copy (length, sha256, tensors against the base model,
    finiteness) and stages it; a healthy target that did not stage it (its parent died or
    was cut off for stalling, or it refused bytes a hop altered) gets it again from the
@@ -342,23 +343,28 @@ class FanOut:
             if held is not None:
                 await forward.send(held)
             forward.end()
-            try:  # the spool write becomes durable while the replicas verify and stage
-                await asyncio.to_thread(self.spool.sync, upload)
-                adapter, created = self.spool.commit(upload)  # consumes the upload on every exit
-            except BaseException as exc:
-                forward.abort(f"the proxy could not spool the payload: {exc}"[:300])
-                upload.discard()
-                raise
-            await self._collect(pub, forward, healing=False)
-            await self._heal(pub, payload)
-            del payload
-            if self.peers is not None and any(o.ok for o in pub.outcomes.values()):
-                await self.peers.share(
-                    adapter, pub.request_id
-                )  # in every peer proxy's spool before any replica serves it
-            results = await self._commit(pub)
-            self.metrics.fanout_latency.observe(time.monotonic() - pub.started)
-            return self._settle(pub, adapter, created, results)
+            key = (pub.manifest.name, pub.manifest.version)
+            self.replicas.publishing.add(key)  # before the spool holds it: catch-up leaves it to us
+            try:
+                try:  # the spool write becomes durable while the replicas verify and stage
+                    await asyncio.to_thread(self.spool.sync, upload)
+                    adapter, created = self.spool.commit(upload)  # consumes the upload on every exit
+                except BaseException as exc:
+                    forward.abort(f"the proxy could not spool the payload: {exc}"[:300])
+                    upload.discard()
+                    raise
+                await self._collect(pub, forward, healing=False)
+                await self._heal(pub, payload)
+                del payload
+                if self.peers is not None and any(o.ok for o in pub.outcomes.values()):
+                    await self.peers.share(
+                        adapter, pub.request_id
+                    )  # in every peer proxy's spool before any replica serves it
+                results = await self._commit(pub)
+                self.metrics.fanout_latency.observe(time.monotonic() - pub.started)
+                return self._settle(pub, adapter, created, results)
+            finally:
+                self.replicas.publishing.discard(key)
         finally:
             lock.release()
 

@@ -66,6 +66,12 @@ class ReplicaSet:
         spool.max_version_step = config.spool.max_version_step
         # (name, version, sha256) -> addresses of replicas that refused it permanently
         self._refusals: dict[tuple[str, int, str], set[str]] = {}
+        self.publishing: set[tuple[str, int]] = set()
+        """(name, version) a publication (fanout.py) is delivering now, spooled but still on its
+        way to the replicas: catch-up leaves it to that publication, and a replica that lacks it
+        yet is not behind. A second copy pushed over the same links would halve both (a thin
+        link then took twice as long and closed connections mid-push); the publication hands
+        whoever it missed to catch-up when it settles (mark_unsynced)."""
 
     # -- membership --------------------------------------------------------------------
     def add(self, address: str, source: str, ttl_s: float | None = None) -> tuple[Replica, bool]:
@@ -325,6 +331,8 @@ class ReplicaSet:
             for adapter in self.spool.versions(name):
                 if adapter.version <= replica.newest(name) or not self.spool.holds(adapter):
                     continue
+                if (name, adapter.version) in self.publishing:
+                    continue
                 if self._refused_by(replica, adapter):
                     continue
                 try:
@@ -355,7 +363,8 @@ class ReplicaSet:
         behind = [
             f"{n} v{vs[-1].version}"
             for n in self.spool.names()
-            if (vs := self.spool.versions(n)) and replica.newest(n) < vs[-1].version
+            if (vs := [v for v in self.spool.versions(n) if (n, v.version) not in self.publishing])
+            and replica.newest(n) < vs[-1].version
         ]
         if behind:
             replica.synced = False

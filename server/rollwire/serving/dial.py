@@ -19,7 +19,7 @@ from pydantic import Field
 
 from rollwire.common.config import Section
 from rollwire.common.keepalive import DEFAULT as DEFAULT_KEEPALIVE
-from rollwire.common.keepalive import Keepalive
+from rollwire.common.keepalive import Keepalive, for_pushes
 
 MESSAGE_OPTIONS = (
     ("grpc.max_receive_message_length", 8 << 20),
@@ -96,8 +96,9 @@ class Dialer:
         """A channel to `address`. `bulk` gives it a TCP connection of its own (a local
         subchannel pool) for adapter pushes: megabytes queued in one connection's socket
         buffers delay every frame behind them, so health checks, status calls and rollout
-        streams keep a connection that pushes never fill."""
-        options = [*self.options, ("grpc.use_local_subchannel_pool", 1)] if bulk else self.options
+        streams keep a connection that pushes never fill. Its ping deadline is longer
+        (keepalive.for_pushes): a ping there waits behind the push bytes already queued."""
+        options = [*for_pushes(self.options), ("grpc.use_local_subchannel_pool", 1)] if bulk else self.options
         if self.credentials is None:
             return grpc.aio.insecure_channel(address, options=options)
         return grpc.aio.secure_channel(address, self.credentials, options=options)
