@@ -298,24 +298,31 @@ def thin_star(lab, tiny_model, tmp_path_factory):
     time one 64 KiB chunk takes at that half (~130 ms). Keepalive stays at its default here:
     FAST's 1 s pings would wait behind the pushes' bytes on this link."""
     workdir = tmp_path_factory.mktemp("partitions-star")
-    hosts = {name: lab.add_host(name) for name in ("s1", "s2")}
-    hosts["ps"] = lab.add_host("ps", rate_mbit=8)
+    settings = ("push.stall_timeout_s=0.05", "health.interval_s=0.2")
+    yield from star(lab, tiny_model, workdir, {"s1": None, "s2": None}, ("ps", 8), settings)
+
+
+def star(lab, tiny_model, workdir, replicas: dict[str, float | None], proxy: tuple[str, float | None], settings):
+    """Replicas (name -> its link's Mbit/s, None: the lab's) and a proxy (name, Mbit/s) that sends
+    each its own copy (push.fanout=0), with more proxy `settings`, each on a host of its own;
+    yields (hosts by name, the proxy's address, the proxy's Service) once it routes to all."""
+    hosts = {name: lab.add_host(name, rate_mbit=rate) for name, rate in (*replicas.items(), proxy)}
     services = []
-    for name in ("s1", "s2"):
+    for name in replicas:
         args = ["generator", "--model", str(tiny_model), "--host", hosts[name].ip, "--port", "50051"]
         services.append(
             start_in(hosts[name], [*args, "--metrics-port", "0", "--replica-id", name, *GENERATOR_ARGS], workdir, name)
         )
-    args = ["proxy", "--host", hosts["ps"].ip, "--port", "50050", "--metrics-port", "0", "--proxy-id", "ps"]
-    for name in ("s1", "s2"):
-        args += ["--generator", f"{hosts[name].ip}:50051"]
-    args += ["--set", "push.fanout=0", "--set", "push.stall_timeout_s=0.05", "--set", "health.interval_s=0.2"]
-    proxy = start_in(hosts["ps"], args, workdir, "ps")
-    services.append(proxy)
-    address = f"{hosts['ps'].ip}:50050"
+    name = proxy[0]
+    args = ["proxy", "--host", hosts[name].ip, "--port", "50050", "--metrics-port", "0", "--proxy-id", name]
+    for replica in replicas:
+        args += ["--generator", f"{hosts[replica].ip}:50051"]
+    args += ["--set", "push.fanout=0", *(a for setting in settings for a in ("--set", setting))]
+    services.append(start_in(hosts[name], args, workdir, name))
+    address = f"{hosts[name].ip}:50050"
     try:
-        wait_until(lambda: routable(address) == {"s1", "s2"}, 60, "the star proxy routes to both replicas")
-        yield hosts, address, proxy
+        wait_until(lambda: routable(address) == set(replicas), 60, "the star proxy routes to every replica")
+        yield hosts, address, services[-1]
     finally:
         stop_all(services, timeout=5)
 
@@ -387,24 +394,7 @@ def slow_receiver(lab, tiny_model, tmp_path_factory):
     """Replicas v1 (a 1 Gbit/s link) and v2 (4 Mbit/s: a push reaches it over seconds) behind a
     star proxy whose monitor looks for missing versions every 0.3 s."""
     workdir = tmp_path_factory.mktemp("partitions-slow")
-    hosts = {"v1": lab.add_host("v1"), "v2": lab.add_host("v2", rate_mbit=4), "pv": lab.add_host("pv")}
-    services = []
-    for name in ("v1", "v2"):
-        args = ["generator", "--model", str(tiny_model), "--host", hosts[name].ip, "--port", "50051"]
-        services.append(
-            start_in(hosts[name], [*args, "--metrics-port", "0", "--replica-id", name, *GENERATOR_ARGS], workdir, name)
-        )
-    args = ["proxy", "--host", hosts["pv"].ip, "--port", "50050", "--metrics-port", "0", "--proxy-id", "pv"]
-    args += ["--generator", f"{hosts['v1'].ip}:50051", "--generator", f"{hosts['v2'].ip}:50051"]
-    args += ["--set", "push.fanout=0", "--set", "health.status_every_s=0.3"]
-    proxy = start_in(hosts["pv"], args, workdir, "pv")
-    services.append(proxy)
-    address = f"{hosts['pv'].ip}:50050"
-    try:
-        wait_until(lambda: routable(address) == {"v1", "v2"}, 60, "the proxy routes to both replicas")
-        yield hosts, address, proxy
-    finally:
-        stop_all(services, timeout=5)
+    yield from star(lab, tiny_model, workdir, {"v1": None, "v2": 4}, ("pv", None), ("health.status_every_s=0.3",))
 
 
 def test_a_version_still_on_its_way_is_neither_pushed_twice_nor_takes_its_replica_out_of_rotation(
