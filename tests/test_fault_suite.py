@@ -402,8 +402,9 @@ def test_a_pusher_lost_mid_push_leaves_nothing_and_the_version_can_be_pushed_aga
             assert time.monotonic() - lost_at < IDLE_S + SLACK_S, "the proxy kept the partial upload"
         dropped_after = time.monotonic() - lost_at
         if fault == "frozen":
-            idle = refusals(proxy, Reason.PUSH_IDLE)
-            assert idle and dropped_after > IDLE_S - 0.2, (idle, dropped_after)
+            # the partial file goes before the refusal's log line is written: await the line
+            wait_until(lambda: refusals(proxy, Reason.PUSH_IDLE), SLACK_S, "the proxy logs the PUSH_IDLE refusal")
+            assert dropped_after > IDLE_S - 0.2, dropped_after
         assert spooled(spool, name) == [1]
         assert all(held(r.target, name) == {1} for r in replicas)
         print(f"{fanout}, pusher {fault}: the partial upload was dropped after {dropped_after:.2f}s")
