@@ -65,10 +65,12 @@ from rollwire.learner.task import Example, addition_examples, eval_subset
 TARGET, EVAL_SIZE, SEED = avs.TARGET, avs.EVAL_SIZE, avs.SEED
 N, GROUPS_PER_STEP, LR, LORA_R, LORA_ALPHA, MAX_NEW_TOKENS, TEMPERATURE = 8, 8, 1e-3, 8, 16.0, 8, 1.0
 TRL_THREADS = 1  # see Threads above; --trl-threads
+KEEP_ALL = "buffer.keep_zero_variance=true"
+"""Train on every sampled group, zero-advantage ones included, as TRL does."""
 ROLLWIRE_MODES: dict[str, tuple[int, tuple[str, ...]]] = {
     "rollwire-sync": (0, ()),
     "rollwire-async": (1, ()),
-    "rollwire-async-all": (1, ("buffer.keep_zero_variance=true",)),
+    "rollwire-async-all": (1, (KEEP_ALL,)),
 }
 """name -> (buffer.max_staleness, more learner settings). `-all` trains on every group, zero
 advantage included, as TRL does: a step then needs half the rollouts (about half the groups
@@ -356,13 +358,16 @@ def run_rollwire(stack: list, model_dir: Path, name: str, staleness: int, budget
 
     points = [(0.0, weights(before["version"]))] + [(s["elapsed_s"] - started, weights(s["version"])) for s in steps]
     trained = groups["trained"]
+    keeps_all = KEEP_ALL in settings
     result = {
         "steps": len(steps),
         "training_seconds": wall,
         "generated_groups_per_s": scored / wall,
         "trained_groups_per_s": trained / wall,
-        "informative_groups_per_s": trained / wall,  # zero-advantage groups are dropped before the batch
-        "zero_advantage_share": groups["dropped"].get("zero_variance", 0) / scored,
+        # Zero-advantage groups are dropped before the batch, unless this mode keeps them: the
+        # learner's records then do not say how many of the trained groups had a gradient.
+        "informative_groups_per_s": None if keeps_all else trained / wall,
+        "zero_advantage_share": None if keeps_all else groups["dropped"].get("zero_variance", 0) / scored,
         "step_s": wall / len(steps),
         "phase_s_per_step": {
             k: statistics.fmean(s["phase_seconds"].get(k, 0.0) for s in steps) for k in ("wait", "train", "push")
