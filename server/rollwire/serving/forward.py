@@ -116,6 +116,9 @@ class ChildLink:
         self.sent = 0
         self.took_at = time.monotonic()
         """When the child last took a chunk (gRPC pulled it from the queue)."""
+        self.pace_s = 0.0
+        """The longest time it took between two chunks so far (its first chunk, which waits for
+        the connection, aside): how slow its link has legitimately been."""
         self.drained_at: float | None = None
         """When the child took the sender's last chunk: its settle time counts from here."""
         self.done_at: float | None = None
@@ -126,8 +129,11 @@ class ChildLink:
     async def _requests(self):
         yield self.first
         while (chunk := await self.pipe.pop()) is not None:
+            now = time.monotonic()
+            if self.sent:
+                self.pace_s = max(self.pace_s, now - self.took_at)
             self.sent += len(chunk)
-            self.took_at = time.monotonic()
+            self.took_at = now
             self.turns[0] += 1
             self.mark = self.turns[0]
             yield pb.PushAdapterRequest(chunk=chunk)
@@ -230,7 +236,10 @@ class Forwarder:
         """Why `link` counts as stalled now, or "" when it does not. A child that took no chunk
         for `stall_s` is stalled when its siblings that still take chunks each took
         `fair_turns` meanwhile; with no sibling left on the link (none, or every one answered),
-        when it took none for `stall_s` since it was alone. Where its siblings are as slow (a
+        when it took none since it was alone for `stall_s` or twice its own slowest pace so far,
+        whichever is longer (a child that was slow beside its siblings, say on a thin link they
+        shared, may still drain at that pace once they are done: one chunk of it alone may take
+        longer than `stall_s`). Where its siblings are as slow (a
         sender whose own uplink is thin, shared by all its children), it is not stalled: that is
         the link's speed, not the child's fault, and the push deadline still bounds the wait."""
         now = time.monotonic()
@@ -246,7 +255,7 @@ class Forwarder:
         if any(o.done_at is None for o in others):
             return ""  # a sibling's last bytes may still hold the link: judge once it answered
         alone = now - max([link.took_at, *(o.done_at for o in others if o.done_at is not None)])
-        return f"it took no chunk for {alone:.1f} s" if alone >= self.stall_s else ""
+        return f"it took no chunk for {alone:.1f} s" if alone >= max(self.stall_s, 2 * link.pace_s) else ""
 
     async def _put(self, link: ChildLink, chunk: bytes) -> None:
         """Queue a chunk once the child has room; cuts the child off if it stalls meanwhile."""
