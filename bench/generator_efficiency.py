@@ -33,7 +33,8 @@ from common import ROOT, WORK, Timer, spread, tiny_model, write_result
 from rollwire.client import AsyncClient, Client
 from rollwire.demo.stack import start
 
-GROUPS, N, TOKENS = 16, 8, 48
+GROUPS, N, DEFAULT_TOKENS = 16, 8, 48
+TOKENS = DEFAULT_TOKENS  # --tokens
 LORA_R = 8
 # What --baseline takes from REF: the embedded engine and its sampling. Modules the new code
 # added stay in the copy, unused by the old engine.
@@ -175,7 +176,15 @@ def main() -> None:
         help="torch threads of the generator and of the hf modes (0 = torch's default, which thrashes on a busy 2-core machine)",
     )
     ap.add_argument("--baseline", metavar="REF", help="also run the engine as it was at this git revision")
+    ap.add_argument(
+        "--tokens",
+        type=int,
+        default=DEFAULT_TOKENS,
+        help=f"new tokens per sample (default {DEFAULT_TOKENS}; the RL task of bench/peer_trl.py samples 8, where prefill weighs more)",
+    )
     args = ap.parse_args()
+    global TOKENS
+    TOKENS = args.tokens
     if args.baseline:  # name the commit, so the results stay meaningful after HEAD moves
         args.baseline = subprocess.run(
             ["git", "rev-parse", "--short", args.baseline], cwd=ROOT, capture_output=True, text=True, check=True
@@ -221,10 +230,10 @@ def main() -> None:
     for k, s in ratios.items():
         print(f"{k:40s} {s['median']:.2f}x  (min {s['min']:.2f}, max {s['max']:.2f})")
     command = "bench/generator_efficiency.py" + "".join(
-        f" --{k} {v}" for k, v in (("threads", args.threads), ("baseline", args.baseline)) if v
+        f" --{k} {v}" for k, v in (("threads", args.threads), ("baseline", args.baseline), ("tokens", args.tokens)) if v
     )
     write_result(
-        "generator_efficiency",
+        "generator_efficiency" if TOKENS == DEFAULT_TOKENS else f"generator_efficiency-{TOKENS}tok",
         f".venv/bin/python {command}",
         {
             "workload": {"groups": GROUPS, "n": N, "new_tokens": TOKENS, "lora_r": LORA_R, "threads": args.threads},

@@ -449,7 +449,7 @@ def main() -> None:
                 print(
                     f"{system:14s} #{index}: {result['generated_groups_per_s']:6.2f} gen/s "
                     f"{result['trained_groups_per_s']:6.2f} trained/s "
-                    f"{result['informative_groups_per_s']:6.2f} informative/s, {result['steps']} steps, "
+                    f"{_fmt(result['informative_groups_per_s'])} informative/s, {result['steps']} steps, "
                     f"accuracy {result['accuracy_before']:.2f} -> {result['accuracy_after']:.2f}, "
                     f"target {TARGET} after {_fmt(seconds)} s ({steps} steps), load {result['loadavg_after']}",
                     flush=True,

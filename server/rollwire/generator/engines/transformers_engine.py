@@ -1,9 +1,10 @@
 """The embedded engine: a Hugging Face causal LM with PEFT LoRA adapters, on CPU or GPU.
 
 One worker thread owns the model. It runs a continuous-batching loop: each iteration it
-applies adapter loads/unloads, admits waiting groups (one prefill for all of them, their
-KV caches left-padded and merged into the running batch), then runs one decode step for
-every running row. Rows of different groups, different sampling params and different
+applies adapter loads/unloads, admits waiting groups (one prefill for all of them, one
+row per group, whose KV cache and first logits are then copied for each of its samples,
+left-padded and merged into the running batch), then runs one decode step for every
+running row. Rows of different groups, different sampling params and different
 adapters share every forward pass (LoRA deltas per adapter sub-batch, lora.py). Finished
 and cancelled rows leave the batch at once.
 
@@ -303,10 +304,11 @@ class TransformersEngine:
             except Exception as exc:
                 fut.set_exception(exc)
 
-    def _forward(self, rows: list[_Row], **inputs):
-        with self._lora.routed([r.adapter for r in rows]):
+    def _forward(self, adapters: list[str | None], **inputs):
+        """One forward pass whose row i uses adapter handle `adapters[i]`."""
+        with self._lora.routed(adapters):
             out = self.model(**inputs, use_cache=True)
-        self.on_forward(len(rows))
+        self.on_forward(len(adapters))
         return out
 
     def _step(self, batch: _Batch | None, admitted: list[_Group]) -> _Batch | None:
@@ -329,7 +331,11 @@ class TransformersEngine:
         mask = torch.cat([batch.mask, ones], 1)
         positions = torch.tensor([[r.position] for r in batch.rows], device=self.device)
         out = self._forward(
-            batch.rows, input_ids=tokens, attention_mask=mask, position_ids=positions, cache=batch.cache
+            [r.adapter for r in batch.rows],
+            input_ids=tokens,
+            attention_mask=mask,
+            position_ids=positions,
+            cache=batch.cache,
         )
         for r in batch.rows:
             r.position += 1
@@ -349,18 +355,28 @@ class TransformersEngine:
         width = max(len(g.req.prompt_ids) for g in groups)
         ids = torch.full((len(groups), width), self.tokenizer.pad_token_id or 0, dtype=torch.long)
         mask = torch.zeros((len(groups), width), dtype=torch.long)
-        for k, g in enumerate(groups):  # one left-padded row per group, then one copy per sample
+        for k, g in enumerate(groups):  # one left-padded row per group
             ids[k, width - len(g.req.prompt_ids) :] = torch.tensor(g.req.prompt_ids)
             mask[k, width - len(g.req.prompt_ids) :] = 1
-        samples = torch.tensor([g.req.n for g in groups])
-        ids = ids.repeat_interleave(samples, 0).to(self.device)
-        mask = mask.repeat_interleave(samples, 0).to(self.device)
+        ids, mask = ids.to(self.device), mask.to(self.device)
         positions = (mask.cumsum(-1) - 1).clamp(min=0)
         cache = DynamicCache(config=self.model.config)
         out = self._forward(
-            rows, input_ids=ids, attention_mask=mask, position_ids=positions, cache=cache, logits_to_keep=1
+            [g.req.adapter.handle for g in groups],
+            input_ids=ids,
+            attention_mask=mask,
+            position_ids=positions,
+            cache=cache,
+            logits_to_keep=1,
         )
-        return self._sample_and_emit(_Batch(rows, out.cache, mask), out.logits[:, -1, :])
+        # The n samples of a group share its prompt: its KV cache and first logits are computed
+        # once and copied n times (a row's values do not depend on the other rows of the pass).
+        samples = torch.tensor([g.req.n for g in groups], device=self.device)
+        for layer in out.cache.layers:
+            layer.keys = layer.keys.repeat_interleave(samples, 0)
+            layer.values = layer.values.repeat_interleave(samples, 0)
+        logits = out.logits[:, -1, :].repeat_interleave(samples, 0)
+        return self._sample_and_emit(_Batch(rows, out.cache, mask.repeat_interleave(samples, 0)), logits)
 
     def _sample_and_emit(self, batch: _Batch, logits: torch.Tensor) -> _Batch | None:
         """Sample one token for every row at once, emit each group's events, drop finished rows.
