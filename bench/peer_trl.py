@@ -38,7 +38,8 @@ Figures per run: groups generated per second (rollwire: scored by the replicas a
 learner, before the buffer's drops), trained per second, trained with non-zero advantage per
 second, seconds to target, final accuracy; TRL's split of step time into generation,
 scoring and training; rollwire's wait/train/push phases and CPU seconds of each process.
-Run: .venv/bin/python bench/peer_trl.py [--repeats 2] [--budget-s 30]
+Run: .venv/bin/python bench/peer_trl.py [--repeats 2] [--budget-s 30] [--seeds K] (K training seeds: each
+repeat trains every system with the same seed, so the repeats also sample learning trajectories)
 """
 
 from __future__ import annotations
@@ -150,8 +151,10 @@ def exact_match_reward(prompts, completions, answer, **_):
     return [exact_match(c, Example(0, p, a)) for p, c, a in zip(prompts, completions, answer, strict=True)]
 
 
-def run_trl(model_dir: Path, name: str, budget_s: float, max_steps: int = 0) -> tuple[dict, list[tuple[float, dict]]]:
-    """One GRPOTrainer run of `budget_s` training seconds (or `max_steps` steps)."""
+def run_trl(
+    model_dir: Path, name: str, budget_s: float, max_steps: int = 0, seed: int = SEED
+) -> tuple[dict, list[tuple[float, dict]]]:
+    """One GRPOTrainer run of `budget_s` training seconds (or `max_steps` steps), trained with `seed`."""
     import torch
     from peft import get_peft_model_state_dict
     from transformers import AutoModelForCausalLM, AutoTokenizer, PrinterCallback, TrainerCallback
@@ -197,7 +200,7 @@ def run_trl(model_dir: Path, name: str, budget_s: float, max_steps: int = 0) -> 
         save_strategy="no",
         disable_tqdm=True,
         dataloader_pin_memory=False,
-        seed=SEED,
+        seed=seed,
     )
     clock = BudgetClock(budget_s if not max_steps else 0.0)
 
@@ -265,18 +268,18 @@ def run_trl(model_dir: Path, name: str, budget_s: float, max_steps: int = 0) -> 
     return result, [(0.0, start_weights), *clock.points]
 
 
-def run_trl_fresh(model_dir: Path, name: str, budget_s: float) -> tuple[dict, list[tuple[float, dict]]]:
+def run_trl_fresh(model_dir: Path, name: str, budget_s: float, seed: int) -> tuple[dict, list[tuple[float, dict]]]:
     """`run_trl` in a process of its own, started for this run, as a user starts a training
     script: torch, the model and the trainer start cold, as rollwire's learner does (a fresh
     `rollwire learner` process each run; only the long-running replicas and proxy are warm)."""
     with multiprocessing.get_context("spawn").Pool(1) as pool:
-        return pool.apply(_run_trl_in_child, (model_dir, name, budget_s, TRL_THREADS))
+        return pool.apply(_run_trl_in_child, (model_dir, name, budget_s, seed, TRL_THREADS))
 
 
-def _run_trl_in_child(model_dir: Path, name: str, budget_s: float, threads: int):
+def _run_trl_in_child(model_dir: Path, name: str, budget_s: float, seed: int, threads: int):
     global TRL_THREADS
     TRL_THREADS = threads
-    return run_trl(model_dir, name, budget_s)
+    return run_trl(model_dir, name, budget_s, seed=seed)
 
 
 class BudgetClock:
@@ -389,6 +392,13 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--budget-s", type=float, default=30.0, help="training seconds of each run")
+    ap.add_argument(
+        "--seeds",
+        type=int,
+        default=1,
+        help="training seeds, cycled through the repeats (repeat i trains every system with seed i mod SEEDS): one "
+        "seed gives each system one learning trajectory, so its repeats measure only timing noise",
+    )
     ap.add_argument("--systems", default="trl,rollwire-sync,rollwire-async", help="comma-separated, in run order")
     ap.add_argument("--replicas", type=int, default=LOCAL_REPLICAS, help="rollwire's replicas (default: the demo's)")
     ap.add_argument("--trl-threads", type=int, default=TRL_THREADS, help="torch threads of TRL (and of the scorer)")
@@ -424,14 +434,16 @@ def main() -> None:
         if stack:
             avs.learn(stack[-1].target, model_dir, "peer-warmup", 1, "max_steps=3", "eval.at_end=false", watch=False)
         for index in range(args.repeats):
+            seed = SEED + index % args.seeds
             for system in systems if index % 2 == 0 else list(reversed(systems)):
                 if system == "trl":
-                    result, points = run_trl_fresh(model_dir, f"trl-{index}", args.budget_s)
+                    result, points = run_trl_fresh(model_dir, f"trl-{index}", args.budget_s, seed)
                 else:
                     staleness, settings = ROLLWIRE_MODES[system]
                     result, points = run_rollwire(
-                        stack, model_dir, f"peer-{system}-{index}", staleness, args.budget_s, *settings
+                        stack, model_dir, f"peer-{system}-{index}", staleness, args.budget_s, f"seed={seed}", *settings
                     )
+                result["seed"] = seed
                 torch.set_num_threads(TRL_THREADS)
                 scoring = time.perf_counter()
                 curve = scorer.curve(points)
@@ -449,7 +461,7 @@ def main() -> None:
                 print(
                     f"{system:14s} #{index}: {result['generated_groups_per_s']:6.2f} gen/s "
                     f"{result['trained_groups_per_s']:6.2f} trained/s "
-                    f"{_fmt(result['informative_groups_per_s'])} informative/s, {result['steps']} steps, "
+                    f"{_fmt(result['informative_groups_per_s'], 'n/a')} informative/s, {result['steps']} steps, "
                     f"accuracy {result['accuracy_before']:.2f} -> {result['accuracy_after']:.2f}, "
                     f"target {TARGET} after {_fmt(seconds)} s ({steps} steps), load {result['loadavg_after']}",
                     flush=True,
@@ -474,17 +486,22 @@ def main() -> None:
         if rs
     }
     print_table(per_system)
+    pairs = pair_ratios(runs)
+    for name, ratios in pairs.items():
+        print(f"{name}: " + ", ".join(f"{r:.2f}" if r is not None else "-" for r in ratios))
     write_result(
         "peer_trl",
         f".venv/bin/python bench/peer_trl.py --repeats {args.repeats} --budget-s {args.budget_s:g}"
         + (f" --systems {args.systems}" if args.systems != ap.get_default("systems") else "")
-        + (f" --trl-threads {TRL_THREADS}" if ap.get_default("trl_threads") != TRL_THREADS else ""),
+        + (f" --trl-threads {TRL_THREADS}" if ap.get_default("trl_threads") != TRL_THREADS else "")
+        + (f" --seeds {args.seeds}" if args.seeds != 1 else ""),
         {
             "workload": {
                 "model": "tiny Llama taught the addition task (rollwire.demo.teach)",
                 "budget_s": args.budget_s,
                 "repeats": args.repeats,
-                "seed": SEED,
+                "held_out_seed": SEED,
+                "training_seeds": sorted({SEED + i % args.seeds for i in range(args.repeats)}),
                 "target_accuracy": TARGET,
                 "eval_size": EVAL_SIZE,
                 "n": N,
@@ -501,9 +518,30 @@ def main() -> None:
             },
             "load": load,
             "per_system": per_system,
+            "pair_ratios": pairs,
             "runs": runs,
         },
     )
+
+
+def pair_ratios(runs: dict[str, list[dict]]) -> dict[str, list[float | None]]:
+    """Per repeat (same seed, adjacent in time), each rollwire system over TRL: generated
+    groups/s and seconds to target (None where either missed the target)."""
+    out: dict[str, list[float | None]] = {}
+    for system, rs in runs.items():
+        if system == "trl" or not runs.get("trl"):
+            continue
+        pairs = list(zip(rs, runs["trl"], strict=False))
+        out[f"{system}/trl generated groups/s"] = [
+            r["generated_groups_per_s"] / t["generated_groups_per_s"] for r, t in pairs
+        ]
+        out[f"{system}/trl seconds to target"] = [
+            r["seconds_to_target"] / t["seconds_to_target"]
+            if r["seconds_to_target"] and t["seconds_to_target"]
+            else None
+            for r, t in pairs
+        ]
+    return out
 
 
 def print_table(per_system: dict) -> None:
@@ -541,8 +579,8 @@ def print_table(per_system: dict) -> None:
     print("median [min-max] over repeats")
 
 
-def _fmt(value: float | None) -> str:
-    return "never" if value is None else f"{value:.1f}"
+def _fmt(value: float | None, none: str = "never") -> str:
+    return none if value is None else f"{value:.1f}"
 
 
 def _loadavg() -> list[float]:

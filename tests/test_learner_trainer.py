@@ -67,6 +67,25 @@ def test_adapter_payload_has_peft_keys_and_round_trips(tiny_model):
     assert other.adapter_payload() == trainer.adapter_payload()
 
 
+def test_the_payload_holds_the_weights_after_every_step_as_peft_reads_them(tiny_model):
+    """The trainer keeps PEFT's adapter state dict between payloads: it must follow the
+    optimiser's in-place updates, step after step."""
+    from peft import get_peft_model_state_dict
+    from safetensors.torch import load
+
+    trainer = make(tiny_model)
+    assert trainer._adapter_views is not None  # else the kept views are not what is tested here
+    seen = set()
+    for version in (1, 2, 3):
+        trainer.step(groups(trainer), version=version)
+        sent = load(trainer.adapter_payload())
+        fresh = get_peft_model_state_dict(trainer.model)
+        assert sent.keys() == fresh.keys()
+        assert all(torch.equal(sent[k], fresh[k]) for k in fresh)
+        seen.add(trainer.adapter_payload())
+    assert len(seen) == 3
+
+
 def test_kl_is_zero_before_training_and_positive_after(tiny_model):
     trainer = make(tiny_model, kl_coef=0.1)
     first = trainer.step(groups(trainer), version=1)

@@ -33,7 +33,9 @@ class GeneratorMetrics:
         self.running = m.gauge("running_groups", "Groups being generated now.")
         self.forward_passes = m.counter("forward_passes_total", "Model forward passes (prefill or decode).")
         self.batch_rows = m.histogram(
-            "batch_rows", "Sequences in one forward pass.", buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256)
+            "batch_rows",
+            "Sequences in one forward pass (a prefill has one per group: its samples share the prompt).",
+            buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256),
         )
         self.adapter_version = m.gauge("adapter_version", "Newest loaded version per adapter.", ["adapter"])
         self.adapter_versions_loaded = m.gauge(
