@@ -30,7 +30,7 @@ from pathlib import Path
 
 from common import WORK, spread, stop_all, write_result
 
-from rollwire.demo.stack import start
+from rollwire.demo.stack import Placement, start
 from rollwire.demo.stack import start_stack as start_local_stack
 
 MODES = {"sync": 0, "async": 1}  # mode -> buffer.max_staleness
@@ -46,10 +46,15 @@ def taught_model() -> Path:
 
 
 def start_stack(
-    model: Path, *proxy_settings: str, replicas: int = REPLICAS, generator_args: Sequence[str] = ()
+    model: Path,
+    *proxy_settings: str,
+    replicas: int = REPLICAS,
+    generator_args: Sequence[str] = (),
+    placement: Placement = Placement(),
 ) -> list:
     """`replicas` transformers replicas (1 torch thread each, `generator_args` added) and a
-    proxy (extra `--set` strings in `proxy_settings`); the proxy is last.
+    proxy (extra `--set` strings in `proxy_settings`), on the cores `placement` gives them;
+    the proxy is last.
 
     In async mode a version being scored can leave the replicas' window of 3 (default) as
     newer ones arrive; the proxy holds requests for a version no replica has for
@@ -60,17 +65,24 @@ def start_stack(
     settings = (f"routing.no_replica_wait_s={NO_REPLICA_WAIT_S}", *proxy_settings)
     proxy_args = [a for s in settings for a in ("--set", s)]
     stack = start_local_stack(
-        model, WORK, replicas, generator_args=generator_args, proxy_args=proxy_args, prefix="grpo-", routable_timeout=60
+        model,
+        WORK,
+        replicas,
+        generator_args=generator_args,
+        proxy_args=proxy_args,
+        prefix="grpo-",
+        routable_timeout=60,
+        placement=placement,
     )
     return stack.services
 
 
 def learn(
-    target: str, model: Path, name: str, staleness: int, *settings: str, watch: bool = True
+    target: str, model: Path, name: str, staleness: int, *settings: str, watch: bool = True, cpus: Sequence[int] = ()
 ) -> tuple[Path, dict[int, dict]]:
     """One `rollwire learner` run under adapter `name` (a fresh version line on the shared
-    replicas), scored by a `Watcher` meanwhile unless `watch` is False (then no scores);
-    returns its run folder and the scores."""
+    replicas), on `cpus` (empty: anywhere), scored by a `Watcher` meanwhile unless `watch` is
+    False (then no scores); returns its run folder and the scores."""
     run = WORK / "grpo" / name
     if run.exists():
         shutil.rmtree(run)
@@ -90,7 +102,7 @@ def learn(
         "checkpoint.every_steps=0",
         *settings,
     ]
-    learner = start(["learner", *overrides], WORK, f"grpo-learner-{name}", timeout=300)
+    learner = start(["learner", *overrides], WORK, f"grpo-learner-{name}", timeout=300, cpus=cpus)
     watcher = Watcher(target, name, run / "steps.jsonl") if watch else None
     try:
         code = learner.proc.wait(timeout=900)

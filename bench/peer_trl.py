@@ -58,7 +58,7 @@ from pathlib import Path
 import async_vs_sync as avs
 from common import WORK, cpu_seconds, spread, stop_all, write_result
 
-from rollwire.demo.stack import LOCAL_REPLICAS, WHOLE_GROUPS
+from rollwire.demo.stack import LOCAL_REPLICAS, WHOLE_GROUPS, Placement, local_placement
 from rollwire.learner.config import LORA_TARGETS
 from rollwire.learner.rewards import exact_match
 from rollwire.learner.task import Example, addition_examples, eval_subset
@@ -327,7 +327,15 @@ def _children_cpu() -> float:
 # ---------------------------------------------------------------- rollwire
 
 
-def run_rollwire(stack: list, model_dir: Path, name: str, staleness: int, budget_s: float, *settings: str):
+def run_rollwire(
+    stack: list,
+    model_dir: Path,
+    name: str,
+    staleness: int,
+    budget_s: float,
+    *settings: str,
+    placement: Placement = Placement(),
+):
     """One `rollwire learner` run through async_vs_sync.learn, with no Watcher (no scoring in the run)."""
     from safetensors.torch import load_file
 
@@ -343,6 +351,7 @@ def run_rollwire(stack: list, model_dir: Path, name: str, staleness: int, budget
         "eval.at_end=false",
         *settings,
         watch=False,
+        cpus=placement.learner,
     )
     cpu = {k: cpu_seconds(pid) - cpu0[k] for k, pid in procs.items()}
     cpu["learner_whole_process"] = _children_cpu() - learner0  # start-up (imports, model load) included
@@ -401,6 +410,12 @@ def main() -> None:
     )
     ap.add_argument("--systems", default="trl,rollwire-sync,rollwire-async", help="comma-separated, in run order")
     ap.add_argument("--replicas", type=int, default=LOCAL_REPLICAS, help="rollwire's replicas (default: the demo's)")
+    ap.add_argument(
+        "--placement",
+        choices=("auto", "none"),
+        default="auto",
+        help="rollwire's cores: auto = the demo's (rollwire.demo.stack.local_placement), none = anywhere",
+    )
     ap.add_argument("--trl-threads", type=int, default=TRL_THREADS, help="torch threads of TRL (and of the scorer)")
     args = ap.parse_args()
     TRL_THREADS = args.trl_threads
@@ -414,6 +429,7 @@ def main() -> None:
     if unknown:
         ap.error(f"unknown systems {sorted(unknown)}")
     model_dir = avs.taught_model()
+    placement = local_placement(args.replicas) if args.placement == "auto" else Placement()
     torch.set_num_threads(TRL_THREADS)
     scorer = Scorer(model_dir)
     shutil.rmtree(SPOOL, ignore_errors=True)
@@ -424,6 +440,7 @@ def main() -> None:
             "spool.keep_versions=1000000",
             replicas=args.replicas,
             generator_args=WHOLE_GROUPS,
+            placement=placement,
         )
         if any(s in ROLLWIRE_MODES for s in systems)
         else []
@@ -432,7 +449,16 @@ def main() -> None:
     load = {"loadavg_start": _loadavg()}
     try:
         if stack:
-            avs.learn(stack[-1].target, model_dir, "peer-warmup", 1, "max_steps=3", "eval.at_end=false", watch=False)
+            avs.learn(
+                stack[-1].target,
+                model_dir,
+                "peer-warmup",
+                1,
+                "max_steps=3",
+                "eval.at_end=false",
+                watch=False,
+                cpus=placement.learner,
+            )
         for index in range(args.repeats):
             seed = SEED + index % args.seeds
             for system in systems if index % 2 == 0 else list(reversed(systems)):
@@ -441,7 +467,14 @@ def main() -> None:
                 else:
                     staleness, settings = ROLLWIRE_MODES[system]
                     result, points = run_rollwire(
-                        stack, model_dir, f"peer-{system}-{index}", staleness, args.budget_s, f"seed={seed}", *settings
+                        stack,
+                        model_dir,
+                        f"peer-{system}-{index}",
+                        staleness,
+                        args.budget_s,
+                        f"seed={seed}",
+                        *settings,
+                        placement=placement,
                     )
                 result["seed"] = seed
                 torch.set_num_threads(TRL_THREADS)
@@ -494,7 +527,8 @@ def main() -> None:
         f".venv/bin/python bench/peer_trl.py --repeats {args.repeats} --budget-s {args.budget_s:g}"
         + (f" --systems {args.systems}" if args.systems != ap.get_default("systems") else "")
         + (f" --trl-threads {TRL_THREADS}" if ap.get_default("trl_threads") != TRL_THREADS else "")
-        + (f" --seeds {args.seeds}" if args.seeds != 1 else ""),
+        + (f" --seeds {args.seeds}" if args.seeds != 1 else "")
+        + (f" --placement {args.placement}" if args.placement != "auto" else ""),
         {
             "workload": {
                 "model": "tiny Llama taught the addition task (rollwire.demo.teach)",
@@ -512,6 +546,11 @@ def main() -> None:
                 "temperature": TEMPERATURE,
                 "rollwire_replicas": args.replicas,
                 "rollwire_generator_args": list(WHOLE_GROUPS),
+                "rollwire_cores": {
+                    "learner": sorted(placement.learner),
+                    "replicas": sorted(placement.replicas),
+                    "proxy": sorted(placement.proxy),
+                },
                 "threads": {"trl": TRL_THREADS, "rollwire": "1 per replica and 1 for the learner"},
                 "systems": systems,
                 "versions": _versions(),

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import json
+import os
 import struct
+import subprocess
 import sys
 from types import SimpleNamespace
 
@@ -112,3 +114,46 @@ def test_progress_line_reads_a_steps_record():
 
 
 pytestmark = pytest.mark.integration  # starts processes or servers: not in make test-fast
+
+
+# -- where the local stack's processes run --------------------------------------------------
+@pytest.mark.parametrize(
+    ("cores", "replicas", "learner", "serving"),
+    [
+        ({0, 1}, 1, {0}, {1}),  # this machine: 3 processes on 2 cores
+        ({4, 7}, 1, {4}, {7}),  # the cores this process may use, not 0..n-1
+        ({0, 1, 2}, 2, {0}, {1, 2}),
+        ({0, 1, 2}, 1, set(), set()),  # a core for each: the scheduler is left alone
+        ({0, 1, 2, 3}, 2, set(), set()),
+        ({0}, 1, set(), set()),  # nothing to split
+    ],
+)
+def test_the_learner_gets_a_core_of_its_own_only_when_the_processes_outnumber_the_cores(
+    cores, replicas, learner, serving
+):
+    from rollwire.demo.stack import local_placement
+
+    placement = local_placement(replicas, cores)
+    assert placement.learner == learner
+    assert placement.replicas == placement.proxy == serving
+
+
+@pytest.mark.skipif(not hasattr(os, "sched_setaffinity"), reason="CPU affinity is Linux-only")
+def test_a_started_process_and_the_threads_it_starts_later_run_on_the_given_cores():
+    from rollwire.demo.stack import pin
+
+    allowed = sorted(os.sched_getaffinity(0))
+    if len(allowed) < 2:
+        pytest.skip("one core: pinning to a subset cannot be told from not pinning")
+    code = (
+        "import os, sys, threading\n"
+        "sys.stdin.readline()\n"  # the parent pins this process first, then lets it go on
+        "seen = []\n"
+        "t = threading.Thread(target=lambda: seen.append(sorted(os.sched_getaffinity(0))))\n"
+        "t.start(); t.join()\n"
+        "print(sorted(os.sched_getaffinity(0)), seen[0])\n"
+    )
+    proc = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    pin(proc.pid, {allowed[-1]})
+    out, _ = proc.communicate("go\n", timeout=60)
+    assert out.split() == [f"[{allowed[-1]}]", f"[{allowed[-1]}]"]

@@ -18,7 +18,7 @@ from datetime import datetime
 from pathlib import Path
 
 from rollwire.demo.plot import MISSING
-from rollwire.demo.stack import LOCAL_REPLICAS, WHOLE_GROUPS, Service, start, start_stack
+from rollwire.demo.stack import LOCAL_REPLICAS, WHOLE_GROUPS, Service, local_placement, start, start_stack
 
 SUMMARY_KEYS = (
     "accuracy_before",
@@ -65,13 +65,16 @@ def main(argv=None) -> int:
     say(f"rollwire demo: {_replicas(args.replicas)} behind a proxy, {args.budget_s:.0f} s of GRPO training")
     try:
         model = teach_model(Path(args.model_dir), run)
-        stack = start_stack(model, run, args.replicas, generator_args=WHOLE_GROUPS)  # replicas start at once
+        placement = local_placement(args.replicas)
+        if placement.learner:
+            say(f"cores: learner {sorted(placement.learner)}, replicas and proxy {sorted(placement.replicas)}")
+        stack = start_stack(model, run, args.replicas, generator_args=WHOLE_GROUPS, placement=placement)
         services += stack.services
         proxy = stack.proxy
         say(f"{_replicas(args.replicas)} ready")
         say(f"proxy on {proxy.target} -> replicas {', '.join(g.target for g in stack.replicas)}")
         config = write_learner_config(run, proxy.target, model, args)
-        learner = start(["learner", "--config", str(config)], run, "learner", timeout=300)
+        learner = start(["learner", "--config", str(config)], run, "learner", timeout=300, cpus=placement.learner)
         services.append(learner)
         say(f"learner running (metrics on :{learner.metrics_port}); logs in {run}/")
         code = follow(learner, run / "learner", args.budget_s)

@@ -17,11 +17,12 @@ heavy (no torch), so tests and benchmarks use it freely.
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import time
 import urllib.request
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Collection, Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -41,6 +42,52 @@ a second than two replicas splitting them, which pay for a second process and ha
 WHOLE_GROUPS = ("--set", "stream_interval=16")
 """A learner reads whole groups: its replicas send a sample's tokens 16 at a time (or at its
 end), not one message per token, which saves gRPC work in the replica, the proxy and the learner."""
+
+
+@dataclass(frozen=True)
+class Placement:
+    """The cores (Linux CPU affinity) each part of a local stack runs on; empty: anywhere."""
+
+    learner: frozenset[int] = frozenset()
+    replicas: frozenset[int] = frozenset()
+    proxy: frozenset[int] = frozenset()
+
+
+def local_placement(replicas: int, cores: Collection[int] | None = None) -> Placement:
+    """Where the local stack's processes run on this machine's `cores` (default: those this
+    process may use).
+
+    When the learner, the proxy and the replicas (one torch thread each) outnumber the cores,
+    the scheduler moves them around and the learner's step, the loop's critical path, waits
+    behind the others. Then the learner gets the first core to itself and the replicas and the
+    proxy share the rest. Measured on 2 cores (docs/benchmarks.md §7, 1 replica, alternating
+    runs): the learner's step 0.052-0.065 s pinned against 0.070-0.078 s free, and more groups
+    a second. With a core for each, or off Linux, nothing is pinned."""
+    if cores is None:
+        cores = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else ()
+    ordered = sorted(cores)
+    if len(ordered) < 2 or len(ordered) >= replicas + 2:
+        return Placement()
+    rest = frozenset(ordered[1:])
+    return Placement(learner=frozenset(ordered[:1]), replicas=rest, proxy=rest)
+
+
+def pin(pid: int, cpus: Collection[int]) -> None:
+    """Run every thread of process `pid` on `cpus` (Linux; nothing elsewhere or when empty).
+
+    Called as soon as the process is started, before its interpreter has started threads:
+    the threads it starts later inherit the mask (the sweep covers any that started sooner)."""
+    if not cpus or not hasattr(os, "sched_setaffinity"):
+        return
+    try:
+        threads = [int(t) for t in os.listdir(f"/proc/{pid}/task")]
+    except OSError:
+        threads = [pid]
+    for tid in threads:
+        try:
+            os.sched_setaffinity(tid, cpus)
+        except OSError:  # a thread that ended meanwhile
+            pass
 
 
 def rollwire_cmd(*args: str) -> list[str]:
@@ -95,17 +142,20 @@ def start(
     probe: bool = False,
     host: str = "127.0.0.1",
     popen: Callable[..., subprocess.Popen] = subprocess.Popen,
+    cpus: Collection[int] = (),
 ) -> Service:
     """Run `rollwire <args> --ready-file ...`, logging to workdir/name.log, and wait until it
     serves. `probe`: also wait, within the same deadline, until a plaintext gRPC channel to it
     is ready (a server without TLS). `popen` and `host`: how to run it and where it listens,
-    for a process in another network namespace (netlab's `Host.popen` and address)."""
+    for a process in another network namespace (netlab's `Host.popen` and address). `cpus`:
+    the cores it runs on (`pin`; empty: anywhere)."""
     workdir = Path(workdir)
     workdir.mkdir(parents=True, exist_ok=True)
     ready, log_path = workdir / f"{name}.ready.json", workdir / f"{name}.log"
     ready.unlink(missing_ok=True)
     with log_path.open("ab") as log:
         proc = popen(rollwire_cmd(*args, "--ready-file", str(ready)), stdout=log, stderr=subprocess.STDOUT)
+    pin(proc.pid, cpus)
     deadline = time.monotonic() + timeout
     while not ready.exists():
         if proc.poll() is not None:
@@ -139,13 +189,14 @@ def start_generators(
     *extra: str,
     parallel: bool = False,
     probe: bool = False,
+    cpus: Collection[int] = (),
 ) -> list[Service]:
     """One replica per name. `parallel` starts them at once (each loads torch and the model:
     faster with spare cores, slower on two busy ones). If one fails, the others are stopped."""
     names = list(names)
 
     def one(name: str) -> Service:
-        return start(generator_args(model, *extra), workdir, name, probe=probe)
+        return start(generator_args(model, *extra), workdir, name, probe=probe, cpus=cpus)
 
     if not parallel:
         started: list[Service] = []
@@ -166,11 +217,16 @@ def start_generators(
 
 
 def start_proxy(
-    workdir: str | Path, name: str, generators: Sequence[Service], *extra: str, probe: bool = False
+    workdir: str | Path,
+    name: str,
+    generators: Sequence[Service],
+    *extra: str,
+    probe: bool = False,
+    cpus: Collection[int] = (),
 ) -> Service:
     """`rollwire proxy` on free ports in front of `generators`, then `extra` flags."""
     args = ["proxy", "--port", "0", "--metrics-port", "0", *(a for g in generators for a in ("--generator", g.target))]
-    return start([*args, *extra], workdir, name, probe=probe)
+    return start([*args, *extra], workdir, name, probe=probe, cpus=cpus)
 
 
 def routable(proxy: Service) -> set[str]:
@@ -238,16 +294,18 @@ def start_stack(
     proxy_args: Sequence[str] = (),
     prefix: str = "",
     routable_timeout: float | None = None,
+    placement: Placement = Placement(),
 ) -> Stack:
     """`replicas` replicas of `model` (one torch thread each, started at once, named
-    `<prefix>generator-<i>` from 1) behind a proxy named `<prefix>proxy`; with
-    `routable_timeout`, returned only once the proxy routes to every replica."""
+    `<prefix>generator-<i>` from 1) behind a proxy named `<prefix>proxy`, on the cores
+    `placement` gives them; with `routable_timeout`, returned only once the proxy routes to
+    every replica."""
     gens = start_generators(
         model, workdir, [f"{prefix}generator-{i}" for i in range(1, replicas + 1)], *ONE_THREAD, *generator_args,
-        parallel=True,
+        parallel=True, cpus=placement.replicas,
     )  # fmt: skip
     try:
-        proxy = start_proxy(workdir, f"{prefix}proxy", gens, *proxy_args)
+        proxy = start_proxy(workdir, f"{prefix}proxy", gens, *proxy_args, cpus=placement.proxy)
     except BaseException:
         stop_all(gens)
         raise
