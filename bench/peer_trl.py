@@ -48,6 +48,7 @@ import argparse
 import contextlib
 import json
 import multiprocessing
+import os
 import resource
 import shutil
 import statistics
@@ -58,7 +59,7 @@ from pathlib import Path
 import async_vs_sync as avs
 from common import WORK, cpu_seconds, spread, stop_all, write_result
 
-from rollwire.demo.stack import LOCAL_REPLICAS, WHOLE_GROUPS, Placement, local_placement
+from rollwire.demo.stack import LOCAL_REPLICAS, WHOLE_GROUPS, Placement, local_placement, pin
 from rollwire.learner.config import LORA_TARGETS
 from rollwire.learner.rewards import exact_match
 from rollwire.learner.task import Example, addition_examples, eval_subset
@@ -76,6 +77,9 @@ ROLLWIRE_MODES: dict[str, tuple[int, tuple[str, ...]]] = {
 """name -> (buffer.max_staleness, more learner settings). `-all` trains on every group, zero
 advantage included, as TRL does: a step then needs half the rollouts (about half the groups
 of this task have equal rewards), and those groups add no gradient, only tokens to the mean."""
+ANYWHERE = "@anywhere"
+"""A rollwire system with this suffix runs with no placement: every process on any core."""
+ALL_CORES = frozenset(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else frozenset()
 SPOOL = WORK / "peer-trl-spool"
 
 
@@ -408,14 +412,13 @@ def main() -> None:
         help="training seeds, cycled through the repeats (repeat i trains every system with seed i mod SEEDS): one "
         "seed gives each system one learning trajectory, so its repeats measure only timing noise",
     )
-    ap.add_argument("--systems", default="trl,rollwire-sync,rollwire-async", help="comma-separated, in run order")
-    ap.add_argument("--replicas", type=int, default=LOCAL_REPLICAS, help="rollwire's replicas (default: the demo's)")
     ap.add_argument(
-        "--placement",
-        choices=("auto", "none"),
-        default="auto",
-        help="rollwire's cores: auto = the demo's (rollwire.demo.stack.local_placement), none = anywhere",
+        "--systems",
+        default="trl,rollwire-sync,rollwire-async",
+        help=f"comma-separated, in run order: trl, {', '.join(ROLLWIRE_MODES)}; a rollwire one with the suffix "
+        f"{ANYWHERE} runs its processes on any core (the demo's placement is rollwire.demo.stack.local_placement)",
     )
+    ap.add_argument("--replicas", type=int, default=LOCAL_REPLICAS, help="rollwire's replicas (default: the demo's)")
     ap.add_argument("--trl-threads", type=int, default=TRL_THREADS, help="torch threads of TRL (and of the scorer)")
     args = ap.parse_args()
     TRL_THREADS = args.trl_threads
@@ -425,11 +428,11 @@ def main() -> None:
 
     setup_logging("bench", "error")
     systems = args.systems.split(",")
-    unknown = set(systems) - {"trl", *ROLLWIRE_MODES}
+    unknown = {s.removesuffix(ANYWHERE) for s in systems} - {"trl", *ROLLWIRE_MODES}
     if unknown:
         ap.error(f"unknown systems {sorted(unknown)}")
     model_dir = avs.taught_model()
-    placement = local_placement(args.replicas) if args.placement == "auto" else Placement()
+    placement = local_placement(args.replicas)
     torch.set_num_threads(TRL_THREADS)
     scorer = Scorer(model_dir)
     shutil.rmtree(SPOOL, ignore_errors=True)
@@ -442,7 +445,7 @@ def main() -> None:
             generator_args=WHOLE_GROUPS,
             placement=placement,
         )
-        if any(s in ROLLWIRE_MODES for s in systems)
+        if any(s != "trl" for s in systems)
         else []
     )
     runs: dict[str, list[dict]] = {s: [] for s in systems}
@@ -465,16 +468,19 @@ def main() -> None:
                 if system == "trl":
                     result, points = run_trl_fresh(model_dir, f"trl-{index}", args.budget_s, seed)
                 else:
-                    staleness, settings = ROLLWIRE_MODES[system]
+                    staleness, settings = ROLLWIRE_MODES[system.removesuffix(ANYWHERE)]
+                    where = Placement() if system.endswith(ANYWHERE) else placement
+                    for service, cores in zip(stack, (*[where.replicas] * (len(stack) - 1), where.proxy), strict=True):
+                        pin(service.proc.pid, cores or ALL_CORES)
                     result, points = run_rollwire(
                         stack,
                         model_dir,
-                        f"peer-{system}-{index}",
+                        f"peer-{system}-{index}".replace("@", "-"),
                         staleness,
                         args.budget_s,
                         f"seed={seed}",
                         *settings,
-                        placement=placement,
+                        placement=where,
                     )
                 result["seed"] = seed
                 torch.set_num_threads(TRL_THREADS)
@@ -527,8 +533,7 @@ def main() -> None:
         f".venv/bin/python bench/peer_trl.py --repeats {args.repeats} --budget-s {args.budget_s:g}"
         + (f" --systems {args.systems}" if args.systems != ap.get_default("systems") else "")
         + (f" --trl-threads {TRL_THREADS}" if ap.get_default("trl_threads") != TRL_THREADS else "")
-        + (f" --seeds {args.seeds}" if args.seeds != 1 else "")
-        + (f" --placement {args.placement}" if args.placement != "auto" else ""),
+        + (f" --seeds {args.seeds}" if args.seeds != 1 else ""),
         {
             "workload": {
                 "model": "tiny Llama taught the addition task (rollwire.demo.teach)",
