@@ -25,7 +25,7 @@ import shutil
 import threading
 import time
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from pathlib import Path
 
 from common import WORK, spread, stop_all, write_result
@@ -78,7 +78,7 @@ def start_stack(
 
 
 def learn(
-    target: str, model: Path, name: str, staleness: int, *settings: str, watch: bool = True, cpus: Sequence[int] = ()
+    target: str, model: Path, name: str, staleness: int, *settings: str, watch: bool = True, cpus: Collection[int] = ()
 ) -> tuple[Path, dict[int, dict]]:
     """One `rollwire learner` run under adapter `name` (a fresh version line on the shared
     replicas), on `cpus` (empty: anywhere), scored by a `Watcher` meanwhile unless `watch` is

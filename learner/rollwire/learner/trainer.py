@@ -15,6 +15,7 @@ Invariants:
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -183,7 +184,7 @@ class Trainer:
         return [logp[i][rows.completion[i] > 0].tolist() for i in range(len(logp))]
 
 
-def _adapter_views(model, params: list[torch.Tensor]) -> dict[str, torch.Tensor] | None:
+def _adapter_views(model, params: Sequence[torch.Tensor]) -> dict[str, torch.Tensor] | None:
     """PEFT's adapter state dict, kept: its tensors are views of the trained parameters, so
     they always hold the current weights (optimiser steps and checkpoint loads write in place).
 
