@@ -60,9 +60,10 @@ def local_placement(replicas: int, cores: Collection[int] | None = None) -> Plac
     When the learner, the proxy and the replicas (one torch thread each) outnumber the cores,
     the scheduler moves them around and the learner's step, the loop's critical path, waits
     behind the others. Then the learner gets the first core to itself and the replicas and the
-    proxy share the rest. Measured on 2 cores (docs/benchmarks.md §7, 1 replica, alternating
-    runs): the learner's step 0.052-0.065 s pinned against 0.070-0.078 s free, and more groups
-    a second. With a core for each, or off Linux, nothing is pinned."""
+    proxy share the rest. Measured on 2 cores (docs/benchmarks.md §7, 1 replica, 6 alternating
+    pairs): the learner's training phase 0.057 s a step placed against 0.073 s with every
+    process anywhere, 1.07x the groups a second; neutral where generation is the bottleneck.
+    With a core for each, or off Linux, nothing is pinned."""
     if cores is None:
         cores = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else ()
     ordered = sorted(cores)
