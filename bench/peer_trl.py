@@ -6,7 +6,8 @@ for each run as a user starts a training script (cold, as each run's `rollwire l
 training split of rollwire's task, rewarded by rollwire's own `exact_match`. rollwire
 is the local stack the demo runs (`--replicas`, default rollwire.demo.stack.LOCAL_REPLICAS = 1
 transformers replica with 1 torch thread, sending whole groups, behind one proxy; `rollwire
-learner` with 1 thread), started as bench/async_vs_sync.py starts it, in its synchronous
+learner` with 1 thread; on the cores the demo gives them, rollwire.demo.stack.local_placement,
+or on any core with the system suffix @anywhere), started as bench/async_vs_sync.py starts it, in its synchronous
 (max_staleness 0) and asynchronous (max_staleness 1) modes. The systems alternate per
 repeat (the order reverses every other repeat), each run for a fixed training budget.
 
@@ -431,6 +432,8 @@ def main() -> None:
     unknown = {s.removesuffix(ANYWHERE) for s in systems} - {"trl", *ROLLWIRE_MODES}
     if unknown:
         ap.error(f"unknown systems {sorted(unknown)}")
+    if args.seeds < 1 or args.repeats < 1:
+        ap.error("--seeds and --repeats must be at least 1")
     model_dir = avs.taught_model()
     placement = local_placement(args.replicas)
     torch.set_num_threads(TRL_THREADS)
