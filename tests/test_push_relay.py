@@ -496,3 +496,57 @@ def test_replicas_relay_to_each_other_over_mutual_tls_with_the_proxys_token(tiny
         )
     finally:
         stop_all([proxy, *secured])
+
+
+async def _slow_door(host: str, port: int, hold_s: float) -> asyncio.Server:
+    """A TCP relay to a real replica that holds each new connection `hold_s` before passing
+    bytes either way: a child slow to open its stream (a slow dial, a busy replica)."""
+
+    async def pipe(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            while data := await reader.read(1 << 16):
+                writer.write(data)
+                await writer.drain()
+        finally:
+            writer.close()
+
+    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await asyncio.sleep(hold_s)
+        up_reader, up_writer = await asyncio.open_connection(host, port)
+        await asyncio.gather(pipe(reader, up_writer), pipe(up_reader, writer), return_exceptions=True)
+
+    return await asyncio.start_server(handle, "127.0.0.1", 0)
+
+
+def test_a_child_slow_to_open_its_stream_is_not_cut_off_as_stalled(replicas, adapter):
+    """Until a child takes its first chunk its call is being set up: that time is judged
+    against the settle timeout, not the stall timeout (serving/forward.py, Forwarder.stalled).
+    Here the connection is held 0.5 s, five times the stall limit, while the sender's queue
+    for it is full; the child is not cut off and serves the version."""
+    target = replicas[0]
+    manifest = adapter.manifest("slow-door", 1, status(target.target).model_fingerprint)
+    host, port = target.target.rsplit(":", 1)
+
+    async def push() -> list[pb.ReplicaPushResult]:
+        door = await _slow_door(host, int(port), hold_s=0.5)
+        address = f"127.0.0.1:{door.sockets[0].getsockname()[1]}"
+        async with door, grpc.aio.insecure_channel(address) as channel:
+            forward = Forwarder(
+                [protocol.Child(address, "slow-door", pb.RelayPlan())],
+                manifest,
+                stage_only=False,
+                stub_for=lambda _: generator_pb2_grpc.GeneratorServiceStub(channel),
+                metadata=[],
+                deadline=time.monotonic() + 30,
+                queue_chunks=2,
+                stall_s=0.1,
+                settle_s=5,
+            )
+            for piece in protocol.chunks(adapter.payload, 1024):  # the queue is full long before the door opens
+                await forward.send(piece)
+            forward.end()
+            return await forward.results()
+
+    results = asyncio.run(push())
+    assert [(r.code, r.reason) for r in results] == [("OK", "")], results
+    assert holds(target.target, "slow-door", 1)

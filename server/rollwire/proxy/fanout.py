@@ -321,6 +321,7 @@ class FanOut:
                 version=pub.manifest.version,
                 replicas=missing,
                 direct=star,
+                why={a: f"{pub.outcomes[a].code.name}: {pub.outcomes[a].message[:200]}" for a in missing},
             )
             forward = self._relay(pub, missing, star=star)
             for piece in payload:

@@ -61,7 +61,8 @@ class ForwardSection(Section):
     """Chunks queued per child before the sender waits for it."""
     stall_timeout_s: float = Field(default=3.0, gt=0)
     """A child that takes no chunk for this long is cut off; the proxy sends its subtree the bytes again (healing),
-    within health.push_timeout_s."""
+    within health.push_timeout_s. Before its first chunk (its call still being set up) the limit is the longer of this
+    and settle_timeout_s."""
     settle_timeout_s: float = Field(default=10.0, gt=0)
     """Per level of its subtree (plus one): how long after the last chunk a child may take to verify, stage and answer
     before it is cut off and healed (a replica's relay.settle_timeout_s should not exceed the proxy's

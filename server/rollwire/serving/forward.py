@@ -115,7 +115,8 @@ class ChildLink:
         self.cut_reason, self.cut_code, self.cut_tag = "", grpc.StatusCode.OK, ""
         self.sent = 0
         self.took_at = time.monotonic()
-        """When the child last took a chunk (gRPC pulled it from the queue)."""
+        """When the child last took a chunk (gRPC pulled it from the queue); before its first,
+        when its stream was opened."""
         self.pace_s = 0.0
         """The longest time it took between two chunks so far (its first chunk, which waits for
         the connection, aside): how slow its link has legitimately been."""
@@ -241,8 +242,15 @@ class Forwarder:
         shared, may still drain at that pace once they are done: one chunk of it alone may take
         longer than `stall_s`). Where its siblings are as slow (a
         sender whose own uplink is thin, shared by all its children), it is not stalled: that is
-        the link's speed, not the child's fault, and the push deadline still bounds the wait."""
+        the link's speed, not the child's fault, and the push deadline still bounds the wait.
+        Before its first chunk the child's call is still being set up (a connection to dial, a
+        busy replica to accept the stream): that is its answer time, not its link's pace, so it
+        is judged against the longer of `stall_s` and `settle_s`."""
         now = time.monotonic()
+        if not link.sent:
+            waited = now - link.took_at  # since its stream was opened
+            limit = max(self.stall_s, self.settle_s)
+            return f"it took no chunk in the {waited:.1f} s since its stream was opened" if waited >= limit else ""
         if now - link.took_at < self.stall_s:
             return ""
         others = [o for o in self.links if o is not link and not o.cut_reason]
