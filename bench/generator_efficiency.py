@@ -230,7 +230,13 @@ def main() -> None:
     for k, s in ratios.items():
         print(f"{k:40s} {s['median']:.2f}x  (min {s['min']:.2f}, max {s['max']:.2f})")
     command = "bench/generator_efficiency.py" + "".join(
-        f" --{k} {v}" for k, v in (("threads", args.threads), ("baseline", args.baseline), ("tokens", args.tokens)) if v
+        f" --{k} {v}"
+        for k, v in (
+            ("threads", args.threads),
+            ("baseline", args.baseline),
+            ("tokens", args.tokens if args.tokens != DEFAULT_TOKENS else None),
+        )
+        if v
     )
     write_result(
         "generator_efficiency" if TOKENS == DEFAULT_TOKENS else f"generator_efficiency-{TOKENS}tok",
