@@ -62,8 +62,9 @@ SLACK_S = 3.0
 CHUNK = 8 << 10
 """The slow pusher's chunk: a 167 KB adapter is ~21 chunks."""
 PUSHER = Path(__file__).parent / "support" / "pusher.py"
-FANOUT = {"star": 0, "relay": 1}
-"""push.fanout: the proxy sends every replica its copy, or a chain proxy -> fs1 -> fs2."""
+FANOUT = {"star": "push.fanout=0", "relay": "push.fanout=1", "striped": "push.stripes=2"}
+"""The proxy sends every replica its copy, relays down a chain proxy -> fs1 -> fs2, or deals
+the chunks over two trees (proxy -> fs1 -> fs2 and proxy -> fs2 -> fs1)."""
 
 
 @pytest.fixture(scope="module")
@@ -362,7 +363,7 @@ def pushed_bytes(replicas) -> float:
 
 @pytest.mark.parametrize(
     "fanout, fault",
-    [("star", "killed"), ("relay", "killed"), ("relay", "frozen")],
+    [("star", "killed"), ("relay", "killed"), ("relay", "frozen"), ("striped", "killed")],
 )
 def test_a_pusher_lost_mid_push_leaves_nothing_and_the_version_can_be_pushed_again(
     fanout, fault, replicas, adapters, workdir, tmp_path
@@ -373,7 +374,7 @@ def test_a_pusher_lost_mid_push_leaves_nothing_and_the_version_can_be_pushed_aga
     lists v2, v1 stays served; a fresh pusher's v2 then reaches every replica."""
     name = f"lost-{fanout}-{fault}"
     spool = tmp_path / "spool"
-    proxy = proxy_with(workdir, f"{name}-proxy", replicas, spool, "--set", f"push.fanout={FANOUT[fanout]}")
+    proxy = proxy_with(workdir, f"{name}-proxy", replicas, spool, "--set", FANOUT[fanout])
     pusher = None
     try:
         fp = fingerprint(replicas[0].target)

@@ -200,44 +200,47 @@ def test_a_client_cut_off_from_the_proxy_fails_within_its_deadline_naming_the_pr
         assert client.generate("back: ", adapter=NAME, max_new_tokens=4, timeout=30).adapter.version == 3
 
 
-RELAY_NAME = "part-relay"
+RELAY_SHAPES = {"chain": ("pr", "part-relay", "push.fanout=1"), "striped": ("ps", "part-striped", "push.stripes=2")}
+"""How the relay proxy relays, its host, and the adapter name it pushes under."""
 
 
-@pytest.fixture(scope="module")
-def relay_proxy(lab, fleet, tmp_path_factory):
+@pytest.fixture(scope="module", params=sorted(RELAY_SHAPES))
+def relay_proxy(lab, fleet, tmp_path_factory, request):
     """A second proxy over r1 and r2 that relays pushes down a chain (push.fanout=1: proxy ->
-    the replica with the lowest address -> the other), on a slow link (8 Mbit/s) so a push
-    takes a second or two to stream; pushes under its own adapter name."""
+    the replica with the lowest address -> the other) or over two striped trees (push.stripes=2:
+    proxy -> r1 -> r2 for half the chunks, proxy -> r2 -> r1 for the other half), on a slow
+    link (8 Mbit/s) so a push takes a second or two to stream; pushes under its own adapter name."""
     hosts, _ = fleet
-    workdir = tmp_path_factory.mktemp("partitions-relay")
-    host = lab.add_host("pr", rate_mbit=8)
-    args = ["proxy", "--host", host.ip, "--port", "50050", "--metrics-port", "0", "--proxy-id", "pr"]
+    host_name, adapter_name, setting = RELAY_SHAPES[request.param]
+    workdir = tmp_path_factory.mktemp(f"partitions-{request.param}")
+    host = lab.add_host(host_name, rate_mbit=8)
+    args = ["proxy", "--host", host.ip, "--port", "50050", "--metrics-port", "0", "--proxy-id", host_name]
     for name in ("r1", "r2"):
         args += ["--generator", f"{hosts[name].ip}:50051"]
-    proxy = start_in(host, [*args, *PROXY_ARGS, "--set", "push.fanout=1"], workdir, "pr")
+    proxy = start_in(host, [*args, *PROXY_ARGS, "--set", setting], workdir, host_name)
     address = f"{host.ip}:50050"
     wait_until(lambda: routable(address) == {"r1", "r2"}, 60, "the relay proxy routes to both replicas")
-    yield address, proxy
+    yield address, proxy, request.param, adapter_name
     stop_all([proxy], timeout=5)
 
 
-def relay_children(proxy: Service, version: int) -> list[str] | None:
-    """The proxy's direct children in its relay plan of RELAY_NAME `version`, once it logged it."""
+def relay_children(proxy: Service, name: str, version: int) -> list[str] | None:
+    """The proxy's direct children in its relay plan of `name` `version`, once it logged it."""
     for line in proxy.log_path.read_text(errors="replace").splitlines():
         if '"adapter_relay_planned"' in line and line.startswith("{"):
             event = json.loads(line)
-            if event.get("adapter") == RELAY_NAME and event.get("version") == version:
+            if event.get("adapter") == name and event.get("version") == version:
                 return event["children"]
     return None
 
 
 def test_an_interior_replica_cut_off_mid_push_stops_nobody_and_catches_up(fleet, relay_proxy, tiny_model):
-    """The relay proxy streams v1 down the chain; once it relays, the interior replica's link is
-    cut: the replica below it is healed from the proxy's copy and serves v1 within the push
-    deadline (`health.push_timeout_s`, 15 s here), the push succeeds; after the heal, the cut
-    replica is caught up and serves v1 too."""
+    """The relay proxy streams v1 down the chain (or stripe 0's tree); once it relays, the
+    interior replica's link is cut: the replica below it is healed from the proxy's copy and
+    serves v1 within the push deadline (`health.push_timeout_s`, 15 s here), the push succeeds;
+    after the heal, the cut replica is caught up and serves v1 too."""
     hosts, _ = fleet
-    proxy, service = relay_proxy
+    proxy, service, shape, adapter_name = relay_proxy
     by_ip = {h.ip: name for name, h in hosts.items()}
     adapter = make_adapter(tiny_model, seed=97, r=64)  # 1.3 MB: ~1.4 s through the proxy's 8 Mbit/s link
     fp = status(f"{hosts['r1'].ip}:50051").model_fingerprint
@@ -248,7 +251,7 @@ def test_an_interior_replica_cut_off_mid_push_stops_nobody_and_catches_up(fleet,
         with Client(proxy, timeout=60) as client:
             try:
                 outcome["reply"] = client.push_adapter(
-                    RELAY_NAME, 1, adapter.payload, adapter.shape, fp, chunk_size=64 << 10
+                    adapter_name, 1, adapter.payload, adapter.shape, fp, chunk_size=64 << 10
                 )
             except RollwireError as exc:
                 outcome["error"] = exc
@@ -258,10 +261,9 @@ def test_an_interior_replica_cut_off_mid_push_stops_nobody_and_catches_up(fleet,
     pusher.start()
     victim = None
     try:
-        children = wait_until(lambda: relay_children(service, 1), 30, "the relay proxy relays v1")
-        assert isinstance(children, list) and len(children) == 1, (
-            children
-        )  # a chain: the one child is the interior replica
+        children = wait_until(lambda: relay_children(service, adapter_name, 1), 30, "the relay proxy relays v1")
+        # a chain: the one child is the interior replica; stripes: one tree per replica, cut stripe 0's root
+        assert isinstance(children, list) and len(children) == (1 if shape == "chain" else 2), children
         victim = by_ip[children[0].rsplit(":", 1)[0]]
         hosts[victim].cut()
         cut_at = time.monotonic()
@@ -273,18 +275,18 @@ def test_an_interior_replica_cut_off_mid_push_stops_nobody_and_catches_up(fleet,
         assert codes[other] == "OK" and codes[victim] != "OK", codes
         assert outcome["at"] - cut_at < PUSH_DEADLINE_S + SLACK_S
         print(f"{victim} cut off mid-push: {other} staged and serves v1 after {outcome['at'] - cut_at:.2f}s")
-        assert 1 in held(hosts[other].ip, RELAY_NAME)
+        assert 1 in held(hosts[other].ip, adapter_name)
         with Client(f"{hosts[other].ip}:50051", timeout=30) as direct:
-            result = direct.generate("relay: ", adapter=f"{RELAY_NAME}@1", max_new_tokens=4)
+            result = direct.generate("relay: ", adapter=f"{adapter_name}@1", max_new_tokens=4)
             assert result.adapter is not None and result.adapter.version == 1
     finally:
         if victim is not None:
             hosts[victim].heal()
         pusher.join(60)
     wait_until(lambda: victim in routable(proxy), 30, f"{victim} is back in the relay proxy's rotation after the heal")
-    assert 1 in held(hosts[victim].ip, RELAY_NAME)  # caught up from the relay proxy's spool
+    assert 1 in held(hosts[victim].ip, adapter_name)  # caught up from the relay proxy's spool
     with Client(f"{hosts[victim].ip}:50051", timeout=30) as direct:
-        result = direct.generate("healed: ", adapter=f"{RELAY_NAME}@1", max_new_tokens=4)
+        result = direct.generate("healed: ", adapter=f"{adapter_name}@1", max_new_tokens=4)
         assert result.adapter is not None and result.adapter.version == 1
 
 

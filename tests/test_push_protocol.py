@@ -338,3 +338,198 @@ async def test_the_gate_relays_nothing_before_a_good_header_and_holds_the_last_c
         for i in range(0, len(bad), 50):
             assert await gate.feed(bad[i : i + 50]) == []
     assert info.value.reason == "TENSOR_MISMATCH"
+
+
+# -- stripes ------------------------------------------------------------------------------------
+KiB = 1 << 10
+
+
+def stripe(index: int, count: int, chunk: int = 64 * KiB) -> pb.Stripe:
+    return pb.Stripe(index=index, count=count, chunk_bytes=chunk)
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_the_stripes_of_a_push_cover_every_byte_once_in_their_chunks(seed):
+    rng = random.Random(seed)
+    chunk = rng.choice([64 * KiB, 128 * KiB, protocol.MAX_CHUNK])
+    size = rng.choice([1, chunk - 1, chunk, chunk + 1, rng.randrange(1, 9 * chunk)])
+    count = rng.randrange(2, protocol.MAX_STRIPES + 1)
+    cover = []
+    for s in range(count):
+        rows = protocol.stripe_layout(size, stripe(s, count, chunk))
+        assert all(j % count == s for j, _ in rows) and [j for j, _ in rows] == sorted(j for j, _ in rows)
+        cover += rows
+    cover.sort()
+    assert [j for j, _ in cover] == list(range(len(cover)))  # every chunk in exactly one stripe
+    assert sum(n for _, n in cover) == size and all(n == chunk for _, n in cover[:-1]) and 0 < cover[-1][1] <= chunk
+
+
+async def assemble(payload: bytes, count: int, chunk: int, rng: random.Random, m: pb.AdapterManifest | None = None):
+    """Feed the stripes' streams to one Assembly, interleaved at random (each stripe in its own
+    order, as one stream delivers it); returns (payload or the refusal, which stripes ended first)."""
+    m = m or manifest_for(payload)
+    assembly = protocol.Assembly(m, stripe(0, count, chunk), None)
+    streams = []
+    for s in range(count):
+        assembly.join(stripe(s, count, chunk))
+        rows = protocol.stripe_layout(len(payload), stripe(s, count, chunk))
+        streams.append((s, [(j, payload[j * chunk : j * chunk + n]) for j, n in rows]))
+    completing = []
+    try:
+        while streams:
+            s, rows = rng.choice(streams)
+            if rows:
+                j, data = rows.pop(0)
+                await assembly.add(j, data)
+            else:
+                streams.remove((s, rows))
+                if assembly.end(s):
+                    completing.append(s)
+        assert len(completing) == 1  # one stream takes the verdict
+        return await assembly.finish(), completing
+    except RollwireError as exc:
+        return exc, completing
+    finally:
+        assembly.fail(None)
+
+
+@pytest.mark.parametrize("seed", range(16))
+async def test_stripes_arriving_in_any_interleaving_assemble_the_exact_payload(seed):
+    rng = random.Random(seed)
+    chunk = rng.choice([64 * KiB, 128 * KiB])
+    payload = rng.randbytes(rng.randrange(1, 7 * chunk))
+    count = rng.randrange(2, 6)
+    got, _ = await assemble(payload, count, chunk, rng)
+    assert got == payload
+
+
+async def test_an_assembly_refuses_bytes_that_do_not_match_the_digest():
+    rng = random.Random(7)
+    payload = rng.randbytes(300 * KiB)
+    altered = bytearray(payload)
+    altered[200 * KiB] ^= 1  # one bit of chunk 3 (stripe 1 of 2)
+    got, _ = await assemble(bytes(altered), 2, 64 * KiB, rng, manifest_for(payload))
+    assert isinstance(got, InvalidArgument) and got.reason == "DIGEST_MISMATCH"
+
+
+async def test_an_assembly_takes_each_stripe_once_and_only_of_its_own_cut():
+    payload = random.Random(1).randbytes(200 * KiB)
+    assembly = protocol.Assembly(manifest_for(payload), stripe(0, 2), None)
+    try:
+        assembly.join(stripe(0, 2))
+        for other in (stripe(0, 2), stripe(1, 3), stripe(1, 2, 128 * KiB)):
+            with pytest.raises(FailedPrecondition) as info:
+                assembly.join(other)
+            assert info.value.reason == "STRIPE_CONFLICT"
+        assembly.join(stripe(1, 2))
+        # a stripe whose stream broke: the version cannot complete here, the others answer pending
+        assembly.fail(None)
+        await assembly.add(1, payload[64 * KiB : 128 * KiB])  # ignored, holds nothing
+        assert not assembly.ahead and assembly.end(0) is False and assembly.end(1) is False
+    finally:
+        assembly.fail(None)
+
+
+@pytest.mark.parametrize(
+    "fields, stage_only",
+    [
+        (dict(index=0, count=1, chunk_bytes=64 * KiB), True),
+        (dict(index=0, count=protocol.MAX_STRIPES + 1, chunk_bytes=64 * KiB), True),
+        (dict(index=2, count=2, chunk_bytes=64 * KiB), True),
+        (dict(index=0, count=2, chunk_bytes=64 * KiB - 1), True),
+        (dict(index=0, count=2, chunk_bytes=protocol.MAX_CHUNK + 1), True),
+        (dict(index=0, count=2, chunk_bytes=0), True),
+        (dict(index=0, count=2, chunk_bytes=64 * KiB), False),
+    ],
+)
+def test_malformed_stripes_are_refused(fields, stage_only):
+    with pytest.raises(InvalidArgument) as info:
+        protocol.check_stripe(pb.Stripe(**fields), stage_only=stage_only)
+    assert info.value.reason == "BAD_STRIPE"
+
+
+@pytest.mark.parametrize(
+    "change",
+    ["short chunk", "long chunk", "extra chunk", "truncated", "late stripe"],
+)
+async def test_a_stripe_stream_that_breaks_its_layout_is_refused(change):
+    payload = random.Random(2).randbytes(5 * 64 * KiB + 100)
+    st = stripe(1, 2)
+    messages = list(protocol.stripe_messages(manifest_for(payload), payload, st))
+    if change == "short chunk":
+        messages[1].chunk = messages[1].chunk[:-1]
+    elif change == "long chunk":
+        messages[1].chunk += b"x"
+    elif change == "extra chunk":
+        messages.append(pb.PushAdapterRequest(chunk=bytes(64 * KiB)))
+    elif change == "truncated":
+        messages = messages[:-1]
+    elif change == "late stripe":
+        messages[2].stripe.CopyFrom(st)
+    reader = protocol.PushReader(streamed(messages), 5, "test")
+    try:
+        first = await reader.open()
+        assert first.stripe == st
+        with pytest.raises(InvalidArgument) as info:
+            async for _ in reader.stripe_chunks(st):
+                pass
+    finally:
+        reader.close()
+    expected = {"truncated": "LENGTH_MISMATCH", "late stripe": "MISPLACED_FIELD"}.get(change, "BAD_STRIPE")
+    assert info.value.reason == expected
+
+
+@pytest.mark.parametrize("n", [*range(1, 40), 64, 255, 1000])
+def test_every_stripe_tree_holds_every_replica_and_each_is_inner_in_at_most_one(n):
+    from rollwire.proxy.plan import stripe_parents, striped_layout
+
+    trees = stripe_parents(n, 2)
+    inner = []
+    for parent in trees:
+        assert parent.count(-1) == 1  # one replica under the proxy: its uplink carries one copy in all
+        kids = [parent.count(i) for i in range(n)]
+        assert max(kids) <= 2
+        inner.append({i for i in range(n) if kids[i]})
+        # every replica reaches the proxy, within ~log2 n levels
+        for i in range(n):
+            hops, at = 0, i
+            while parent[at] >= 0:
+                at, hops = parent[at], hops + 1
+                assert hops <= n
+            assert hops <= max(1, math.ceil(math.log2(n + 1)))
+    assert not inner[0] & inner[1]
+    targets = [Target(f"h:{i + 1}", f"r{i}") for i in range(n)]
+    for tree in striped_layout(targets, 2):
+        assert len(tree) == 1
+        held = [tree[0].address, *(a for a, _ in tree[0].subtree())]
+        assert sorted(held) == sorted(t.address for t in targets)
+
+
+def test_merged_stripe_reports_give_the_verdict_else_the_replicas_own_failure_else_not_reached():
+    from rollwire.serving.forward import merge_stripes
+
+    def r(code="OK", reason="", pending=False, staged=False, message=""):
+        return pb.ReplicaPushResult(
+            replica="q", address="h:1", code=code, reason=reason, stripe_pending=pending, staged=staged, message=message
+        )
+
+    verdict = r(staged=True)
+    assert merge_stripes([(0, r(pending=True)), (1, verdict)], 2) == verdict
+    own = r("INVALID_ARGUMENT", "DIGEST_MISMATCH")
+    assert merge_stripes([(0, r(pending=True)), (1, own)], 2) == own
+    assert merge_stripes([(0, r("UNAVAILABLE", "RELAY_NOT_REACHED")), (1, own)], 2) == own
+    missed = merge_stripes(
+        [(0, r(pending=True)), (1, r("UNAVAILABLE", "RELAY_NOT_REACHED", message="its parent died"))], 2
+    )
+    assert (missed.code, missed.reason) == ("UNAVAILABLE", "RELAY_NOT_REACHED")
+    assert "took stripes [0] of 2" in missed.message and "its parent died" in missed.message
+    only_one = merge_stripes([(0, r(pending=True))], 2)  # a stripe that never reported it
+    assert only_one.reason == "RELAY_NOT_REACHED" and "stripe 1: no report" in only_one.message
+
+
+def test_stripe_chunks_are_about_eight_per_stripe_within_the_bounds():
+    from rollwire.proxy.plan import stripe_chunk_bytes
+
+    assert stripe_chunk_bytes(167_352, 2) == 64 * KiB
+    assert stripe_chunk_bytes(37_000_000, 2) == protocol.MAX_CHUNK
+    assert stripe_chunk_bytes(4_000_000, 2) == 256 * KiB  # 250 kB wanted, in 64 KiB steps

@@ -126,7 +126,8 @@ class HostilePeer(generator_pb2_grpc.GeneratorServiceServicer):
     """A GeneratorService that joins a proxy as a replica (its GetStatus is a real replica's,
     under another name) and relays pushes with the shared push module, but misbehaves:
     `corrupt` flips one bit of the first tensor value it forwards (a finite value stays
-    finite: only the digest can tell), `lie` reports every replica below it as staged
+    finite: only the digest can tell; in a striped push, the stripe that carries the first
+    chunk), `lie` reports every replica below it as staged
     whatever they said, `hold` keeps its reply until `release` is set, `stall` reads nothing
     after the first message until then. It stages nothing itself and answers every commit
     with OK."""
@@ -168,16 +169,22 @@ class HostilePeer(generator_pb2_grpc.GeneratorServiceServicer):
             queue_chunks=8,
             stall_s=5,
             settle_s=5,
+            stripe=first.stripe,
         )
         flipped = not self.corrupt
-        async for chunk in reader.chunks():
-            if not flipped:
+        if first.stripe is not None:  # a stripe: the chunks it carries, by their place in the payload
+            source = reader.stripe_chunks(first.stripe)
+        else:
+            source = ((j, c) async for j, c in _numbered(reader.chunks()))
+        async for j, chunk in source:
+            if not flipped and j == 0:
                 at = 8 + struct.unpack("<Q", chunk[:8])[0]  # the first tensor's first (lowest) byte
                 chunk = chunk[:at] + bytes([chunk[at] ^ 1]) + chunk[at + 1 :]
                 flipped = True
             await forward.send(chunk)
         forward.end()
-        await reader.finish_chunks()
+        if first.stripe is None:
+            await reader.finish_chunks()
         results = await forward.results()
         if self.hold:
             await asyncio.to_thread(self.release.wait, 30)
@@ -193,6 +200,13 @@ class HostilePeer(generator_pb2_grpc.GeneratorServiceServicer):
 
     async def CommitAdapter(self, request, context):
         return pb.CommitAdapterResponse(name=request.name, version=request.version, loaded_versions=[request.version])
+
+
+async def _numbered(chunks):
+    j = 0
+    async for chunk in chunks:
+        yield j, chunk
+        j += 1
 
 
 class PeerServer:
@@ -232,7 +246,8 @@ def peer_proxy(replicas, workdir, request):
     behaviour, fanout, *extra = request.param
     peer = PeerServer(HostilePeer(replicas[0].target, **behaviour))
     args = ["--generator", peer.target, "--set", f"push.fanout={fanout}", *PROXY_ARGS, *extra]
-    proxy = start_proxy(workdir, f"peer-proxy-{'-'.join(behaviour) or 'plain'}-{fanout}", replicas, *args)
+    settings = "".join(f"-{e.replace('=', '').replace('.', '')}" for e in extra if e != "--set")
+    proxy = start_proxy(workdir, f"peer-proxy-{'-'.join(behaviour) or 'plain'}-{fanout}{settings}", replicas, *args)
     wait_until(lambda: len([r for r in status(proxy.target).replicas if r.healthy]) == 4, 30, "all four are routable")
     yield proxy, peer
     stop_all([proxy])
@@ -265,6 +280,110 @@ def test_a_relayed_push_gives_every_replica_the_same_verified_bytes(fanout, repl
         assert metric_value(proxy.metrics(), "rollwire_proxy_push_heals_total", f'replica="{replicas[0].target}"') == 0
     finally:
         stop_all([proxy])
+
+
+@pytest.mark.parametrize("stripes", [2, 3])
+def test_a_striped_push_gives_every_replica_the_same_verified_bytes(stripes, replicas, workdir, adapter):
+    proxy = start_proxy(workdir, f"stripe-proxy-{stripes}", replicas, "--set", f"push.stripes={stripes}", *PROXY_ARGS)
+    try:
+        wait_routable(proxy, replicas)
+        name = f"striped{stripes}"
+        fp = status(proxy.target).model_fingerprint
+        reply = push_via(proxy.target, adapter.manifest(name, 1, fp), adapter.payload)
+        assert sorted((r.replica, r.code) for r in reply.replicas) == [("q1", "OK"), ("q2", "OK"), ("q3", "OK")]
+        planned = log_events(proxy.log_path, "adapter_relay_planned")[-1]
+        chunk = planned["chunk_bytes"]
+        assert planned["stripes"] == stripes and len(planned["children"]) == stripes
+        assert len(set(planned["children"])) == stripes  # each tree starts at another replica
+        for r in replicas:
+            # one stream per stripe: the one that completed the payload staged it, the others only delivered
+            pending = [e for e in log_events(r.log_path, "adapter_stripe_received") if e["adapter"] == name]
+            staged = [e for e in log_events(r.log_path, "adapter_staged") if e["adapter"] == name]
+            assert (len(pending), len(staged)) == (stripes - 1, 1), r.name
+            assert staged[0]["stripes"] == stripes and staged[0]["bytes"] == len(adapter.payload)
+        # every tree holds every replica: each relayed its stripe to the replicas below it
+        relayed = sum(
+            e["relayed_to"]
+            for r in replicas
+            for event in ("adapter_stripe_received", "adapter_staged")
+            for e in log_events(r.log_path, event)
+            if e["adapter"] == name
+        )
+        assert relayed == stripes * (len(replicas) - 1)
+        assert -(-len(adapter.payload) // chunk) >= stripes  # every stripe carried bytes
+        samples = [sampled(r.target, name, 1) for r in replicas]
+        assert samples[0] == samples[1] == samples[2]
+        assert all(
+            metric_value(proxy.metrics(), "rollwire_proxy_push_heals_total", f'replica="{r.target}"') == 0
+            for r in replicas
+        )
+    finally:
+        stop_all([proxy])
+
+
+def test_a_replica_assembles_stripes_from_their_own_streams_and_refuses_broken_ones(replicas, adapter):
+    target = replicas[0].target
+    fp = status(target).model_fingerprint
+    payload, chunk = adapter.payload, 64 << 10
+
+    def stripe(index: int, count: int = 2) -> pb.Stripe:
+        return pb.Stripe(index=index, count=count, chunk_bytes=chunk)
+
+    def refusal(messages, timeout=10) -> tuple[grpc.StatusCode, str]:
+        try:
+            stub.PushAdapter(iter(messages), timeout=timeout)
+        except grpc.RpcError as exc:
+            err = from_rpc_error(exc)
+            return err.code, err.reason
+        return grpc.StatusCode.OK, ""
+
+    with grpc.insecure_channel(target) as channel:
+        stub = generator_pb2_grpc.GeneratorServiceStub(channel)
+        m = adapter.manifest("by-stripes", 1, fp)
+        # broken stripes: refused with a reason, before or as the bytes come
+        plain = list(protocol.stripe_messages(m, payload, stripe(0)))
+        not_staged = [protocol.opening(m, stripe=stripe(0)), *plain[1:]]
+        too_many = list(protocol.stripe_messages(m, payload, stripe(0, 9)))
+        odd_chunk = [plain[0], pb.PushAdapterRequest(chunk=plain[1].chunk[:-1]), *plain[2:]]
+        truncated = plain[:-1]
+        bad = grpc.StatusCode.INVALID_ARGUMENT
+        assert refusal(not_staged) == (bad, "BAD_STRIPE")
+        assert refusal(too_many) == (bad, "BAD_STRIPE")
+        assert refusal(odd_chunk) == (bad, "BAD_STRIPE")
+        assert refusal(truncated) == (bad, "LENGTH_MISMATCH")
+        # the stripes on their own streams: the first to end is not a verdict, the last one stages
+        first = stub.PushAdapter(protocol.stripe_messages(m, payload, stripe(0)), timeout=10)
+        assert (first.stripe_pending, first.staged) == (True, False)
+        assert not holds(target, "by-stripes", 1)
+        last = stub.PushAdapter(protocol.stripe_messages(m, payload, stripe(1)), timeout=10)
+        assert (last.stripe_pending, last.staged) == (False, True)
+        assert pinned_refusal(target, "by-stripes", 1) == grpc.StatusCode.NOT_FOUND  # staged, not served
+        stub.CommitAdapter(pb.CommitAdapterRequest(name="by-stripes", version=1, sha256=m.sha256), timeout=10)
+        stub.PushAdapter(protocol.messages(adapter.manifest("whole", 1, fp), payload), timeout=10)
+        assert sampled(target, "by-stripes", 1) == sampled(target, "whole", 1)  # the same weights, bit for bit
+        # a stripe whose partner never comes holds its push slot until its stream's deadline, no longer
+        for version in (2, 3):
+            orphan = stub.PushAdapter(
+                protocol.stripe_messages(adapter.manifest("by-stripes", version, fp), payload, stripe(0)), timeout=3
+            )
+            assert orphan.stripe_pending
+        assert refusal(protocol.messages(adapter.manifest("whole", 2, fp), payload)) == (
+            grpc.StatusCode.RESOURCE_EXHAUSTED,
+            "TOO_MANY_PUSHES",
+        )
+        wait_until(
+            lambda: refusal(protocol.messages(adapter.manifest("whole", 2, fp), payload))[0] == grpc.StatusCode.OK,
+            10,
+            "the orphaned stripes' slots are freed",
+        )
+        # a stripe of another cut than the one being assembled is refused, and spoils nothing
+        m4 = adapter.manifest("by-stripes", 4, fp)
+        assert stub.PushAdapter(protocol.stripe_messages(m4, payload, stripe(0)), timeout=10).stripe_pending
+        assert refusal(protocol.stripe_messages(m4, payload, stripe(1, 3))) == (
+            grpc.StatusCode.FAILED_PRECONDITION,
+            "STRIPE_CONFLICT",
+        )
+        assert stub.PushAdapter(protocol.stripe_messages(m4, payload, stripe(1)), timeout=10).staged
 
 
 @pytest.mark.parametrize("peer_proxy", [({"hold": True}, 0, "--set", "push.settle_timeout_s=60")], indirect=True)
@@ -331,24 +450,38 @@ def test_a_child_that_stalls_is_cut_off_without_holding_up_the_others(peer_proxy
         assert holds(r.target, "stalled", 1)
 
 
-@pytest.mark.parametrize("peer_proxy", [({"corrupt": True}, 1)], indirect=True)
+@pytest.mark.parametrize(
+    "peer_proxy", [({"corrupt": True}, 1), ({"corrupt": True}, 1, "--set", "push.stripes=2")], indirect=True
+)
 def test_bytes_a_hop_alters_are_refused_below_it_and_healed(peer_proxy, replicas, adapter):
     proxy, peer = peer_proxy
     fp = status(proxy.target).model_fingerprint
     assert log_events(proxy.log_path, "adapter_relay_planned") == []
+    refused_before = {
+        r.name: len([e for e in log_events(r.log_path, "adapter_push_refused") if e["reason"] == "DIGEST_MISMATCH"])
+        for r in replicas
+    }
     reply = push_via(proxy.target, adapter.manifest("altered", 1, fp), adapter.payload)
     planned = log_events(proxy.log_path, "adapter_relay_planned")
-    assert planned[0]["children"] == [peer.target]  # the chain starts at the hostile hop
+    striped = "stripes" in planned[0]
+    assert planned[0]["children"][0] == peer.target  # the chain, or stripe 0's tree, starts at the hostile hop
     refused = [
-        e for r in replicas for e in log_events(r.log_path, "adapter_push_refused") if e["reason"] == "DIGEST_MISMATCH"
+        r.name
+        for r in replicas
+        if len([e for e in log_events(r.log_path, "adapter_push_refused") if e["reason"] == "DIGEST_MISMATCH"])
+        > refused_before[r.name]
     ]
-    assert refused, "the replica below the hostile hop refused the altered bytes"
+    # below the hostile hop: the whole chain, or stripe 0's tree, which it heads (only that
+    # stripe carries the altered chunk: stripe 1's copies were right, but the payloads were not)
+    assert len(refused) == 3, refused
+    if striped:
+        assert planned[0]["stripes"] == 2 and planned[0]["children"][1] != peer.target
     codes = {r.address: r.code for r in reply.replicas}
     assert all(codes[r.target] == "OK" for r in replicas), reply.replicas
     heals = sum(
         metric_value(proxy.metrics(), "rollwire_proxy_push_heals_total", f'replica="{r.target}"') for r in replicas
     )
-    assert heals == 3  # the relay below the hostile hop delivered nothing: each got the bytes again
+    assert heals == len(refused)  # each replica that refused got the bytes again; the others were never touched
     samples = [sampled(r.target, "altered", 1) for r in replicas]
     assert samples[0] == samples[1] == samples[2]
 
@@ -368,12 +501,16 @@ def test_a_hop_that_alters_bytes_and_lies_is_caught_by_the_commit(peer_proxy, re
     assert samples[0] == samples[1] == samples[2]
 
 
-def test_a_replica_killed_mid_relay_stops_nobody_and_rejoins_with_the_version(replicas, workdir, adapter, tiny_model):
-    proxy = start_proxy(workdir, "kill-proxy", replicas, "--set", "push.fanout=1", *PROXY_ARGS)
+@pytest.mark.parametrize("setting", ["push.fanout=1", "push.stripes=2"])
+def test_a_replica_killed_mid_relay_stops_nobody_and_rejoins_with_the_version(
+    setting, replicas, workdir, adapter, tiny_model
+):
+    proxy = start_proxy(workdir, f"kill-proxy-{setting}", replicas, "--set", setting, *PROXY_ARGS)
     try:
         wait_routable(proxy, replicas)
         fp = status(proxy.target).model_fingerprint
-        manifest = adapter.manifest("survive", 1, fp)
+        name = f"survive-{setting.split('.')[1].split('=')[0]}"
+        manifest = adapter.manifest(name, 1, fp)
         half = len(adapter.payload) // 2
         killed = threading.Event()
 
@@ -408,15 +545,15 @@ def test_a_replica_killed_mid_relay_stops_nobody_and_rejoins_with_the_version(re
         assert [codes[r.target] for r in others] == ["OK", "OK"], reply.replicas
         assert codes[first.target] != "OK"
         for r in others:
-            assert sampled(r.target, "survive", 1)
+            assert sampled(r.target, name, 1)
         # it comes back on its port and is caught up before it takes work
         again = start_generator(
             tiny_model, workdir, "q-again", *GENERATOR_ARGS, "--replica-id", "q-again", "--port", str(first.port)
         )
         replicas[replicas.index(first)] = again
-        wait_until(lambda: holds(again.target, "survive", 1), 30, "the restarted replica caught up")
+        wait_until(lambda: holds(again.target, name, 1), 30, "the restarted replica caught up")
         wait_routable(proxy, replicas, timeout=30)
-        assert sampled(again.target, "survive", 1) == sampled(others[0].target, "survive", 1)
+        assert sampled(again.target, name, 1) == sampled(others[0].target, name, 1)
     finally:
         stop_all([proxy])
 

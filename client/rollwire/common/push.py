@@ -21,7 +21,12 @@ Invariants:
   manifest rules (`check_manifest`, `check_push_version`);
 - a relay plan is a flat list in which every node follows its parent, so a receiver checks
   it in one pass, with bounded size and no recursion; a node's children and their subtrees
-  come from `split_plan`.
+  come from `split_plan`;
+- a striped push (`Stripe`) is S streams per receiver, each carrying the chunks j = index mod
+  S of the payload cut at exactly `chunk_bytes` (`stripe_layout`, checked chunk by chunk by
+  `PushReader.stripe_chunks`); an `Assembly` feeds them to one sink in payload order, so the
+  payload is hashed and checked once, as for any push, and exactly one stream (the one whose
+  end completes it) takes the verdict.
 """
 
 from __future__ import annotations
@@ -276,12 +281,18 @@ def split_plan(plan: pb.RelayPlan, *, max_children: int, max_nodes: int = MAX_PL
 
 # -- writing ---------------------------------------------------------------------------------
 def opening(
-    manifest: pb.AdapterManifest, *, relay: pb.RelayPlan | None = None, stage_only: bool = False
+    manifest: pb.AdapterManifest,
+    *,
+    relay: pb.RelayPlan | None = None,
+    stage_only: bool = False,
+    stripe: pb.Stripe | None = None,
 ) -> pb.PushAdapterRequest:
     """The first message of a push."""
     message = pb.PushAdapterRequest(manifest=manifest, stage_only=stage_only)
     if relay is not None and relay.nodes:
         message.relay.CopyFrom(relay)
+    if stripe is not None:
+        message.stripe.CopyFrom(stripe)
     return message
 
 
@@ -308,6 +319,22 @@ def messages(
         yield pb.PushAdapterRequest(chunk=piece)
 
 
+def stripe_messages(
+    manifest: pb.AdapterManifest,
+    payload: bytes | bytearray | memoryview,
+    stripe: pb.Stripe,
+    *,
+    relay: pb.RelayPlan | None = None,
+) -> Iterator[pb.PushAdapterRequest]:
+    """One stripe's stream of a striped push (always `stage_only`): its opening, then the
+    payload's chunks that `stripe_layout` gives it."""
+    yield opening(manifest, relay=relay, stage_only=True, stripe=stripe)
+    view = memoryview(payload)
+    for j, size in stripe_layout(len(view), stripe):
+        start = j * stripe.chunk_bytes
+        yield pb.PushAdapterRequest(chunk=bytes(view[start : start + size]))
+
+
 # -- reading ---------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class Opening:
@@ -317,6 +344,7 @@ class Opening:
     manifest: pb.AdapterManifest
     relay: pb.RelayPlan
     stage_only: bool
+    stripe: pb.Stripe | None = None
 
 
 async def idle_bounded(messages: AsyncIterable, idle_s: float, holder: str):
@@ -367,7 +395,9 @@ class PushReader:
         if first.WhichOneof("part") != "manifest":
             raise InvalidArgument("the first PushAdapter message must be the manifest", reason=Reason.NO_MANIFEST)
         self.manifest = first.manifest
-        return Opening(first.manifest, first.relay, first.stage_only)
+        return Opening(
+            first.manifest, first.relay, first.stage_only, first.stripe if first.HasField("stripe") else None
+        )
 
     async def chunks(self, store: Path | None = None, inspector: Inspector | None = None) -> AsyncIterator[bytes]:
         """Each chunk as received, after its checks; call once the manifest was accepted.
@@ -377,22 +407,7 @@ class PushReader:
         declared = self.manifest.byte_length
         self._sink = _Sink(declared, store, self.backlog_bytes, inspector, self.keep_chunks)
         async for msg in self._stream:
-            if msg.WhichOneof("part") != "chunk":
-                raise InvalidArgument(
-                    "only the first PushAdapter message may be a manifest", reason=Reason.SECOND_MANIFEST
-                )
-            if msg.HasField("relay") or msg.stage_only:
-                raise InvalidArgument(
-                    "relay and stage_only may be set on the first PushAdapter message only",
-                    reason=Reason.MISPLACED_FIELD,
-                )
-            chunk = msg.chunk
-            if len(chunk) > MAX_CHUNK:
-                raise InvalidArgument(
-                    f"a chunk of {len(chunk)} bytes exceeds the 1 MiB ({MAX_CHUNK} bytes) chunk limit; "
-                    "split the payload into smaller chunks",
-                    reason=Reason.CHUNK_TOO_LARGE,
-                )
+            chunk = _chunk_of(msg)
             self.received += len(chunk)
             if self.received > declared:
                 raise InvalidArgument(
@@ -401,6 +416,31 @@ class PushReader:
             await self._sink.absorb(chunk)
             self._sink.raise_inspection()
             yield chunk
+
+    async def stripe_chunks(self, stripe: pb.Stripe) -> AsyncIterator[tuple[int, bytes]]:
+        """(j, chunk j of the payload) for each chunk of a striped stream (`check_stripe`
+        first), each of exactly the size its place in the payload gives it; the stream must
+        end after the stripe's last chunk. Nothing is hashed or kept here: an `Assembly`
+        puts the stripes back together."""
+        assert self._stream is not None and self.manifest is not None, "open() first"
+        expected = iter(stripe_layout(self.manifest.byte_length, stripe))
+        async for msg in self._stream:
+            chunk = _chunk_of(msg)
+            j, size = next(expected, (-1, 0))
+            if len(chunk) != size:
+                raise InvalidArgument(
+                    f"stripe {stripe.index} of {stripe.count} carries chunk {j} of {size} bytes, got {len(chunk)}"
+                    if j >= 0
+                    else f"stripe {stripe.index} of {stripe.count} sent more chunks than the payload has for it",
+                    reason=Reason.BAD_STRIPE,
+                )
+            self.received += size
+            yield j, chunk
+        if (j := next(expected, (-1, 0))[0]) >= 0:
+            raise InvalidArgument(
+                f"stripe {stripe.index} of {stripe.count} ended before chunk {j}; the upload was truncated",
+                reason=Reason.LENGTH_MISMATCH,
+            )
 
     async def finish(self, sync: bool = True) -> bytes:
         """The payload once the stream ended: length, digest, then the inspector's checks;
@@ -427,21 +467,159 @@ class PushReader:
                 "the upload was truncated or the manifest is wrong",
                 reason=Reason.LENGTH_MISMATCH,
             )
-        digest, payload, refusal = await self._sink.finish(sync)
-        if digest != m.sha256:
-            raise InvalidArgument(
-                f"payload sha256 is {digest} but the manifest declared {m.sha256}; the bytes were corrupted or the "
-                "manifest is stale",
-                reason=Reason.DIGEST_MISMATCH,
-            )
-        if refusal is not None:
-            raise refusal
-        return payload
+        return await _verdict(m, self._sink, sync)
 
     def close(self) -> None:
         """Stop the worker and close the store; idempotent, safe on every exit."""
         if self._sink is not None:
             self._sink.close()
+
+
+def _chunk_of(msg: pb.PushAdapterRequest) -> bytes:
+    """The chunk of a message after the first, which must carry a chunk and nothing else."""
+    if msg.WhichOneof("part") != "chunk":
+        raise InvalidArgument("only the first PushAdapter message may be a manifest", reason=Reason.SECOND_MANIFEST)
+    if msg.HasField("relay") or msg.stage_only or msg.HasField("stripe"):
+        raise InvalidArgument(
+            "relay, stage_only and stripe may be set on the first PushAdapter message only",
+            reason=Reason.MISPLACED_FIELD,
+        )
+    chunk = msg.chunk
+    if len(chunk) > MAX_CHUNK:
+        raise InvalidArgument(
+            f"a chunk of {len(chunk)} bytes exceeds the 1 MiB ({MAX_CHUNK} bytes) chunk limit; "
+            "split the payload into smaller chunks",
+            reason=Reason.CHUNK_TOO_LARGE,
+        )
+    return chunk
+
+
+async def _verdict(m: pb.AdapterManifest, sink: _Sink, sync: bool) -> bytes | list[bytes]:
+    """The payload of a sink that took every byte: digest, then the inspector's checks."""
+    digest, payload, refusal = await sink.finish(sync)
+    if digest != m.sha256:
+        raise InvalidArgument(
+            f"payload sha256 is {digest} but the manifest declared {m.sha256}; the bytes were corrupted or the "
+            "manifest is stale",
+            reason=Reason.DIGEST_MISMATCH,
+        )
+    if refusal is not None:
+        raise refusal
+    return payload
+
+
+# -- stripes ---------------------------------------------------------------------------------
+MAX_STRIPES = 8
+"""Most stripes one push may be dealt over."""
+MIN_STRIPE_CHUNK = 64 << 10
+"""Smallest chunk a striped push may be cut into (a receiver keeps one entry per chunk)."""
+
+
+def stripe_layout(byte_length: int, stripe: pb.Stripe) -> list[tuple[int, int]]:
+    """(j, size) of every chunk of the payload that `stripe` carries, in order."""
+    c = stripe.chunk_bytes
+    n = max(1, math.ceil(byte_length / c))
+    return [(j, c if j < n - 1 else byte_length - c * (n - 1)) for j in range(stripe.index, n, stripe.count)]
+
+
+def check_stripe(stripe: pb.Stripe, *, stage_only: bool) -> None:
+    """INVALID_ARGUMENT (BAD_STRIPE) unless the stripe's fields are in range; a striped push
+    is always `stage_only` (its verdict comes from whichever stream completes the payload,
+    so only a commit that follows every verdict may serve it)."""
+    if not 2 <= stripe.count <= MAX_STRIPES or stripe.index >= stripe.count:
+        raise InvalidArgument(
+            f"stripe {stripe.index} of {stripe.count}: a push has 2 to {MAX_STRIPES} stripes, numbered from 0",
+            reason=Reason.BAD_STRIPE,
+        )
+    if not MIN_STRIPE_CHUNK <= stripe.chunk_bytes <= MAX_CHUNK:
+        raise InvalidArgument(
+            f"stripe chunk_bytes is {stripe.chunk_bytes}; use {MIN_STRIPE_CHUNK} to {MAX_CHUNK}",
+            reason=Reason.BAD_STRIPE,
+        )
+    if not stage_only:
+        raise InvalidArgument("a striped push must be stage_only", reason=Reason.BAD_STRIPE)
+
+
+class Assembly:
+    """The stripes of one version, from their separate streams, put back in payload order.
+
+    Invariants: chunks are fed to one sink (sha256, buffer, inspector) strictly in payload
+    order, whatever order the stripes deliver them in; chunks that arrive ahead wait here
+    (at most the payload's size in all, which the receiver admitted); each stripe joins
+    once; the stream whose end completes the payload (every stripe `ended`) takes the
+    verdict, exactly once. An assembly that never completes is dropped by its owner."""
+
+    def __init__(self, manifest: pb.AdapterManifest, stripe: pb.Stripe, inspector: Inspector | None) -> None:
+        self.manifest = manifest
+        self.count, self.chunk_bytes = stripe.count, stripe.chunk_bytes
+        self.sink = _Sink(manifest.byte_length, None, 8 * MAX_CHUNK, inspector, keep_chunks=False)
+        self.ahead: dict[int, bytes] = {}
+        self.next = 0
+        self.feeding = asyncio.Lock()
+        self.joined: set[int] = set()
+        self.ended: set[int] = set()
+        self.closed = False
+        self.completed = False
+        self.error: RollwireError | None = None
+        """Why its bytes were refused, if they were: every stripe's stream refuses with it."""
+
+    def join(self, stripe: pb.Stripe) -> None:
+        """FAILED_PRECONDITION (STRIPE_CONFLICT) for a stripe of another cut, or one that joined already."""
+        if (stripe.count, stripe.chunk_bytes) != (self.count, self.chunk_bytes) or stripe.index in self.joined:
+            raise FailedPrecondition(
+                f"stripe {stripe.index} of {stripe.count} ({stripe.chunk_bytes}-byte chunks) does not fit the stripes "
+                f"of this version being received ({sorted(self.joined)} of {self.count}, {self.chunk_bytes}-byte "
+                "chunks); push again once it ended",
+                reason=Reason.STRIPE_CONFLICT,
+            )
+        self.joined.add(stripe.index)
+
+    async def add(self, j: int, chunk: bytes) -> None:
+        """Chunk j: fed to the sink now if it is next in payload order, else when it is. Raises
+        the first failed check of the bytes; does nothing once the assembly failed."""
+        if self.closed:
+            return
+        self.ahead[j] = chunk
+        async with self.feeding:
+            while not self.closed and self.next in self.ahead:
+                await self.sink.absorb(self.ahead.pop(self.next))
+                self.next += 1
+            try:
+                self.sink.raise_inspection()
+            except RollwireError as err:
+                self.fail(err)
+                raise
+
+    def end(self, index: int) -> bool:
+        """Stripe `index` delivered all its chunks; True for the one call that completes the
+        payload (then `finish`). Raises the bytes' refusal if they were refused; False while a
+        stripe is missing, or for good once a stripe's stream broke."""
+        self.ended.add(index)
+        if self.error is not None:
+            raise self.error
+        if self.closed or len(self.ended) < self.count:
+            return False
+        self.completed = True
+        return True
+
+    async def finish(self) -> bytes:
+        """The verified payload (length, digest, tensors), after `end` returned True."""
+        assert self.completed
+        async with self.feeding:
+            pass  # every chunk was fed: each add returned after its feed ran
+        payload = await _verdict(self.manifest, self.sink, sync=False)
+        assert isinstance(payload, bytes)
+        return payload
+
+    def fail(self, err: RollwireError | None) -> None:
+        """The version cannot complete here: `err` when its bytes failed a check, None when a
+        stripe's stream broke or the assembly was given up. Frees what it held."""
+        if self.error is None and err is not None and not self.completed:
+            self.error = err
+        self.closed = True
+        self.ahead.clear()
+        if not self.completed:
+            self.sink.close()
 
 
 class Inspector(Protocol):
@@ -578,10 +756,24 @@ class _Sink:
 
 
 # -- results of a relayed push ---------------------------------------------------------------
-def result(address: str, name: str, code: grpc.StatusCode, message: str = "", reason: str = "", staged=False):
+def result(
+    address: str,
+    name: str,
+    code: grpc.StatusCode,
+    message: str = "",
+    reason: str = "",
+    staged: bool = False,
+    stripe_pending: bool = False,
+) -> pb.ReplicaPushResult:
     """One replica's outcome, as PushAdapterResponse.replicas lists it."""
     return pb.ReplicaPushResult(
-        replica=name or address, address=address, code=code.name, message=message, reason=reason, staged=staged
+        replica=name or address,
+        address=address,
+        code=code.name,
+        message=message,
+        reason=reason,
+        staged=staged,
+        stripe_pending=stripe_pending,
     )
 
 

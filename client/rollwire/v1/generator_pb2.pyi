@@ -155,16 +155,28 @@ class AdapterManifest(_message.Message):
     def __init__(self, name: _Optional[str] = ..., version: _Optional[int] = ..., base_model_fingerprint: _Optional[str] = ..., lora_config: _Optional[_Union[LoraConfig, _Mapping]] = ..., byte_length: _Optional[int] = ..., sha256: _Optional[str] = ...) -> None: ...
 
 class PushAdapterRequest(_message.Message):
-    __slots__ = ("manifest", "chunk", "relay", "stage_only")
+    __slots__ = ("manifest", "chunk", "relay", "stage_only", "stripe")
     MANIFEST_FIELD_NUMBER: _ClassVar[int]
     CHUNK_FIELD_NUMBER: _ClassVar[int]
     RELAY_FIELD_NUMBER: _ClassVar[int]
     STAGE_ONLY_FIELD_NUMBER: _ClassVar[int]
+    STRIPE_FIELD_NUMBER: _ClassVar[int]
     manifest: AdapterManifest
     chunk: bytes
     relay: RelayPlan
     stage_only: bool
-    def __init__(self, manifest: _Optional[_Union[AdapterManifest, _Mapping]] = ..., chunk: _Optional[bytes] = ..., relay: _Optional[_Union[RelayPlan, _Mapping]] = ..., stage_only: _Optional[bool] = ...) -> None: ...
+    stripe: Stripe
+    def __init__(self, manifest: _Optional[_Union[AdapterManifest, _Mapping]] = ..., chunk: _Optional[bytes] = ..., relay: _Optional[_Union[RelayPlan, _Mapping]] = ..., stage_only: _Optional[bool] = ..., stripe: _Optional[_Union[Stripe, _Mapping]] = ...) -> None: ...
+
+class Stripe(_message.Message):
+    __slots__ = ("index", "count", "chunk_bytes")
+    INDEX_FIELD_NUMBER: _ClassVar[int]
+    COUNT_FIELD_NUMBER: _ClassVar[int]
+    CHUNK_BYTES_FIELD_NUMBER: _ClassVar[int]
+    index: int
+    count: int
+    chunk_bytes: int
+    def __init__(self, index: _Optional[int] = ..., count: _Optional[int] = ..., chunk_bytes: _Optional[int] = ...) -> None: ...
 
 class RelayPlan(_message.Message):
     __slots__ = ("nodes",)
@@ -183,36 +195,40 @@ class RelayNode(_message.Message):
     def __init__(self, address: _Optional[str] = ..., name: _Optional[str] = ..., parent: _Optional[int] = ...) -> None: ...
 
 class ReplicaPushResult(_message.Message):
-    __slots__ = ("replica", "code", "message", "address", "staged", "reason")
+    __slots__ = ("replica", "code", "message", "address", "staged", "reason", "stripe_pending")
     REPLICA_FIELD_NUMBER: _ClassVar[int]
     CODE_FIELD_NUMBER: _ClassVar[int]
     MESSAGE_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
     STAGED_FIELD_NUMBER: _ClassVar[int]
     REASON_FIELD_NUMBER: _ClassVar[int]
+    STRIPE_PENDING_FIELD_NUMBER: _ClassVar[int]
     replica: str
     code: str
     message: str
     address: str
     staged: bool
     reason: str
-    def __init__(self, replica: _Optional[str] = ..., code: _Optional[str] = ..., message: _Optional[str] = ..., address: _Optional[str] = ..., staged: _Optional[bool] = ..., reason: _Optional[str] = ...) -> None: ...
+    stripe_pending: bool
+    def __init__(self, replica: _Optional[str] = ..., code: _Optional[str] = ..., message: _Optional[str] = ..., address: _Optional[str] = ..., staged: _Optional[bool] = ..., reason: _Optional[str] = ..., stripe_pending: _Optional[bool] = ...) -> None: ...
 
 class PushAdapterResponse(_message.Message):
-    __slots__ = ("name", "version", "already_loaded", "loaded_versions", "replicas", "staged")
+    __slots__ = ("name", "version", "already_loaded", "loaded_versions", "replicas", "staged", "stripe_pending")
     NAME_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
     ALREADY_LOADED_FIELD_NUMBER: _ClassVar[int]
     LOADED_VERSIONS_FIELD_NUMBER: _ClassVar[int]
     REPLICAS_FIELD_NUMBER: _ClassVar[int]
     STAGED_FIELD_NUMBER: _ClassVar[int]
+    STRIPE_PENDING_FIELD_NUMBER: _ClassVar[int]
     name: str
     version: int
     already_loaded: bool
     loaded_versions: _containers.RepeatedScalarFieldContainer[int]
     replicas: _containers.RepeatedCompositeFieldContainer[ReplicaPushResult]
     staged: bool
-    def __init__(self, name: _Optional[str] = ..., version: _Optional[int] = ..., already_loaded: _Optional[bool] = ..., loaded_versions: _Optional[_Iterable[int]] = ..., replicas: _Optional[_Iterable[_Union[ReplicaPushResult, _Mapping]]] = ..., staged: _Optional[bool] = ...) -> None: ...
+    stripe_pending: bool
+    def __init__(self, name: _Optional[str] = ..., version: _Optional[int] = ..., already_loaded: _Optional[bool] = ..., loaded_versions: _Optional[_Iterable[int]] = ..., replicas: _Optional[_Iterable[_Union[ReplicaPushResult, _Mapping]]] = ..., staged: _Optional[bool] = ..., stripe_pending: _Optional[bool] = ...) -> None: ...
 
 class CommitAdapterRequest(_message.Message):
     __slots__ = ("name", "version", "sha256")

@@ -18,11 +18,13 @@ import structlog
 from rollwire.common.errors import FailedPrecondition, InvalidArgument, ResourceExhausted, RollwireError, to_status
 from rollwire.common.logs import REQUEST_ID_KEY, get_logger, request_id_from
 from rollwire.common.push import (
+    Assembly,
     Opening,
     PushReader,
     check_commit,
     check_manifest,
     check_name,
+    check_stripe,
     manifest_from_pb,
     split_plan,
     status_with_results,
@@ -71,6 +73,7 @@ class GeneratorServicer(generator_pb2_grpc.GeneratorServiceServicer):
         self.config, self.engine, self.registry, self.metrics = config, engine, registry, metrics
         self.fingerprint, self.base_shapes, self.replica = fingerprint, base_shapes, replica
         self.in_flight = 0
+        self._assemblies = {}
         # channels to relay children; a TLS file that cannot be read fails at start
         self._channels = ChannelPool(Dialer.from_config(config.relay, "relay", config.keepalive.keepalive()))
 
@@ -283,7 +286,10 @@ class GeneratorServicer(generator_pb2_grpc.GeneratorServiceServicer):
 
     # -- PushAdapter -------------------------------------------------------------------
     _pushes_active = 0
-    """PushAdapter streams being received now (bounded by limits.max_concurrent_pushes)."""
+    """Pushes being received now (bounded by limits.max_concurrent_pushes): one per plain push
+    stream, one per striped version being assembled (its stripes' streams share it)."""
+    _assemblies: dict[tuple[str, int, str], Assembly]
+    """Striped versions being assembled, by (name, version, sha256)."""
 
     async def PushAdapter(self, request_iterator, context: grpc.aio.ServicerContext) -> pb.PushAdapterResponse:
         """Read the push with the shared protocol (push.PushReader: hashed, and its tensors
@@ -291,7 +297,14 @@ class GeneratorServicer(generator_pb2_grpc.GeneratorServiceServicer):
         chunk to the children while receiving; stage this replica's own verified copy
         (`stage_only`) or serve it; then report this replica's outcome, with its subtree's
         outcomes in `replicas` (or in the refusal's details). Nothing is served, or staged,
-        before every check passed on this replica's own bytes."""
+        before every check passed on this replica's own bytes.
+
+        A striped stream (`stripe`) carries one stripe; its chunks join the version's
+        `Assembly`, shared with the streams of its other stripes. The stream that completes
+        the payload verifies and stages it and answers with the verdict; one that ends before
+        answers `stripe_pending`. A stripe stream that fails leaves the version incomplete
+        here (its sender reports why, and the proxy heals it); bytes that fail a check fail
+        every stripe's stream."""
         rid = request_id_from(context.invocation_metadata())
         structlog.contextvars.bind_contextvars(request_id=rid)
         start, code = time.monotonic(), grpc.StatusCode.OK
@@ -300,37 +313,58 @@ class GeneratorServicer(generator_pb2_grpc.GeneratorServiceServicer):
         forward: Forwarder | None = None
         subtree: list[pb.ReplicaPushResult] = []
         admitted = False
+        assembly: Assembly | None = None
         try:
-            if self._pushes_active >= lim.max_concurrent_pushes:
-                raise ResourceExhausted(
-                    f"this replica is receiving {self._pushes_active} pushes already (limit {lim.max_concurrent_pushes}); "
-                    "retry shortly",
-                    reason=Reason.TOO_MANY_PUSHES,
-                    retry_after_s=1.0,
-                )
-            self._pushes_active += 1
-            admitted = True
             first = await reader.open()
             manifest = manifest_from_pb(first.manifest)
+            joining = None
+            if first.stripe is not None:
+                check_stripe(first.stripe, stage_only=first.stage_only)
+                joining = self._assemblies.get((manifest.name, manifest.version, manifest.sha256))
+            if joining is None:  # a stripe of a version being assembled shares its slot
+                self._admit_push()
+                admitted = True
             check_manifest(manifest, fingerprint=self.fingerprint, max_bytes=lim.max_adapter_bytes)
             self.registry.check_version(manifest, lim.max_version_step)
+            if first.stripe is not None:
+                if joining is None:
+                    joining = self._assemble(first, manifest, context)
+                    admitted = False  # the assembly holds the slot now
+                joining.join(first.stripe)  # a conflicting stripe is refused here, leaving the assembly alone
+                assembly = joining
             if first.relay.nodes:
                 forward = self._relay(first, context)
             try:
-                async for chunk in reader.chunks(inspector=PayloadInspector(manifest, self.base_shapes)):
-                    self.metrics.push_bytes.inc(len(chunk))
-                    if forward is not None:
-                        await forward.send(chunk)
+                if assembly is not None:
+                    assert first.stripe is not None
+                    async for j, chunk in reader.stripe_chunks(first.stripe):
+                        self.metrics.push_bytes.inc(len(chunk))
+                        await assembly.add(j, chunk)
+                        if forward is not None:
+                            await forward.send(chunk)
+                else:
+                    async for chunk in reader.chunks(inspector=PayloadInspector(manifest, self.base_shapes)):
+                        self.metrics.push_bytes.inc(len(chunk))
+                        if forward is not None:
+                            await forward.send(chunk)
             except BaseException as exc:
                 if forward is not None:
                     forward.abort(f"its parent's upload failed: {exc}"[:300])
                 raise
             if forward is not None:
                 forward.end()  # the children judge the bytes they got on their own
-            payload = await reader.finish()  # length, digest, header, finiteness: checked as the bytes came
+            if assembly is not None:
+                assert first.stripe is not None
+                if not assembly.end(first.stripe.index):
+                    return await self._stripe_received(first, forward, start)
+                self._release_assembly(assembly)
+                payload = await assembly.finish()
+            else:
+                payload = await reader.finish()  # length, digest, header, finiteness: checked as the bytes came
             push = self.registry.stage if first.stage_only else self.registry.push
             outcome = await push(manifest, payload, lim.max_version_step)
             del payload
+            self._release_assembly(self._assemblies.get((manifest.name, manifest.version, manifest.sha256)))
             self.metrics.set_adapters(self.registry.loaded())
             if forward is not None:
                 subtree = await forward.results()
@@ -338,7 +372,8 @@ class GeneratorServicer(generator_pb2_grpc.GeneratorServiceServicer):
                 "adapter_staged" if outcome.staged else "adapter_pushed",
                 adapter=manifest.name,
                 version=manifest.version,
-                bytes=reader.received,
+                bytes=assembly.manifest.byte_length if assembly is not None else reader.received,
+                stripes=assembly.count if assembly is not None else 1,
                 already_loaded=outcome.already_loaded,
                 relayed_to=len(subtree),
                 seconds=round(time.monotonic() - start, 4),
@@ -353,6 +388,9 @@ class GeneratorServicer(generator_pb2_grpc.GeneratorServiceServicer):
             )
         except RollwireError as err:
             code = err.code
+            if assembly is not None:  # refused bytes (add, finish) failed it with their error already
+                assembly.fail(None)
+                self._release_assembly(assembly)
             if forward is not None and not subtree:
                 subtree = await forward.results()
             log.info("adapter_push_refused", code=code.name, reason=err.reason, error=err.message)
@@ -360,6 +398,9 @@ class GeneratorServicer(generator_pb2_grpc.GeneratorServiceServicer):
             raise AssertionError("unreachable: abort_with_status raises") from err
         except asyncio.CancelledError:
             code = grpc.StatusCode.CANCELLED
+            if assembly is not None:
+                assembly.fail(None)
+                self._release_assembly(assembly)
             if forward is not None:
                 forward.abort("its parent's push was cancelled")
             raise
@@ -370,6 +411,59 @@ class GeneratorServicer(generator_pb2_grpc.GeneratorServiceServicer):
             self.metrics.pushes.labels(code.name).inc()
             self.metrics.push_latency.observe(time.monotonic() - start)
             structlog.contextvars.unbind_contextvars("request_id")
+
+    def _admit_push(self) -> None:
+        lim = self.config.limits
+        if self._pushes_active >= lim.max_concurrent_pushes:
+            raise ResourceExhausted(
+                f"this replica is receiving {self._pushes_active} pushes already (limit {lim.max_concurrent_pushes}); "
+                "retry shortly",
+                reason=Reason.TOO_MANY_PUSHES,
+                retry_after_s=1.0,
+            )
+        self._pushes_active += 1
+
+    def _assemble(self, first: Opening, manifest, context: grpc.aio.ServicerContext) -> Assembly:
+        """A new assembly for a striped version; it holds the push slot its first stream took
+        until it completes, fails, or outlives the first stream's deadline (a stripe that never
+        came), whichever is first."""
+        assert first.stripe is not None
+        key = (manifest.name, manifest.version, manifest.sha256)
+        assembly = Assembly(first.manifest, first.stripe, PayloadInspector(manifest, self.base_shapes))
+        self._assemblies[key] = assembly
+        remaining = context.time_remaining()
+        ttl = self.config.relay.timeout_s if remaining is None else remaining
+        asyncio.get_running_loop().call_later(ttl, self._release_assembly, assembly)
+        return assembly
+
+    def _release_assembly(self, assembly: Assembly | None) -> None:
+        """Forget an assembly and free its push slot (idempotent). Streams still holding it go
+        on forwarding their stripe; they answer `stripe_pending` (or its failure)."""
+        if assembly is None:
+            return
+        key = (assembly.manifest.name, assembly.manifest.version, assembly.manifest.sha256)
+        if self._assemblies.get(key) is assembly:
+            del self._assemblies[key]
+            self._pushes_active -= 1
+            if not assembly.completed:
+                assembly.fail(None)
+
+    async def _stripe_received(self, first: Opening, forward: Forwarder | None, start: float) -> pb.PushAdapterResponse:
+        """The answer of a stripe stream that ended before the payload was whole: not a verdict."""
+        subtree = await forward.results() if forward is not None else []
+        assert first.stripe is not None
+        log.info(
+            "adapter_stripe_received",
+            adapter=first.manifest.name,
+            version=first.manifest.version,
+            stripe=first.stripe.index,
+            stripes=first.stripe.count,
+            relayed_to=len(subtree),
+            seconds=round(time.monotonic() - start, 4),
+        )
+        return pb.PushAdapterResponse(
+            name=first.manifest.name, version=first.manifest.version, replicas=subtree, stripe_pending=True
+        )
 
     def _relay(self, first: Opening, context: grpc.aio.ServicerContext) -> Forwarder:
         """Open a stream to each child of the plan; the caller's authorization and request id
@@ -398,6 +492,7 @@ class GeneratorServicer(generator_pb2_grpc.GeneratorServiceServicer):
             queue_chunks=relay.queue_chunks,
             stall_s=relay.stall_timeout_s,
             settle_s=relay.settle_timeout_s,
+            stripe=first.stripe,
         )
 
     async def close(self) -> None:

@@ -8,6 +8,7 @@ from typing import Annotated, Literal
 from pydantic import Field, field_validator
 
 from rollwire.common.config import Section
+from rollwire.common.push import MAX_STRIPES
 from rollwire.proxy.peers import PeeringSection
 from rollwire.proxy.policies import POLICIES
 from rollwire.proxy.upstream import UpstreamSection
@@ -95,8 +96,26 @@ class PushSection(ForwardSection):
     - 1) for this push."""
     max_fanout: int = Field(default=16, ge=1, le=1024)
     """Largest fan-out "auto" may pick."""
+    stripes: int | Literal["auto"] = Field(default="auto")
+    """Trees a push is dealt over (plan.striped_layout): 1 = one tree of `fanout`; S = 2..8: S trees, each with one
+    replica under the proxy and fan-out S below it, chunk j down tree j mod S, so every uplink carries about one copy
+    whatever the number of replicas (2 = NCCL's double binary tree); "auto" = 2 while `fanout` is "auto", else 1 (a
+    fan-out you set is the tree you get). Heals are never striped."""
     commit_timeout_s: float = Field(default=10.0, gt=0)
     """Deadline of one CommitAdapter call to one replica."""
+
+    @field_validator("stripes")
+    @classmethod
+    def _stripes(cls, value: int | str) -> int | str:
+        if isinstance(value, int) and not 1 <= value <= MAX_STRIPES:
+            raise ValueError(f'stripes is 1 (one tree) to {MAX_STRIPES}, or "auto"')
+        return value
+
+    def stripe_count(self) -> int:
+        """The stripes a push is dealt over, "auto" resolved (before the replicas and chunks cap it)."""
+        if self.stripes == "auto":
+            return 2 if self.fanout == "auto" else 1
+        return int(self.stripes)
 
     @field_validator("fanout")
     @classmethod

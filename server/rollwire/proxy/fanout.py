@@ -7,7 +7,10 @@ The steps of one publication (`FanOut.push`):
    a time, in order;
 2. cut-through: chunks go on to the proxy's children of a relay tree (plan.py) as they
    arrive, `stage_only`, and each replica forwards them to its own children while it
-   receives them; the proxy's copy is hashed and written to the spool's `.incoming/` by a
+   receives them; with stripes (`push.stripes`, the default "auto" = 2) the chunks are dealt
+   over S trees instead, one replica under the proxy in each (plan.striped_layout,
+   forward.StripedForwarder), and each replica reports its verdict from the stripe that
+   completed its payload; the proxy's copy is hashed and written to the spool's `.incoming/` by a
    worker thread alongside (push.PushReader). Nothing is forwarded before the payload's
    header passed the replicas' header checks, and the chunk that completes the payload is
    held back until the digest and the full payload check passed at the proxy, so no replica
@@ -43,6 +46,7 @@ Further invariants:
 from __future__ import annotations
 
 import asyncio
+import math
 import time
 from collections import defaultdict
 from collections.abc import AsyncIterator
@@ -52,18 +56,18 @@ import grpc
 
 from rollwire.common.errors import FailedPrecondition, Unavailable
 from rollwire.common.logs import REQUEST_ID_KEY, get_logger
-from rollwire.common.push import Manifest, PushReader, manifest_from_pb
+from rollwire.common.push import MIN_STRIPE_CHUNK, Child, Manifest, PushReader, manifest_from_pb
 from rollwire.common.reasons import Reason
 from rollwire.common.safetensors_header import HeaderError, header_length
 from rollwire.generator.adapters import MAX_HEADER_BYTES, PayloadInspector, check_header
 from rollwire.proxy.config import ProxyConfig
 from rollwire.proxy.metrics import ProxyMetrics
 from rollwire.proxy.peers import Peers
-from rollwire.proxy.plan import Target, choose_fanout, layout
+from rollwire.proxy.plan import Target, choose_fanout, layout, stripe_chunk_bytes, striped_layout
 from rollwire.proxy.replica import PushResult, Replica
 from rollwire.proxy.replicas import ReplicaSet
 from rollwire.proxy.spool import Spool, SpooledAdapter, Upload
-from rollwire.serving.forward import Forwarder
+from rollwire.serving.forward import Forwarder, StripedForwarder
 from rollwire.v1 import generator_pb2 as pb
 
 log = get_logger(__name__)
@@ -187,13 +191,13 @@ class FanOut:
         reader = PushReader(messages, self.config.spool.upload_idle_timeout_s, "proxy", keep_chunks=True)
         upload: Upload | None = None
         lock: asyncio.Lock | None = None
-        forward: Forwarder | None = None
+        forward: Forwarder | StripedForwarder | None = None
         try:
             first = await reader.open()
-            if first.relay.nodes or first.stage_only:
+            if first.relay.nodes or first.stage_only or first.stripe is not None:
                 raise FailedPrecondition(
-                    "a proxy plans its own relay and stages and commits by itself: push without relay and "
-                    "stage_only (those are for replicas)",
+                    "a proxy plans its own relay and stripes, and stages and commits by itself: push without relay, "
+                    "stage_only and stripe (those are for replicas)",
                     reason=Reason.PROXY_PUBLISHES,
                 )
             fingerprint, base_shapes = self.replicas.push_basis()
@@ -207,7 +211,7 @@ class FanOut:
             inspector = PayloadInspector(manifest_from_pb(first.manifest), base_shapes)
             async for chunk in reader.chunks(store=upload.path, inspector=inspector):
                 for piece in await gate.feed(chunk):
-                    forward = forward or self._relay(pub)
+                    forward = forward or self._relay(pub, striped=True)
                     await forward.send(piece)
             payload = await reader.finish_chunks(sync=False)  # digest and tensors checked: the replicas' checks
             upload.validated = True
@@ -257,10 +261,35 @@ class FanOut:
 
         return [Target(a, members[a].name if a in members else a) for a in sorted(addresses, key=key)]
 
-    def _relay(self, pub: _Publication, addresses: list[str] | None = None, star: bool = False) -> Forwarder:
-        """Plan a tree over `addresses` (default: every target) and open the proxy's streams."""
+    def _relay(
+        self, pub: _Publication, addresses: list[str] | None = None, star: bool = False, striped: bool = False
+    ) -> Forwarder | StripedForwarder:
+        """Plan a tree over `addresses` (default: every target) and open the proxy's streams;
+        `striped`: deal the push over `push.stripes` trees (when the replicas and the payload's
+        chunks are enough for two)."""
         order = self._order(list(pub.targets) if addresses is None else addresses)
-        k = len(order) if star else self._fanout(len(order), pub.manifest.byte_length)
+        size = pub.manifest.byte_length
+        stripes = min(self.config.push.stripe_count(), len(order), math.ceil(size / MIN_STRIPE_CHUNK)) if striped else 1
+        if stripes >= 2:
+            chunk = stripe_chunk_bytes(size, stripes)
+            trees = striped_layout(order, stripes)
+            for address in pub.outcomes:  # nobody has the whole payload straight from the proxy
+                pub.outcomes[address].direct = False
+            log.info(
+                "adapter_relay_planned",
+                adapter=pub.manifest.name,
+                version=pub.manifest.version,
+                replicas=len(order),
+                stripes=stripes,
+                chunk_bytes=chunk,
+                children=[c.address for tree in trees for c in tree],
+            )
+            forwarders = [
+                self._forwarder(pub, tree, pb.Stripe(index=s, count=stripes, chunk_bytes=chunk))
+                for s, tree in enumerate(trees)
+            ]
+            return StripedForwarder(forwarders, size, chunk)
+        k = len(order) if star else self._fanout(len(order), size)
         children = layout(order, k)
         for child in children:
             pub.outcomes[child.address].direct = True
@@ -275,6 +304,9 @@ class FanOut:
             fanout=k,
             children=[c.address for c in children],
         )
+        return self._forwarder(pub, children, None)
+
+    def _forwarder(self, pub: _Publication, children: list[Child], stripe: pb.Stripe | None) -> Forwarder:
         metadata = ((REQUEST_ID_KEY, pub.request_id), *self.replicas.upstream.metadata)
         return Forwarder(
             children,
@@ -286,13 +318,14 @@ class FanOut:
             queue_chunks=self.config.push.queue_chunks,
             stall_s=self.config.push.stall_timeout_s,
             settle_s=self.config.push.settle_timeout_s,
+            stripe=stripe,
         )
 
     def _fanout(self, n: int, size: int) -> int:
         p = self.config.push
         return choose_fanout(p.fanout, n, size, p.max_fanout)
 
-    async def _collect(self, pub: _Publication, forward: Forwarder, healing: bool) -> None:
+    async def _collect(self, pub: _Publication, forward: Forwarder | StripedForwarder, healing: bool) -> None:
         """Record what the relay tree reported; a replica that failed by itself (not for want of
         a parent) becomes a suspect, planned as a leaf for a while."""
         for r in await forward.results():
@@ -336,11 +369,11 @@ class FanOut:
         upload: Upload,
         payload: list[bytes],
         held: bytes | None,
-        forward: Forwarder | None,
+        forward: Forwarder | StripedForwarder | None,
         lock: asyncio.Lock,
     ) -> pb.PushAdapterResponse:
         try:
-            forward = forward or self._relay(pub)
+            forward = forward or self._relay(pub, striped=True)
             if held is not None:
                 await forward.send(held)
             forward.end()

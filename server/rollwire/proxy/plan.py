@@ -10,6 +10,14 @@ Cost model (what "auto" minimises): every node's uplink carries one copy per chi
 chunk waits one chunk-time at each hop, so the last replica has the payload after about
 k x (chunks + depth - 1) chunk-times at link speed. A chain (k = 1) costs chunks + N - 1,
 a star (k = N) costs N x chunks.
+
+Stripes (`striped_layout`): with S stripes the payload's chunks are dealt round robin over S
+trees, chunk j down tree j mod S. Each tree has one replica under the proxy and fan-out S
+below it, over the replicas in an order rotated by N/S per tree, so a replica's subtree is
+in at most one tree (exactly when N mod S <= 1, always for S = 2) and every uplink, the
+proxy's included, carries about one copy of the payload: S children x 1/S of the chunks.
+That is NCCL's double binary tree for S = 2: a push to N replicas takes about one link time
+plus depth x S chunk-times, flat in N, where a single k-ary tree costs k link times.
 """
 
 from __future__ import annotations
@@ -18,7 +26,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from rollwire.common.push import MAX_CHUNK, Child, plan_from_parents
+from rollwire.common.push import MAX_CHUNK, MIN_STRIPE_CHUNK, Child, plan_from_parents
 
 
 @dataclass(frozen=True)
@@ -63,7 +71,55 @@ def layout(targets: Sequence[Target], k: int) -> list[Child]:
         return []
     k = max(1, min(k, len(targets)))
     # node i (0-based) hangs under the proxy when i < k, else under node (i - k) // k
-    parent = [-1 if i < k else (i - k) // k for i in range(len(targets))]
+    return _tree(targets, [-1 if i < k else (i - k) // k for i in range(len(targets))])
+
+
+def stripe_chunk_bytes(size: int, stripes: int) -> int:
+    """The chunk a striped push of `size` bytes is cut into: about 8 per stripe, so a chunk's
+    wait at each hop stays a small share of the push, in multiples of 64 KiB from 64 KiB
+    (fewer, larger messages) to MAX_CHUNK."""
+    want = math.ceil(size / (8 * stripes))
+    return min(MAX_CHUNK, max(MIN_STRIPE_CHUNK, -(-want // MIN_STRIPE_CHUNK) * MIN_STRIPE_CHUNK))
+
+
+def stripe_parents(n: int, stripes: int) -> list[list[int]]:
+    """For each stripe, the parent of every replica 0..n-1 (-1 = the proxy): one replica
+    under the proxy, fan-out `stripes` below it, breadth first over the replicas rotated
+    left by round(s x n / stripes) for stripe s."""
+    trees = []
+    for s in range(stripes):
+        shift = round(s * n / stripes)
+        order = [(shift + p) % n for p in range(n)]
+        parent = [0] * n
+        for p, node in enumerate(order):
+            parent[node] = -1 if p == 0 else order[(p - 1) // stripes]
+        trees.append(parent)
+    return trees
+
+
+def striped_layout(targets: Sequence[Target], stripes: int) -> list[list[Child]]:
+    """The proxy's child (one) in each stripe's tree, with its subtree as a flat RelayPlan."""
+    if not targets:
+        return []
+    out = []
+    for parent in stripe_parents(len(targets), stripes):
+        # _tree wants parents before children: order the nodes by depth
+        order = sorted(range(len(targets)), key=lambda i: _depth_of(parent, i))
+        index = {node: p for p, node in enumerate(order)}
+        out.append(_tree([targets[i] for i in order], [-1 if parent[i] < 0 else index[parent[i]] for i in order]))
+    return out
+
+
+def _depth_of(parent: list[int], i: int) -> int:
+    d = 0
+    while parent[i] >= 0:
+        i, d = parent[i], d + 1
+    return d
+
+
+def _tree(targets: Sequence[Target], parent: list[int]) -> list[Child]:
+    """The proxy's children of the tree in which targets[i] hangs under targets[parent[i]]
+    (-1 = the proxy); every parent comes before its children."""
     owner: list[int] = []
     rows: dict[int, list[tuple[str, str, int]]] = {}
     position: list[int] = []

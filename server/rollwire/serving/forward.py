@@ -104,6 +104,7 @@ class ChildLink:
         timeout: float,
         queue_chunks: int,
         turns: list[int],
+        stripe: pb.Stripe | None = None,
     ) -> None:
         self.child, self.pipe = child, _Pipe(queue_chunks)
         self.turns = turns
@@ -111,7 +112,7 @@ class ChildLink:
         self.mark = 0
         """`turns` when this child last took a chunk."""
         self.height = child.height()
-        self.first = opening(manifest, relay=child.plan, stage_only=stage_only)
+        self.first = opening(manifest, relay=child.plan, stage_only=stage_only, stripe=stripe)
         self.cut_reason, self.cut_code, self.cut_tag = "", grpc.StatusCode.OK, ""
         self.sent = 0
         self.took_at = time.monotonic()
@@ -177,7 +178,9 @@ class ChildLink:
         exc = self.task.exception()
         if exc is None:
             reply: pb.PushAdapterResponse = self.task.result()
-            own = result(c.address, c.name, grpc.StatusCode.OK, staged=reply.staged)
+            own = result(
+                c.address, c.name, grpc.StatusCode.OK, staged=reply.staged, stripe_pending=reply.stripe_pending
+            )
             reported = {r.address for r in reply.replicas}
             missing = [(a, n) for a, n in c.subtree() if a not in reported]
             return [own, *reply.replicas, *unreached_list(missing, f"{c.name or c.address} did not report it")]
@@ -207,8 +210,9 @@ class Forwarder:
 
     `stub_for(address)` gives the stub to reach a child; `metadata` travels on every child
     call (the caller's authorization and request id); `deadline` is a time.monotonic()
-    instant. Call `send` for each chunk, then `end` (upload complete) or `abort` (failed),
-    then `results`."""
+    instant; `stripe`, when the push is striped, is the stripe every child stream carries.
+    Call `send` for each chunk, then `end` (upload complete) or `abort` (failed), then
+    `results`."""
 
     def __init__(
         self,
@@ -222,6 +226,7 @@ class Forwarder:
         queue_chunks: int,
         stall_s: float,
         settle_s: float,
+        stripe: pb.Stripe | None = None,
     ) -> None:
         self.stall_s, self.settle_s = stall_s, settle_s
         self.ended_at: float | None = None
@@ -229,7 +234,7 @@ class Forwarder:
         self.fair_turns = min(FAIR_TURNS, queue_chunks)  # a sibling can take no more while the sender waits
         timeout = child_timeout(deadline - time.monotonic())
         self.links = [
-            ChildLink(c, manifest, stage_only, stub_for(c.address), metadata, timeout, queue_chunks, self.turns)
+            ChildLink(c, manifest, stage_only, stub_for(c.address), metadata, timeout, queue_chunks, self.turns, stripe)
             for c in children
         ]
 
@@ -340,6 +345,81 @@ class Forwarder:
         for link in self.links:
             out += link.outcome()
         return out
+
+
+class StripedForwarder:
+    """Deals a push over one Forwarder per stripe: the payload is cut into chunks of exactly
+    `chunk_bytes` (received pieces of that size pass through as they are, others are cut and
+    joined) and chunk j goes down stripe j mod S's tree. Same calls as a Forwarder.
+
+    `results()` merges the stripes' reports into one outcome per replica: its verdict (from
+    the stream that completed its payload) when one came, else its own failure in any stripe,
+    else, when a stripe never reached it, "not reached" naming the stripes it missed and why
+    (so the caller heals it as any replica the relay missed)."""
+
+    def __init__(self, forwarders: Sequence[Forwarder], byte_length: int, chunk_bytes: int) -> None:
+        self.stripes, self.byte_length, self.chunk_bytes = list(forwarders), byte_length, chunk_bytes
+        self.seen = 0
+        self.dealt = 0
+        self.partial = bytearray()
+
+    async def send(self, piece: bytes) -> None:
+        self.seen += len(piece)
+        if not self.partial and len(piece) == self.chunk_bytes:
+            await self._deal(piece)
+        else:
+            self.partial += piece
+            while len(self.partial) >= self.chunk_bytes:
+                chunk = bytes(self.partial[: self.chunk_bytes])
+                del self.partial[: self.chunk_bytes]
+                await self._deal(chunk)
+        if self.seen >= self.byte_length and self.partial:  # the payload's last, shorter chunk
+            chunk, self.partial = bytes(self.partial), bytearray()
+            await self._deal(chunk)
+
+    async def _deal(self, chunk: bytes) -> None:
+        stripe = self.stripes[self.dealt % len(self.stripes)]
+        self.dealt += 1
+        await stripe.send(chunk)
+
+    def end(self) -> None:
+        for f in self.stripes:
+            f.end()
+
+    def abort(self, why: str) -> None:
+        for f in self.stripes:
+            f.abort(why)
+
+    async def results(self) -> list[pb.ReplicaPushResult]:
+        reports = await asyncio.gather(*(f.results() for f in self.stripes))
+        by_address: dict[str, list[tuple[int, pb.ReplicaPushResult]]] = {}
+        for s, report in enumerate(reports):
+            for r in report:
+                by_address.setdefault(r.address, []).append((s, r))
+        return [merge_stripes(rows, len(self.stripes)) for rows in by_address.values()]
+
+
+def merge_stripes(rows: Sequence[tuple[int, pb.ReplicaPushResult]], count: int) -> pb.ReplicaPushResult:
+    """One replica's outcome from its (stripe, report) rows (see StripedForwarder)."""
+
+    def rank(r: pb.ReplicaPushResult) -> int:
+        if r.code == "OK":
+            return 0 if r.stripe_pending else 3
+        return 1 if r.reason in (Reason.RELAY_NOT_REACHED, Reason.RELAY_ABORTED) else 2
+
+    best = max((r for _, r in rows), key=rank)
+    if rank(best) >= 2:
+        return best
+    took = sorted(s for s, r in rows if r.code == "OK")
+    missed = [f"stripe {s}: {r.message[:160]}" for s, r in rows if r.code != "OK"]
+    missed += [f"stripe {s}: no report" for s in range(count) if s not in {s for s, _ in rows}]
+    return result(
+        best.address,
+        best.replica,
+        grpc.StatusCode.UNAVAILABLE,
+        f"not reached: it took stripes {took} of {count}; " + "; ".join(missed),
+        Reason.RELAY_NOT_REACHED,
+    )
 
 
 class ChannelPool:
