@@ -356,6 +356,7 @@ class GeneratorServicer(generator_pb2_grpc.GeneratorServiceServicer):
             if assembly is not None:
                 assert first.stripe is not None
                 if not assembly.end(first.stripe.index):
+                    assembly = None  # its stripe is in: what happens to this call now spoils nothing
                     return await self._stripe_received(first, forward, start)
                 self._release_assembly(assembly)
                 payload = await assembly.finish()

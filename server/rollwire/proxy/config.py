@@ -89,7 +89,12 @@ class PushSection(ForwardSection):
     replicas the tree is ~log_k(N) deep, and a push takes about
     k x (size + (depth - 1) x chunk) / link bandwidth: a chain (k = 1) is best while N is
     below the payload's chunk count, a wider tree beyond it. "auto" picks k per push from
-    that model; 0 is a star (the proxy sends every replica its copy itself)."""
+    that model; 0 is a star (the proxy sends every replica its copy itself).
+
+    By default a push is striped instead (`stripes`): its chunks are dealt over two such trees,
+    each replica an inner node in at most one, so every link carries about one copy and the
+    push takes about size / bandwidth + log2(N) x 2 chunk-times, whatever N. A `fanout` you set
+    gives that single tree (stripes "auto" is then 1); heals always use a single tree."""
 
     fanout: int | Literal["auto"] = Field(default="auto")
     """Children per node of the relay tree: 1 = a chain, 0 = a star, "auto" = the k that minimises k x (chunks + depth
