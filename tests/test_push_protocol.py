@@ -533,3 +533,18 @@ def test_stripe_chunks_are_about_eight_per_stripe_within_the_bounds():
     assert stripe_chunk_bytes(167_352, 2) == 64 * KiB
     assert stripe_chunk_bytes(37_000_000, 2) == protocol.MAX_CHUNK
     assert stripe_chunk_bytes(4_000_000, 2) == 256 * KiB  # 250 kB wanted, in 64 KiB steps
+
+
+def test_replicas_trusted_least_hang_under_the_proxy_in_every_stripe_tree():
+    from rollwire.proxy.plan import striped_layout
+
+    trusted = [Target(f"h:{i + 1}", f"r{i}") for i in range(6)]
+    doubtful = [Target("h:90", "bad1"), Target("h:91", "bad2")]
+    trees = striped_layout(trusted, 2, leaves=doubtful)
+    assert len(trees) == 2
+    for tree in trees:
+        root, *rest = tree
+        assert [(c.address, len(c.plan.nodes)) for c in rest] == [("h:90", 0), ("h:91", 0)]  # leaves, no subtree
+        below = [a for a, _ in root.subtree()]
+        assert sorted([root.address, *below]) == sorted(t.address for t in trusted)  # inner places: the trusted
+        assert not {"h:90", "h:91"} & set(below)

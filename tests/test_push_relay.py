@@ -129,11 +129,12 @@ class HostilePeer(generator_pb2_grpc.GeneratorServiceServicer):
     finite: only the digest can tell; in a striped push, the stripe that carries the first
     chunk), `lie` reports every replica below it as staged
     whatever they said, `hold` keeps its reply until `release` is set, `stall` reads nothing
-    after the first message until then. It stages nothing itself and answers every commit
+    after the first message until then, `refuse` fails every push at once (UNAVAILABLE). It stages nothing itself and answers every commit
     with OK."""
 
-    def __init__(self, real: str, *, corrupt=False, lie=False, hold=False, stall=False) -> None:
+    def __init__(self, real: str, *, corrupt=False, lie=False, hold=False, stall=False, refuse=False) -> None:
         self.real, self.corrupt, self.lie, self.hold, self.stall = real, corrupt, lie, hold, stall
+        self.refuse = refuse
         self.release = threading.Event()
         self.accepted: dict[str, list[int]] = {}
         self.pushes = 0
@@ -156,6 +157,8 @@ class HostilePeer(generator_pb2_grpc.GeneratorServiceServicer):
         self.pushes += 1
         reader = protocol.PushReader(request_iterator, 30, "hostile peer", keep_chunks=True)
         first = await reader.open()
+        if self.refuse:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "the hostile peer takes no push")
         if self.stall:
             await asyncio.to_thread(self.release.wait, 60)
         children = protocol.split_plan(first.relay, max_children=64) if first.relay.nodes else []
@@ -448,6 +451,27 @@ def test_a_child_that_stalls_is_cut_off_without_holding_up_the_others(peer_proxy
         delay = datetime.fromisoformat(staged.replace("Z", "+00:00")).timestamp() - wall
         assert delay < STALL_S + 4, (r.name, delay)
         assert holds(r.target, "stalled", 1)
+
+
+@pytest.mark.parametrize("peer_proxy", [({"refuse": True}, "auto")], indirect=True)
+def test_a_replica_that_failed_a_striped_push_hangs_under_the_proxy_in_every_tree_next_time(
+    peer_proxy, replicas, adapter
+):
+    proxy, peer = peer_proxy
+    fp = status(proxy.target).model_fingerprint
+    for version in (1, 2):
+        reply = push_via(proxy.target, adapter.manifest("doubted", version, fp), adapter.payload)
+        outcomes = {r.address: r.code for r in reply.replicas}
+        assert [outcomes[r.target] for r in replicas] == ["OK"] * 3 and outcomes[peer.target] == "UNAVAILABLE"
+    first, second = [e for e in log_events(proxy.log_path, "adapter_relay_planned") if "stripes" in e]
+    assert (first["version"], second["version"]) == (1, 2)
+    # it plans first, so it headed stripe 0's tree and failed its whole subtree; a suspect since:
+    # right under the proxy in both trees, a leaf, and the two trees are over the real replicas
+    assert first["children"][0] == peer.target and peer.target not in first["children"][1:]
+    assert second["stripes"] == 2 and second["children"].count(peer.target) == 2
+    assert {c for c in second["children"] if c != peer.target} <= {r.target for r in replicas}
+    healing = [e for e in log_events(proxy.log_path, "adapter_relay_healing") if e["version"] == 2]
+    assert healing and all(e["replicas"] == [peer.target] for e in healing)  # no real replica missed v2
 
 
 @pytest.mark.parametrize(

@@ -249,17 +249,20 @@ class FanOut:
             log.info("adapter_publish_ended", error=str(task.exception())[:300])
 
     # -- the relay ------------------------------------------------------------------------
-    def _order(self, addresses: list[str]) -> list[Target]:
-        """Targets in planning order: the trusted first (inner nodes), suspects last (leaves)."""
+    def _order(self, addresses: list[str]) -> tuple[list[Target], int]:
+        """Targets in planning order, the trusted first (inner nodes), then the doubtful (a
+        recent failure of their own, or not routable: leaves), and how many are trusted."""
         now = time.monotonic()
         self._suspect = {a: t for a, t in self._suspect.items() if now - t < SUSPECT_S}
         members = {r.address: r for r in self.replicas.all()}
 
-        def key(address: str):
+        def doubtful(address: str) -> bool:
             r = members.get(address)
-            return (address in self._suspect, not (r is not None and r.routable(now)), address)
+            return address in self._suspect or not (r is not None and r.routable(now))
 
-        return [Target(a, members[a].name if a in members else a) for a in sorted(addresses, key=key)]
+        order = sorted(addresses, key=lambda a: (doubtful(a), a))
+        trusted = sum(not doubtful(a) for a in addresses)
+        return [Target(a, members[a].name if a in members else a) for a in order], trusted
 
     def _relay(
         self, pub: _Publication, addresses: list[str] | None = None, star: bool = False, striped: bool = False
@@ -267,12 +270,14 @@ class FanOut:
         """Plan a tree over `addresses` (default: every target) and open the proxy's streams;
         `striped`: deal the push over `push.stripes` trees (when the replicas and the payload's
         chunks are enough for two)."""
-        order = self._order(list(pub.targets) if addresses is None else addresses)
+        order, trusted = self._order(list(pub.targets) if addresses is None else addresses)
         size = pub.manifest.byte_length
-        stripes = min(self.config.push.stripe_count(), len(order), math.ceil(size / MIN_STRIPE_CHUNK)) if striped else 1
+        stripes = min(self.config.push.stripe_count(), trusted, math.ceil(size / MIN_STRIPE_CHUNK)) if striped else 1
         if stripes >= 2:
             chunk = stripe_chunk_bytes(size, stripes)
-            trees = striped_layout(order, stripes)
+            # every replica is an inner node of some tree: the doubtful hang under the proxy
+            # instead, in every tree, where their failure costs no subtree
+            trees = striped_layout(order[:trusted], stripes, leaves=order[trusted:])
             for address in pub.outcomes:  # nobody has the whole payload straight from the proxy
                 pub.outcomes[address].direct = False
             log.info(

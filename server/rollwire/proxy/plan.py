@@ -27,6 +27,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from rollwire.common.push import MAX_CHUNK, MIN_STRIPE_CHUNK, Child, plan_from_parents
+from rollwire.v1 import generator_pb2 as pb
 
 
 @dataclass(frozen=True)
@@ -97,16 +98,20 @@ def stripe_parents(n: int, stripes: int) -> list[list[int]]:
     return trees
 
 
-def striped_layout(targets: Sequence[Target], stripes: int) -> list[list[Child]]:
-    """The proxy's child (one) in each stripe's tree, with its subtree as a flat RelayPlan."""
+def striped_layout(targets: Sequence[Target], stripes: int, leaves: Sequence[Target] = ()) -> list[list[Child]]:
+    """The proxy's children in each stripe's tree: one over `targets`, with its subtree as a
+    flat RelayPlan, then each of `leaves` (replicas the caller trusts least: since every
+    target is an inner node of some tree, they hang right under the proxy in every tree, at
+    the cost of one more copy each on the proxy's link)."""
     if not targets:
-        return []
+        return [[Child(t.address, t.name, pb.RelayPlan()) for t in leaves] for _ in range(stripes)] if leaves else []
     out = []
     for parent in stripe_parents(len(targets), stripes):
         # _tree wants parents before children: order the nodes by depth
         order = sorted(range(len(targets)), key=lambda i: _depth_of(parent, i))
         index = {node: p for p, node in enumerate(order)}
-        out.append(_tree([targets[i] for i in order], [-1 if parent[i] < 0 else index[parent[i]] for i in order]))
+        tree = _tree([targets[i] for i in order], [-1 if parent[i] < 0 else index[parent[i]] for i in order])
+        out.append(tree + [Child(t.address, t.name, pb.RelayPlan()) for t in leaves])
     return out
 
 
