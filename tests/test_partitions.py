@@ -200,7 +200,7 @@ def test_a_client_cut_off_from_the_proxy_fails_within_its_deadline_naming_the_pr
         assert client.generate("back: ", adapter=NAME, max_new_tokens=4, timeout=30).adapter.version == 3
 
 
-RELAY_SHAPES = {"chain": ("pr", "part-relay", "push.fanout=1"), "striped": ("ps", "part-striped", "push.stripes=2")}
+RELAY_SHAPES = {"chain": ("pr", "part-relay", "push.fanout=1"), "striped": ("pt", "part-striped", "push.stripes=2")}
 """How the relay proxy relays, its host, and the adapter name it pushes under."""
 
 
