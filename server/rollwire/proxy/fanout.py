@@ -278,8 +278,10 @@ class FanOut:
             # every replica is an inner node of some tree: the doubtful hang under the proxy
             # instead, in every tree, where their failure costs no subtree
             trees = striped_layout(order[:trusted], stripes, leaves=order[trusted:])
-            for address in pub.outcomes:  # nobody has the whole payload straight from the proxy
+            for address in pub.outcomes:  # only the leaves under the proxy get every stripe from it
                 pub.outcomes[address].direct = False
+            for leaf in order[trusted:]:
+                pub.outcomes[leaf.address].direct = True
             log.info(
                 "adapter_relay_planned",
                 adapter=pub.manifest.name,
