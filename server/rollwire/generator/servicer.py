@@ -358,13 +358,13 @@ class GeneratorServicer(generator_pb2_grpc.GeneratorServiceServicer):
                 if not assembly.end(first.stripe.index):
                     assembly = None  # its stripe is in: what happens to this call now spoils nothing
                     return await self._stripe_received(first, forward, start)
-                self._release_assembly(assembly)
-                payload = await assembly.finish()
+                payload = await assembly.finish()  # it holds its slot until staged, as a plain push does
             else:
                 payload = await reader.finish()  # length, digest, header, finiteness: checked as the bytes came
             push = self.registry.stage if first.stage_only else self.registry.push
             outcome = await push(manifest, payload, lim.max_version_step)
             del payload
+            # this push's assembly, or a stale one of the same version (a heal's plain push replaces it)
             self._release_assembly(self._assemblies.get((manifest.name, manifest.version, manifest.sha256)))
             self.metrics.set_adapters(self.registry.loaded())
             if forward is not None:

@@ -273,45 +273,41 @@ class FanOut:
         order, trusted = self._order(list(pub.targets) if addresses is None else addresses)
         size = pub.manifest.byte_length
         stripes = min(self.config.push.stripe_count(), trusted, math.ceil(size / MIN_STRIPE_CHUNK)) if striped else 1
+        shape: dict[str, int]
+        forward: Forwarder | StripedForwarder
         if stripes >= 2:
             chunk = stripe_chunk_bytes(size, stripes)
             # every replica is an inner node of some tree: the doubtful hang under the proxy
             # instead, in every tree, where their failure costs no subtree
             trees = striped_layout(order[:trusted], stripes, leaves=order[trusted:])
-            for address in pub.outcomes:  # only the leaves under the proxy get every stripe from it
-                pub.outcomes[address].direct = False
-            for leaf in order[trusted:]:
-                pub.outcomes[leaf.address].direct = True
-            log.info(
-                "adapter_relay_planned",
-                adapter=pub.manifest.name,
-                version=pub.manifest.version,
-                replicas=len(order),
-                stripes=stripes,
-                chunk_bytes=chunk,
-                children=[c.address for tree in trees for c in tree],
+            children = [c for tree in trees for c in tree]
+            direct = {t.address for t in order[trusted:]}  # only they get every stripe from the proxy
+            shape = {"stripes": stripes, "chunk_bytes": chunk}
+            forward = StripedForwarder(
+                [
+                    self._forwarder(pub, tree, pb.Stripe(index=s, count=stripes, chunk_bytes=chunk))
+                    for s, tree in enumerate(trees)
+                ],
+                size,
+                chunk,
             )
-            forwarders = [
-                self._forwarder(pub, tree, pb.Stripe(index=s, count=stripes, chunk_bytes=chunk))
-                for s, tree in enumerate(trees)
-            ]
-            return StripedForwarder(forwarders, size, chunk)
-        k = len(order) if star else self._fanout(len(order), size)
-        children = layout(order, k)
-        for child in children:
-            pub.outcomes[child.address].direct = True
-        for child in children:
-            for address, _ in child.subtree():
-                pub.outcomes[address].direct = False
+        else:
+            k = len(order) if star else self._fanout(len(order), size)
+            children = layout(order, k)
+            direct = {c.address for c in children}
+            shape = {"fanout": k}
+            forward = self._forwarder(pub, children, None)
+        for target in order:
+            pub.outcomes[target.address].direct = target.address in direct
         log.info(
             "adapter_relay_planned",
             adapter=pub.manifest.name,
             version=pub.manifest.version,
             replicas=len(order),
-            fanout=k,
+            **shape,
             children=[c.address for c in children],
         )
-        return self._forwarder(pub, children, None)
+        return forward
 
     def _forwarder(self, pub: _Publication, children: list[Child], stripe: pb.Stripe | None) -> Forwarder:
         metadata = ((REQUEST_ID_KEY, pub.request_id), *self.replicas.upstream.metadata)
