@@ -136,6 +136,8 @@ class HostilePeer(generator_pb2_grpc.GeneratorServiceServicer):
         self.real, self.corrupt, self.lie, self.hold, self.stall = real, corrupt, lie, hold, stall
         self.refuse = refuse
         self.release = threading.Event()
+        self.ended = threading.Event()
+        """Set once a push's stream ended here (its parent had sent everything)."""
         self.accepted: dict[str, list[int]] = {}
         self.pushes = 0
         self.channels: dict[str, grpc.aio.Channel] = {}
@@ -186,6 +188,7 @@ class HostilePeer(generator_pb2_grpc.GeneratorServiceServicer):
                 flipped = True
             await forward.send(chunk)
         forward.end()
+        self.ended.set()
         if first.stripe is None:
             await reader.finish_chunks()
         results = await forward.results()
@@ -451,6 +454,31 @@ def test_a_child_that_stalls_is_cut_off_without_holding_up_the_others(peer_proxy
         delay = datetime.fromisoformat(staged.replace("Z", "+00:00")).timestamp() - wall
         assert delay < STALL_S + 4, (r.name, delay)
         assert holds(r.target, "stalled", 1)
+
+
+def test_a_stripe_call_cancelled_after_its_stripe_arrived_leaves_the_version_to_complete(replicas, adapter):
+    """Stripe 0 reaches a replica with a relay plan whose one child (the hostile peer) holds its
+    answer, so the replica's call waits for it; the caller gives up on that call once the child
+    saw the stripe end (its parent had taken the whole stripe by then). The replica keeps the
+    stripe: stripe 1, on its own stream, completes and stages the version."""
+    target = replicas[0].target
+    fp = status(target).model_fingerprint
+    peer = PeerServer(HostilePeer(target, hold=True))
+    try:
+        m = adapter.manifest("kept-stripe", 1, fp)
+        plan = protocol.plan_from_parents([(peer.target, "hostile-peer", 0)])
+        stripe = [pb.Stripe(index=i, count=2, chunk_bytes=64 << 10) for i in (0, 1)]
+        with grpc.insecure_channel(target) as channel:
+            stub = generator_pb2_grpc.GeneratorServiceStub(channel)
+            held = stub.PushAdapter.future(
+                protocol.stripe_messages(m, adapter.payload, stripe[0], relay=plan), timeout=30
+            )
+            assert peer.peer.ended.wait(15), "the child never saw stripe 0 end"
+            held.cancel()
+            last = stub.PushAdapter(protocol.stripe_messages(m, adapter.payload, stripe[1]), timeout=10)
+            assert (last.stripe_pending, last.staged) == (False, True)
+    finally:
+        peer.stop()
 
 
 @pytest.mark.parametrize("peer_proxy", [({"refuse": True}, "auto")], indirect=True)
