@@ -122,17 +122,19 @@ class GeneratorServicer(generator_pb2_grpc.GeneratorServiceServicer):
             code = err.code
             log.info("generate_refused", code=code.name, reason=err.reason, error=err.message)
             await context.abort_with_status(to_status(err))  # pyright: ignore[reportAttributeAccessIssue]  # grpc's stubs lack it; it exists at run time
-        except asyncio.CancelledError:
+        except (asyncio.CancelledError, GeneratorExit):  # GeneratorExit: gRPC closed the stream at a `yield`
             code = grpc.StatusCode.CANCELLED
             log.info("generate_cancelled")
             raise
         finally:
             if selection is not None:
                 self.registry.release(selection)
-            self.in_flight -= 1
-            self.metrics.in_flight.dec()
+            # the outcome is counted before the request leaves in_flight, so a scrape that
+            # sees it gone also sees how it ended (the metrics server reads on its own thread)
             self.metrics.requests.labels(code.name).inc()
             self.metrics.latency.observe(time.monotonic() - start)
+            self.in_flight -= 1
+            self.metrics.in_flight.dec()
             structlog.contextvars.unbind_contextvars("request_id")
 
     def _admit(self) -> None:
