@@ -296,11 +296,11 @@ STAR_NAME = "part-star"
 @pytest.fixture(scope="module")
 def thin_star(lab, tiny_model, tmp_path_factory):
     """Replicas s1, s2 and a proxy that sends every replica its own copy (push.fanout=0) over a
-    thin link (8 Mbit/s: each copy gets half), with push.stall_timeout_s (50 ms) below the
-    time one 64 KiB chunk takes at that half (~130 ms). Keepalive stays at its default here:
+    thin link (8 Mbit/s: each copy gets half), with push.stall_timeout_s (0.4 s) below the
+    time one 512 KiB chunk takes at that half (~1 s). Keepalive stays at its default here:
     FAST's 1 s pings would wait behind the pushes' bytes on this link."""
     workdir = tmp_path_factory.mktemp("partitions-star")
-    settings = ("push.stall_timeout_s=0.05", "health.interval_s=0.2")
+    settings = ("push.stall_timeout_s=0.4", "health.interval_s=0.2")
     yield from star(lab, tiny_model, workdir, {"s1": None, "s2": None}, ("ps", 8), settings)
 
 
@@ -330,17 +330,21 @@ def star(lab, tiny_model, workdir, replicas: dict[str, float | None], proxy: tup
 
 
 def test_children_slowed_by_their_senders_thin_link_are_not_cut_off_as_stalled(thin_star, tiny_model):
-    """Two copies share the proxy's 8 Mbit/s link, so each child takes a chunk every ~130 ms,
-    longer than push.stall_timeout_s (50 ms): the link is slow, not the children. A child is
-    stalled only while its siblings keep taking chunks (serving/forward.py, Forwarder.stalled),
-    so neither is cut off and healed; both stage and serve v1 from the one push. (The fixed
-    limit this rule replaced passes here too: at this size gRPC's windows keep the queues from
-    filling. Where it failed, 8 copies of 37 MB over 50 Mbit/s, is bench/push_netlab.py's.)"""
+    """Two copies share the proxy's 8 Mbit/s link, so each child takes a chunk about every
+    second, longer than push.stall_timeout_s (0.4 s): the link is slow, not the children. A
+    child is stalled only while its siblings keep taking chunks (serving/forward.py,
+    Forwarder.stalled), so neither is cut off and healed; both stage and serve v1 from the one
+    push. (The fixed limit this rule replaced passes here too: at this size gRPC's windows keep
+    the queues from filling. Where it failed, 8 copies of 37 MB over 50 Mbit/s, is
+    bench/push_netlab.py's.) The stall timeout stays above a loaded machine's scheduling
+    hiccups, and FAIR_TURNS chunks above what a sibling's flow-control window absorbs at once:
+    with 50 ms and 64 KiB chunks a sibling that took 4 chunks into its buffers while s1's
+    process was descheduled for 0.1 s had s1 cut off (a CI failure)."""
     hosts, proxy, service = thin_star
     adapter = make_adapter(tiny_model, seed=98, r=64)  # 1.3 MB: 2 copies take ~2.7 s on the link
     fp = status(f"{hosts['s1'].ip}:50051").model_fingerprint
     with Client(proxy, timeout=60) as client:
-        reply = client.push_adapter(STAR_NAME, 1, adapter.payload, adapter.shape, fp, chunk_size=64 << 10)
+        reply = client.push_adapter(STAR_NAME, 1, adapter.payload, adapter.shape, fp, chunk_size=512 << 10)
     codes = {r.replica: r.code for r in reply.replicas}
     assert codes == {"s1": "OK", "s2": "OK"}, codes
     for name in ("s1", "s2"):

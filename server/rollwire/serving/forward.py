@@ -45,7 +45,12 @@ REPLY_MARGIN = 0.1
 
 FAIR_TURNS = 4
 """Chunks each sibling takes while a child takes none, before that child counts as stalled
-(at most the queue's length: that is all a sibling can take while the sender waits)."""
+(at most the queue's length: that is all a sibling can take while the sender waits). A chunk
+counts as taken when gRPC pulls it into the child's stream buffers, not when it crosses the
+link, so this rule is only as sharp as FAIR_TURNS chunks are large against a stream's
+flow-control window (4 MiB of 1 MiB chunks; 256 KiB of 64 KiB ones can vanish into a window
+while a busy receiver reads nothing for a moment), and stall_s must stay above scheduling
+hiccups (seconds by default)."""
 
 
 def child_timeout(remaining: float) -> float:
