@@ -83,17 +83,27 @@ def stripe_chunk_bytes(size: int, stripes: int) -> int:
     return min(MAX_CHUNK, max(MIN_STRIPE_CHUNK, -(-want // MIN_STRIPE_CHUNK) * MIN_STRIPE_CHUNK))
 
 
+def _stripe_order(n: int, stripes: int, s: int) -> list[int]:
+    """Stripe s's tree, breadth first: replicas 0..n-1 rotated left by round(s x n / stripes);
+    position p > 0 hangs under position (p - 1) // stripes, position 0 under the proxy."""
+    shift = round(s * n / stripes)
+    return [(shift + p) % n for p in range(n)]
+
+
+def _stripe_position_parents(n: int, stripes: int) -> list[int]:
+    return [-1 if p == 0 else (p - 1) // stripes for p in range(n)]
+
+
 def stripe_parents(n: int, stripes: int) -> list[list[int]]:
     """For each stripe, the parent of every replica 0..n-1 (-1 = the proxy): one replica
     under the proxy, fan-out `stripes` below it, breadth first over the replicas rotated
     left by round(s x n / stripes) for stripe s."""
     trees = []
     for s in range(stripes):
-        shift = round(s * n / stripes)
-        order = [(shift + p) % n for p in range(n)]
+        order = _stripe_order(n, stripes, s)
         parent = [0] * n
-        for p, node in enumerate(order):
-            parent[node] = -1 if p == 0 else order[(p - 1) // stripes]
+        for node, up in zip(order, _stripe_position_parents(n, stripes), strict=True):
+            parent[node] = -1 if up < 0 else order[up]
         trees.append(parent)
     return trees
 
@@ -103,23 +113,15 @@ def striped_layout(targets: Sequence[Target], stripes: int, leaves: Sequence[Tar
     flat RelayPlan, then each of `leaves` (replicas the caller trusts least: since every
     target is an inner node of some tree, they hang right under the proxy in every tree, at
     the cost of one more copy each on the proxy's link)."""
-    if not targets:
-        return [[Child(t.address, t.name, pb.RelayPlan()) for t in leaves] for _ in range(stripes)] if leaves else []
-    out = []
-    for parent in stripe_parents(len(targets), stripes):
-        # _tree wants parents before children: order the nodes by depth
-        order = sorted(range(len(targets)), key=lambda i: _depth_of(parent, i))
-        index = {node: p for p, node in enumerate(order)}
-        tree = _tree([targets[i] for i in order], [-1 if parent[i] < 0 else index[parent[i]] for i in order])
-        out.append(tree + [Child(t.address, t.name, pb.RelayPlan()) for t in leaves])
-    return out
-
-
-def _depth_of(parent: list[int], i: int) -> int:
-    d = 0
-    while parent[i] >= 0:
-        i, d = parent[i], d + 1
-    return d
+    n = len(targets)
+    below = [Child(t.address, t.name, pb.RelayPlan()) for t in leaves]
+    if not n:
+        return [list(below) for _ in range(stripes)] if leaves else []
+    trees = []
+    for s in range(stripes):
+        order = _stripe_order(n, stripes, s)  # breadth first: every parent before its children
+        trees.append(_tree([targets[i] for i in order], _stripe_position_parents(n, stripes)) + below)
+    return trees
 
 
 def _tree(targets: Sequence[Target], parent: list[int]) -> list[Child]:
