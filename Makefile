@@ -24,7 +24,7 @@ $(STAMP): pyproject.toml constraints.txt
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
 	$(BIN)/pip install --quiet torch==2.13.0
-	$(BIN)/pip install --quiet -c constraints.txt -e '.[model,dev,plot]'
+	$(BIN)/pip install --quiet -c constraints.txt -e '.[model,dev,plot,trl]'
 	touch $(STAMP)
 
 $(BUF): .tools/package.json .tools/package-lock.json
