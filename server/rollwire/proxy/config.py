@@ -164,6 +164,10 @@ class ProxyConfig(ServerConfig):
     """dns:///NAME:PORT re-resolved periodically (e.g. a Kubernetes headless service)."""
     discover_interval_s: float = Field(default=10.0, gt=0)
     """Seconds between DNS resolutions."""
+    base_model: str = Field(default="")
+    """Fingerprint of the base model every replica must serve (sha256:..., as `rollwire status` shows it); a replica
+    serving another is refused membership. Empty = the one the spooled versions' manifests agree on, else the one the
+    first push names; never learned from a replica."""
     routing: RoutingSection = Field(default_factory=RoutingSection)
     health: HealthSection = Field(default_factory=HealthSection)
     spool: SpoolSection = Field(default_factory=SpoolSection)
@@ -174,6 +178,14 @@ class ProxyConfig(ServerConfig):
     """Other proxies serving the same replicas, HOST:PORT or dns:///NAME:PORT: each pushed version is in their spools
     before the push returns (peers.py); this proxy itself may be listed."""
     peering: PeeringSection = Field(default_factory=PeeringSection)
+    http: HttpSection = Field(default_factory=HttpSection)
+
+    @field_validator("base_model")
+    @classmethod
+    def _base_model(cls, value: str) -> str:
+        from rollwire.common.fingerprint import check_fingerprint
+
+        return check_fingerprint(value)
 
     @field_validator("generators")
     @classmethod

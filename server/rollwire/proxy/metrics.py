@@ -82,6 +82,11 @@ class ProxyMetrics:
         self.in_flight = gauge("in_flight_requests", "Groups the proxy runs on each replica now.", ["replica"])
         self.healthy = gauge("replica_healthy", "1 when the replica passes health checks.", ["replica"])
         self.routable = gauge("replica_routable", "1 when the replica takes new work.", ["replica"])
+        self.foreign = gauge(
+            "replica_foreign_base_model",
+            "1 while the replica serves another base model than the fleet's and is refused membership.",
+            ["replica"],
+        )
         self.versions = gauge("replica_adapter_version", "Newest adapter version confirmed.", ["replica", "adapter"])
         self.pushes = counter(
             "replica_pushes_total", "Adapter pushes (fan-out and catch-up) by code.", ["replica", "code"]
@@ -145,6 +150,7 @@ class ProxyMetrics:
             self.in_flight,
             self.healthy,
             self.routable,
+            self.foreign,
             self.versions,
             self.pushes,
             self.catchup_pushes,

@@ -18,28 +18,52 @@ Invariants:
 
 from __future__ import annotations
 
-import json
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from http import HTTPStatus
 
-from rollwire.common.errors import (
-    DeadlineExceeded,
-    FailedPrecondition,
-    Internal,
-    InvalidArgument,
-    PermissionDenied,
-    ResourceExhausted,
-    RollwireError,
-    Unauthenticated,
-    Unavailable,
-)
+from rollwire.common.errors import Internal, RollwireError
 from rollwire.common.reasons import Reason
 from rollwire.generator.detokenize import TextStream
+from rollwire.generator.engines import served
+from rollwire.generator.engines.served import DONE as DONE  # the `data: [DONE]` sentinel, re-exported
+from rollwire.generator.engines.served import ServerKind, ServerReasons
 from rollwire.generator.types import Event, GroupRequest, SampleDone, SamplingParams, TokenDelta
 
 TARGET_VERSION = "0.5.23"
-DONE = object()  # the `data: [DONE]` sentinel
+
+SGLANG = ServerKind(
+    label="SGLang",
+    key="sglang",
+    reasons=ServerReasons(
+        unreachable=Reason.SGLANG_UNREACHABLE,
+        down=Reason.SGLANG_DOWN,
+        connection_lost=Reason.SGLANG_CONNECTION_LOST,
+        stream_cut=Reason.SGLANG_STREAM_CUT,
+        timeout=Reason.SGLANG_TIMEOUT,
+        start_timeout=Reason.SGLANG_START_TIMEOUT,
+        start_failed=Reason.SGLANG_START_FAILED,
+        by_status={
+            400: Reason.SGLANG_BAD_REQUEST,
+            401: Reason.SGLANG_UNAUTHENTICATED,
+            403: Reason.SGLANG_FORBIDDEN,
+            404: Reason.SGLANG_NO_ROUTE,
+            408: Reason.SGLANG_TIMEOUT,
+            413: Reason.SGLANG_TOO_LARGE,
+            422: Reason.SGLANG_BAD_REQUEST,
+            429: Reason.SGLANG_OVERLOADED,
+            500: Reason.SGLANG_INTERNAL,
+            503: Reason.SGLANG_UNAVAILABLE,
+            504: Reason.SGLANG_TIMEOUT,
+        },
+        other=Reason.SGLANG_ERROR,
+    ),
+    hints={
+        401: "check sglang.api_key_file / sglang.admin_api_key_file against the keys SGLang was started with",
+        403: "SGLang refuses this call without an admin key; set sglang.admin_api_key_file",
+        404: "the server does not have this route; is it SGLang 0.5 or newer?",
+    },
+)
+"""SGLang in sentences, config keys, log events and error reasons (served.ServerKind)."""
 
 
 # -- requests ------------------------------------------------------------------------------
@@ -114,18 +138,7 @@ def abort_body(rid: str) -> dict:
 # -- streamed responses --------------------------------------------------------------------
 def parse_sse_line(line: str):
     """One line of SGLang's event stream: a chunk dict, DONE, or None for blank/other lines."""
-    if not line.startswith("data:"):
-        return None
-    data = line[5:].strip()
-    if data == "[DONE]":
-        return DONE
-    try:
-        chunk = json.loads(data)
-    except json.JSONDecodeError:
-        raise Internal(f"SGLang sent a stream line that is not JSON: {data[:200]!r}") from None
-    if not isinstance(chunk, dict):
-        raise Internal(f"SGLang sent a stream chunk that is not an object: {data[:200]!r}")
-    return chunk
+    return served.parse_sse_line(line, SGLANG)
 
 
 @dataclass
@@ -215,63 +228,14 @@ class StreamTracker:
 
 
 # -- errors --------------------------------------------------------------------------------
-def _status_of(err) -> int:
-    code = err.get("code") if isinstance(err, dict) else None
-    return code if isinstance(code, int) and 400 <= code < 600 else 400
-
-
-def sglang_message(body) -> str:
-    """SGLang's own sentence from any of its error bodies."""
-    if isinstance(body, dict):
-        err = body.get("error", body.get("error_message", body.get("message", body.get("detail"))))
-        if isinstance(err, dict):
-            err = err.get("message", err)
-        if err:
-            return str(err)
-    return str(body)[:500] if body else "(empty body)"
-
-
-_BY_STATUS: dict[int, tuple[type[RollwireError], str]] = {
-    400: (InvalidArgument, Reason.SGLANG_BAD_REQUEST),
-    401: (Unauthenticated, Reason.SGLANG_UNAUTHENTICATED),
-    403: (PermissionDenied, Reason.SGLANG_FORBIDDEN),
-    404: (FailedPrecondition, Reason.SGLANG_NO_ROUTE),
-    408: (DeadlineExceeded, Reason.SGLANG_TIMEOUT),
-    413: (InvalidArgument, Reason.SGLANG_TOO_LARGE),
-    422: (InvalidArgument, Reason.SGLANG_BAD_REQUEST),
-    429: (ResourceExhausted, Reason.SGLANG_OVERLOADED),
-    500: (Internal, Reason.SGLANG_INTERNAL),
-    503: (Unavailable, Reason.SGLANG_UNAVAILABLE),
-    504: (DeadlineExceeded, Reason.SGLANG_TIMEOUT),
-}
-
-_HINTS = {
-    401: "check sglang.api_key_file / sglang.admin_api_key_file against the keys SGLang was started with",
-    403: "SGLang refuses this call without an admin key; set sglang.admin_api_key_file",
-    404: "the server does not have this route; is it SGLang 0.5 or newer?",
-}
+_status_of = served.status_of
+sglang_message = served.server_message
 
 
 def error_from_body(status: int, body, what: str) -> RollwireError:
     """A RollwireError for an SGLang error reply, with SGLang's message and an action."""
-    cls, reason = _BY_STATUS.get(status, (Unavailable if status >= 500 else InvalidArgument, Reason.SGLANG_ERROR))
-    message = f"SGLang {what} failed (HTTP {status} {_phrase(status)}): {sglang_message(body)}"
-    if status in _HINTS:
-        message += f"; {_HINTS[status]}"
-    retry = 1.0 if cls in (Unavailable, ResourceExhausted) else None
-    return cls(message, reason=reason, retry_after_s=retry)
+    return served.error_from_body(SGLANG, status, body, what)
 
 
 def error_from_reply(status: int, raw: bytes, what: str) -> RollwireError:
-    try:
-        body = json.loads(raw) if raw else None
-    except (json.JSONDecodeError, UnicodeDecodeError):
-        body = raw.decode("utf-8", "replace")
-    return error_from_body(status, body, what)
-
-
-def _phrase(status: int) -> str:
-    try:
-        return HTTPStatus(status).phrase
-    except ValueError:
-        return ""
+    return served.error_from_reply(SGLANG, status, raw, what)
