@@ -11,9 +11,21 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 from pathlib import Path
 
 _CHUNK = 8 * 1024 * 1024
+FINGERPRINT_RE = re.compile(r"^sha256:[0-9a-f]{32}$")
+
+
+def check_fingerprint(value: str) -> str:
+    """Empty, or a fingerprint as `model_fingerprint` makes it; raises ValueError with a sentence."""
+    if value and not FINGERPRINT_RE.fullmatch(value):
+        raise ValueError(
+            f"{value[:80]!r} is not a base-model fingerprint; copy it from `rollwire status --target REPLICA` "
+            "(model fingerprint), e.g. sha256:0123456789abcdef0123456789abcdef"
+        )
+    return value
 
 
 def model_fingerprint(model_dir: str | Path, *, config_only: bool = False) -> str:

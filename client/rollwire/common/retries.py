@@ -25,7 +25,8 @@ row against the layers' real decisions, so the table and the code cannot drift a
 - **Replicas** never retry.
 - **Proxy catch-up** (replicas.py): a replica's refusal of a spooled version is tried again
   on the next health round unless `push_refused_for_good`; a replica already ahead
-  (`VERSION_TAKEN`) needs nothing.
+  (`VERSION_TAKEN`) needs nothing; a replica of another base model (`WRONG_RECEIVER`) is
+  checked again and refused membership, and the version stays.
 - **Learner publisher**: re-pushes a version on `PUSH_TRANSIENT` until it lands or a newer
   version supersedes it; any other refusal stops the run with the server's sentence. At
   start, `VERSION_TAKEN` means the replicas already hold that version (a killed run's last
@@ -82,11 +83,17 @@ PUSH_TRANSIENT = frozenset({C.UNAVAILABLE, C.DEADLINE_EXCEEDED, C.RESOURCE_EXHAU
 _REFUSED_FOR_GOOD = frozenset({C.INVALID_ARGUMENT, C.FAILED_PRECONDITION})
 
 
+WRONG_RECEIVER = frozenset({Reason.BASE_MODEL_MISMATCH})
+"""A push refused because the receiver serves another base model: a verdict on the receiver,
+never on the bytes (it never counts towards quarantine)."""
+
+
 def push_refused_for_good(code: grpc.StatusCode, reason: str) -> bool:
-    """A replica refused these bytes for good (it will refuse them again), not for now."""
+    """A replica refused these bytes for good (it will refuse them again), not for now; a
+    refusal that judges the receiver (`WRONG_RECEIVER`) is not one."""
     if code == C.RESOURCE_EXHAUSTED:
         return reason == Reason.ADAPTER_TOO_LARGE
-    return code in _REFUSED_FOR_GOOD and reason not in VERSION_TAKEN
+    return code in _REFUSED_FOR_GOOD and reason not in VERSION_TAKEN and reason not in WRONG_RECEIVER
 
 
 @dataclass(frozen=True)

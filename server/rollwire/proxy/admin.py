@@ -1,7 +1,8 @@
 """AdminService: which generator replicas the proxy routes to.
 
 Invariants: registering an address twice refreshes it (a heartbeat) and never duplicates
-it; a new replica takes work only after the catch-up (replicas.py); deregistering cuts
+it; a heartbeat of a replica refused membership (another base model, replicas.py) removes it
+and is refused with FAILED_PRECONDITION (BASE_MODEL_MISMATCH) naming it; a new replica takes work only after the catch-up (replicas.py); deregistering cuts
 its live groups off, and their runs restart them elsewhere; draining stops new work and
 returns only when the replica has no group left, so a drain loses nothing.
 """
@@ -12,7 +13,7 @@ from typing import NoReturn
 
 import grpc
 
-from rollwire.common.errors import InvalidArgument, NotFound, RollwireError, to_status
+from rollwire.common.errors import FailedPrecondition, InvalidArgument, NotFound, RollwireError, to_status
 from rollwire.common.logs import get_logger
 from rollwire.common.reasons import Reason
 from rollwire.proxy.config import check_address
@@ -33,6 +34,10 @@ class AdminServicer(admin_pb2_grpc.AdminServiceServicer):
             check_address(request.address)
         except ValueError as exc:
             return await _abort(context, InvalidArgument(f"address: {exc}", reason=Reason.BAD_ADDRESS))
+        known = self.replicas.get(request.address)
+        if known is not None and known.foreign:  # refused membership: its heartbeat is told why, by name
+            await self.replicas.remove(request.address, known.detail)
+            return await _abort(context, FailedPrecondition(known.detail, reason=Reason.BASE_MODEL_MISMATCH))
         replica, created = self.replicas.add(request.address, "registered", request.ttl_seconds or None)
         return apb.RegisterGeneratorResponse(replica=replica.status(), created=created)
 

@@ -200,7 +200,7 @@ class FanOut:
                     "stage_only and stripe (those are for replicas)",
                     reason=Reason.PROXY_PUBLISHES,
                 )
-            fingerprint, base_shapes = self.replicas.push_basis()
+            fingerprint, base_shapes = self.replicas.push_basis(first.manifest.base_model_fingerprint)
             upload = self.spool.admit(first.manifest, fingerprint)
             name_lock = self._locks[first.manifest.name]
             await name_lock.acquire()
@@ -386,6 +386,7 @@ class FanOut:
                 try:  # the spool write becomes durable while the replicas verify and stage
                     await asyncio.to_thread(self.spool.sync, upload)
                     adapter, created = self.spool.commit(upload)  # consumes the upload on every exit
+                    self.replicas.base.adopt(pub.manifest.base_model_fingerprint)
                 except BaseException as exc:
                     forward.abort(f"the proxy could not spool the payload: {exc}"[:300])
                     upload.discard()

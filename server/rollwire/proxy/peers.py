@@ -347,6 +347,7 @@ class Peers:
             await self.spool.validate(upload, payload, self.replicas.base_shapes)
             staged, upload = upload, None
             adapter, created = self.spool.commit(staged)  # consumes the upload on every exit
+            self.replicas.base.adopt(m.base_model_fingerprint)
         finally:
             reader.close()
             if upload is not None:

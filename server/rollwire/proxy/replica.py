@@ -1,8 +1,9 @@
 """One generator replica as the proxy sees it.
 
 Invariants:
-- a replica takes new work only while routable: it passes health checks, it was caught up
-  with the spool since it last (re)connected, it is not draining, and its circuit is not open;
+- a replica takes new work only while routable: it passes health checks, it serves the
+  fleet's base model, it was caught up with the spool since it last (re)connected, it is not
+  draining, and its circuit is not open;
 - `versions` holds only versions the replica itself confirmed (a push reply or GetStatus),
   so version-aware routing never sends a group to a replica that lacks its version;
 - catch-up pushes to one replica hold `push_lock`, so they reach it one at a time, oldest
@@ -92,6 +93,8 @@ class Replica:
         self.identity = self.fingerprint = self.engine = ""
         self.limits: pb.Limits | None = None
         self.healthy = self.synced = self.draining = False
+        self.foreign = False
+        """It serves another base model than the fleet's: refused membership (replicas.py)."""
         self.detail = "not checked yet"
         self.failed_checks = 0
         self.in_flight = self.work = 0
@@ -111,7 +114,7 @@ class Replica:
 
     def routable(self, now: float | None = None) -> bool:
         now = time.monotonic() if now is None else now
-        return self.healthy and self.synced and not self.draining and self.breaker.allows(now)
+        return self.healthy and self.synced and not self.foreign and not self.draining and self.breaker.allows(now)
 
     def holds(self, name: str, version: int) -> bool:
         return version in self.versions.get(name, ())
@@ -126,6 +129,8 @@ class Replica:
     def state(self, now: float | None = None) -> str:
         """Why the replica does or does not take work, for status and error sentences."""
         now = time.monotonic() if now is None else now
+        if self.foreign:
+            return self.detail
         if not self.healthy:
             return f"unhealthy: {self.detail}"
         if self.draining:

@@ -17,8 +17,14 @@ Invariants:
   every healthy replica of the base model has refused a version and none holds it, the
   version is quarantined (spool.py) and catch-up goes on without it, so no stored push can
   keep replicas out of rotation, and nothing is retried forever;
-- the base model's fingerprint and linear-layer shapes come from the first replica that
-  syncs; pushes are checked against them before they are spooled (servicer.py).
+- the base model is declared or agreed by the spool, never learned from a member
+  (basemodel.py); a member serving another one is refused membership: it is never routed
+  to, pushed to or caught up, its refusals never count towards quarantine, it is named in
+  its status, a log line and `replica_foreign_base_model`; a registered one is told so at
+  its next heartbeat (admin.py). BASE_MODEL_MISMATCH from a replica means "wrong replica",
+  never "wrong bytes": the replica is checked again, the version stays;
+- pushes are checked against the base model's fingerprint and a member's linear-layer
+  shapes before they are spooled (fanout.py).
 """
 
 from __future__ import annotations
@@ -36,6 +42,7 @@ from rollwire.common.logs import get_logger, new_request_id
 from rollwire.common.reasons import Reason
 from rollwire.common.retries import VERSION_TAKEN, push_refused_for_good
 from rollwire.common.waits import wait_at_most
+from rollwire.proxy.basemodel import BaseModel, Shapes
 from rollwire.proxy.breaker import Breaker
 from rollwire.proxy.config import ProxyConfig
 from rollwire.proxy.metrics import ProxyMetrics
@@ -61,8 +68,7 @@ class ReplicaSet:
         self.upstream = upstream or Dialer()
         self.members: dict[str, Replica] = {}
         self._background: set[asyncio.Task] = set()
-        self.fingerprint = ""  # the base model every member must serve, set by the first to sync
-        self.base_shapes: dict[str, tuple[int, int]] | None = None  # its linear layers, from the same replica
+        self.base = BaseModel(config.base_model, spool)
         spool.max_version_step = config.spool.max_version_step
         # (name, version, sha256) -> addresses of replicas that refused it permanently
         self._refusals: dict[tuple[str, int, str], set[str]] = {}
@@ -159,7 +165,20 @@ class ReplicaSet:
         return [r for r in self.all() if r.routable(now)]
 
     def healthy(self) -> list[Replica]:
-        return [r for r in self.all() if r.healthy]
+        """Members that pass health checks and serve the fleet's base model (push targets)."""
+        return [r for r in self.all() if r.healthy and not r.foreign]
+
+    @property
+    def fingerprint(self) -> str:
+        """The base model every member must serve (basemodel.py); before one is declared or
+        agreed, the one every healthy member serves, if they agree: shown, never adopted."""
+        serving = {r.fingerprint for r in self.healthy() if r.fingerprint}
+        return self.base.fingerprint or (serving.pop() if len(serving) == 1 else "")
+
+    @property
+    def base_shapes(self) -> Shapes | None:
+        """The fleet's base linear-layer shapes, once a member serving it reported them."""
+        return self.base.shapes.get(self.base.fingerprint)
 
     def latest(self, name: str) -> int:
         """Newest version of `name` confirmed on at least one routable replica (0: none)."""
@@ -172,17 +191,11 @@ class ReplicaSet:
         now = time.monotonic()
         return "; ".join(f"{r.address}: {r.state(now) or 'ready'}" for r in self.all())
 
-    def push_basis(self) -> tuple[str, dict[str, tuple[int, int]]]:
-        """(fingerprint, base linear shapes) a push is checked against; UNAVAILABLE before a
-        replica has reported them."""
-        if not self.fingerprint or not self.base_shapes:
-            raise Unavailable(
-                f"no generator replica has reported its base model yet ({self.describe()}); nothing was applied, "
-                "retry when a replica is up",
-                reason=Reason.NO_REPLICA,
-                retry_after_s=self.config.routing.retry_after_s,
-            )
-        return self.fingerprint, self.base_shapes
+    def push_basis(self, pushed: str) -> tuple[str, Shapes]:
+        """(fingerprint, base linear shapes) a push trained on base model `pushed` is checked
+        against (basemodel.BaseModel.basis); UNAVAILABLE before a member serving it reported them."""
+        serving = {r.fingerprint for r in self.healthy() if r.fingerprint}
+        return self.base.basis(pushed, serving, self.describe(), self.config.routing.retry_after_s)
 
     def note_refusal(self, replica: Replica, adapter, code: grpc.StatusCode, reason: str, message: str) -> bool:
         """Record a replica's refusal of a spooled version; quarantine the version when every
@@ -190,7 +203,10 @@ class ReplicaSet:
         the version is (now) out of the spool."""
         if not self.spool.holds(adapter):
             return True
-        if not push_refused_for_good(code, reason):
+        if reason == Reason.BASE_MODEL_MISMATCH:  # the replica is wrong, not the bytes: look at it again
+            self._recheck(replica, f"it refused {adapter.name!r} v{adapter.version} as trained on another base model")
+            return False
+        if not push_refused_for_good(code, reason) or replica.foreign:
             return False
         key = (adapter.name, adapter.version, adapter.manifest.sha256)
         live = {(a.name, a.version, a.manifest.sha256) for n in self.spool.names() for a in self.spool.versions(n)}
@@ -198,7 +214,7 @@ class ReplicaSet:
             del self._refusals[stale]
         refusers = self._refusals.setdefault(key, set())
         refusers.add(replica.address)
-        peers = [r for r in self.all() if r.healthy and (not self.fingerprint or r.fingerprint == self.fingerprint)]
+        peers = self.healthy()
         if any(r.holds(adapter.name, adapter.version) for r in self.all()):
             return False
         if not peers or not {r.address for r in peers} <= refusers:
@@ -218,6 +234,26 @@ class ReplicaSet:
 
     def _refused_by(self, replica: Replica, adapter) -> bool:
         return replica.address in self._refusals.get((adapter.name, adapter.version, adapter.manifest.sha256), ())
+
+    def _recheck(self, replica: Replica, why: str) -> None:
+        """A replica that claims another base model than its status said: read its status again
+        before anything else is pushed to it."""
+        replica.fingerprint = ""
+        self.mark_unsynced(replica, why)
+
+    def _refuse(self, replica: Replica) -> None:
+        """Keep a member of another base model out of the fleet, naming it, once per change."""
+        why = self.base.refusal(replica.name, replica.address, replica.fingerprint)
+        if not replica.foreign:
+            log.error(
+                "replica_refused_membership",
+                replica=replica.address,
+                identity=replica.identity,
+                serves=replica.fingerprint,
+                fleet_serves=self.fingerprint,
+                why=why,
+            )
+        replica.foreign, replica.synced, replica.detail = True, False, why
 
     def _forget_refusals(self, address: str) -> None:
         for refusers in self._refusals.values():
@@ -292,16 +328,16 @@ class ReplicaSet:
             replica.last_status = time.monotonic()
             replica.identity, replica.engine, replica.limits = status.replica, status.engine, status.limits
             replica.fingerprint = status.model_fingerprint
-            if self.fingerprint and status.model_fingerprint != self.fingerprint:
-                replica.synced = False
-                replica.detail = (
-                    f"it serves base model {status.model_fingerprint} but this proxy serves {self.fingerprint}; "
-                    "point it at the same model folder"
-                )
+            self.base.report(
+                status.model_fingerprint,
+                {x.module: (x.out_features, x.in_features) for x in status.base_linear_layers},
+            )
+            if self.base.foreign(status.model_fingerprint):
+                self._refuse(replica)
                 return
-            self.fingerprint = status.model_fingerprint
-            if not self.base_shapes and status.base_linear_layers:
-                self.base_shapes = {x.module: (x.out_features, x.in_features) for x in status.base_linear_layers}
+            if replica.foreign:
+                replica.foreign = False
+                log.info("replica_admitted", replica=replica.address, serves=status.model_fingerprint)
             replica.versions = {a.name: list(a.versions) for a in status.adapters}
             if await self._catch_up(replica) and not replica.synced:
                 replica.synced, replica.detail = True, ""
@@ -317,7 +353,7 @@ class ReplicaSet:
             )
         except grpc.aio.AioRpcError:
             return
-        if self.fingerprint and status.model_fingerprint != self.fingerprint:
+        if self.base.foreign(status.model_fingerprint):
             return
         replica.versions = {a.name: list(a.versions) for a in status.adapters}
         self._publish(replica)
@@ -344,6 +380,9 @@ class ReplicaSet:
                 if result.ok:
                     self.metrics.catchup_pushes.labels(replica.address).inc()
                     log.info("replica_caught_up", replica=replica.address, adapter=name, version=adapter.version)
+                elif result.reason == Reason.BASE_MODEL_MISMATCH:  # the replica is wrong, not the bytes
+                    self._recheck(replica, f"it refused {name!r} v{adapter.version} as trained on another base model")
+                    return False
                 elif result.reason not in VERSION_TAKEN:  # else it already holds that version or a newer one
                     log.warning(
                         "catch_up_failed",
@@ -377,6 +416,7 @@ class ReplicaSet:
             m, a = self.metrics, replica.address
             m.healthy.labels(a).set(int(replica.healthy))
             m.routable.labels(a).set(int(replica.routable()))
+            m.foreign.labels(a).set(int(replica.foreign))
             m.in_flight.labels(a).set(replica.in_flight)
             for name in replica.versions:
                 m.versions.labels(a, name).set(replica.newest(name))

@@ -1,0 +1,215 @@
+"""One truth across the fleet (issue 23): real replicas and proxies over real sockets.
+
+One base model: a replica of another base model (same shapes, another fingerprint: a
+mis-configured pod, a canary) that answers a restarted proxy first costs nothing: the spool
+is intact, the right replicas serve and take pushes, the wrong one is refused membership by
+name (status, log, metric, and its registration heartbeat), and its BASE_MODEL_MISMATCH
+refusals never count towards quarantine. A declared base model quarantines spooled versions
+of another at start; a spool of two base models with none declared refuses the start.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import grpc
+import pytest
+from google.protobuf import json_format
+from support.processes import start_generators, start_proxy, stop_all, wait_routable, wait_until
+from support.wire import admin, generate, make_adapter, metric_value, push, status
+
+from rollwire.common.errors import from_rpc_error
+from rollwire.common.reasons import Reason
+from rollwire.common.retries import push_refused_for_good
+from rollwire.v1 import admin_pb2 as apb
+from rollwire.v1 import generator_pb2 as pb
+
+pytestmark = pytest.mark.integration  # starts processes: not in make test-fast
+
+
+@pytest.fixture(scope="module")
+def other_model(tiny_model, tmp_path_factory) -> Path:
+    """The tiny model with one more config key: the same shapes, another fingerprint."""
+    folder = tmp_path_factory.mktemp("other-model") / "tiny"
+    shutil.copytree(tiny_model, folder)
+    config = json.loads((folder / "config.json").read_text())
+    config["rollwire_test_variant"] = "another base model"
+    (folder / "config.json").write_text(json.dumps(config))
+    return folder
+
+
+@pytest.fixture(scope="module")
+def right(tiny_model, workdir):
+    services = start_generators(tiny_model, workdir, ["right1", "right2"])
+    yield services
+    stop_all(services)
+
+
+@pytest.fixture(scope="module")
+def wrong(other_model, workdir):
+    services = start_generators(other_model, workdir, ["wrong"])
+    yield services[0]
+    stop_all(services)
+
+
+@pytest.fixture(scope="module")
+def adapter(tiny_model):
+    return make_adapter(tiny_model, seed=23)
+
+
+def refusal(call) -> tuple[grpc.StatusCode, str, str]:
+    try:
+        call()
+    except grpc.RpcError as exc:
+        err = from_rpc_error(exc)
+        return err.code, err.reason, err.message
+    return grpc.StatusCode.OK, "", ""
+
+
+def replica_status(proxy, address: str) -> pb.ReplicaStatus | None:
+    return next((r for r in status(proxy.target).replicas if r.address == address), None)
+
+
+def spooled(spool: Path, name: str) -> list[str]:
+    return sorted(p.name for p in (spool / name).iterdir()) if (spool / name).is_dir() else []
+
+
+def quarantined(spool: Path) -> list[str]:
+    folder = spool / ".quarantine"
+    return sorted(str(p.relative_to(folder)) for p in folder.rglob("*") if p.is_file()) if folder.is_dir() else []
+
+
+def settled(proxy, address: str) -> bool:
+    """The proxy has judged the replica: it routes to it, or it refused it membership."""
+    r = replica_status(proxy, address)
+    return r is not None and (r.healthy or "refused membership" in r.detail)
+
+
+def plant(spool: Path, adapter, name: str, version: int, fp: str) -> None:
+    """A version written into a spool folder as a proxy would have committed it."""
+    (spool / name).mkdir(parents=True, exist_ok=True)
+    (spool / name / f"{version}.safetensors").write_bytes(adapter.payload)
+    (spool / name / f"{version}.json").write_text(json_format.MessageToJson(adapter.manifest(name, version, fp)))
+
+
+def test_a_wrong_model_replica_answering_a_restarted_proxy_first_costs_nothing(workdir, right, wrong, adapter):
+    fp, other = status(right[0].target).model_fingerprint, status(wrong.target).model_fingerprint
+    assert fp != other
+    spool = workdir / "spool-restart"
+    first = start_proxy(workdir, "first", right, "--set", f"spool.dir={spool}")
+    try:
+        wait_routable(first, right)
+        for version in (1, 2):
+            push(first.target, adapter.manifest("pol", version, fp), adapter.payload)
+    finally:
+        stop_all([first])
+    # the proxy restarts on its spool with the wrong replica alone: it answers first
+    again = start_proxy(workdir, "again", [wrong], "--set", f"spool.dir={spool}")
+    try:
+        wait_until(lambda: settled(again, wrong.target), 20, "the proxy judged the wrong replica")
+        assert spooled(spool, "pol") == ["1.json", "1.safetensors", "2.json", "2.safetensors"]
+        assert quarantined(spool) == []
+        for r in right:
+            admin(again.target).RegisterGenerator(apb.RegisterGeneratorRequest(address=r.target), timeout=10)
+        wait_routable(again, right, timeout=30)
+        # the spool is intact, nothing counted towards quarantine, the right replicas serve v2
+        assert spooled(spool, "pol") == ["1.json", "1.safetensors", "2.json", "2.safetensors"]
+        assert quarantined(spool) == []
+        metrics = again.metrics()
+        assert metric_value(metrics, "rollwire_proxy_quarantined_versions_total") == 0
+        assert status(again.target).model_fingerprint == fp
+        for r in right:
+            held = replica_status(again, r.target)
+            assert (
+                held is not None
+                and held.healthy
+                and 2 in {v for a in held.adapters if a.name == "pol" for v in a.versions}
+            )
+            assert metric_value(metrics, "rollwire_proxy_replica_foreign_base_model", f'replica="{r.target}"') == 0
+        # the wrong one is refused membership, by name, with both base models
+        w = replica_status(again, wrong.target)
+        assert w is not None and not w.healthy
+        assert "refused membership" in w.detail and "wrong" in w.detail and other in w.detail and fp in w.detail
+        assert metric_value(metrics, "rollwire_proxy_replica_foreign_base_model", f'replica="{wrong.target}"') == 1
+        assert '"replica_refused_membership"' in again.log_path.read_text()
+        # pushes of the fleet's base model land on the right replicas only; another base model is refused
+        reply = push(again.target, adapter.manifest("pol", 3, fp), adapter.payload)
+        codes = {x.address: x.code for x in reply.replicas}
+        assert codes[right[0].target] == codes[right[1].target] == "OK" and codes[wrong.target] != "OK", codes
+        code, reason, _ = refusal(lambda: push(again.target, adapter.manifest("pol", 4, other), adapter.payload))
+        assert (code, reason) == (grpc.StatusCode.FAILED_PRECONDITION, Reason.BASE_MODEL_MISMATCH)
+        # and no group is ever placed on the wrong replica
+        for seed in range(4):
+            g = generate(again.target, "3+4=", n=2, adapter=("pol", 0), max_new_tokens=3, seed=seed)
+            assert g.started.adapter.version == 3 and g.started.replica in ("right1", "right2")
+        assert (
+            metric_value(
+                again.metrics(), "rollwire_proxy_replica_attempts_total", f'code="OK",replica="{wrong.target}"'
+            )
+            == 0
+        )
+    finally:
+        stop_all([again])
+
+
+def test_a_declared_base_model_quarantines_other_versions_and_refuses_a_wrong_registration(
+    workdir, right, wrong, adapter
+):
+    fp, other = status(right[0].target).model_fingerprint, status(wrong.target).model_fingerprint
+    spool = workdir / "spool-declared"
+    plant(spool, adapter, "pol", 1, fp)
+    plant(spool, adapter, "stray", 1, other)  # another base model's version: no replica here could serve it
+    proxy = start_proxy(workdir, "declared", right[:1], "--set", f"spool.dir={spool}", "--set", f"base_model={fp}")
+    try:
+        assert spooled(spool, "pol") == ["1.json", "1.safetensors"] and spooled(spool, "stray") == []
+        notes = [p for p in (spool / ".quarantine" / "stray").iterdir() if p.suffix == ".txt"]
+        assert len(notes) == 1 and "declares" in notes[0].read_text() and other in notes[0].read_text()
+        wait_routable(proxy, right[:1])
+        # a replica of another base model registers itself: judged, then its heartbeat is refused by name
+        stub = admin(proxy.target)
+        stub.RegisterGenerator(apb.RegisterGeneratorRequest(address=wrong.target, ttl_seconds=30), timeout=10)
+        wait_until(
+            lambda: "refused membership" in (replica_status(proxy, wrong.target) or pb.ReplicaStatus()).detail,
+            20,
+            "the proxy refused the wrong replica membership",
+        )
+        beat = apb.RegisterGeneratorRequest(address=wrong.target, ttl_seconds=30)
+        code, reason, message = refusal(lambda: stub.RegisterGenerator(beat, timeout=10))
+        assert (code, reason) == (grpc.StatusCode.FAILED_PRECONDITION, Reason.BASE_MODEL_MISMATCH)
+        assert "wrong" in message and wrong.target in message and other in message
+        assert wrong.target not in {r.address for r in status(proxy.target).replicas}
+        assert {r.address for r in status(proxy.target).replicas if r.healthy} == {right[0].target}
+    finally:
+        stop_all([proxy])
+
+
+def test_a_spool_of_two_base_models_with_none_declared_refuses_the_start(tmp_path, adapter):
+    from rollwire.common.errors import FailedPrecondition
+    from rollwire.proxy.basemodel import BaseModel
+    from rollwire.proxy.spool import Spool
+
+    a, b = "sha256:" + "a" * 32, "sha256:" + "b" * 32
+    plant(tmp_path, adapter, "one", 1, a)
+    plant(tmp_path, adapter, "two", 1, b)
+    spool = Spool(tmp_path, max_bytes=1 << 30, keep_versions=3, max_adapter_bytes=1 << 30)
+    with pytest.raises(FailedPrecondition, match=r"2 base models .*base_model") as caught:
+        BaseModel("", spool)
+    assert a in str(caught.value) and b in str(caught.value)
+    assert BaseModel(a, spool).fingerprint == a  # declared: the other one is quarantined instead
+    assert [n for n in spool.names()] == ["one"]
+
+
+def test_base_model_mismatch_judges_the_receiver_never_the_bytes():
+    assert not push_refused_for_good(grpc.StatusCode.FAILED_PRECONDITION, Reason.BASE_MODEL_MISMATCH)
+    assert push_refused_for_good(grpc.StatusCode.INVALID_ARGUMENT, Reason.DIGEST_MISMATCH)
+
+
+def test_a_malformed_declared_base_model_is_refused_by_its_key():
+    from pydantic import ValidationError
+
+    from rollwire.proxy.config import ProxyConfig
+
+    with pytest.raises(ValidationError, match="base_model"):
+        ProxyConfig(base_model="tiny")
