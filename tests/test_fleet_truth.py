@@ -1,17 +1,22 @@
 """One truth across the fleet (issue 23): real replicas and proxies over real sockets.
 
-One base model: a replica of another base model (same shapes, another fingerprint: a
+**One base model.** A replica of another base model (same shapes, another fingerprint: a
 mis-configured pod, a canary) that answers a restarted proxy first costs nothing: the spool
 is intact, the right replicas serve and take pushes, the wrong one is refused membership by
 name (status, log, metric, and its registration heartbeat), and its BASE_MODEL_MISMATCH
 refusals never count towards quarantine. A declared base model quarantines spooled versions
 of another at start; a spool of two base models with none declared refuses the start.
+
+**No slot one caller can hold.** Stripe streams that deliver their stripe and leave (with a
+28-hour deadline) hold a replica's push slots only while a stream is open, then for
+`limits.stripe_linger_s` at most; a plain push (a heal, a catch-up) takes such a slot at once.
 """
 
 from __future__ import annotations
 
 import json
 import shutil
+import time
 from pathlib import Path
 
 import grpc
@@ -20,13 +25,16 @@ from google.protobuf import json_format
 from support.processes import start_generators, start_proxy, stop_all, wait_routable, wait_until
 from support.wire import admin, generate, make_adapter, metric_value, push, status
 
+from rollwire.common import push as protocol
 from rollwire.common.errors import from_rpc_error
 from rollwire.common.reasons import Reason
 from rollwire.common.retries import push_refused_for_good
 from rollwire.v1 import admin_pb2 as apb
 from rollwire.v1 import generator_pb2 as pb
+from rollwire.v1 import generator_pb2_grpc
 
 pytestmark = pytest.mark.integration  # starts processes: not in make test-fast
+LINGER_S = 1.5
 
 
 @pytest.fixture(scope="module")
@@ -50,6 +58,14 @@ def right(tiny_model, workdir):
 @pytest.fixture(scope="module")
 def wrong(other_model, workdir):
     services = start_generators(other_model, workdir, ["wrong"])
+    yield services[0]
+    stop_all(services)
+
+
+@pytest.fixture(scope="module")
+def slots(tiny_model, workdir):
+    """A replica with the default two push slots and a short stripe linger."""
+    services = start_generators(tiny_model, workdir, ["slots"], "--set", f"limits.stripe_linger_s={LINGER_S}")
     yield services[0]
     stop_all(services)
 
@@ -85,6 +101,14 @@ def settled(proxy, address: str) -> bool:
     """The proxy has judged the replica: it routes to it, or it refused it membership."""
     r = replica_status(proxy, address)
     return r is not None and (r.healthy or "refused membership" in r.detail)
+
+
+def log_events(path: Path, event: str) -> list[dict]:
+    records = []
+    for line in path.read_text(errors="replace").splitlines():
+        if f'"{event}"' in line:
+            records.append(json.loads(line))
+    return records
 
 
 def plant(spool: Path, adapter, name: str, version: int, fp: str) -> None:
@@ -213,3 +237,37 @@ def test_a_malformed_declared_base_model_is_refused_by_its_key():
 
     with pytest.raises(ValidationError, match="base_model"):
         ProxyConfig(base_model="tiny")
+
+
+# -- no slot one caller can hold -------------------------------------------------------------
+def test_abandoned_stripe_streams_hold_no_slot_past_the_servers_bound(slots, adapter):
+    target, payload = slots.target, adapter.payload
+    fp = status(target).model_fingerprint
+
+    def used() -> float:
+        return metric_value(slots.metrics(), "rollwire_generator_push_slots_used")
+
+    def first_stripe(name: str, version: int, index: int = 0, deadline_s: float = 10):
+        stripe = pb.Stripe(index=index, count=2, chunk_bytes=64 << 10)
+        messages = protocol.stripe_messages(adapter.manifest(name, version, fp), payload, stripe)
+        return stub.PushAdapter(messages, timeout=deadline_s)
+
+    with grpc.insecure_channel(target) as channel:
+        stub = generator_pb2_grpc.GeneratorServiceStub(channel)
+        # two callers with a 28-hour deadline deliver stripe 0 of 2 and leave at once: both slots taken
+        for version in (1, 2):
+            assert first_stripe("orphan", version, deadline_s=28 * 3600).stripe_pending
+        left = time.monotonic()
+        assert used() == 2
+        # a heal or a catch-up (a plain push) finds a slot at once: the oldest assembly gives its up
+        reply = stub.PushAdapter(protocol.messages(adapter.manifest("plain", 1, fp), payload), timeout=10)
+        assert reply.version == 1 and not reply.stripe_pending
+        # the other is dropped within the server's bound, with nobody asking for its slot
+        wait_until(lambda: used() == 0, LINGER_S + 5, "every push slot is free", every=0.2)
+        assert time.monotonic() - left < LINGER_S + 3
+        drops = {e["version"]: e["why"] for e in log_events(slots.log_path, "stripe_assembly_dropped")}
+        assert "needed its slot" in drops[1] and f"within {LINGER_S:g}s" in drops[2], drops
+        # a missing stripe that comes late starts a new assembly: pending, never a verdict on half a payload
+        late = first_stripe("orphan", 2, index=1)
+        assert late.stripe_pending and not late.staged
+        wait_until(lambda: used() == 0, LINGER_S + 5, "the late stripe's slot is free again", every=0.2)

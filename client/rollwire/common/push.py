@@ -562,6 +562,12 @@ class Assembly:
         self.completed = False
         self.error: RollwireError | None = None
         """Why its bytes were refused, if they were: every stripe's stream refuses with it."""
+        self.open_streams = 0
+        """Streams of its stripes open now (its owner's count: it bounds the assembly's life)."""
+        self.orphaned_at = 0.0
+        """When its last open stream ended (monotonic)."""
+        self.linger: asyncio.TimerHandle | None = None
+        """Its owner's timer that drops it while no stream is open."""
 
     def join(self, stripe: pb.Stripe) -> None:
         """FAILED_PRECONDITION (STRIPE_CONFLICT) for a stripe of another cut, or one that joined already."""

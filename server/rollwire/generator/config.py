@@ -28,6 +28,10 @@ class Limits(PushLimits):
     max_concurrent_pushes: int = Field(default=2, ge=1)
     """PushAdapter streams received at once (each buffers its payload); more get RESOURCE_EXHAUSTED."""
     push_idle_timeout_s: float = push_idle_field()
+    stripe_linger_s: float = Field(default=10.0, gt=0, le=600)
+    """A striped version being assembled waits at most this long, once none of its stripes' streams is open, for the
+    stream of a missing stripe; then it is dropped and frees its push slot. A plain push that finds no slot takes the
+    slot of such an assembly at once (heals and catch-ups always find one)."""
     stage_timeout_s: float = Field(default=300.0, gt=0)
     """A version staged by a stage_only push and not committed within this long is dropped; keep it above the proxy's
     health.push_timeout_s."""

@@ -43,6 +43,10 @@ class GeneratorMetrics:
         )
         self.pushes = m.counter("adapter_pushes_total", "Adapter pushes by final gRPC status code.", ["code"])
         self.push_bytes = m.counter("adapter_push_bytes_total", "Adapter payload bytes received.")
+        self.push_slots = m.gauge(
+            "push_slots_used",
+            "Push slots held now, of limits.max_concurrent_pushes: plain push streams and striped versions being assembled.",
+        )
         self.push_latency = m.histogram(
             "adapter_push_duration_seconds",
             "From first push message to the version being served.",

@@ -289,7 +289,9 @@ class GeneratorServicer(generator_pb2_grpc.GeneratorServiceServicer):
     # -- PushAdapter -------------------------------------------------------------------
     _pushes_active = 0
     """Pushes being received now (bounded by limits.max_concurrent_pushes): one per plain push
-    stream, one per striped version being assembled (its stripes' streams share it)."""
+    stream, one per striped version being assembled (its stripes' streams share it). A slot
+    belongs to open streams: an assembly none of whose streams is open keeps its slot for
+    `limits.stripe_linger_s` at most, and gives it up at once to a push that finds none free."""
     _assemblies: dict[tuple[str, int, str], Assembly]
     """Striped versions being assembled, by (name, version, sha256)."""
 
@@ -316,6 +318,7 @@ class GeneratorServicer(generator_pb2_grpc.GeneratorServiceServicer):
         subtree: list[pb.ReplicaPushResult] = []
         admitted = False
         assembly: Assembly | None = None
+        attached: Assembly | None = None  # the assembly this stream keeps alive while it is open
         try:
             first = await reader.open()
             manifest = manifest_from_pb(first.manifest)
@@ -330,10 +333,11 @@ class GeneratorServicer(generator_pb2_grpc.GeneratorServiceServicer):
             self.registry.check_version(manifest, lim.max_version_step)
             if first.stripe is not None:
                 if joining is None:
-                    joining = self._assemble(first, manifest, context)
+                    joining = self._assemble(first, manifest)
                     admitted = False  # the assembly holds the slot now
                 joining.join(first.stripe)  # a conflicting stripe is refused here, leaving the assembly alone
-                assembly = joining
+                assembly = attached = joining
+                self._attach(attached)
             if first.relay.nodes:
                 forward = self._relay(first, context)
             try:
@@ -410,34 +414,85 @@ class GeneratorServicer(generator_pb2_grpc.GeneratorServiceServicer):
         finally:
             reader.close()
             if admitted:
-                self._pushes_active -= 1
+                self._take_slot(-1)
+            if attached is not None:
+                self._detach(attached)
             self.metrics.pushes.labels(code.name).inc()
             self.metrics.push_latency.observe(time.monotonic() - start)
             structlog.contextvars.unbind_contextvars("request_id")
 
     def _admit_push(self) -> None:
+        """Take a push slot: a free one, else the slot of an assembly none of whose stripes'
+        streams is open (its slot belongs to open streams), else RESOURCE_EXHAUSTED."""
         lim = self.config.limits
-        if self._pushes_active >= lim.max_concurrent_pushes:
+        if self._pushes_active >= lim.max_concurrent_pushes and not self._reclaim():
             raise ResourceExhausted(
                 f"this replica is receiving {self._pushes_active} pushes already (limit {lim.max_concurrent_pushes}); "
                 "retry shortly",
                 reason=Reason.TOO_MANY_PUSHES,
                 retry_after_s=1.0,
             )
-        self._pushes_active += 1
+        self._take_slot(1)
 
-    def _assemble(self, first: Opening, manifest, context: grpc.aio.ServicerContext) -> Assembly:
+    def _take_slot(self, count: int) -> None:
+        self._pushes_active += count
+        self.metrics.push_slots.set(self._pushes_active)
+
+    def _assemble(self, first: Opening, manifest) -> Assembly:
         """A new assembly for a striped version; it holds the push slot its first stream took
-        until it completes, fails, or outlives the first stream's deadline (a stripe that never
-        came), whichever is first."""
+        until it completes or fails, or until no stream of its stripes has been open for
+        `limits.stripe_linger_s` (a stripe that never came), or until a push needs the slot
+        while none is open. Never longer: a caller's deadline does not extend it."""
         assert first.stripe is not None
         key = (manifest.name, manifest.version, manifest.sha256)
         assembly = Assembly(first.manifest, first.stripe, PayloadInspector(manifest, self.base_shapes))
         self._assemblies[key] = assembly
-        remaining = context.time_remaining()
-        ttl = self.config.relay.timeout_s if remaining is None else remaining
-        asyncio.get_running_loop().call_later(ttl, self._release_assembly, assembly)
         return assembly
+
+    def _attach(self, assembly: Assembly) -> None:
+        """A stream of one of its stripes is open: the assembly keeps its slot while it is."""
+        assembly.open_streams += 1
+        if assembly.linger is not None:
+            assembly.linger.cancel()
+            assembly.linger = None
+
+    def _detach(self, assembly: Assembly) -> None:
+        """A stream of its stripes ended; with none left open, the assembly waits for a missing
+        stripe's stream `limits.stripe_linger_s` at most."""
+        assembly.open_streams -= 1
+        if assembly.open_streams or assembly.completed or not self._registered(assembly):
+            return
+        assembly.orphaned_at = time.monotonic()
+        linger = self.config.limits.stripe_linger_s
+        assembly.linger = asyncio.get_running_loop().call_later(
+            linger, self._drop_assembly, assembly, f"no stream of its missing stripes came within {linger:g}s"
+        )
+
+    def _reclaim(self) -> bool:
+        """Free the slot of the assembly that has waited longest with no stream open; False if none."""
+        waiting = [a for a in self._assemblies.values() if not a.open_streams and not a.completed]
+        if not waiting:
+            return False
+        self._drop_assembly(min(waiting, key=lambda a: a.orphaned_at), "another push needed its slot")
+        return True
+
+    def _drop_assembly(self, assembly: Assembly, why: str) -> None:
+        """Give up an incomplete assembly with no stream open; its stripes must be sent again."""
+        if assembly.open_streams or not self._registered(assembly):
+            return
+        log.warning(
+            "stripe_assembly_dropped",
+            adapter=assembly.manifest.name,
+            version=assembly.manifest.version,
+            stripes=sorted(assembly.ended),
+            of=assembly.count,
+            why=why,
+        )
+        self._release_assembly(assembly)
+
+    def _registered(self, assembly: Assembly) -> bool:
+        key = (assembly.manifest.name, assembly.manifest.version, assembly.manifest.sha256)
+        return self._assemblies.get(key) is assembly
 
     def _release_assembly(self, assembly: Assembly | None) -> None:
         """Forget an assembly and free its push slot (idempotent). Streams still holding it go
@@ -445,9 +500,12 @@ class GeneratorServicer(generator_pb2_grpc.GeneratorServiceServicer):
         if assembly is None:
             return
         key = (assembly.manifest.name, assembly.manifest.version, assembly.manifest.sha256)
+        if assembly.linger is not None:
+            assembly.linger.cancel()
+            assembly.linger = None
         if self._assemblies.get(key) is assembly:
             del self._assemblies[key]
-            self._pushes_active -= 1
+            self._take_slot(-1)
             if not assembly.completed:
                 assembly.fail(None)
 
