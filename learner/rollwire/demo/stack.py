@@ -107,6 +107,14 @@ class Service:
     log_path: Path
     host: str = "127.0.0.1"
     """Where it listens (another address for a process in a network namespace)."""
+    http_port: int | None = None
+    """A proxy's HTTP front door, when it serves one (docs/http.md)."""
+
+    @property
+    def http_url(self) -> str:
+        if self.http_port is None:
+            raise ValueError(f"{self.name} serves no HTTP door (start the proxy with --http-port)")
+        return f"http://{self.host}:{self.http_port}"
 
     @property
     def target(self) -> str:
@@ -167,7 +175,7 @@ def start(
             raise TimeoutError(f"{name} was not ready after {timeout:.0f}s; see {log_path}:\n{_tail(log_path)}")
         time.sleep(0.05)
     info = json.loads(ready.read_text())
-    service = Service(name, proc, info["port"], info["metrics_port"], log_path, host)
+    service = Service(name, proc, info["port"], info["metrics_port"], log_path, host, info.get("http_port"))
     if probe:
         try:
             with grpc.insecure_channel(service.target) as channel:

@@ -21,6 +21,7 @@ from rollwire.proxy.config import ProxyConfig
 from rollwire.proxy.discovery import DnsDiscovery
 from rollwire.proxy.dispatch import Dispatcher
 from rollwire.proxy.fanout import FanOut
+from rollwire.proxy.http.app import Door, HttpServer
 from rollwire.proxy.metrics import ProxyMetrics
 from rollwire.proxy.peers import Peers
 from rollwire.proxy.policies import make_policy
@@ -45,6 +46,23 @@ class RunningProxy(Running):
     owns_spool: bool
     peers: Peers | None = None
     tasks: list[asyncio.Task] = field(default_factory=list)
+    http: HttpServer | None = None
+    """The HTTP front door (docs/http.md), when `http.port` is set."""
+
+    @property
+    def http_port(self) -> int | None:
+        return self.http.port if self.http is not None else None
+
+    def ready(self) -> dict:
+        return super().ready() | ({"http_port": self.http.port} if self.http is not None else {})
+
+    async def stop(self, grace: float) -> None:
+        """Both doors stop taking requests at once; in-flight ones finish within `grace`."""
+        if self.http is not None:
+            await asyncio.gather(self.endpoint.stop(grace), self.http.stop())
+            await self.close()
+        else:
+            await super().stop(grace)
 
     async def close(self) -> None:
         for task in self.tasks:
@@ -95,6 +113,9 @@ async def start_proxy(config: ProxyConfig) -> RunningProxy:
     for address in config.generators:
         replicas.add(address, "static")
     running = RunningProxy(endpoint, servicer, replicas, spool_dir, owns_spool, peers)
+    if config.http.port >= 0:
+        running.http = HttpServer(Door.build(config, servicer))
+        await running.http.start()
     peers.start()
     if config.discover:
         discovery = DnsDiscovery(
@@ -102,7 +123,14 @@ async def start_proxy(config: ProxyConfig) -> RunningProxy:
         )
         running.tasks.append(asyncio.create_task(discovery.run()))
     sources = {"generators": config.generators, "discover": config.discover, "peers": config.peers}
-    log.info("proxy_ready", proxy=proxy_id, port=endpoint.port, metrics_port=endpoint.metrics_port, **sources)
+    log.info(
+        "proxy_ready",
+        proxy=proxy_id,
+        port=endpoint.port,
+        metrics_port=endpoint.metrics_port,
+        http_port=running.http_port,
+        **sources,
+    )
     log.info("proxy_settings", policy=config.policy, fanout=config.push.fanout, spool=str(spool_dir))
     return running
 

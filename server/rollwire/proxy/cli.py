@@ -21,6 +21,9 @@ FLAGS = (
     Flag("policy"),
     Flag("spool.dir", "--spool-dir", metavar="DIR"),
     Flag("proxy_id", metavar="NAME"),
+    Flag("http.port", "--http-port", metavar="PORT"),
+    Flag("http.model_path", "--http-model", metavar="DIR"),
+    Flag("http.adapter_root", "--http-adapter-root", metavar="DIR"),
 )
 """Command-line shortcuts for the keys set most often; help, type and choices come from the fields."""
 

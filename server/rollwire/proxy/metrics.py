@@ -16,6 +16,7 @@ from prometheus_client import CollectorRegistry, Histogram
 
 from rollwire.common.metrics import MetricFactory
 from rollwire.common.retries import CLIENT_CAUSED
+from rollwire.proxy.http import ROUTES as HTTP_ROUTES
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
 PREFIX = "rollwire_proxy_"
@@ -67,6 +68,17 @@ class ProxyMetrics:
             ["limit"],
         )
         self.clients = gauge("clients", "Client identities with requests open or queued at the proxy.")
+        self.http_requests = counter(
+            "http_requests_total",
+            "HTTP front door requests by route and HTTP status (docs/http.md).",
+            ["route", "code"],
+        )
+        self.http_latency = histogram(
+            "http_request_duration_seconds", "HTTP front door: from request arrival to its response's end.", ["route"]
+        )
+        for route in (*HTTP_ROUTES, "other"):
+            self.http_requests.labels(route, "200")
+            self.http_latency.labels(route)
         self.attempts = counter(
             "replica_attempts_total", "Attempts sent to each replica, by outcome code.", ["replica", "code"]
         )

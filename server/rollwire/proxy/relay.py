@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import grpc
 
-from rollwire.common.errors import DETAILS_KEY
+from rollwire.common.errors import DETAILS_KEY, RollwireError, error_class
 
 
 class Relay(Exception):
@@ -23,3 +23,25 @@ class Relay(Exception):
 
     async def abort(self, context: grpc.aio.ServicerContext) -> None:
         await context.abort(self.code, self.details, self.trailers)
+
+    def error(self) -> RollwireError:
+        """The same status as a typed error, its ErrorInfo reason and RetryInfo hint read from
+        the details the replica sent (for a door that speaks no gRPC: the HTTP edge)."""
+        from google.rpc import error_details_pb2, status_pb2
+
+        reason, retry_after = "", None
+        for _, value in self.trailers:
+            try:
+                status = status_pb2.Status.FromString(value if isinstance(value, bytes) else value.encode())
+            except ValueError:
+                continue
+            for detail in status.details:
+                if detail.Is(error_details_pb2.ErrorInfo.DESCRIPTOR):
+                    info = error_details_pb2.ErrorInfo()
+                    detail.Unpack(info)
+                    reason = info.reason
+                elif detail.Is(error_details_pb2.RetryInfo.DESCRIPTOR):
+                    retry = error_details_pb2.RetryInfo()
+                    detail.Unpack(retry)
+                    retry_after = retry.retry_delay.ToMilliseconds() / 1000
+        return error_class(self.code)(self.details, reason=reason, code=self.code, retry_after_s=retry_after)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
+from collections.abc import AsyncIterator
 
 import grpc
 import structlog
@@ -64,14 +65,10 @@ class ProxyServicer(generator_pb2_grpc.GeneratorServiceServicer):
         timeout = limit if remaining is None else min(remaining, limit)
         auth = self.config.auth
         name = client_name(metadata, context.peer(), bool(auth.generate_tokens_file or auth.admin_tokens_file))
-        if self.peers is not None and request.adapter.name and not request.adapter.version:
-            await self.peers.settled(request.adapter.name, timeout)  # a version a peer proxy is committing now
         try:
-            with self.dispatcher.admit(name) as client:  # exits (frees the client's slot) before any abort below
-                run = GroupRun(request, rid, start + timeout, self.dispatcher, client)
-                async with contextlib.aclosing(run.events()) as events:  # closing it releases the lease  # pyright: ignore[reportArgumentType]  # the library's annotation is narrower than what it accepts
-                    async for message in events:
-                        await self._write(context, message, name)
+            async with contextlib.aclosing(self.group_events(request, rid, name, start + timeout)) as events:  # pyright: ignore[reportArgumentType]  # the library's annotation is narrower than what it accepts
+                async for message in events:
+                    await self._write(context, message, name)
         except RollwireError as err:
             code = err.code
             log.info("generate_failed", code=code.name, reason=err.reason, error=err.message)
@@ -91,6 +88,20 @@ class ProxyServicer(generator_pb2_grpc.GeneratorServiceServicer):
             self.metrics.requests.labels(policy, code.name).inc()
             self.metrics.latency.labels(policy).observe(time.monotonic() - start)
             structlog.contextvars.unbind_contextvars("request_id")
+
+    async def group_events(
+        self, request: pb.GenerateRequest, rid: str, client: str, deadline: float
+    ) -> AsyncIterator[pb.GenerateResponse]:
+        """One group through the core, whichever door it came by: admitted under `client`'s
+        limits (dispatch.py), "latest" settled with peer proxies, run by failover.py. Raises
+        RollwireError or Relay; closing the iterator frees the client's slot and the lease."""
+        if self.peers is not None and request.adapter.name and not request.adapter.version:
+            await self.peers.settled(request.adapter.name, max(0.0, deadline - time.monotonic()))
+        with self.dispatcher.admit(client) as admitted:  # exits (frees the client's slot) before any abort
+            run = GroupRun(request, rid, deadline, self.dispatcher, admitted)
+            async with contextlib.aclosing(run.events()) as events:  # closing it releases the lease  # pyright: ignore[reportArgumentType]  # the library's annotation is narrower than what it accepts
+                async for message in events:
+                    yield message
 
     async def _write(self, context: grpc.aio.ServicerContext, message: pb.GenerateResponse, client: str) -> None:
         """Send one message; the write waits while the client's flow-control window is full."""

@@ -124,6 +124,10 @@ class Running:
     async def close(self) -> None:
         """What a subclass releases once no request runs any more."""
 
+    def ready(self) -> dict:
+        """What the ready file tells a supervisor: the ports this server listens on."""
+        return {"port": self.port, "metrics_port": self.metrics_port}
+
 
 async def serve(
     role: str,
@@ -141,7 +145,7 @@ async def serve(
             await leave()
         await running.stop(config.grace_seconds)
 
-    await serve_until_signal(ready_file, {"port": running.port, "metrics_port": running.metrics_port}, on_stop)
+    await serve_until_signal(ready_file, running.ready(), on_stop)
 
 
 def write_ready_file(path: str, data: dict) -> None:

@@ -189,9 +189,14 @@ class TokenAuth:
         if needed is None:
             raise PermissionDenied(f"{short} has no role assigned on this server; refusing it", reason=Reason.NO_ROLE)
         header = next((v for k, v in metadata or () if k == "authorization"), None)
+        self.require(needed, header, short)
+
+    def require(self, needed: str, header: str | bytes | None, what: str) -> None:
+        """Raise Unauthenticated or PermissionDenied unless the `authorization` header's bearer
+        token has the `needed` role (the HTTP door asks this for its routes, too)."""
         if not header:
             raise Unauthenticated(
-                f"{short} needs a bearer token: send `authorization: Bearer <token>` (the CLI's --token-file)",
+                f"{what} needs a bearer token: send `authorization: Bearer <token>` (the CLI's --token-file)",
                 reason=Reason.NO_TOKEN,
             )
         scheme, _, token = str(header).partition(" ")
@@ -200,7 +205,7 @@ class TokenAuth:
             raise Unauthenticated("the bearer token is not valid on this server", reason=Reason.BAD_TOKEN)
         if needed == ADMIN and role != ADMIN:
             raise PermissionDenied(
-                f"{short} needs the admin role; this token has the generate role", reason=Reason.WRONG_ROLE
+                f"{what} needs the admin role; this token has the generate role", reason=Reason.WRONG_ROLE
             )
 
     def _role_of(self, token: str) -> str | None:

@@ -1,0 +1,30 @@
+"""The proxy's HTTP front door: vLLM's server API (the calls TRL makes) and OpenAI's
+completions and chat completions, in the proxy process (docs/http.md).
+
+Invariants:
+- a thin edge: every request is converted once (convert.py) into the gRPC core's own
+  messages and handed to the same dispatch, limits, failover and push path a gRPC call
+  takes (ProxyServicer.group_events, FanOut.push); nothing behind the edge knows which door
+  a request came through;
+- a field the core cannot honour is refused here, by name, with a 400; nothing is silently
+  ignored except the documented no-op fields (openai.py);
+- an adapter load is one rollwire push: checked, spooled, relayed, healed, caught up and
+  shared with peers, so it reaches every replica (adapters.py);
+- every error is an OpenAI-style JSON body with the status its gRPC code maps to
+  (errors.py); a caller's mistake is never a 500.
+"""
+
+ROUTES = (
+    "/health",
+    "/server_info",
+    "/v1/models",
+    "/pause",
+    "/resume",
+    "/is_paused",
+    "/v1/load_lora_adapter",
+    "/v1/unload_lora_adapter",
+    "/v1/upload_lora_adapter",
+    "/v1/completions",
+    "/v1/chat/completions",
+)
+"""Every route the door serves: the label set of rollwire_proxy_http_requests_total."""

@@ -1,0 +1,217 @@
+"""Adapters through the HTTP door: vLLM's load/unload calls and an upload, each one push.
+
+Invariants:
+- a load publishes through FanOut.push, exactly as a gRPC PushAdapter to the proxy does:
+  the manifest and bytes are checked, spooled, relayed to every replica, healed, caught up
+  by late joiners and shared with peer proxies; the load answers once the version is
+  committed (or with the refusal the push met);
+- `lora_path` is read only inside `http.adapter_root`, after resolving symlinks and `..`;
+  anything else is refused (403) before the file system is asked whether it exists;
+- bytes are bounded before they are read: adapter_config.json by MAX_CONFIG_BYTES, the
+  weights by the spool's max_adapter_bytes (file size, or the upload's length);
+- a version keeps its bytes: `NAME-vN` loaded again with the same bytes is an idempotent
+  success, with other bytes a 409 (VERSION_CONFLICT);
+- an unload hides that version from /v1/models and refuses requests naming it (404); the
+  replicas' windows move on by themselves as newer versions arrive, so nothing needs
+  unloading there (a request pinned to a version still in a window finishes on it).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import json
+from collections import defaultdict
+from collections.abc import AsyncIterator, Iterable
+from pathlib import Path
+from typing import Any
+
+import grpc
+
+from rollwire.common.errors import InvalidArgument, PermissionDenied, Unavailable
+from rollwire.common.lora import LoraShape
+from rollwire.common.push import MAX_CHUNK, check_name, messages
+from rollwire.common.reasons import Reason
+from rollwire.common.safetensors_header import HeaderError, read_header
+from rollwire.proxy.fanout import FanOut
+from rollwire.proxy.http.errors import HttpError
+from rollwire.proxy.http.names import ModelRef, model_id, parse_model
+from rollwire.v1 import generator_pb2 as pb
+
+MAX_CONFIG_BYTES = 1 << 20
+CONFIG_FILE, WEIGHTS_FILE = "adapter_config.json", "adapter_model.safetensors"
+
+
+class AdapterDoor:
+    """Loads, uploads and unloads of adapters, with the door's memory of unloaded names."""
+
+    def __init__(self, fanout: FanOut, adapter_root: str, max_adapter_bytes: int) -> None:
+        self.fanout, self.max_bytes = fanout, max_adapter_bytes
+        self.root = Path(adapter_root).resolve() if adapter_root else None
+        self.hidden: set[tuple[str, int]] = set()
+        self._next_version = defaultdict(asyncio.Lock)
+        """Per name: a load under a plain name picks the next version and publishes it under this lock."""
+
+    # -- vLLM's calls ---------------------------------------------------------------------
+    async def load_path(self, lora_name: str, lora_path: str, rid: str) -> dict[str, Any]:
+        folder = self._inside_root(lora_path)
+        config, payload = await asyncio.to_thread(self._read_folder, folder)
+        return await self.publish(lora_name, config, payload, rid)
+
+    def unload(self, lora_name: str, base_names: frozenset[str]) -> dict[str, Any]:
+        ref = parse_model(lora_name, base_names)
+        if ref.is_base:
+            raise InvalidArgument("the base model cannot be unloaded", reason=Reason.BAD_ADAPTER_NAME)
+        versions = [ref.version] if ref.version else self.served(ref.name)
+        for v in versions:
+            self.hidden.add((ref.name, v))
+        return {"object": "lora_adapter", "id": lora_name, "unloaded": [model_id(ref.name, v) for v in versions]}
+
+    def is_hidden(self, ref: ModelRef) -> bool:
+        return (ref.name, ref.version) in self.hidden
+
+    def served(self, name: str) -> list[int]:
+        """Versions of `name` some routable replica serves, newest last."""
+        held: set[int] = set()
+        for replica in self.fanout.replicas.routable():
+            held.update(replica.versions.get(name, ()))
+        return sorted(held)
+
+    # -- publishing -----------------------------------------------------------------------
+    async def publish(self, lora_name: str, config: Any, payload: bytes, rid: str) -> dict[str, Any]:
+        """Push `payload` as the version `lora_name` names (or its name's next one) to every replica."""
+        ref = parse_model(lora_name, frozenset())
+        lora = _lora_shape(config)
+        try:
+            read_header(payload)
+        except HeaderError as exc:
+            raise _bad_folder(f"{WEIGHTS_FILE} is not a valid safetensors file: {exc}") from None
+        sha256 = await asyncio.to_thread(lambda: hashlib.sha256(payload).hexdigest())
+        if ref.version:
+            return await self._push(ref.name, ref.version, lora, payload, sha256, rid)
+        async with self._next_version[ref.name]:
+            return await self._push(ref.name, self._newest(ref.name) + 1, lora, payload, sha256, rid)
+
+    async def _push(
+        self, name: str, version: int, lora: LoraShape, payload: bytes, sha256: str, rid: str
+    ) -> dict[str, Any]:
+        fingerprint, _ = self.fanout.replicas.push_basis(self._fleet_model())
+        manifest = pb.AdapterManifest(
+            name=check_name(name),
+            version=version,
+            base_model_fingerprint=fingerprint,
+            lora_config=lora.to_pb(),
+            byte_length=len(payload),
+            sha256=sha256,
+        )
+        reply = await self.fanout.push(_aiter(messages(manifest, payload, MAX_CHUNK)), rid)
+        self.hidden.discard((name, version))
+        return {
+            "object": "lora_adapter",
+            "id": model_id(name, version),
+            "name": name,
+            "version": version,
+            "sha256": sha256,
+            "already_loaded": reply.already_loaded,
+            "replicas": [{"replica": r.replica, "code": r.code, "message": r.message} for r in reply.replicas],
+        }
+
+    def _fleet_model(self) -> str:
+        """The base model a PEFT folder (which names none we can trust) is pushed for: the
+        fleet's own (basemodel.py), or the one every healthy replica serves."""
+        replicas = self.fanout.replicas
+        if replicas.base.fingerprint:
+            return replicas.base.fingerprint
+        serving = {r.fingerprint for r in replicas.healthy() if r.fingerprint}
+        if len(serving) == 1:
+            return serving.pop()
+        raise Unavailable(
+            f"the replicas do not agree on one base model yet ({replicas.describe()}); nothing was applied, retry "
+            "when they do (or declare base_model in the proxy's config)",
+            reason=Reason.NO_REPLICA,
+            retry_after_s=self.fanout.config.routing.retry_after_s,
+        )
+
+    def _newest(self, name: str) -> int:
+        spooled = max((a.version for a in self.fanout.spool.versions(name)), default=0)
+        return max(spooled, self.fanout.replicas.latest(name))
+
+    # -- reading adapter folders ------------------------------------------------------------
+    def _inside_root(self, lora_path: str) -> Path:
+        """The folder, resolved, when it lies inside the adapter root; 403 otherwise."""
+        if self.root is None:
+            raise PermissionDenied(
+                "this proxy loads no adapter by path (http.adapter_root is not set): upload the folder's files to "
+                "POST /v1/upload_lora_adapter instead",
+                reason=Reason.PATH_OUTSIDE_ROOT,
+            )
+        try:
+            folder = Path(lora_path).resolve()
+        except (OSError, RuntimeError, ValueError):
+            folder = None
+        if folder is None or not folder.is_relative_to(self.root):
+            raise PermissionDenied(
+                f"lora_path {lora_path[:200]!r} is outside the folder this proxy reads adapters from; save adapters "
+                "under http.adapter_root, or upload them to POST /v1/upload_lora_adapter",
+                reason=Reason.PATH_OUTSIDE_ROOT,
+            )
+        return folder
+
+    def _read_folder(self, folder: Path) -> tuple[Any, bytes]:
+        """adapter_config.json (parsed) and the weights' bytes, each bounded before it is read."""
+        config_path, weights_path = folder / CONFIG_FILE, folder / WEIGHTS_FILE
+        for path in (config_path, weights_path):
+            if not path.is_file():
+                raise _bad_folder(f"{folder} has no {path.name}; point lora_path at a folder saved by PEFT")
+        config = _parse_config(_read_bounded(config_path, MAX_CONFIG_BYTES))
+        return config, _read_bounded(weights_path, self.max_bytes)
+
+    async def read_upload(self, parts: Iterable[tuple[str, bytes]]) -> tuple[Any, bytes]:
+        """The two files of an upload (by field name), checked like a folder's."""
+        files = dict(parts)
+        missing = [f for f in (CONFIG_FILE, WEIGHTS_FILE) if f not in files]
+        if missing:
+            raise _bad_folder(f"the upload lacks {', '.join(missing)}; send both files of the adapter folder")
+        if len(files[CONFIG_FILE]) > MAX_CONFIG_BYTES:
+            raise _bad_folder(f"{CONFIG_FILE} is over {MAX_CONFIG_BYTES} bytes")
+        return _parse_config(files[CONFIG_FILE]), files[WEIGHTS_FILE]
+
+
+def _read_bounded(path: Path, limit: int) -> bytes:
+    with path.open("rb") as fh:
+        data = fh.read(limit + 1)
+    if len(data) > limit:
+        raise HttpError(
+            grpc.StatusCode.INVALID_ARGUMENT,
+            f"{path.name} is larger than this proxy takes ({limit} bytes)",
+            reason=Reason.BODY_TOO_LARGE,
+        )
+    return data
+
+
+def _parse_config(data: bytes) -> Any:
+    try:
+        config = json.loads(data)
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise _bad_folder(f"{CONFIG_FILE} is not valid JSON ({exc})") from None
+    if not isinstance(config, dict):
+        raise _bad_folder(f"{CONFIG_FILE} does not hold a JSON object")
+    return config
+
+
+def _lora_shape(config: dict[str, Any]) -> LoraShape:
+    if config.get("peft_type", "LORA") != "LORA":
+        raise _bad_folder(f"the adapter is a {str(config.get('peft_type'))[:40]} adapter; only LoRA is served")
+    try:
+        return LoraShape.from_peft(config)
+    except InvalidArgument as exc:
+        raise _bad_folder(f"{CONFIG_FILE}: {exc.message}") from None
+
+
+def _bad_folder(message: str) -> HttpError:
+    return HttpError(grpc.StatusCode.INVALID_ARGUMENT, message, reason=Reason.BAD_ADAPTER_FOLDER)
+
+
+async def _aiter(items: Iterable[pb.PushAdapterRequest]) -> AsyncIterator[pb.PushAdapterRequest]:
+    for item in items:
+        yield item

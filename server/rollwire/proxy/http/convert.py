@@ -1,0 +1,194 @@
+"""Converting between the door's JSON and the core's messages, once, in one place.
+
+Requests become the same `GenerateRequest` a gRPC client sends (one group per prompt);
+the group's events become OpenAI choices. Invariants:
+- a choice's `token_ids` and `logprobs` are exactly the group's tokens and logprobs as the
+  gRPC stream carried them (EOS included when the sample stopped on it), so HTTP and gRPC
+  give identical samples for the same seed;
+- `text` is the replicas' text, less the stop string a sample stopped on (vLLM's default;
+  `include_stop_str_in_output` keeps it); the stop string is the choice's `stop_reason`;
+- a `restarted` event discards every partial sample (the proxy's failover contract).
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from rollwire.proxy.http.names import ModelRef
+from rollwire.proxy.http.openai import ChatBody, CompletionBody
+from rollwire.v1 import generator_pb2 as pb
+
+FINISH = {pb.FINISH_REASON_EOS: "stop", pb.FINISH_REASON_STOP: "stop", pb.FINISH_REASON_LENGTH: "length"}
+
+
+def generate_request(
+    body: CompletionBody | ChatBody, prompt: str | list[int], ref: ModelRef, max_tokens: int, rid: str
+) -> pb.GenerateRequest:
+    """The gRPC request for one prompt of `body` (its n samples: one group)."""
+    sampling = pb.SamplingParams(max_new_tokens=max_tokens, stop=body.stop_list(), ignore_eos=body.ignore_eos)
+    if body.temperature is not None:
+        sampling.temperature = body.temperature
+    if body.top_p is not None:
+        sampling.top_p = body.top_p
+    if body.top_k is not None and body.top_k > 0:  # 0 and -1 are "off" in vLLM, 0 in rollwire
+        sampling.top_k = body.top_k
+    if body.seed is not None:
+        sampling.seed = body.seed
+    request = pb.GenerateRequest(request_id=rid, n=body.n, sampling=sampling)
+    if isinstance(prompt, str):
+        request.text = prompt
+    else:
+        request.token_ids.ids.extend(prompt)
+    if not ref.is_base:
+        request.adapter.name, request.adapter.version = ref.name, ref.version
+    return request
+
+
+@dataclass
+class Choice:
+    """One sample as it accumulates."""
+
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    text: list[str] = field(default_factory=list)
+    version: int = 0
+    finish: str | None = None
+    stop_reason: str | None = None
+
+    def final_text(self, keep_stop: bool) -> str:
+        text = "".join(self.text)
+        if self.stop_reason and not keep_stop and text.endswith(self.stop_reason):
+            return text[: -len(self.stop_reason)]
+        return text
+
+
+@dataclass
+class Group:
+    """A group's events folded into choices (restarts discard the partial samples)."""
+
+    n: int
+    stop: list[str]
+    prompt_ids: list[int] = field(default_factory=list)
+    replica: str = ""
+    choices: list[Choice] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.choices = [Choice() for _ in range(self.n)]
+
+    def apply(self, message: pb.GenerateResponse) -> list[tuple[int, pb.TokenChunk | None, str | None]]:
+        """Fold one message in; return what it added per sample: (index, chunk, finish)."""
+        if message.HasField("restarted"):
+            self.__post_init__()
+            return []
+        if message.HasField("started"):
+            self.prompt_ids = list(message.started.prompt_token_ids)
+            self.replica = message.started.replica
+        added: list[tuple[int, pb.TokenChunk | None, str | None]] = []
+        for chunk in message.tokens:
+            c = self.choices[chunk.sample_index]
+            c.token_ids.extend(chunk.token_ids)
+            c.logprobs.extend(chunk.logprobs)
+            c.text.append(chunk.text)
+            c.version = chunk.adapter_version or c.version
+            added.append((chunk.sample_index, chunk, None))
+        for done in message.finished:
+            c = self.choices[done.sample_index]
+            c.finish = FINISH.get(done.finish_reason, "stop")
+            if done.finish_reason == pb.FINISH_REASON_STOP:
+                text = "".join(c.text)
+                c.stop_reason = next((s for s in self.stop if text.endswith(s)), None)
+            added.append((done.sample_index, None, c.finish))
+        return added
+
+
+def usage(groups: list[Group]) -> dict[str, int]:
+    prompt = sum(len(g.prompt_ids) for g in groups)
+    completion = sum(len(c.token_ids) for g in groups for c in g.choices)
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+TokenText = Callable[[int], str]
+
+
+def completion_logprobs(ids: list[int], logprobs: list[float], token_text: TokenText, start: int = 0) -> dict:
+    """vLLM's completion `logprobs` object for sampled tokens (no alternatives)."""
+    tokens = [token_text(t) for t in ids]
+    offsets, at = [], start
+    for t in tokens:
+        offsets.append(at)
+        at += len(t)
+    return {"tokens": tokens, "token_logprobs": list(logprobs), "top_logprobs": None, "text_offset": offsets}
+
+
+def chat_logprobs(ids: list[int], logprobs: list[float], token_text: TokenText) -> dict:
+    """OpenAI's chat `logprobs` object for sampled tokens (no alternatives)."""
+    content = []
+    for t, lp in zip(ids, logprobs, strict=True):
+        text = token_text(t)
+        content.append({"token": text, "logprob": lp, "bytes": list(text.encode()), "top_logprobs": []})
+    return {"content": content}
+
+
+def completion_response(
+    body: CompletionBody, groups: list[Group], model: str, rid: str, token_text: TokenText
+) -> dict[str, Any]:
+    choices = []
+    for g_index, g in enumerate(groups):
+        for i, c in enumerate(g.choices):
+            choice: dict[str, Any] = {
+                "index": g_index * body.n + i,
+                "text": c.final_text(body.include_stop_str_in_output),
+                "logprobs": completion_logprobs(c.token_ids, c.logprobs, token_text)
+                if body.logprobs is not None
+                else None,
+                "finish_reason": c.finish,
+                "stop_reason": c.stop_reason,
+                "adapter_version": c.version,
+            }
+            if body.return_token_ids:
+                choice["token_ids"] = list(c.token_ids)
+                choice["prompt_token_ids"] = list(g.prompt_ids)
+            choices.append(choice)
+    return {
+        "id": f"cmpl-{rid}",
+        "object": "text_completion",
+        "created": int(time.time()),
+        "model": model,
+        "choices": choices,
+        "usage": usage(groups),
+    }
+
+
+def chat_response(body: ChatBody, group: Group, model: str, rid: str, token_text: TokenText) -> dict[str, Any]:
+    choices = []
+    for i, c in enumerate(group.choices):
+        choice: dict[str, Any] = {
+            "index": i,
+            "message": {"role": "assistant", "content": c.final_text(body.include_stop_str_in_output)},
+            "logprobs": chat_logprobs(c.token_ids, c.logprobs, token_text) if body.logprobs else None,
+            "finish_reason": c.finish,
+            "stop_reason": c.stop_reason,
+            "adapter_version": c.version,
+        }
+        if body.return_token_ids:
+            choice["token_ids"] = list(c.token_ids)
+        choices.append(choice)
+    out: dict[str, Any] = {
+        "id": f"chatcmpl-{rid}",
+        "object": "chat.completion",
+        "created": int(time.time()),
+        "model": model,
+        "choices": choices,
+        "usage": usage([group]),
+    }
+    if body.return_token_ids:
+        out["prompt_token_ids"] = list(group.prompt_ids)
+    return out

@@ -1,0 +1,179 @@
+"""The request bodies the door takes, as typed models, and the fields it cannot honour.
+
+Every field OpenAI's or vLLM's API defines for these endpoints is declared here: honoured,
+honoured only at its neutral value (`UNHONOURED`: anything else is a 400 naming the field),
+or a no-op said so in docs/http.md (`user`). A field no API defines is a 400 naming it too
+(extra="forbid"), so nothing a caller sends is silently dropped.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from rollwire.proxy.http.errors import unsupported
+
+MAX_SEED = (1 << 64) - 1
+
+
+class _Body(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=False)
+
+
+class StreamOptions(_Body):
+    include_usage: bool = False
+    continuous_usage_stats: bool = False
+
+
+class _Sampling(_Body):
+    """What both generation endpoints share."""
+
+    model: str = Field(min_length=1, max_length=256)
+    n: int = Field(default=1, ge=1, le=1024)
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = Field(default=None, ge=-1)
+    """vLLM's convention: 0 or -1 = off."""
+    seed: int | None = Field(default=None, ge=0, le=MAX_SEED)
+    stop: str | list[str] | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    return_token_ids: bool = False
+    """vLLM's extension: the prompt's and each choice's token ids."""
+    ignore_eos: bool = False
+    include_stop_str_in_output: bool = False
+    user: str | None = Field(default=None, max_length=256)
+    """Accepted and not used (OpenAI's end-user tag)."""
+    # Honoured only at their neutral value (check_unhonoured):
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    repetition_penalty: float | None = None
+    min_p: float | None = None
+    min_tokens: int | None = None
+    logit_bias: dict[str, float] | None = None
+    skip_special_tokens: bool | None = None
+    spaces_between_special_tokens: bool | None = None
+    best_of: int | None = None
+    use_beam_search: bool | None = None
+    length_penalty: float | None = None
+    stop_token_ids: list[int] | None = None
+    prompt_logprobs: int | None = None
+    truncate_prompt_tokens: int | None = None
+    guided_json: Any = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    structured_outputs: Any = None
+    priority: int | None = None
+    request_id: str | None = Field(default=None, max_length=256)
+    """Becomes the request id in every log line the request crosses (as x-request-id does)."""
+
+    def stop_list(self) -> list[str]:
+        return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+
+
+class CompletionBody(_Sampling):
+    """POST /v1/completions."""
+
+    prompt: str | list[int] | list[str] | list[list[int]]
+    max_tokens: int | None = Field(default=16, ge=1)
+    logprobs: int | None = Field(default=None, ge=0, le=20)
+    echo: bool = False
+    suffix: str | None = None
+
+    def prompts(self) -> list[str | list[int]]:
+        """The prompts as a list (a string or token ids each); a bare string or id list is one."""
+        p = self.prompt
+        if isinstance(p, str):
+            return [p]
+        if p and all(isinstance(x, int) for x in p):
+            return [p]  # pyright: ignore[reportReturnType]  # a list of ints, checked above
+        return list(p)  # pyright: ignore[reportReturnType]  # list[str] | list[list[int]]
+
+
+class ChatBody(_Sampling):
+    """POST /v1/chat/completions."""
+
+    messages: list[dict[str, Any]] = Field(min_length=1)
+    max_tokens: int | None = Field(default=None, ge=1)
+    max_completion_tokens: int | None = Field(default=None, ge=1)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(default=None, ge=0, le=20)
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: Literal["none", "auto"] | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
+    """Accepted and not used: rollwire returns the model's text and does not parse tool calls."""
+    response_format: dict[str, Any] | None = None
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None
+    chat_template: str | None = None
+    echo: bool = False
+
+
+class LoadLoraBody(_Body):
+    """POST /v1/load_lora_adapter (vLLM)."""
+
+    lora_name: str = Field(min_length=1, max_length=256)
+    lora_path: str = Field(min_length=1, max_length=4096)
+    load_inplace: bool = False
+
+
+class UnloadLoraBody(_Body):
+    """POST /v1/unload_lora_adapter (vLLM)."""
+
+    lora_name: str = Field(min_length=1, max_length=256)
+    lora_int_id: int | None = None
+
+
+NEUTRAL: dict[str, tuple[Any, ...]] = {
+    "presence_penalty": (None, 0, 0.0),
+    "frequency_penalty": (None, 0, 0.0),
+    "repetition_penalty": (None, 1, 1.0),
+    "min_p": (None, 0, 0.0),
+    "min_tokens": (None, 0),
+    "logit_bias": (None, {}),
+    "skip_special_tokens": (None, True),
+    "spaces_between_special_tokens": (None, True),
+    "use_beam_search": (None, False),
+    "length_penalty": (None, 1, 1.0),
+    "stop_token_ids": (None, []),
+    "prompt_logprobs": (None,),
+    "truncate_prompt_tokens": (None,),
+    "guided_json": (None,),
+    "guided_regex": (None,),
+    "guided_choice": (None,),
+    "guided_grammar": (None,),
+    "structured_outputs": (None,),
+    "priority": (None, 0),
+    "echo": (False,),
+    "suffix": (None, ""),
+    "chat_template": (None,),
+}
+"""Fields rollwire honours only at these values."""
+
+
+def check_unhonoured(body: _Sampling) -> None:
+    """A 400 naming the first field set to a value rollwire cannot honour."""
+    for field, neutral in NEUTRAL.items():
+        if field in type(body).model_fields and getattr(body, field) not in neutral:
+            value = getattr(body, field)
+            raise unsupported(field, f"rollwire's engines do not support it (got {value!r:.80}); leave it unset")
+    if body.best_of is not None and body.best_of != body.n:
+        raise unsupported("best_of", "rollwire returns every sample it draws; set n instead")
+    if isinstance(body, ChatBody):
+        if body.top_logprobs:
+            raise unsupported(
+                "top_logprobs", "rollwire returns the sampled token's logprob only; use 0 or leave it unset"
+            )
+        fmt = (body.response_format or {}).get("type", "text")
+        if fmt != "text":
+            raise unsupported("response_format", f"only {{'type': 'text'}} is served (got {fmt!r})")
+        if isinstance(body.tool_choice, dict) or body.tool_choice == "required":
+            raise unsupported("tool_choice", "tools reach the chat template, but rollwire does not force a tool call")
+    if isinstance(body, CompletionBody) and body.logprobs:
+        raise unsupported(
+            "logprobs",
+            "rollwire returns the sampled tokens' logprobs, not the top alternatives: send logprobs=0",
+        )

@@ -1,0 +1,389 @@
+"""The proxy's HTTP front door against real replicas, called as its users call it: the
+official `openai` client, TRL's own `VLLMClient`, and a request shaped exactly like TRL's
+async rollout worker's (docs/http.md).
+
+Independent computations: the gRPC path's tokens and logprobs for the same seed (the door
+must add nothing and lose nothing), Hugging Face's `apply_chat_template` for chat prompts,
+and a teacher-forced PEFT forward pass for the logprobs of a loaded adapter.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import shutil
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import pytest
+import requests
+from support.engines import forward_logprobs
+from support.processes import start_generator, start_generators, start_proxy, stop_all, wait_routable, wait_until
+from support.wire import generate, make_adapter, metric_value, peft_reference, status
+
+from rollwire.v1 import generator_pb2 as pb
+
+pytestmark = pytest.mark.integration
+
+TEMPLATE = "{% for m in messages %}{{ m['role'][0] }}:{{ m['content'] }}\n{% endfor %}{% if add_generation_prompt %}a:{% endif %}"
+"""A chat template for the tiny model (its tokenizer is one character per token)."""
+ADMIN_TOKEN, GENERATE_TOKEN = "admin-secret-1", "generate-secret-1"
+
+
+@pytest.fixture(scope="module")
+def chat_model(tiny_model, tmp_path_factory) -> Path:
+    """The tiny model with a chat template in its tokenizer config."""
+    folder = tmp_path_factory.mktemp("chat-model") / "tiny"
+    shutil.copytree(tiny_model, folder)
+    config = json.loads((folder / "tokenizer_config.json").read_text())
+    (folder / "tokenizer_config.json").write_text(json.dumps({**config, "chat_template": TEMPLATE}))
+    return folder
+
+
+@pytest.fixture(scope="module")
+def door(chat_model, tmp_path_factory):
+    """Two replicas, an open proxy with the door, and a second proxy over the same replicas
+    with tokens and a per-client limit of one request."""
+    work = tmp_path_factory.mktemp("http-door")
+    root = work / "adapters"
+    root.mkdir()
+    (work / "admin").write_text(ADMIN_TOKEN + "\n")
+    (work / "generate").write_text(GENERATE_TOKEN + "\n")
+    gens = start_generators(chat_model, work, ["h1", "h2"], "--set", "adapter_window=4")
+    door_args = ("--http-port", "0", "--http-model", str(chat_model), "--http-adapter-root", str(root))
+    proxy = start_proxy(work, "hp", gens, *door_args)
+    guarded = start_proxy(
+        work,
+        "hg",
+        gens,
+        *door_args,
+        "--set",
+        f"auth.admin_tokens_file={work / 'admin'}",
+        "--set",
+        f"auth.generate_tokens_file={work / 'generate'}",
+        "--set",
+        "fairness.max_in_flight_per_client=1",
+    )
+    try:
+        wait_routable(proxy, gens)
+        yield {"proxy": proxy, "guarded": guarded, "gens": gens, "root": root, "work": work, "model": chat_model}
+    finally:
+        stop_all([proxy, guarded, *gens])
+
+
+def openai_client(url: str, key: str = "unused"):
+    import openai
+
+    return openai.OpenAI(base_url=url + "/v1", api_key=key, max_retries=0, timeout=60)
+
+
+def peft_folder(model_dir: Path, dest: Path, seed: int):
+    """A PEFT adapter folder as TRL's `save_lora_adapter` writes it (save_pretrained), and its reference model."""
+    adapter = make_adapter(model_dir, seed, r=4)
+    dest.mkdir(parents=True)
+    (dest / "adapter_model.safetensors").write_bytes(adapter.payload)
+    config = {
+        "peft_type": "LORA",
+        "r": adapter.r,
+        "lora_alpha": adapter.lora_alpha,
+        "target_modules": list(adapter.targets),
+        "base_model_name_or_path": str(model_dir),
+        "task_type": "CAUSAL_LM",
+    }
+    (dest / "adapter_config.json").write_text(json.dumps(config))
+    return adapter
+
+
+def post(url: str, path: str, body, token: str | None = None, **kw) -> requests.Response:
+    headers = {"Authorization": f"Bearer {token}"} if token else {}
+    data = body if isinstance(body, (bytes, str)) else json.dumps(body)
+    return requests.post(
+        url + path, data=data, headers={"Content-Type": "application/json", **headers}, timeout=60, **kw
+    )
+
+
+# -- the same samples through either door -------------------------------------------------------
+@pytest.mark.parametrize("prompt", [[5, 17, 33, 40, 12], "12+34="], ids=["token-ids", "text"])
+def test_completions_equal_the_grpc_path(door, prompt):
+    proxy = door["proxy"]
+    want = generate(proxy.target, prompt, n=3, seed=11, max_new_tokens=12, temperature=1.0)
+    client = openai_client(proxy.http_url)
+    got = client.completions.create(
+        model=door["model"].name,
+        prompt=prompt,
+        n=3,
+        seed=11,
+        max_tokens=12,
+        logprobs=0,
+        extra_body={"return_token_ids": True},
+    )
+    assert len(got.choices) == 3
+    for choice in got.choices:
+        i = choice.index
+        extra = choice.model_extra or {}
+        assert extra["token_ids"] == want.tokens[i]
+        assert choice.logprobs is not None and choice.logprobs.token_logprobs == pytest.approx(want.logprobs[i], abs=0)
+        assert choice.text == want.text[i]
+        assert choice.finish_reason == (
+            "length" if want.finished[i].finish_reason == pb.FINISH_REASON_LENGTH else "stop"
+        )
+    completion_tokens = sum(len(t) for t in want.tokens.values())
+    assert got.usage is not None and got.usage.completion_tokens == completion_tokens
+    stream = client.completions.create(
+        model=door["model"].name,
+        prompt=prompt,
+        n=3,
+        seed=11,
+        max_tokens=12,
+        logprobs=0,
+        stream=True,
+        stream_options={"include_usage": True},
+        extra_body={"return_token_ids": True},
+    )
+    ids: dict[int, list[int]] = {}
+    lps: dict[int, list[float]] = {}
+    texts: dict[int, str] = {}
+    usage = None
+    for event in stream:
+        usage = event.usage or usage
+        for choice in event.choices:
+            ids.setdefault(choice.index, []).extend((choice.model_extra or {}).get("token_ids", []))
+            if choice.logprobs is not None:
+                lps.setdefault(choice.index, []).extend(choice.logprobs.token_logprobs or [])
+            texts[choice.index] = texts.get(choice.index, "") + choice.text
+    assert ids == want.tokens and lps == want.logprobs and texts == want.text
+    assert usage is not None and usage.completion_tokens == completion_tokens
+
+
+def test_chat_renders_the_template_as_transformers_does(door):
+    from transformers import AutoTokenizer
+
+    proxy, model = door["proxy"], door["model"]
+    messages: Any = [{"role": "system", "content": "add"}, {"role": "user", "content": "12+34="}]
+    prompt_ids = AutoTokenizer.from_pretrained(model).apply_chat_template(
+        messages, add_generation_prompt=True, tokenize=True, return_dict=False
+    )
+    want = generate(proxy.target, list(prompt_ids), n=2, seed=5, max_new_tokens=10, temperature=1.0)
+    client = openai_client(proxy.http_url)
+    got = client.chat.completions.create(
+        model=model.name,
+        messages=messages,
+        n=2,
+        seed=5,
+        max_tokens=10,
+        logprobs=True,
+        extra_body={"return_token_ids": True},
+    )
+    assert (got.model_extra or {})["prompt_token_ids"] == list(prompt_ids)
+    for choice in got.choices:
+        assert (choice.model_extra or {})["token_ids"] == want.tokens[choice.index]
+        assert choice.message.content == want.text[choice.index]
+        assert choice.logprobs is not None and choice.logprobs.content is not None
+        assert [c.logprob for c in choice.logprobs.content] == want.logprobs[choice.index]
+    content: dict[int, str] = {}
+    for event in client.chat.completions.create(
+        model=model.name, messages=messages, n=2, seed=5, max_tokens=10, stream=True
+    ):
+        for choice in event.choices:
+            content[choice.index] = content.get(choice.index, "") + (choice.delta.content or "")
+    assert content == want.text
+
+
+# -- TRL -----------------------------------------------------------------------------------
+def test_trl_vllm_client_loads_an_adapter_every_replica_serves(door, chat_model, tmp_path):
+    from accelerate import PartialState
+    from trl.experimental.async_grpo.vllm_client import VLLMClient
+
+    PartialState()  # TRL logs through accelerate, which the trainer sets up before the client
+
+    proxy, gens, root = door["proxy"], door["gens"], door["root"]
+    client = VLLMClient(proxy.http_url, server_timeout=30)
+    client.wait_for_server_ready(poll_interval_s=0.2)
+    info = client.get_server_info()
+    assert info["lora_config"]["max_loras"] == 4  # the replicas' adapter_window
+    assert info["parallel_config"]["data_parallel_size"] == 1  # a load reaches every replica: one rank to TRL
+    assert client.get_dtype() == "torch.float32"
+    assert client.get_max_model_len() == 256  # the tiny model's max_position_embeddings
+    folder = root / "out" / ".vllm_lora" / "trl-policy-v1"
+    adapter = peft_folder(chat_model, folder, seed=3)
+    client.pause()
+    client.load_lora_adapter("trl-policy-v1", str(folder))
+    client.resume()
+    for g in gens:
+        held = {a.name: list(a.versions) for a in status(g.target).adapters}
+        assert held.get("trl-policy") == [1], f"{g.name} holds {held}"
+    # The request TRL's async rollout worker sends, field for field.
+    prompt = [5, 17, 33, 40, 12]
+    body = {
+        "model": "trl-policy-v1",
+        "prompt": prompt,
+        "max_tokens": 8,
+        "temperature": 1.0,
+        "top_p": 1.0,
+        "top_k": 0,
+        "repetition_penalty": 1.0,
+        "n": 1,
+        "return_token_ids": True,
+        "logprobs": 0,
+        "seed": random.getrandbits(63),
+    }
+    reference = peft_reference(chat_model, adapter)
+    for _ in range(2):  # both replicas, whichever the proxy picks
+        choice = post(proxy.http_url, "/v1/completions", body).json()["choices"][0]
+        assert choice["adapter_version"] == 1
+        expected = forward_logprobs(reference, prompt, choice["token_ids"]).tolist()
+        assert choice["logprobs"]["token_logprobs"] == pytest.approx(expected, abs=1e-4)
+    models = requests.get(proxy.http_url + "/v1/models", timeout=10).json()["data"]
+    assert "trl-policy-v1" in [m["id"] for m in models]
+    # A replica that joins later catches the version up before it takes traffic.
+    late = start_generator(chat_model, door["work"], "h3", "--replica-id", "h3", "--register", proxy.target)
+    try:
+        wait_until(
+            lambda: late.target in {r.address for r in status(proxy.target).replicas if r.healthy}, 60, "h3 joins"
+        )
+        held = {a.name: list(a.versions) for a in status(late.target).adapters}
+        assert held.get("trl-policy") == [1]
+    finally:
+        stop_all([late])
+    client.unload_lora_adapter("trl-policy-v1")
+    gone = post(proxy.http_url, "/v1/completions", body)
+    assert gone.status_code == 404 and gone.json()["error"]["reason"] == "ADAPTER_UNLOADED"
+    assert "trl-policy-v1" not in [
+        m["id"] for m in requests.get(proxy.http_url + "/v1/models", timeout=10).json()["data"]
+    ]
+
+
+def test_upload_needs_no_shared_filesystem(door, chat_model, tmp_path):
+    proxy, gens = door["proxy"], door["gens"]
+    versions = []
+    for seed in (7, 8):
+        folder = tmp_path / f"up{seed}"
+        peft_folder(chat_model, folder, seed)
+        files = {
+            name: (name, (folder / name).read_bytes()) for name in ("adapter_config.json", "adapter_model.safetensors")
+        }
+        reply = requests.post(
+            proxy.http_url + "/v1/upload_lora_adapter", data={"lora_name": "uploaded"}, files=files, timeout=60
+        )
+        assert reply.status_code == 200, reply.text
+        versions.append(reply.json()["version"])
+    assert versions == [1, 2]  # a plain name gets its next version
+    for g in gens:
+        assert {a.name: list(a.versions) for a in status(g.target).adapters}["uploaded"] == [1, 2]
+    choice = post(proxy.http_url, "/v1/completions", {"model": "uploaded", "prompt": [5, 6], "max_tokens": 3}).json()
+    assert choice["choices"][0]["adapter_version"] == 2  # a plain name serves its newest version
+    same = post(
+        proxy.http_url, "/v1/load_lora_adapter", {"lora_name": "uploaded-v1", "lora_path": str(tmp_path / "up8")}
+    )
+    assert same.status_code == 403  # outside the adapter root: never read
+
+
+# -- hostile callers harm nobody else ----------------------------------------------------------
+def hostile_requests(door, outside: Path, link: Path) -> list[tuple[str, int, str, dict | bytes | str]]:
+    """(what, expected HTTP status, path, body) for requests that must each be refused."""
+    model = door["model"].name
+    ok = {"model": model, "prompt": [5, 6, 7], "max_tokens": 4}
+    return [
+        ("path outside the root", 403, "/v1/load_lora_adapter", {"lora_name": "evil-v1", "lora_path": str(outside)}),
+        ("symlink out of the root", 403, "/v1/load_lora_adapter", {"lora_name": "evil-v1", "lora_path": str(link)}),
+        (
+            "dot-dot out of the root",
+            403,
+            "/v1/load_lora_adapter",
+            {"lora_name": "evil-v1", "lora_path": str(door["root"] / ".." / "x")},
+        ),
+        (
+            "load in place",
+            400,
+            "/v1/load_lora_adapter",
+            {"lora_name": "evil-v1", "lora_path": str(door["root"]), "load_inplace": True},
+        ),
+        ("bad json", 400, "/v1/completions", b'{"model": "x", "prompt": [1, 2'),
+        ("not an object", 400, "/v1/completions", b"[1, 2, 3]"),
+        ("body too large", 413, "/v1/completions", json.dumps({**ok, "prompt": "x" * (9 << 20)})),
+        ("prompt too long", 400, "/v1/completions", {**ok, "prompt": [5] * 5000}),
+        ("unknown model", 404, "/v1/completions", {**ok, "model": "nobody-v3"}),
+        ("n=0", 400, "/v1/completions", {**ok, "n": 0}),
+        ("n too large", 400, "/v1/completions", {**ok, "n": 500}),
+        ("tiny temperature", 400, "/v1/completions", {**ok, "temperature": 1e-9}),
+        ("negative seed", 400, "/v1/completions", {**ok, "seed": -1}),
+        ("token id out of vocabulary", 400, "/v1/completions", {**ok, "prompt": [10**9]}),
+        ("repetition penalty", 400, "/v1/completions", {**ok, "repetition_penalty": 1.3}),
+        ("min_p", 400, "/v1/completions", {**ok, "min_p": 0.1}),
+        ("top alternatives", 400, "/v1/completions", {**ok, "logprobs": 5}),
+        ("unknown field", 400, "/v1/completions", {**ok, "frobnicate": True}),
+        ("bad model name", 400, "/v1/completions", {**ok, "model": "../../etc"}),
+        ("empty messages", 400, "/v1/chat/completions", {"model": model, "messages": []}),
+        (
+            "top_logprobs",
+            400,
+            "/v1/chat/completions",
+            {"model": model, "messages": [{"role": "user", "content": "1"}], "top_logprobs": 3},
+        ),
+    ]
+
+
+def test_hostile_http_callers_harm_nobody_else(door, tmp_path):
+    proxy = door["proxy"]
+    url = proxy.http_url
+    outside = tmp_path / "outside"
+    peft_folder(door["model"], outside, seed=1)
+    link = door["root"] / "link"
+    link.symlink_to(outside)
+    stop = threading.Event()
+    good: list[int] = []
+
+    def well_behaved() -> None:
+        while not stop.is_set():
+            r = post(
+                url, "/v1/completions", {"model": door["model"].name, "prompt": [5, 6, 7], "max_tokens": 6, "n": 2}
+            )
+            good.append(r.status_code)
+
+    with ThreadPoolExecutor(3) as pool:
+        runners = [pool.submit(well_behaved) for _ in range(2)]
+        try:
+            for what, code, path, body in hostile_requests(door, outside, link):
+                r = post(url, path, body)
+                assert r.status_code == code, f"{what}: {r.status_code} {r.text[:300]}"
+                error = r.json()["error"]
+                assert error["code"] == code and error["message"] and error["reason"], what
+        finally:
+            stop.set()
+        for f in runners:
+            f.result()
+    assert good and set(good) == {200}, f"well-behaved requests got {sorted(set(good))}"
+    assert len(routable_replicas(proxy)) == 2  # no client's fault counted against a replica
+    metrics = proxy.metrics()
+    assert metric_value(metrics, "rollwire_proxy_http_requests_total", 'code="200",route="/v1/completions"') >= len(
+        good
+    )
+    assert metric_value(metrics, "rollwire_proxy_http_requests_total", 'code="403",route="/v1/load_lora_adapter"') >= 3
+    assert "evil" not in {a.name for g in door["gens"] for a in status(g.target).adapters}
+
+
+def routable_replicas(proxy) -> list[str]:
+    return [r.address for r in status(proxy.target).replicas if r.healthy]
+
+
+def test_tokens_roles_and_per_client_limits(door):
+    url = door["guarded"].http_url
+    body = {"model": door["model"].name, "prompt": [5, 6, 7], "max_tokens": 4}
+    assert post(url, "/v1/completions", body).status_code == 401
+    assert post(url, "/v1/completions", body, token="wrong").status_code == 401
+    assert post(url, "/v1/completions", body, token=GENERATE_TOKEN).status_code == 200
+    refused = post(url, "/v1/load_lora_adapter", {"lora_name": "x-v1", "lora_path": "/x"}, token=GENERATE_TOKEN)
+    assert refused.status_code == 403 and refused.json()["error"]["reason"] == "WRONG_ROLE"
+    assert requests.get(url + "/health", timeout=10).status_code == 200  # probes need no token
+    # One request at a time per client here: a second one while a stream is open is refused at once.
+    slow = {**body, "max_tokens": 120, "ignore_eos": True, "stream": True}
+    with post(url, "/v1/completions", slow, token=GENERATE_TOKEN, stream=True) as first:
+        events = first.iter_lines()
+        assert next(line for line in events if line).startswith(b"data: ")  # admitted and running
+        r = post(url, "/v1/completions", body, token=GENERATE_TOKEN)
+        assert r.status_code == 429 and r.json()["error"]["reason"] == "CLIENT_LIMIT"
+        assert int(r.headers["Retry-After"]) >= 1
+        assert [line for line in events if line][-1] == b"data: [DONE]"
+    assert post(url, "/v1/completions", body, token=GENERATE_TOKEN).status_code == 200
