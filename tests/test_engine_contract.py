@@ -49,12 +49,19 @@ async def engine(request, tiny_model, tmp_path_factory):
         )
         double = DoubleServer(options, DoubleModel(str(tiny_model))).start()
         config.sglang = SGLangSection(url=double.url, adapter_dir=str(tmp_path_factory.mktemp("sglang-adapters")))
+    if request.param == "vllm":  # a real vLLM server, launched by the engine, shared by the module's tests
+        from support.vllm import require_vllm, vllm_section
+
+        require_vllm()
+        config.vllm = vllm_section(tmp_path_factory.mktemp("vllm-adapters"))
     eng = make_engine(config, GeneratorMetrics())
     assert eng.name == request.param
-    await eng.start()
-    eng.double = double
-    yield eng
-    await eng.close()
+    try:
+        await eng.start()
+        eng.double = double
+        yield eng
+    finally:
+        await eng.close()  # stops a launched server's process group even when start-up failed
     if double is not None:
         double.stop()
 

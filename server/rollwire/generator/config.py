@@ -110,6 +110,55 @@ class SGLangSection(Section):
     """Groups streamed from SGLang at once; more wait in rollwire's queue."""
 
 
+class VLLMSection(Section):
+    """Settings of the vllm engine: a vLLM OpenAI server this replica launches, or one at `url` (docs/engines.md).
+
+    Secrets are read from files named here, never from the environment, and never logged.
+    """
+
+    url: str = Field(default="")
+    """Use the vLLM server at this URL (e.g. http://127.0.0.1:8000) instead of launching one; it must run with
+    --enable-lora and VLLM_ALLOW_RUNTIME_LORA_UPDATING=1 and see adapter_dir (same host or shared volume)."""
+    launch_command: list[str] = Field(default_factory=list)
+    """Command that starts vLLM's OpenAI server; empty = [this python, -m, vllm.entrypoints.openai.api_server]. vLLM
+    needs its own environment, e.g. [".venv-vllm/bin/python", "-m", "vllm.entrypoints.openai.api_server"]. rollwire
+    appends --model, --host, --port, the LoRA flags and --logprobs-mode processed_logprobs."""
+    extra_args: list[str] = Field(default_factory=list)
+    """More vLLM flags, e.g. ["--gpu-memory-utilization", "0.8", "--tensor-parallel-size", "2"]."""
+    env: dict[str, str] = Field(default_factory=dict)
+    """Environment variables set for the launched server only, e.g. {"VLLM_CPU_KVCACHE_SPACE": "1"} on CPU; rollwire
+    always sets VLLM_ALLOW_RUNTIME_LORA_UPDATING=1. Never put secrets here (use api_key_file)."""
+    host: str = Field(default="127.0.0.1")
+    """Address the launched vLLM server binds."""
+    port: int = Field(default=0, ge=0, le=65535)
+    """Port of the launched vLLM server; 0 picks a free one."""
+    dtype: str = Field(default="auto")
+    """vLLM's --dtype (auto, float32, bfloat16, float16)."""
+    max_model_len: int = Field(default=0, ge=0)
+    """vLLM's --max-model-len; 0 = the model's own limit."""
+    max_lora_rank: int = Field(default=64, ge=1)
+    """Largest LoRA rank vLLM reserves memory for (--max-lora-rank); pushes of a larger r are refused."""
+    max_loaded_adapters: int = Field(default=0, ge=0)
+    """Adapter versions loaded at once (vLLM's --max-loras); 0 = adapter_window + 1 (the window plus one for the
+    swap)."""
+    api_key_file: str = Field(default="")
+    """File holding vLLM's API key (its --api-key; passed to a launched server as VLLM_API_KEY)."""
+    adapter_dir: str = Field(default="")
+    """Where pushed adapters are written for vLLM to load; empty = a fresh temporary folder."""
+    adapter_dir_on_server: str = Field(default="")
+    """adapter_dir as the vLLM server sees it, when it mounts it elsewhere; empty = the same path."""
+    startup_timeout_s: float = Field(default=900.0, gt=0)
+    """How long a launched vLLM may take to become healthy."""
+    request_timeout_s: float = Field(default=600.0, gt=0)
+    """Longest wait for the next chunk of a generation or for an adapter call."""
+    health_interval_s: float = Field(default=5.0, gt=0)
+    """How often a vLLM given by url is probed."""
+    max_restarts: int = Field(default=5, ge=0)
+    """Restarts of a crashed, launched vLLM before the replica gives up."""
+    max_concurrent_groups: int = Field(default=256, ge=1)
+    """Groups streamed from vLLM at once; more wait in rollwire's queue."""
+
+
 class ScriptedSection(Section):
     """Settings of the scripted benchmark engine: tokens at a set rate, no model (engines/scripted.py)."""
 
@@ -157,6 +206,7 @@ class GeneratorConfig(ServerConfig):
     limits: Limits = Field(default_factory=Limits)
     transformers: TransformersSection = Field(default_factory=TransformersSection)
     sglang: SGLangSection = Field(default_factory=SGLangSection)
+    vllm: VLLMSection = Field(default_factory=VLLMSection)
     scripted: ScriptedSection = Field(default_factory=ScriptedSection)
     registration: RegisterSection = Field(default_factory=RegisterSection)
     relay: RelaySection = Field(default_factory=RelaySection)

@@ -43,6 +43,12 @@ def _sglang(config: GeneratorConfig, metrics: GeneratorMetrics) -> Engine:
     return SGLangEngine.from_config(config)
 
 
+def _vllm(config: GeneratorConfig, metrics: GeneratorMetrics) -> Engine:
+    from rollwire.generator.engines.vllm_engine import VLLMEngine
+
+    return VLLMEngine.from_config(config)
+
+
 def _scripted(config: GeneratorConfig, metrics: GeneratorMetrics) -> Engine:
     from rollwire.generator.engines.scripted import ScriptedEngine
 
@@ -55,6 +61,11 @@ def _scripted(config: GeneratorConfig, metrics: GeneratorMetrics) -> Engine:
 ENGINES: Registry[EngineBuilder] = Registry("engine")
 ENGINES.register("transformers", _transformers, "transformers + PEFT in the replica's own process; CPU or GPU")
 ENGINES.register("sglang", _sglang, "a real SGLang server, launched by the replica or reached by URL; NVIDIA GPU")
+ENGINES.register(
+    "vllm",
+    _vllm,
+    "a real vLLM OpenAI server in its own environment, launched by the replica or reached by URL; CPU or GPU",
+)
 ENGINES.register(
     "scripted", _scripted, "benchmark engine: tokens at a set rate from config.json alone, no model", runs_model=False
 )

@@ -1,0 +1,53 @@
+"""The vLLM environment the tests run a real vLLM server from (`make .venv-vllm` builds it).
+
+vLLM pins its own torch and transformers, so it lives in `.venv-vllm` beside rollwire's venv
+and the tests reach it only over HTTP. Where that venv is missing the vLLM tests skip with
+the reason, except under CI=true (`make test` builds it), where they fail instead: CI must
+never pass by skipping the real server.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+from rollwire.generator.config import VLLMSection
+
+ROOT = Path(__file__).resolve().parents[2]
+VLLM_PYTHON = ROOT / ".venv-vllm" / "bin" / "python"
+VLLM_STAMP = ROOT / ".venv-vllm" / ".installed"
+SERVER = [str(VLLM_PYTHON), "-m", "vllm.entrypoints.openai.api_server"]
+CPU_ENV = {
+    "VLLM_CPU_KVCACHE_SPACE": "1",  # GiB of KV cache; unset, vLLM's CPU worker takes ~21 of 24 GiB
+    "VLLM_SERVER_DEV_MODE": "1",  # /abort_requests and /server_info
+    "VLLM_CPU_OMP_THREADS_BIND": "nobind",  # no pinning: the cores are shared with the rest of the suite
+    "OMP_NUM_THREADS": "1",  # the tiny model needs no more; two would fight the other processes
+}
+
+
+def require_vllm() -> None:
+    """Skip (or, under CI, fail) when the vLLM venv is not built."""
+    if VLLM_STAMP.is_file():
+        return
+    why = f"the vLLM environment is not built ({VLLM_STAMP} missing): run `make .venv-vllm` (about 2-3 min)"
+    if os.environ.get("CI") == "true":
+        pytest.fail(f"{why}; under CI `make test` must build it, so this is a failure, not a skip")
+    pytest.skip(why)
+
+
+def vllm_section(adapter_dir: Path, **changes) -> VLLMSection:
+    """A launched vLLM on the tiny model, float32 on CPU, LoRA up to rank 16."""
+    fields: dict = dict(
+        launch_command=SERVER,
+        env=CPU_ENV,
+        dtype="float32",
+        max_lora_rank=16,
+        adapter_dir=str(adapter_dir),
+        startup_timeout_s=300.0,
+        request_timeout_s=120.0,
+        health_interval_s=0.5,
+    )
+    fields.update(changes)
+    return VLLMSection(**fields)
