@@ -387,3 +387,21 @@ def test_tokens_roles_and_per_client_limits(door):
         assert int(r.headers["Retry-After"]) >= 1
         assert [line for line in events if line][-1] == b"data: [DONE]"
     assert post(url, "/v1/completions", body, token=GENERATE_TOKEN).status_code == 200
+
+
+def test_trl_on_another_host_uploads_instead_of_naming_a_path(door, chat_model, tmp_path, monkeypatch):
+    """With use_uploads_in_trl, TRL's own load call sends the folder's bytes: a folder the
+    proxy could never read (outside its adapter root) still reaches every replica."""
+    from accelerate import PartialState
+    from trl.experimental.async_grpo.vllm_client import VLLMClient
+
+    from rollwire.client.http_upload import use_uploads_in_trl
+
+    PartialState()
+    monkeypatch.setattr(VLLMClient, "load_lora_adapter", VLLMClient.load_lora_adapter)  # restored after the test
+    use_uploads_in_trl()
+    folder = tmp_path / "elsewhere" / "remote-policy-v1"
+    peft_folder(chat_model, folder, seed=9)
+    VLLMClient(door["proxy"].http_url).load_lora_adapter("remote-policy-v1", str(folder))
+    for g in door["gens"]:
+        assert {a.name: list(a.versions) for a in status(g.target).adapters}["remote-policy"] == [1]
