@@ -7,6 +7,11 @@ name (status, log, metric, and its registration heartbeat), and its BASE_MODEL_M
 refusals never count towards quarantine. A declared base model quarantines spooled versions
 of another at start; a spool of two base models with none declared refuses the start.
 
+**One digest per version.** A replica that holds (name, N) with other bytes than the spool's
+(pushed to it behind the proxy's back) reports them in GetStatus; the proxy never routes it
+that version, logs and counts the conflict, the push reply names it, and catch-up treats
+VERSION_CONFLICT as a fault, never as "already held".
+
 **No slot one caller can hold.** Stripe streams that deliver their stripe and leave (with a
 28-hour deadline) hold a replica's push slots only while a stream is open, then for
 `limits.stripe_linger_s` at most; a plain push (a heal, a catch-up) takes such a slot at once.
@@ -237,6 +242,54 @@ def test_a_malformed_declared_base_model_is_refused_by_its_key():
 
     with pytest.raises(ValidationError, match="base_model"):
         ProxyConfig(base_model="tiny")
+
+
+# -- one digest per version ------------------------------------------------------------------
+def test_a_version_held_with_other_bytes_is_never_routed_and_is_reported(workdir, right, tiny_model, adapter):
+    fp = status(right[0].target).model_fingerprint
+    other = make_adapter(tiny_model, seed=24)
+    proxy = start_proxy(workdir, "digests", right, "--set", f"spool.dir={workdir / 'spool-digests'}")
+    try:
+        wait_routable(proxy, right)
+        push(proxy.target, adapter.manifest("dig", 1, fp), adapter.payload)
+        # behind the proxy's back, right2 gets other bytes as v2; GetStatus says which
+        push(right[1].target, other.manifest("dig", 2, fp), other.payload)
+        held = next(a for a in status(right[1].target).adapters if a.name == "dig")
+        assert dict(held.digests) == {1: adapter.sha256, 2: other.sha256}
+        # the fleet's v2: the reply names the replica that holds other bytes, never OK for it
+        reply = push(proxy.target, adapter.manifest("dig", 2, fp), adapter.payload)
+        results = {x.address: x for x in reply.replicas}
+        assert results[right[0].target].code == "OK"
+        assert (results[right[1].target].code, results[right[1].target].reason) == (
+            "FAILED_PRECONDITION",
+            Reason.VERSION_CONFLICT,
+        )
+
+        def conflicts() -> float:
+            return metric_value(
+                proxy.metrics(), "rollwire_proxy_replica_digest_conflicts", f'replica="{right[1].target}"'
+            )
+
+        wait_until(lambda: conflicts() == 1, 10, "the proxy counts right2's conflict", every=0.2)
+        r2 = replica_status(proxy, right[1].target)
+        assert r2 is not None and 2 not in {v for a in r2.adapters if a.name == "dig" for v in a.versions}
+        assert "dig v2 with other bytes" in r2.detail, r2.detail
+        logged = [e for e in log_events(proxy.log_path, "replica_digest_conflict") if e["adapter"] == "dig"]
+        assert {e["replica"] for e in logged} == {right[1].target} and logged[-1]["version"] == 2
+        # v2, latest or pinned, is only ever served by the replica that holds the spool's bytes
+        for seed in range(6):
+            for version in (0, 2):
+                g = generate(proxy.target, "3+4=", n=1, adapter=("dig", version), max_new_tokens=2, seed=seed)
+                assert (g.started.adapter.version, g.started.replica) == (2, "right1")
+        # a newer version lands everywhere; right2 serves it, still never v2
+        reply = push(proxy.target, adapter.manifest("dig", 3, fp), adapter.payload)
+        assert {x.code for x in reply.replicas} == {"OK"}, reply.replicas
+        wait_routable(proxy, right, timeout=15)
+        r2 = replica_status(proxy, right[1].target)
+        assert r2 is not None and {v for a in r2.adapters if a.name == "dig" for v in a.versions} == {1, 3}
+        assert conflicts() == 1
+    finally:
+        stop_all([proxy])
 
 
 # -- no slot one caller can hold -------------------------------------------------------------

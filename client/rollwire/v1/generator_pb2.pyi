@@ -257,12 +257,21 @@ class GetStatusRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class LoadedAdapter(_message.Message):
-    __slots__ = ("name", "versions")
+    __slots__ = ("name", "versions", "digests")
+    class DigestsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: int
+        value: str
+        def __init__(self, key: _Optional[int] = ..., value: _Optional[str] = ...) -> None: ...
     NAME_FIELD_NUMBER: _ClassVar[int]
     VERSIONS_FIELD_NUMBER: _ClassVar[int]
+    DIGESTS_FIELD_NUMBER: _ClassVar[int]
     name: str
     versions: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, name: _Optional[str] = ..., versions: _Optional[_Iterable[int]] = ...) -> None: ...
+    digests: _containers.ScalarMap[int, str]
+    def __init__(self, name: _Optional[str] = ..., versions: _Optional[_Iterable[int]] = ..., digests: _Optional[_Mapping[int, str]] = ...) -> None: ...
 
 class ReplicaStatus(_message.Message):
     __slots__ = ("address", "replica", "healthy", "draining", "in_flight", "adapters", "detail")

@@ -525,6 +525,15 @@ class AdapterRegistry:
                 out[name] = servable
         return out
 
+    def digests(self) -> dict[str, dict[int, str]]:
+        """The sha256 of every servable version, per name: what GetStatus reports, so a proxy can
+        tell a version held here with other bytes than its own."""
+        return {
+            name: {v.version: v.sha256 for v in versions if v.servable}
+            for name, versions in self._versions.items()
+            if any(v.servable for v in versions)
+        }
+
     def _maybe_unload(self, name: str, v: _Version) -> None:
         if v.servable or v.leases > 0:
             return

@@ -584,12 +584,16 @@ class GeneratorServicer(generator_pb2_grpc.GeneratorServiceServicer):
     def status(self) -> pb.GetStatusResponse:
         stats = self.engine.stats()
         lim = self.config.limits
+        digests = self.registry.digests()
         return pb.GetStatusResponse(
             role="generator",
             replica=self.replica,
             model_fingerprint=self.fingerprint,
             engine=self.engine.name,
-            adapters=[pb.LoadedAdapter(name=n, versions=v) for n, v in sorted(self.registry.loaded().items())],
+            adapters=[
+                pb.LoadedAdapter(name=n, versions=v, digests=digests.get(n, {}))
+                for n, v in sorted(self.registry.loaded().items())
+            ],
             in_flight=self.in_flight,
             queue_depth=stats.queued,
             limits=pb.Limits(

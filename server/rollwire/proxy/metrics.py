@@ -100,6 +100,11 @@ class ProxyMetrics:
             ["replica"],
         )
         self.versions = gauge("replica_adapter_version", "Newest adapter version confirmed.", ["replica", "adapter"])
+        self.conflicts = gauge(
+            "replica_digest_conflicts",
+            "Adapter versions the replica holds with other bytes than the spool's under the same name and number.",
+            ["replica"],
+        )
         self.pushes = counter(
             "replica_pushes_total", "Adapter pushes (fan-out and catch-up) by code.", ["replica", "code"]
         )
@@ -163,6 +168,7 @@ class ProxyMetrics:
             self.healthy,
             self.routable,
             self.foreign,
+            self.conflicts,
             self.versions,
             self.pushes,
             self.catchup_pushes,

@@ -5,7 +5,8 @@ Invariants:
   fleet's base model, it was caught up with the spool since it last (re)connected, it is not
   draining, and its circuit is not open;
 - `versions` holds only versions the replica itself confirmed (a push reply or GetStatus),
-  so version-aware routing never sends a group to a replica that lacks its version;
+  so version-aware routing never sends a group to a replica that lacks its version, and
+  never one it holds with other bytes than the spool's (`conflicts`);
 - catch-up pushes to one replica hold `push_lock`, so they reach it one at a time, oldest
   version first; a publication (fanout.py) does not wait for it: a catch-up version older
   than one a publication committed is refused by the replica as already ahead, and skipped.
@@ -99,6 +100,9 @@ class Replica:
         self.failed_checks = 0
         self.in_flight = self.work = 0
         self.versions: dict[str, list[int]] = {}
+        self.conflicts: dict[tuple[str, int], str] = {}
+        """(name, version) it holds with other bytes than the spool's, and its digest ("" when only
+        a refusal said so): left out of `versions`, so never routed there (replicas.py)."""
         self.push_lock = asyncio.Lock()
         self.attempts: set[Attempt] = set()
         self.wake = asyncio.Event()
@@ -115,6 +119,10 @@ class Replica:
     def routable(self, now: float | None = None) -> bool:
         now = time.monotonic() if now is None else now
         return self.healthy and self.synced and not self.foreign and not self.draining and self.breaker.allows(now)
+
+    def set_versions(self, name: str, versions) -> None:
+        """What the replica says it serves of `name`, less the versions it holds other bytes for."""
+        self.versions[name] = [v for v in versions if (name, v) not in self.conflicts]
 
     def holds(self, name: str, version: int) -> bool:
         return version in self.versions.get(name, ())
@@ -177,5 +185,5 @@ class Replica:
         except grpc.aio.AioRpcError as exc:
             err = from_rpc_error(exc)
             return PushResult(self, exc.code(), err.message, err.reason, error=exc)
-        self.versions[reply.name] = list(reply.loaded_versions)
+        self.set_versions(reply.name, reply.loaded_versions)
         return PushResult(self, grpc.StatusCode.OK, reply=reply)

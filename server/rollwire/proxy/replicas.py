@@ -23,6 +23,11 @@ Invariants:
   its status, a log line and `replica_foreign_base_model`; a registered one is told so at
   its next heartbeat (admin.py). BASE_MODEL_MISMATCH from a replica means "wrong replica",
   never "wrong bytes": the replica is checked again, the version stays;
+- one digest per version: a version a replica holds with other bytes than the spool's
+  (GetStatus digests, or VERSION_CONFLICT when catch-up pushes it) is never routed to it,
+  is logged (`replica_digest_conflict`) and counted (`replica_digest_conflicts`); in
+  catch-up it is a fault, not "already held": the replica stays behind until it holds the
+  spool's newest versions;
 - pushes are checked against the base model's fingerprint and a member's linear-layer
   shapes before they are spooled (fanout.py).
 """
@@ -338,7 +343,7 @@ class ReplicaSet:
             if replica.foreign:
                 replica.foreign = False
                 log.info("replica_admitted", replica=replica.address, serves=status.model_fingerprint)
-            replica.versions = {a.name: list(a.versions) for a in status.adapters}
+            self._take_versions(replica, status.adapters)
             if await self._catch_up(replica) and not replica.synced:
                 replica.synced, replica.detail = True, ""
                 log.info("replica_ready", replica=replica.address, identity=replica.identity, adapters=replica.versions)
@@ -355,8 +360,48 @@ class ReplicaSet:
             return
         if self.base.foreign(status.model_fingerprint):
             return
-        replica.versions = {a.name: list(a.versions) for a in status.adapters}
+        self._take_versions(replica, status.adapters)
         self._publish(replica)
+
+    def _take_versions(self, replica: Replica, adapters) -> None:
+        """What a replica's GetStatus says it serves, less every version it holds with other
+        bytes than the spool's (reported digests; a conflict a refusal found stays while the
+        replica holds that version and reports no digest for it)."""
+        held = {(a.name, v) for a in adapters for v in a.versions}
+        reported = {(a.name, v) for a in adapters for v in a.digests}
+        conflicts = {k: d for k, d in replica.conflicts.items() if k in held and k not in reported}
+        for a in adapters:
+            for version, digest in a.digests.items():
+                spooled = self.spool.get(a.name, version)
+                if spooled is not None and digest != spooled.manifest.sha256:
+                    conflicts[(a.name, version)] = digest
+        for (name, version), digest in conflicts.items():
+            if (name, version) not in replica.conflicts:
+                self._log_conflict(replica, name, version, digest)
+        replica.conflicts = conflicts
+        replica.versions = {}
+        for a in adapters:
+            replica.set_versions(a.name, a.versions)
+
+    def _conflict(self, replica: Replica, name: str, version: int, digest: str) -> None:
+        """A refusal said the replica holds (name, version) with other bytes than the spool's."""
+        if (name, version) not in replica.conflicts:
+            self._log_conflict(replica, name, version, digest)
+            replica.conflicts[(name, version)] = digest
+        replica.set_versions(name, replica.versions.get(name, []))
+
+    def _log_conflict(self, replica: Replica, name: str, version: int, digest: str) -> None:
+        spooled = self.spool.get(name, version)
+        log.error(
+            "replica_digest_conflict",
+            replica=replica.address,
+            identity=replica.identity,
+            adapter=name,
+            version=version,
+            holds=digest or "(refused as VERSION_CONFLICT)",
+            spool=spooled.manifest.sha256 if spooled else "",
+            why="one digest per version: this replica is never routed this version",
+        )
 
     async def _catch_up(self, replica: Replica) -> bool:
         """Push every spooled version above what the replica holds, oldest first. A version
@@ -369,8 +414,8 @@ class ReplicaSet:
                     continue
                 if (name, adapter.version) in self.publishing:
                     continue
-                if self._refused_by(replica, adapter):
-                    continue
+                if self._refused_by(replica, adapter) or (name, adapter.version) in replica.conflicts:
+                    continue  # it would refuse again: pushing the bytes again would change nothing
                 try:
                     payload = await adapter.payload()
                 except Unavailable:
@@ -380,6 +425,8 @@ class ReplicaSet:
                 if result.ok:
                     self.metrics.catchup_pushes.labels(replica.address).inc()
                     log.info("replica_caught_up", replica=replica.address, adapter=name, version=adapter.version)
+                elif result.reason == Reason.VERSION_CONFLICT:  # other bytes under this version: a fault
+                    self._conflict(replica, name, adapter.version, "")
                 elif result.reason == Reason.BASE_MODEL_MISMATCH:  # the replica is wrong, not the bytes
                     self._recheck(replica, f"it refused {name!r} v{adapter.version} as trained on another base model")
                     return False
@@ -408,6 +455,12 @@ class ReplicaSet:
         if behind:
             replica.synced = False
             replica.detail = f"it does not hold {', '.join(behind)} (it refused them; other replicas hold them)"
+            if replica.conflicts:
+                held = ", ".join(f"{n} v{v}" for n, v in sorted(replica.conflicts))
+                replica.detail += (
+                    f"; it holds {held} with other bytes than the spool's (one digest per version): restart it with "
+                    "an empty adapter window, or remove it"
+                )
             return False
         return True
 
@@ -417,6 +470,7 @@ class ReplicaSet:
             m.healthy.labels(a).set(int(replica.healthy))
             m.routable.labels(a).set(int(replica.routable()))
             m.foreign.labels(a).set(int(replica.foreign))
+            m.conflicts.labels(a).set(len(replica.conflicts))
             m.in_flight.labels(a).set(replica.in_flight)
             for name in replica.versions:
                 m.versions.labels(a, name).set(replica.newest(name))
