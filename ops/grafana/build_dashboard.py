@@ -228,6 +228,27 @@ PANELS = [
         ],
     ),
     (
+        "HTTP door",
+        "HTTP requests by route and status (docs/http.md)",
+        "reqps",
+        [(f"sum by (route, code) (rate(rollwire_proxy_http_requests_total[{W}]))", "{{route}} {{code}}")],
+    ),
+    (
+        "HTTP door",
+        "HTTP latency p99 by route",
+        "s",
+        [(q(0.99, "rollwire_proxy_http_request_duration_seconds", "le, route"), "{{route}}")],
+    ),
+    (
+        "HTTP door",
+        "HTTP refusals (4xx) and failures (5xx)",
+        "reqps",
+        [
+            (f'sum(rate(rollwire_proxy_http_requests_total{{code=~"4.."}}[{W}])) or vector(0)', "4xx"),
+            (f'sum(rate(rollwire_proxy_http_requests_total{{code=~"5.."}}[{W}])) or vector(0)', "5xx"),
+        ],
+    ),
+    (
         "Learner",
         "Policy version: trained vs served",
         "none",
