@@ -68,6 +68,7 @@ async def start_generator(config: GeneratorConfig) -> RunningGenerator:
     await endpoint.start([SERVICE], config.host, config.tls)
     for name in ("", SERVICE):
         await endpoint.set_health(name, True)
+    _follow_server_health(engine, endpoint)
     log.info(
         "generator_ready",
         replica=replica,
@@ -76,6 +77,22 @@ async def start_generator(config: GeneratorConfig) -> RunningGenerator:
         fingerprint=fingerprint,
     )
     return RunningGenerator(endpoint, servicer)
+
+
+def _follow_server_health(engine: Engine, endpoint) -> None:
+    """An engine whose model runs in a server beside the replica (served.py: sglang, vllm)
+    turns the replica's gRPC health NOT_SERVING while that server is down and SERVING when it
+    is back, so a proxy stops routing to it at once instead of after failed requests."""
+    supervisor = getattr(engine, "supervisor", None)
+    listeners = getattr(supervisor, "listeners", None)
+    if not isinstance(listeners, list):
+        return
+
+    async def follow(up: bool) -> None:
+        for name in ("", SERVICE):
+            await endpoint.set_health(name, up)
+
+    listeners.append(follow)
 
 
 async def run_generator(config: GeneratorConfig, ready_file: str | None = None, registration=None) -> None:
