@@ -12,6 +12,11 @@ of another at start; a spool of two base models with none declared refuses the s
 that version, logs and counts the conflict, the push reply names it, and catch-up treats
 VERSION_CONFLICT as a fault, never as "already held".
 
+**A fleet fault is not multiplied by every client.** The SDK tries a proxy's
+ATTEMPTS_EXHAUSTED or NO_REPLICA once more at most, and a client's server-decided retries draw
+on a token bucket, so N calls during an outage cost the proxy about N requests, not N x
+(deadline / backoff).
+
 **No slot one caller can hold.** Stripe streams that deliver their stripe and leave (with a
 28-hour deadline) hold a replica's push slots only while a stream is open, then for
 `limits.stripe_linger_s` at most; a plain push (a heal, a catch-up) takes such a slot at once.
@@ -324,3 +329,40 @@ def test_abandoned_stripe_streams_hold_no_slot_past_the_servers_bound(slots, ada
         late = first_stripe("orphan", 2, index=1)
         assert late.stripe_pending and not late.staged
         wait_until(lambda: used() == 0, LINGER_S + 5, "the late stripe's slot is free again", every=0.2)
+
+
+# -- a fleet fault is not multiplied by every client -----------------------------------------
+def test_the_sdk_does_not_multiply_a_fleet_fault(workdir):
+    from rollwire.client import Client
+    from rollwire.common.errors import Unavailable
+
+    proxy = start_proxy(
+        workdir,
+        "no-fleet",
+        [],
+        "--generator",
+        "127.0.0.1:1",  # nothing listens there: no replica will ever be routable
+        "--set",
+        "routing.no_replica_wait_s=0.05",
+        "--set",
+        "routing.retry_after_s=0.05",
+    )
+
+    def requests() -> float:
+        labels = 'code="UNAVAILABLE",policy="least-loaded"'
+        return metric_value(proxy.metrics(), "rollwire_proxy_requests_total", labels)
+
+    try:
+        with Client(proxy.target, timeout=8) as client:
+            started = time.monotonic()
+            with pytest.raises(Unavailable) as caught:
+                client.generate("3+4=", n=1, max_new_tokens=2)
+            assert caught.value.reason == Reason.NO_REPLICA
+            assert requests() == 2 and time.monotonic() - started < 4  # one more try, not until the deadline
+            for _ in range(19):
+                with pytest.raises(Unavailable):
+                    client.generate("3+4=", n=1, max_new_tokens=2)
+            # 20 calls: 20 requests and the budget's few retries (10 tokens, none below half)
+            assert requests() == 22
+    finally:
+        stop_all([proxy])

@@ -40,7 +40,7 @@ from rollwire.client import (
     read_peft_dir,
 )
 from rollwire.client import _common as common
-from rollwire.client._failover import DOWN_MIN_S, CallAttempts, Rotation, parse_targets
+from rollwire.client._failover import DOWN_MIN_S, CallAttempts, RetryBudget, Rotation, parse_targets
 from rollwire.common.errors import RollwireError
 from rollwire.v1 import generator_pb2 as pb
 
@@ -606,6 +606,32 @@ def test_call_attempts_try_every_address_at_once_then_back_off_within_the_deadli
     assert attempts.next(refused, received=False) is None
     attempts = CallAttempts(Rotation(["a", "b"]), RetryPolicy(max_attempts=1), common.Deadline(30))
     assert attempts.next(refused, received=False) is None
+
+
+def test_a_proxys_fleet_fault_is_tried_once_more_at_most_and_retries_draw_on_a_budget():
+    policy = RetryPolicy(initial_backoff_s=0.01, max_backoff_s=0.01)
+    no_replica = Unavailable("no replica", reason="NO_REPLICA", retry_after_s=0.01)
+    exhausted = Unavailable("given up", reason="ATTEMPTS_EXHAUSTED")
+    # the proxy already spent its attempts: one more try (the other proxy first), never two
+    attempts = CallAttempts(Rotation(["a", "b"]), policy, common.Deadline(30))
+    assert attempts.next(exhausted, received=False) == 0.0 and attempts.target == "b"
+    assert attempts.next(no_replica, received=False) is None
+    # every server-decided failure of any call takes a token; such retries stop below half the bucket
+    budget = RetryBudget(max_tokens=10, ratio=0.1)
+    changed = Unavailable("spool changed", reason="SPOOL_CHANGED")
+    attempts = CallAttempts(Rotation(["a"]), policy, common.Deadline(30), budget=budget)
+    assert [attempts.next(changed, received=False) is not None for _ in range(5)] == [True] * 4 + [False]
+    fresh = CallAttempts(Rotation(["a"]), policy, common.Deadline(30), budget=budget)
+    assert fresh.next(changed, received=False) is None  # another call of the same client: still throttled
+    for _ in range(30):  # answered attempts give tokens back, slowly (0.1 each)
+        CallAttempts(Rotation(["a"]), policy, common.Deadline(30), budget=budget).responded()
+    assert CallAttempts(Rotation(["a"]), policy, common.Deadline(30), budget=budget).next(changed, False) is not None
+    # a connection failure reached no server: it is bounded by the deadline, never by the budget
+    refused = Unavailable("failed to connect to all addresses")
+    drained = RetryBudget(max_tokens=10)
+    drained.tokens = 0
+    attempts = CallAttempts(Rotation(["a"]), policy, common.Deadline(30), budget=drained)
+    assert all(attempts.next(refused, received=False) is not None for _ in range(5))
 
 
 def test_a_stream_cut_mid_group_is_started_again_and_announced_like_a_proxy_restart():

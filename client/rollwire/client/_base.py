@@ -19,7 +19,7 @@ from rollwire.client._common import (
     open_channel,
     push_requests,
 )
-from rollwire.client._failover import CallAttempts, Rotation, parse_targets
+from rollwire.client._failover import CallAttempts, RetryBudget, Rotation, parse_targets
 from rollwire.common.keepalive import DEFAULT as DEFAULT_KEEPALIVE
 from rollwire.common.keepalive import Keepalive
 from rollwire.v1 import generator_pb2 as pb
@@ -54,6 +54,8 @@ class ClientBase:
         self._timeout = check_timeout(timeout, 60.0)
         self._metadata = call_metadata(token)
         self._retry = RetryPolicy(max_attempts=max_attempts)
+        self._budget = RetryBudget()
+        """Shared by every call of this client (_failover.RetryBudget)."""
         self._channels: list[Any] = []
         self._stubs: list[GeneratorServiceStub] = []
         if self._open_at_init:
@@ -72,7 +74,8 @@ class ClientBase:
 
     def _attempts(self, timeout: float | None) -> CallAttempts:
         """The attempts of one call, all inside its deadline (`timeout`, or the client's)."""
-        return CallAttempts(self._rotation, self._retry, Deadline(check_timeout(timeout, self._timeout)))
+        deadline = Deadline(check_timeout(timeout, self._timeout))
+        return CallAttempts(self._rotation, self._retry, deadline, budget=self._budget)
 
     def _generate_call(self, request: pb.GenerateRequest, attempts: CallAttempts) -> Any:
         """The current attempt's Generate call: an iterator of responses that `cancel()` stops."""

@@ -9,8 +9,12 @@ Invariants:
   caller; a push of the same version and digest is idempotent by the wire contract), or, for
   Generate alone, after responses when the connection itself broke — UNAVAILABLE with no
   server reason ("Stream removed", "Socket closed", a keepalive ping timeout). A status a
-  server decided (it carries an ErrorInfo reason: the proxy's ATTEMPTS_EXHAUSTED, a replica's
-  refusal) is final, so the SDK never multiplies the proxy's own attempts;
+  server decided after responses is final;
+- a server-decided UNAVAILABLE (it carries a reason) cost the fleet work: its retries draw on
+  the client's `RetryBudget` (a token bucket shared by all its calls), and after the proxy's
+  ATTEMPTS_EXHAUSTED or NO_REPLICA (retries.FLEET_FAULTS) a call tries once more at most, so
+  the SDK never multiplies the proxy's own attempts. A connection failure (no reason) reached
+  no server and is bounded by the deadline alone;
 - a Generate stream started again is announced with `Restarted` before its new `Started`,
   exactly like a proxy restarting a group, so callers handle one case (GroupAccumulator);
 - calls take the addresses in turn (round robin); an address whose connection failed goes
@@ -32,6 +36,7 @@ import grpc
 
 from rollwire.client._common import Deadline, Restarted, RetryPolicy, check_target, is_retryable
 from rollwire.common.errors import RequestError, RollwireError
+from rollwire.common.retries import FLEET_FAULTS
 
 DOWN_MIN_S = 1.0
 """How long an address whose connection just failed is tried last."""
@@ -104,13 +109,41 @@ class Rotation:
             self._failures[index], self._down_until[index] = 0, 0.0
 
 
+class RetryBudget:
+    """gRPC's retry throttling for one client: every server-decided failure takes a token,
+    every answered attempt gives back `ratio`; such failures are retried only while more than
+    half of `max_tokens` is left. Thread-safe: the sync client is shared by threads."""
+
+    def __init__(self, max_tokens: float = 10.0, ratio: float = 0.1) -> None:
+        self.max_tokens, self.ratio, self.tokens = max_tokens, ratio, max_tokens
+        self._lock = threading.Lock()
+
+    def failed(self) -> bool:
+        """A server-decided failure: True while a retry is still within the budget."""
+        with self._lock:
+            self.tokens = max(0.0, self.tokens - 1)
+            return self.tokens > self.max_tokens / 2
+
+    def succeeded(self) -> None:
+        with self._lock:
+            self.tokens = min(self.max_tokens, self.tokens + self.ratio)
+
+
 class CallAttempts:
     """The attempts of one call: `index` is the address of the current one; `next` moves on."""
 
     def __init__(
-        self, rotation: Rotation, policy: RetryPolicy, deadline: Deadline, rand: Callable[[], float] = random.random
+        self,
+        rotation: Rotation,
+        policy: RetryPolicy,
+        deadline: Deadline,
+        rand: Callable[[], float] = random.random,
+        budget: RetryBudget | None = None,
     ) -> None:
         self.rotation, self.policy, self.deadline, self._rand = rotation, policy, deadline, rand
+        self.budget = budget or RetryBudget()
+        self.fleet_faults = 0
+        """Attempts that ended with the proxy's ATTEMPTS_EXHAUSTED or NO_REPLICA."""
         self.attempt = 1
         self.rounds = 1
         self._round = rotation.order()
@@ -132,6 +165,7 @@ class CallAttempts:
         if not self.received:
             self.received = True
             self.succeeded()
+            self.budget.succeeded()
 
     def retry(self, error: RollwireError, restartable: bool = False) -> tuple[float, Restarted | None]:
         """After the current attempt failed with `error`: the seconds to wait before the next
@@ -155,6 +189,11 @@ class CallAttempts:
             return None
         if not received and not is_retryable(error, False):
             return None
+        if not received and error.reason:  # a server decided it: the fleet did work for this attempt
+            within_budget = self.budget.failed()
+            self.fleet_faults += error.reason in FLEET_FAULTS
+            if not within_budget or self.fleet_faults > 1:
+                return None
         if self.policy.max_attempts is not None and self.attempt >= self.policy.max_attempts:
             return None
         if self._round:

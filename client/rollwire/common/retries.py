@@ -8,7 +8,11 @@ row against the layers' real decisions, so the table and the code cannot drift a
   (UNAVAILABLE) and only before any response arrived: the request never ran, or the proxy
   already spent its own attempts, so a retry cannot duplicate work. It tries the other
   proxies it was given at once, then backs off, for as long as the call's one deadline allows
-  (or `RetryPolicy.max_attempts`), each wait at least the server's RetryInfo hint. One more
+  (or `RetryPolicy.max_attempts`), each wait at least the server's RetryInfo hint. A failure a
+  server decided (UNAVAILABLE with a reason) did work in the fleet, so its retries are
+  throttled per client by a token bucket (gRPC's retry throttling, `_failover.RetryBudget`),
+  and after a proxy's `FLEET_FAULTS` (it spent its own attempts, or found no replica) the
+  SDK tries once more at most: a fleet fault is never multiplied by every client. One more
   case: a Generate stream whose connection broke after its first message (UNAVAILABLE with
   no server reason) is started again, announced with `Restarted` like a proxy's restart
   (client/_failover.py). RESOURCE_EXHAUSTED carries a hint too, but waiting out one's own
@@ -75,6 +79,10 @@ CLIENT_CAUSED = frozenset(
 """Codes a request can cause: relayed to the client, never counted against a replica."""
 CLIENT_BEHAVIOUR = frozenset({Reason.CLIENT_LIMIT, Reason.SLOW_READER})
 """The proxy's own refusals caused by how a client behaves: counted as client errors."""
+
+FLEET_FAULTS = frozenset({Reason.ATTEMPTS_EXHAUSTED, Reason.NO_REPLICA})
+"""With UNAVAILABLE from a proxy: it already tried `routing.max_attempts` replicas, or waited
+for one that can serve the request; the SDK tries once more at most (another proxy first)."""
 
 VERSION_TAKEN = frozenset({Reason.VERSION_NOT_MONOTONIC, Reason.VERSION_CONFLICT})
 """A push refused because the receiver already holds that version or a newer one."""
