@@ -405,3 +405,31 @@ def test_trl_on_another_host_uploads_instead_of_naming_a_path(door, chat_model, 
     VLLMClient(door["proxy"].http_url).load_lora_adapter("remote-policy-v1", str(folder))
     for g in door["gens"]:
         assert {a.name: list(a.versions) for a in status(g.target).adapters}["remote-policy"] == [1]
+
+
+def test_the_door_serves_tls_with_the_proxys_certificate(door, pki):
+    """With [tls] set the door speaks only TLS (mutual TLS: a client certificate is required)."""
+    from support.processes import start_service
+
+    tls = [
+        f"tls.cert_file={pki / 'server.pem'}",
+        f"tls.key_file={pki / 'server.key'}",
+        f"tls.client_ca_file={pki / 'ca.pem'}",
+    ]
+    args = ["proxy", "--port", "0", "--metrics-port", "0", "--http-port", "0", "--generator", door["gens"][0].target]
+    proxy = start_service([*args, *(a for s in tls for a in ("--set", s))], door["work"], "tls-proxy", plaintext=False)
+    try:
+        url = f"https://127.0.0.1:{proxy.http_port}"
+        cert = (str(pki / "client.pem"), str(pki / "client.key"))
+        wait_until(
+            lambda: requests.get(url + "/health", verify=pki / "ca.pem", cert=cert, timeout=5).ok, 30, "a replica"
+        )
+        body = {"model": "base", "prompt": [5, 6, 7], "max_tokens": 3}
+        r = requests.post(url + "/v1/completions", json=body, verify=pki / "ca.pem", cert=cert, timeout=30)
+        assert r.status_code == 200 and len(r.json()["choices"][0]["text"]) >= 1
+        with pytest.raises(requests.exceptions.ConnectionError):  # TLS 1.3 may refuse it after the handshake
+            requests.get(url + "/health", verify=pki / "ca.pem", timeout=5)  # no client certificate
+        with pytest.raises(requests.exceptions.ConnectionError):
+            requests.get(f"http://127.0.0.1:{proxy.http_port}/health", timeout=5)  # plaintext
+    finally:
+        proxy.stop()
