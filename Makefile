@@ -17,6 +17,7 @@ help:
 	@echo "make test     lint (buf, ruff, pyright), check proto/ for breaking changes, run the whole suite"
 	@echo "make test-fast  the unit tests only (no processes, no sockets): the inner loop, under 90 s"
 	@echo "make install  create .venv (CPU torch first, then rollwire with pinned dependencies)"
+	@echo "make .venv-vllm  create .venv-vllm: vLLM's CPU build (pinned) for the vllm engine's tests, ~2 min"
 	@echo "make proto    regenerate the Python stubs from proto/"
 	@echo "make bench    run every benchmark (about 15 min on 2 cores) and rewrite docs/benchmarks.md"
 

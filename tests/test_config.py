@@ -81,7 +81,7 @@ def test_unknown_environment_keys_inside_a_section_are_errors_top_level_ones_are
         (["port"], "override 'port' must look like key.sub=value"),
         (["=3"], "must look like key.sub=value"),
         (["port=1", "port.x=2"], r"port\.x: port is not a section"),
-        (["engine=nope"], "engine: .*unknown engine 'nope'; choose one of transformers, sglang, scripted"),
+        (["engine=nope"], "engine: .*unknown engine 'nope'; choose one of transformers, sglang, vllm, scripted"),
         (["Port=1"], "Port: Extra inputs are not permitted"),  # keys are exact in files and overrides
     ],
 )
