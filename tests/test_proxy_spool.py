@@ -111,6 +111,19 @@ def lora_bytes(value: float = 0.5) -> bytes:
     return struct.pack("<Q", len(head)) + head + struct.pack("<8f", *([value] * 8))
 
 
+def test_a_name_whose_last_version_leaves_leaves_no_folder(tmp_path):
+    spool = spool_at(tmp_path)
+    discarded, _ = put(spool, "gone", 1, b"0123456789")
+    spool.discard(discarded)  # a push no replica accepted
+    quarantined, _ = put(spool, "bad", 1, b"0123456789")
+    assert spool.quarantine(quarantined, "every replica refused it")
+    put(spool, "kept", 1, b"0123456789")
+    older, _ = put(spool, "kept", 2, b"abcdefghij")
+    spool.discard(older)  # another version is left: the folder stays
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".incoming", ".quarantine", "kept"]
+    assert spool.names() == ["kept"]
+
+
 def test_a_restarted_proxy_reloads_its_spool(tmp_path):
     good = lora_bytes()
     put(spool_at(tmp_path), "pol", 4, good)

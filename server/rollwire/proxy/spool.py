@@ -21,7 +21,8 @@ Invariants:
   RESOURCE_EXHAUSTED (DISK_FULL) naming the spool's folder, its partial file removed and
   every spooled version kept. Start, reload and quarantine never fail for a full disk;
 - a version every replica refuses is moved to `.quarantine/` (never retried, never deleted
-  silently: an operator can look at it), see replicas.py.
+  silently: an operator can look at it), see replicas.py;
+- a name whose last version is discarded or quarantined leaves no empty folder behind.
 """
 
 from __future__ import annotations
@@ -308,7 +309,7 @@ class Spool:
             versions.remove(adapter)
             self._delete(adapter)
         if not versions:
-            self._by_name.pop(adapter.name, None)
+            self._forget_name(adapter.name)
 
     def quarantine(self, adapter: SpooledAdapter, why: str) -> bool:
         """Move a version out of the spool for good (replicas refuse it); False if it was gone."""
@@ -316,11 +317,17 @@ class Spool:
         if adapter not in versions:
             return False
         versions.remove(adapter)
-        if not versions:
-            self._by_name.pop(adapter.name, None)
         self._move_to_quarantine(adapter.path.with_suffix(".json"), why)
+        if not versions:
+            self._forget_name(adapter.name)
         self.quarantined.append((adapter.name, adapter.version, why))
         return True
+
+    def _forget_name(self, name: str) -> None:
+        """A name with no version left: its folder goes too (only if empty: nothing is lost)."""
+        self._by_name.pop(name, None)
+        with contextlib.suppress(OSError):
+            (self.folder / name).rmdir()
 
     def _move_to_quarantine(self, meta: Path, why: str) -> None:
         """Move a version's files to `.quarantine/` with a note saying why; on a disk too full
