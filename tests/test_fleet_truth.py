@@ -17,6 +17,10 @@ ATTEMPTS_EXHAUSTED or NO_REPLICA once more at most, and a client's server-decide
 on a token bucket, so N calls during an outage cost the proxy about N requests, not N x
 (deadline / backoff).
 
+**A refusal that is not for good is decided.** A replica that fails a catch-up for now (here:
+busy, its only push slot held) is retried `health.catch_up_attempts` times, then routed what
+it holds instead of being kept out for as long as the failure lasts.
+
 **No slot one caller can hold.** Stripe streams that deliver their stripe and leave (with a
 28-hour deadline) hold a replica's push slots only while a stream is open, then for
 `limits.stripe_linger_s` at most; a plain push (a heal, a catch-up) takes such a slot at once.
@@ -26,6 +30,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import threading
 import time
 from pathlib import Path
 
@@ -366,3 +371,63 @@ def test_the_sdk_does_not_multiply_a_fleet_fault(workdir):
             assert requests() == 22
     finally:
         stop_all([proxy])
+
+
+# -- a refusal that is not for good is decided -------------------------------------------------
+def test_a_replica_failing_catch_up_for_now_is_decided_within_the_bound(workdir, tiny_model, right, adapter):
+    fp = status(right[0].target).model_fingerprint
+    (slotted,) = start_generators(
+        tiny_model,
+        workdir,
+        ["slotted"],
+        "--set",
+        "limits.max_concurrent_pushes=1",
+        "--set",
+        "limits.push_idle_timeout_s=60",
+    )
+    gate = threading.Event()
+
+    def hold():  # a push that keeps the replica's only slot: every catch-up gets TOO_MANY_PUSHES
+        yield pb.PushAdapterRequest(manifest=adapter.manifest("holder", 1, fp))
+        yield pb.PushAdapterRequest(chunk=adapter.payload[:1000])
+        gate.wait(60)
+
+    channel = grpc.insecure_channel(slotted.target)
+    held = generator_pb2_grpc.GeneratorServiceStub(channel).PushAdapter.future(hold(), timeout=90)
+    spool = workdir / "spool-busy"
+    plant(spool, adapter, "busy", 1, fp)
+    proxy = None
+    try:
+        wait_until(
+            lambda: metric_value(slotted.metrics(), "rollwire_generator_push_slots_used") == 1, 10, "the slot is held"
+        )
+        proxy = start_proxy(
+            workdir,
+            "decides",
+            [right[0], slotted],
+            "--set",
+            f"spool.dir={spool}",
+            "--set",
+            "health.catch_up_attempts=3",
+        )
+        # 3 health rounds of 0.2 s, not as long as the slot stays held (60 s here)
+        wait_routable(proxy, [right[0], slotted], timeout=15)
+        metrics = proxy.metrics()
+        assert metric_value(metrics, "rollwire_proxy_catchup_gave_up_total", f'replica="{slotted.target}"') == 1
+        assert metric_value(metrics, "rollwire_proxy_quarantined_versions_total") == 0  # busy says nothing of the bytes
+        assert spooled(spool, "busy") == ["1.json", "1.safetensors"]
+        s = replica_status(proxy, slotted.target)
+        assert s is not None and s.healthy and "lacks busy v1" in s.detail, s
+        gave_up = log_events(proxy.log_path, "catch_up_gave_up")
+        assert [(e["replica"], e["adapter"], e["attempts"], e["code"]) for e in gave_up] == [
+            (slotted.target, "busy", 3, "RESOURCE_EXHAUSTED")
+        ]
+        # it is routed what it holds: "busy" v1 only ever lands where it is held
+        for seed in range(4):
+            g = generate(proxy.target, "3+4=", n=1, adapter=("busy", 0), max_new_tokens=2, seed=seed)
+            assert (g.started.adapter.version, g.started.replica) == (1, "right1")
+    finally:
+        gate.set()
+        held.cancel()
+        channel.close()
+        stop_all([p for p in (proxy, slotted) if p is not None])

@@ -68,6 +68,10 @@ class HealthSection(Section):
     """Longest ejection."""
     push_timeout_s: float = Field(default=120.0, gt=0)
     """Deadline of one adapter push to one replica (fan-out or catch-up)."""
+    catch_up_attempts: int = Field(default=5, ge=1, le=1000)
+    """Catch-up pushes of one spooled version to one replica that may fail for now (UNAVAILABLE, UNKNOWN,
+    TOO_MANY_PUSHES, ...), one per health round, before it is decided: the replica is routed what it holds, and a
+    failure that is not 'busy' counts as its refusal towards quarantine. Retried again once it reconnects."""
 
 
 class SpoolSection(PushLimits):

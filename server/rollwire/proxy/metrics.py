@@ -111,6 +111,11 @@ class ProxyMetrics:
         self.catchup_pushes = counter(
             "catchup_pushes_total", "Versions pushed to a replica to bring it up to date.", ["replica"]
         )
+        self.catchup_gave_up = counter(
+            "catchup_gave_up_total",
+            "Spooled versions catch-up stopped pushing to a replica after health.catch_up_attempts failures for now.",
+            ["replica"],
+        )
         self.quarantined = counter(
             "quarantined_versions_total", "Spooled adapter versions every replica refused, moved out of the spool."
         )
@@ -144,7 +149,14 @@ class ProxyMetrics:
     def know_replica(self, address: str) -> None:
         """Create a new replica's series at 0, so its first retry, restart, ejection or failed
         push is seen by rate() (a series that appears at 1 has no rate)."""
-        for metric in (self.retries, self.restarts, self.ejections, self.catchup_pushes, self.push_heals):
+        for metric in (
+            self.retries,
+            self.restarts,
+            self.ejections,
+            self.catchup_pushes,
+            self.catchup_gave_up,
+            self.push_heals,
+        ):
             metric.labels(address)
         for code in REPLICA_CODES:
             self.attempts.labels(address, code)
@@ -172,6 +184,7 @@ class ProxyMetrics:
             self.versions,
             self.pushes,
             self.catchup_pushes,
+            self.catchup_gave_up,
             self.push_heals,
         ):
             for labels in list(metric._metrics):  # prometheus_client keeps children by label tuple

@@ -100,6 +100,8 @@ class Replica:
         self.failed_checks = 0
         self.in_flight = self.work = 0
         self.versions: dict[str, list[int]] = {}
+        self.lacking = ""
+        """Spooled versions it is routed without (it refused them, or catch-up gave up), in words."""
         self.conflicts: dict[tuple[str, int], str] = {}
         """(name, version) it holds with other bytes than the spool's, and its digest ("" when only
         a refusal said so): left out of `versions`, so never routed there (replicas.py)."""
@@ -157,7 +159,7 @@ class Replica:
             draining=self.draining,
             in_flight=self.in_flight,
             adapters=[pb.LoadedAdapter(name=n, versions=v) for n, v in sorted(self.versions.items())],
-            detail=self.state(),
+            detail=self.state() or self.lacking,
         )
 
     def abandon_all(self, reason: str) -> int:

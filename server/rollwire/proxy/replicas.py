@@ -23,6 +23,14 @@ Invariants:
   its status, a log line and `replica_foreign_base_model`; a registered one is told so at
   its next heartbeat (admin.py). BASE_MODEL_MISMATCH from a replica means "wrong replica",
   never "wrong bytes": the replica is checked again, the version stays;
+- a refusal that is not for good (UNAVAILABLE, UNKNOWN, TOO_MANY_PUSHES, ...) is retried on
+  each round `health.catch_up_attempts` times per (replica, version) at most, then decided
+  (`catch_up_gave_up`, `rollwire_proxy_catchup_gave_up_total`): a failure of the replica
+  counts as its verdict on the version (quarantine by quorum, as a refusal for good), a busy
+  one (RESOURCE_EXHAUSTED) never does; either way the version is not pushed to it again until
+  it reconnects or a newer one is published;
+- a replica that refused (or was given up on for) versions is routed what it holds: it is
+  not behind for them, and version-aware routing never sends it a version it lacks;
 - one digest per version: a version a replica holds with other bytes than the spool's
   (GetStatus digests, or VERSION_CONFLICT when catch-up pushes it) is never routed to it,
   is logged (`replica_digest_conflict`) and counted (`replica_digest_conflicts`); in
@@ -77,6 +85,10 @@ class ReplicaSet:
         spool.max_version_step = config.spool.max_version_step
         # (name, version, sha256) -> addresses of replicas that refused it permanently
         self._refusals: dict[tuple[str, int, str], set[str]] = {}
+        # (address, name, version, sha256) -> catch-up attempts that failed for now, in a row
+        self._tries: dict[tuple[str, str, int, str], int] = {}
+        self._gave_up: set[tuple[str, str, int, str]] = set()
+        """(address, name, version, sha256) catch-up no longer pushes (bounded retries spent)."""
         self.publishing: set[tuple[str, int]] = set()
         """(name, version) a publication (fanout.py) is delivering now, spooled but still on its
         way to the replicas: catch-up leaves it to that publication, and a replica that lacks it
@@ -202,16 +214,18 @@ class ReplicaSet:
         serving = {r.fingerprint for r in self.healthy() if r.fingerprint}
         return self.base.basis(pushed, serving, self.describe(), self.config.routing.retry_after_s)
 
-    def note_refusal(self, replica: Replica, adapter, code: grpc.StatusCode, reason: str, message: str) -> bool:
+    def note_refusal(
+        self, replica: Replica, adapter, code: grpc.StatusCode, reason: str, message: str, verdict: bool = False
+    ) -> bool:
         """Record a replica's refusal of a spooled version; quarantine the version when every
-        healthy replica of the base model refused it for good and none holds it. True when
-        the version is (now) out of the spool."""
+        healthy replica of the base model refused it for good (or `verdict`: catch-up's retries
+        were spent on it) and none holds it. True when the version is (now) out of the spool."""
         if not self.spool.holds(adapter):
             return True
         if reason == Reason.BASE_MODEL_MISMATCH:  # the replica is wrong, not the bytes: look at it again
             self._recheck(replica, f"it refused {adapter.name!r} v{adapter.version} as trained on another base model")
             return False
-        if not push_refused_for_good(code, reason) or replica.foreign:
+        if not (verdict or push_refused_for_good(code, reason)) or replica.foreign:
             return False
         key = (adapter.name, adapter.version, adapter.manifest.sha256)
         live = {(a.name, a.version, a.manifest.sha256) for n in self.spool.names() for a in self.spool.versions(n)}
@@ -263,6 +277,39 @@ class ReplicaSet:
     def _forget_refusals(self, address: str) -> None:
         for refusers in self._refusals.values():
             refusers.discard(address)
+        self._gave_up = {k for k in self._gave_up if k[0] != address}
+        self._tries = {k: n for k, n in self._tries.items() if k[0] != address}
+
+    def _skips(self, replica: Replica, adapter) -> bool:
+        """Catch-up does not push this version to this replica (it refused it, or its retries
+        were spent on it) until the replica reconnects."""
+        key = (replica.address, adapter.name, adapter.version, adapter.manifest.sha256)
+        return self._refused_by(replica, adapter) or key in self._gave_up
+
+    def _retry_spent(self, replica: Replica, adapter, result) -> bool:
+        """A catch-up push failed for now; True once `health.catch_up_attempts` of them in a row
+        were spent on this (replica, version): then it is decided, loudly."""
+        key = (replica.address, adapter.name, adapter.version, adapter.manifest.sha256)
+        tries = self._tries[key] = self._tries.get(key, 0) + 1
+        if tries < self.config.health.catch_up_attempts:
+            return False
+        del self._tries[key]
+        self._gave_up.add(key)
+        self.metrics.catchup_gave_up.labels(replica.address).inc()
+        busy = result.code == grpc.StatusCode.RESOURCE_EXHAUSTED
+        log.warning(
+            "catch_up_gave_up",
+            replica=replica.address,
+            adapter=adapter.name,
+            version=adapter.version,
+            attempts=tries,
+            code=result.code.name,
+            error=result.message,
+            decision="it is routed what it holds" + ("" if busy else "; its failure counts towards quarantine"),
+        )
+        if not busy:  # a busy replica says nothing about the bytes
+            self.note_refusal(replica, adapter, result.code, result.reason, result.message, verdict=True)
+        return True
 
     def mark_unsynced(self, replica: Replica, why: str) -> None:
         """Take a replica out of rotation until a catch-up brings it to the newest versions."""
@@ -414,7 +461,7 @@ class ReplicaSet:
                     continue
                 if (name, adapter.version) in self.publishing:
                     continue
-                if self._refused_by(replica, adapter) or (name, adapter.version) in replica.conflicts:
+                if self._skips(replica, adapter) or (name, adapter.version) in replica.conflicts:
                     continue  # it would refuse again: pushing the bytes again would change nothing
                 try:
                     payload = await adapter.payload()
@@ -423,6 +470,7 @@ class ReplicaSet:
                 result = await replica.push(adapter, payload, self.config.health.push_timeout_s, new_request_id())
                 self.metrics.pushes.labels(replica.address, result.code.name).inc()
                 if result.ok:
+                    self._tries.pop((replica.address, name, adapter.version, adapter.manifest.sha256), None)
                     self.metrics.catchup_pushes.labels(replica.address).inc()
                     log.info("replica_caught_up", replica=replica.address, adapter=name, version=adapter.version)
                 elif result.reason == Reason.VERSION_CONFLICT:  # other bytes under this version: a fault
@@ -443,18 +491,26 @@ class ReplicaSet:
                         f"catching up {name} v{adapter.version} failed with {result.code.name}: {result.message}"
                     )
                     if not push_refused_for_good(result.code, result.reason):
+                        if self._retry_spent(replica, adapter, result):
+                            continue
                         replica.synced = False
                         return False
                     self.note_refusal(replica, adapter, result.code, result.reason, result.message)
+        wanted = {
+            n: [v for v in self.spool.versions(n) if (n, v.version) not in self.publishing] for n in self.spool.names()
+        }
+        lacking = [f"{n} v{v.version}" for n, vs in wanted.items() for v in vs if self._skips(replica, v)]
+        replica.lacking = (
+            f"routed what it holds; it lacks {', '.join(lacking)} (refused or given up)" if lacking else ""
+        )
         behind = [
             f"{n} v{vs[-1].version}"
-            for n in self.spool.names()
-            if (vs := [v for v in self.spool.versions(n) if (n, v.version) not in self.publishing])
-            and replica.newest(n) < vs[-1].version
+            for n, all_versions in wanted.items()
+            if (vs := [v for v in all_versions if not self._skips(replica, v)]) and replica.newest(n) < vs[-1].version
         ]
         if behind:
             replica.synced = False
-            replica.detail = f"it does not hold {', '.join(behind)} (it refused them; other replicas hold them)"
+            replica.detail = f"it does not hold {', '.join(behind)}"
             if replica.conflicts:
                 held = ", ".join(f"{n} v{v}" for n, v in sorted(replica.conflicts))
                 replica.detail += (
