@@ -27,11 +27,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from rollwire.common.durable import atomic_dir
-from rollwire.demo.tiny_model import TinyModelSpec
+from rollwire.demo.tiny_model import TinyModelSpec, save_tokenizer
 from rollwire.learner.task import Example, addition_examples, carry_free_answer, eval_subset, is_correct
 
-TEACH_FORMAT = 1
-"""Bumped whenever the teaching code changes what it builds, so caches are rebuilt."""
+TEACH_FORMAT = 2
+"""Bumped whenever the teaching code changes what it builds, so caches are rebuilt (2: the
+tokenizer gained its chat template; the weights are the same)."""
 
 
 @dataclass(frozen=True)
@@ -71,7 +72,7 @@ def build_taught_model(out_dir: str | Path, spec: TeachSpec = TeachSpec(), log=p
     out.parent.mkdir(parents=True, exist_ok=True)
     with atomic_dir(out) as tmp:  # a crash mid-save never leaves a model that looks cached
         model.save_pretrained(tmp, safe_serialization=True)
-        tokenizer.save_pretrained(tmp)
+        save_tokenizer(tokenizer, tmp)
         report.update(key=spec.key(), spec=dataclasses.asdict(spec), seconds=round(time.monotonic() - started, 1))
         (tmp / "teach.json").write_text(json.dumps(report, indent=2) + "\n")
     return out

@@ -4,6 +4,11 @@ No hub: the vocabulary is the printable ASCII characters plus newline and four s
 weights come from a fixed seed, and the folder is what `AutoModelForCausalLM` and
 `AutoTokenizer` load. Built twice with the same arguments, the files are byte-identical, so
 the base-model fingerprint is stable across machines with the same torch.
+
+The tokenizer carries a chat template that renders a conversation as the bare text of its
+messages, so a one-message chat is exactly the task's raw prompt, and chat clients (TRL,
+OpenAI-style `/v1/chat/completions`) see the model as it was taught. The fingerprint covers
+config.json and the weights only, so the template leaves it unchanged.
 """
 
 from __future__ import annotations
@@ -14,6 +19,23 @@ from pathlib import Path
 
 SPECIALS = ["<pad>", "<s>", "</s>", "<unk>"]
 CHARS = [c for c in string.printable if c not in "\t\r\x0b\x0c"]  # 95 printable + "\n"
+CHAT_TEMPLATE = (
+    "{%- for message in messages -%}"
+    "{{ message['content'] }}"
+    "{%- if message['role'] == 'assistant' -%}{{ eos_token }}{%- endif -%}"
+    "{%- endfor -%}"
+)
+"""Each message's content, back to back, with EOS after an assistant turn (where the model stops);
+no role markers and no generation prompt: one user message renders as exactly its text, the
+prompt the built-in task teaches (`"07+45="`)."""
+RESPONSE_TEMPLATE = {
+    "defaults": {"role": "assistant"},
+    "start_anchor_pattern": r"\Z",
+    "fields": {"content": {"close_pattern": r"</s>\s*|$", "content": "text"}},
+}
+"""How transformers' `parse_response` reads a completion back into an assistant message: the
+reply starts where the rendered prompt ends and is plain text up to EOS (TRL's rollout worker
+refuses a chat template it cannot parse replies of)."""
 
 
 @dataclass(frozen=True)
@@ -30,7 +52,8 @@ class TinyModelSpec:
 
 
 def build_tokenizer():
-    """A char-level fast tokenizer: one token per character, left padding, no BOS added."""
+    """A char-level fast tokenizer: one token per character, left padding, no BOS added, with
+    CHAT_TEMPLATE and RESPONSE_TEMPLATE."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
@@ -46,6 +69,8 @@ def build_tokenizer():
         unk_token="<unk>",
         padding_side="left",
         clean_up_tokenization_spaces=False,
+        chat_template=CHAT_TEMPLATE,
+        response_template=RESPONSE_TEMPLATE,
     )
 
 
@@ -81,4 +106,11 @@ def new_tiny_model(spec: TinyModelSpec = TinyModelSpec()):
 def save_model(model, tokenizer, out: Path) -> None:
     """Save weights (safetensors) and tokenizer in the standard HF layout."""
     model.save_pretrained(out, safe_serialization=True)
-    tokenizer.save_pretrained(out)
+    save_tokenizer(tokenizer, out)
+
+
+def save_tokenizer(tokenizer, out: Path) -> None:
+    """The tokenizer's files, its chat template inside tokenizer_config.json (not a
+    chat_template.jinja beside it, which transformers would prefer to any template a user later
+    writes into tokenizer_config.json)."""
+    tokenizer.save_pretrained(out, save_jinja_files=False)
