@@ -849,8 +849,23 @@ def test_json_result_shape():
             "logprobs": [-0.25, -0.5],
             "finish_reason": "eos",
             "adapter_version": 3,
+            "token_versions": [3, 3],
         }
     ]
+
+
+def test_kept_token_sets_fold_into_samples_and_json():
+    from rollwire.common import kept
+
+    chunk = tokens(0, [4, 5], "ok", logprobs=[-0.25, -0.5])
+    chunk.tokens[0].kept_tokens.extend([kept.encode([4, 9, 300]), b""])
+    result = fold(1, [started(), chunk, finished(0, completion=2)])
+    assert result.samples[0].kept_tokens == [(4, 9, 300), ()]
+    assert cli.result_to_json(result)["samples"][0]["kept_token_ids"] == [[4, 9, 300], []]
+    short = tokens(0, [4, 5], "ok", logprobs=[-0.25, -0.5])
+    short.tokens[0].kept_tokens.append(kept.encode([4]))  # one set for two tokens: a broken stream
+    with pytest.raises(Internal):
+        fold(1, [started(), short, finished(0, completion=2)])
 
 
 def test_printed_stream_restarts_cleanly(capsys):

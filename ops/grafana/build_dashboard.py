@@ -191,6 +191,33 @@ PANELS = [
         ],
     ),
     (
+        "Generators",
+        "Tokens served by staleness (versions behind the newest)",
+        "short",
+        [(f"sum by (behind) (rate(rollwire_generator_served_tokens_total[{W}]))", "{{behind}} behind")],
+    ),
+    (
+        "HTTP door",
+        "HTTP requests by route and status (docs/http.md)",
+        "reqps",
+        [(f"sum by (route, code) (rate(rollwire_proxy_http_requests_total[{W}]))", "{{route}} {{code}}")],
+    ),
+    (
+        "HTTP door",
+        "HTTP latency p99 by route",
+        "s",
+        [(q(0.99, "rollwire_proxy_http_request_duration_seconds", "le, route"), "{{route}}")],
+    ),
+    (
+        "HTTP door",
+        "HTTP refusals (4xx) and failures (5xx)",
+        "reqps",
+        [
+            (f'sum(rate(rollwire_proxy_http_requests_total{{code=~"4.."}}[{W}])) or vector(0)', "4xx"),
+            (f'sum(rate(rollwire_proxy_http_requests_total{{code=~"5.."}}[{W}])) or vector(0)', "5xx"),
+        ],
+    ),
+    (
         "Learner",
         "Reward (mean and std of the last step)",
         "short",
@@ -225,27 +252,6 @@ PANELS = [
                 f"sum by (phase) (rate(rollwire_learner_step_phase_seconds_count[{W}]))",
                 "{{phase}}",
             )
-        ],
-    ),
-    (
-        "HTTP door",
-        "HTTP requests by route and status (docs/http.md)",
-        "reqps",
-        [(f"sum by (route, code) (rate(rollwire_proxy_http_requests_total[{W}]))", "{{route}} {{code}}")],
-    ),
-    (
-        "HTTP door",
-        "HTTP latency p99 by route",
-        "s",
-        [(q(0.99, "rollwire_proxy_http_request_duration_seconds", "le, route"), "{{route}}")],
-    ),
-    (
-        "HTTP door",
-        "HTTP refusals (4xx) and failures (5xx)",
-        "reqps",
-        [
-            (f'sum(rate(rollwire_proxy_http_requests_total{{code=~"4.."}}[{W}])) or vector(0)', "4xx"),
-            (f'sum(rate(rollwire_proxy_http_requests_total{{code=~"5.."}}[{W}])) or vector(0)', "5xx"),
         ],
     ),
     (

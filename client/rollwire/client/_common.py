@@ -24,6 +24,7 @@ from typing import Any, TypedDict
 
 import grpc
 
+from rollwire.common import kept
 from rollwire.common import push as protocol
 from rollwire.common.errors import Internal, RequestError, RollwireError
 from rollwire.common.errors import finite_number as _float
@@ -98,6 +99,7 @@ class GenerateOptions(TypedDict, total=False):
     stop: str | Sequence[str]
     seed: int | None
     ignore_eos: bool
+    return_kept_tokens: bool
     adapter: str | AdapterVersion | None
     group_key: str
     request_id: str
@@ -123,6 +125,7 @@ def _sampling(
     stop: str | Sequence[str],
     seed: int | None,
     ignore_eos: bool,
+    return_kept_tokens: bool = False,
 ) -> pb.SamplingParams:
     params = pb.SamplingParams(max_new_tokens=_int("max_new_tokens", max_new_tokens, 1, _UINT32))
     if temperature is not None:
@@ -142,6 +145,7 @@ def _sampling(
     if seed is not None:
         params.seed = _int("seed", seed, 0, _UINT64)
     params.ignore_eos = bool(ignore_eos)
+    params.return_kept_tokens = bool(return_kept_tokens)
     return params
 
 
@@ -156,6 +160,7 @@ def build_generate_request(
     stop: str | Sequence[str] = (),
     seed: int | None = None,
     ignore_eos: bool = False,
+    return_kept_tokens: bool = False,
     adapter: str | AdapterVersion | None = None,
     group_key: str = "",
     request_id: str = "",
@@ -163,7 +168,9 @@ def build_generate_request(
     """One validated GenerateRequest; unset optional params stay unset on the wire."""
     request = pb.GenerateRequest(n=_int("n", n, 1, _UINT32))
     _set_prompt(request, prompt)
-    request.sampling.CopyFrom(_sampling(max_new_tokens, temperature, top_p, top_k, stop, seed, ignore_eos))
+    request.sampling.CopyFrom(
+        _sampling(max_new_tokens, temperature, top_p, top_k, stop, seed, ignore_eos, return_kept_tokens)
+    )
     selector = parse_adapter(adapter)
     if selector is not None:
         request.adapter.name, request.adapter.version = selector.name, selector.version
@@ -322,6 +329,9 @@ class Tokens:
     logprobs: list[float]
     text: str
     adapter_version: int
+    kept_tokens: tuple[tuple[int, ...], ...] = ()
+    """With `return_kept_tokens`: per token, the ids top-k/top-p kept when it was sampled
+    (empty: the whole vocabulary); rollwire.common.kept."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -356,7 +366,9 @@ def events_from_pb(message: pb.GenerateResponse) -> list[StreamEvent]:
         adapter = AdapterVersion(s.adapter.name, s.adapter.version) if s.adapter.name else None
         events.append(Started(s.request_id, s.replica, adapter, list(s.prompt_token_ids)))
     for t in message.tokens:
-        events.append(Tokens(t.sample_index, list(t.token_ids), list(t.logprobs), t.text, t.adapter_version))
+        events.append(
+            Tokens(t.sample_index, list(t.token_ids), list(t.logprobs), t.text, t.adapter_version, _kept_sets(t))
+        )
     for f in message.finished:
         if f.finish_reason not in _FINISH:
             raise _protocol_error(f"sample {f.sample_index} finished without a finish reason")
@@ -364,6 +376,17 @@ def events_from_pb(message: pb.GenerateResponse) -> list[StreamEvent]:
     if not events:
         raise _protocol_error("a response message carries no event")
     return events
+
+
+def _kept_sets(chunk: pb.TokenChunk) -> tuple[tuple[int, ...], ...]:
+    if not chunk.kept_tokens:
+        return ()
+    if len(chunk.kept_tokens) != len(chunk.token_ids):
+        raise _protocol_error(f"{len(chunk.kept_tokens)} kept-token sets for {len(chunk.token_ids)} tokens")
+    try:
+        return tuple(tuple(kept.decode(k)) for k in chunk.kept_tokens)
+    except ValueError as exc:
+        raise _protocol_error(f"a kept-token set is malformed: {exc}") from None
 
 
 @dataclass(frozen=True, slots=True)
@@ -382,6 +405,8 @@ class Sample:
     token_versions: list[int]
     prompt_tokens: int
     completion_tokens: int
+    kept_tokens: list[tuple[int, ...]] = field(default_factory=list)
+    """With `return_kept_tokens`: parallel to token_ids, each token's kept set (empty: the whole vocabulary)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -403,6 +428,7 @@ class _Partial:
     logprobs: list[float] = field(default_factory=list)
     versions: list[int] = field(default_factory=list)
     text: list[str] = field(default_factory=list)
+    kept: list[tuple[int, ...]] = field(default_factory=list)
 
 
 class GroupAccumulator:
@@ -447,6 +473,7 @@ class GroupAccumulator:
         part.logprobs += event.logprobs
         part.versions += [event.adapter_version] * len(event.token_ids)
         part.text.append(event.text)
+        part.kept += event.kept_tokens
 
     def _finish(self, event: Finished) -> Sample:
         assert self._started is not None
@@ -464,6 +491,7 @@ class GroupAccumulator:
             token_versions=part.versions,
             prompt_tokens=event.prompt_tokens,
             completion_tokens=event.completion_tokens,
+            kept_tokens=part.kept,
         )
         self._done[event.index] = sample
         return sample

@@ -185,6 +185,12 @@ def _add_generate(commands: Any) -> None:
     p.add_argument("--stop", action="append", default=[], metavar="STR", help="stop string; repeat for several")
     p.add_argument("--ignore-eos", action="store_true", help="do not stop at end-of-sequence")
     p.add_argument(
+        "--kept-tokens",
+        dest="return_kept_tokens",
+        action="store_true",
+        help="with --json: each token's kept set under top-k/top-p (kept_token_ids, parallel to token_ids)",
+    )
+    p.add_argument(
         "--adapter",
         type=_adapter_arg,
         metavar="NAME@VERSION",
@@ -259,6 +265,8 @@ def result_to_json(result: GenerateResult) -> dict[str, Any]:
             "logprobs": s.logprobs,
             "finish_reason": s.finish_reason,
             "adapter_version": s.adapter_version,
+            "token_versions": s.token_versions,
+            **({"kept_token_ids": [list(k) for k in s.kept_tokens]} if s.kept_tokens else {}),
         }
         for s in result.samples
     ]

@@ -246,6 +246,9 @@ class Reason(StrEnum):
     UNKNOWN_REPLICA = "UNKNOWN_REPLICA"
     """NOT_FOUND; do not retry: No replica of that address is registered."""
 
+    KEPT_TOKENS_UNSUPPORTED = "KEPT_TOKENS_UNSUPPORTED"
+    """FAILED_PRECONDITION; do not retry: The replica's engine cannot return kept-token sets (`return_kept_tokens`)."""
+
     # -- The proxy's HTTP front door (docs/http.md) ------------------------------------------
     UNSUPPORTED_FIELD = "UNSUPPORTED_FIELD"
     """INVALID_ARGUMENT; do not retry: An HTTP request sets a field rollwire cannot honour (named in the message)."""
@@ -261,5 +264,6 @@ class Reason(StrEnum):
     """NOT_FOUND; do not retry: The `model` names an adapter version unloaded through the HTTP door."""
     NO_CHAT_TEMPLATE = "NO_CHAT_TEMPLATE"
     """FAILED_PRECONDITION; do not retry: Chat needs `http.model_path` with a tokenizer that has a chat template."""
+
 
 __all__ = ["Reason"]

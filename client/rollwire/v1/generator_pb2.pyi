@@ -25,7 +25,7 @@ class TokenIds(_message.Message):
     def __init__(self, ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class SamplingParams(_message.Message):
-    __slots__ = ("max_new_tokens", "temperature", "top_p", "top_k", "stop", "seed", "ignore_eos")
+    __slots__ = ("max_new_tokens", "temperature", "top_p", "top_k", "stop", "seed", "ignore_eos", "return_kept_tokens")
     MAX_NEW_TOKENS_FIELD_NUMBER: _ClassVar[int]
     TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
     TOP_P_FIELD_NUMBER: _ClassVar[int]
@@ -33,6 +33,7 @@ class SamplingParams(_message.Message):
     STOP_FIELD_NUMBER: _ClassVar[int]
     SEED_FIELD_NUMBER: _ClassVar[int]
     IGNORE_EOS_FIELD_NUMBER: _ClassVar[int]
+    RETURN_KEPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     max_new_tokens: int
     temperature: float
     top_p: float
@@ -40,7 +41,8 @@ class SamplingParams(_message.Message):
     stop: _containers.RepeatedScalarFieldContainer[str]
     seed: int
     ignore_eos: bool
-    def __init__(self, max_new_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., seed: _Optional[int] = ..., ignore_eos: _Optional[bool] = ...) -> None: ...
+    return_kept_tokens: bool
+    def __init__(self, max_new_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., seed: _Optional[int] = ..., ignore_eos: _Optional[bool] = ..., return_kept_tokens: _Optional[bool] = ...) -> None: ...
 
 class AdapterRef(_message.Message):
     __slots__ = ("name", "version")
@@ -81,18 +83,20 @@ class GenerationStarted(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., adapter: _Optional[_Union[AdapterRef, _Mapping]] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., replica: _Optional[str] = ...) -> None: ...
 
 class TokenChunk(_message.Message):
-    __slots__ = ("sample_index", "token_ids", "logprobs", "text", "adapter_version")
+    __slots__ = ("sample_index", "token_ids", "logprobs", "text", "adapter_version", "kept_tokens")
     SAMPLE_INDEX_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     TEXT_FIELD_NUMBER: _ClassVar[int]
     ADAPTER_VERSION_FIELD_NUMBER: _ClassVar[int]
+    KEPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     sample_index: int
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     logprobs: _containers.RepeatedScalarFieldContainer[float]
     text: str
     adapter_version: int
-    def __init__(self, sample_index: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[float]] = ..., text: _Optional[str] = ..., adapter_version: _Optional[int] = ...) -> None: ...
+    kept_tokens: _containers.RepeatedScalarFieldContainer[bytes]
+    def __init__(self, sample_index: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[float]] = ..., text: _Optional[str] = ..., adapter_version: _Optional[int] = ..., kept_tokens: _Optional[_Iterable[bytes]] = ...) -> None: ...
 
 class SampleFinished(_message.Message):
     __slots__ = ("sample_index", "finish_reason", "prompt_tokens", "completion_tokens")

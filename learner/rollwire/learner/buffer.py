@@ -34,6 +34,9 @@ class ScoredSample:
     finish_reason: str
     reward: float
     correct: bool
+    kept_tokens: list[list[int]] = field(default_factory=list)
+    """When sampled with top-k/top-p and asked for: each token's kept set (empty: the whole
+    vocabulary), so the loss computes its logprob over the same truncated distribution."""
 
 
 @dataclass

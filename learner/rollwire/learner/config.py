@@ -86,7 +86,14 @@ class RolloutSection(Section):
     max_new_tokens: int = Field(default=8, ge=1)
     """Completion length limit."""
     temperature: float = Field(default=1.0, gt=0)
-    """Sampling temperature; the learner divides its logits by the same value (top-k/top-p stay off)."""
+    """Sampling temperature; the learner divides its logits by the same value."""
+    top_p: float = Field(default=1.0, gt=0, le=1)
+    """Nucleus sampling mass; 1 = off."""
+    top_k: int = Field(default=0, ge=0)
+    """Keep the k most likely tokens; 0 = off."""
+    exact_truncated_ratio: bool = Field(default=True)
+    """With top_p or top_k on: ask the generators for each token's kept set and compute the learner's logprob over that
+    same truncated set, so pi/mu is exact (docs/learner.md); false = over the whole vocabulary (biased)."""
     retry_backoff_s: float = Field(default=0.5, ge=0)
     """Pause after an UNAVAILABLE or busy target before asking again."""
 

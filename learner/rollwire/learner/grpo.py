@@ -37,10 +37,22 @@ def group_advantages(rewards: torch.Tensor, normalize_std: bool = True, eps: flo
     return centred / (rewards.std(dim=1, unbiased=False, keepdim=True) + eps)
 
 
-def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
-    """log p(token) under softmax(logits / T), in fp32: [B, T, V], [B, T] -> [B, T]."""
-    logprobs = torch.log_softmax(logits.float() / temperature, dim=-1)
-    return logprobs.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
+def token_logprobs(
+    logits: torch.Tensor, tokens: torch.Tensor, temperature: float = 1.0, kept: torch.Tensor | None = None
+) -> torch.Tensor:
+    """log p(token) under softmax(logits / T), in fp32: [B, T, V], [B, T] -> [B, T].
+
+    `kept` [B, T, K] (token ids, -1 padding) renormalises over each position's kept set
+    instead of the whole vocabulary: the truncated distribution top-k/top-p sampled from. A
+    position whose row is all -1 keeps the whole vocabulary."""
+    scaled = logits.float() / temperature
+    picked = scaled.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
+    norm = torch.logsumexp(scaled, dim=-1)
+    if kept is not None and kept.numel():
+        present = kept >= 0
+        gathered = scaled.gather(-1, kept.clamp(min=0)).masked_fill(~present, float("-inf"))
+        norm = torch.where(present.any(-1), torch.logsumexp(gathered, dim=-1), norm)
+    return picked - norm
 
 
 @dataclass

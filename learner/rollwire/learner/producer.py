@@ -138,6 +138,9 @@ class Producer:
                 self.cfg.n,
                 max_new_tokens=self.cfg.max_new_tokens,
                 temperature=self.cfg.temperature,
+                top_p=self.cfg.top_p,
+                top_k=self.cfg.top_k,
+                return_kept_tokens=self.cfg.exact_truncated_ratio and (self.cfg.top_p < 1 or self.cfg.top_k > 0),
                 seed=seed,
                 adapter=self.adapter,
                 group_key=str(example.id),
@@ -176,6 +179,7 @@ class Producer:
                     s.finish_reason,
                     reward,
                     is_correct(s.text, example.answer),
+                    [list(k) for k in s.kept_tokens],
                 )
             )
         version = result.adapter.version if result.adapter else 0

@@ -156,12 +156,13 @@ class Trainer:
         ids, mask = rows.ids.to(self.device), rows.attention.to(self.device)
         logits = self.model(input_ids=ids, attention_mask=mask).logits[:, :-1]
         targets = ids[:, 1:]
-        logp = token_logprobs(logits, targets, self.temperature)
+        kept = rows.kept.to(self.device) if rows.kept is not None else None
+        logp = token_logprobs(logits, targets, self.temperature, kept)
         ref = None
         if self.cfg.kl_coef > 0:
             with torch.no_grad(), self.model.disable_adapter():
                 ref = token_logprobs(
-                    self.model(input_ids=ids, attention_mask=mask).logits[:, :-1], targets, self.temperature
+                    self.model(input_ids=ids, attention_mask=mask).logits[:, :-1], targets, self.temperature, kept
                 )
         behaviour = rows.behaviour.to(self.device)
         batch = LossBatch(
@@ -180,7 +181,8 @@ class Trainer:
             logits = self.model(
                 input_ids=rows.ids.to(self.device), attention_mask=rows.attention.to(self.device)
             ).logits
-            logp = token_logprobs(logits[:, :-1], rows.ids[:, 1:].to(self.device), self.temperature).cpu()
+            kept = rows.kept.to(self.device) if rows.kept is not None else None
+            logp = token_logprobs(logits[:, :-1], rows.ids[:, 1:].to(self.device), self.temperature, kept).cpu()
         return [logp[i][rows.completion[i] > 0].tolist() for i in range(len(logp))]
 
 
@@ -211,6 +213,8 @@ class _Rows:
     advantages: torch.Tensor
     fresh: torch.Tensor
     """Completion tokens sampled by exactly the version being trained."""
+    kept: torch.Tensor | None = None
+    """[rows, T, K] kept-set ids of truncated sampling (-1 padding), or None when no sample has any."""
 
 
 def _rows(groups: list[ScoredGroup], advantages: torch.Tensor, version: int) -> _Rows:
@@ -233,7 +237,20 @@ def _rows(groups: list[ScoredGroup], advantages: torch.Tensor, version: int) -> 
         behaviour[i, first:last] = torch.tensor(sample.logprobs)
         adv[i, first:last] = a
         fresh[i, first:last] = torch.tensor([float(v == version) for v in sample.token_versions])
-    return _Rows(ids, attention, completion, behaviour, adv, fresh)
+    return _Rows(ids, attention, completion, behaviour, adv, fresh, _kept(seqs, width))
+
+
+def _kept(seqs: list, width: int) -> torch.Tensor | None:
+    """The samples' kept sets aligned with the targets, padded with -1; None when none has one."""
+    size = max((len(k) for _, s, _ in seqs for k in s.kept_tokens), default=0)
+    if not size:
+        return None
+    kept = torch.full((len(seqs), width - 1, size), -1, dtype=torch.long)
+    for i, (prompt, sample, _) in enumerate(seqs):
+        for j, ids in enumerate(sample.kept_tokens):
+            if ids:
+                kept[i, len(prompt) - 1 + j, : len(ids)] = torch.tensor(ids)
+    return kept
 
 
 class _Totals:

@@ -38,6 +38,16 @@ class GeneratorMetrics:
             buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256),
         )
         self.adapter_version = m.gauge("adapter_version", "Newest loaded version per adapter.", ["adapter"])
+        self.served_tokens = m.counter(
+            "served_tokens_total",
+            "Completion tokens served, by adapter (base for none) and how many versions behind that adapter's newest "
+            "servable version here the version that produced them was (0, 1, 2, 3+).",
+            ["adapter", "behind"],
+        )
+        self.served_tokens.labels("base", "0")
+        self.served_version = m.gauge(
+            "served_version", "Adapter version of the tokens this replica served last, per adapter.", ["adapter"]
+        )
         self.adapter_versions_loaded = m.gauge(
             "adapter_versions_loaded", "Versions of each adapter loaded.", ["adapter"]
         )

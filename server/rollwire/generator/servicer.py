@@ -114,10 +114,10 @@ class GeneratorServicer(generator_pb2_grpc.GeneratorServiceServicer):
                         if first_token_at is None:  # the first token the client gets, gathered or not
                             first_token_at = time.monotonic()
                             self.metrics.ttft.observe(first_token_at - start)
-                        yield self._to_response(gathered)
+                        yield self._to_response(gathered, selection.name)
                         gathered = []
                 if gathered:
-                    yield self._to_response(gathered)
+                    yield self._to_response(gathered, selection.name)
         except RollwireError as err:
             code = err.code
             log.info("generate_refused", code=code.name, reason=err.reason, error=err.message)
@@ -262,20 +262,41 @@ class GeneratorServicer(generator_pb2_grpc.GeneratorServiceServicer):
             stop=tuple(s.stop),
             seed=s.seed if s.HasField("seed") else None,
             ignore_eos=s.ignore_eos,
+            return_kept=self._kept_tokens(s.return_kept_tokens),
         )
 
-    def _to_response(self, events: list) -> pb.GenerateResponse:
+    def _count_served(self, adapter: str, version: int, tokens: int) -> None:
+        """Tokens served per adapter and how stale their version was against the newest here."""
+        newest = max(self.registry.loaded().get(adapter, [version])) if adapter else 0
+        behind = max(0, newest - version)
+        label = adapter or "base"
+        self.metrics.served_tokens.labels(label, str(behind) if behind < 3 else "3+").inc(tokens)
+        self.metrics.served_version.labels(label).set(version)
+
+    def _kept_tokens(self, asked: bool) -> bool:
+        """The request's `return_kept_tokens`, refused when this replica's engine cannot honour it."""
+        if asked and not getattr(self.engine, "returns_kept_tokens", False):
+            raise FailedPrecondition(
+                f"this replica's engine ({self.config.engine}) cannot return kept-token sets; send the request without "
+                "return_kept_tokens, or to a transformers replica",
+                reason=Reason.KEPT_TOKENS_UNSUPPORTED,
+            )
+        return asked
+
+    def _to_response(self, events: list, adapter: str = "") -> pb.GenerateResponse:
         """One message for everything ready together: a chunk per sample, then finishes."""
         msg = pb.GenerateResponse()
         for ev in coalesce(events):
             if isinstance(ev, TokenDelta):
                 self.metrics.tokens.labels("completion").inc(len(ev.token_ids))
+                self._count_served(adapter, ev.version, len(ev.token_ids))
                 msg.tokens.add(
                     sample_index=ev.sample_index,
                     token_ids=ev.token_ids,
                     logprobs=ev.logprobs,
                     text=ev.text,
                     adapter_version=ev.version,
+                    kept_tokens=ev.kept,
                 )
             else:
                 msg.finished.add(

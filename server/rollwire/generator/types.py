@@ -29,6 +29,8 @@ class SamplingParams:
     stop: tuple[str, ...] = ()
     seed: int | None = None
     ignore_eos: bool = False
+    return_kept: bool = False
+    """Report each token's kept set (TokenDelta.kept; rollwire.common.kept)."""
 
 
 @dataclass(frozen=True)
@@ -60,6 +62,8 @@ class TokenDelta:
     logprobs: list[float]
     text: str
     version: int
+    kept: list[bytes] = field(default_factory=list)
+    """When the request asked for it: each token's kept set, encoded (rollwire.common.kept)."""
 
 
 @dataclass
@@ -90,9 +94,10 @@ def coalesce(events: list[Event]) -> list[Event]:
                 prev.token_ids.extend(ev.token_ids)
                 prev.logprobs.extend(ev.logprobs)
                 prev.text += ev.text
+                prev.kept.extend(ev.kept)
                 continue
             merged[ev.sample_index] = TokenDelta(
-                ev.sample_index, list(ev.token_ids), list(ev.logprobs), ev.text, ev.version
+                ev.sample_index, list(ev.token_ids), list(ev.logprobs), ev.text, ev.version, list(ev.kept)
             )
             out.append(merged[ev.sample_index])
         else:

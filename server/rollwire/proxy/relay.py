@@ -36,11 +36,11 @@ class Relay(Exception):
             except ValueError:
                 continue
             for detail in status.details:
-                if detail.Is(error_details_pb2.ErrorInfo.DESCRIPTOR):
+                if detail.Is(error_details_pb2.ErrorInfo.DESCRIPTOR):  # pyright: ignore[reportArgumentType]  # upb descriptors at run time
                     info = error_details_pb2.ErrorInfo()
                     detail.Unpack(info)
                     reason = info.reason
-                elif detail.Is(error_details_pb2.RetryInfo.DESCRIPTOR):
+                elif detail.Is(error_details_pb2.RetryInfo.DESCRIPTOR):  # pyright: ignore[reportArgumentType]  # upb descriptors at run time
                     retry = error_details_pb2.RetryInfo()
                     detail.Unpack(retry)
                     retry_after = retry.retry_delay.ToMilliseconds() / 1000

@@ -47,6 +47,7 @@ from typing import Any
 
 import torch
 
+from rollwire.common import kept
 from rollwire.common.errors import FailedPrecondition, Internal, InvalidArgument
 from rollwire.common.logs import get_logger
 from rollwire.common.reasons import Reason
@@ -143,6 +144,8 @@ class TransformersEngine:
     docstring for the batching loop."""
 
     name = "transformers"
+    returns_kept_tokens = True
+    """Reports each token's kept set when a request asks (SamplingParams.return_kept)."""
     _lora: LoraSet  # set by _load, with the model
 
     def __init__(
@@ -388,9 +391,9 @@ class TransformersEngine:
         uniforms = row_uniforms(params, [r.generator for r in rows])  # drawn once: a retry reuses them
         failed: dict[int, Exception] = {}
         try:
-            tokens, chosen, broken = _sample(logits, params, uniforms)
+            tokens, chosen, broken, kept_sets = _sample(logits, params, uniforms)
         except Exception:  # find the group to blame: redo the step group by group
-            tokens, chosen, broken = self._sample_by_group(rows, logits, params, uniforms, failed)
+            tokens, chosen, broken, kept_sets = self._sample_by_group(rows, logits, params, uniforms, failed)
         for i, where in enumerate(broken):
             if where is not None:
                 failed.setdefault(id(rows[i].group), _NonFinite(where))
@@ -401,7 +404,7 @@ class TransformersEngine:
             if id(group) in failed:
                 continue
             try:
-                events, finished = self._advance(row, tokens[i], chosen[i])
+                events, finished = self._advance(row, tokens[i], chosen[i], kept_sets[i])
             except Exception as exc:
                 failed[id(group)] = exc
                 continue
@@ -439,32 +442,36 @@ class TransformersEngine:
 
     def _sample_by_group(
         self, rows: list[_Row], logits: torch.Tensor, params: list, uniforms: torch.Tensor, failed: dict
-    ) -> tuple[list[int], list[float], list[str | None]]:
+    ) -> tuple[list[int], list[float], list[str | None], list[bytes]]:
         """The whole-batch sampling raised: sample each group alone (same uniforms, so the
         groups that do not raise get the tokens they would have had), and record the ones
         that raise in `failed`."""
         tokens, chosen = [0] * len(rows), [0.0] * len(rows)
         broken: list[str | None] = [None] * len(rows)
+        kept_sets = [b""] * len(rows)
         by_group: dict[int, list[int]] = {}
         for i, r in enumerate(rows):
             by_group.setdefault(id(r.group), []).append(i)
         for key, idxs in by_group.items():
             index = torch.tensor(idxs, device=logits.device)
             try:
-                t, c, b = _sample(logits[index], [params[i] for i in idxs], uniforms[idxs])
+                t, c, b, ks = _sample(logits[index], [params[i] for i in idxs], uniforms[idxs])
             except Exception as exc:
                 failed[key] = exc
                 continue
             for k, i in enumerate(idxs):
-                tokens[i], chosen[i], broken[i] = t[k], c[k], b[k]
-        return tokens, chosen, broken
+                tokens[i], chosen[i], broken[i], kept_sets[i] = t[k], c[k], b[k], ks[k]
+        return tokens, chosen, broken, kept_sets
 
-    def _advance(self, row: _Row, token: int, logprob: float) -> tuple[list, bool]:
+    def _advance(self, row: _Row, token: int, logprob: float, kept_set: bytes = b"") -> tuple[list, bool]:
         """Append one sampled token to a row: its events and whether the sample finished."""
         group = row.group
         row.generated += 1
         row.last_token = token
-        events: list = [TokenDelta(row.index, [token], [logprob], row.text.add(token), group.req.adapter.version)]
+        version = group.req.adapter.version
+        events: list = [TokenDelta(row.index, [token], [logprob], row.text.add(token), version)]
+        if group.req.sampling.return_kept:
+            events[0].kept.append(kept_set)
         reason = self._finish_reason(row, token)
         if reason is None:
             return events, False
@@ -501,8 +508,9 @@ class _NonFinite(Exception):
 
 def _sample(
     logits: torch.Tensor, params: list[SamplingParams], uniforms: torch.Tensor
-) -> tuple[list[int], list[float], list[str | None]]:
-    """One token per row: the tokens, their logprobs, and per row None or where it met NaN/+inf.
+) -> tuple[list[int], list[float], list[str | None], list[bytes]]:
+    """One token per row: the tokens, their logprobs, per row None or where it met NaN/+inf,
+    and each row's kept set (`_kept_sets`).
 
     Pure (the uniforms are drawn before), so a retry of some of the rows gives them the
     same tokens."""
@@ -518,7 +526,17 @@ def _sample(
                 broken[i] = "the sampling distribution"
             elif tok:
                 broken[i] = "the sampled token's logprob"
-    return tokens.tolist(), chosen.tolist(), broken
+    return tokens.tolist(), chosen.tolist(), broken, _kept_sets(logprobs, params)
+
+
+def _kept_sets(logprobs: torch.Tensor, params: list[SamplingParams]) -> list[bytes]:
+    """Per row that asked for it (return_kept) and was truncated (top-k or top-p, not greedy):
+    the ids its distribution kept (finite logprobs), encoded; b"" otherwise (the whole vocabulary)."""
+    out = [b""] * len(params)
+    for i, p in enumerate(params):
+        if p.return_kept and p.temperature > 0 and (p.top_k or p.top_p < 1.0):
+            out[i] = kept.encode(torch.isfinite(logprobs[i]).nonzero()[:, 0].tolist())
+    return out
 
 
 def _row_error(group: _Group, exc: Exception):

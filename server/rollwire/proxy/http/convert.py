@@ -18,6 +18,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from rollwire.common import kept
 from rollwire.proxy.http.names import ModelRef
 from rollwire.proxy.http.openai import ChatBody, CompletionBody
 from rollwire.v1 import generator_pb2 as pb
@@ -29,7 +30,12 @@ def generate_request(
     body: CompletionBody | ChatBody, prompt: str | list[int], ref: ModelRef, max_tokens: int, rid: str
 ) -> pb.GenerateRequest:
     """The gRPC request for one prompt of `body` (its n samples: one group)."""
-    sampling = pb.SamplingParams(max_new_tokens=max_tokens, stop=body.stop_list(), ignore_eos=body.ignore_eos)
+    sampling = pb.SamplingParams(
+        max_new_tokens=max_tokens,
+        stop=body.stop_list(),
+        ignore_eos=body.ignore_eos,
+        return_kept_tokens=body.return_kept_tokens,
+    )
     if body.temperature is not None:
         sampling.temperature = body.temperature
     if body.top_p is not None:
@@ -55,6 +61,7 @@ class Choice:
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     text: list[str] = field(default_factory=list)
+    kept: list[list[int]] = field(default_factory=list)
     version: int = 0
     finish: str | None = None
     stop_reason: str | None = None
@@ -93,6 +100,7 @@ class Group:
             c.token_ids.extend(chunk.token_ids)
             c.logprobs.extend(chunk.logprobs)
             c.text.append(chunk.text)
+            c.kept.extend(kept.decode(k) for k in chunk.kept_tokens)
             c.version = chunk.adapter_version or c.version
             added.append((chunk.sample_index, chunk, None))
         for done in message.finished:
@@ -156,6 +164,8 @@ def completion_response(
             if body.return_token_ids:
                 choice["token_ids"] = list(c.token_ids)
                 choice["prompt_token_ids"] = list(g.prompt_ids)
+            if body.return_kept_tokens:
+                choice["kept_token_ids"] = c.kept
             choices.append(choice)
     return {
         "id": f"cmpl-{rid}",
@@ -180,6 +190,8 @@ def chat_response(body: ChatBody, group: Group, model: str, rid: str, token_text
         }
         if body.return_token_ids:
             choice["token_ids"] = list(c.token_ids)
+        if body.return_kept_tokens:
+            choice["kept_token_ids"] = c.kept
         choices.append(choice)
     out: dict[str, Any] = {
         "id": f"chatcmpl-{rid}",

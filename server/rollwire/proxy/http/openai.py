@@ -42,6 +42,8 @@ class _Sampling(_Body):
     return_token_ids: bool = False
     """vLLM's extension: the prompt's and each choice's token ids."""
     ignore_eos: bool = False
+    return_kept_tokens: bool = False
+    """rollwire's extension: each choice's `kept_token_ids`, per token the ids top-k/top-p kept (docs/http.md)."""
     include_stop_str_in_output: bool = False
     user: str | None = Field(default=None, max_length=256)
     """Accepted and not used (OpenAI's end-user tag)."""
