@@ -263,6 +263,11 @@ def print_table(s: dict, run: Path) -> None:
         ("groups dropped", dropped),
         ("reward curve", s["reward_curve"] or f"skipped: {MISSING}"),
     ]
+    print_rows(rows)
+
+
+def print_rows(rows: list[tuple[str, str]]) -> None:
+    """The end-of-run table: a blank line, then one `name  value` line per row."""
     say("")
     for name, value in rows:
         say(f"  {name:<22}{value}")

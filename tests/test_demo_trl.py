@@ -1,0 +1,106 @@
+"""`make demo-trl`: TRL's AsyncGRPOTrainer through the proxy's HTTP door (rollwire.demo.trl).
+
+The pure pieces (the chat template TRL renders prompts with, the reward in TRL's shape) are
+checked alone; a short run of the whole demo (two replicas, the proxy's door, TRL's trainer
+and its spawned rollout worker, a few steps) checks what the demo promises: TRL trained
+through the door, every version it loaded reached both replicas, and step 1's ratio is 1
+(the replicas' logprobs are the trainer's own).
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from rollwire.learner.task import addition_examples
+
+
+def test_the_chat_template_renders_a_user_message_as_the_raw_task_prompt():
+    from rollwire.demo.tiny_model import build_tokenizer
+
+    tokenizer = build_tokenizer()
+    prompt = addition_examples(0.1)[0][7].prompt
+    messages = [{"role": "user", "content": prompt}]
+    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_dict=False)  # as TRL calls it
+    assert tokenizer.apply_chat_template(messages, tokenize=False) == prompt
+    assert list(ids) == tokenizer.encode(prompt)  # what the model was taught, token for token
+    chat = [{"role": "user", "content": prompt}, {"role": "assistant", "content": "052"}]
+    assert tokenizer.apply_chat_template(chat, tokenize=False) == f"{prompt}052</s>"
+
+
+def test_a_completion_parses_back_to_its_text_without_eos():
+    pytest.importorskip("trl")
+    from trl.chat_template_utils import parse_response
+
+    from rollwire.demo.tiny_model import build_tokenizer
+
+    tokenizer = build_tokenizer()
+    prompt = tokenizer.encode("07+45=")
+    eos: int = tokenizer.eos_token_id  # pyright: ignore[reportAssignmentType]  # the tiny tokenizer defines it
+    reply = parse_response(tokenizer, [*tokenizer.encode("052"), eos], prefix=prompt)
+    assert reply == {"role": "assistant", "content": "052"}
+    assert parse_response(tokenizer, tokenizer.encode("05"), prefix=prompt)["content"] == "05"  # cut at max tokens
+
+
+def test_the_reward_is_the_learners_exact_match_in_trls_shape():
+    pytest.importorskip("trl")
+    from rollwire.demo.trl_trainer import exact_match_reward
+
+    completions = [[{"role": "assistant", "content": "052"}], [{"role": "assistant", "content": " 052 "}], [], "051"]
+    assert exact_match_reward(completions, ["052", "052", "052", "052"], prompts=[None] * 4) == [1.0, 1.0, 0.0, 0.0]
+    with pytest.raises(ValueError):
+        exact_match_reward(completions, ["052"])  # lengths must agree
+
+
+@pytest.mark.integration
+@pytest.mark.slow
+def test_a_short_demo_trains_through_the_door_and_both_replicas_serve_every_version(taught_model, tmp_path):
+    pytest.importorskip("trl")
+    runs = tmp_path / "runs"
+    cmd = [
+        sys.executable, "-m", "rollwire.demo.trl", "--budget-s", "30", "--max-steps", "5", "--timeout-s", "120",
+        "--runs-dir", str(runs), "--model-dir", str(taught_model),
+    ]  # fmt: skip
+    result = subprocess.run(cmd, capture_output=True, text=True, timeout=240)
+    run = (runs / "latest").resolve()
+    trainer_log = (run / "trainer.log").read_text(errors="replace") if (run / "trainer.log").exists() else ""
+    assert result.returncode == 0, f"{result.stdout[-3000:]}\n{result.stderr[-3000:]}\n{trainer_log[-3000:]}"
+
+    summary = json.loads((run / "summary.json").read_text())
+    steps = [json.loads(line) for line in (run / "trl" / "steps.jsonl").read_text().splitlines()]
+    assert 2 <= summary["steps"] == len(steps) <= 5  # max_steps 5 stops it first unless the machine crawls
+    assert summary["versions"] == [1, summary["steps"] + 1]  # a cold sync, then one version per step
+    assert [s["step"] for s in steps] == list(range(1, summary["steps"] + 1))
+    assert steps[0]["ratio"] == pytest.approx(1.0, abs=1e-3)  # the replicas' logprobs are the trainer's
+    assert steps[0]["sample/staleness_max"] == 0
+    assert summary["accuracy_before"] is not None and summary["accuracy_after"] is not None
+
+    replicas = summary["replicas"]
+    assert len(replicas) == 2 and summary["every_version_on_every_replica"]
+    for replica in replicas.values():
+        assert replica["missed"] == [] and summary["versions"][1] in replica["loaded_now"]
+    assert summary["pushes"] >= summary["versions"][1]  # each load through the door was one push
+    door = summary["http"]
+    assert door["/v1/load_lora_adapter"]["requests"] == summary["versions"][1]
+    assert door["/v1/completions"]["requests"] >= summary["steps"] * 64  # one request per sample, as TRL sends
+    assert not any(route["not_200"] for route in door.values())  # TRL's every call answered, none retried
+    assert "rollwire.demo.trl_cpu's CPU stand-ins" in trainer_log
+    assert "every version served  yes, on every replica" in result.stdout
+    assert_door_saw_trl(Path(run / "proxy.log"), summary["versions"][1])
+
+
+def assert_door_saw_trl(proxy_log: Path, last_version: int) -> None:
+    """Every version TRL loaded was published by the proxy (one adapter_published line each)."""
+    published = set()
+    for line in proxy_log.read_text().splitlines():
+        try:
+            event = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        if event.get("event") == "adapter_published" and event.get("adapter") == "trl-policy":
+            published.add(event["version"])
+    assert published == set(range(1, last_version + 1))
