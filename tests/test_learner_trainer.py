@@ -92,3 +92,29 @@ def test_kl_is_zero_before_training_and_positive_after(tiny_model):
     assert first.kl == pytest.approx(0.0, abs=1e-7)  # LoRA B starts at zero: policy == reference
     second = trainer.step(groups(trainer), version=2)
     assert second.kl > 0
+
+
+def test_tokens_older_than_the_token_limit_never_reach_the_loss(tiny_model):
+    """buffer.max_token_staleness masks a following sample's old tokens, whatever their
+    behaviour logprobs say: the step equals the step on the same samples with their fresh
+    tokens only, and its stats count what was masked."""
+
+    def followed(behaviour_of_old: float) -> list[ScoredGroup]:
+        data = groups(None)
+        for g in data:
+            for s in g.samples:
+                s.token_versions = [1, 5, 5]  # the first token came from version 1, the rest from 5
+                s.logprobs = [behaviour_of_old, -1.0, -1.0]
+        return data
+
+    def step(behaviour_of_old: float):
+        trainer = Trainer(tiny_model, TrainSection(lr=1e-2, groups_per_step=2), 1.0, seed=0, max_token_staleness=2)
+        stats = trainer.step(followed(behaviour_of_old), version=5)
+        return stats, trainer.adapter_payload()
+
+    (a, payload_a), (b, payload_b) = step(-1.0), step(-9.0)
+    assert a.stale_tokens_masked == b.stale_tokens_masked == 2 * 4
+    assert a.token_staleness_max == 4 and a.token_staleness_mean == pytest.approx(4 / 3)
+    assert a.loss == pytest.approx(b.loss, abs=1e-7) and payload_a == payload_b
+    unmasked = Trainer(tiny_model, TrainSection(lr=1e-2, groups_per_step=2), 1.0, seed=0).step(followed(-9.0), version=5)
+    assert unmasked.stale_tokens_masked == 0 and unmasked.loss != pytest.approx(a.loss, abs=1e-4)

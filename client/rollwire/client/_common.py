@@ -101,6 +101,7 @@ class GenerateOptions(TypedDict, total=False):
     ignore_eos: bool
     return_kept_tokens: bool
     adapter: str | AdapterVersion | None
+    follow: bool
     group_key: str
     request_id: str
 
@@ -162,6 +163,7 @@ def build_generate_request(
     ignore_eos: bool = False,
     return_kept_tokens: bool = False,
     adapter: str | AdapterVersion | None = None,
+    follow: bool = False,
     group_key: str = "",
     request_id: str = "",
 ) -> pb.GenerateRequest:
@@ -174,6 +176,10 @@ def build_generate_request(
     selector = parse_adapter(adapter)
     if selector is not None:
         request.adapter.name, request.adapter.version = selector.name, selector.version
+    if follow:
+        if selector is None or selector.version:
+            raise RequestError("follow=True needs adapter='NAME' or 'NAME@latest': a pinned version cannot be followed")
+        request.adapter.follow = True
     if not isinstance(group_key, str) or not isinstance(request_id, str):
         raise RequestError("group_key and request_id must be strings")
     request.group_key, request.request_id = group_key, request_id

@@ -196,6 +196,11 @@ def _add_generate(commands: Any) -> None:
         metavar="NAME@VERSION",
         help="adapter to sample from: NAME, NAME@latest or NAME@3 (default: base model)",
     )
+    p.add_argument(
+        "--follow",
+        action="store_true",
+        help="with --adapter NAME@latest: running samples switch to each newly committed version (token_versions in --json)",
+    )
     p.add_argument("--group-key", default="", help="affinity routing key at a proxy")
     p.add_argument("--request-id", default="", help="id for logs across services")
     p.add_argument("--token-ids", action="store_true", help="PROMPT is token ids separated by commas or spaces")

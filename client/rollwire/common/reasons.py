@@ -91,6 +91,10 @@ class Reason(StrEnum):
     """INVALID_ARGUMENT; do not retry: The relay plan is malformed or too large."""
     RELAY_DISABLED = "RELAY_DISABLED"
     """FAILED_PRECONDITION; do not retry: This replica does not relay; push without a plan."""
+    RELAY_NOT_PLANNED = "RELAY_NOT_PLANNED"
+    """PERMISSION_DENIED; do not retry: The relay plan names an address its proxy did not plan (no valid grant)."""
+    RELAY_LOOP = "RELAY_LOOP"
+    """FAILED_PRECONDITION; do not retry: The relay plan leads back to the receiver (its own address or an alias)."""
     NO_MANIFEST = "NO_MANIFEST"
     """INVALID_ARGUMENT; do not retry: The push did not open with a manifest."""
     SECOND_MANIFEST = "SECOND_MANIFEST"
@@ -214,7 +218,9 @@ class Reason(StrEnum):
     NO_ROLE = "NO_ROLE"
     """PERMISSION_DENIED; do not retry: The method has no role assigned on this server."""
     WRONG_ROLE = "WRONG_ROLE"
-    """PERMISSION_DENIED; do not retry: The method needs the admin role."""
+    """PERMISSION_DENIED; do not retry: The token's role does not grant this method, or this use of it."""
+    NOT_OWN_ADDRESS = "NOT_OWN_ADDRESS"
+    """PERMISSION_DENIED; do not retry: A `register` token may register, drain or remove only its own address."""
 
     # -- The proxy --------------------------------------------------------------------------
     CLIENT_LIMIT = "CLIENT_LIMIT"
@@ -245,7 +251,15 @@ class Reason(StrEnum):
     """INVALID_ARGUMENT; do not retry: A registered address is not HOST:PORT."""
     UNKNOWN_REPLICA = "UNKNOWN_REPLICA"
     """NOT_FOUND; do not retry: No replica of that address is registered."""
+    BAD_TTL = "BAD_TTL"
+    """INVALID_ARGUMENT; do not retry: `ttl_seconds` is over `registration.max_ttl_s`, or 0 from a `register` token."""
+    TOO_MANY_MEMBERS = "TOO_MANY_MEMBERS"
+    """RESOURCE_EXHAUSTED; retry: The proxy has `registration.max_members` replicas; one must leave first."""
 
+    BAD_FOLLOW = "BAD_FOLLOW"
+    """INVALID_ARGUMENT; do not retry: `adapter.follow` without an adapter name, or with a pinned version."""
+    FOLLOW_UNSUPPORTED = "FOLLOW_UNSUPPORTED"
+    """FAILED_PRECONDITION; do not retry: The replica's engine cannot switch running samples to a new version."""
     KEPT_TOKENS_UNSUPPORTED = "KEPT_TOKENS_UNSUPPORTED"
     """FAILED_PRECONDITION; do not retry: The replica's engine cannot return kept-token sets (`return_kept_tokens`)."""
 

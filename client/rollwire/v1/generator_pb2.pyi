@@ -45,12 +45,14 @@ class SamplingParams(_message.Message):
     def __init__(self, max_new_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., seed: _Optional[int] = ..., ignore_eos: _Optional[bool] = ..., return_kept_tokens: _Optional[bool] = ...) -> None: ...
 
 class AdapterRef(_message.Message):
-    __slots__ = ("name", "version")
+    __slots__ = ("name", "version", "follow")
     NAME_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
+    FOLLOW_FIELD_NUMBER: _ClassVar[int]
     name: str
     version: int
-    def __init__(self, name: _Optional[str] = ..., version: _Optional[int] = ...) -> None: ...
+    follow: bool
+    def __init__(self, name: _Optional[str] = ..., version: _Optional[int] = ..., follow: _Optional[bool] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
     __slots__ = ("request_id", "text", "token_ids", "n", "sampling", "adapter", "group_key")
@@ -189,14 +191,16 @@ class RelayPlan(_message.Message):
     def __init__(self, nodes: _Optional[_Iterable[_Union[RelayNode, _Mapping]]] = ...) -> None: ...
 
 class RelayNode(_message.Message):
-    __slots__ = ("address", "name", "parent")
+    __slots__ = ("address", "name", "parent", "grant")
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
     NAME_FIELD_NUMBER: _ClassVar[int]
     PARENT_FIELD_NUMBER: _ClassVar[int]
+    GRANT_FIELD_NUMBER: _ClassVar[int]
     address: str
     name: str
     parent: int
-    def __init__(self, address: _Optional[str] = ..., name: _Optional[str] = ..., parent: _Optional[int] = ...) -> None: ...
+    grant: bytes
+    def __init__(self, address: _Optional[str] = ..., name: _Optional[str] = ..., parent: _Optional[int] = ..., grant: _Optional[bytes] = ...) -> None: ...
 
 class ReplicaPushResult(_message.Message):
     __slots__ = ("replica", "code", "message", "address", "staged", "reason", "stripe_pending")

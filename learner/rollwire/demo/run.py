@@ -257,7 +257,7 @@ def print_table(s: dict, run: Path) -> None:
         ),
         ("steps", f"{s['steps']}  (adapter versions {s['versions'][0]}..{s['versions'][1]})"),
         ("groups/s", f"{s['groups_per_s']:.1f}  ({s['groups']['trained']} groups trained)"),
-        ("staleness", f"mean {s['staleness_mean']:.2f}, max {s['staleness_max']}"),
+        ("staleness", f"mean {s['staleness_mean']:.2f}, max {s['staleness_max']} (groups)" + _tokens_stale(s)),
         ("push latency", f"mean {1000 * s['push_latency_s']:.0f} ms, max {1000 * s['push_latency_max_s']:.0f} ms"),
         ("ratio at staleness 0", "n/a" if s["ratio_mean_staleness0"] is None else f"{s['ratio_mean_staleness0']:.6f}"),
         ("groups dropped", dropped),
@@ -285,3 +285,9 @@ def stop_all(services: list[Service]) -> None:
 
 if __name__ == "__main__":
     sys.exit(main())
+
+
+def _tokens_stale(s: dict) -> str:
+    """The token-level staleness beside the group-level one (they differ when samples follow new versions)."""
+    mean = s.get("token_staleness_mean")
+    return "" if mean is None else f"; tokens mean {mean:.2f}, max {s.get('token_staleness_max')}"

@@ -91,6 +91,9 @@ class RolloutSection(Section):
     """Nucleus sampling mass; 1 = off."""
     top_k: int = Field(default=0, ge=0)
     """Keep the k most likely tokens; 0 = off."""
+    follow: bool = Field(default=False)
+    """Running samples switch to each newly committed version mid-generation (AdapterRef.follow): fresher tokens,
+    each tagged with the version that produced it; the default pins a group to the version it started on."""
     exact_truncated_ratio: bool = Field(default=True)
     """With top_p or top_k on: ask the generators for each token's kept set and compute the learner's logprob over that
     same truncated set, so pi/mu is exact (docs/learner.md); false = over the whole vocabulary (biased)."""
@@ -103,6 +106,10 @@ class BufferSection(Section):
 
     max_staleness: int = Field(default=1, ge=0)
     """Largest (trained version - sampling version) allowed; 0 is the synchronous mode (blocking push)."""
+    max_token_staleness: int = Field(default=-1, ge=-1)
+    """Token-level limit beside it: a token sampled by a version more than this many behind the trained one is masked
+    from the loss (its group trains on its other tokens); -1 = off. With rollout.follow a group's tokens span several
+    versions: keep max_staleness loose and bound the tokens here."""
     keep_zero_variance: bool = Field(default=False)
     """Train on groups whose rewards are all equal (they carry no advantage)."""
 

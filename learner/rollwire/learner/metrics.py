@@ -49,6 +49,16 @@ class LearnerMetrics:
             "Versions between a trained group's oldest token and the weights it trained.",
             buckets=STALENESS,
         )
+        self.token_staleness = m.gauge(
+            "token_staleness",
+            "Versions between the last step's completion tokens and the weights they trained (mean, max).",
+            ["stat"],
+        )
+        for stat in ("mean", "max"):
+            self.token_staleness.labels(stat)
+        self.stale_tokens_masked = m.counter(
+            "stale_tokens_masked_total", "Completion tokens left out of the loss by buffer.max_token_staleness."
+        )
         self.ratio = m.gauge("importance_ratio", "Importance ratio pi/mu over the last step's tokens.", ["stat"])
         self.clip_fraction = m.gauge("clip_fraction", "Share of the last step's tokens the PPO clip zeroed.")
         self.truncated_fraction = m.gauge(
@@ -107,6 +117,9 @@ class LearnerMetrics:
         self.accuracy.set(stats.accuracy)
         for value in staleness:
             self.staleness.observe(value)
+        self.token_staleness.labels("mean").set(stats.token_staleness_mean)
+        self.token_staleness.labels("max").set(stats.token_staleness_max)
+        self.stale_tokens_masked.inc(stats.stale_tokens_masked)
         self.ratio.labels("mean").set(stats.ratio_mean)
         self.ratio.labels("min").set(stats.ratio_min)
         self.ratio.labels("max").set(stats.ratio_max)

@@ -143,6 +143,7 @@ class Producer:
                 return_kept_tokens=self.cfg.exact_truncated_ratio and (self.cfg.top_p < 1 or self.cfg.top_k > 0),
                 seed=seed,
                 adapter=self.adapter,
+                follow=self.cfg.follow,
                 group_key=str(example.id),
             )
         except Exception as exc:  # every failure is counted with a reason, none is fatal

@@ -34,6 +34,8 @@ class Report:
         self.started = time.monotonic()
         self.train_started: float | None = None
         self.staleness_seen: list[int] = []
+        self.token_staleness: list[tuple[float, int, int]] = []
+        """Per step: (mean, max) versions between its tokens and the trained weights, and its token count."""
         self.ratios_fresh: list[float] = []
         self.push_latencies: list[float] = []
         self.evals: list[dict] = []
@@ -66,6 +68,7 @@ class Report:
     ) -> dict:
         """Record a step trained into `version` from groups `stale` versions old; returns the steps.jsonl line."""
         self.staleness_seen += stale
+        self.token_staleness.append((stats.token_staleness_mean, stats.token_staleness_max, stats.tokens))
         if stats.ratio_mean_fresh is not None:
             self.ratios_fresh.append(stats.ratio_mean_fresh)
         self.metrics.on_step(stats, stale, version)
@@ -140,6 +143,8 @@ class Report:
             "groups_per_s": ledger.trained / elapsed if elapsed else 0.0,
             "staleness_mean": _mean(stale),
             "staleness_max": max(stale) if stale else None,
+            "token_staleness_mean": _weighted(self.token_staleness),
+            "token_staleness_max": max((m for _, m, _ in self.token_staleness), default=None),
             "push_latency_s": _mean(pushes),
             "push_latency_max_s": max(pushes) if pushes else None,
             "ratio_mean_staleness0": _mean(ratios),
@@ -176,3 +181,9 @@ def _mean(values: list) -> float | None:
 
 def _round(value):
     return round(value, 6) if isinstance(value, float) else value
+
+
+def _weighted(steps: list[tuple[float, int, int]]) -> float | None:
+    """The token-weighted mean of per-step means."""
+    tokens = sum(n for _, _, n in steps)
+    return sum(mean * n for mean, _, n in steps) / tokens if tokens else None

@@ -50,12 +50,19 @@ class StepStats:
     reward_std: float
     accuracy: float
     seconds: float
+    token_staleness_mean: float = 0.0
+    """Mean (trained version - version that sampled it) over the step's completion tokens."""
+    token_staleness_max: int = 0
+    stale_tokens_masked: int = 0
+    """Tokens masked from the loss by buffer.max_token_staleness."""
 
 
 class Trainer:
     """Owns the model, the optimiser and the LoRA weights; `step` runs off the event loop."""
 
-    def __init__(self, base_model: str | Path, cfg: TrainSection, temperature: float, seed: int) -> None:
+    def __init__(
+        self, base_model: str | Path, cfg: TrainSection, temperature: float, seed: int, max_token_staleness: int = -1
+    ) -> None:
         from peft import LoraConfig, get_peft_model
         from transformers import AutoModelForCausalLM
 
@@ -65,6 +72,7 @@ class Trainer:
         self.cfg = cfg
         self.loss = LOSSES.load(cfg.loss)  # the one seam for another loss: losses.py
         self.temperature = temperature
+        self.max_token_staleness = max_token_staleness
         self.device = torch.device(cfg.device)
         base = AutoModelForCausalLM.from_pretrained(base_model, dtype=torch.float32).to(self.device)  # pyright: ignore[reportArgumentType]  # the library's annotation is narrower than what it accepts
         self.lora = LoraConfig(
@@ -124,9 +132,13 @@ class Trainer:
         self.optimizer.zero_grad(set_to_none=True)
         totals = _Totals()
         size = self.cfg.micro_batch_groups or len(groups)
+        ages = [version - v for g in groups for s in g.samples for v in s.token_versions]
+        masked = sum(a > self.max_token_staleness for a in ages) if self.max_token_staleness >= 0 else 0
         for start in range(0, len(groups), size):
-            rows = _rows(groups[start : start + size], advantages[start : start + size], version)
-            terms, fresh_sum, fresh_count = self._loss(rows, normaliser=float(total_tokens))
+            rows = _rows(
+                groups[start : start + size], advantages[start : start + size], version, self.max_token_staleness
+            )
+            terms, fresh_sum, fresh_count = self._loss(rows, normaliser=float(max(total_tokens - masked, 1)))
             terms.loss.backward()
             totals.add(terms, fresh_sum, fresh_count)
         params = [p for p in self.model.parameters() if p.requires_grad]
@@ -150,6 +162,9 @@ class Trainer:
             reward_std=float(rewards.std(unbiased=False)),
             accuracy=sum(correct) / max(len(correct), 1),
             seconds=time.monotonic() - started,
+            token_staleness_mean=sum(ages) / max(len(ages), 1),
+            token_staleness_max=max(ages, default=0),
+            stale_tokens_masked=masked,
         )
 
     def _loss(self, rows: _Rows, normaliser: float):
@@ -217,7 +232,9 @@ class _Rows:
     """[rows, T, K] kept-set ids of truncated sampling (-1 padding), or None when no sample has any."""
 
 
-def _rows(groups: list[ScoredGroup], advantages: torch.Tensor, version: int) -> _Rows:
+def _rows(groups: list[ScoredGroup], advantages: torch.Tensor, version: int, max_token_staleness: int = -1) -> _Rows:
+    """The groups as padded rows; tokens older than `max_token_staleness` versions (>= 0) are
+    left out of the completion mask, so the loss never sees them."""
     seqs = [
         (g.prompt_ids, s, float(advantages[gi, si])) for gi, g in enumerate(groups) for si, s in enumerate(g.samples)
     ]
@@ -233,7 +250,12 @@ def _rows(groups: list[ScoredGroup], advantages: torch.Tensor, version: int) -> 
         ids[i, : len(seq)] = torch.tensor(seq)
         attention[i, : len(seq)] = 1
         first, last = len(prompt) - 1, len(seq) - 1  # target index t-1 predicts token t
-        completion[i, first:last] = 1
+        if max_token_staleness >= 0:
+            completion[i, first:last] = torch.tensor(
+                [float(version - v <= max_token_staleness) for v in sample.token_versions]
+            )
+        else:
+            completion[i, first:last] = 1
         behaviour[i, first:last] = torch.tensor(sample.logprobs)
         adv[i, first:last] = a
         fresh[i, first:last] = torch.tensor([float(v == version) for v in sample.token_versions])

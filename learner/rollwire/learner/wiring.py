@@ -120,7 +120,14 @@ async def open_session(cfg: LearnerConfig, resume: bool) -> Session:
             f"the target serves base model {served_fp}, but base_model {cfg.base_model} is "
             f"{fingerprint}: point both at the same model files"
         )
-    trainer = await asyncio.to_thread(Trainer, cfg.base_model, cfg.train, cfg.rollout.temperature, cfg.seed)
+    trainer = await asyncio.to_thread(
+        Trainer,
+        cfg.base_model,
+        cfg.train,
+        cfg.rollout.temperature,
+        cfg.seed,
+        max_token_staleness=cfg.buffer.max_token_staleness,
+    )
     step = restore(saved, trainer, stream) if saved is not None else 0
     version = checkpoint.next_version(saved.state.version if saved is not None else 0, remote)
     buffer.next_train_version = version

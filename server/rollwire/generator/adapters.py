@@ -368,6 +368,9 @@ class AdapterRegistry:
         self._lock = asyncio.Lock()
         self._counter = 0
         self._pending_unloads: set[asyncio.Task] = set()
+        self.on_servable: list[Callable[[str, int], None]] = []
+        """Called (on the event loop) with (name, version) when a version becomes servable: the
+        servicer moves the groups that follow `name` onto it."""
 
     def check_version(self, m: Manifest, max_step: int = DEFAULT_MAX_VERSION_STEP) -> bool:
         """True if this exact version is loaded (idempotent); raises if it may not be pushed."""
@@ -453,6 +456,8 @@ class AdapterRegistry:
         staged = self._staged.get(name)
         if staged is not None and staged.version <= item.version:
             self._drop_staged(name)  # it can never be committed now: versions only increase
+        for listener in self.on_servable:
+            listener(name, item.version)
         return PushOutcome(name, item.version, False, self.loaded().get(name, []))
 
     def _unstage(self, name: str) -> _Staged:

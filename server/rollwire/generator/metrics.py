@@ -45,6 +45,9 @@ class GeneratorMetrics:
             ["adapter", "behind"],
         )
         self.served_tokens.labels("base", "0")
+        self.follow_switches = m.counter(
+            "follow_switches_total", "Running groups moved onto a newly committed version (adapter.follow)."
+        )
         self.served_version = m.gauge(
             "served_version", "Adapter version of the tokens this replica served last, per adapter.", ["adapter"]
         )

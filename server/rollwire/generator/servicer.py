@@ -74,6 +74,9 @@ class GeneratorServicer(generator_pb2_grpc.GeneratorServiceServicer):
         self.fingerprint, self.base_shapes, self.replica = fingerprint, base_shapes, replica
         self.in_flight = 0
         self._assemblies = {}
+        self._following: dict[str, dict[int, GroupRequest]] = {}
+        """Running groups that follow an adapter's newest version, by adapter name."""
+        registry.on_servable.append(self._follow)
         # channels to relay children; a TLS file that cannot be read fails at start
         self._channels = ChannelPool(Dialer.from_config(config.relay, "relay", config.keepalive.keepalive()))
 
@@ -90,6 +93,8 @@ class GeneratorServicer(generator_pb2_grpc.GeneratorServiceServicer):
             self._admit()
             selection = self.registry.acquire(request.adapter.name, request.adapter.version)
             group.adapter = selection
+            if group.follow:
+                self._following.setdefault(selection.name, {})[id(group)] = group
             log.info(
                 "generate_start",
                 n=group.n,
@@ -128,7 +133,8 @@ class GeneratorServicer(generator_pb2_grpc.GeneratorServiceServicer):
             raise
         finally:
             if selection is not None:
-                self.registry.release(selection)
+                self._following.get(selection.name, {}).pop(id(group), None)
+                self.registry.release(group.adapter)  # the version it holds now (a follower moved on)
             # the outcome is counted before the request leaves in_flight, so a scrape that
             # sees it gone also sees how it ended (the metrics server reads on its own thread)
             self.metrics.requests.labels(code.name).inc()
@@ -136,6 +142,18 @@ class GeneratorServicer(generator_pb2_grpc.GeneratorServiceServicer):
             self.in_flight -= 1
             self.metrics.in_flight.dec()
             structlog.contextvars.unbind_contextvars("request_id")
+
+    def _follow(self, name: str, version: int) -> None:
+        """A version of `name` became servable: every group following it takes a lease on it,
+        then lets go of the one it had (the engine reads the group's selection once a step, so
+        the old version stays loaded until the step that used it ended)."""
+        for group in list(self._following.get(name, {}).values()):
+            if group.adapter.version >= version:
+                continue
+            newer = self.registry.acquire(name, version)
+            older, group.adapter = group.adapter, newer
+            self.registry.release(older)
+            self.metrics.follow_switches.inc()
 
     def _admit(self) -> None:
         stats = self.engine.stats()
@@ -172,7 +190,7 @@ class GeneratorServicer(generator_pb2_grpc.GeneratorServiceServicer):
                 f"context of {self.engine.max_context} tokens",
                 reason=Reason.CONTEXT_TOO_LONG,
             )
-        return GroupRequest(rid, prompt, req.n, params)
+        return GroupRequest(rid, prompt, req.n, params, follow=self._follows(req.adapter))
 
     async def _prompt(self, req: pb.GenerateRequest) -> list[int]:
         """The prompt's token ids; sizes are checked before any scan or tokenizing."""
@@ -272,6 +290,23 @@ class GeneratorServicer(generator_pb2_grpc.GeneratorServiceServicer):
         label = adapter or "base"
         self.metrics.served_tokens.labels(label, str(behind) if behind < 3 else "3+").inc(tokens)
         self.metrics.served_version.labels(label).set(version)
+
+    def _follows(self, adapter: pb.AdapterRef) -> bool:
+        """AdapterRef.follow, refused where it cannot be honoured."""
+        if not adapter.follow:
+            return False
+        if not adapter.name or adapter.version:
+            raise InvalidArgument(
+                "adapter.follow needs an adapter name and version 0 (the newest): a pinned version cannot be followed",
+                reason=Reason.BAD_FOLLOW,
+            )
+        if not getattr(self.engine, "follows_versions", False):
+            raise FailedPrecondition(
+                f"this replica's engine ({self.config.engine}) cannot switch running samples to a new version; "
+                "send the request without adapter.follow",
+                reason=Reason.FOLLOW_UNSUPPORTED,
+            )
+        return True
 
     def _kept_tokens(self, asked: bool) -> bool:
         """The request's `return_kept_tokens`, refused when this replica's engine cannot honour it."""

@@ -51,6 +51,10 @@ class GroupRequest:
     n: int
     sampling: SamplingParams
     adapter: AdapterSelection = field(default_factory=AdapterSelection)
+    """The version the group samples from; with `follow` the servicer replaces it (one
+    assignment, read once per decode step by the engine) with each newer committed version."""
+    follow: bool = False
+    """Switch running samples to each newly committed version of the adapter (AdapterRef.follow)."""
 
 
 @dataclass

@@ -56,13 +56,17 @@ class AttemptFailed(Exception):
 
 def resolve(request: pb.GenerateRequest, replicas: ReplicaSet) -> Need:
     """The replica requirement of a request; pins "latest" to a concrete version in place,
-    so every attempt of the group, on whichever replica, uses the same version."""
+    so every attempt of the group, on whichever replica, uses the same version. A request
+    that follows the newest version is never pinned: each attempt goes to a replica holding
+    the newest version known now, and starts there on its newest (a restarted group starts
+    on the newest version)."""
     name = request.adapter.name
     if not name:
         return Need()
     version = request.adapter.version or replicas.latest(name)
     if version and any(r.holds(name, version) for r in replicas.routable()):
-        request.adapter.version = version
+        if not request.adapter.follow:
+            request.adapter.version = version
         return Need(name, version)
     return Need(any_replica=True)
 
@@ -101,6 +105,8 @@ class GroupRun:
         failures: list[AttemptFailed] = []
         for number in range(1, self.routing.max_attempts + 1):
             tried = frozenset(f.replica.address for f in failures)
+            if number > 1 and self.request.adapter.follow:
+                self.need = resolve(self.request, self.replicas)  # a restart starts on the newest version
             lease = await self.dispatcher.acquire(
                 self.need, self.key, self.work, tried, self.deadline, client=self.client, first=number == 1
             )

@@ -127,6 +127,7 @@ class _Row:
     generator: random.Random
     position: int  # position id of the next token fed to the model
     adapter: str | None  # engine handle; None = the base model
+    version: int  # the adapter version `adapter` stands for: what the row's next tokens are tagged with
     text: TextStream
     generated: int = 0  # tokens sampled so far
     last_token: int = -1
@@ -146,6 +147,8 @@ class TransformersEngine:
     name = "transformers"
     returns_kept_tokens = True
     """Reports each token's kept set when a request asks (SamplingParams.return_kept)."""
+    follows_versions = True
+    """Switches a following group's rows to its new selection at their next decode step (GroupRequest.follow)."""
     _lora: LoraSet  # set by _load, with the model
 
     def __init__(
@@ -329,6 +332,10 @@ class TransformersEngine:
         return batch
 
     def _decode(self, batch: _Batch) -> _Batch | None:
+        for r in batch.rows:
+            if r.group.req.follow:  # the servicer swaps in each newly committed version (read once a step)
+                selection = r.group.req.adapter
+                r.adapter, r.version = selection.handle, selection.version
         tokens = torch.tensor([[r.last_token] for r in batch.rows], device=self.device)
         ones = torch.ones(len(batch.rows), 1, dtype=batch.mask.dtype, device=self.device)
         mask = torch.cat([batch.mask, ones], 1)
@@ -348,12 +355,14 @@ class TransformersEngine:
         from transformers import DynamicCache
 
         rows = []
-        for g in groups:
+        selections = [g.req.adapter for g in groups]  # read once: a following group may switch meanwhile
+        for g, sel in zip(groups, selections, strict=True):
             seed = g.req.sampling.seed if g.req.sampling.seed is not None else secrets.randbits(62)
             keep = _STOP_TAIL if g.req.sampling.stop else 0
             for i in range(g.req.n):
                 text = TextStream(self._text_backend, keep)
-                rows.append(_Row(g, i, sample_generator(seed, i), len(g.req.prompt_ids), g.req.adapter.handle, text))
+                position = len(g.req.prompt_ids)
+                rows.append(_Row(g, i, sample_generator(seed, i), position, sel.handle, sel.version, text))
             g.open_rows = g.req.n
         width = max(len(g.req.prompt_ids) for g in groups)
         ids = torch.full((len(groups), width), self.tokenizer.pad_token_id or 0, dtype=torch.long)
@@ -365,7 +374,7 @@ class TransformersEngine:
         positions = (mask.cumsum(-1) - 1).clamp(min=0)
         cache = DynamicCache(config=self.model.config)
         out = self._forward(
-            [g.req.adapter.handle for g in groups],
+            [sel.handle for sel in selections],
             input_ids=ids,
             attention_mask=mask,
             position_ids=positions,
@@ -468,8 +477,7 @@ class TransformersEngine:
         group = row.group
         row.generated += 1
         row.last_token = token
-        version = group.req.adapter.version
-        events: list = [TokenDelta(row.index, [token], [logprob], row.text.add(token), version)]
+        events: list = [TokenDelta(row.index, [token], [logprob], row.text.add(token), row.version)]
         if group.req.sampling.return_kept:
             events[0].kept.append(kept_set)
         reason = self._finish_reason(row, token)

@@ -51,6 +51,7 @@ def generate_request(
         request.token_ids.ids.extend(prompt)
     if not ref.is_base:
         request.adapter.name, request.adapter.version = ref.name, ref.version
+    request.adapter.follow = body.follow  # refused by the replica without a name or with a pinned version
     return request
 
 
@@ -62,6 +63,7 @@ class Choice:
     logprobs: list[float] = field(default_factory=list)
     text: list[str] = field(default_factory=list)
     kept: list[list[int]] = field(default_factory=list)
+    versions: list[int] = field(default_factory=list)
     version: int = 0
     finish: str | None = None
     stop_reason: str | None = None
@@ -102,6 +104,7 @@ class Group:
             c.text.append(chunk.text)
             c.kept.extend(kept.decode(k) for k in chunk.kept_tokens)
             c.version = chunk.adapter_version or c.version
+            c.versions.extend([chunk.adapter_version] * len(chunk.token_ids))
             added.append((chunk.sample_index, chunk, None))
         for done in message.finished:
             c = self.choices[done.sample_index]
@@ -127,13 +130,15 @@ TokenText = Callable[[int], str]
 
 
 def completion_logprobs(ids: list[int], logprobs: list[float], token_text: TokenText, start: int = 0) -> dict:
-    """vLLM's completion `logprobs` object for sampled tokens (no alternatives)."""
+    """vLLM's completion `logprobs` object for sampled tokens: with `logprobs=0`, as vLLM
+    answers it, each token's `top_logprobs` holds the sampled token alone (no alternatives)."""
     tokens = [token_text(t) for t in ids]
     offsets, at = [], start
     for t in tokens:
         offsets.append(at)
         at += len(t)
-    return {"tokens": tokens, "token_logprobs": list(logprobs), "top_logprobs": None, "text_offset": offsets}
+    top = [{t: lp} for t, lp in zip(tokens, logprobs, strict=True)]
+    return {"tokens": tokens, "token_logprobs": list(logprobs), "top_logprobs": top, "text_offset": offsets}
 
 
 def chat_logprobs(ids: list[int], logprobs: list[float], token_text: TokenText) -> dict:
@@ -164,6 +169,7 @@ def completion_response(
             if body.return_token_ids:
                 choice["token_ids"] = list(c.token_ids)
                 choice["prompt_token_ids"] = list(g.prompt_ids)
+                choice["token_versions"] = list(c.versions)
             if body.return_kept_tokens:
                 choice["kept_token_ids"] = c.kept
             choices.append(choice)
@@ -190,6 +196,7 @@ def chat_response(body: ChatBody, group: Group, model: str, rid: str, token_text
         }
         if body.return_token_ids:
             choice["token_ids"] = list(c.token_ids)
+            choice["token_versions"] = list(c.versions)
         if body.return_kept_tokens:
             choice["kept_token_ids"] = c.kept
         choices.append(choice)

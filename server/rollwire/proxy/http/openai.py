@@ -42,6 +42,9 @@ class _Sampling(_Body):
     return_token_ids: bool = False
     """vLLM's extension: the prompt's and each choice's token ids."""
     ignore_eos: bool = False
+    follow: bool = False
+    """rollwire's extension: with an adapter at its newest version (`NAME`), running samples switch to each newly
+    committed version (docs/http.md); each choice's `token_versions` says which version produced each token."""
     return_kept_tokens: bool = False
     """rollwire's extension: each choice's `kept_token_ids`, per token the ids top-k/top-p kept (docs/http.md)."""
     include_stop_str_in_output: bool = False
