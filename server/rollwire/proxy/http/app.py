@@ -102,6 +102,13 @@ class Door:
         known = [x for x in (fleet, self.context_len) if x]
         return min(known) if known else 0
 
+    def default_max_tokens(self, prompt_len: int) -> int:
+        """A chat request's max_tokens when it sends none: vLLM's (what the context leaves after
+        the prompt), within what the replicas generate per sample."""
+        room = max(1, self.max_model_len() - prompt_len)
+        fleet = self.servicer.status().limits.max_new_tokens
+        return min(room, fleet) if fleet else room
+
     def models(self) -> dict[str, Any]:
         created = int(time.time())
         data = [
@@ -396,7 +403,7 @@ def create_app(door: Door) -> FastAPI:
         ref = door.resolve(body.model)
         prompt = await door.chat_prompt(body)
         rid = body.request_id or request.state.rid
-        max_tokens = body.max_completion_tokens or body.max_tokens or max(1, door.max_model_len() - len(prompt))
+        max_tokens = body.max_completion_tokens or body.max_tokens or door.default_max_tokens(len(prompt))
         req = convert.generate_request(body, prompt, ref, max_tokens, rid)
         if body.stream:
             return _stream(door, body, req, client, "chat.completion.chunk", rid)
@@ -500,7 +507,10 @@ def _stream(door: Door, body: CompletionBody | ChatBody, req: pb.GenerateRequest
     """A streamed group: an SSE event per message of the core's stream, `[DONE]` at the end;
     an error after the stream started is a last event with an `error` object (the status is
     sent already). A restart after tokens were sent cannot be taken back, so it ends the
-    stream with an UNAVAILABLE error (retry); before that the failover is invisible."""
+    stream with an UNAVAILABLE error (retry); before that the failover is invisible. Chunks
+    are shaped as vLLM's (tests/test_http_vllm_parity.py): with `return_token_ids` the first
+    chunk carries `prompt_token_ids` (chat: in the frame; completions: in each choice's first
+    delta), and a sample's finish rides on its last tokens' delta."""
     chat = kind == "chat.completion.chunk"
     holdback = max((len(s) for s in body.stop_list()), default=1) - 1
     include_usage = bool(body.stream_options and body.stream_options.include_usage)
@@ -522,6 +532,7 @@ def _stream(door: Door, body: CompletionBody | ChatBody, req: pb.GenerateRequest
         group = convert.Group(body.n, body.stop_list())
         sent_text = [0] * body.n
         shown = False
+        unprompted = set(range(body.n)) if body.return_token_ids and not chat else set()
         try:
             async with contextlib.aclosing(door.servicer.group_events(req, rid, client, door.deadline())) as stream:  # pyright: ignore[reportArgumentType]
                 async for message in stream:
@@ -537,13 +548,19 @@ def _stream(door: Door, body: CompletionBody | ChatBody, req: pb.GenerateRequest
                         upto = len(text) if finish else max(sent_text[index], len(text) - holdback)
                         delta, sent_text[index] = text[sent_text[index] : upto], upto
                         choices.append(_delta(body, chat, index, delta, chunk, finish, c, door.token_text))
+                        if index in unprompted:
+                            unprompted.discard(index)
+                            choices[-1]["prompt_token_ids"] = list(group.prompt_ids)
+                    choices = _merge_finishes(choices, chat)
+                    extra: dict[str, Any] = {}
                     if chat and message.HasField("started"):
-                        choices = [
-                            {"index": i, "delta": {"role": "assistant", "content": ""}} for i in range(body.n)
-                        ] + choices
+                        role = {"delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
+                        choices = [{"index": i, **role} for i in range(body.n)] + choices
+                        if body.return_token_ids:
+                            extra["prompt_token_ids"] = list(group.prompt_ids)
                     if choices:
                         shown = True
-                        yield event(frame(choices))
+                        yield event({**frame(choices), **extra})
             if include_usage:
                 yield event({**frame([]), "usage": convert.usage([group])})
         except Relay as relay:
@@ -568,7 +585,7 @@ def _delta(
     ids = list(chunk.token_ids) if chunk is not None else []
     lps = list(chunk.logprobs) if chunk is not None else []
     out: dict[str, Any] = {"index": index, "finish_reason": finish, "adapter_version": c.version}
-    if finish:
+    if finish or not chat:  # vLLM: in every completion chunk, in a chat chunk with the finish
         out["stop_reason"] = c.stop_reason
     if chat:
         out["delta"] = {"content": text} if text else {}
@@ -579,6 +596,24 @@ def _delta(
     if body.return_token_ids:
         out["token_ids"] = ids
     return out
+
+
+def _merge_finishes(choices: list[dict[str, Any]], chat: bool) -> list[dict[str, Any]]:
+    """A sample's finish folded into its tokens' delta of the same event, as vLLM sends it (a
+    client reading one choice per chunk sees the finish with the last tokens)."""
+    merged: list[dict[str, Any]] = []
+    for choice in choices:
+        last = next((m for m in reversed(merged) if m["index"] == choice["index"]), None)
+        if choice["finish_reason"] and last is not None and not last["finish_reason"]:
+            if chat:
+                text = last["delta"].get("content", "") + choice["delta"].get("content", "")
+                last["delta"] = {"content": text} if text else {}
+            else:
+                last["text"] += choice["text"]
+            last["finish_reason"], last["stop_reason"] = choice["finish_reason"], choice["stop_reason"]
+            continue
+        merged.append(choice)
+    return merged
 
 
 def _error_body(err: RollwireError) -> dict[str, Any]:
