@@ -37,7 +37,7 @@ from pathlib import Path
 import grpc
 import pytest
 from google.protobuf import json_format
-from support.processes import start_generators, start_proxy, stop_all, wait_routable, wait_until
+from support.processes import free_port, start_generators, start_proxy, stop_all, wait_routable, wait_until
 from support.wire import admin, generate, make_adapter, metric_value, push, status
 
 from rollwire.common import push as protocol
@@ -45,8 +45,8 @@ from rollwire.common.errors import from_rpc_error
 from rollwire.common.reasons import Reason
 from rollwire.common.retries import push_refused_for_good
 from rollwire.v1 import admin_pb2 as apb
+from rollwire.v1 import admin_pb2_grpc, generator_pb2_grpc
 from rollwire.v1 import generator_pb2 as pb
-from rollwire.v1 import generator_pb2_grpc
 
 pytestmark = pytest.mark.integration  # starts processes: not in make test-fast
 LINGER_S = 1.5
@@ -431,3 +431,266 @@ def test_a_replica_failing_catch_up_for_now_is_decided_within_the_bound(workdir,
         held.cancel()
         channel.close()
         stop_all([p for p in (proxy, slotted) if p is not None])
+
+
+# -- relay plans: only the members a proxy planned --------------------------------------------
+ADMIN_TOKEN, RELAY_TOKEN, REGISTER_TOKEN, GENERATE_TOKEN = "admin-23", "relay-23", "register-23", "generate-23"
+
+
+def bearer_of(token: str) -> tuple[tuple[str, str], ...]:
+    return (("authorization", f"Bearer {token}"),)
+
+
+@pytest.fixture(scope="module")
+def tokens(workdir) -> dict[str, Path]:
+    files = {}
+    for role, token in (
+        ("admin", ADMIN_TOKEN),
+        ("relay", RELAY_TOKEN),
+        ("register", REGISTER_TOKEN),
+        ("generate", GENERATE_TOKEN),
+    ):
+        files[role] = workdir / f"{role}-23.token"
+        files[role].write_text(token + "\n")
+    return files
+
+
+@pytest.fixture(scope="module")
+def guarded(tiny_model, workdir, tokens):
+    """Two replicas with auth on: admin, relay and generate tokens."""
+    auth = [
+        *("--set", f"auth.admin_tokens_file={tokens['admin']}"),
+        *("--set", f"auth.relay_tokens_file={tokens['relay']}"),
+        *("--set", f"auth.generate_tokens_file={tokens['generate']}"),
+    ]
+    services = start_generators(tiny_model, workdir, ["guard1", "guard2"], *auth)
+    yield services
+    stop_all(services)
+
+
+class Listener:
+    """A gRPC server that is no replica: it records the authorization each call carries and
+    fails it with a text of its own (what a port scan through a relay would read)."""
+
+    BANNER = "secret-banner-of-an-internal-service"
+
+    def __init__(self) -> None:
+        self.seen: list[str] = []
+        self.calls = threading.Event()
+
+        def refuse(request_iterator, context):
+            self.seen += [v for k, v in context.invocation_metadata() if k == "authorization"] or [""]
+            self.calls.set()
+            context.abort(grpc.StatusCode.INTERNAL, self.BANNER)
+
+        handler = grpc.method_handlers_generic_handler(
+            "rollwire.v1.GeneratorService", {"PushAdapter": grpc.stream_unary_rpc_method_handler(refuse)}
+        )
+        from concurrent.futures import ThreadPoolExecutor
+
+        self.server = grpc.server(ThreadPoolExecutor(2), handlers=[handler])
+        self.port = self.server.add_insecure_port("127.0.0.1:0")
+        self.server.start()
+        self.address = f"127.0.0.1:{self.port}"
+
+
+def granted(nodes: list[str], manifest: pb.AdapterManifest, token: str = ADMIN_TOKEN) -> pb.RelayPlan:
+    """A plan of `nodes` under the receiver, each granted as a proxy holding `token` grants it."""
+    import hashlib
+
+    plan = protocol.plan_from_parents([(a, a, 0) for a in nodes])
+    protocol.grant_plan(plan, protocol.grant_key(hashlib.sha256(token.encode()).digest()), manifest)
+    return plan
+
+
+def test_a_replica_relays_only_to_members_its_proxy_planned(workdir, guarded, tokens, adapter):
+    """A plan nobody planned is refused before any dial; a plan back to the replica (an alias of
+    its address) is refused; a granted node that is no replica is reported by code, in one
+    sentence, whatever answers there; no admin token travels down a relay; a relay token can
+    only stage. A proxy with a relay token relays over the replicas with nothing healed."""
+    a = guarded[0]
+    channel = grpc.insecure_channel(a.target)
+    stub = generator_pb2_grpc.GeneratorServiceStub(channel)
+    fp = stub.GetStatus(pb.GetStatusRequest(), timeout=10, metadata=bearer_of(ADMIN_TOKEN)).model_fingerprint
+    listener = Listener()
+    closed = f"127.0.0.1:{free_port()}"
+
+    def relayed(version: int, plan: pb.RelayPlan | None, token: str = ADMIN_TOKEN, stage_only: bool = True):
+        m = adapter.manifest("planned", version, fp)
+        messages = protocol.messages(m, adapter.payload, relay=plan, stage_only=stage_only)
+        return lambda: stub.PushAdapter(messages, timeout=30, metadata=bearer_of(token))
+
+    try:
+        # 1. a plan naming an address no proxy granted: refused, and nobody is dialled
+        plain = protocol.plan_from_parents([(listener.address, "x", 0)])
+        code, reason, message = refusal(relayed(1, plain))
+        assert (code, reason) == (grpc.StatusCode.PERMISSION_DENIED, Reason.RELAY_NOT_PLANNED), message
+        assert listener.address in message
+        forged = granted([listener.address], adapter.manifest("planned", 1, fp), token="not-the-admin-token")
+        assert refusal(relayed(1, forged))[:2] == (grpc.StatusCode.PERMISSION_DENIED, Reason.RELAY_NOT_PLANNED)
+        reused = granted([listener.address], adapter.manifest("planned", 99, fp))  # a grant for another push
+        assert refusal(relayed(1, reused))[:2] == (grpc.StatusCode.PERMISSION_DENIED, Reason.RELAY_NOT_PLANNED)
+        assert not listener.calls.is_set()
+        # 2. the replica itself, under an alias of its address: refused before any slot or dial
+        port = a.target.rsplit(":", 1)[1]
+        for alias in (f"localhost:{port}", f"0.0.0.0:{port}"):
+            plan = granted([alias], adapter.manifest("planned", 1, fp))
+            code, reason, message = refusal(relayed(1, plan))
+            assert (code, reason) == (grpc.StatusCode.FAILED_PRECONDITION, Reason.RELAY_LOOP), (alias, message)
+        # 3. granted nodes that are no replica: a closed port and a service with a banner read alike
+        m = adapter.manifest("planned", 2, fp)
+        reply = relayed(2, granted([closed, listener.address], m))()
+        rows = {r.address: r for r in reply.replicas}
+        assert {rows[closed].code, rows[listener.address].code} == {"UNAVAILABLE"}
+        assert rows[closed].message == rows[listener.address].message, rows
+        assert Listener.BANNER not in str(reply) and "refused" not in str(reply).lower()
+        assert listener.calls.wait(10)
+        assert ADMIN_TOKEN not in " ".join(listener.seen)  # an admin caller's token is never passed on
+        # a relay token's push is passed on with the relay token, never more
+        reply = relayed(3, granted([listener.address], adapter.manifest("planned", 3, fp)), RELAY_TOKEN)()
+        assert listener.seen[-1] == f"Bearer {RELAY_TOKEN}" and reply.staged
+        # 4. a relay token can only stage: no serving push, no commit, no generate
+        code, reason, _ = refusal(relayed(4, None, RELAY_TOKEN, stage_only=False))
+        assert (code, reason) == (grpc.StatusCode.PERMISSION_DENIED, Reason.WRONG_ROLE)
+        commit = pb.CommitAdapterRequest(name="planned", version=3, sha256=adapter.sha256)
+        assert refusal(lambda: stub.CommitAdapter(commit, timeout=10, metadata=bearer_of(RELAY_TOKEN)))[0] == (
+            grpc.StatusCode.PERMISSION_DENIED
+        )
+        group = pb.GenerateRequest(text="1+1=", n=1)
+        code, _, _ = refusal(
+            lambda: list(stub.Generate(group, timeout=10, metadata=bearer_of(RELAY_TOKEN)))  # a stream
+        )
+        assert code == grpc.StatusCode.PERMISSION_DENIED
+        assert "planned" not in [
+            x.name for x in stub.GetStatus(pb.GetStatusRequest(), timeout=10, metadata=bearer_of(ADMIN_TOKEN)).adapters
+        ]
+    finally:
+        listener.server.stop(0)
+        channel.close()
+    # 5. the proxy's own relay: granted plans, the relay token, a chain over both, nothing healed
+    proxy = start_proxy(
+        workdir,
+        "planner",
+        guarded,
+        *("--set", f"upstream.token_file={tokens['admin']}", "--set", f"upstream.relay_token_file={tokens['relay']}"),
+        *("--set", "push.fanout=1", "--set", f"auth.admin_tokens_file={tokens['admin']}"),
+    )
+    try:
+        wait_routable_with(proxy, guarded)
+        proxy_stub = generator_pb2_grpc.GeneratorServiceStub(grpc.insecure_channel(proxy.target))
+        m = adapter.manifest("chain", 1, fp)
+        reply = proxy_stub.PushAdapter(
+            protocol.messages(m, adapter.payload), timeout=60, metadata=bearer_of(ADMIN_TOKEN)
+        )
+        assert sorted((r.replica, r.code) for r in reply.replicas) == [("guard1", "OK"), ("guard2", "OK")], reply
+        relayed_to = sorted(
+            next(e["relayed_to"] for e in log_events(s.log_path, "adapter_staged") if e["adapter"] == "chain")
+            for s in guarded
+        )
+        assert relayed_to == [0, 1]  # one replica relayed to the other
+        heals = sum(
+            metric_value(proxy.metrics(), "rollwire_proxy_push_heals_total", f'replica="{s.target}"') for s in guarded
+        )
+        assert heals == 0
+    finally:
+        stop_all([proxy])
+
+
+def wait_routable_with(proxy, replicas, token: str = ADMIN_TOKEN, timeout: float = 60) -> None:
+    """wait_routable for a proxy whose GetStatus needs a token."""
+    stub = generator_pb2_grpc.GeneratorServiceStub(grpc.insecure_channel(proxy.target))
+
+    def ready() -> bool:
+        members = stub.GetStatus(pb.GetStatusRequest(), timeout=5, metadata=bearer_of(token)).replicas
+        return {r.address for r in members if r.healthy} >= {s.target for s in replicas}
+
+    wait_until(ready, timeout, "every replica is routable")
+
+
+# -- who may register ------------------------------------------------------------------------
+def test_a_register_token_registers_only_its_own_address_for_a_bounded_time(workdir, tiny_model, tokens):
+    """A `register` token registers, drains and removes only its own address, with a ttl in
+    1..registration.max_ttl_s (never for good), up to registration.max_members replicas, and
+    can do nothing else; a replica joins and leaves with one. The proxy's status shows its
+    replicas to an admin only."""
+    proxy = start_proxy(
+        workdir,
+        "doorman",
+        [],
+        *(
+            "--set",
+            f"auth.admin_tokens_file={tokens['admin']}",
+            "--set",
+            f"auth.register_tokens_file={tokens['register']}",
+        ),
+        *(
+            "--set",
+            f"auth.generate_tokens_file={tokens['generate']}",
+            "--set",
+            f"upstream.token_file={tokens['admin']}",
+        ),
+        *("--set", "registration.max_ttl_s=60", "--set", "registration.max_members=3"),
+    )
+    channel = grpc.insecure_channel(proxy.target)
+    stub = admin_stub = admin_pb2_grpc.AdminServiceStub(channel)
+    gen = generator_pb2_grpc.GeneratorServiceStub(channel)
+
+    def register(address: str, ttl: int, token: str = REGISTER_TOKEN):
+        request = apb.RegisterGeneratorRequest(address=address, ttl_seconds=ttl)
+        return refusal(lambda: stub.RegisterGenerator(request, timeout=10, metadata=bearer_of(token)))
+
+    def members() -> set[str]:
+        listed = admin_stub.ListGenerators(apb.ListGeneratorsRequest(), timeout=10, metadata=bearer_of(ADMIN_TOKEN))
+        return {r.address for r in listed.replicas}
+
+    replica = None
+    try:
+        # another host's address, or for good, or past the bound: refused, nothing added
+        assert register("192.0.2.7:50051", 30)[:2] == (grpc.StatusCode.PERMISSION_DENIED, Reason.NOT_OWN_ADDRESS)
+        assert register("127.0.0.1:1234", 0)[:2] == (grpc.StatusCode.INVALID_ARGUMENT, Reason.BAD_TTL)
+        assert register("127.0.0.1:1234", 61)[:2] == (grpc.StatusCode.INVALID_ARGUMENT, Reason.BAD_TTL)
+        assert members() == set()
+        # its own address (by any of its names), bounded: accepted; an admin may register for good
+        assert register("127.0.0.1:1234", 30)[0] == grpc.StatusCode.OK
+        assert register("localhost:1235", 30)[0] == grpc.StatusCode.OK
+        assert register("127.0.0.1:1236", 0, ADMIN_TOKEN)[0] == grpc.StatusCode.OK
+        # the cap: a fourth is refused, a heartbeat of a member is not
+        code, reason, message = register("127.0.0.1:1237", 30)
+        assert (code, reason) == (grpc.StatusCode.RESOURCE_EXHAUSTED, Reason.TOO_MANY_MEMBERS), message
+        assert register("127.0.0.1:1234", 30)[0] == grpc.StatusCode.OK
+        assert members() == {"127.0.0.1:1234", "localhost:1235", "127.0.0.1:1236"}
+        # nothing else: another's removal, the list, sampling
+        remove = apb.DeregisterGeneratorRequest(address="192.0.2.7:50051")
+        code, reason, _ = refusal(
+            lambda: stub.DeregisterGenerator(remove, timeout=10, metadata=bearer_of(REGISTER_TOKEN))
+        )
+        assert (code, reason) == (grpc.StatusCode.PERMISSION_DENIED, Reason.NOT_OWN_ADDRESS)
+        listing = apb.ListGeneratorsRequest()
+        assert refusal(lambda: stub.ListGenerators(listing, timeout=10, metadata=bearer_of(REGISTER_TOKEN)))[0] == (
+            grpc.StatusCode.PERMISSION_DENIED
+        )
+        group = pb.GenerateRequest(text="1+1=", n=1)
+        assert refusal(lambda: list(gen.Generate(group, timeout=10, metadata=bearer_of(REGISTER_TOKEN))))[0] == (
+            grpc.StatusCode.PERMISSION_DENIED
+        )
+        # the topology is an admin's: a generate token sees the fleet as one replica
+        assert not gen.GetStatus(pb.GetStatusRequest(), timeout=10, metadata=bearer_of(GENERATE_TOKEN)).replicas
+        assert len(gen.GetStatus(pb.GetStatusRequest(), timeout=10, metadata=bearer_of(ADMIN_TOKEN)).replicas) == 3
+        for address in ("127.0.0.1:1234", "localhost:1235"):
+            request = apb.DeregisterGeneratorRequest(address=address)
+            stub.DeregisterGenerator(request, timeout=10, metadata=bearer_of(REGISTER_TOKEN))
+        # a real replica joins with a register token and leaves (drained) with it
+        replica = start_generators(
+            tiny_model,
+            workdir,
+            ["joiner"],
+            *("--register", proxy.target, "--set", f"registration.token_file={tokens['register']}"),
+            *("--set", f"auth.admin_tokens_file={tokens['admin']}"),
+        )[0]
+        wait_until(lambda: replica.target in members(), 30, "the replica registered itself")
+        stop_all([replica])
+        replica = None
+        assert members() == {"127.0.0.1:1236"}  # it left through DrainGenerator with its register token
+    finally:
+        channel.close()
+        stop_all([proxy] + ([replica] if replica is not None else []))

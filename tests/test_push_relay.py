@@ -621,12 +621,14 @@ def test_a_replica_refuses_a_bad_relay_plan_before_it_dials_anyone(replicas, ada
     assert not holds(replicas[0].target, "plans", 1)
 
 
-def test_replicas_relay_to_each_other_over_mutual_tls_with_the_proxys_token(tiny_model, pki, workdir, adapter):
+def test_replicas_relay_to_each_other_over_mutual_tls_with_the_proxys_relay_token(tiny_model, pki, workdir, adapter):
     """The relay hop speaks what the proxy's hop speaks: TLS with a client certificate (the
-    replicas require one), and the proxy's admin token, which the first replica forwards."""
+    replicas require one), and the proxy's relay token (never its admin token), which the
+    first replica passes on."""
     from support.processes import start_service
 
     (workdir / "admin.token").write_text("relay-admin-777\n")
+    (workdir / "relay.token").write_text("relay-only-777\n")
     tls = ["--set", f"tls.cert_file={pki / 'server.pem'}", "--set", f"tls.key_file={pki / 'server.key'}"]
 
     def client_side(section: str) -> list[str]:  # how `section` dials a replica: mutual TLS
@@ -646,6 +648,8 @@ def test_replicas_relay_to_each_other_over_mutual_tls_with_the_proxys_token(tiny
             f"tls.client_ca_file={pki / 'ca.pem'}",
             "--set",
             f"auth.admin_tokens_file={workdir / 'admin.token'}",
+            "--set",
+            f"auth.relay_tokens_file={workdir / 'relay.token'}",
             *client_side("relay"),
             plaintext=False,
         )
@@ -654,6 +658,7 @@ def test_replicas_relay_to_each_other_over_mutual_tls_with_the_proxys_token(tiny
     proxy = start_service(
         ["proxy", "--port", "0", "--metrics-port", "0", "--set", "health.interval_s=0.2", "--set", "push.fanout=1"]
         + ["--set", f"upstream.token_file={workdir / 'admin.token'}", *client_side("upstream")]
+        + ["--set", f"upstream.relay_token_file={workdir / 'relay.token'}"]
         + [x for s in secured for x in ("--generator", s.target)],
         workdir,
         "tls-proxy",

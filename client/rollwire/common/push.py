@@ -21,7 +21,9 @@ Invariants:
   manifest rules (`check_manifest`, `check_push_version`);
 - a relay plan is a flat list in which every node follows its parent, so a receiver checks
   it in one pass, with bounded size and no recursion; a node's children and their subtrees
-  come from `split_plan`;
+  come from `split_plan`, every node keeping the grant its proxy signed it with
+  (`relay_grant`: bound to the push's name, version, digest and the node's address), so a
+  replica with auth on relays only to the members its proxy planned (`unplanned`);
 - a striped push (`Stripe`) is S streams per receiver, each carrying the chunks j = index mod
   S of the payload cut at exactly `chunk_bytes` (`stripe_layout`, checked chunk by chunk by
   `PushReader.stripe_chunks`); an `Assembly` feeds them to one sink in payload order, so the
@@ -33,6 +35,7 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import hmac
 import io
 import math
 import os
@@ -227,9 +230,40 @@ class Child:
         return max(level, default=0)
 
 
-def plan_from_parents(nodes: Sequence[tuple[str, str, int]]) -> pb.RelayPlan:
-    """A RelayPlan from (address, name, parent) rows, parent 0 = the receiver, i = row i-1."""
-    return pb.RelayPlan(nodes=[pb.RelayNode(address=a, name=n, parent=p) for a, n, p in nodes])
+def plan_from_parents(nodes: Sequence[tuple[str, str, int] | tuple[str, str, int, bytes]]) -> pb.RelayPlan:
+    """A RelayPlan from (address, name, parent[, grant]) rows, parent 0 = the receiver, i = row i-1."""
+    return pb.RelayPlan(
+        nodes=[pb.RelayNode(address=r[0], name=r[1], parent=r[2], grant=r[3] if len(r) > 3 else b"") for r in nodes]
+    )
+
+
+GRANT_CONTEXT = b"rollwire relay grant v1"
+
+
+def grant_key(admin_token_digest: bytes) -> bytes:
+    """The key relay grants are signed and checked with, derived from the sha256 of an admin
+    token: the proxy hashes the token it dials replicas with, a replica holds only digests."""
+    return hmac.new(admin_token_digest, GRANT_CONTEXT, hashlib.sha256).digest()
+
+
+def relay_grant(key: bytes, manifest: pb.AdapterManifest, address: str) -> bytes:
+    """The proxy's grant to relay this push (name, version, digest) to `address`."""
+    message = f"{manifest.name}\0{manifest.version}\0{manifest.sha256}\0{address}".encode()
+    return hmac.new(key, message, hashlib.sha256).digest()
+
+
+def grant_plan(plan: pb.RelayPlan, key: bytes, manifest: pb.AdapterManifest) -> None:
+    """Sign every node of `plan` for this push (the proxy, for the plans it sends)."""
+    for node in plan.nodes:
+        node.grant = relay_grant(key, manifest, node.address)
+
+
+def unplanned(plan: pb.RelayPlan, keys: Sequence[bytes], manifest: pb.AdapterManifest) -> str | None:
+    """The first node whose grant no key verifies (its address), or None when all verify."""
+    for node in plan.nodes:
+        if not any(hmac.compare_digest(node.grant, relay_grant(k, manifest, node.address)) for k in keys):
+            return node.address
+    return None
 
 
 def split_plan(plan: pb.RelayPlan, *, max_children: int, max_nodes: int = MAX_PLAN_NODES) -> list[Child]:
@@ -242,7 +276,7 @@ def split_plan(plan: pb.RelayPlan, *, max_children: int, max_nodes: int = MAX_PL
             f"the relay plan has {len(nodes)} replicas; at most {max_nodes}", reason=Reason.BAD_RELAY_PLAN
         )
     owner: list[int] = []  # for node i: the index of the direct child whose subtree holds it
-    rows: dict[int, list[tuple[str, str, int]]] = {}
+    rows: dict[int, list[tuple[str, str, int, bytes]]] = {}
     position: list[int] = []  # node i's 1-based index inside its owner's plan (0 for the owner itself)
     seen: set[str] = set()
     for i, node in enumerate(nodes):
@@ -274,7 +308,7 @@ def split_plan(plan: pb.RelayPlan, *, max_children: int, max_nodes: int = MAX_PL
         parent = node.parent - 1
         top = owner[parent]
         owner.append(top)
-        rows[top].append((node.address, node.name, position[parent]))
+        rows[top].append((node.address, node.name, position[parent], node.grant))
         position.append(len(rows[top]))
     return [Child(nodes[i].address, nodes[i].name, plan_from_parents(rows[i])) for i in rows]
 

@@ -63,6 +63,8 @@ async def start_generator(config: GeneratorConfig) -> RunningGenerator:
         fingerprint=fingerprint,
         base_shapes=base_linear_shapes(config.model, config_only=config_only),
         replica=replica,
+        auth=endpoint.auth,
+        port=endpoint.port,
     )
     generator_pb2_grpc.add_GeneratorServiceServicer_to_server(servicer, endpoint.server)
     await endpoint.start([SERVICE], config.host, config.tls)

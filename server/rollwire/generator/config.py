@@ -40,8 +40,13 @@ class Limits(PushLimits):
 class RelaySection(DialTlsSection, ForwardSection):
     """Forwarding a relayed push to this replica's children (the proxy sends the plan).
 
-    The caller's authorization travels on to the children, so they must accept the same
-    admin token; the TLS settings say how to dial them when they listen with TLS."""
+    With auth on, a replica relays only to the nodes its proxy granted (each node of the plan
+    carries the proxy's grant, keyed from its admin token, which this replica's admin tokens
+    verify), never to itself, and dials them with a `relay` token: `token_file`, else the
+    caller's token when that is a relay token (the proxy's upstream.relay_token_file). An
+    admin token is never passed on. With auth off, plans are not checked (anyone may push
+    anything) and no token travels. The TLS settings say how to dial the children when they
+    listen with TLS (as the replicas' own [tls] does)."""
 
     enabled: bool = Field(default=True)
     """Forward relayed pushes; false refuses a push that carries a relay plan."""
@@ -49,6 +54,8 @@ class RelaySection(DialTlsSection, ForwardSection):
     """Most children a plan may give this replica (its uplink carries one copy each)."""
     timeout_s: float = Field(default=120.0, gt=0)
     """Deadline of the streams to the children when the relayed push itself has none."""
+    token_file: str = Field(default="")
+    """Bearer token with the `relay` role sent to the children; empty = the caller's, when it is a relay token."""
 
 
 class TransformersSection(Section):
@@ -180,7 +187,7 @@ class RegisterSection(Section):
     advertise: str = Field(default="")
     """HOST:PORT the proxy dials to reach this replica; defaults to host:port."""
     token_file: str = Field(default="")
-    """Admin-role bearer token for a proxy that requires tokens."""
+    """Bearer token with the `register` role (its own address only; admin works too) for a proxy that requires tokens."""
     tls_ca_file: str = Field(default="")
     """PEM roots of the proxy's certificate, for a proxy that listens with TLS."""
 

@@ -33,7 +33,7 @@ class Registration:
     ttl_s: int = 15
     """The registration lapses this long after the last heartbeat."""
     token: str = field(default="", repr=False)
-    """Bearer token with the admin role, when the proxy requires tokens."""
+    """Bearer token with the register role (or admin), when the proxy requires tokens."""
     tls_ca: bytes | None = None
     """PEM roots of the proxy's certificate, when the proxy listens with TLS."""
 

@@ -9,13 +9,23 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import ipaddress
 import math
+import secrets
+import socket
 import time
 
 import grpc
 import structlog
 
-from rollwire.common.errors import FailedPrecondition, InvalidArgument, ResourceExhausted, RollwireError, to_status
+from rollwire.common.errors import (
+    FailedPrecondition,
+    InvalidArgument,
+    PermissionDenied,
+    ResourceExhausted,
+    RollwireError,
+    to_status,
+)
 from rollwire.common.logs import REQUEST_ID_KEY, get_logger, request_id_from
 from rollwire.common.push import (
     Assembly,
@@ -25,9 +35,11 @@ from rollwire.common.push import (
     check_manifest,
     check_name,
     check_stripe,
+    grant_key,
     manifest_from_pb,
     split_plan,
     status_with_results,
+    unplanned,
 )
 from rollwire.common.reasons import Reason
 from rollwire.generator.adapters import AdapterRegistry, PayloadInspector
@@ -44,8 +56,9 @@ from rollwire.generator.types import (
     worth_sending,
 )
 from rollwire.serving import __version__
-from rollwire.serving.dial import Dialer
+from rollwire.serving.dial import Dialer, bearer
 from rollwire.serving.forward import ChannelPool, Forwarder
+from rollwire.serving.security import RELAY, TokenAuth, caller_role, require_stage_only
 from rollwire.v1 import generator_pb2 as pb
 from rollwire.v1 import generator_pb2_grpc
 
@@ -56,6 +69,9 @@ INLINE_TOKENIZE_CHARS = 2048  # longer texts are tokenized on a worker thread, n
 MAX_STOP_CHARS = 64  # longest stop string
 MAX_GROUP_KEY_CHARS = 1024  # longest group_key (the replica ignores it; the proxy hashes it)
 FINISH = {"eos": pb.FINISH_REASON_EOS, "stop": pb.FINISH_REASON_STOP, "length": pb.FINISH_REASON_LENGTH}
+RELAY_PATH_KEY = "x-rollwire-relay-path"
+"""Metadata of a relayed push: the instance ids of the replicas it came through, so one that a
+plan leads back to (through any alias of its address) refuses it before taking a slot."""
 
 
 class GeneratorServicer(generator_pb2_grpc.GeneratorServiceServicer):
@@ -69,6 +85,8 @@ class GeneratorServicer(generator_pb2_grpc.GeneratorServiceServicer):
         fingerprint: str,
         base_shapes: dict[str, tuple[int, int]],
         replica: str,
+        auth: TokenAuth | None = None,
+        port: int = 0,
     ) -> None:
         self.config, self.engine, self.registry, self.metrics = config, engine, registry, metrics
         self.fingerprint, self.base_shapes, self.replica = fingerprint, base_shapes, replica
@@ -79,6 +97,11 @@ class GeneratorServicer(generator_pb2_grpc.GeneratorServiceServicer):
         registry.on_servable.append(self._follow)
         # channels to relay children; a TLS file that cannot be read fails at start
         self._channels = ChannelPool(Dialer.from_config(config.relay, "relay", config.keepalive.keepalive()))
+        self.auth, self.port = auth, port
+        """The tokens this replica checks (None: auth off) and the port it serves on."""
+        self.instance = secrets.token_hex(8)
+        """This process's id in RELAY_PATH_KEY."""
+        self._relay_token = bearer(config.relay.token_file)  # read at start: a bad file stops it
 
     # -- Generate ----------------------------------------------------------------------
     async def Generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext):
@@ -378,6 +401,9 @@ class GeneratorServicer(generator_pb2_grpc.GeneratorServiceServicer):
         try:
             first = await reader.open()
             manifest = manifest_from_pb(first.manifest)
+            role = caller_role(self.auth, context)
+            require_stage_only(role, first.stage_only)
+            self._refuse_loop(context)
             joining = None
             if first.stripe is not None:
                 check_stripe(first.stripe, stage_only=first.stage_only)
@@ -395,7 +421,7 @@ class GeneratorServicer(generator_pb2_grpc.GeneratorServiceServicer):
                 assembly = attached = joining
                 self._attach(attached)
             if first.relay.nodes:
-                forward = self._relay(first, context)
+                forward = await self._relay(first, context, role)
             try:
                 if assembly is not None:
                     assert first.stripe is not None
@@ -582,9 +608,20 @@ class GeneratorServicer(generator_pb2_grpc.GeneratorServiceServicer):
             name=first.manifest.name, version=first.manifest.version, replicas=subtree, stripe_pending=True
         )
 
-    def _relay(self, first: Opening, context: grpc.aio.ServicerContext) -> Forwarder:
-        """Open a stream to each child of the plan; the caller's authorization and request id
-        travel with them, and their deadline is what is left of this push's own."""
+    def _refuse_loop(self, context: grpc.aio.ServicerContext) -> None:
+        """A push that already came through this replica (a plan that leads back to it)."""
+        path = next((v for k, v in context.invocation_metadata() or () if k == RELAY_PATH_KEY), "")
+        if self.instance in str(path).split(","):
+            raise FailedPrecondition(
+                "this push was relayed through this replica already: its relay plan leads back to it; "
+                "a proxy plans each replica once, by one address",
+                reason=Reason.RELAY_LOOP,
+            )
+
+    async def _relay(self, first: Opening, context: grpc.aio.ServicerContext, role: str) -> Forwarder:
+        """Open a stream to each child of the plan, once every node is one the proxy granted
+        (auth on) and no child is this replica; a relay token (never an admin token) and the
+        request id travel with them, and their deadline is what is left of this push's own."""
         relay = self.config.relay
         if not relay.enabled:
             raise FailedPrecondition(
@@ -592,13 +629,32 @@ class GeneratorServicer(generator_pb2_grpc.GeneratorServiceServicer):
                 reason=Reason.RELAY_DISABLED,
             )
         children = split_plan(first.relay, max_children=relay.max_children)
+        if self.auth is not None:
+            keys = [grant_key(d) for d in self.auth.admin_digests()]
+            if (address := unplanned(first.relay, keys, first.manifest)) is not None:
+                raise PermissionDenied(
+                    f"the relay plan names {address}, which this push's proxy did not plan (no valid grant); "
+                    "a replica relays only to the members its proxy planned: push through the proxy",
+                    reason=Reason.RELAY_NOT_PLANNED,
+                )
+        for child in children:
+            if await self._is_self(child.address):
+                raise FailedPrecondition(
+                    f"the relay plan names {child.address}, which is this replica itself; "
+                    "a replica never relays to itself",
+                    reason=Reason.RELAY_LOOP,
+                )
         remaining = context.time_remaining()
         deadline = time.monotonic() + (relay.timeout_s if remaining is None else remaining)
-        metadata = [
-            (k, v)
-            for k, v in context.invocation_metadata() or ()
-            if k in ("authorization", REQUEST_ID_KEY) and isinstance(v, str)
-        ]
+        incoming = context.invocation_metadata() or ()
+        path = next((str(v) for k, v in incoming if k == RELAY_PATH_KEY), "")
+        metadata = [(k, v) for k, v in incoming if k == REQUEST_ID_KEY and isinstance(v, str)]
+        metadata.append((RELAY_PATH_KEY, f"{path},{self.instance}" if path else self.instance))
+        if self.auth is not None:  # grants checked: the children are planned members
+            if self._relay_token:
+                metadata += self._relay_token
+            elif role == RELAY:
+                metadata += [(k, v) for k, v in incoming if k == "authorization" and isinstance(v, str)]
         return Forwarder(
             children,
             first.manifest,
@@ -611,6 +667,18 @@ class GeneratorServicer(generator_pb2_grpc.GeneratorServiceServicer):
             settle_s=relay.settle_timeout_s,
             stripe=first.stripe,
         )
+
+    async def _is_self(self, address: str) -> bool:
+        """Whether `address` reaches this replica: its port, on a host that resolves to an
+        address of this machine (loopback, unspecified, or one it can bind)."""
+        host, _, port = address.rpartition(":")
+        if not self.port or int(port) != self.port:
+            return False
+        try:
+            infos = await asyncio.get_running_loop().getaddrinfo(host.strip("[]"), None, type=socket.SOCK_STREAM)
+        except OSError:
+            return False  # unresolvable: the dial fails, and its outcome says so
+        return any(_local(str(info[4][0]), info[0]) for info in infos)
 
     async def close(self) -> None:
         """Close the relay channels (at shutdown)."""
@@ -665,3 +733,16 @@ class GeneratorServicer(generator_pb2_grpc.GeneratorServiceServicer):
                 for m, (o, i) in sorted(self.base_shapes.items())
             ],
         )
+
+
+def _local(ip: str, family: int) -> bool:
+    """An IP address of this machine: loopback, unspecified, or one a socket can bind."""
+    parsed = ipaddress.ip_address(ip.split("%", 1)[0])
+    if parsed.is_loopback or parsed.is_unspecified:
+        return True
+    try:
+        with socket.socket(family, socket.SOCK_STREAM) as probe:
+            probe.bind((ip, 0))
+    except OSError:
+        return False
+    return True

@@ -5,20 +5,37 @@ it; a heartbeat of a replica refused membership (another base model, replicas.py
 and is refused with FAILED_PRECONDITION (BASE_MODEL_MISMATCH) naming it; a new replica takes work only after the catch-up (replicas.py); deregistering cuts
 its live groups off, and their runs restart them elsewhere; draining stops new work and
 returns only when the replica has no group left, so a drain loses nothing.
+
+Who may register: a `register` token registers, drains and removes only its own address (the
+host must resolve to the caller's own IP address) with a ttl in 1..registration.max_ttl_s, so
+it lapses unless it keeps beating; only an admin may register for good (ttl 0) or for another
+address. A registration that would take the proxy past registration.max_members is refused.
 """
 
 from __future__ import annotations
 
+import asyncio
+import ipaddress
+import socket
 from typing import NoReturn
 
 import grpc
 
-from rollwire.common.errors import FailedPrecondition, InvalidArgument, NotFound, RollwireError, to_status
+from rollwire.common.errors import (
+    FailedPrecondition,
+    InvalidArgument,
+    NotFound,
+    PermissionDenied,
+    ResourceExhausted,
+    RollwireError,
+    to_status,
+)
 from rollwire.common.logs import get_logger
 from rollwire.common.reasons import Reason
-from rollwire.proxy.config import check_address
+from rollwire.proxy.config import RegistrationSection, check_address
 from rollwire.proxy.replica import Replica
 from rollwire.proxy.replicas import ReplicaSet
+from rollwire.serving.security import REGISTER, TokenAuth, caller_role
 from rollwire.v1 import admin_pb2 as apb
 from rollwire.v1 import admin_pb2_grpc
 
@@ -26,24 +43,73 @@ log = get_logger(__name__)
 
 
 class AdminServicer(admin_pb2_grpc.AdminServiceServicer):
-    def __init__(self, replicas: ReplicaSet) -> None:
-        self.replicas = replicas
+    def __init__(
+        self, replicas: ReplicaSet, limits: RegistrationSection | None = None, auth: TokenAuth | None = None
+    ) -> None:
+        self.replicas, self.limits, self.auth = replicas, limits or RegistrationSection(), auth
 
     async def RegisterGenerator(self, request: apb.RegisterGeneratorRequest, context) -> apb.RegisterGeneratorResponse:
         try:
             check_address(request.address)
+            await self._own(request.address, context)
+            self._check_ttl(request.ttl_seconds, context)
         except ValueError as exc:
             return await _abort(context, InvalidArgument(f"address: {exc}", reason=Reason.BAD_ADDRESS))
+        except RollwireError as err:
+            return await _abort(context, err)
         known = self.replicas.get(request.address)
         if known is not None and known.foreign:  # refused membership: its heartbeat is told why, by name
             await self.replicas.remove(request.address, known.detail)
             return await _abort(context, FailedPrecondition(known.detail, reason=Reason.BASE_MODEL_MISMATCH))
+        if known is None and len(self.replicas.all()) >= self.limits.max_members:
+            return await _abort(
+                context,
+                ResourceExhausted(
+                    f"this proxy holds {len(self.replicas.all())} replicas, its limit (registration.max_members); "
+                    "one must leave before another registers",
+                    reason=Reason.TOO_MANY_MEMBERS,
+                    retry_after_s=float(self.limits.max_ttl_s),
+                ),
+            )
         replica, created = self.replicas.add(request.address, "registered", request.ttl_seconds or None)
         return apb.RegisterGeneratorResponse(replica=replica.status(), created=created)
+
+    def _check_ttl(self, ttl: int, context) -> None:
+        bound = self.limits.max_ttl_s
+        if ttl > bound or (ttl == 0 and caller_role(self.auth, context) == REGISTER):
+            raise InvalidArgument(
+                f"ttl_seconds is {ttl}; give 1 to {bound} (registration.max_ttl_s) and heartbeat within it"
+                + (" (0, for good, is for an admin)" if ttl == 0 else ""),
+                reason=Reason.BAD_TTL,
+            )
+
+    async def _own(self, address: str, context) -> None:
+        """A `register` token acts on its own address only: the host must resolve to the
+        caller's IP address (the port is its own business)."""
+        if caller_role(self.auth, context) != REGISTER:
+            return
+        peer = _peer_ip(context.peer())
+        host = address.rpartition(":")[0].strip("[]")
+        try:
+            infos = await asyncio.get_running_loop().getaddrinfo(host, None, type=socket.SOCK_STREAM)
+            ips = {ipaddress.ip_address(str(i[4][0]).split("%", 1)[0]) for i in infos}
+        except (OSError, ValueError):
+            ips = set()
+        if peer is None or peer not in ips:
+            raise PermissionDenied(
+                f"a register token may register, drain or remove only its own address; {address} is not "
+                f"the address this call comes from ({context.peer()}); advertise the address the proxy sees, "
+                "or use an admin token",
+                reason=Reason.NOT_OWN_ADDRESS,
+            )
 
     async def DeregisterGenerator(
         self, request: apb.DeregisterGeneratorRequest, context
     ) -> apb.DeregisterGeneratorResponse:
+        try:
+            await self._own(request.address, context)
+        except RollwireError as err:
+            return await _abort(context, err)
         if self._find(request.address) is None:
             return await _abort(context, self._unknown(request.address))
         restarted = await self.replicas.remove(request.address, "deregistered by an admin")
@@ -53,6 +119,10 @@ class AdminServicer(admin_pb2_grpc.AdminServiceServicer):
         return apb.ListGeneratorsResponse(replicas=[r.status() for r in self.replicas.all()])
 
     async def DrainGenerator(self, request: apb.DrainGeneratorRequest, context) -> apb.DrainGeneratorResponse:
+        try:
+            await self._own(request.address, context)
+        except RollwireError as err:
+            return await _abort(context, err)
         if self._find(request.address) is None:
             return await _abort(context, self._unknown(request.address))
         replica = await self.replicas.drain(request.address)
@@ -71,6 +141,18 @@ class AdminServicer(admin_pb2_grpc.AdminServiceServicer):
             f"no replica {address!r} is registered here (known: {known}); ListGenerators shows them",
             reason=Reason.UNKNOWN_REPLICA,
         )
+
+
+def _peer_ip(peer: str) -> ipaddress.IPv4Address | ipaddress.IPv6Address | None:
+    """The IP address of a gRPC peer string ("ipv4:1.2.3.4:5", "ipv6:[::1]:5"), or None."""
+    kind, _, rest = peer.partition(":")
+    if kind not in ("ipv4", "ipv6"):
+        return None
+    host = rest.rpartition(":")[0].strip("[]")
+    try:
+        return ipaddress.ip_address(host.split("%", 1)[0])
+    except ValueError:
+        return None
 
 
 async def _abort(context: grpc.aio.ServicerContext, err: RollwireError) -> NoReturn:

@@ -104,9 +104,11 @@ async def start_proxy(config: ProxyConfig) -> RunningProxy:
     proxy_id = config.proxy_id or f"proxy@{config.host}:{endpoint.port}"
     peers = Peers(config, proxy_id, spool, replicas, upstream)
     fanout = FanOut(spool, replicas, config, metrics, peers)
-    servicer = ProxyServicer(config, dispatcher, fanout, proxy_id)
+    servicer = ProxyServicer(config, dispatcher, fanout, proxy_id, endpoint.auth)
     generator_pb2_grpc.add_GeneratorServiceServicer_to_server(servicer, endpoint.server)
-    admin_pb2_grpc.add_AdminServiceServicer_to_server(AdminServicer(replicas), endpoint.server)
+    admin_pb2_grpc.add_AdminServiceServicer_to_server(
+        AdminServicer(replicas, config.registration, endpoint.auth), endpoint.server
+    )
     await endpoint.start([SERVICE, ADMIN_SERVICE], config.host, config.tls)
     await endpoint.set_health("", True)
     await endpoint.set_health(SERVICE, False)

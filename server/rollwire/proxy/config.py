@@ -153,6 +153,15 @@ class FairnessSection(Section):
     with RESOURCE_EXHAUSTED, reason SLOW_READER, and frees its replica slot."""
 
 
+class RegistrationSection(Section):
+    """What replicas that register themselves (AdminService) may hold."""
+
+    max_ttl_s: int = Field(default=300, ge=1)
+    """Longest ttl_seconds a registration may ask; a `register` token must give 1..this (0, for good, is admin's)."""
+    max_members: int = Field(default=1024, ge=1)
+    """Replicas this proxy holds at most, however they came; a registration past it is refused (TOO_MANY_MEMBERS)."""
+
+
 class ProxyConfig(ServerConfig):
     """The routing proxy: one GeneratorService and AdminService address for many generator replicas."""
 
@@ -184,6 +193,7 @@ class ProxyConfig(ServerConfig):
     before the push returns (peers.py); this proxy itself may be listed."""
     peering: PeeringSection = Field(default_factory=PeeringSection)
     http: HttpSection = Field(default_factory=HttpSection)
+    registration: RegistrationSection = Field(default_factory=RegistrationSection)
 
     @field_validator("base_model")
     @classmethod

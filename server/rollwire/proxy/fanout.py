@@ -56,7 +56,7 @@ import grpc
 
 from rollwire.common.errors import FailedPrecondition, Unavailable
 from rollwire.common.logs import REQUEST_ID_KEY, get_logger
-from rollwire.common.push import MIN_STRIPE_CHUNK, Child, Manifest, PushReader, manifest_from_pb
+from rollwire.common.push import MIN_STRIPE_CHUNK, Child, Manifest, PushReader, grant_plan, manifest_from_pb
 from rollwire.common.reasons import Reason
 from rollwire.common.safetensors_header import HeaderError, header_length
 from rollwire.generator.adapters import MAX_HEADER_BYTES, PayloadInspector, check_header
@@ -67,6 +67,7 @@ from rollwire.proxy.plan import Target, choose_fanout, layout, stripe_chunk_byte
 from rollwire.proxy.replica import PushResult, Replica
 from rollwire.proxy.replicas import ReplicaSet
 from rollwire.proxy.spool import Spool, SpooledAdapter, Upload
+from rollwire.proxy.upstream import relay_credentials
 from rollwire.serving.forward import Forwarder, StripedForwarder
 from rollwire.v1 import generator_pb2 as pb
 
@@ -182,6 +183,7 @@ class FanOut:
         self._locks: defaultdict[str, asyncio.Lock] = defaultdict(asyncio.Lock)
         self._tasks: set[asyncio.Task] = set()
         self._suspect: dict[str, float] = {}  # address -> when its own relay hop last failed
+        self._credentials = relay_credentials(config.upstream)
 
     # -- receiving (the client's call) ----------------------------------------------------
     async def push(self, messages: AsyncIterator[pb.PushAdapterRequest], request_id: str) -> pb.PushAdapterResponse:
@@ -310,7 +312,10 @@ class FanOut:
         return forward
 
     def _forwarder(self, pub: _Publication, children: list[Child], stripe: pb.Stripe | None) -> Forwarder:
-        metadata = ((REQUEST_ID_KEY, pub.request_id), *self.replicas.upstream.metadata)
+        metadata = ((REQUEST_ID_KEY, pub.request_id), *self._credentials.metadata)
+        if (key := self._credentials.grant_key) is not None:
+            for child in children:  # the nodes its children will dial: each granted for this push
+                grant_plan(child.plan, key, pub.manifest)
         return Forwarder(
             children,
             pub.manifest,

@@ -26,6 +26,7 @@ from rollwire.proxy.fanout import FanOut
 from rollwire.proxy.peers import Peers
 from rollwire.proxy.relay import Relay
 from rollwire.serving import __version__
+from rollwire.serving.security import ADMIN, TokenAuth, caller_role, require_stage_only
 from rollwire.v1 import generator_pb2 as pb
 from rollwire.v1 import generator_pb2_grpc
 
@@ -40,10 +41,12 @@ class ProxyServicer(generator_pb2_grpc.GeneratorServiceServicer):
         dispatcher: Dispatcher,
         fanout: FanOut,
         proxy_id: str,
+        auth: TokenAuth | None = None,
     ) -> None:
         """Generate goes through `dispatcher`, pushes through `fanout` (whose spool, replicas,
         metrics and peers this servicer also answers from)."""
         self.config, self.dispatcher, self.fanout, self.proxy_id = config, dispatcher, fanout, proxy_id
+        self.auth = auth
         self.replicas, self.spool, self.metrics, self.peers = (
             fanout.replicas,
             fanout.spool,
@@ -64,7 +67,7 @@ class ProxyServicer(generator_pb2_grpc.GeneratorServiceServicer):
         limit = self.config.routing.request_timeout_s
         timeout = limit if remaining is None else min(remaining, limit)
         auth = self.config.auth
-        name = client_name(metadata, context.peer(), bool(auth.generate_tokens_file or auth.admin_tokens_file))
+        name = client_name(metadata, context.peer(), auth.enabled())
         try:
             async with contextlib.aclosing(self.group_events(request, rid, name, start + timeout)) as events:  # pyright: ignore[reportArgumentType]  # the library's annotation is narrower than what it accepts
                 async for message in events:
@@ -135,6 +138,7 @@ class ProxyServicer(generator_pb2_grpc.GeneratorServiceServicer):
         rid = request_id_from(context.invocation_metadata())
         structlog.contextvars.bind_contextvars(request_id=rid)
         try:
+            require_stage_only(caller_role(self.auth, context), False)  # a relay token pushes to no proxy
             origin = Peers.origin(context.invocation_metadata())
             if origin and self.peers is not None:  # a peer proxy's copy: spool it, no fan-out (peers.py)
                 return await self.peers.receive(request_iterator, origin, rid)
@@ -157,7 +161,11 @@ class ProxyServicer(generator_pb2_grpc.GeneratorServiceServicer):
         raise AssertionError("abort_with_status returned")  # pragma: no cover
 
     async def GetStatus(self, request: pb.GetStatusRequest, context) -> pb.GetStatusResponse:
-        return self.status()
+        """Each replica's address and state (the fleet's topology) only for an admin token."""
+        full = self.status()
+        if caller_role(self.auth, context) != ADMIN:
+            del full.replicas[:]
+        return full
 
     def status(self) -> pb.GetStatusResponse:
         """The proxy as one big replica: what some routable replica serves, the strictest

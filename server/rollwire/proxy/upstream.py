@@ -2,17 +2,24 @@
 
 The proxy checks its own clients' tokens (security.py) and never forwards them: towards the
 replicas it speaks with its own token, which needs the admin role because the proxy pushes
-adapters. Peer proxies are dialled with the same settings (peers.py may override the token
-and the certificate name).
+adapters. The streams of a relay tree carry `relay_token_file`'s token instead when it is set
+(the `relay` role: it can only stage), so the replicas pass on a token that can do nothing
+but relay, and every node of a plan carries the proxy's grant, keyed from its admin token
+(push.relay_grant), so a replica relays only to the members this proxy planned. Peer proxies
+are dialled with the same settings (peers.py may override the token and the certificate name).
 """
 
 from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
 
 from pydantic import Field
 
 from rollwire.common.keepalive import DEFAULT as DEFAULT_KEEPALIVE
 from rollwire.common.keepalive import Keepalive
-from rollwire.serving.dial import Dialer, DialTlsSection
+from rollwire.common.push import grant_key
+from rollwire.serving.dial import Dialer, DialTlsSection, bearer
 
 
 class UpstreamSection(DialTlsSection):
@@ -20,8 +27,28 @@ class UpstreamSection(DialTlsSection):
 
     token_file: str = Field(default="")
     """File holding the bearer token sent to replicas (admin role: the proxy pushes)."""
+    relay_token_file: str = Field(default="")
+    """File holding the token the proxy's relayed (stage_only) pushes carry: the `relay` role on the replicas, which
+    they pass on down the tree; empty = token_file, which the replicas then do not pass on (set relay.token_file
+    on them, or this)."""
 
 
 def upstream_dialer(section: UpstreamSection, keepalive: Keepalive = DEFAULT_KEEPALIVE) -> Dialer:
     """The proxy's link to its replicas; raises SystemExit naming a setting it cannot use."""
     return Dialer.from_config(section, "upstream", keepalive, token_file=section.token_file)
+
+
+@dataclass(frozen=True)
+class RelayCredentials:
+    """What the proxy's relay trees carry: the streams' metadata and the key of its grants."""
+
+    metadata: tuple[tuple[str, str], ...] = ()
+    grant_key: bytes | None = None
+    """None where the proxy has no admin token (its replicas have auth off and check no grant)."""
+
+
+def relay_credentials(section: UpstreamSection) -> RelayCredentials:
+    """Read at start, like the dialer: a token file that cannot be read stops the proxy."""
+    admin = bearer(section.token_file)
+    key = grant_key(hashlib.sha256(admin[0][1].removeprefix("Bearer ").encode()).digest()) if admin else None
+    return RelayCredentials(bearer(section.relay_token_file) or admin, key)

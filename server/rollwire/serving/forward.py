@@ -18,7 +18,11 @@ Invariants:
 - once a child took the sender's last chunk, it has `settle_s` per level of its subtree, plus
   one, to verify, stage and answer; one that did not is cut off like a stalled one. A node waits
   longer than any node below it, so a replica that hangs after taking every byte is cut off
-  by its own parent, and costs its ancestors neither their subtrees nor the push deadline.
+  by its own parent, and costs its ancestors neither their subtrees nor the push deadline;
+- a child's outcome passes on only what a rollwire replica decided (its status carries a
+  rollwire ErrorInfo): anything else (a refused connection, a TLS failure, a service that is
+  no replica) is reported as UNAVAILABLE with one fixed sentence, its text only in this
+  node's log, so a push's reply says nothing about what listens at an address.
 """
 
 from __future__ import annotations
@@ -30,7 +34,7 @@ from collections.abc import Callable, Sequence
 
 import grpc
 
-from rollwire.common.errors import from_rpc_error
+from rollwire.common.errors import ERROR_DOMAIN, Unavailable, from_rpc_error, status_detail
 from rollwire.common.logs import get_logger
 from rollwire.common.push import Child, opening, result, results_from_error
 from rollwire.common.reasons import Reason
@@ -191,13 +195,28 @@ class ChildLink:
             return [own, *reply.replicas, *unreached_list(missing, f"{c.name or c.address} did not report it")]
         if isinstance(exc, grpc.RpcError):
             err = from_rpc_error(exc)
+            if not _from_rollwire(exc):
+                log.warning("relay_child_unreachable", child=c.address, code=err.code.name, error=err.message[:300])
+                err = Unavailable(NOT_A_REPLICA)
             own = result(c.address, c.name, err.code, err.message, err.reason)
             reported = results_from_error(exc) or []
             seen = {r.address for r in reported}
             why = f"its parent {c.name or c.address} failed with {err.code.name}: {err.message[:200]}"
             return [own, *reported, *unreached_list([(a, n) for a, n in c.subtree() if a not in seen], why)]
-        own = result(c.address, c.name, grpc.StatusCode.UNAVAILABLE, f"could not push to it: {exc!r}"[:300])
+        log.warning("relay_child_unreachable", child=c.address, error=repr(exc)[:300])
+        own = result(c.address, c.name, grpc.StatusCode.UNAVAILABLE, NOT_A_REPLICA)
         return [own, *unreached(c, f"its parent {c.name or c.address} could not be reached")]
+
+
+NOT_A_REPLICA = "could not push to it: no rollwire replica answered there (the relaying node's log says why)"
+
+
+def _from_rollwire(exc: grpc.RpcError) -> bool:
+    """Whether a status was decided by a rollwire server (it carries rollwire's ErrorInfo)."""
+    from google.rpc import error_details_pb2
+
+    info = status_detail(exc, error_details_pb2.ErrorInfo)
+    return info is not None and info.domain == ERROR_DOMAIN
 
 
 def unreached(child: Child, why: str) -> list[pb.ReplicaPushResult]:

@@ -32,6 +32,7 @@ from rollwire.common.logs import get_logger
 from rollwire.serving.config import ServerConfig
 from rollwire.serving.security import (
     TlsSection,
+    TokenAuth,
     add_port,
     interceptors,
     start_health_port,
@@ -65,6 +66,8 @@ class Endpoint:
     metrics_server: HTTPServer
     metrics_port: int
     probe_server: grpc.aio.Server | None = None
+    auth: TokenAuth | None = None
+    """The tokens the server checks (None: auth is off); handlers ask it a call's role."""
 
     async def start(self, services: Iterable[str], host: str, tls: TlsSection) -> None:
         """Register health and reflection for `services`, start serving, open the probe port."""
@@ -95,13 +98,16 @@ def listen(role: str, config: ServerConfig, registry: CollectorRegistry) -> Endp
     host, auth, tls = config.host, config.auth, config.tls
     metrics_server, _ = start_http_server(config.metrics_port, addr=host, registry=registry)
     options = server_options(config.keepalive.keepalive())
-    server = grpc.aio.server(options=options, interceptors=interceptors(auth))
+    token_auth = TokenAuth.from_config(auth)
+    server = grpc.aio.server(options=options, interceptors=interceptors(token_auth))
     bound = add_port(server, f"{host}:{config.port}", tls)
     if bound == 0:
         metrics_server.shutdown()
         raise SystemExit(f"cannot listen on {host}:{config.port}; is the port in use?")
     warn_if_exposed(role, host, bound, auth, tls, metrics_server.server_port)
-    return Endpoint(server, health_aio.HealthServicer(), bound, metrics_server, metrics_server.server_port)
+    return Endpoint(
+        server, health_aio.HealthServicer(), bound, metrics_server, metrics_server.server_port, auth=token_auth
+    )
 
 
 @dataclass

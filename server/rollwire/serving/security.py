@@ -1,7 +1,11 @@
 """Bearer-token roles and TLS for every rollwire server (generator and proxy).
 
-Two roles: `generate` (Generate, GetStatus) and `admin` (everything, including PushAdapter
-and the proxy's AdminService). Tokens come from files (Kubernetes Secrets mount as files),
+Four roles: `generate` (Generate, GetStatus), `admin` (everything), and two narrow ones a
+replica holds: `relay` (PushAdapter, and only a `stage_only` push: it can stage bytes that an
+admin commits, never serve them, commit or call anything else) and `register` (the proxy's
+RegisterGenerator, DrainGenerator and DeregisterGenerator, for the caller's own address only,
+checked by the handler). `caller_role` tells a handler which role a call has, for the checks
+a method's role cannot express. Tokens come from files (Kubernetes Secrets mount as files),
 one per line, and are never logged; a token file is re-read when it changes (checked at most
 every RELOAD_INTERVAL_S, on the request path: one os.stat), so rotation needs no restart, and a
 file that turns unreadable or empty keeps the tokens it held (logged as an error). Every RPC
@@ -34,7 +38,7 @@ from rollwire.common.reasons import Reason
 
 log = get_logger(__name__)
 
-GENERATE, ADMIN = "generate", "admin"
+GENERATE, RELAY, REGISTER, ADMIN = "generate", "relay", "register", "admin"
 RELOAD_INTERVAL_S = 1.0  # how often a token file's metadata is checked, at most
 REREAD_INTERVAL_S = 10.0  # a file is re-read this often even when its metadata looks unchanged
 MAX_TOKEN_FILE_BYTES = 1 << 20
@@ -42,22 +46,42 @@ PROTECTED_PREFIX = "/rollwire.v1."
 METHOD_ROLES = {
     "/rollwire.v1.GeneratorService/Generate": GENERATE,
     "/rollwire.v1.GeneratorService/GetStatus": GENERATE,
-    "/rollwire.v1.GeneratorService/PushAdapter": ADMIN,
+    "/rollwire.v1.GeneratorService/PushAdapter": RELAY,  # relay: stage_only only (the servicers check)
     "/rollwire.v1.GeneratorService/CommitAdapter": ADMIN,
-    "/rollwire.v1.AdminService/RegisterGenerator": ADMIN,
-    "/rollwire.v1.AdminService/DeregisterGenerator": ADMIN,
+    "/rollwire.v1.AdminService/RegisterGenerator": REGISTER,  # register: its own address only (admin.py)
+    "/rollwire.v1.AdminService/DeregisterGenerator": REGISTER,
     "/rollwire.v1.AdminService/ListGenerators": ADMIN,
-    "/rollwire.v1.AdminService/DrainGenerator": ADMIN,
+    "/rollwire.v1.AdminService/DrainGenerator": REGISTER,
+    "/rollwire.v1.LearnerService/SubmitTrajectories": ADMIN,  # ingest: a trajectory steers the published weights
+    "/rollwire.v1.LearnerService/GetIngestStatus": ADMIN,
 }
+"""The least role each method needs; `admin` may call every method."""
 
 
 class AuthSection(Section):
-    """Bearer tokens; auth is on when either file is set."""
+    """Bearer tokens; auth is on when any file is set."""
 
     generate_tokens_file: str = Field(default="")
     """File of tokens with the `generate` role, one per line."""
     admin_tokens_file: str = Field(default="")
     """File of tokens with the `admin` role (all RPCs), one per line."""
+    relay_tokens_file: str = Field(default="")
+    """File of tokens with the `relay` role (a replica: stage_only PushAdapter, what relay hops send), one per line."""
+    register_tokens_file: str = Field(default="")
+    """File of tokens with the `register` role (a proxy: a replica registering, draining or removing its own address),
+    one per line."""
+
+    def files(self) -> dict[str, str]:
+        """Each role's token file, by role."""
+        return {
+            GENERATE: self.generate_tokens_file,
+            RELAY: self.relay_tokens_file,
+            REGISTER: self.register_tokens_file,
+            ADMIN: self.admin_tokens_file,
+        }
+
+    def enabled(self) -> bool:
+        return any(self.files().values())
 
 
 class TlsSection(Section):
@@ -171,14 +195,34 @@ class TokenFile:
 class TokenAuth:
     """Decides, for one call, whether its bearer token grants the method's role."""
 
-    def __init__(self, generate: TokenFile | set[str], admin: TokenFile | set[str]) -> None:
-        self._files = [(_as_file(generate), GENERATE), (_as_file(admin), ADMIN)]
+    def __init__(
+        self,
+        generate: TokenFile | set[str],
+        admin: TokenFile | set[str],
+        relay: TokenFile | set[str] | None = None,
+        register: TokenFile | set[str] | None = None,
+    ) -> None:
+        roles = ((generate, GENERATE), (relay or set(), RELAY), (register or set(), REGISTER))
+        self._files = [(_as_file(t), role) for t, role in roles]
+        self._files.append((_as_file(admin), ADMIN))
 
     @classmethod
     def from_config(cls, auth: AuthSection) -> TokenAuth | None:
-        if not (auth.generate_tokens_file or auth.admin_tokens_file):
+        if not auth.enabled():
             return None
-        return cls(TokenFile(auth.generate_tokens_file), TokenFile(auth.admin_tokens_file))
+        files = {role: TokenFile(path) for role, path in auth.files().items()}
+        return cls(files[GENERATE], files[ADMIN], files[RELAY], files[REGISTER])
+
+    def admin_digests(self) -> list[bytes]:
+        """sha256 digests of the admin tokens now valid (the keys of relay grants derive from them)."""
+        return [d for tokens, role in self._files if role == ADMIN for d in tokens.current()]
+
+    def role(self, metadata) -> str | None:
+        """The role of a call's bearer token (None without a valid one); checked already by the
+        interceptor, so a handler asks this only for what a method's role cannot express."""
+        header = next((v for k, v in metadata or () if k == "authorization"), None)
+        scheme, _, token = str(header or "").partition(" ")
+        return self._role_of(token.strip()) if header and scheme.lower() == "bearer" else None
 
     def check(self, method: str, metadata) -> None:
         """Raise Unauthenticated or PermissionDenied; return when the call may proceed."""
@@ -203,19 +247,37 @@ class TokenAuth:
         role = self._role_of(token.strip()) if scheme.lower() == "bearer" else None
         if role is None:
             raise Unauthenticated("the bearer token is not valid on this server", reason=Reason.BAD_TOKEN)
-        if needed == ADMIN and role != ADMIN:
+        if role not in (needed, ADMIN):
             raise PermissionDenied(
-                f"{what} needs the admin role; this token has the generate role", reason=Reason.WRONG_ROLE
+                f"{what} needs the admin role{'' if needed == ADMIN else f' (or {needed})'}; this token has the {role} role",
+                reason=Reason.WRONG_ROLE,
             )
 
     def _role_of(self, token: str) -> str | None:
         presented = _digest(token)  # equal-length digests: neither content nor length leaks
         found = None
-        for tokens, role in self._files:
+        for tokens, role in self._files:  # admin last: a token in several files has the widest role
             for known in tokens.current():  # compare every token in constant time, no early exit
                 if hmac.compare_digest(known, presented):
-                    found = ADMIN if ADMIN in (found, role) else role
+                    found = role if found != ADMIN else ADMIN
         return found
+
+
+def caller_role(auth: TokenAuth | None, context) -> str:
+    """The role of the call in `context`: admin where auth is off (anyone may do anything)."""
+    if auth is None:
+        return ADMIN
+    return auth.role(context.invocation_metadata()) or GENERATE
+
+
+def require_stage_only(role: str, stage_only: bool) -> None:
+    """A `relay` token stages pushes only: what it sends is served once an admin commits it."""
+    if role == RELAY and not stage_only:
+        raise PermissionDenied(
+            "a relay token may only stage a push (stage_only, as a relay hop sends it); "
+            "serving, committing and pushing for good need an admin token",
+            reason=Reason.WRONG_ROLE,
+        )
 
 
 def _as_file(tokens: TokenFile | set[str]) -> TokenFile:
@@ -261,8 +323,7 @@ def _refusing(handler: grpc.RpcMethodHandler | None, err: RollwireError) -> grpc
     return grpc.stream_stream_rpc_method_handler(streaming)
 
 
-def interceptors(auth: AuthSection) -> list[grpc.aio.ServerInterceptor]:
-    token_auth = TokenAuth.from_config(auth)
+def interceptors(token_auth: TokenAuth | None) -> list[grpc.aio.ServerInterceptor]:
     return [AuthInterceptor(token_auth)] if token_auth else []
 
 
@@ -322,7 +383,7 @@ def warn_if_exposed(role: str, host: str, port: int, auth: AuthSection, tls: Tls
     """
     if is_loopback(host) or (role, host, port) in _warned:
         return ""
-    no_auth = not (auth.generate_tokens_file or auth.admin_tokens_file)
+    no_auth = not auth.enabled()
     no_tls = not tls.cert_file
     if not (no_auth or no_tls):
         return ""
