@@ -13,6 +13,7 @@ VLLM_STAMP := $(VLLM_VENV)/.installed
 
 help:
 	@echo "make demo     teach the tiny model, run a replica + proxy + learner, watch GRPO learn"
+	@echo "make demo ENGINE=vllm  the same with a vLLM-backed replica (builds .venv-vllm first)"
 	@echo "make demo-trl the same task learned by TRL's AsyncGRPOTrainer through the proxy's HTTP door, 2 replicas"
 	@echo "make test     lint (buf, ruff, pyright), check proto/ for breaking changes, run the whole suite"
 	@echo "make test-fast  the unit tests only (no processes, no sockets): the inner loop, under 90 s"
@@ -79,8 +80,10 @@ test-fast: install
 proto: install
 	$(BIN)/python -m grpc_tools.protoc -Iproto --python_out=client --pyi_out=client --grpc_python_out=client $(PROTOS)
 
-demo: install
-	$(BIN)/python -m rollwire.demo
+# ENGINE=vllm: the replicas are backed by vLLM servers from .venv-vllm (docs/engines.md).
+ENGINE ?= transformers
+demo: install $(if $(filter vllm,$(ENGINE)),$(VLLM_STAMP))
+	$(BIN)/python -m rollwire.demo --engine $(ENGINE)
 
 # TRL's AsyncGRPOTrainer, unmodified, through the proxy's HTTP front door (learner/rollwire/demo/trl.py).
 demo-trl: install

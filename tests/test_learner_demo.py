@@ -7,6 +7,7 @@ import os
 import struct
 import subprocess
 import sys
+import tomllib
 from types import SimpleNamespace
 
 import pytest
@@ -73,7 +74,7 @@ def test_without_matplotlib_the_chart_is_skipped_with_a_note(tmp_path, monkeypat
     learner.mkdir()
     (learner / "steps.jsonl").write_text(json.dumps({"step": 1, "rollout_reward_mean": 0.5}) + "\n")
     (learner / "summary.json").write_text(json.dumps(LEARNER_SUMMARY))
-    out = finish(tmp_path, SimpleNamespace(budget_s=60, replicas=2))
+    out = finish(tmp_path, SimpleNamespace(budget_s=60, replicas=2, engine="transformers"))
     assert out["reward_curve"] is None and json.loads((tmp_path / "summary.json").read_text())["reward_curve"] is None
     print_table(out, tmp_path)
     assert "skipped: matplotlib is not installed" in capsys.readouterr().out
@@ -86,7 +87,7 @@ def test_finish_writes_summary_and_curve_and_the_table_prints(tmp_path, capsys):
     (learner / "steps.jsonl").write_text("".join(json.dumps(s) + "\n" for s in steps))
     summary = LEARNER_SUMMARY
     (learner / "summary.json").write_text(json.dumps(summary))
-    out = finish(tmp_path, SimpleNamespace(budget_s=60, replicas=2))
+    out = finish(tmp_path, SimpleNamespace(budget_s=60, replicas=2, engine="transformers"))
     saved = json.loads((tmp_path / "summary.json").read_text())
     assert all(saved[k] == summary[k] for k in SUMMARY_KEYS)
     assert (tmp_path / "reward_curve.png").read_bytes().startswith(b"\x89PNG")
@@ -114,6 +115,28 @@ def test_progress_line_reads_a_steps_record():
 
 
 pytestmark = pytest.mark.integration  # starts processes or servers: not in make test-fast
+
+
+def test_vllm_backed_replicas_launch_vllm_from_its_own_environment(tmp_path):
+    """`make demo ENGINE=vllm`: the flags the demo gives a replica resolve to a vLLM launched
+    from .venv-vllm with the CPU settings (the generator's own --dry-run)."""
+    from rollwire.demo.run import engine_args, parse_args
+    from rollwire.demo.stack import VLLM_CPU_ENV, generator_args, rollwire_cmd
+
+    python = tmp_path / "venv" / "bin" / "python"
+    with pytest.raises(SystemExit, match="make .venv-vllm"):
+        engine_args(parse_args(["--engine", "vllm", "--vllm-python", str(python)]))
+    python.parent.mkdir(parents=True)
+    python.symlink_to(sys.executable)  # a venv's python: a link that must not be resolved away
+    flags, timeout = engine_args(parse_args(["--engine", "vllm", "--vllm-python", str(python)]))
+    assert timeout >= 300 and engine_args(parse_args([])) == ((), 120.0)
+    dry = subprocess.run(
+        rollwire_cmd(*generator_args(tmp_path, *flags), "--dry-run"), capture_output=True, text=True, check=True
+    ).stdout
+    config = tomllib.loads(dry)
+    assert config["engine"] == "vllm" and config["vllm"]["dtype"] == "float32"
+    assert config["vllm"]["launch_command"] == [str(python), "-m", "vllm.entrypoints.openai.api_server"]
+    assert config["vllm"]["env"] == VLLM_CPU_ENV
 
 
 # -- where the local stack's processes run --------------------------------------------------

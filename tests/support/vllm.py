@@ -17,18 +17,14 @@ from pathlib import Path
 
 import pytest
 
+from rollwire.demo.stack import VLLM_CPU_ENV
 from rollwire.generator.config import VLLMSection
 
 ROOT = Path(__file__).resolve().parents[2]
 VLLM_PYTHON = ROOT / ".venv-vllm" / "bin" / "python"
 VLLM_STAMP = ROOT / ".venv-vllm" / ".installed"
 SERVER = [str(VLLM_PYTHON), "-m", "vllm.entrypoints.openai.api_server"]
-CPU_ENV = {
-    "VLLM_CPU_KVCACHE_SPACE": "1",  # GiB of KV cache; unset, vLLM's CPU worker takes ~21 of 24 GiB
-    "VLLM_SERVER_DEV_MODE": "1",  # /abort_requests and /server_info
-    "VLLM_CPU_OMP_THREADS_BIND": "nobind",  # no pinning: the cores are shared with the rest of the suite
-    "OMP_NUM_THREADS": "1",  # the tiny model needs no more; two would fight the other processes
-}
+CPU_ENV = VLLM_CPU_ENV  # the demo's: a 1 GiB KV cache, dev mode, no core pinning, one OpenMP thread
 
 
 def require_vllm() -> None:

@@ -1,7 +1,8 @@
 """`make demo`: the whole stack on this machine, learning the built-in task in a fixed budget.
 
-Starts a generator replica (--replicas for more), a proxy in front of it and the learner, each as its own
-process with its own log in the run folder; shows a live progress line; ends with a table
+Starts a generator replica (--replicas for more; --engine vllm: each backed by a vLLM server), a
+proxy in front of it and the learner, each as its own process with its own log in the run
+folder; shows a live progress line; ends with a table
 (held-out accuracy before and after, steps, groups/s, staleness, push latency), a
 reward-curve PNG and summary.json. The last line printed names the run folder;
 runs/latest points to it. Ctrl-C stops every process it started, cleanly.
@@ -18,7 +19,16 @@ from datetime import datetime
 from pathlib import Path
 
 from rollwire.demo.plot import MISSING
-from rollwire.demo.stack import LOCAL_REPLICAS, WHOLE_GROUPS, Service, local_placement, start, start_stack
+from rollwire.demo.stack import (
+    LOCAL_REPLICAS,
+    VLLM_START_S,
+    WHOLE_GROUPS,
+    Service,
+    local_placement,
+    start,
+    start_stack,
+    vllm_replica_args,
+)
 
 SUMMARY_KEYS = (
     "accuracy_before",
@@ -36,6 +46,18 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--budget-s", type=float, default=120.0, help="seconds of training (default 120)")
     p.add_argument(
         "--replicas", type=int, default=LOCAL_REPLICAS, help="generator replicas behind the proxy (default %(default)s)"
+    )
+    p.add_argument(
+        "--engine",
+        choices=("transformers", "vllm"),
+        default="transformers",
+        help="what backs each replica: transformers (embedded, default) or vllm (a vLLM server per replica, "
+        "launched from --vllm-python; `make demo ENGINE=vllm` builds .venv-vllm first)",
+    )
+    p.add_argument(
+        "--vllm-python",
+        default=".venv-vllm/bin/python",
+        help="the interpreter of vLLM's own environment, for --engine vllm (default %(default)s)",
     )
     p.add_argument("--runs-dir", default="runs", help="where run folders go (default runs/)")
     p.add_argument("--model-dir", default="runs/models/taught", help="taught model folder, built once and reused")
@@ -62,13 +84,24 @@ def main(argv=None) -> int:
     signal.signal(signal.SIGTERM, signal.default_int_handler)
     run = new_run_folder(Path(args.runs_dir))
     services: list[Service] = []
-    say(f"rollwire demo: {_replicas(args.replicas)} behind a proxy, {args.budget_s:.0f} s of GRPO training")
+    say(
+        f"rollwire demo: {_replicas(args.replicas)} ({args.engine}) behind a proxy, "
+        f"{args.budget_s:.0f} s of GRPO training"
+    )
     try:
         model = teach_model(Path(args.model_dir), run)
         placement = local_placement(args.replicas)
         if placement.learner:
             say(f"cores: learner {sorted(placement.learner)}, replicas and proxy {sorted(placement.replicas)}")
-        stack = start_stack(model, run, args.replicas, generator_args=WHOLE_GROUPS, placement=placement)
+        engine, start_timeout = engine_args(args)
+        stack = start_stack(
+            model,
+            run,
+            args.replicas,
+            generator_args=(*WHOLE_GROUPS, *engine),
+            placement=placement,
+            start_timeout=start_timeout,
+        )
         services += stack.services
         proxy = stack.proxy
         say(f"{_replicas(args.replicas)} ready")
@@ -91,6 +124,17 @@ def main(argv=None) -> int:
     finally:
         stop_all(services)
         print(f"run folder: {run}")
+
+
+def engine_args(args) -> tuple[tuple[str, ...], float]:
+    """The replicas' engine flags and how long one may take to start."""
+    if args.engine == "transformers":
+        return (), 120.0
+    python = Path(args.vllm_python).absolute()  # not resolve(): a venv's python is a symlink to the base one
+    if not python.is_file():
+        raise SystemExit(f"--engine vllm needs vLLM's environment at {python}: run `make .venv-vllm` (~3 min)")
+    say(f"vLLM-backed replicas: each starts a vLLM server from {python} (about a minute, ~3 GB each)")
+    return vllm_replica_args(python), VLLM_START_S
 
 
 def say(line: str) -> None:
@@ -229,6 +273,7 @@ def finish(run: Path, args) -> dict:
     summary.update(
         budget_s=args.budget_s,
         replicas=args.replicas,
+        engine=args.engine,
         reward_curve=str(chart) if chart else None,
         push_latency_max_s=learner["push_latency_max_s"],
         groups=learner["groups"],

@@ -39,6 +39,16 @@ LOCAL_REPLICAS = 1
 """Replicas of the stack a laptop runs for a learner (the demo, bench/peer_trl.py). Measured on
 2 cores (docs/benchmarks.md §7): one replica batching every group generates about 20% more groups
 a second than two replicas splitting them, which pay for a second process and half-full batches."""
+VLLM_CPU_ENV = {
+    "VLLM_CPU_KVCACHE_SPACE": "1",  # GiB of KV cache; unset, vLLM's CPU worker takes ~21 of 24 GiB
+    "VLLM_SERVER_DEV_MODE": "1",  # /abort_requests and /server_info
+    "VLLM_CPU_OMP_THREADS_BIND": "nobind",  # no pinning: its cores are the ones the replica was given
+    "OMP_NUM_THREADS": "1",  # the tiny model needs no more; two would fight the other processes
+}
+"""A local vLLM server on CPU (docs/engines.md): what each of these settings saves."""
+VLLM_START_S = 600.0
+"""How long a vLLM-backed replica may take to serve: vLLM starts in ~40-65 s and compiles its
+first batch in ~15 s on 2 idle cores, several times that on busy ones."""
 WHOLE_GROUPS = ("--set", "stream_interval=16")
 """A learner reads whole groups: its replicas send a sample's tokens 16 at a time (or at its
 end), not one message per token, which saves gRPC work in the replica, the proxy and the learner."""
@@ -89,6 +99,20 @@ def pin(pid: int, cpus: Collection[int]) -> None:
             os.sched_setaffinity(tid, cpus)
         except OSError:  # a thread that ended meanwhile
             pass
+
+
+def vllm_replica_args(python: str | Path, max_lora_rank: int = 16) -> tuple[str, ...]:
+    """A replica backed by a vLLM server it launches from `python`'s environment (`make
+    .venv-vllm` builds one: vLLM pins its own torch), float32 on CPU with VLLM_CPU_ENV."""
+    launch = [str(python), "-m", "vllm.entrypoints.openai.api_server"]
+    settings = {
+        "vllm.launch_command": json.dumps(launch),
+        "vllm.env": json.dumps(VLLM_CPU_ENV),
+        "vllm.dtype": "float32",
+        "vllm.max_lora_rank": str(max_lora_rank),
+        "vllm.startup_timeout_s": str(VLLM_START_S),
+    }
+    return ("--engine", "vllm", *(a for k, v in settings.items() for a in ("--set", f"{k}={v}")))
 
 
 def rollwire_cmd(*args: str) -> list[str]:
@@ -199,13 +223,14 @@ def start_generators(
     parallel: bool = False,
     probe: bool = False,
     cpus: Collection[int] = (),
+    timeout: float = 120,
 ) -> list[Service]:
     """One replica per name. `parallel` starts them at once (each loads torch and the model:
     faster with spare cores, slower on two busy ones). If one fails, the others are stopped."""
     names = list(names)
 
     def one(name: str) -> Service:
-        return start(generator_args(model, *extra), workdir, name, probe=probe, cpus=cpus)
+        return start(generator_args(model, *extra), workdir, name, timeout, probe=probe, cpus=cpus)
 
     if not parallel:
         started: list[Service] = []
@@ -304,14 +329,15 @@ def start_stack(
     prefix: str = "",
     routable_timeout: float | None = None,
     placement: Placement = Placement(),
+    start_timeout: float = 120,
 ) -> Stack:
     """`replicas` replicas of `model` (one torch thread each, started at once, named
-    `<prefix>generator-<i>` from 1) behind a proxy named `<prefix>proxy`, on the cores
-    `placement` gives them; with `routable_timeout`, returned only once the proxy routes to
-    every replica."""
+    `<prefix>generator-<i>` from 1, each given `start_timeout` seconds to serve) behind a proxy
+    named `<prefix>proxy`, on the cores `placement` gives them; with `routable_timeout`,
+    returned only once the proxy routes to every replica."""
     gens = start_generators(
         model, workdir, [f"{prefix}generator-{i}" for i in range(1, replicas + 1)], *ONE_THREAD, *generator_args,
-        parallel=True, cpus=placement.replicas,
+        parallel=True, cpus=placement.replicas, timeout=start_timeout,
     )  # fmt: skip
     try:
         proxy = start_proxy(workdir, f"{prefix}proxy", gens, *proxy_args, cpus=placement.proxy)
