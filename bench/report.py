@@ -431,12 +431,66 @@ def noise(results: dict[str, dict]) -> str:
     return table(["benchmark", "run", "figures with repeats", "median (max − min) / median", "widest"], rows)
 
 
+def vllm_vs_transformers(d: dict) -> str:
+    w, e, ratio = d["workload"], d["per_engine"], d["vllm_over_transformers"]
+    figures = [
+        ("push_s", "adapter version pushed until served (ms)", 1e3, 1),
+        ("single_ttft_s", "one group alone: time to first token (ms)", 1e3, 1),
+        ("single_latency_s", "one group alone: latency (ms)", 1e3, 0),
+        ("batch_tokens_per_s", f"{w['groups']} groups at once: tokens/s", 1, 0),
+        ("batch_ttft_p50_s", f"{w['groups']} groups at once: time to first token p50 (ms)", 1e3, 0),
+        ("batch_lora_tokens_per_s", f"{w['groups']} groups on the adapter: tokens/s", 1, 0),
+        ("batch_lora_ttft_p50_s", f"{w['groups']} groups on the adapter: time to first token p50 (ms)", 1e3, 0),
+    ]
+    rows = [
+        [label, s(e["transformers"][k], scale, digits), s(e["vllm"][k], scale, digits), s(ratio[k], 1, 2)]
+        for k, label, scale, digits in figures
+    ]
+    start = d["startup_s"]
+    return "\n\n".join(
+        [
+            provenance(d) + f" Median (min–max) of {w['repeats']} alternating repeats; groups of n={w['n']}, "
+            f"{w['new_tokens']} new tokens each (ignore_eos, temperature 1); adapter r={w['lora_r']} on every "
+            f"linear layer. Until the replica serves: transformers {start['transformers']:.0f} s, "
+            f"vllm {start['vllm']:.0f} s (vLLM's start-up and first batch).",
+            table(["figure", "transformers", "vllm", "vllm / transformers (same repeat)"], rows),
+        ]
+    )
+
+
+def trl_vllm_vs_rollwire(d: dict) -> str:
+    w, a, ratio = d["workload"], d["per_arm"], d["rollwire_over_vllm"]
+    figures = [
+        ("startup_s", "server side serving after (s)", 1, 0),
+        ("steps", "optimiser steps in the budget", 1, 0),
+        ("steps_per_s", "steps/s", 1, 2),
+        ("weight_sync_s", "weight sync per step (ms)", 1e3, 0),
+        ("generated_tokens_per_s", "generated tokens/s (TRL's rollout/generated_tok_s)", 1, 0),
+        ("reward_last10", "mean reward, last 10 steps", 1, 2),
+        ("accuracy_after", "held-out accuracy after (greedy)", 100, 1),
+    ]
+    rows = [
+        [label, s(a["vllm"][k], scale, digits), s(a["rollwire"][k], scale, digits), s(ratio[k], 1, 2)]
+        for k, label, scale, digits in figures
+        if k in a["vllm"]
+    ]
+    return "\n\n".join(
+        [
+            provenance(d) + f" Median (min–max) of {w['repeats']} alternating runs per arm, {w['budget_s']:.0f} s "
+            f"of TRL training each; held-out accuracy before: {100 * w['accuracy_before']:.1f}%.",
+            table(["figure", "TRL -> one vLLM server", "TRL -> rollwire (2 replicas)", "rollwire / vllm"], rows),
+        ]
+    )
+
+
 SECTIONS = {
     "weight_push": weight_push,
     "proxy_overhead": proxy_overhead,
     "scaling": scaling,
     "async_vs_sync": async_vs_sync,
     "generator_efficiency": generator_efficiency,
+    "vllm_vs_transformers": vllm_vs_transformers,
+    "trl_vllm_vs_rollwire": trl_vllm_vs_rollwire,
 }
 
 

@@ -178,6 +178,7 @@ def fleet(tiny_model, tmp_path_factory):
     workdir = tmp_path_factory.mktemp("fairness")
     tokens = workdir / "generate.tokens"
     tokens.write_text("\n".join(TOKENS.values()) + "\n")
+    (workdir / "admin.tokens").write_text(ADMIN_TOKEN + "\n")  # the fleet's topology is shown to admins only
     args = ("--set", "limits.max_n=64", "--set", "limits.max_new_tokens=256", "--set", "transformers.threads=1")
     replicas = [start_generator(tiny_model, workdir, n, *args, "--replica-id", n) for n in ("q1", "q2")]
     proxy = start_proxy(
@@ -186,6 +187,8 @@ def fleet(tiny_model, tmp_path_factory):
         replicas,
         "--set",
         f"auth.generate_tokens_file={tokens}",
+        "--set",
+        f"auth.admin_tokens_file={workdir / 'admin.tokens'}",
         "--set",
         "routing.max_in_flight_per_replica=1",
         "--set",
@@ -198,10 +201,13 @@ def fleet(tiny_model, tmp_path_factory):
     stop_all([proxy, *replicas])
 
 
+ADMIN_TOKEN = "fairness-admin-token"
+
+
 def status(proxy) -> pb.GetStatusResponse:
     with grpc.insecure_channel(proxy.target) as ch:
         return generator_pb2_grpc.GeneratorServiceStub(ch).GetStatus(
-            pb.GetStatusRequest(), timeout=10, metadata=auth("polite")
+            pb.GetStatusRequest(), timeout=10, metadata=(("authorization", f"Bearer {ADMIN_TOKEN}"),)
         )
 
 
