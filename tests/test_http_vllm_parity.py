@@ -21,7 +21,7 @@ import pytest
 import requests
 from support.engines import forward_logprobs
 from support.processes import start_generators, start_proxy, stop_all, wait_routable
-from support.vllm import VLLMServer, require_vllm
+from support.vllm import VLLM_PYTHON, VLLMServer, require_vllm
 from support.wire import peft_reference
 from test_http_door import openai_client, peft_folder, post
 
@@ -46,7 +46,7 @@ def servers(tiny_model, tmp_path_factory) -> Iterator[dict[str, Any]]:
     work = tmp_path_factory.mktemp("http-vllm-parity")
     root = work / "adapters"
     root.mkdir()
-    vllm = VLLMServer(tiny_model, work / "vllm.log", names=(tiny_model.name, str(tiny_model)))
+    vllm = VLLMServer(tiny_model, work / "vllm.log", names=(tiny_model.name, str(tiny_model)), python=VLLM_PYTHON)
     try:
         gens = start_generators(tiny_model, work, ["pv1"], "--set", "adapter_window=4")  # while vLLM boots
         door_args = ("--http-port", "0", "--http-model", str(tiny_model), "--http-adapter-root", str(root))

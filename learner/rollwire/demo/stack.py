@@ -16,8 +16,10 @@ heavy (no torch), so tests and benchmarks use it freely.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -300,6 +302,85 @@ def stop_all(services: Iterable[Service], timeout: float = 20) -> None:
             s.proc.terminate()
     for s in services:
         s.stop(timeout)
+
+
+class VLLMServer:
+    """A real vLLM OpenAI server started by a test (or a benchmark), as a user runs it beside
+    rollwire: launch_argv's flags (LoRA on, processed logprobs), VLLM_CPU_ENV, runtime adapter loads,
+    `names` as its served model names, launched from `python` (vLLM's own environment) on
+    `cpus` (empty: anywhere). Its own process group, so `stop` ends every process it
+    started (API server, engine core, worker) and only those."""
+
+    def __init__(
+        self,
+        model: Path,
+        log_path: Path,
+        names: tuple[str, ...] = (),
+        max_loras: int = 4,
+        python: Path = Path(".venv-vllm/bin/python"),
+        cpus: Collection[int] = (),
+    ) -> None:
+        from rollwire.generator.engines.served import free_port
+        from rollwire.generator.engines.vllm_engine import SERVER_MODULE, launch_argv
+
+        self.port = free_port("127.0.0.1")
+        self.url = f"http://127.0.0.1:{self.port}"
+        argv = launch_argv(
+            command=[str(python), "-m", SERVER_MODULE],
+            model=str(model),
+            host="127.0.0.1",
+            port=self.port,
+            max_lora_rank=16,
+            max_loras=max_loras,
+            dtype="float32",
+            max_model_len=0,
+            extra_args=["--served-model-name", *names] if names else [],
+        )
+        env = {**os.environ, **VLLM_CPU_ENV, "VLLM_ALLOW_RUNTIME_LORA_UPDATING": "1"}
+        self.log_path = log_path
+        with log_path.open("ab") as log:
+            self.proc = subprocess.Popen(
+                argv, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True
+            )
+        pin(self.proc.pid, cpus)  # its engine and worker processes inherit the cores
+
+    def wait_healthy(self, timeout: float = 300) -> None:
+        """Until /health answers 200 and a first token was generated (vLLM compiles its first
+        batch then: ~15 s on CPU); raises with the end of its log if it exits or times out."""
+        deadline = time.monotonic() + timeout
+        while True:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"vLLM exited with {self.proc.returncode}:\n{self.log_tail()}")
+            try:
+                with urllib.request.urlopen(self.url + "/health", timeout=5) as reply:
+                    if reply.status == 200:
+                        break
+            except OSError:
+                pass
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"vLLM not healthy after {timeout:.0f}s:\n{self.log_tail()}")
+            time.sleep(0.5)
+        with urllib.request.urlopen(self.url + "/v1/models", timeout=10) as reply:
+            model = json.loads(reply.read())["data"][0]["id"]
+        body = json.dumps({"model": model, "prompt": [5], "max_tokens": 1, "temperature": 0.0}).encode()
+        first = urllib.request.Request(self.url + "/v1/completions", body, {"Content-Type": "application/json"})
+        with urllib.request.urlopen(first, timeout=max(30.0, deadline - time.monotonic())):
+            pass
+
+    def log_tail(self, chars: int = 3000) -> str:
+        return self.log_path.read_text(errors="replace")[-chars:]
+
+    def stop(self, grace_s: float = 20) -> None:
+        """SIGTERM the process group, then SIGKILL whatever of it is left after `grace_s` (or once the
+        server exited: its engine and worker may outlive it)."""
+        if self.proc.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.proc.pid, signal.SIGTERM)
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                self.proc.wait(grace_s)
+        with contextlib.suppress(ProcessLookupError):  # whatever of the group is left
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        self.proc.wait()
 
 
 @dataclass

