@@ -431,6 +431,85 @@ def noise(results: dict[str, dict]) -> str:
     return table(["benchmark", "run", "figures with repeats", "median (max − min) / median", "widest"], rows)
 
 
+def http_overhead(d: dict) -> str:
+    w = d["workload"]
+    rows, added = [], []
+    for load, r in d["loads"].items():
+        for door in ("grpc", "http"):
+            m = r[door]
+            rows.append(
+                [
+                    f"{load} ({r['workers']} in flight, n={r['n']})",
+                    door,
+                    s(m["tokens_per_s"], 1, 0),
+                    s(m["p50_s"], 1e3, 1),
+                    s(m["p99_s"], 1e3, 1),
+                    s(m["ttft_p50_s"], 1e3, 1),
+                ]
+            )
+        added.append(
+            [
+                load,
+                s(r["added_p50_s"], 1e3, 1, " ms"),
+                s(r["added_p99_s"], 1e3, 1, " ms"),
+                s(r["added_ttft_p50_s"], 1e3, 1, " ms"),
+                s(r["throughput_ratio"], 1, 3),
+            ]
+        )
+    first = next(iter(d["loads"].values()))
+    return "\n\n".join(
+        [
+            provenance(d) + f" Median (min–max) of {first['grpc']['p50_s']['n']} repeats; {w['new_tokens']} new tokens "
+            f"at {w['tokens_per_s_per_sample']:.0f} tokens/s per sample (a group takes {w['ideal_request_s'] * 1e3:.0f} ms "
+            "with no overhead at all).",
+            table(
+                ["load", "door", "tokens/s", "p50 latency (ms)", "p99 latency (ms)", "time to first token p50 (ms)"],
+                rows,
+            ),
+            table(
+                ["load", "added p50", "added p99", "added time to first token (p50)", "throughput http / grpc"], added
+            ),
+        ]
+    )
+
+
+def follow_vs_pinned(d: dict) -> str:
+    st = d["storm"]
+    rows = []
+    for mode, m in d["per_mode"].items():
+        rows.append(
+            [
+                mode,
+                s(m["token_staleness_mean"], 1, 3),
+                s(m["token_staleness_max"], 1, 0),
+                s(m["groups_per_s"], 1, 2),
+                s(m["seconds_to_target"], 1, 1, " s") if m["seconds_to_target"] else "not reached",
+                s(m["accuracy_after"], 100, 1, "%"),
+            ]
+        )
+    runs = len(next(iter(d["runs"].values())))
+    return "\n\n".join(
+        [
+            provenance(d) + f" Learning: median (min–max) of {runs} alternating runs per mode, "
+            f"{d['workload']['budget_s']:.0f} s of training each, max_staleness {d['workload']['max_staleness']}.",
+            table(
+                [
+                    "mode",
+                    "token staleness (mean versions)",
+                    "max",
+                    "trained groups/s",
+                    "time to 90% held-out",
+                    "final accuracy",
+                ],
+                rows,
+            ),
+            f"Push storm ({st['tokens_per_s']['quiet']['n']} alternating repeats; {d['workload']['storm'][0]} following "
+            f"groups, {d['workload']['storm'][1]} versions pushed while they run): tokens/s with pushes over without "
+            f"{s(st['storm_over_quiet'], 1, 2)}; samples restarted, aborted or cut short: {st['broken_samples']}.",
+        ]
+    )
+
+
 def vllm_vs_transformers(d: dict) -> str:
     w, e, ratio = d["workload"], d["per_engine"], d["vllm_over_transformers"]
     figures = [
@@ -489,6 +568,8 @@ SECTIONS = {
     "scaling": scaling,
     "async_vs_sync": async_vs_sync,
     "generator_efficiency": generator_efficiency,
+    "http_overhead": http_overhead,
+    "follow_vs_pinned": follow_vs_pinned,
     "vllm_vs_transformers": vllm_vs_transformers,
     "trl_vllm_vs_rollwire": trl_vllm_vs_rollwire,
 }
