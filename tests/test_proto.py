@@ -32,8 +32,8 @@ def test_stubs_match_protos(tmp_path):
 
 
 def test_every_enum_zero_value_is_unspecified():
-    from rollwire.v1 import admin_pb2, generator_pb2
+    from rollwire.v1 import admin_pb2, generator_pb2, learner_pb2
 
-    for module in (generator_pb2, admin_pb2):
+    for module in (generator_pb2, admin_pb2, learner_pb2):
         for enum in module.DESCRIPTOR.enum_types_by_name.values():
             assert enum.values[0].number == 0 and enum.values[0].name.endswith("_UNSPECIFIED"), enum.name

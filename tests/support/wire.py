@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 import grpc
 
 from rollwire.common.lora import LoraShape
-from rollwire.v1 import admin_pb2, admin_pb2_grpc, generator_pb2_grpc
+from rollwire.v1 import admin_pb2, admin_pb2_grpc, generator_pb2_grpc, learner_pb2
 from rollwire.v1 import generator_pb2 as pb
 
 TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -253,7 +253,7 @@ def run_group(
 
 def all_methods():
     """Every RPC of every rollwire.v1 service, read from the compiled protos."""
-    for module in (pb, admin_pb2):
+    for module in (pb, admin_pb2, learner_pb2):
         for service in module.DESCRIPTOR.services_by_name.values():
             for method in service.methods:
                 yield f"/{service.full_name}/{method.name}", method

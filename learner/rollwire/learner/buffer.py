@@ -2,7 +2,7 @@
 
 Invariants:
 - the buffer never lets a sample staler than `max_staleness` reach the loss: staleness is
-  (version being trained) - (oldest adapter version among the group's tokens), checked
+  (version being trained) - (oldest adapter version among the group's trained tokens), checked
   when the batch is taken, against the version the batch will be trained at;
 - every requested group ends exactly once: trained, or dropped with a reason (stale,
   zero_variance, refused, unavailable, reward_error, ...). The ledger checks
@@ -37,6 +37,22 @@ class ScoredSample:
     kept_tokens: list[list[int]] = field(default_factory=list)
     """When sampled with top-k/top-p and asked for: each token's kept set (empty: the whole
     vocabulary), so the loss computes its logprob over the same truncated distribution."""
+    loss_mask: list[bool] = field(default_factory=list)
+    """Parallel to token_ids: False for an environment or tool token of a multi-turn sample
+    (ingested), which never reaches the loss and whose logprob and version mean nothing;
+    empty: every token was sampled by the model and is trained."""
+
+    @property
+    def trained_mask(self) -> list[bool]:
+        """Which tokens the loss sees (loss_mask, or all of them)."""
+        return self.loss_mask or [True] * len(self.token_ids)
+
+    @property
+    def trained_versions(self) -> list[int]:
+        """Versions of the tokens the model sampled (environment tokens have none)."""
+        if not self.loss_mask:
+            return self.token_versions
+        return [v for v, m in zip(self.token_versions, self.loss_mask, strict=True) if m]
 
 
 @dataclass
@@ -49,11 +65,13 @@ class ScoredGroup:
     adapter_version: int
     """Version the request was served with ("latest" resolved); used when a sample has no tokens."""
     replica: str = ""
+    source: str = "producer"
+    """Who made it: "producer" (the learner's own) or "ingest" (an external producer, ingest.py)."""
     created_at: float = field(default_factory=time.monotonic)
 
     @property
     def min_version(self) -> int:
-        versions = [v for s in self.samples for v in s.token_versions]
+        versions = [v for s in self.samples for v in s.trained_versions]
         return min(versions) if versions else self.adapter_version
 
     @property
@@ -209,6 +227,10 @@ class Buffer:
         self.next_train_version = version + 1  # before anyone wakes: the producer's admission reads it
         self.ledger.train(count)
         return batch
+
+    def count(self, predicate: Callable[[ScoredGroup], bool]) -> int:
+        """Buffered groups for which `predicate` holds."""
+        return sum(1 for g in self._groups if predicate(g))
 
     def drain(self, reason: str) -> int:
         """Drop everything left (at shutdown), counted under `reason`."""

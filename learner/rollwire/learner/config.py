@@ -14,6 +14,7 @@ from pydantic import Field, model_validator
 
 from rollwire.common.config import Section
 from rollwire.learner.losses import LOSSES
+from rollwire.serving.security import AuthSection, TlsSection
 
 LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
@@ -173,6 +174,49 @@ class EvalSection(Section):
     """Held-out requests in flight at once."""
 
 
+class IngestSection(Section):
+    """LearnerService: scored trajectories from external producers (ingest.py, docs/learner.md)."""
+
+    enabled: bool = Field(default=False)
+    """Serve LearnerService, so producers outside the learner submit scored trajectories to train on."""
+    host: str = Field(default="127.0.0.1")
+    """Address the service binds; loopback by default (set auth and TLS before binding another)."""
+    port: int = Field(default=50070, ge=0, le=65535)
+    """Port of the service; 0 picks a free one (the ready file says which)."""
+    exclusive: bool = Field(default=False)
+    """Train only on ingested groups: the learner's own producer requests nothing (evaluation still runs)."""
+    max_pending_groups: int = Field(default=64, ge=1, le=100_000)
+    """Ingested groups being assembled or buffered at once; a trajectory opening one more is pushed back
+    (RESOURCE_EXHAUSTED INGEST_FULL)."""
+    max_group_size: int = Field(default=64, ge=2, le=4096)
+    """Largest group_size a trajectory may declare."""
+    max_prompt_tokens: int = Field(default=8192, ge=1, le=1_000_000)
+    """Largest prompt of a trajectory, in tokens."""
+    max_tokens: int = Field(default=32768, ge=1, le=1_000_000)
+    """Largest number of tokens after the prompt (every turn, the model's and the environment's)."""
+    group_timeout_s: float = Field(default=600.0, gt=0)
+    """A group still incomplete this long after its first sample is dropped (counted as expired)."""
+    retry_after_s: float = Field(default=1.0, gt=0, le=3600)
+    """The retry hint sent with INGEST_FULL."""
+    max_closed_ids: int = Field(default=100_000, ge=1)
+    """Completed or expired group ids remembered, so a late sample of one is refused (GROUP_CLOSED)."""
+    max_message_bytes: int = Field(default=8 << 20, ge=1 << 16, le=1 << 30)
+    """Largest request message the service reads (gRPC refuses a larger one with RESOURCE_EXHAUSTED)."""
+    auth: AuthSection = Field(default_factory=AuthSection)
+    """Bearer tokens of this service; SubmitTrajectories and GetIngestStatus need the admin role."""
+    tls: TlsSection = Field(default_factory=TlsSection)
+    """Server TLS (and mutual TLS) of this service."""
+
+    @model_validator(mode="after")
+    def _sizes(self) -> IngestSection:
+        if 4 * (self.max_prompt_tokens + 3 * self.max_tokens) > self.max_message_bytes:
+            raise ValueError(
+                "ingest.max_message_bytes is too small for ingest.max_prompt_tokens and ingest.max_tokens "
+                "(about 4 bytes per prompt token and 12 per later token)"
+            )
+        return self
+
+
 class CheckpointSection(Section):
     """Checkpoints: adapter, optimiser, step, version, data cursor, RNG."""
 
@@ -225,6 +269,8 @@ class LearnerConfig(Section):
     """Held-out evaluation."""
     checkpoint: CheckpointSection = Field(default_factory=CheckpointSection)
     """Checkpointing."""
+    ingest: IngestSection = Field(default_factory=IngestSection)
+    """Scored trajectories from external producers (off by default)."""
 
     @model_validator(mode="after")
     def _consistent(self) -> LearnerConfig:

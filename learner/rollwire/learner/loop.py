@@ -64,7 +64,9 @@ async def run_learner(cfg: LearnerConfig, *, resume: bool = False, ready_file: s
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, on_signal)
         if ready_file:
-            write_ready_file(ready_file, {"port": 0, "metrics_port": metrics_port, "pid": os.getpid()})
+            write_ready_file(
+                ready_file, {"port": session.ingest_port, "metrics_port": metrics_port, "pid": os.getpid()}
+            )
         log.info("learner_serving_metrics", port=metrics_port)
         summary = await train(session)
         log.info("learner_done", **{k: v for k, v in summary.items() if k != "evals"})

@@ -19,6 +19,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import grpc
+
 from rollwire.client import AsyncClient
 from rollwire.common.errors import FailedPrecondition
 from rollwire.common.logs import get_logger
@@ -29,6 +31,7 @@ from rollwire.learner.admission import staleness
 from rollwire.learner.buffer import Buffer, GroupLedger, ScoredGroup
 from rollwire.learner.config import LearnerConfig
 from rollwire.learner.evaluate import held_out_accuracy
+from rollwire.learner.ingest import Ingest
 from rollwire.learner.metrics import LearnerMetrics
 from rollwire.learner.producer import Producer
 from rollwire.learner.publisher import Publisher
@@ -71,6 +74,11 @@ class Session:
     stopping: asyncio.Event = field(default_factory=asyncio.Event)
     background: set[asyncio.Task] = field(default_factory=set)
     last_checkpoint_step: int = field(init=False)
+    ingest: Ingest | None = None
+    """Trajectories from external producers (LearnerService), when ingest.enabled."""
+    ingest_server: grpc.aio.Server | None = None
+    ingest_port: int = 0
+    """The port LearnerService listens on (0: not served)."""
 
     def __post_init__(self) -> None:
         self.first_version = self.version
@@ -95,7 +103,8 @@ class Session:
         self.report.train_started = time.monotonic()
         if self.cfg.max_seconds:
             asyncio.get_running_loop().call_later(self.cfg.max_seconds, self.request_stop, "max_seconds")
-        self.producer.start()
+        if not self.cfg.ingest.exclusive:
+            self.producer.start()
 
     async def next_batch(self) -> list[ScoredGroup] | None:
         """The next batch for `self.version`, or None when the run is stopping."""
@@ -120,6 +129,8 @@ class Session:
 
     async def train_step(self, batch: list[ScoredGroup]) -> StepStats:
         stats = await asyncio.to_thread(self.trainer.step, batch, self.version)
+        if self.ingest is not None:
+            self.ingest.on_trained(batch)
         self.version += 1
         self.step += 1
         self.steps_this_run += 1
@@ -205,6 +216,10 @@ class Session:
             task.cancel()
         await asyncio.gather(*self.background, return_exceptions=True)
         await self.producer.stop()
+        if self.ingest_server is not None:  # no trajectory is accepted after this point
+            await self.ingest_server.stop(1.0)
+        if self.ingest is not None:
+            self.ingest.stop()
         self.buffer.drain("shutdown")
         # Interrupted: the stack is likely going down too, so the last push gets a short chance.
         flush_s = 5.0 if self.stop_reason == "signal" else self.cfg.client.timeout_s
@@ -217,6 +232,12 @@ class Session:
             self.ledger.check(idle=True)
 
     def summary(self) -> dict:
+        summary = self._summary()
+        if self.ingest is not None:
+            summary["ingest"] = self.ingest.snapshot()
+        return summary
+
+    def _summary(self) -> dict:
         return self.report.summary(
             self.ledger,
             steps=self.steps_this_run,
@@ -233,6 +254,8 @@ class Session:
         return self.report.write_summary(summary)
 
     async def close(self) -> None:
+        if self.ingest_server is not None:
+            await self.ingest_server.stop(0)
         self.report.close()
         await self.client.close()
 

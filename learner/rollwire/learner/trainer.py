@@ -5,6 +5,9 @@ Invariants:
   ids as the server tokenized them, then the sampled ids), each row attending to exactly
   its own tokens from position 0 (right padding, never attended to). That is the
   generator's layout, so at staleness 0 the importance ratio is 1 up to float noise;
+- environment and tool tokens of a multi-turn sample (ScoredSample.loss_mask false) are
+  context the model attends to, never targets of the loss: they count in no normaliser,
+  ratio or staleness, and their reported logprobs and versions are never read;
 - the reference policy for the KL term is the same model with the adapter disabled: no
   second copy of the weights;
 - `adapter_payload()` is what replicas load: the PEFT LoRA state dict in safetensors bytes;
@@ -128,11 +131,11 @@ class Trainer:
         self.last_step = (getattr(self, "last_step", (0, 0))[0] + 1, version)
         rewards = torch.tensor([g.rewards for g in groups])
         advantages = group_advantages(rewards, self.cfg.normalize_std)
-        total_tokens = sum(len(s.token_ids) for g in groups for s in g.samples)
+        total_tokens = sum(sum(s.trained_mask) for g in groups for s in g.samples)
         self.optimizer.zero_grad(set_to_none=True)
         totals = _Totals()
         size = self.cfg.micro_batch_groups or len(groups)
-        ages = [version - v for g in groups for s in g.samples for v in s.token_versions]
+        ages = [version - v for g in groups for s in g.samples for v in s.trained_versions]
         masked = sum(a > self.max_token_staleness for a in ages) if self.max_token_staleness >= 0 else 0
         for start in range(0, len(groups), size):
             rows = _rows(
@@ -233,8 +236,9 @@ class _Rows:
 
 
 def _rows(groups: list[ScoredGroup], advantages: torch.Tensor, version: int, max_token_staleness: int = -1) -> _Rows:
-    """The groups as padded rows; tokens older than `max_token_staleness` versions (>= 0) are
-    left out of the completion mask, so the loss never sees them."""
+    """The groups as padded rows; environment tokens (a sample's loss_mask) and tokens older
+    than `max_token_staleness` versions (>= 0) are left out of the completion mask, so the loss
+    never sees them; their behaviour logprobs are zeroed, so no value there can reach it."""
     seqs = [
         (g.prompt_ids, s, float(advantages[gi, si])) for gi, g in enumerate(groups) for si, s in enumerate(g.samples)
     ]
@@ -250,15 +254,16 @@ def _rows(groups: list[ScoredGroup], advantages: torch.Tensor, version: int, max
         ids[i, : len(seq)] = torch.tensor(seq)
         attention[i, : len(seq)] = 1
         first, last = len(prompt) - 1, len(seq) - 1  # target index t-1 predicts token t
+        trained = torch.tensor(sample.trained_mask, dtype=torch.float32)
         if max_token_staleness >= 0:
-            completion[i, first:last] = torch.tensor(
+            completion[i, first:last] = trained * torch.tensor(
                 [float(version - v <= max_token_staleness) for v in sample.token_versions]
             )
         else:
-            completion[i, first:last] = 1
-        behaviour[i, first:last] = torch.tensor(sample.logprobs)
+            completion[i, first:last] = trained
+        behaviour[i, first:last] = torch.where(trained > 0, torch.tensor(sample.logprobs), 0.0)
         adv[i, first:last] = a
-        fresh[i, first:last] = torch.tensor([float(v == version) for v in sample.token_versions])
+        fresh[i, first:last] = trained * torch.tensor([float(v == version) for v in sample.token_versions])
     return _Rows(ids, attention, completion, behaviour, adv, fresh, _kept(seqs, width))
 
 

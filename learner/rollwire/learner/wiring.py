@@ -24,6 +24,7 @@ from rollwire.learner import checkpoint
 from rollwire.learner.admission import may_request
 from rollwire.learner.buffer import Buffer, GroupLedger, ScoredGroup
 from rollwire.learner.config import LearnerConfig
+from rollwire.learner.ingest import Ingest
 from rollwire.learner.metrics import LearnerMetrics
 from rollwire.learner.producer import Producer
 from rollwire.learner.publisher import Publisher
@@ -160,6 +161,8 @@ async def open_session(cfg: LearnerConfig, resume: bool) -> Session:
         step=step,
         version=version,
     )
+    if cfg.ingest.enabled:
+        await open_ingest(session, fingerprint)
     log.info(
         "learner_ready",
         target=cfg.target,
@@ -172,6 +175,17 @@ async def open_session(cfg: LearnerConfig, resume: bool) -> Session:
         sync=cfg.sync,
     )
     return session
+
+
+async def open_ingest(session: Session, fingerprint: str) -> None:
+    """Serve LearnerService into the session's buffer (ingest.enabled)."""
+    from rollwire.learner.ingest_service import LearnerServicer, serve_ingest
+
+    cfg = session.cfg
+    vocab_size = int(session.trainer.model.config.vocab_size)
+    session.ingest = Ingest(cfg.ingest, session.buffer, lambda: session.publisher.served, vocab_size)
+    servicer = LearnerServicer(session.ingest, cfg.adapter_name, fingerprint)
+    session.ingest_server, session.ingest_port = await serve_ingest(cfg.ingest, servicer)
 
 
 def restore(saved: checkpoint.Checkpoint, trainer: Trainer, stream: DataStream) -> int:
