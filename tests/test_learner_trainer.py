@@ -116,5 +116,7 @@ def test_tokens_older_than_the_token_limit_never_reach_the_loss(tiny_model):
     assert a.stale_tokens_masked == b.stale_tokens_masked == 2 * 4
     assert a.token_staleness_max == 4 and a.token_staleness_mean == pytest.approx(4 / 3)
     assert a.loss == pytest.approx(b.loss, abs=1e-7) and payload_a == payload_b
-    unmasked = Trainer(tiny_model, TrainSection(lr=1e-2, groups_per_step=2), 1.0, seed=0).step(followed(-9.0), version=5)
+    unmasked = Trainer(tiny_model, TrainSection(lr=1e-2, groups_per_step=2), 1.0, seed=0).step(
+        followed(-9.0), version=5
+    )
     assert unmasked.stale_tokens_masked == 0 and unmasked.loss != pytest.approx(a.loss, abs=1e-4)

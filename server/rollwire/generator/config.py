@@ -63,6 +63,11 @@ class TransformersSection(Section):
 
     max_batch_rows: int = Field(default=64, ge=1)
     """Sequences decoded together in one forward pass."""
+    max_batch_tokens: int = Field(default=1 << 20, ge=1)
+    """KV-cache tokens the running groups may reserve together: a group reserves n x (prompt + max_new_tokens) while
+    it runs, and waits for room beyond it; one that could never fit alone is refused up front (INVALID_ARGUMENT,
+    KV_BUDGET). Size it from the accelerator's memory left after the weights, divided by the bytes of one token's
+    keys and values (2 x layers x kv_heads x head_dim x dtype bytes)."""
     threads: int = Field(default=0, ge=0)
     """torch CPU threads; 0 keeps torch's default."""
     device: str = Field(default="cpu")

@@ -33,7 +33,12 @@ def _transformers(config: GeneratorConfig, metrics: GeneratorMetrics) -> Engine:
 
     t = config.transformers
     return TransformersEngine(
-        config.model, max_batch_rows=t.max_batch_rows, threads=t.threads, device=t.device, on_forward=metrics.on_forward
+        config.model,
+        max_batch_rows=t.max_batch_rows,
+        max_batch_tokens=t.max_batch_tokens,
+        threads=t.threads,
+        device=t.device,
+        on_forward=metrics.on_forward,
     )
 
 

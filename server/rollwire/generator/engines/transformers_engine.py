@@ -48,7 +48,7 @@ from typing import Any
 import torch
 
 from rollwire.common import kept
-from rollwire.common.errors import FailedPrecondition, Internal, InvalidArgument
+from rollwire.common.errors import FailedPrecondition, Internal, InvalidArgument, ResourceExhausted
 from rollwire.common.logs import get_logger
 from rollwire.common.reasons import Reason
 from rollwire.generator.adapters import Manifest
@@ -70,6 +70,7 @@ class _Group:
     events: asyncio.Queue
     cancelled: bool = False
     open_rows: int = 0
+    admitted_at: int = 0  # the prefill that admitted it (later ones are the first to go when memory runs out)
 
     def send(self, items: list) -> None:
         try:
@@ -156,6 +157,7 @@ class TransformersEngine:
         model_dir: str | Path,
         *,
         max_batch_rows: int = 64,
+        max_batch_tokens: int = 1 << 20,
         threads: int = 0,
         device: str = "cpu",
         on_forward: Callable[[int], None] = lambda rows: None,
@@ -163,12 +165,14 @@ class TransformersEngine:
         self.model_dir = Path(model_dir)
         self.on_forward = on_forward
         self.max_batch_rows = max_batch_rows
+        self.max_batch_tokens = max_batch_tokens
         self.threads = threads
         self.device = torch.device(device)
         self._cv = threading.Condition()
         self._pending: deque[_Group] = deque()
         self._ops: list[tuple[Future, object]] = []
         self._running_groups = 0
+        self._admissions = 0  # prefills so far: a group's admitted_at
         self._stop = False
         self._thread: threading.Thread | None = None
         self._mailboxes: dict[asyncio.AbstractEventLoop, _Mailbox] = {}  # touched by the worker only
@@ -214,6 +218,13 @@ class TransformersEngine:
     async def generate(self, group: GroupRequest) -> AsyncIterator[list[Event]]:
         if group.n > self.max_batch_rows:
             raise InvalidArgument(f"n={group.n} exceeds this engine's batch of {self.max_batch_rows} rows")
+        if _kv_tokens(group) > self.max_batch_tokens:
+            raise InvalidArgument(
+                f"this group would hold {_kv_tokens(group)} tokens of KV cache (n {group.n} x (prompt "
+                f"{len(group.prompt_ids)} + max_new_tokens {group.sampling.max_new_tokens})), more than this replica's "
+                f"budget of {self.max_batch_tokens}; ask for fewer samples or fewer new tokens per request",
+                reason=Reason.KV_BUDGET,
+            )
         g = _Group(group, asyncio.get_running_loop(), asyncio.Queue())
         with self._cv:
             self._pending.append(g)
@@ -264,7 +275,7 @@ class TransformersEngine:
                     if self._stop:
                         break
                     ops, self._ops = self._ops, []
-                    admitted = self._take_pending(len(batch.rows) if batch else 0)
+                    admitted = self._take_pending(batch)
                 self._apply_ops(ops)
                 try:
                     batch = self._step(batch, admitted)
@@ -277,13 +288,22 @@ class TransformersEngine:
                     self._running_groups = len({id(r.group) for r in batch.rows}) if batch else 0
         self._fail_all("the generator is shutting down; retry on another replica")
 
-    def _take_pending(self, used_rows: int) -> list[_Group]:
+    def _take_pending(self, batch: _Batch | None) -> list[_Group]:
+        """Waiting groups, in order, while their rows and their KV-token reservations fit
+        beside the running ones (a group's reservation lasts while any of its rows runs)."""
+        running = {id(r.group): r.group for r in batch.rows} if batch else {}
+        used_rows = len(batch.rows) if batch else 0
+        used_tokens = sum(_kv_tokens(g.req) for g in running.values())
         admitted = []
-        while self._pending and used_rows + self._pending[0].req.n <= self.max_batch_rows:
-            g = self._pending.popleft()
-            if not g.cancelled:
-                admitted.append(g)
-                used_rows += g.req.n
+        while self._pending:
+            g = self._pending[0]
+            if g.cancelled:
+                self._pending.popleft()
+                continue
+            if used_rows + g.req.n > self.max_batch_rows or used_tokens + _kv_tokens(g.req) > self.max_batch_tokens:
+                break
+            admitted.append(self._pending.popleft())
+            used_rows, used_tokens = used_rows + g.req.n, used_tokens + _kv_tokens(g.req)
         return admitted
 
     def _fail_all(self, message: str) -> None:
@@ -321,15 +341,40 @@ class TransformersEngine:
         """One iteration: a decode step for every running row, then prefill of admitted groups."""
         if batch is not None:
             batch = self._drop_rows(batch, [i for i, r in enumerate(batch.rows) if r.group.cancelled])
-            batch = self._decode(batch) if batch.rows else None
+            batch = self._decode_within_memory(batch) if batch.rows else None
         if admitted:
+            self._admissions += 1
+            for g in admitted:
+                g.admitted_at = self._admissions
             try:
                 fresh = self._prefill(admitted)
             except Exception as exc:  # the running batch's cache is untouched: it keeps decoding
-                _fail_engine(admitted, exc)
+                if not _out_of_memory(exc):
+                    _fail_engine(admitted, exc)
+                    return batch
+                _fail_out_of_memory(admitted, "its prefill")
                 return batch
             batch = fresh if batch is None else _merge(batch, fresh)
         return batch
+
+    def _decode_within_memory(self, batch: _Batch) -> _Batch | None:
+        """A decode step; when it runs out of memory, the groups admitted last are ended with
+        RESOURCE_EXHAUSTED (they are what grew the batch), the cache is cut back to where it
+        was before the step, and the others step again (up to the last group standing)."""
+        while True:
+            kv_len = batch.mask.shape[1]
+            try:
+                return self._decode(batch)
+            except Exception as exc:
+                if not _out_of_memory(exc):
+                    raise
+                _cut_cache(batch.cache, kv_len)
+                newest = max(r.group.admitted_at for r in batch.rows)
+                victims = {id(r.group): r.group for r in batch.rows if r.group.admitted_at == newest}
+                _fail_out_of_memory(list(victims.values()), "a decode step")
+                batch = self._drop_rows(batch, [i for i, r in enumerate(batch.rows) if id(r.group) in victims])
+                if not batch.rows:
+                    return None
 
     def _decode(self, batch: _Batch) -> _Batch | None:
         for r in batch.rows:
@@ -564,6 +609,45 @@ def _row_error(group: _Group, exc: Exception):
         "affected. Report it with the request id",
         reason=Reason.ROW_FAILED,
     )
+
+
+def _kv_tokens(req: GroupRequest) -> int:
+    """The KV-cache tokens a group may come to hold: n x (prompt + max_new_tokens)."""
+    return req.n * (len(req.prompt_ids) + req.sampling.max_new_tokens)
+
+
+def _out_of_memory(exc: BaseException) -> bool:
+    return isinstance(exc, (torch.OutOfMemoryError, MemoryError))
+
+
+def _cut_cache(cache: Any, kv_len: int) -> None:
+    """Undo a step that failed part-way: every layer's keys and values back to `kv_len`
+    tokens (layers the step reached had appended its token, the others had not)."""
+    for layer in cache.layers:
+        if getattr(layer, "keys", None) is not None and layer.keys.shape[-2] > kv_len:
+            layer.keys = layer.keys[..., :kv_len, :]
+            layer.values = layer.values[..., :kv_len, :]
+
+
+def _fail_out_of_memory(groups: list[_Group], where: str) -> None:
+    """Groups ended because memory ran out in `where`: RESOURCE_EXHAUSTED with a retry hint,
+    the replica's load, never its fault (faults.py: the proxy retries it elsewhere)."""
+    log.warning("engine_out_of_memory", where=where, groups=len(groups))
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+    for g in groups:
+        g.send(
+            [
+                ResourceExhausted(
+                    f"this replica ran out of memory in {where} of this request ({g.req.n} samples, "
+                    f"{len(g.req.prompt_ids)} prompt tokens, up to {g.req.sampling.max_new_tokens} new); retry, or ask "
+                    "for fewer samples or tokens",
+                    reason=Reason.ENGINE_OOM,
+                    retry_after_s=1.0,
+                ),
+                _END,
+            ]
+        )
 
 
 def _fail_engine(groups: list[_Group], exc: Exception) -> None:
