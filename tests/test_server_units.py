@@ -181,3 +181,15 @@ def test_request_ids_are_kept_only_when_safe_to_forward_and_log():
     for bad in ("\x1f", "has space", "x" * 65, ""):
         rid = request_id_from([("x-request-id", bad)], bad)
         assert rid != bad and len(rid) == 16
+
+
+def test_a_proxy_bound_to_every_address_names_itself_after_its_host():
+    """Peers that share an id take each other for themselves (peers.py): the default id of
+    pods that all bind 0.0.0.0 on one port must differ per host."""
+    import socket
+
+    from rollwire.proxy.app import default_proxy_id
+
+    assert default_proxy_id("0.0.0.0", 50050) == f"proxy@{socket.gethostname()}:50050"
+    assert default_proxy_id("::", 50050) == f"proxy@{socket.gethostname()}:50050"
+    assert default_proxy_id("10.0.0.5", 50050) == "proxy@10.0.0.5:50050"

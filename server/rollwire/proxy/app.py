@@ -101,7 +101,7 @@ async def start_proxy(config: ProxyConfig) -> RunningProxy:
         config.policy, affinity_load_factor=routing.affinity_load_factor, affinity_min_gap=routing.affinity_min_gap
     )
     dispatcher = Dispatcher(replicas, policy, routing, metrics, config.fairness)
-    proxy_id = config.proxy_id or f"proxy@{config.host}:{endpoint.port}"
+    proxy_id = config.proxy_id or default_proxy_id(config.host, endpoint.port)
     peers = Peers(config, proxy_id, spool, replicas, upstream)
     fanout = FanOut(spool, replicas, config, metrics, peers)
     servicer = ProxyServicer(config, dispatcher, fanout, proxy_id, endpoint.auth)
@@ -135,6 +135,15 @@ async def start_proxy(config: ProxyConfig) -> RunningProxy:
     )
     log.info("proxy_settings", policy=config.policy, fanout=config.push.fanout, spool=str(spool_dir))
     return running
+
+
+def default_proxy_id(host: str, port: int) -> str:
+    """proxy@HOST:PORT, where a wildcard bind (0.0.0.0, ::) names the machine instead: every
+    pod of a Deployment binds 0.0.0.0 on the same port, and peers that share an id take each
+    other for themselves and stop peering (peers.py), so the default must differ per host."""
+    import socket
+
+    return f"proxy@{socket.gethostname() if host in ('0.0.0.0', '::', '') else host}:{port}"
 
 
 class _ServingFlag:

@@ -168,7 +168,8 @@ class ProxyConfig(ServerConfig):
     port: int = port_field(50050, "gRPC")
     metrics_port: int = port_field(9401, "Prometheus /metrics")
     proxy_id: str = Field(default="")
-    """Name in logs and status; defaults to proxy@host:port."""
+    """Name in logs, status and peering (unique among peers); defaults to proxy@host:port, with the machine's hostname
+    for a host bound to every address (0.0.0.0, ::)."""
     policy: Annotated[str, POLICIES] = Field(default="least-loaded")
     """Routing policy, a name registered in rollwire.proxy.policies: least-loaded (power of two choices), round-robin,
     or affinity (consistent hash)."""
