@@ -21,7 +21,8 @@ from rollwire.proxy.config import ProxyConfig
 from rollwire.proxy.discovery import DnsDiscovery
 from rollwire.proxy.dispatch import Dispatcher
 from rollwire.proxy.fanout import FanOut
-from rollwire.proxy.http.app import Door, HttpServer
+from rollwire.proxy.http.door import Door
+from rollwire.proxy.http.server import HttpServer
 from rollwire.proxy.metrics import ProxyMetrics
 from rollwire.proxy.peers import Peers
 from rollwire.proxy.policies import make_policy

@@ -1,0 +1,193 @@
+"""What the door's routes answer from: the proxy's core, its config and the base model's
+tokenizer (`Door`), and what the fleet is, told as vLLM tells it (/v1/models, /server_info)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import grpc
+
+from rollwire.common.errors import FailedPrecondition
+from rollwire.common.logs import get_logger
+from rollwire.common.reasons import Reason
+from rollwire.proxy.config import ProxyConfig
+from rollwire.proxy.http import convert
+from rollwire.proxy.http.adapters import AdapterDoor
+from rollwire.proxy.http.errors import HttpError
+from rollwire.proxy.http.names import ModelRef, model_id, parse_model
+from rollwire.proxy.http.openai import ChatBody
+from rollwire.proxy.http.tokenizer import ChatTokenizer
+from rollwire.proxy.servicer import ProxyServicer
+from rollwire.serving.security import TokenAuth
+from rollwire.v1 import generator_pb2 as pb
+
+log = get_logger(__name__)
+
+
+@dataclass
+class Door:
+    """What the routes answer from: the proxy's core, its config and the base model's tokenizer."""
+
+    config: ProxyConfig
+    servicer: ProxyServicer
+    adapters: AdapterDoor
+    auth: TokenAuth | None
+    tokenizer: ChatTokenizer | None
+    base_id: str
+    base_names: frozenset[str]
+    context_len: int
+    """max_position_embeddings of the base model (0: unknown)."""
+
+    @classmethod
+    def build(cls, config: ProxyConfig, servicer: ProxyServicer) -> Door:
+        http = config.http
+        tokenizer, context_len, base_id = None, 0, http.served_model_name or "base"
+        names = {base_id}
+        if http.model_path:
+            folder = Path(http.model_path)
+            tokenizer = ChatTokenizer(folder)
+            model_config = (
+                json.loads((folder / "config.json").read_text()) if (folder / "config.json").is_file() else {}
+            )
+            context_len = int(model_config.get("max_position_embeddings") or 0)
+            base_id = http.served_model_name or folder.resolve().name
+            names |= {base_id, http.model_path, str(folder.resolve())}
+        adapters = AdapterDoor(servicer.fanout, http.adapter_root, config.spool.max_adapter_bytes)
+        return cls(
+            config,
+            servicer,
+            adapters,
+            TokenAuth.from_config(config.auth),
+            tokenizer,
+            base_id,
+            frozenset(names),
+            context_len,
+        )
+
+    # -- what the fleet is -------------------------------------------------------------------
+    def max_model_len(self) -> int:
+        if self.config.http.max_model_len:
+            return self.config.http.max_model_len
+        limits = self.servicer.status().limits
+        fleet = limits.max_prompt_tokens + limits.max_new_tokens if limits.max_new_tokens else 0
+        known = [x for x in (fleet, self.context_len) if x]
+        return min(known) if known else 0
+
+    def default_max_tokens(self, prompt_len: int) -> int:
+        """A chat request's max_tokens when it sends none: vLLM's (what the context leaves after
+        the prompt), within what the replicas generate per sample."""
+        room = max(1, self.max_model_len() - prompt_len)
+        fleet = self.servicer.status().limits.max_new_tokens
+        return min(room, fleet) if fleet else room
+
+    def models(self) -> dict[str, Any]:
+        created = int(time.time())
+        data = [
+            {
+                "id": self.base_id,
+                "object": "model",
+                "created": created,
+                "owned_by": "rollwire",
+                "root": self.config.http.model_path or self.base_id,
+                "parent": None,
+                "max_model_len": self.max_model_len(),
+            }
+        ]
+        status = self.servicer.status()
+        for adapter in status.adapters:
+            for version in adapter.versions:
+                if (adapter.name, version) in self.adapters.hidden:
+                    continue
+                data.append(
+                    {
+                        "id": model_id(adapter.name, version),
+                        "object": "model",
+                        "created": created,
+                        "owned_by": "rollwire",
+                        "root": model_id(adapter.name, version),
+                        "parent": self.base_id,
+                        "max_model_len": self.max_model_len(),
+                    }
+                )
+        return {"object": "list", "data": data}
+
+    def server_info(self) -> dict[str, Any]:
+        """vLLM's /server_info as TRL reads it, true of the fleet: an adapter load reaches every
+        replica, so to the caller the fleet is one data-parallel rank."""
+        status = self.servicer.status()
+        engines = set(status.engine.split(",")) - {""}
+        dtype = "float32" if engines <= {"transformers"} else self.config.http.dtype
+        window = status.limits.adapter_window
+        return {
+            "vllm_config": {
+                "model_config": {
+                    "model": self.config.http.model_path or self.base_id,
+                    "served_model_name": self.base_id,
+                    "dtype": f"torch.{dtype}",
+                    "max_model_len": self.max_model_len(),
+                },
+                "lora_config": {
+                    "max_lora_rank": self.config.http.max_lora_rank,
+                    "max_loras": window,
+                    "max_cpu_loras": window,
+                },
+                "parallel_config": {"data_parallel_size": 1, "tensor_parallel_size": 1, "pipeline_parallel_size": 1},
+            },
+            "rollwire": {
+                "model_fingerprint": status.model_fingerprint,
+                "engines": sorted(engines),
+                "replicas": [r.address for r in status.replicas if r.healthy],
+                "adapter_window": window,
+            },
+        }
+
+    # -- generation ------------------------------------------------------------------------
+    def resolve(self, model: str) -> ModelRef:
+        ref = parse_model(model, self.base_names)
+        if not ref.is_base and self.adapters.is_hidden(ref):
+            raise HttpError(
+                grpc.StatusCode.NOT_FOUND,
+                f"{model} was unloaded through this door; load it again or name another version (GET /v1/models)",
+                reason=Reason.ADAPTER_UNLOADED,
+                param="model",
+            )
+        return ref
+
+    def deadline(self) -> float:
+        return time.monotonic() + min(self.config.http.request_timeout_s, self.config.routing.request_timeout_s)
+
+    async def run_group(self, request: pb.GenerateRequest, client: str, group: convert.Group, deadline: float) -> None:
+        events = self.servicer.group_events(request, request.request_id, client, deadline)
+        async with contextlib.aclosing(events):  # pyright: ignore[reportArgumentType]  # an async generator has aclose
+            async for message in events:
+                group.apply(message)
+
+    async def chat_prompt(self, body: ChatBody) -> list[int]:
+        if self.tokenizer is None:
+            raise FailedPrecondition(
+                "chat completions need the base model's tokenizer at the proxy: set http.model_path to the model's "
+                "folder (or send a prompt to /v1/completions)",
+                reason=Reason.NO_CHAT_TEMPLATE,
+            )
+        tokenizer = self.tokenizer
+
+        def render() -> list[int]:
+            text = tokenizer.render(
+                body.messages,
+                tools=body.tools,
+                add_generation_prompt=body.add_generation_prompt and not body.continue_final_message,
+                continue_final_message=body.continue_final_message,
+                kwargs=body.chat_template_kwargs or {},
+            )
+            return tokenizer.encode(text)
+
+        return await asyncio.to_thread(render)
+
+    def token_text(self, token_id: int) -> str:
+        return self.tokenizer.token_text(token_id) if self.tokenizer is not None else ""

@@ -1,0 +1,73 @@
+"""uvicorn serving the door on the proxy's event loop, with the proxy's TLS."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import math
+import socket
+import ssl
+from typing import Any
+
+from rollwire.common.logs import get_logger
+from rollwire.proxy.http.app import create_app
+from rollwire.proxy.http.door import Door
+
+log = get_logger(__name__)
+
+
+class HttpServer:
+    """uvicorn serving the door on the proxy's event loop; the proxy keeps its own signal
+    handling (uvicorn's is switched off) and stops the door with itself."""
+
+    def __init__(self, door: Door) -> None:
+        import uvicorn
+
+        config = door.config
+        tls = config.tls
+        self.sock = socket.socket(socket.AF_INET6 if ":" in config.host else socket.AF_INET, socket.SOCK_STREAM)
+        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            self.sock.bind((config.host, config.http.port or 0))
+        except OSError as exc:
+            self.sock.close()
+            raise SystemExit(f"cannot listen for HTTP on {config.host}:{config.http.port}: {exc}") from None
+        self.port = self.sock.getsockname()[1]
+        options: dict[str, Any] = {}
+        if tls.cert_file:
+            options = {"ssl_certfile": tls.cert_file, "ssl_keyfile": tls.key_file}
+            if tls.client_ca_file:
+                options |= {"ssl_ca_certs": tls.client_ca_file, "ssl_cert_reqs": ssl.CERT_REQUIRED}
+        self.config = uvicorn.Config(
+            create_app(door),
+            log_config=None,
+            access_log=False,
+            lifespan="off",
+            timeout_graceful_shutdown=math.ceil(config.grace_seconds) or 1,
+            **options,
+        )
+
+        class _Server(uvicorn.Server):
+            @contextlib.contextmanager
+            def capture_signals(self):  # the proxy handles SIGTERM/SIGINT itself
+                yield
+
+        self.server = _Server(self.config)
+        logging.getLogger("uvicorn.error").setLevel(logging.WARNING)  # the door logs its own events (structlog)
+        self._task: asyncio.Task | None = None
+
+    async def start(self) -> None:
+        self.config.load()
+        self.server.lifespan = self.config.lifespan_class(self.config)
+        await self.server.startup(sockets=[self.sock])
+        self._task = asyncio.create_task(self.server.main_loop())
+
+    async def stop(self) -> None:
+        if self._task is None:
+            return
+        self.server.should_exit = True
+        with contextlib.suppress(asyncio.CancelledError):
+            await self._task
+        await self.server.shutdown(sockets=[self.sock])
+        self._task = None

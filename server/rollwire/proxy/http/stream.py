@@ -1,0 +1,178 @@
+"""Streamed answers: one server-sent event per message of the core's stream, `[DONE]` last.
+
+Invariants: a reader that stops reading for `fairness.slow_reader_timeout_s` ends its
+response, which closes its group (lease and client slot freed); a failure after the first
+event is a last event carrying the error object; a restart after tokens were sent ends the
+stream (tokens cannot be taken back), before that the failover is invisible."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
+
+from fastapi.responses import StreamingResponse
+
+from rollwire.common.errors import RollwireError, Unavailable
+from rollwire.common.logs import get_logger
+from rollwire.common.reasons import Reason
+from rollwire.proxy.http import convert
+from rollwire.proxy.http.door import Door
+from rollwire.proxy.http.errors import error_response
+from rollwire.proxy.http.openai import ChatBody, CompletionBody
+from rollwire.proxy.relay import Relay
+from rollwire.v1 import generator_pb2 as pb
+
+log = get_logger(__name__)
+
+
+class BoundedStream(StreamingResponse):
+    """Server-sent events whose every send must complete within `patience` seconds: a reader
+    that stops reading ends its response (and so its group) instead of holding it."""
+
+    def __init__(self, content: AsyncIterator[str], patience: float) -> None:
+        super().__init__(content, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+        self.patience = patience
+
+    async def stream_response(self, send: Callable[[Any], Awaitable[None]]) -> None:  # pyright: ignore[reportIncompatibleMethodOverride]
+        async def bounded(message: Any) -> None:
+            async with asyncio.timeout(self.patience):
+                await send(message)
+
+        await super().stream_response(bounded)  # pyright: ignore[reportArgumentType]
+
+
+def stream_group(
+    door: Door, body: CompletionBody | ChatBody, req: pb.GenerateRequest, client: str, kind: str, rid: str
+) -> BoundedStream:
+    """A streamed group (see the module docstring). Chunks are shaped as vLLM's
+    (tests/test_http_vllm_parity.py): with `return_token_ids` the first chunk carries
+    `prompt_token_ids` (chat: in the frame; completions: in each choice's first delta), and a
+    sample's finish rides on its last tokens' delta."""
+    events = _Events(door, body, req, client, kind, rid)
+    return BoundedStream(events.run(), door.config.fairness.slow_reader_timeout_s)
+
+
+class _Events:
+    """The SSE events of one streamed group, from the core's messages."""
+
+    def __init__(
+        self, door: Door, body: CompletionBody | ChatBody, req: pb.GenerateRequest, client: str, kind: str, rid: str
+    ) -> None:
+        self.door, self.body, self.req, self.client, self.kind, self.rid = door, body, req, client, kind, rid
+        self.chat = kind == "chat.completion.chunk"
+        self.holdback = max((len(s) for s in body.stop_list()), default=1) - 1
+        """Characters of text held back while they could still begin a stop string."""
+        self.group = convert.Group(body.n, body.stop_list())
+        self.sent_text = [0] * body.n
+        self.unprompted = set(range(body.n)) if body.return_token_ids and not self.chat else set()
+
+    @staticmethod
+    def event(payload: dict[str, Any]) -> str:
+        return f"data: {json.dumps(payload, separators=(',', ':'))}\n\n"
+
+    def frame(self, choices: list[dict[str, Any]]) -> dict[str, Any]:
+        prefix = "chatcmpl" if self.chat else "cmpl"
+        return {
+            "id": f"{prefix}-{self.rid}",
+            "object": self.kind,
+            "created": int(time.time()),
+            "model": self.body.model,
+            "choices": choices,
+        }
+
+    async def run(self) -> AsyncIterator[str]:
+        shown = False
+        stream = self.door.servicer.group_events(self.req, self.rid, self.client, self.door.deadline())
+        try:
+            async with contextlib.aclosing(stream):  # pyright: ignore[reportArgumentType]  # an async generator has aclose
+                async for message in stream:
+                    if message.HasField("restarted") and shown:
+                        raise Unavailable(
+                            "the replica serving this stream failed after sending tokens; send the request again",
+                            reason=Reason.ATTEMPTS_EXHAUSTED,
+                        )
+                    payload = self.payload(message)
+                    if payload is not None:
+                        shown = True
+                        yield self.event(payload)
+            if self.body.stream_options and self.body.stream_options.include_usage:
+                yield self.event({**self.frame([]), "usage": convert.usage([self.group])})
+        except Relay as relay:
+            yield self.event(_error_body(relay.error()))
+        except RollwireError as err:
+            yield self.event(_error_body(err))
+        yield "data: [DONE]\n\n"
+
+    def payload(self, message: pb.GenerateResponse) -> dict[str, Any] | None:
+        """The event one core message becomes (None: nothing to show yet)."""
+        body, group = self.body, self.group
+        choices = []
+        for index, chunk, finish in group.apply(message):
+            c = group.choices[index]
+            text = c.final_text(body.include_stop_str_in_output) if finish else "".join(c.text)
+            upto = len(text) if finish else max(self.sent_text[index], len(text) - self.holdback)
+            delta, self.sent_text[index] = text[self.sent_text[index] : upto], upto
+            choices.append(_delta(body, self.chat, index, delta, chunk, finish, c, self.door.token_text))
+            if index in self.unprompted:
+                self.unprompted.discard(index)
+                choices[-1]["prompt_token_ids"] = list(group.prompt_ids)
+        choices = _merge_finishes(choices, self.chat)
+        extra: dict[str, Any] = {}
+        if self.chat and message.HasField("started"):
+            role = {"delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
+            choices = [{"index": i, **role} for i in range(body.n)] + choices
+            if body.return_token_ids:
+                extra["prompt_token_ids"] = list(group.prompt_ids)
+        return {**self.frame(choices), **extra} if choices else None
+
+
+def _delta(
+    body: CompletionBody | ChatBody,
+    chat: bool,
+    index: int,
+    text: str,
+    chunk: pb.TokenChunk | None,
+    finish: str | None,
+    c: convert.Choice,
+    token_text: Callable[[int], str],
+) -> dict[str, Any]:
+    ids = list(chunk.token_ids) if chunk is not None else []
+    lps = list(chunk.logprobs) if chunk is not None else []
+    out: dict[str, Any] = {"index": index, "finish_reason": finish, "adapter_version": c.version}
+    if finish or not chat:  # vLLM: in every completion chunk, in a chat chunk with the finish
+        out["stop_reason"] = c.stop_reason
+    if chat:
+        out["delta"] = {"content": text} if text else {}
+        out["logprobs"] = convert.chat_logprobs(ids, lps, token_text) if getattr(body, "logprobs", False) else None
+    else:
+        out["text"] = text
+        out["logprobs"] = convert.completion_logprobs(ids, lps, token_text) if body.logprobs is not None else None
+    if body.return_token_ids:
+        out["token_ids"] = ids
+    return out
+
+
+def _merge_finishes(choices: list[dict[str, Any]], chat: bool) -> list[dict[str, Any]]:
+    """A sample's finish folded into its tokens' delta of the same event, as vLLM sends it (a
+    client reading one choice per chunk sees the finish with the last tokens)."""
+    merged: list[dict[str, Any]] = []
+    for choice in choices:
+        last = next((m for m in reversed(merged) if m["index"] == choice["index"]), None)
+        if choice["finish_reason"] and last is not None and not last["finish_reason"]:
+            if chat:
+                text = last["delta"].get("content", "") + choice["delta"].get("content", "")
+                last["delta"] = {"content": text} if text else {}
+            else:
+                last["text"] += choice["text"]
+            last["finish_reason"], last["stop_reason"] = choice["finish_reason"], choice["stop_reason"]
+            continue
+        merged.append(choice)
+    return merged
+
+
+def _error_body(err: RollwireError) -> dict[str, Any]:
+    return json.loads(bytes(error_response(err).body))
