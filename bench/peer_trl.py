@@ -10,6 +10,12 @@ learner` with 1 thread; on the cores the demo gives them, rollwire.demo.stack.lo
 or on any core with the system suffix @anywhere), started as bench/async_vs_sync.py starts it, in its synchronous
 (max_staleness 0) and asynchronous (max_staleness 1) modes. The systems alternate per
 repeat (the order reverses every other repeat), each run for a fixed training budget.
+The third system, `trl-async@rollwire`, is `make demo-trl` (rollwire.demo.trl's pieces): TRL
+1.16's AsyncGRPOTrainer, unmodified, in a process of its own with the rollout worker it spawns,
+trained through the proxy's HTTP door with 2 replicas (a stack started for each run: TRL names
+its versions from v1 on every run), with the demo's settings, which are the learner's (the same
+as above; max_staleness 1); its versions are read back from the proxy's spool and scored as
+the others'.
 
 Shared settings: n = 8 completions per prompt, 8 groups per optimiser step, AdamW lr 1e-3
 (constant, no weight decay, gradients clipped at norm 1), LoRA r 8 / alpha 16 / no dropout on
@@ -61,6 +67,7 @@ import async_vs_sync as avs
 from common import WORK, cpu_seconds, spread, stop_all, write_result
 
 from rollwire.demo.stack import LOCAL_REPLICAS, WHOLE_GROUPS, Placement, local_placement, pin
+from rollwire.demo.trl_trainer import BUFFER as TRL_ASYNC_BUFFER
 from rollwire.learner.config import LORA_TARGETS
 from rollwire.learner.rewards import exact_match
 from rollwire.learner.task import Example, addition_examples, eval_subset
@@ -277,14 +284,22 @@ def run_trl_fresh(model_dir: Path, name: str, budget_s: float, seed: int) -> tup
     """`run_trl` in a process of its own, started for this run, as a user starts a training
     script: torch, the model and the trainer start cold, as rollwire's learner does (a fresh
     `rollwire learner` process each run; only the long-running replicas and proxy are warm)."""
+    from safetensors.torch import load
+
     with multiprocessing.get_context("spawn").Pool(1) as pool:
-        return pool.apply(_run_trl_in_child, (model_dir, name, budget_s, seed, TRL_THREADS))
+        result, points = pool.apply(_run_trl_in_child, (model_dir, name, budget_s, seed, TRL_THREADS))
+    return result, [(t, load(weights)) for t, weights in points]
 
 
 def _run_trl_in_child(model_dir: Path, name: str, budget_s: float, seed: int, threads: int):
+    """run_trl's result, each point's weights as safetensors bytes: tensors sent back as they are
+    travel as shared memory, one file descriptor each, which a long run's points exhaust."""
+    from safetensors.torch import save
+
     global TRL_THREADS
     TRL_THREADS = threads
-    return run_trl(model_dir, name, budget_s, seed=seed)
+    result, points = run_trl(model_dir, name, budget_s, seed=seed)
+    return result, [(t, save(weights)) for t, weights in points]
 
 
 class BudgetClock:
@@ -398,6 +413,118 @@ def run_rollwire(
     return result, points
 
 
+# ---------------------------------------------------------------- TRL's AsyncGRPOTrainer on rollwire
+
+
+TRL_ASYNC = "trl-async@rollwire"
+"""`make demo-trl`'s trainer (TRL 1.16 AsyncGRPOTrainer, unmodified) through the proxy's HTTP door."""
+TRL_ASYNC_REPLICAS = 2  # make demo-trl's (rollwire.demo.trl.REPLICAS)
+TRL_ASYNC_WORK = WORK / "peer-trl-async"
+TRL_ASYNC_STALENESS = TRL_ASYNC_BUFFER.max_staleness  # the demo's, which is the learner's default
+
+
+def run_trl_async(model_dir: Path, name: str, budget_s: float, seed: int) -> tuple[dict, list[tuple[float, dict]]]:
+    """One run of `make demo-trl`'s pieces: a stack of its own (2 replicas behind a proxy
+    serving the HTTP door, the demo's placement, a fresh spool that keeps every version, as TRL
+    names its versions from v1 on every run), then rollwire.demo.trl_trainer (the dataset, reward
+    and settings of make demo-trl, which are the learner's; `seed` orders the data and seeds TRL)
+    for `budget_s` seconds from TRL's train begin, which spawns its rollout worker. Nothing is
+    scored during the run: every version TRL loaded is read back from the proxy's spool.
+    Generated groups are the door's answered `/v1/completions` (one sample each, as TRL's
+    worker asks) until the last step, over n."""
+    from safetensors.torch import load_file
+
+    from rollwire.demo.trl import ADAPTER, follow, proxy_figures, start_door_stack, start_trainer, stop_trainer
+
+    work = TRL_ASYNC_WORK / name
+    shutil.rmtree(work, ignore_errors=True)
+    out = work / "trl"
+    lora_root = out / ".vllm_lora"  # AsyncGRPOTrainer._lora_dir
+    lora_root.mkdir(parents=True)
+    spool = work / "spool"
+    placement = local_placement(TRL_ASYNC_REPLICAS)
+    stack = start_door_stack(
+        model_dir, work, TRL_ASYNC_REPLICAS, lora_root, placement, f"spool.dir={spool}", "spool.keep_versions=1000000"
+    )
+    trainer = None
+    try:
+        procs = {f"replica-{i}": r.proc.pid for i, r in enumerate(stack.replicas)} | {"proxy": stack.proxy.proc.pid}
+        cpu0 = {k: cpu_seconds(pid) for k, pid in procs.items()}
+        trainer0 = _children_cpu()
+        samples: list[tuple[int, int]] = []  # (step, door's answered completions when it was seen)
+
+        def count(step: dict) -> None:
+            samples.append((step["step"], _answered(proxy_figures(stack.proxy)["http"].get("/v1/completions"))))
+
+        trainer = start_trainer(work, out, stack.proxy.http_url, model_dir, budget_s, 100_000, placement.learner, seed)
+        code = follow(
+            trainer, out / "steps.jsonl", budget_s, budget_s + 180, progress=False, on_step=count, interval_s=0.2
+        )
+        if code != 0:
+            log = (work / "trainer.log").read_text(errors="replace")[-3000:]
+            raise RuntimeError(f"the TRL trainer {'timed out' if code is None else f'exited {code}'}:\n{log}")
+        cpu = {k: cpu_seconds(pid) - cpu0[k] for k, pid in procs.items()}
+        cpu["trainer_and_worker"] = _children_cpu() - trainer0  # TRL's start-up included
+        door = proxy_figures(stack.proxy)
+    finally:
+        if trainer is not None:
+            stop_trainer(trainer)
+        stack.stop()
+    steps = [json.loads(line) for line in (out / "steps.jsonl").read_text().splitlines() if line]
+    last = steps[-1]
+    wall = last["elapsed_s"]
+    generated = next((n for step, n in reversed(samples) if step == last["step"]), samples[-1][1] if samples else 0)
+
+    def weights(version: int) -> dict:
+        return load_file(spool / ADAPTER / f"{version}.safetensors")
+
+    points = [(0.0, weights(1))] + [(s["elapsed_s"], weights(s["version"])) for s in steps]
+
+    def mean(key: str) -> float | None:
+        values = [s[key] for s in steps if s.get(key) is not None]
+        return statistics.fmean(values) if values else None
+
+    result = {
+        "steps": len(steps),
+        "training_seconds": wall,
+        "generated_groups_per_s": generated / N / wall,
+        "trained_groups_per_s": len(steps) * GROUPS_PER_STEP / wall,
+        "informative_groups_per_s": None,  # TRL trains every group; its logs here do not count the zero-advantage ones
+        "zero_advantage_share": None,
+        "step_s": wall / len(steps),
+        "first_step_s": steps[0]["elapsed_s"],  # train begin to step 1: the worker's spawn, the first rollouts
+        "phase_s_per_step": {  # TRL's own: a step waits for rollouts, trains, then syncs the weights
+            "rollout_wait": mean("perf/rollout_wait_s"),
+            "fwd_bwd": mean("perf/fwd_bwd_s"),
+            "weight_sync": mean("perf/weight_sync_s"),
+            "weight_sync_pause": mean("perf/weight_sync_pause_s"),
+            "weight_sync_save": mean("perf/weight_sync_transfer_s"),
+            "step": mean("perf/step_s"),
+        },
+        "rollout_s": mean("rollout/duration_s"),  # one sample's request, as TRL's worker saw it
+        "rollout_tokens_per_s": mean("rollout/generated_tok_s"),
+        "rollout_queue_size": mean("sample/rollout_queue_size"),
+        "door": {
+            "mean_s": {route: r["mean_s"] for route, r in door["http"].items()},
+            "requests": {route: r["requests"] for route, r in door["http"].items()},
+            "push_fanout_s": door["push_fanout_s"],
+            "pushes": door["pushes"],
+            "not_200": {route: r["not_200"] for route, r in door["http"].items() if r["not_200"]},
+        },
+        "staleness_mean": mean("sample/staleness_mean"),
+        "dropped_stale_samples": last.get("sample/dropped_stale_total"),
+        "ratio_step1": steps[0].get("ratio"),
+        "cpu_s": cpu,
+        "rollout_accuracy": [s.get("reward") for s in steps],
+    }
+    return result, points
+
+
+def _answered(route: dict | None) -> int:
+    """Requests of one door route answered 200 (proxy_figures' counts)."""
+    return route["requests"] - sum(route["not_200"].values()) if route else 0
+
+
 # ---------------------------------------------------------------- main
 
 
@@ -416,11 +543,14 @@ def main() -> None:
     ap.add_argument(
         "--systems",
         default="trl,rollwire-sync,rollwire-async",
-        help=f"comma-separated, in run order: trl, {', '.join(ROLLWIRE_MODES)}; a rollwire one with the suffix "
+        help=f"comma-separated, in run order: trl, {TRL_ASYNC}, {', '.join(ROLLWIRE_MODES)}; a rollwire one with the suffix "
         f"{ANYWHERE} runs its processes on any core (the demo's placement is rollwire.demo.stack.local_placement)",
     )
     ap.add_argument("--replicas", type=int, default=LOCAL_REPLICAS, help="rollwire's replicas (default: the demo's)")
     ap.add_argument("--trl-threads", type=int, default=TRL_THREADS, help="torch threads of TRL (and of the scorer)")
+    ap.add_argument(
+        "--result", default="peer_trl", help="results file: bench/results/RESULT.json (default %(default)s)"
+    )
     args = ap.parse_args()
     TRL_THREADS = args.trl_threads
     import torch
@@ -429,7 +559,7 @@ def main() -> None:
 
     setup_logging("bench", "error")
     systems = args.systems.split(",")
-    unknown = {s.removesuffix(ANYWHERE) for s in systems} - {"trl", *ROLLWIRE_MODES}
+    unknown = {s.removesuffix(ANYWHERE) for s in systems} - {"trl", TRL_ASYNC, *ROLLWIRE_MODES}
     if unknown:
         ap.error(f"unknown systems {sorted(unknown)}")
     if args.seeds < 1 or args.repeats < 1:
@@ -448,7 +578,7 @@ def main() -> None:
             generator_args=WHOLE_GROUPS,
             placement=placement,
         )
-        if any(s != "trl" for s in systems)
+        if any(s.removesuffix(ANYWHERE) in ROLLWIRE_MODES for s in systems)
         else []
     )
     runs: dict[str, list[dict]] = {s: [] for s in systems}
@@ -470,6 +600,8 @@ def main() -> None:
             for system in systems if index % 2 == 0 else list(reversed(systems)):
                 if system == "trl":
                     result, points = run_trl_fresh(model_dir, f"trl-{index}", args.budget_s, seed)
+                elif system == TRL_ASYNC:
+                    result, points = run_trl_async(model_dir, f"run-{index}", args.budget_s, seed)
                 else:
                     staleness, settings = ROLLWIRE_MODES[system.removesuffix(ANYWHERE)]
                     where = Placement() if system.endswith(ANYWHERE) else placement
@@ -532,11 +664,12 @@ def main() -> None:
     for name, ratios in pairs.items():
         print(f"{name}: " + ", ".join(f"{r:.2f}" if r is not None else "-" for r in ratios))
     write_result(
-        "peer_trl",
+        args.result,
         f".venv/bin/python bench/peer_trl.py --repeats {args.repeats} --budget-s {args.budget_s:g}"
         + (f" --systems {args.systems}" if args.systems != ap.get_default("systems") else "")
         + (f" --trl-threads {TRL_THREADS}" if ap.get_default("trl_threads") != TRL_THREADS else "")
-        + (f" --seeds {args.seeds}" if args.seeds != 1 else ""),
+        + (f" --seeds {args.seeds}" if args.seeds != 1 else "")
+        + (f" --result {args.result}" if args.result != ap.get_default("result") else ""),
         {
             "workload": {
                 "model": "tiny Llama taught the addition task (rollwire.demo.teach)",
@@ -559,7 +692,19 @@ def main() -> None:
                     "replicas": sorted(placement.replicas),
                     "proxy": sorted(placement.proxy),
                 },
-                "threads": {"trl": TRL_THREADS, "rollwire": "1 per replica and 1 for the learner"},
+                "threads": {
+                    "trl": TRL_THREADS,
+                    "rollwire": "1 per replica and 1 for the learner",
+                    TRL_ASYNC: "1 for the trainer and 1 for its rollout worker, 1 per replica",
+                },
+                TRL_ASYNC: {
+                    "replicas": TRL_ASYNC_REPLICAS,
+                    "cores": {
+                        "trainer_and_worker": sorted(local_placement(TRL_ASYNC_REPLICAS).learner),
+                        "replicas_and_proxy": sorted(local_placement(TRL_ASYNC_REPLICAS).replicas),
+                    },
+                    "max_staleness": TRL_ASYNC_STALENESS,
+                },
                 "systems": systems,
                 "versions": _versions(),
             },

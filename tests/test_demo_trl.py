@@ -104,3 +104,27 @@ def assert_door_saw_trl(proxy_log: Path, last_version: int) -> None:
         if event.get("event") == "adapter_published" and event.get("adapter") == "trl-policy":
             published.add(event["version"])
     assert published == set(range(1, last_version + 1))
+
+
+def test_follow_hands_each_new_step_to_on_step_once(tmp_path):
+    from rollwire.demo.trl import door_args, follow
+
+    steps = tmp_path / "steps.jsonl"
+    writer = (
+        "import json, sys, time\n"
+        "for step in (1, 2, 3):\n"
+        "    with open(sys.argv[1], 'a') as fh: fh.write(json.dumps({'step': step, 'elapsed_s': step}) + '\\n')\n"
+        "    time.sleep(0.4)\n"
+    )
+    proc = subprocess.Popen([sys.executable, "-c", writer, str(steps)])
+    seen: list[int] = []
+    code = follow(proc, steps, 10, 30, progress=False, on_step=lambda s: seen.append(s["step"]), interval_s=0.05)
+    assert code == 0 and seen[-1] == 3 and seen == sorted(set(seen))  # the newest, each once (a stall may skip one)
+    flags = door_args(tmp_path / "lora", tmp_path / "model", "spool.keep_versions=9")
+    assert flags[1::2] == (
+        "http.port=0",
+        f"http.adapter_root={tmp_path / 'lora'}",
+        f"http.model_path={tmp_path / 'model'}",
+        "spool.keep_versions=9",
+    )
+    assert set(flags[::2]) == {"--set"}

@@ -34,13 +34,14 @@ import sys
 import threading
 import time
 import urllib.request
+from collections.abc import Callable, Collection
 from pathlib import Path
 
 import grpc
 
 from rollwire.demo.plot import MISSING
 from rollwire.demo.run import _last_json, _num, new_run_folder, print_rows, say, stop_all, teach_model
-from rollwire.demo.stack import Service, local_placement, pin, start_stack
+from rollwire.demo.stack import Placement, Service, Stack, local_placement, pin, start_stack
 from rollwire.demo.trl_trainer import ROLLOUT, SEED, TASK, TRAIN
 from rollwire.v1 import generator_pb2 as pb
 from rollwire.v1 import generator_pb2_grpc
@@ -87,11 +88,9 @@ def main(argv=None) -> int:
         placement = local_placement(args.replicas)
         if placement.learner:
             say(f"cores: TRL {sorted(placement.learner)}, replicas and proxy {sorted(placement.replicas)}")
-        door = ("--set", "http.port=0", "--set", f"http.adapter_root={lora_root}", "--set", f"http.model_path={model}")
-        stack = start_stack(model, run, args.replicas, proxy_args=door, placement=placement, routable_timeout=60)
+        stack = start_door_stack(model, run, args.replicas, lora_root, placement)
         services += stack.services
         url = stack.proxy.http_url
-        wait_healthy(url, timeout=30)
         say(
             f"proxy on {stack.proxy.target} (gRPC) and {url} (HTTP) -> replicas {', '.join(r.target for r in stack.replicas)}"
         )
@@ -99,7 +98,7 @@ def main(argv=None) -> int:
         say(f"held-out accuracy of the base model: {pct(before)}")
         watcher = ServedVersions(stack.replicas, ADAPTER)
         watcher.start()
-        trainer = start_trainer(run, out, url, model, args, placement.learner)
+        trainer = start_trainer(run, out, url, model, args.budget_s, args.max_steps, placement.learner)
         say(f"TRL trainer running (pid {trainer.pid}); its log: {run / 'trainer.log'}")
         timeout = args.timeout_s or args.budget_s + 180
         code = follow(trainer, out / "steps.jsonl", args.budget_s, timeout)
@@ -125,6 +124,36 @@ def main(argv=None) -> int:
             watcher.stop()
         stop_all(services)
         print(f"run folder: {run}")
+
+
+def door_args(lora_root: Path, model: Path, *settings: str) -> tuple[str, ...]:
+    """The proxy flags of the door TRL talks to: HTTP on a free port, TRL's adapter folder
+    (`<output_dir>/.vllm_lora`) the only root a load may read, the model's path a name of the
+    base model (TRL names it so); `settings` are more `--set key=value` strings."""
+    door = ("http.port=0", f"http.adapter_root={lora_root}", f"http.model_path={model}", *settings)
+    return tuple(a for setting in door for a in ("--set", setting))
+
+
+def start_door_stack(
+    model: Path, workdir: Path, replicas: int, lora_root: Path, placement: Placement, *proxy_settings: str
+) -> Stack:
+    """`replicas` replicas behind a proxy serving its HTTP door (`door_args`), on the cores
+    `placement` gives them; returned once the proxy routes to every replica and the door
+    answers /health, the whole stack stopped if either does not come."""
+    stack = start_stack(
+        model,
+        workdir,
+        replicas,
+        proxy_args=door_args(lora_root, model, *proxy_settings),
+        placement=placement,
+        routable_timeout=60,
+    )
+    try:
+        wait_healthy(stack.proxy.http_url, timeout=30)
+    except BaseException:
+        stack.stop()
+        raise
+    return stack
 
 
 def wait_healthy(url: str, timeout: float) -> None:
@@ -158,13 +187,23 @@ def held_out_accuracy(target: str, adapter: str | None) -> float | None:
     return asyncio.run(run())
 
 
-def start_trainer(run: Path, out: Path, url: str, model: Path, args, cpus) -> subprocess.Popen:
+def start_trainer(
+    run: Path,
+    out: Path,
+    url: str,
+    model: Path,
+    budget_s: float,
+    max_steps: int,
+    cpus: Collection[int] = (),
+    seed: int | None = None,
+) -> subprocess.Popen:
     """rollwire.demo.trl_trainer in a session of its own (so its rollout worker can be stopped with
-    it), one torch thread per process, logging to run/trainer.log."""
+    it) on `cpus` (empty: anywhere), one torch thread per process, logging to run/trainer.log;
+    `seed` (default: the learner's) orders the data and seeds TRL."""
     env = dict(os.environ, OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false", TRL_EXPERIMENTAL_SILENCE="1")
     cmd = [
         sys.executable, "-m", "rollwire.demo.trl_trainer", "--url", url, "--model", str(model), "--out", str(out),
-        "--budget-s", f"{args.budget_s:g}", "--max-steps", str(args.max_steps),
+        "--budget-s", f"{budget_s:g}", "--max-steps", str(max_steps), "--seed", str(SEED if seed is None else seed),
     ]  # fmt: skip
     with (run / "trainer.log").open("ab") as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
@@ -188,18 +227,32 @@ def stop_trainer(proc: subprocess.Popen, grace_s: float = 15) -> None:
             continue
 
 
-def follow(proc: subprocess.Popen, steps_file: Path, budget_s: float, timeout_s: float) -> int | None:
-    """A live progress line until the trainer exits; its exit code, or None when it ran past
-    `timeout_s` (it is then killed with its worker)."""
+def follow(
+    proc: subprocess.Popen,
+    steps_file: Path,
+    budget_s: float,
+    timeout_s: float,
+    *,
+    progress: bool = True,
+    on_step: Callable[[dict], None] | None = None,
+    interval_s: float = 0.5,
+) -> int | None:
+    """A live progress line (unless not `progress`) until the trainer exits; its exit code, or
+    None when it ran past `timeout_s` (it is then killed with its worker). `on_step` is called
+    with the newest line of steps_file each time it changes (checked every `interval_s`)."""
     deadline, started, printed = time.monotonic() + timeout_s, time.monotonic(), 0.0
-    live = sys.stdout.isatty()
+    live = progress and sys.stdout.isatty()
+    seen: int | None = None
     while proc.poll() is None:
         if time.monotonic() > deadline:
             stop_trainer(proc, grace_s=5)
             return None
-        time.sleep(0.5)
+        time.sleep(interval_s)
         last, now = _last_json(steps_file), time.monotonic()
-        if last and (live or now - printed >= 10):
+        if last and on_step is not None and last.get("step") != seen:
+            seen = last.get("step")
+            on_step(last)
+        if last and progress and (live or now - printed >= 10):
             line = (
                 f"[{now - started:5.0f}s] step {last['step']:4d} v{last.get('version') or 0:<4d} "
                 f"reward {_num(last.get('reward'))}  ratio {_num(last.get('ratio'))}  "
