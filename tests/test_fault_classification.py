@@ -73,7 +73,8 @@ def test_client_causable_statuses_are_never_counted(code, reason, passed, suspec
         code, reason, group_deadline_passed=passed, version_pinned=False, suspected_before=suspected
     )
     assert not verdict.counts
-    assert verdict.retry == (code == C.RESOURCE_EXHAUSTED and reason == Reason.QUEUE_FULL)  # busy: elsewhere, uncounted
+    busy = code == C.RESOURCE_EXHAUSTED and reason in (Reason.QUEUE_FULL, Reason.ENGINE_OOM)
+    assert verdict.retry == busy  # busy (its queue, or its memory for this group): elsewhere, uncounted
 
 
 @settings(max_examples=500, deadline=None)
@@ -98,6 +99,7 @@ def test_the_table():
         (C.DATA_LOSS, ""): (True, False),
         (C.CANCELLED, ""): (True, False),
         (C.RESOURCE_EXHAUSTED, Reason.QUEUE_FULL): (True, False),
+        (C.RESOURCE_EXHAUSTED, Reason.ENGINE_OOM): (True, False),  # out of memory for this group: the load, not a fault
         (C.RESOURCE_EXHAUSTED, Reason.PROMPT_TOO_LONG): (False, False),
         (C.INVALID_ARGUMENT, Reason.BAD_TEMPERATURE): (False, False),
         (C.NOT_FOUND, Reason.ADAPTER_NOT_FOUND): (False, False),

@@ -40,17 +40,27 @@ def two_version_model(tiny_model, adapters):
     return model.eval()
 
 
-def replayed_logprobs(model, prompt: list[int], tokens: list[int], versions: list[int]) -> list[float]:
-    """Each token's logprob from a step-by-step decode where step i runs under versions[i]."""
-    out = []
+def replayed_logprobs(model, prompt: list[int], tokens: list[list[int]], versions: list[int]) -> list[list[float]]:
+    """Each sample's token logprobs from a step-by-step decode of all the samples together,
+    as the replica batches them (one prompt prefill shared by every row), step i running
+    under versions[i] (a group's rows switch together)."""
+    rows = len(tokens)
+    out: list[list[float]] = [[] for _ in range(rows)]
     with torch.no_grad():
         model.set_adapter(f"v{versions[0]}")
         step = model(input_ids=torch.tensor([prompt]), use_cache=True)
-        for i, token in enumerate(tokens):
-            out.append(float(torch.log_softmax(step.logits[0, -1].float(), -1)[token]))
-            if i + 1 < len(tokens):
+        cache = step.past_key_values
+        cache.batch_repeat_interleave(rows)
+        logits = step.logits[:, -1].float().repeat_interleave(rows, 0)
+        for i in range(len(tokens[0])):
+            logprobs = torch.log_softmax(logits, -1)
+            for r in range(rows):
+                out[r].append(float(logprobs[r, tokens[r][i]]))
+            if i + 1 < len(tokens[0]):
                 model.set_adapter(f"v{versions[i + 1]}")
-                step = model(input_ids=torch.tensor([[token]]), past_key_values=step.past_key_values, use_cache=True)
+                ids = torch.tensor([[tokens[r][i]] for r in range(rows)])
+                step = model(input_ids=ids, past_key_values=cache, use_cache=True)
+                cache, logits = step.past_key_values, step.logits[:, -1].float()
     return out
 
 
@@ -71,7 +81,7 @@ def test_a_following_sample_switches_version_mid_generation_with_its_kv_cache(ge
     with Client(generator.target, timeout=60) as client, ThreadPoolExecutor(1) as pool:
         pushed = pool.submit(push_v2)
         stream = client.generate_stream(
-            PROMPT, 4, max_new_tokens=64, ignore_eos=True, seed=3, adapter=f"{name}@latest", follow=True
+            PROMPT, 4, max_new_tokens=40, ignore_eos=True, seed=3, adapter=f"{name}@latest", follow=True
         )
         for event in stream:
             assert not isinstance(event, Restarted)
@@ -82,16 +92,17 @@ def test_a_following_sample_switches_version_mid_generation_with_its_kv_cache(ge
                 logprobs.setdefault(event.index, []).extend(event.logprobs)
                 versions.setdefault(event.index, []).extend([event.adapter_version] * len(event.token_ids))
             elif isinstance(event, Finished):
-                assert event.completion_tokens == 64
+                assert event.completion_tokens == 40
         pushed.result()
     reference = two_version_model(tiny_model, adapters)
+    assert all(versions[i] == versions[0] for i in range(4)), "a group's rows switch at the same step"
+    expected = replayed_logprobs(reference, PROMPT, [tokens[i] for i in range(4)], versions[0])
     switched = 0
     for i in range(4):
         v = versions[i]
         assert v == sorted(v) and set(v) <= {1, 2}, "versions only move forward"
         switched += set(v) == {1, 2}
-        expected = replayed_logprobs(reference, PROMPT, tokens[i], v)
-        assert logprobs[i] == pytest.approx(expected, abs=1e-4)
+        assert logprobs[i] == pytest.approx(expected[i], abs=1e-4)
     assert switched == 4, (
         f"every sample should hold tokens of both versions: {[sorted(set(v)) for v in versions.values()]}"
     )
