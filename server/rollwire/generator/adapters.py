@@ -521,6 +521,10 @@ class AdapterRegistry:
                 self._maybe_unload(sel.name, v)
                 return
 
+    def newest(self, name: str) -> int:
+        """The newest version of `name` committed here (0: none)."""
+        return self._newest.get(name, 0)
+
     def loaded(self) -> dict[str, list[int]]:
         """Servable versions per name, oldest first."""
         out = {}

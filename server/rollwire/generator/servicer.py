@@ -308,7 +308,7 @@ class GeneratorServicer(generator_pb2_grpc.GeneratorServiceServicer):
 
     def _count_served(self, adapter: str, version: int, tokens: int) -> None:
         """Tokens served per adapter and how stale their version was against the newest here."""
-        newest = max(self.registry.loaded().get(adapter, [version])) if adapter else 0
+        newest = max(self.registry.newest(adapter), version) if adapter else 0  # per message: no list built
         behind = max(0, newest - version)
         label = adapter or "base"
         self.metrics.served_tokens.labels(label, str(behind) if behind < 3 else "3+").inc(tokens)

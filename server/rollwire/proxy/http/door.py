@@ -71,10 +71,10 @@ class Door:
         )
 
     # -- what the fleet is -------------------------------------------------------------------
-    def max_model_len(self) -> int:
+    def max_model_len(self, status: pb.GetStatusResponse | None = None) -> int:
         if self.config.http.max_model_len:
             return self.config.http.max_model_len
-        limits = self.servicer.status().limits
+        limits = (status or self.servicer.status()).limits
         fleet = limits.max_prompt_tokens + limits.max_new_tokens if limits.max_new_tokens else 0
         known = [x for x in (fleet, self.context_len) if x]
         return min(known) if known else 0
@@ -87,7 +87,8 @@ class Door:
         return min(room, fleet) if fleet else room
 
     def models(self) -> dict[str, Any]:
-        created = int(time.time())
+        created, status = int(time.time()), self.servicer.status()  # one status: it walks every replica
+        max_len = self.max_model_len(status)
         data = [
             {
                 "id": self.base_id,
@@ -96,10 +97,9 @@ class Door:
                 "owned_by": "rollwire",
                 "root": self.config.http.model_path or self.base_id,
                 "parent": None,
-                "max_model_len": self.max_model_len(),
+                "max_model_len": max_len,
             }
         ]
-        status = self.servicer.status()
         for adapter in status.adapters:
             for version in adapter.versions:
                 if (adapter.name, version) in self.adapters.hidden:
@@ -112,7 +112,7 @@ class Door:
                         "owned_by": "rollwire",
                         "root": model_id(adapter.name, version),
                         "parent": self.base_id,
-                        "max_model_len": self.max_model_len(),
+                        "max_model_len": max_len,
                     }
                 )
         return {"object": "list", "data": data}
