@@ -152,12 +152,15 @@ def test_cancel_mid_stream_frees_the_slot(generator):
     assert next(stream).HasField("started")
     assert control.GetStatus(pb.GetStatusRequest(), timeout=5).in_flight == 1
     stream.cancel()
-    for _ in range(200):  # the server learns of the cancel asynchronously; bounded wait
+    # The server learns of the cancel asynchronously; bounded wait. One scrape reads the
+    # families one after another while the servicer updates them, so wait for all three.
+    for _ in range(200):
         metrics = generator.metrics()
         if (
             metric_value(metrics, "rollwire_generator_in_flight_requests")
             == 0
             == metric_value(metrics, "rollwire_generator_running_groups")
+            and metric_value(metrics, "rollwire_generator_requests_total", 'code="CANCELLED"') >= 1
         ):
             break
         threading.Event().wait(0.02)
