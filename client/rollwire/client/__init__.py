@@ -27,6 +27,7 @@ from rollwire.client._common import (
     parse_adapter,
     read_peft_dir,
 )
+from rollwire.client._session import AsyncSession, Session, TurnReply
 from rollwire.client.aio import AsyncClient
 from rollwire.client.sync import Client
 from rollwire.common.errors import (
@@ -48,6 +49,7 @@ __all__ = [
     "AdapterVersion",
     "AlreadyExists",
     "AsyncClient",
+    "AsyncSession",
     "Cancelled",
     "Client",
     "DeadlineExceeded",
@@ -71,10 +73,12 @@ __all__ = [
     "RetryPolicy",
     "RollwireError",
     "Sample",
+    "Session",
     "Started",
     "StreamEvent",
     "TlsConfig",
     "Tokens",
+    "TurnReply",
     "Unauthenticated",
     "Unavailable",
     "is_retryable",

@@ -30,6 +30,7 @@ from rollwire.client._common import (
     push_result_from_pb,
     read_peft_dir,
 )
+from rollwire.client._session import AsyncSession
 from rollwire.common.errors import from_rpc_error
 from rollwire.v1 import generator_pb2 as pb
 
@@ -54,7 +55,14 @@ class AsyncClient(ClientBase):
         **options: Unpack[GenerateOptions],
     ) -> GenerateResult:
         """Sample one group of `n`; restarts are absorbed, only the complete attempt is returned."""
-        request = build_generate_request(prompt, n, **options)
+        return await self._generate_request(build_generate_request(prompt, n, **options), timeout)
+
+    def session(self, session_id: str | None = None, **options: Unpack[GenerateOptions]) -> AsyncSession:
+        """A multi-turn session (an agent's episode) through this client: each `await turn(new)`
+        sends only the new tokens and the server keeps the history (_session.py)."""
+        return AsyncSession(self, session_id, **options)
+
+    async def _generate_request(self, request: pb.GenerateRequest, timeout: float | None) -> GenerateResult:
         group = GroupAccumulator(request.n)
         stream = self._stream(request, timeout)
         try:

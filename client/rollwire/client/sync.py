@@ -30,6 +30,7 @@ from rollwire.client._common import (
     push_result_from_pb,
     read_peft_dir,
 )
+from rollwire.client._session import Session
 from rollwire.common.errors import from_rpc_error
 from rollwire.v1 import generator_pb2 as pb
 
@@ -54,7 +55,14 @@ class Client(ClientBase):
         **options: Unpack[GenerateOptions],
     ) -> GenerateResult:
         """Sample one group of `n`; restarts are absorbed, only the complete attempt is returned."""
-        request = build_generate_request(prompt, n, **options)
+        return self._generate_request(build_generate_request(prompt, n, **options), timeout)
+
+    def session(self, session_id: str | None = None, **options: Unpack[GenerateOptions]) -> Session:
+        """A multi-turn session (an agent's episode) through this client: each `turn(new)` sends
+        only the new tokens and the server keeps the history (_session.py)."""
+        return Session(self, session_id, **options)
+
+    def _generate_request(self, request: pb.GenerateRequest, timeout: float | None) -> GenerateResult:
         group = GroupAccumulator(request.n)
         with contextlib.closing(self._stream(request, timeout)) as events:  # cancels the RPC on any error
             for event in events:

@@ -49,6 +49,14 @@ class Reason(StrEnum):
     """INVALID_ARGUMENT; do not retry: `group_key` is over 1024 characters."""
     BAD_ADAPTER_NAME = "BAD_ADAPTER_NAME"
     """INVALID_ARGUMENT; do not retry: An adapter name breaks the naming rule."""
+    BAD_SESSION = "BAD_SESSION"
+    """INVALID_ARGUMENT; do not retry: A session turn's id breaks the rule, its `n` is not 1, or it cannot be continued."""
+    SESSION_BUSY = "SESSION_BUSY"
+    """FAILED_PRECONDITION; retry: Another turn of this session is running; send the next once it ends."""
+    SESSION_LOST = "SESSION_LOST"
+    """FAILED_PRECONDITION; do not retry: The server's history of the session is not the caller's (expired, evicted); resend it whole."""
+    SESSIONS_FULL = "SESSIONS_FULL"
+    """RESOURCE_EXHAUSTED; retry: The server holds as many sessions (or session tokens) as it may; after the hint."""
 
     # -- Generate: the replica ------------------------------------------------------------
     QUEUE_FULL = "QUEUE_FULL"

@@ -55,7 +55,7 @@ class AdapterRef(_message.Message):
     def __init__(self, name: _Optional[str] = ..., version: _Optional[int] = ..., follow: _Optional[bool] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("request_id", "text", "token_ids", "n", "sampling", "adapter", "group_key")
+    __slots__ = ("request_id", "text", "token_ids", "n", "sampling", "adapter", "group_key", "session")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TEXT_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -63,6 +63,7 @@ class GenerateRequest(_message.Message):
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     ADAPTER_FIELD_NUMBER: _ClassVar[int]
     GROUP_KEY_FIELD_NUMBER: _ClassVar[int]
+    SESSION_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     text: str
     token_ids: TokenIds
@@ -70,7 +71,18 @@ class GenerateRequest(_message.Message):
     sampling: SamplingParams
     adapter: AdapterRef
     group_key: str
-    def __init__(self, request_id: _Optional[str] = ..., text: _Optional[str] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., n: _Optional[int] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., adapter: _Optional[_Union[AdapterRef, _Mapping]] = ..., group_key: _Optional[str] = ...) -> None: ...
+    session: SessionTurn
+    def __init__(self, request_id: _Optional[str] = ..., text: _Optional[str] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., n: _Optional[int] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., adapter: _Optional[_Union[AdapterRef, _Mapping]] = ..., group_key: _Optional[str] = ..., session: _Optional[_Union[SessionTurn, _Mapping]] = ...) -> None: ...
+
+class SessionTurn(_message.Message):
+    __slots__ = ("id", "end", "expect_tokens")
+    ID_FIELD_NUMBER: _ClassVar[int]
+    END_FIELD_NUMBER: _ClassVar[int]
+    EXPECT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    id: str
+    end: bool
+    expect_tokens: int
+    def __init__(self, id: _Optional[str] = ..., end: _Optional[bool] = ..., expect_tokens: _Optional[int] = ...) -> None: ...
 
 class GenerationStarted(_message.Message):
     __slots__ = ("request_id", "adapter", "prompt_token_ids", "replica")
@@ -336,15 +348,17 @@ class LinearLayer(_message.Message):
     def __init__(self, module: _Optional[str] = ..., out_features: _Optional[int] = ..., in_features: _Optional[int] = ...) -> None: ...
 
 class Limits(_message.Message):
-    __slots__ = ("max_n", "max_new_tokens", "max_prompt_tokens", "max_adapter_bytes", "adapter_window")
+    __slots__ = ("max_n", "max_new_tokens", "max_prompt_tokens", "max_adapter_bytes", "adapter_window", "max_context")
     MAX_N_FIELD_NUMBER: _ClassVar[int]
     MAX_NEW_TOKENS_FIELD_NUMBER: _ClassVar[int]
     MAX_PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     MAX_ADAPTER_BYTES_FIELD_NUMBER: _ClassVar[int]
     ADAPTER_WINDOW_FIELD_NUMBER: _ClassVar[int]
+    MAX_CONTEXT_FIELD_NUMBER: _ClassVar[int]
     max_n: int
     max_new_tokens: int
     max_prompt_tokens: int
     max_adapter_bytes: int
     adapter_window: int
-    def __init__(self, max_n: _Optional[int] = ..., max_new_tokens: _Optional[int] = ..., max_prompt_tokens: _Optional[int] = ..., max_adapter_bytes: _Optional[int] = ..., adapter_window: _Optional[int] = ...) -> None: ...
+    max_context: int
+    def __init__(self, max_n: _Optional[int] = ..., max_new_tokens: _Optional[int] = ..., max_prompt_tokens: _Optional[int] = ..., max_adapter_bytes: _Optional[int] = ..., adapter_window: _Optional[int] = ..., max_context: _Optional[int] = ...) -> None: ...

@@ -10,6 +10,7 @@ import grpc
 from prometheus_client import CollectorRegistry
 
 from rollwire.common.metrics import MetricFactory
+from rollwire.serving.sessions import SessionMetrics
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
 
@@ -29,6 +30,7 @@ class GeneratorMetrics:
             "request_duration_seconds", "From request arrival to its last message.", buckets=LATENCY_BUCKETS
         )
         self.in_flight = m.gauge("in_flight_requests", "Generate requests accepted and not yet finished.")
+        self.sessions = SessionMetrics(m)
         self.queue_depth = m.gauge("queue_depth", "Groups accepted and waiting for a batch slot.")
         self.running = m.gauge("running_groups", "Groups being generated now.")
         self.forward_passes = m.counter("forward_passes_total", "Model forward passes (prefill or decode).")

@@ -59,6 +59,7 @@ from rollwire.serving import __version__
 from rollwire.serving.dial import Dialer, bearer
 from rollwire.serving.forward import ChannelPool, Forwarder
 from rollwire.serving.security import RELAY, TokenAuth, caller_role, require_stage_only
+from rollwire.serving.sessions import SessionStore, Turn, caller_identity, check_turn
 from rollwire.v1 import generator_pb2 as pb
 from rollwire.v1 import generator_pb2_grpc
 
@@ -102,17 +103,21 @@ class GeneratorServicer(generator_pb2_grpc.GeneratorServiceServicer):
         self.instance = secrets.token_hex(8)
         """This process's id in RELAY_PATH_KEY."""
         self._relay_token = bearer(config.relay.token_file)  # read at start: a bad file stops it
+        self.sessions = SessionStore(config.sessions, metrics.sessions)
+        """Histories of the sessions whose turns are sent to this replica directly (not through a proxy)."""
 
     # -- Generate ----------------------------------------------------------------------
     async def Generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext):
         rid = request_id_from(context.invocation_metadata(), request.request_id)
         structlog.contextvars.bind_contextvars(request_id=rid)
         start, first_token_at, code = time.monotonic(), None, grpc.StatusCode.OK
-        selection = None
+        selection, turn = None, None
         self.in_flight += 1
         self.metrics.in_flight.inc()
         try:
+            check_turn(request)
             group = await self._to_group(request, rid)
+            turn = self._begin_turn(request, group, context)
             self._admit()
             selection = self.registry.acquire(request.adapter.name, request.adapter.version)
             group.adapter = selection
@@ -138,6 +143,8 @@ class GeneratorServicer(generator_pb2_grpc.GeneratorServiceServicer):
                 gathered: list = []  # held back until worth a message (config.stream_interval)
                 async for events in stream:
                     gathered.extend(events)
+                    if turn is not None:
+                        turn.output.extend(t for ev in events if isinstance(ev, TokenDelta) for t in ev.token_ids)
                     if worth_sending(gathered, self.config.stream_interval):
                         if first_token_at is None:  # the first token the client gets, gathered or not
                             first_token_at = time.monotonic()
@@ -146,6 +153,8 @@ class GeneratorServicer(generator_pb2_grpc.GeneratorServiceServicer):
                         gathered = []
                 if gathered:
                     yield self._to_response(gathered, selection.name)
+            if turn is not None:
+                turn.commit(group.prompt_ids, turn.output, version=selection.version)
         except RollwireError as err:
             code = err.code
             log.info("generate_refused", code=code.name, reason=err.reason, error=err.message)
@@ -155,6 +164,8 @@ class GeneratorServicer(generator_pb2_grpc.GeneratorServiceServicer):
             log.info("generate_cancelled")
             raise
         finally:
+            if turn is not None:
+                turn.close(end=request.session.end)
             if selection is not None:
                 self._following.get(selection.name, {}).pop(id(group), None)
                 self.registry.release(group.adapter)  # the version it holds now (a follower moved on)
@@ -165,6 +176,26 @@ class GeneratorServicer(generator_pb2_grpc.GeneratorServiceServicer):
             self.in_flight -= 1
             self.metrics.in_flight.dec()
             structlog.contextvars.unbind_contextvars("request_id")
+
+    def _begin_turn(self, request: pb.GenerateRequest, group: GroupRequest, context) -> Turn | None:
+        """A session turn (serving/sessions.py): refused before any work when over a bound, else
+        the session's whole history followed by this turn's new tokens becomes the prompt."""
+        if not request.HasField("session"):
+            return None
+        caller = caller_identity(context.invocation_metadata(), context.peer(), self.config.auth.enabled())
+        turn = self.sessions.begin(
+            caller,
+            request.session.id,
+            len(group.prompt_ids),
+            group.sampling.max_new_tokens,
+            self.engine.max_context,
+            adapter=request.adapter.name,
+            max_prompt=self.config.limits.max_prompt_tokens,
+            expect=request.session.expect_tokens,
+        )
+        turn.apply_version(request.adapter)
+        group.prompt_ids = [*turn.history, *group.prompt_ids]
+        return turn
 
     def _follow(self, name: str, version: int) -> None:
         """A version of `name` became servable: every group following it takes a lease on it,
@@ -726,6 +757,7 @@ class GeneratorServicer(generator_pb2_grpc.GeneratorServiceServicer):
                 max_prompt_tokens=lim.max_prompt_tokens,
                 max_adapter_bytes=lim.max_adapter_bytes,
                 adapter_window=self.config.adapter_window,
+                max_context=min(self.engine.max_context, (1 << 32) - 1),
             ),
             server_version=__version__,
             base_linear_layers=[

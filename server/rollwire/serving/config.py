@@ -11,6 +11,7 @@ from pydantic import Field
 from rollwire.common.config import Section
 from rollwire.serving.keepalive import KeepaliveSection
 from rollwire.serving.security import AuthSection, TlsSection
+from rollwire.serving.sessions import SessionSection
 
 
 def port_field(default: int, what: str) -> Any:
@@ -32,6 +33,8 @@ class ServerConfig(Section):
     auth: AuthSection = Field(default_factory=AuthSection)
     tls: TlsSection = Field(default_factory=TlsSection)
     keepalive: KeepaliveSection = Field(default_factory=KeepaliveSection)
+    sessions: SessionSection = Field(default_factory=SessionSection)
+    """Multi-turn sessions this server keeps the history of (GenerateRequest.session, docs/sessions.md)."""
 
 
 def push_idle_field() -> Any:
@@ -54,7 +57,7 @@ class PushLimits(Section):
 
 
 class ForwardSection(Section):
-    """How a node of a relay tree feeds its children (serving/forward.py): the proxy at the root
+    """How a node of a relay tree feeds its children (push/forward.py): the proxy at the root
     (push.*) and every relaying replica (relay.*). A child cut off is healed by the proxy."""
 
     queue_chunks: int = Field(default=8, ge=1)
