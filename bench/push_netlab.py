@@ -43,7 +43,7 @@ from weight_push import Pusher, lora_shapes, safetensors_bytes
 
 from rollwire import netlab
 from rollwire.common.fingerprint import model_fingerprint
-from rollwire.common.push import MAX_CHUNK
+from rollwire.common.writer import MAX_CHUNK
 from rollwire.demo.stack import Service, routing, start
 
 MODEL, RANK, GiB = "1.5B", 16, 1 << 30

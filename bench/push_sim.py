@@ -17,7 +17,7 @@ The model (every host has a full-duplex link: its uplink and downlink are separa
   N copies share its one uplink (a tree of depth 1);
 - relay: rollwire plans either a single cut-through tree of fan-out k (`push.fanout`; k=1 a
   chain) or S striped trees (`push.stripes`: chunk j goes down tree j mod S; each tree has one
-  replica under the proxy and fan-out S below it, `rollwire.proxy.plan.stripe_parents`). The
+  replica under the proxy and fan-out S below it, `rollwire.push.plan.stripe_parents`). The
   proxy is the root; every hop forwards chunk j as soon as it has it; done when the last
   replica has every chunk, has verified them (`verify_bytes_s`), its report has come back up
   the tree, and the stage/commit round trip has come back to the root. With S = 2 every
@@ -81,8 +81,8 @@ from dataclasses import asdict, dataclass, replace
 import numpy as np
 from common import RESULTS, write_result
 
-from rollwire.common.push import MAX_CHUNK, MIN_STRIPE_CHUNK
-from rollwire.proxy.plan import choose_fanout, stripe_chunk_bytes, stripe_parents
+from rollwire.common.writer import MAX_CHUNK, MIN_STRIPE_CHUNK
+from rollwire.push.plan import choose_fanout, stripe_chunk_bytes, stripe_parents
 
 MiB = 1 << 20
 GBIT = 1e9 / 8  # bytes/s in one Gb/s

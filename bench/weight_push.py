@@ -34,7 +34,8 @@ from common import QWEN25, WORK, Timer, config_only_model, spread, start_proxy, 
 from rollwire.client import Client
 from rollwire.common.fingerprint import model_fingerprint
 from rollwire.common.lora import LoraShape
-from rollwire.generator.adapters import config_linear_shapes, expected_lora_shapes
+from rollwire.generator.adapters import config_linear_shapes
+from rollwire.push.checks import expected_lora_shapes
 
 RANK, REPLICAS = 16, (1, 2, 4)
 TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")

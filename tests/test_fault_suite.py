@@ -46,9 +46,10 @@ from support.processes import (
 from support.wire import fingerprint, make_adapter, metric_value, status
 
 from rollwire.client import Client, ResourceExhausted, RollwireError
-from rollwire.common import push as protocol
+from rollwire.common import writer
 from rollwire.common.errors import from_rpc_error
 from rollwire.common.reasons import Reason
+from rollwire.common.writer import chunks, opening
 from rollwire.proxy.spool import DISK_SLACK, Spool
 from rollwire.v1 import generator_pb2 as pb
 from rollwire.v1 import generator_pb2_grpc
@@ -241,10 +242,10 @@ def test_a_full_spool_disk_refuses_only_the_push_that_does_not_fit(replicas, ada
             gate = threading.Event()
 
             def slow():
-                yield protocol.opening(adapters[2].manifest(name, 3, fp))
+                yield opening(adapters[2].manifest(name, 3, fp))
                 yield pb.PushAdapterRequest(chunk=adapters[2].payload[:CHUNK])
                 gate.wait(20)
-                for piece in protocol.chunks(adapters[2].payload[CHUNK:], CHUNK):
+                for piece in chunks(adapters[2].payload[CHUNK:], CHUNK):
                     yield pb.PushAdapterRequest(chunk=piece)
 
             with grpc.insecure_channel(proxy.target) as channel:
@@ -283,7 +284,7 @@ def test_a_manifest_that_no_longer_fits_undoes_the_commit(small_disk, tiny_model
     spool = Spool(small_disk, max_bytes=1 << 30, keep_versions=4, max_adapter_bytes=1 << 30)
 
     async def messages(version: int):
-        for message in protocol.messages(adapter.manifest("pol", version, "fp"), adapter.payload, CHUNK):
+        for message in writer.messages(adapter.manifest("pol", version, "fp"), adapter.payload, CHUNK):
             yield message
 
     def receive(version: int):

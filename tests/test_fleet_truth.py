@@ -40,10 +40,12 @@ from google.protobuf import json_format
 from support.processes import free_port, start_generators, start_proxy, stop_all, wait_routable, wait_until
 from support.wire import admin, generate, make_adapter, metric_value, push, status
 
-from rollwire.common import push as protocol
+from rollwire.common import writer
 from rollwire.common.errors import from_rpc_error
 from rollwire.common.reasons import Reason
 from rollwire.common.retries import push_refused_for_good
+from rollwire.common.writer import stripe_messages
+from rollwire.push.plan import grant_key, grant_plan, plan_from_parents
 from rollwire.v1 import admin_pb2 as apb
 from rollwire.v1 import admin_pb2_grpc, generator_pb2_grpc
 from rollwire.v1 import generator_pb2 as pb
@@ -312,7 +314,7 @@ def test_abandoned_stripe_streams_hold_no_slot_past_the_servers_bound(slots, ada
 
     def first_stripe(name: str, version: int, index: int = 0, deadline_s: float = 10):
         stripe = pb.Stripe(index=index, count=2, chunk_bytes=64 << 10)
-        messages = protocol.stripe_messages(adapter.manifest(name, version, fp), payload, stripe)
+        messages = stripe_messages(adapter.manifest(name, version, fp), payload, stripe)
         return stub.PushAdapter(messages, timeout=deadline_s)
 
     with grpc.insecure_channel(target) as channel:
@@ -323,7 +325,7 @@ def test_abandoned_stripe_streams_hold_no_slot_past_the_servers_bound(slots, ada
         left = time.monotonic()
         assert used() == 2
         # a heal or a catch-up (a plain push) finds a slot at once: the oldest assembly gives its up
-        reply = stub.PushAdapter(protocol.messages(adapter.manifest("plain", 1, fp), payload), timeout=10)
+        reply = stub.PushAdapter(writer.messages(adapter.manifest("plain", 1, fp), payload), timeout=10)
         assert reply.version == 1 and not reply.stripe_pending
         # the other is dropped within the server's bound, with nobody asking for its slot
         wait_until(lambda: used() == 0, LINGER_S + 5, "every push slot is free", every=0.2)
@@ -498,8 +500,8 @@ def granted(nodes: list[str], manifest: pb.AdapterManifest, token: str = ADMIN_T
     """A plan of `nodes` under the receiver, each granted as a proxy holding `token` grants it."""
     import hashlib
 
-    plan = protocol.plan_from_parents([(a, a, 0) for a in nodes])
-    protocol.grant_plan(plan, protocol.grant_key(hashlib.sha256(token.encode()).digest()), manifest)
+    plan = plan_from_parents([(a, a, 0) for a in nodes])
+    grant_plan(plan, grant_key(hashlib.sha256(token.encode()).digest()), manifest)
     return plan
 
 
@@ -517,12 +519,12 @@ def test_a_replica_relays_only_to_members_its_proxy_planned(workdir, guarded, to
 
     def relayed(version: int, plan: pb.RelayPlan | None, token: str = ADMIN_TOKEN, stage_only: bool = True):
         m = adapter.manifest("planned", version, fp)
-        messages = protocol.messages(m, adapter.payload, relay=plan, stage_only=stage_only)
+        messages = writer.messages(m, adapter.payload, relay=plan, stage_only=stage_only)
         return lambda: stub.PushAdapter(messages, timeout=30, metadata=bearer_of(token))
 
     try:
         # 1. a plan naming an address no proxy granted: refused, and nobody is dialled
-        plain = protocol.plan_from_parents([(listener.address, "x", 0)])
+        plain = plan_from_parents([(listener.address, "x", 0)])
         code, reason, message = refusal(relayed(1, plain))
         assert (code, reason) == (grpc.StatusCode.PERMISSION_DENIED, Reason.RELAY_NOT_PLANNED), message
         assert listener.address in message
@@ -579,9 +581,7 @@ def test_a_replica_relays_only_to_members_its_proxy_planned(workdir, guarded, to
         wait_routable_with(proxy, guarded)
         proxy_stub = generator_pb2_grpc.GeneratorServiceStub(grpc.insecure_channel(proxy.target))
         m = adapter.manifest("chain", 1, fp)
-        reply = proxy_stub.PushAdapter(
-            protocol.messages(m, adapter.payload), timeout=60, metadata=bearer_of(ADMIN_TOKEN)
-        )
+        reply = proxy_stub.PushAdapter(writer.messages(m, adapter.payload), timeout=60, metadata=bearer_of(ADMIN_TOKEN))
         assert sorted((r.replica, r.code) for r in reply.replicas) == [("guard1", "OK"), ("guard2", "OK")], reply
         relayed_to = sorted(
             next(e["relayed_to"] for e in log_events(s.log_path, "adapter_staged") if e["adapter"] == "chain")

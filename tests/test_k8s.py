@@ -257,7 +257,7 @@ def test_the_shipped_configs_relay_a_push_between_replicas_over_tls(tmp_path, ti
     from support.processes import GENERATOR_ARGS, start_service, stop_all, wait_until
     from support.wire import make_adapter
 
-    from rollwire.common import push as protocol
+    from rollwire.common import writer
     from rollwire.common.fingerprint import model_fingerprint
     from rollwire.learner.config import LearnerConfig
     from rollwire.v1 import generator_pb2 as pb
@@ -318,7 +318,7 @@ def test_the_shipped_configs_relay_a_push_between_replicas_over_tls(tmp_path, ti
             wait_until(routable, 60, "the proxy routes to both replicas over TLS")
             fp = model_fingerprint(tiny_model)
             adapter = make_adapter(tiny_model, seed=10)
-            messages = protocol.messages(adapter.manifest("shipped", 1, fp), adapter.payload)
+            messages = writer.messages(adapter.manifest("shipped", 1, fp), adapter.payload)
             reply = stub.PushAdapter(messages, timeout=120, metadata=metadata)
         assert sorted((r.replica, r.code) for r in reply.replicas) == [("k8s-a", "OK"), ("k8s-b", "OK")], reply
         assert sum(_relay_hops(g.log_path, "shipped") for g in generators) >= 1  # a hop over TLS, relay token

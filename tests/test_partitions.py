@@ -332,7 +332,7 @@ def star(lab, tiny_model, workdir, replicas: dict[str, float | None], proxy: tup
 def test_children_slowed_by_their_senders_thin_link_are_not_cut_off_as_stalled(thin_star, tiny_model):
     """Two copies share the proxy's 8 Mbit/s link, so each child takes a chunk about every
     second, longer than push.stall_timeout_s (0.4 s): the link is slow, not the children. A
-    child is stalled only while its siblings keep taking chunks (serving/forward.py,
+    child is stalled only while its siblings keep taking chunks (push/forward.py,
     Forwarder.stalled), so neither is cut off and healed; both stage and serve v1 from the one
     push. (The fixed limit this rule replaced passes here too: at this size gRPC's windows keep
     the queues from filling. Where it failed, 8 copies of 37 MB over 50 Mbit/s, is

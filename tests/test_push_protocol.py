@@ -18,14 +18,21 @@ import grpc
 import pytest
 from support.wire import manifest_for, streamed
 
-from rollwire.common import push as protocol
+from rollwire.common import writer
 from rollwire.common.errors import FailedPrecondition, InvalidArgument, RollwireError
-from rollwire.generator.adapters import AdapterRegistry, PayloadInspector, check_tensors
-from rollwire.proxy.plan import Target, choose_fanout, cost, depth, layout
+from rollwire.common.lora import LoraShape
+from rollwire.common.manifest import Manifest, check_name, name_ok
+from rollwire.common.writer import MAX_CHUNK, MAX_STRIPES, opening, stripe_layout, stripe_messages
+from rollwire.generator.adapters import AdapterRegistry
+from rollwire.push.assembly import Assembly, check_stripe
+from rollwire.push.checks import PayloadInspector, check_tensors
+from rollwire.push.plan import Target, choose_fanout, cost, depth, layout, plan_from_parents, split_plan
+from rollwire.push.reader import PushReader
+from rollwire.push.results import result, results_from_error, status_with_results
 from rollwire.v1 import generator_pb2 as pb
 
 BASE = {f"model.layers.{i}.self_attn.q_proj": (8, 8) for i in range(3)}
-LORA = protocol.LoraShape(r=2, lora_alpha=4.0, target_modules=("q_proj",))
+LORA = LoraShape(r=2, lora_alpha=4.0, target_modules=("q_proj",))
 
 
 def adapter_bytes(values: dict[str, list[float]] | None = None) -> bytes:
@@ -44,7 +51,7 @@ def adapter_bytes(values: dict[str, list[float]] | None = None) -> bytes:
 
 
 async def read_all(messages, inspector=None, keep_chunks=False):
-    reader = protocol.PushReader(streamed(messages), 5, "test", keep_chunks=keep_chunks)
+    reader = PushReader(streamed(messages), 5, "test", keep_chunks=keep_chunks)
     try:
         first = await reader.open()
         got = [c async for c in reader.chunks(inspector=inspector)]
@@ -57,7 +64,7 @@ async def read_all(messages, inspector=None, keep_chunks=False):
 # -- names, writer, reader ------------------------------------------------------------------
 @pytest.mark.parametrize("name", ["a", "A-1.b_c", "x" * 64, "9lives"])
 def test_good_names_pass_everywhere(name):
-    assert protocol.check_name(name) == name and protocol.name_ok(name)
+    assert check_name(name) == name and name_ok(name)
 
 
 @pytest.mark.parametrize("name", ["", ".hidden", "-x", "_x", "x" * 65, "a/b", "lora\n", "a b", "é"])
@@ -65,7 +72,7 @@ def test_bad_names_fail_in_the_sdk_and_on_the_server_alike(name):
     from rollwire.client._common import RequestError, check_adapter_name
 
     with pytest.raises(InvalidArgument) as info:
-        protocol.check_name(name)
+        check_name(name)
     assert info.value.reason == "BAD_ADAPTER_NAME"
     with pytest.raises(RequestError):
         check_adapter_name(name)
@@ -73,8 +80,8 @@ def test_bad_names_fail_in_the_sdk_and_on_the_server_alike(name):
 
 async def test_the_writer_and_the_reader_agree_chunk_for_chunk():
     payload = adapter_bytes()
-    plan = protocol.plan_from_parents([("h:1", "a", 0), ("h:2", "b", 1)])
-    messages = list(protocol.messages(manifest_for(payload), payload, 100, relay=plan, stage_only=True))
+    plan = plan_from_parents([("h:1", "a", 0), ("h:2", "b", 1)])
+    messages = list(writer.messages(manifest_for(payload), payload, 100, relay=plan, stage_only=True))
     assert messages[0].stage_only and list(messages[0].relay.nodes) == list(plan.nodes)
     assert all(len(m.chunk) <= 100 for m in messages[1:]) and b"".join(m.chunk for m in messages[1:]) == payload
     sent = [m.chunk for m in messages[1:]]
@@ -101,7 +108,7 @@ async def test_the_writer_and_the_reader_agree_chunk_for_chunk():
 async def test_the_reader_refuses_what_breaks_the_stream_contract(change, reason):
     payload = adapter_bytes()
     m = manifest_for(payload)
-    messages = list(protocol.messages(m, payload, 64))
+    messages = list(writer.messages(m, payload, 64))
     if change == "digest":
         messages[0].manifest.sha256 = "0" * 64
     elif change == "short":
@@ -109,8 +116,8 @@ async def test_the_reader_refuses_what_breaks_the_stream_contract(change, reason
     elif change == "long":
         messages.append(pb.PushAdapterRequest(chunk=b"x"))
     elif change == "big chunk":
-        messages[0].manifest.byte_length = protocol.MAX_CHUNK + 1
-        messages = [messages[0], pb.PushAdapterRequest(chunk=bytes(protocol.MAX_CHUNK + 1))]
+        messages[0].manifest.byte_length = MAX_CHUNK + 1
+        messages = [messages[0], pb.PushAdapterRequest(chunk=bytes(MAX_CHUNK + 1))]
     elif change == "no manifest":
         messages = messages[1:]
     elif change == "second manifest":
@@ -126,10 +133,10 @@ async def test_the_reader_refuses_what_breaks_the_stream_contract(change, reason
 
 async def test_an_idle_sender_is_cut_off():
     async def stalled():
-        yield protocol.opening(manifest_for(b"x" * 10))
+        yield opening(manifest_for(b"x" * 10))
         await asyncio.sleep(5)
 
-    reader = protocol.PushReader(stalled(), 0.2, "test")
+    reader = PushReader(stalled(), 0.2, "test")
     await reader.open()
     with pytest.raises(RollwireError) as info:
         async for _ in reader.chunks():
@@ -140,7 +147,7 @@ async def test_an_idle_sender_is_cut_off():
 
 async def test_the_reader_writes_the_store_as_it_hashes(tmp_path):
     payload = adapter_bytes()
-    reader = protocol.PushReader(streamed(protocol.messages(manifest_for(payload), payload, 7)), 5, "test")
+    reader = PushReader(streamed(writer.messages(manifest_for(payload), payload, 7)), 5, "test")
     await reader.open()
     async for _ in reader.chunks(store=tmp_path / "p.part"):
         pass
@@ -149,8 +156,8 @@ async def test_the_reader_writes_the_store_as_it_hashes(tmp_path):
 
 
 def test_a_refusal_carries_the_subtree_outcomes_and_they_come_back():
-    results = [protocol.result("h:1", "a", grpc.StatusCode.OK, staged=True)]
-    status = protocol.status_with_results(InvalidArgument("bad", reason="DIGEST_MISMATCH"), results)
+    results = [result("h:1", "a", grpc.StatusCode.OK, staged=True)]
+    status = status_with_results(InvalidArgument("bad", reason="DIGEST_MISMATCH"), results)
 
     class Err(grpc.RpcError):
         def trailing_metadata(self):
@@ -164,25 +171,23 @@ def test_a_refusal_carries_the_subtree_outcomes_and_they_come_back():
 
     from rollwire.common.errors import from_rpc_error
 
-    assert protocol.results_from_error(Err()) == results
+    assert results_from_error(Err()) == results
     assert from_rpc_error(Err()).reason == "DIGEST_MISMATCH"  # the ErrorInfo is still there
 
 
 # -- relay plans and trees --------------------------------------------------------------------
 def test_split_plan_gives_each_child_its_own_subtree_reindexed():
     # receiver -> a -> (b -> d), c ; receiver -> e
-    plan = protocol.plan_from_parents(
-        [("h:1", "a", 0), ("h:2", "b", 1), ("h:3", "c", 1), ("h:4", "d", 2), ("h:5", "e", 0)]
-    )
-    children = protocol.split_plan(plan, max_children=2)
+    plan = plan_from_parents([("h:1", "a", 0), ("h:2", "b", 1), ("h:3", "c", 1), ("h:4", "d", 2), ("h:5", "e", 0)])
+    children = split_plan(plan, max_children=2)
     assert [c.address for c in children] == ["h:1", "h:5"]
     a = children[0]
     assert [(n.address, n.parent) for n in a.plan.nodes] == [("h:2", 0), ("h:3", 0), ("h:4", 1)]
-    below_a = protocol.split_plan(a.plan, max_children=2)
+    below_a = split_plan(a.plan, max_children=2)
     assert [(c.address, [n.address for n in c.plan.nodes]) for c in below_a] == [("h:2", ["h:4"]), ("h:3", [])]
     assert children[1].plan.nodes == []
     with pytest.raises(InvalidArgument, match="more than 1 children"):
-        protocol.split_plan(plan, max_children=1)
+        split_plan(plan, max_children=1)
 
 
 @pytest.mark.parametrize("n, k", [(1, 1), (5, 1), (7, 2), (10, 3), (64, 4), (9, 16)])
@@ -195,7 +200,7 @@ def test_layout_is_a_breadth_first_k_ary_tree_holding_every_target_once(n, k):
         out = []
         for c in plan_children:
             out.append((c.address, level))
-            out += walk(protocol.split_plan(c.plan, max_children=k), level + 1)
+            out += walk(split_plan(c.plan, max_children=k), level + 1)
         return out
 
     seen = walk(children, 1)
@@ -221,7 +226,7 @@ def test_auto_fanout_follows_the_cost_model():
 
 
 # -- the streaming payload checks ---------------------------------------------------------------
-def check_in_pieces(payload: bytes, m: protocol.Manifest, piece: int) -> str:
+def check_in_pieces(payload: bytes, m: Manifest, piece: int) -> str:
     inspector = PayloadInspector(m, BASE)
     for i in range(0, len(payload), piece):
         inspector.feed(payload[i : i + piece])
@@ -232,7 +237,7 @@ def check_in_pieces(payload: bytes, m: protocol.Manifest, piece: int) -> str:
     return ""
 
 
-def check_whole(payload: bytes, m: protocol.Manifest) -> str:
+def check_whole(payload: bytes, m: Manifest) -> str:
     try:
         check_tensors(m, payload, BASE)
     except InvalidArgument as exc:
@@ -252,7 +257,7 @@ def test_the_inspector_reaches_the_verdict_of_the_whole_payload_check(piece):
         "wrong tensors": adapter_bytes()[:8] + adapter_bytes()[8:].replace(b"layers.1", b"layers.7", 2),
     }
     for label, payload in cases.items():
-        m = protocol.Manifest("a", 1, "fp", LORA, len(payload), hashlib.sha256(payload).hexdigest())
+        m = Manifest("a", 1, "fp", LORA, len(payload), hashlib.sha256(payload).hexdigest())
         assert check_in_pieces(payload, m, piece) == check_whole(payload, m), label
 
 
@@ -270,8 +275,8 @@ class FakeEngine:
         self.loaded.pop(handle, None)
 
 
-def m_of(version: int, sha: str = "a" * 64) -> protocol.Manifest:
-    return protocol.Manifest("pol", version, "fp", LORA, 1, sha)
+def m_of(version: int, sha: str = "a" * 64) -> Manifest:
+    return Manifest("pol", version, "fp", LORA, 1, sha)
 
 
 async def test_a_staged_version_is_served_only_after_its_commit():
@@ -321,7 +326,7 @@ async def test_the_gate_relays_nothing_before_a_good_header_and_holds_the_last_c
     from rollwire.proxy.fanout import HeaderGate
 
     payload = adapter_bytes()
-    m = protocol.Manifest("a", 1, "fp", LORA, len(payload), hashlib.sha256(payload).hexdigest())
+    m = Manifest("a", 1, "fp", LORA, len(payload), hashlib.sha256(payload).hexdigest())
     gate = HeaderGate(m, BASE)
     pieces = [payload[i : i + 50] for i in range(0, len(payload), 50)]
     header_end = 8 + struct.unpack("<Q", payload[:8])[0]
@@ -333,7 +338,7 @@ async def test_the_gate_relays_nothing_before_a_good_header_and_holds_the_last_c
         released += out
     assert released == pieces[:-1] and gate.held == pieces[-1]
     bad = adapter_bytes()[:8] + adapter_bytes()[8:].replace(b"layers.1", b"layers.7", 2)
-    gate = HeaderGate(protocol.Manifest("a", 1, "fp", LORA, len(bad), "0" * 64), BASE)
+    gate = HeaderGate(Manifest("a", 1, "fp", LORA, len(bad), "0" * 64), BASE)
     with pytest.raises(InvalidArgument) as info:
         for i in range(0, len(bad), 50):
             assert await gate.feed(bad[i : i + 50]) == []
@@ -351,12 +356,12 @@ def stripe(index: int, count: int, chunk: int = 64 * KiB) -> pb.Stripe:
 @pytest.mark.parametrize("seed", range(12))
 def test_the_stripes_of_a_push_cover_every_byte_once_in_their_chunks(seed):
     rng = random.Random(seed)
-    chunk = rng.choice([64 * KiB, 128 * KiB, protocol.MAX_CHUNK])
+    chunk = rng.choice([64 * KiB, 128 * KiB, MAX_CHUNK])
     size = rng.choice([1, chunk - 1, chunk, chunk + 1, rng.randrange(1, 9 * chunk)])
-    count = rng.randrange(2, protocol.MAX_STRIPES + 1)
+    count = rng.randrange(2, MAX_STRIPES + 1)
     cover = []
     for s in range(count):
-        rows = protocol.stripe_layout(size, stripe(s, count, chunk))
+        rows = stripe_layout(size, stripe(s, count, chunk))
         assert all(j % count == s for j, _ in rows) and [j for j, _ in rows] == sorted(j for j, _ in rows)
         cover += rows
     cover.sort()
@@ -368,11 +373,11 @@ async def assemble(payload: bytes, count: int, chunk: int, rng: random.Random, m
     """Feed the stripes' streams to one Assembly, interleaved at random (each stripe in its own
     order, as one stream delivers it); returns (payload or the refusal, which stripes ended first)."""
     m = m or manifest_for(payload)
-    assembly = protocol.Assembly(m, stripe(0, count, chunk), None)
+    assembly = Assembly(m, stripe(0, count, chunk), None)
     streams = []
     for s in range(count):
         assembly.join(stripe(s, count, chunk))
-        rows = protocol.stripe_layout(len(payload), stripe(s, count, chunk))
+        rows = stripe_layout(len(payload), stripe(s, count, chunk))
         streams.append((s, [(j, payload[j * chunk : j * chunk + n]) for j, n in rows]))
     completing = []
     try:
@@ -414,7 +419,7 @@ async def test_an_assembly_refuses_bytes_that_do_not_match_the_digest():
 
 async def test_an_assembly_takes_each_stripe_once_and_only_of_its_own_cut():
     payload = random.Random(1).randbytes(200 * KiB)
-    assembly = protocol.Assembly(manifest_for(payload), stripe(0, 2), None)
+    assembly = Assembly(manifest_for(payload), stripe(0, 2), None)
     try:
         assembly.join(stripe(0, 2))
         for other in (stripe(0, 2), stripe(1, 3), stripe(1, 2, 128 * KiB)):
@@ -434,17 +439,17 @@ async def test_an_assembly_takes_each_stripe_once_and_only_of_its_own_cut():
     "fields, stage_only",
     [
         (dict(index=0, count=1, chunk_bytes=64 * KiB), True),
-        (dict(index=0, count=protocol.MAX_STRIPES + 1, chunk_bytes=64 * KiB), True),
+        (dict(index=0, count=MAX_STRIPES + 1, chunk_bytes=64 * KiB), True),
         (dict(index=2, count=2, chunk_bytes=64 * KiB), True),
         (dict(index=0, count=2, chunk_bytes=64 * KiB - 1), True),
-        (dict(index=0, count=2, chunk_bytes=protocol.MAX_CHUNK + 1), True),
+        (dict(index=0, count=2, chunk_bytes=MAX_CHUNK + 1), True),
         (dict(index=0, count=2, chunk_bytes=0), True),
         (dict(index=0, count=2, chunk_bytes=64 * KiB), False),
     ],
 )
 def test_malformed_stripes_are_refused(fields, stage_only):
     with pytest.raises(InvalidArgument) as info:
-        protocol.check_stripe(pb.Stripe(**fields), stage_only=stage_only)
+        check_stripe(pb.Stripe(**fields), stage_only=stage_only)
     assert info.value.reason == "BAD_STRIPE"
 
 
@@ -455,7 +460,7 @@ def test_malformed_stripes_are_refused(fields, stage_only):
 async def test_a_stripe_stream_that_breaks_its_layout_is_refused(change):
     payload = random.Random(2).randbytes(5 * 64 * KiB + 100)
     st = stripe(1, 2)
-    messages = list(protocol.stripe_messages(manifest_for(payload), payload, st))
+    messages = list(stripe_messages(manifest_for(payload), payload, st))
     if change == "short chunk":
         messages[1].chunk = messages[1].chunk[:-1]
     elif change == "long chunk":
@@ -466,7 +471,7 @@ async def test_a_stripe_stream_that_breaks_its_layout_is_refused(change):
         messages = messages[:-1]
     elif change == "late stripe":
         messages[2].stripe.CopyFrom(st)
-    reader = protocol.PushReader(streamed(messages), 5, "test")
+    reader = PushReader(streamed(messages), 5, "test")
     try:
         first = await reader.open()
         assert first.stripe == st
@@ -481,7 +486,7 @@ async def test_a_stripe_stream_that_breaks_its_layout_is_refused(change):
 
 @pytest.mark.parametrize("n", [*range(1, 40), 64, 255, 1000])
 def test_every_stripe_tree_holds_every_replica_and_each_is_inner_in_at_most_one(n):
-    from rollwire.proxy.plan import stripe_parents, striped_layout
+    from rollwire.push.plan import stripe_parents, striped_layout
 
     trees = stripe_parents(n, 2)
     inner = []
@@ -506,7 +511,7 @@ def test_every_stripe_tree_holds_every_replica_and_each_is_inner_in_at_most_one(
 
 
 def test_merged_stripe_reports_give_the_verdict_else_the_replicas_own_failure_else_not_reached():
-    from rollwire.serving.forward import merge_stripes
+    from rollwire.push.forward import merge_stripes
 
     def r(code="OK", reason="", pending=False, staged=False, message=""):
         return pb.ReplicaPushResult(
@@ -528,15 +533,15 @@ def test_merged_stripe_reports_give_the_verdict_else_the_replicas_own_failure_el
 
 
 def test_stripe_chunks_are_about_eight_per_stripe_within_the_bounds():
-    from rollwire.proxy.plan import stripe_chunk_bytes
+    from rollwire.push.plan import stripe_chunk_bytes
 
     assert stripe_chunk_bytes(167_352, 2) == 64 * KiB
-    assert stripe_chunk_bytes(37_000_000, 2) == protocol.MAX_CHUNK
+    assert stripe_chunk_bytes(37_000_000, 2) == MAX_CHUNK
     assert stripe_chunk_bytes(4_000_000, 2) == 256 * KiB  # 250 kB wanted, in 64 KiB steps
 
 
 def test_replicas_trusted_least_hang_under_the_proxy_in_every_stripe_tree():
-    from rollwire.proxy.plan import striped_layout
+    from rollwire.push.plan import striped_layout
 
     trusted = [Target(f"h:{i + 1}", f"r{i}") for i in range(6)]
     doubtful = [Target("h:90", "bad1"), Target("h:91", "bad2")]

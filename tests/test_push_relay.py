@@ -39,9 +39,12 @@ from support.processes import (
 )
 from support.wire import generate, make_adapter, metric_value, status
 
-from rollwire.common import push as protocol
+from rollwire.common import writer
 from rollwire.common.errors import from_rpc_error
-from rollwire.serving.forward import Forwarder
+from rollwire.common.writer import chunks, opening, stripe_messages
+from rollwire.push.forward import Forwarder
+from rollwire.push.plan import Child, plan_from_parents, split_plan
+from rollwire.push.reader import PushReader
 from rollwire.v1 import generator_pb2 as pb
 from rollwire.v1 import generator_pb2_grpc
 
@@ -105,7 +108,7 @@ def pinned_refusal(target: str, name: str, version: int) -> grpc.StatusCode:
 def push_via(target: str, manifest: pb.AdapterManifest, payload: bytes) -> pb.PushAdapterResponse:
     with grpc.insecure_channel(target) as channel:
         stub = generator_pb2_grpc.GeneratorServiceStub(channel)
-        return stub.PushAdapter(protocol.messages(manifest, payload), timeout=PUSH_DEADLINE_S + 10)
+        return stub.PushAdapter(writer.messages(manifest, payload), timeout=PUSH_DEADLINE_S + 10)
 
 
 def low_port() -> int:
@@ -157,13 +160,13 @@ class HostilePeer(generator_pb2_grpc.GeneratorServiceServicer):
 
     async def PushAdapter(self, request_iterator, context):
         self.pushes += 1
-        reader = protocol.PushReader(request_iterator, 30, "hostile peer", keep_chunks=True)
+        reader = PushReader(request_iterator, 30, "hostile peer", keep_chunks=True)
         first = await reader.open()
         if self.refuse:
             await context.abort(grpc.StatusCode.UNAVAILABLE, "the hostile peer takes no push")
         if self.stall:
             await asyncio.to_thread(self.release.wait, 60)
-        children = protocol.split_plan(first.relay, max_children=64) if first.relay.nodes else []
+        children = split_plan(first.relay, max_children=64) if first.relay.nodes else []
         forward = Forwarder(
             children,
             first.manifest,
@@ -347,9 +350,9 @@ def test_a_replica_assembles_stripes_from_their_own_streams_and_refuses_broken_o
         stub = generator_pb2_grpc.GeneratorServiceStub(channel)
         m = adapter.manifest("by-stripes", 1, fp)
         # broken stripes: refused with a reason, before or as the bytes come
-        plain = list(protocol.stripe_messages(m, payload, stripe(0)))
-        not_staged = [protocol.opening(m, stripe=stripe(0)), *plain[1:]]
-        too_many = list(protocol.stripe_messages(m, payload, stripe(0, 9)))
+        plain = list(stripe_messages(m, payload, stripe(0)))
+        not_staged = [opening(m, stripe=stripe(0)), *plain[1:]]
+        too_many = list(stripe_messages(m, payload, stripe(0, 9)))
         odd_chunk = [plain[0], pb.PushAdapterRequest(chunk=plain[1].chunk[:-1]), *plain[2:]]
         truncated = plain[:-1]
         bad = grpc.StatusCode.INVALID_ARGUMENT
@@ -358,30 +361,30 @@ def test_a_replica_assembles_stripes_from_their_own_streams_and_refuses_broken_o
         assert refusal(odd_chunk) == (bad, "BAD_STRIPE")
         assert refusal(truncated) == (bad, "LENGTH_MISMATCH")
         # the stripes on their own streams: the first to end is not a verdict, the last one stages
-        first = stub.PushAdapter(protocol.stripe_messages(m, payload, stripe(0)), timeout=10)
+        first = stub.PushAdapter(stripe_messages(m, payload, stripe(0)), timeout=10)
         assert (first.stripe_pending, first.staged) == (True, False)
         assert not holds(target, "by-stripes", 1)
-        last = stub.PushAdapter(protocol.stripe_messages(m, payload, stripe(1)), timeout=10)
+        last = stub.PushAdapter(stripe_messages(m, payload, stripe(1)), timeout=10)
         assert (last.stripe_pending, last.staged) == (False, True)
         assert pinned_refusal(target, "by-stripes", 1) == grpc.StatusCode.NOT_FOUND  # staged, not served
         stub.CommitAdapter(pb.CommitAdapterRequest(name="by-stripes", version=1, sha256=m.sha256), timeout=10)
-        stub.PushAdapter(protocol.messages(adapter.manifest("whole", 1, fp), payload), timeout=10)
+        stub.PushAdapter(writer.messages(adapter.manifest("whole", 1, fp), payload), timeout=10)
         assert sampled(target, "by-stripes", 1) == sampled(target, "whole", 1)  # the same weights, bit for bit
         # stripes whose partners never come hold no slot a plain push needs (their bound: test_fleet_truth)
         for version in (2, 3):
             orphan = stub.PushAdapter(
-                protocol.stripe_messages(adapter.manifest("by-stripes", version, fp), payload, stripe(0)), timeout=3
+                stripe_messages(adapter.manifest("by-stripes", version, fp), payload, stripe(0)), timeout=3
             )
             assert orphan.stripe_pending
-        assert refusal(protocol.messages(adapter.manifest("whole", 2, fp), payload)) == (grpc.StatusCode.OK, "")
+        assert refusal(writer.messages(adapter.manifest("whole", 2, fp), payload)) == (grpc.StatusCode.OK, "")
         # a stripe of another cut than the one being assembled is refused, and spoils nothing
         m4 = adapter.manifest("by-stripes", 4, fp)
-        assert stub.PushAdapter(protocol.stripe_messages(m4, payload, stripe(0)), timeout=10).stripe_pending
-        assert refusal(protocol.stripe_messages(m4, payload, stripe(1, 3))) == (
+        assert stub.PushAdapter(stripe_messages(m4, payload, stripe(0)), timeout=10).stripe_pending
+        assert refusal(stripe_messages(m4, payload, stripe(1, 3))) == (
             grpc.StatusCode.FAILED_PRECONDITION,
             "STRIPE_CONFLICT",
         )
-        assert stub.PushAdapter(protocol.stripe_messages(m4, payload, stripe(1)), timeout=10).staged
+        assert stub.PushAdapter(stripe_messages(m4, payload, stripe(1)), timeout=10).staged
 
 
 @pytest.mark.parametrize("peer_proxy", [({"hold": True}, 0, "--set", "push.settle_timeout_s=60")], indirect=True)
@@ -432,7 +435,7 @@ def test_a_child_that_stalls_is_cut_off_without_holding_up_the_others(peer_proxy
     started, wall = time.monotonic(), time.time()
     with grpc.insecure_channel(proxy.target) as channel:
         reply = generator_pb2_grpc.GeneratorServiceStub(channel).PushAdapter(
-            protocol.messages(manifest, adapter.payload, 1024), timeout=PUSH_DEADLINE_S + 10
+            writer.messages(manifest, adapter.payload, 1024), timeout=PUSH_DEADLINE_S + 10
         )
     took = time.monotonic() - started
     outcomes = {r.address: (r.code, r.reason) for r in reply.replicas}
@@ -458,16 +461,14 @@ def test_a_stripe_call_cancelled_after_its_stripe_arrived_leaves_the_version_to_
     peer = PeerServer(HostilePeer(target, hold=True))
     try:
         m = adapter.manifest("kept-stripe", 1, fp)
-        plan = protocol.plan_from_parents([(peer.target, "hostile-peer", 0)])
+        plan = plan_from_parents([(peer.target, "hostile-peer", 0)])
         stripe = [pb.Stripe(index=i, count=2, chunk_bytes=64 << 10) for i in (0, 1)]
         with grpc.insecure_channel(target) as channel:
             stub = generator_pb2_grpc.GeneratorServiceStub(channel)
-            held = stub.PushAdapter.future(
-                protocol.stripe_messages(m, adapter.payload, stripe[0], relay=plan), timeout=30
-            )
+            held = stub.PushAdapter.future(stripe_messages(m, adapter.payload, stripe[0], relay=plan), timeout=30)
             assert peer.peer.ended.wait(15), "the child never saw stripe 0 end"
             held.cancel()
-            last = stub.PushAdapter(protocol.stripe_messages(m, adapter.payload, stripe[1]), timeout=10)
+            last = stub.PushAdapter(stripe_messages(m, adapter.payload, stripe[1]), timeout=10)
             assert (last.stripe_pending, last.staged) == (False, True)
     finally:
         peer.stop()
@@ -559,7 +560,7 @@ def test_a_replica_killed_mid_relay_stops_nobody_and_rejoins_with_the_version(
         killed = threading.Event()
 
         def upload():  # slow enough to be caught mid-relay: small chunks, the second half after the kill
-            yield protocol.opening(manifest)
+            yield opening(manifest)
             for i in range(0, half, 1024):
                 yield pb.PushAdapterRequest(chunk=adapter.payload[i : min(i + 1024, half)])
             killed.wait(30)
@@ -605,13 +606,13 @@ def test_a_replica_killed_mid_relay_stops_nobody_and_rejoins_with_the_version(
 def test_a_replica_refuses_a_bad_relay_plan_before_it_dials_anyone(replicas, adapter):
     fp = status(replicas[0].target).model_fingerprint
     bad_plans = {
-        "parent after child": protocol.plan_from_parents([("127.0.0.1:1", "a", 2), ("127.0.0.1:2", "b", 0)]),
-        "same address twice": protocol.plan_from_parents([("127.0.0.1:1", "a", 0), ("127.0.0.1:1", "b", 1)]),
-        "not an address": protocol.plan_from_parents([("http://x", "a", 0)]),
-        "too many children": protocol.plan_from_parents([(f"127.0.0.1:{1000 + i}", "", 0) for i in range(17)]),
+        "parent after child": plan_from_parents([("127.0.0.1:1", "a", 2), ("127.0.0.1:2", "b", 0)]),
+        "same address twice": plan_from_parents([("127.0.0.1:1", "a", 0), ("127.0.0.1:1", "b", 1)]),
+        "not an address": plan_from_parents([("http://x", "a", 0)]),
+        "too many children": plan_from_parents([(f"127.0.0.1:{1000 + i}", "", 0) for i in range(17)]),
     }
     for case, plan in bad_plans.items():
-        messages = protocol.messages(adapter.manifest("plans", 1, fp), adapter.payload, relay=plan, stage_only=True)
+        messages = writer.messages(adapter.manifest("plans", 1, fp), adapter.payload, relay=plan, stage_only=True)
         with pytest.raises(grpc.RpcError) as info:
             generator_pb2_grpc.GeneratorServiceStub(grpc.insecure_channel(replicas[0].target)).PushAdapter(
                 messages, timeout=10
@@ -706,7 +707,7 @@ async def _slow_door(host: str, port: int, hold_s: float) -> asyncio.Server:
 
 def test_a_child_slow_to_open_its_stream_is_not_cut_off_as_stalled(replicas, adapter):
     """Until a child takes its first chunk its call is being set up: that time is judged
-    against the settle timeout, not the stall timeout (serving/forward.py, Forwarder.stalled).
+    against the settle timeout, not the stall timeout (push/forward.py, Forwarder.stalled).
     Here the connection is held 0.5 s, five times the stall limit, while the sender's queue
     for it is full; the child is not cut off and serves the version."""
     target = replicas[0]
@@ -718,7 +719,7 @@ def test_a_child_slow_to_open_its_stream_is_not_cut_off_as_stalled(replicas, ada
         address = f"127.0.0.1:{door.sockets[0].getsockname()[1]}"
         async with door, grpc.aio.insecure_channel(address) as channel:
             forward = Forwarder(
-                [protocol.Child(address, "slow-door", pb.RelayPlan())],
+                [Child(address, "slow-door", pb.RelayPlan())],
                 manifest,
                 stage_only=False,
                 stub_for=lambda _: generator_pb2_grpc.GeneratorServiceStub(channel),
@@ -728,7 +729,7 @@ def test_a_child_slow_to_open_its_stream_is_not_cut_off_as_stalled(replicas, ada
                 stall_s=0.1,
                 settle_s=5,
             )
-            for piece in protocol.chunks(adapter.payload, 1024):  # the queue is full long before the door opens
+            for piece in chunks(adapter.payload, 1024):  # the queue is full long before the door opens
                 await forward.send(piece)
             forward.end()
             return await forward.results()

@@ -14,15 +14,12 @@ from rollwire.client import Client
 from rollwire.common.errors import InvalidArgument
 from rollwire.common.fingerprint import model_fingerprint
 from rollwire.common.lora import LoraShape
+from rollwire.common.manifest import Manifest
 from rollwire.common.safetensors_header import read_file_header
-from rollwire.generator.adapters import (
-    Manifest,
-    base_linear_shapes,
-    config_linear_shapes,
-    expected_lora_shapes,
-)
+from rollwire.generator.adapters import base_linear_shapes, config_linear_shapes
 from rollwire.generator.engines.scripted import ScriptedEngine
 from rollwire.generator.types import AdapterSelection, GroupRequest, SampleDone, SamplingParams, TokenDelta
+from rollwire.push.checks import expected_lora_shapes
 
 QWEN_05B = {  # the public config.json of Qwen2.5-0.5B, the fields the shapes need
     "model_type": "qwen2",

@@ -13,15 +13,11 @@ from safetensors.numpy import save
 
 from rollwire.common.errors import FailedPrecondition, InvalidArgument, NotFound
 from rollwire.common.lora import LoraShape
-from rollwire.generator.adapters import (
-    AdapterRegistry,
-    Manifest,
-    check_manifest,
-    check_payload,
-    expected_lora_shapes,
-)
+from rollwire.common.manifest import Manifest, check_manifest
+from rollwire.generator.adapters import AdapterRegistry
 from rollwire.generator.sampling import draw, sample_generator, sample_seed, sampling_logprobs
 from rollwire.generator.types import SampleDone, SamplingParams, TokenDelta, coalesce
+from rollwire.push.checks import check_payload, expected_lora_shapes
 
 
 def test_top_k_and_top_p_by_hand():

@@ -33,7 +33,8 @@ from rollwire.common.errors import (
     Unavailable,
 )
 from rollwire.common.lora import LoraShape
-from rollwire.generator.adapters import AdapterRegistry, Manifest
+from rollwire.common.manifest import Manifest
+from rollwire.generator.adapters import AdapterRegistry
 from rollwire.generator.config import SGLangSection
 from rollwire.generator.engines.sglang_engine import SGLangEngine, peft_config
 from rollwire.generator.engines.sglang_protocol import (

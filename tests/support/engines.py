@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from rollwire.generator.adapters import Manifest
+from rollwire.common.manifest import Manifest
 from rollwire.generator.types import GroupRequest, SampleDone, TokenDelta
 
 

@@ -1,6 +1,6 @@
 """A pusher process for the fault suite: a learner on a slow uplink, so a test can kill or
 freeze it mid-push. It writes one PushAdapter with the SDK's push protocol
-(rollwire.common.push: the very messages `Client.push_adapter` sends), pausing between
+(rollwire.common.writer: the very messages `Client.push_adapter` sends), pausing between
 chunks, over a plain gRPC channel.
 
     python tests/support/pusher.py TARGET MANIFEST PAYLOAD CHUNK_BYTES PAUSE_S
@@ -18,15 +18,15 @@ from pathlib import Path
 
 import grpc
 
-from rollwire.common import push as protocol
 from rollwire.common.errors import from_rpc_error
+from rollwire.common.writer import chunks, opening
 from rollwire.v1 import generator_pb2 as pb
 from rollwire.v1 import generator_pb2_grpc
 
 
 def paced(manifest: pb.AdapterManifest, payload: bytes, chunk: int, pause_s: float) -> Iterator[pb.PushAdapterRequest]:
-    yield protocol.opening(manifest)
-    for i, piece in enumerate(protocol.chunks(payload, chunk), 1):
+    yield opening(manifest)
+    for i, piece in enumerate(chunks(payload, chunk), 1):
         yield pb.PushAdapterRequest(chunk=piece)
         print(f"sent {i}", flush=True)
         time.sleep(pause_s)  # the slow uplink this process stands for

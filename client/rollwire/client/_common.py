@@ -25,19 +25,20 @@ from typing import Any, TypedDict
 import grpc
 
 from rollwire.common import kept
-from rollwire.common import push as protocol
 from rollwire.common.errors import Internal, RequestError, RollwireError
 from rollwire.common.errors import finite_number as _float
 from rollwire.common.errors import whole_number as _int
 from rollwire.common.keepalive import DEFAULT as DEFAULT_KEEPALIVE
 from rollwire.common.keepalive import Keepalive
 from rollwire.common.lora import LoraShape
+from rollwire.common.manifest import NAME_RULE, name_ok
 from rollwire.common.reasons import Reason
 from rollwire.common.retries import SDK_RETRIES
 from rollwire.common.safetensors_header import HeaderError, read_header
+from rollwire.common.writer import MAX_CHUNK, messages
 from rollwire.v1 import generator_pb2 as pb
 
-MAX_CHUNK_BYTES = protocol.MAX_CHUNK
+MAX_CHUNK_BYTES = MAX_CHUNK
 """Largest payload chunk of a PushAdapter stream (the contract's limit)."""
 MAX_MESSAGE_BYTES = 256 << 20
 """Message size limit of SDK channels: far above any sane prompt, status or chunk."""
@@ -69,8 +70,8 @@ class AdapterVersion:
 
 def check_adapter_name(name: str) -> str:
     """The name, if a server would accept it (the push protocol's one rule)."""
-    if not protocol.name_ok(name):
-        raise RequestError(f"adapter name {name!r} is invalid: use {protocol.NAME_RULE}")
+    if not name_ok(name):
+        raise RequestError(f"adapter name {name!r} is invalid: use {NAME_RULE}")
     return name
 
 
@@ -586,7 +587,7 @@ def push_requests(
     manifest: pb.AdapterManifest, payload: bytes, chunk_size: int = MAX_CHUNK_BYTES
 ) -> Iterator[pb.PushAdapterRequest]:
     """The manifest, then the payload in chunks of at most `chunk_size` bytes."""
-    yield from protocol.messages(manifest, payload, check_chunk_size(chunk_size))
+    yield from messages(manifest, payload, check_chunk_size(chunk_size))
 
 
 @dataclass(frozen=True, slots=True)
@@ -609,8 +610,24 @@ class PushResult:
     loaded_versions: list[int]
     replicas: list[ReplicaPush]
     """Filled by a proxy; empty from a replica."""
+    peers: list[PeerPush] = field(default_factory=list)
+    """Filled by a proxy with peer proxies: whether each one's spool holds the version now."""
+
+
+@dataclass(frozen=True, slots=True)
+class PeerPush:
+    """Outcome of sharing a push with one peer proxy (a peer that is behind is named here)."""
+
+    address: str
+    code: str
+    """gRPC status code name; "OK" when the peer's spool holds the version."""
+    reason: str
+    """PEER_BEHIND for a peer being caught up, PEER_VERSION_CONFLICT, ...; empty on success."""
+    message: str
 
 
 def push_result_from_pb(message: pb.PushAdapterResponse) -> PushResult:
     replicas = [ReplicaPush(r.replica, r.code, r.message) for r in message.replicas]
-    return PushResult(message.name, message.version, message.already_loaded, list(message.loaded_versions), replicas)
+    peers = [PeerPush(p.address, p.code, p.reason, p.message) for p in message.peers]
+    loaded = list(message.loaded_versions)
+    return PushResult(message.name, message.version, message.already_loaded, loaded, replicas, peers)

@@ -45,7 +45,7 @@ class LoraShape:
 
     @classmethod
     def from_pb(cls, config: pb.LoraConfig) -> LoraShape:
-        """As a manifest declares it, unchecked (push.check_manifest checks it)."""
+        """As a manifest declares it, unchecked (manifest.check_manifest checks it)."""
         return cls(config.r, config.lora_alpha, tuple(config.target_modules), config.use_rslora)
 
     def to_pb(self) -> pb.LoraConfig:

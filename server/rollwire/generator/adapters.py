@@ -1,17 +1,14 @@
-"""Versioned LoRA adapters on one replica: validation, the version window, leases.
+"""Versioned LoRA adapters on one replica: the version window, staging, leases.
 
 Invariants:
 - versions of a name only increase; re-pushing a loaded version with the same digest is an
-  idempotent success, anything else at or below the newest version is refused;
-- every push is checked in full (length, digest, fingerprint, config, a bounded header,
-  tensor names, shapes and dtypes against the base model, every value finite) before the
-  engine is touched, so a refused push leaves the replica serving exactly what it served
-  before; replicas and the proxy run the same checks (push.check_manifest, then
-  `PayloadInspector` and the digest while the bytes arrive; `check_payload` on bytes at
-  rest), off the event loop and in time linear in the payload;
+  idempotent success, anything else at or below the newest version is refused
+  (`rollwire.common.manifest.check_push_version`, the rule the proxy's spool shares);
+- the registry is handed only payloads that passed every check (rollwire.push.checks, the
+  digest and the manifest rules), so a refused push leaves the replica serving exactly what
+  it served before;
 - a version staged by a `stage_only` push is loaded but never servable until committed
   with its digest, and is dropped when not committed within `stage_timeout_s`;
-- versions are at most 2**53 and at most `max_version_step` above the newest;
 - the K newest versions of each name are servable; an older version stops being servable
   at once and is unloaded from the engine when its last request finishes (leases);
 - engine handles are never reused, so no cache entry of an old policy can be served under
@@ -21,239 +18,19 @@ Invariants:
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import json
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from rollwire.common.errors import FailedPrecondition, InvalidArgument, NotFound, RollwireError
-from rollwire.common.lora import LoraShape
-from rollwire.common.push import (  # noqa: F401 (the manifest rules live in the push protocol; re-exported)
-    DEFAULT_MAX_VERSION_STEP,
-    MAX_LORA_R,
-    MAX_VERSION,
-    NAME_RE,
-    Manifest,
-    check_manifest,
-    check_push_version,
-    idle_bounded,
-    manifest_from_pb,
-)
+from rollwire.common.errors import FailedPrecondition, NotFound
+from rollwire.common.manifest import DEFAULT_MAX_VERSION_STEP, Manifest, check_push_version
 from rollwire.common.reasons import Reason
-from rollwire.common.safetensors_header import (
-    HeaderError,
-    StreamingFinite,
-    TensorEntry,
-    header_length,
-    nonfinite_tensor,
-    read_entries,
-    read_file_header,
-)
+from rollwire.common.safetensors_header import read_file_header
 from rollwire.generator.types import AdapterSelection
 
-PEFT_PREFIX = "base_model.model."
-ALL_LINEAR = "all-linear"
-LORA_DTYPES = {"F32", "F16", "BF16"}
-MAX_HEADER_BYTES = 16 << 20
-"""Largest safetensors header of a pushed adapter; with known base shapes the bound is
-HEADER_SLACK_BYTES + HEADER_BYTES_PER_TENSOR x the number of tensors expected."""
-HEADER_BYTES_PER_TENSOR = 1024
-HEADER_SLACK_BYTES = 64 << 10
-MAX_TENSORS = 1 << 17
-"""Most tensors in an adapter whose base shapes are not known (a spool reload)."""
-MAX_TENSOR_DIMS = 4
 DEFAULT_STAGE_TIMEOUT_S = 300.0
 """A staged version not committed within this long is dropped (limits.stage_timeout_s)."""
-
-
-def check_payload(m: Manifest, payload: bytes, base_shapes: dict[str, tuple[int, int]] | None) -> None:
-    """The whole check of bytes that were not hashed while they arrived (a spool reload, a
-    test): length, digest, then `check_tensors`. Raises InvalidArgument with a reason."""
-    if len(payload) != m.byte_length:
-        raise InvalidArgument(
-            f"upload ended after {len(payload)} of the {m.byte_length} bytes the manifest declared; "
-            "the upload was truncated or the manifest is wrong",
-            reason=Reason.LENGTH_MISMATCH,
-        )
-    digest = hashlib.sha256(payload).hexdigest()
-    if digest != m.sha256:
-        raise InvalidArgument(
-            f"payload sha256 is {digest} but the manifest declared {m.sha256}; the bytes were corrupted or the manifest is stale",
-            reason=Reason.DIGEST_MISMATCH,
-        )
-    check_tensors(m, payload, base_shapes)
-
-
-def check_header(m: Manifest, data: bytes, base_shapes: dict[str, tuple[int, int]] | None) -> dict[str, TensorEntry]:
-    """The safetensors header of a payload of `m.byte_length` bytes, from `data` (the whole
-    payload or only a prefix holding the header): a bounded header, then every tensor's
-    name, shape and dtype against the base model (or, with `base_shapes=None`, against the
-    LoRA config alone). Raises InvalidArgument (BAD_PAYLOAD, TENSOR_MISMATCH, BAD_LORA_CONFIG)."""
-    if base_shapes is not None:
-        expected = expected_lora_shapes(m.lora, base_shapes)
-        if not expected:
-            raise InvalidArgument(
-                f"target_modules {list(m.lora.target_modules)[:8]} match no linear layer of the base model",
-                reason=Reason.BAD_LORA_CONFIG,
-            )
-        limits = dict(
-            max_header=min(MAX_HEADER_BYTES, HEADER_SLACK_BYTES + HEADER_BYTES_PER_TENSOR * len(expected)),
-            max_tensors=len(expected),
-        )
-    else:
-        expected, limits = None, dict(max_header=MAX_HEADER_BYTES, max_tensors=MAX_TENSORS)
-    try:
-        body = m.byte_length - 8 - header_length(data)
-        tensors = read_entries(data, body, max_dims=MAX_TENSOR_DIMS, **limits)
-    except HeaderError as exc:
-        raise InvalidArgument(f"payload is not a safetensors adapter: {exc}", reason=Reason.BAD_PAYLOAD) from None
-    if expected is None:
-        _check_lora_tensors(m.lora, tensors)
-    else:
-        _check_expected_tensors(m.lora, tensors, expected)
-    return tensors
-
-
-def header_bytes_needed(data: bytes) -> int | None:
-    """How many leading bytes of a payload hold its whole header; None before 8 bytes."""
-    return None if len(data) < 8 else 8 + header_length(data)
-
-
-def check_tensors(m: Manifest, payload: bytes, base_shapes: dict[str, tuple[int, int]] | None) -> None:
-    """The payload check that follows an incremental digest (push.PushReader): the header
-    (`check_header`), then every value finite. Linear in the payload with capped header work;
-    run it off the event loop (`check_tensors_async`)."""
-    tensors = check_header(m, payload, base_shapes)
-    bad = nonfinite_tensor(payload, tensors, 8 + header_length(payload))
-    if bad is not None:
-        raise InvalidArgument(
-            f"tensor {bad} holds NaN or infinite values; a diverged adapter is never served, push finite weights",
-            reason=Reason.NON_FINITE_WEIGHTS,
-        )
-
-
-class PayloadInspector:
-    """`check_tensors` while the payload arrives: push.PushReader feeds it every chunk, in
-    order, on its worker thread. The header is checked as soon as it is complete (a bad one
-    is refused before the rest arrives) and every float value once, as it passes, so when
-    the stream ends only its last piece is left to look at. The same checks, sentences and
-    reasons as `check_tensors`; `error` holds the first failure."""
-
-    def __init__(self, m: Manifest, base_shapes: dict[str, tuple[int, int]] | None) -> None:
-        self.manifest, self.base_shapes = m, base_shapes
-        self.prefix: bytearray | None = bytearray()
-        self.scanner: StreamingFinite | None = None
-        self.error: RollwireError | None = None
-
-    def feed(self, chunk: bytes) -> None:
-        if self.error is not None:
-            return
-        try:
-            if self.scanner is None:
-                assert self.prefix is not None
-                self.prefix += chunk
-                if not self._header_ready():
-                    return
-                body_offset = 8 + header_length(self.prefix)
-                tensors = check_header(self.manifest, bytes(self.prefix[:body_offset]), self.base_shapes)
-                self.scanner = StreamingFinite(tensors, body_offset)
-                chunk, self.prefix = bytes(self.prefix), None
-            bad = self.scanner.feed(chunk)
-            if bad is not None:
-                raise InvalidArgument(
-                    f"tensor {bad} holds NaN or infinite values; a diverged adapter is never served, push finite weights",
-                    reason=Reason.NON_FINITE_WEIGHTS,
-                )
-        except InvalidArgument as exc:
-            self.error = exc
-
-    def _header_ready(self) -> bool:
-        """Enough bytes to judge the header: all of it, or enough to know it is too large."""
-        assert self.prefix is not None
-        if len(self.prefix) < 8:
-            return False
-        need = 8 + header_length(self.prefix)
-        return len(self.prefix) >= need or need > min(self.manifest.byte_length, 8 + MAX_HEADER_BYTES)
-
-    def finish(self, payload: bytes | list[bytes]) -> None:
-        """After the last chunk, with the payload (or its chunks): raises the first failure;
-        checks what could not be checked in pieces (a payload too short for its header,
-        overlapping tensors: only hostile payloads, so joining chunks there costs nothing real)."""
-        if self.error is None and (self.scanner is None or self.scanner.needs_full_scan):
-            whole = payload if isinstance(payload, bytes) else b"".join(payload)
-            tensors = check_header(self.manifest, whole, self.base_shapes)  # raises if the header never completed
-            bad = nonfinite_tensor(whole, tensors, 8 + header_length(whole))
-            if bad is not None:
-                self.error = InvalidArgument(
-                    f"tensor {bad} holds NaN or infinite values; a diverged adapter is never served, push finite weights",
-                    reason=Reason.NON_FINITE_WEIGHTS,
-                )
-        if self.error is not None:
-            raise self.error
-
-
-async def check_tensors_async(m: Manifest, payload: bytes, base_shapes: dict[str, tuple[int, int]] | None) -> None:
-    """`check_tensors` in a worker thread (the finiteness scan works in blocks)."""
-    await asyncio.to_thread(check_tensors, m, payload, base_shapes)
-
-
-async def check_payload_async(m: Manifest, payload: bytes, base_shapes: dict[str, tuple[int, int]] | None) -> None:
-    """`check_payload` in a worker thread: hashing releases the GIL, the rest works in blocks."""
-    await asyncio.to_thread(check_payload, m, payload, base_shapes)
-
-
-def _check_expected_tensors(
-    lora: LoraShape, tensors: dict[str, TensorEntry], expected: dict[str, tuple[int, int]]
-) -> None:
-    unexpected = sorted(set(tensors) - set(expected))
-    missing = sorted(set(expected) - set(tensors))
-    if unexpected or missing:
-        raise InvalidArgument(
-            f"adapter tensors do not match the base model and lora_config: "
-            f"{len(missing)} missing (e.g. {missing[:2]}), {len(unexpected)} unexpected (e.g. {[u[:120] for u in unexpected[:2]]})",
-            reason=Reason.TENSOR_MISMATCH,
-        )
-    for name, shape in expected.items():
-        e = tensors[name]
-        if e.shape != shape or e.dtype not in LORA_DTYPES:
-            raise InvalidArgument(
-                f"tensor {name} has shape {list(e.shape)} ({e.dtype}); the base model and r={lora.r} "
-                f"need {list(shape)} in F32, F16 or BF16",
-                reason=Reason.TENSOR_MISMATCH,
-            )
-
-
-def _check_lora_tensors(lora: LoraShape, tensors: dict[str, TensorEntry]) -> None:
-    """Without the base model: PEFT names, 2-D LoRA shapes of rank r, float dtypes."""
-    if not tensors:
-        raise InvalidArgument("the adapter holds no tensors", reason=Reason.TENSOR_MISMATCH)
-    for name, e in tensors.items():
-        kind = "A" if name.endswith(".lora_A.weight") else "B" if name.endswith(".lora_B.weight") else ""
-        rank_ok = len(e.shape) == 2 and e.shape[0 if kind == "A" else 1] == lora.r
-        if not name.startswith(PEFT_PREFIX) or not kind or not rank_ok or e.dtype not in LORA_DTYPES:
-            raise InvalidArgument(
-                f"tensor {name[:120]} ({e.dtype}, shape {list(e.shape)}) is not a LoRA weight of rank r={lora.r} in "
-                "F32, F16 or BF16",
-                reason=Reason.TENSOR_MISMATCH,
-            )
-
-
-def expected_lora_shapes(lora: LoraShape, base_shapes: dict[str, tuple[int, int]]) -> dict[str, tuple[int, int]]:
-    """PEFT state-dict key -> shape for every base linear layer the config targets."""
-    shapes: dict[str, tuple[int, int]] = {}
-    for module, (out_f, in_f) in base_shapes.items():
-        if targets(module, lora.target_modules):
-            shapes[f"{PEFT_PREFIX}{module}.lora_A.weight"] = (lora.r, in_f)
-            shapes[f"{PEFT_PREFIX}{module}.lora_B.weight"] = (out_f, lora.r)
-    return shapes
-
-
-def targets(module: str, target_modules: tuple[str, ...]) -> bool:
-    """PEFT's list matching: the module name equals a target or ends with '.' + target."""
-    if ALL_LINEAR in target_modules:
-        return True
-    return any(module == t or module.endswith("." + t) for t in target_modules)
 
 
 def base_linear_shapes(model_dir: str | Path, *, config_only: bool = False) -> dict[str, tuple[int, int]]:

@@ -8,7 +8,7 @@ from typing import Annotated, Literal
 from pydantic import Field, field_validator
 
 from rollwire.common.config import Section
-from rollwire.common.push import MAX_STRIPES
+from rollwire.common.writer import MAX_STRIPES
 from rollwire.proxy.http.config import HttpSection
 from rollwire.proxy.peers import PeeringSection
 from rollwire.proxy.policies import POLICIES

@@ -11,7 +11,7 @@ The steps of one publication (`FanOut.push`):
    over S trees instead, one replica under the proxy in each (plan.striped_layout,
    forward.StripedForwarder), and each replica reports its verdict from the stripe that
    completed its payload; the proxy's copy is hashed and written to the spool's `.incoming/` by a
-   worker thread alongside (push.PushReader). Nothing is forwarded before the payload's
+   worker thread alongside (push.reader.PushReader). Nothing is forwarded before the payload's
    header passed the replicas' header checks, and the chunk that completes the payload is
    held back until the digest and the full payload check passed at the proxy, so no replica
    ever holds a complete payload the proxy refused;
@@ -56,19 +56,21 @@ import grpc
 
 from rollwire.common.errors import FailedPrecondition, Unavailable
 from rollwire.common.logs import REQUEST_ID_KEY, get_logger
-from rollwire.common.push import MIN_STRIPE_CHUNK, Child, Manifest, PushReader, grant_plan, manifest_from_pb
+from rollwire.common.manifest import Manifest, manifest_from_pb
 from rollwire.common.reasons import Reason
 from rollwire.common.safetensors_header import HeaderError, header_length
-from rollwire.generator.adapters import MAX_HEADER_BYTES, PayloadInspector, check_header
+from rollwire.common.writer import MIN_STRIPE_CHUNK
 from rollwire.proxy.config import ProxyConfig
 from rollwire.proxy.metrics import ProxyMetrics
 from rollwire.proxy.peers import Peers
-from rollwire.proxy.plan import Target, choose_fanout, layout, stripe_chunk_bytes, striped_layout
 from rollwire.proxy.replica import PushResult, Replica
 from rollwire.proxy.replicas import ReplicaSet
 from rollwire.proxy.spool import Spool, SpooledAdapter, Upload
 from rollwire.proxy.upstream import relay_credentials
-from rollwire.serving.forward import Forwarder, StripedForwarder
+from rollwire.push.checks import MAX_HEADER_BYTES, PayloadInspector, check_header
+from rollwire.push.forward import Forwarder, StripedForwarder
+from rollwire.push.plan import Child, Target, choose_fanout, grant_plan, layout, stripe_chunk_bytes, striped_layout
+from rollwire.push.reader import PushReader
 from rollwire.v1 import generator_pb2 as pb
 
 log = get_logger(__name__)

@@ -47,14 +47,14 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from pydantic import Field
 
-from rollwire.common import push as protocol
+from rollwire.common import writer
 from rollwire.common.config import Section
 from rollwire.common.errors import FailedPrecondition, Unavailable, from_rpc_error
 from rollwire.common.logs import REQUEST_ID_KEY, get_logger, new_request_id
-from rollwire.common.push import PushReader
 from rollwire.common.reasons import Reason
 from rollwire.common.retries import VERSION_TAKEN, push_refused_for_good
 from rollwire.common.waits import wait_at_most
+from rollwire.push.reader import PushReader
 from rollwire.serving.dial import on_each_drop
 from rollwire.v1 import generator_pb2 as pb
 from rollwire.v1 import generator_pb2_grpc
@@ -239,7 +239,7 @@ class Peers:
         metadata = ((PEER_KEY, self.proxy_id), (REQUEST_ID_KEY, request_id), *self.metadata)
         try:
             await generator_pb2_grpc.GeneratorServiceStub(peer.bulk_channel).PushAdapter(
-                protocol.messages(adapter.manifest, payload), timeout=self.section.timeout_s, metadata=metadata
+                writer.messages(adapter.manifest, payload), timeout=self.section.timeout_s, metadata=metadata
             )
             code, reason, message = grpc.StatusCode.OK, "", ""
         except grpc.aio.AioRpcError as exc:

@@ -22,7 +22,7 @@ from typing import Any
 import grpc
 from grpc_health.v1 import health_pb2_grpc
 
-from rollwire.common import push as protocol
+from rollwire.common import writer
 from rollwire.common.errors import RollwireError, from_rpc_error
 from rollwire.common.logs import REQUEST_ID_KEY
 from rollwire.proxy.breaker import Breaker
@@ -171,7 +171,7 @@ class Replica:
 
     async def push(self, adapter: SpooledAdapter, payload: bytes, timeout: float, request_id: str) -> PushResult:
         """Upload one spooled version; the caller holds `push_lock`."""
-        messages = protocol.messages(adapter.manifest, payload)
+        messages = writer.messages(adapter.manifest, payload)
         return await self._adapter_call(self.bulk.PushAdapter, messages, timeout, request_id)
 
     async def commit(self, manifest: pb.AdapterManifest, timeout: float, request_id: str) -> PushResult:

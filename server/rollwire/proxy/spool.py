@@ -2,7 +2,7 @@
 
 Invariants:
 - a version is listed only once it is known good: its bytes are complete on disk and passed
-  the replicas' own checks (push.check_manifest, then adapters.PayloadInspector and the
+  the replicas' own checks (manifest.check_manifest, then push.checks.PayloadInspector and the
   digest while the bytes arrived: length, sha256, a bounded header, tensor names and shapes
   against the base model, dtype, finiteness); a partial upload lives under `.incoming/` and
   is removed on every exit, cancellation included;
@@ -42,15 +42,10 @@ from google.protobuf import json_format
 from rollwire.common.durable import fsync_dir, storage_error, write_atomic
 from rollwire.common.errors import InvalidArgument, ResourceExhausted, RollwireError, Unavailable
 from rollwire.common.logs import get_logger
-from rollwire.common.push import (
-    DEFAULT_MAX_VERSION_STEP,
-    PushReader,
-    check_manifest,
-    check_push_version,
-    manifest_from_pb,
-)
+from rollwire.common.manifest import DEFAULT_MAX_VERSION_STEP, check_manifest, check_push_version, manifest_from_pb
 from rollwire.common.reasons import Reason
-from rollwire.generator.adapters import check_payload, check_tensors_async
+from rollwire.push.checks import check_payload, check_tensors_async
+from rollwire.push.reader import PushReader
 from rollwire.v1 import generator_pb2 as pb
 
 log = get_logger(__name__)
@@ -158,7 +153,7 @@ class Spool:
     # -- receiving ---------------------------------------------------------------------
     def admit(self, m: pb.AdapterManifest, fingerprint: str | None) -> Upload:
         """Check a manifest as a replica would (and against the spool's room), then reserve
-        its bytes; the upload's file is written by the push reader (push.PushReader)."""
+        its bytes; the upload's file is written by the push reader (push.reader.PushReader)."""
         self._check_manifest(m, fingerprint)
         try:
             self.incoming.mkdir(exist_ok=True)  # it could not be made at start if the disk was full

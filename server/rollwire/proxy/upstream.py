@@ -5,7 +5,7 @@ replicas it speaks with its own token, which needs the admin role because the pr
 adapters. The streams of a relay tree carry `relay_token_file`'s token instead when it is set
 (the `relay` role: it can only stage), so the replicas pass on a token that can do nothing
 but relay, and every node of a plan carries the proxy's grant, keyed from its admin token
-(push.relay_grant), so a replica relays only to the members this proxy planned. Peer proxies
+(push.plan.relay_grant), so a replica relays only to the members this proxy planned. Peer proxies
 are dialled with the same settings (peers.py may override the token and the certificate name).
 """
 
@@ -18,7 +18,7 @@ from pydantic import Field
 
 from rollwire.common.keepalive import DEFAULT as DEFAULT_KEEPALIVE
 from rollwire.common.keepalive import Keepalive
-from rollwire.common.push import grant_key
+from rollwire.push.plan import grant_key
 from rollwire.serving.dial import Dialer, DialTlsSection, bearer
 
 

@@ -12,7 +12,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Protocol
 
-from rollwire.generator.adapters import Manifest
+from rollwire.common.manifest import Manifest
 from rollwire.generator.types import Event, GroupRequest
 
 

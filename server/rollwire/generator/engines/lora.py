@@ -34,7 +34,7 @@ from torch import nn
 from rollwire.common.errors import InvalidArgument
 from rollwire.common.lora import LoraShape
 from rollwire.common.reasons import Reason
-from rollwire.generator.adapters import PEFT_PREFIX
+from rollwire.push.checks import PEFT_PREFIX
 
 _A, _B = ".lora_A.weight", ".lora_B.weight"
 

@@ -23,7 +23,7 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 
 from rollwire.common.errors import FailedPrecondition
-from rollwire.generator.adapters import Manifest
+from rollwire.common.manifest import Manifest
 from rollwire.generator.engines.base import EngineStats, GroupSlots
 from rollwire.generator.types import Event, GroupRequest, SampleDone, TokenDelta
 

@@ -64,11 +64,11 @@ from rollwire.common.errors import (
     Unavailable,
 )
 from rollwire.common.logs import get_logger
+from rollwire.common.manifest import Manifest
 from rollwire.common.reasons import Reason
 from rollwire.common.safetensors_header import read_header
 from rollwire.common.secrets import SecretFileError, read_secret_file
 from rollwire.common.waits import wait_at_most
-from rollwire.generator.adapters import Manifest
 from rollwire.generator.detokenize import TextStream, backend
 from rollwire.generator.engines.base import EngineStats, GroupSlots
 

@@ -30,9 +30,10 @@ import grpc
 
 from rollwire.common.errors import InvalidArgument, PermissionDenied, Unavailable
 from rollwire.common.lora import LoraShape
-from rollwire.common.push import MAX_CHUNK, check_name, messages
+from rollwire.common.manifest import check_name
 from rollwire.common.reasons import Reason
 from rollwire.common.safetensors_header import HeaderError, read_header
+from rollwire.common.writer import MAX_CHUNK, messages
 from rollwire.proxy.fanout import FanOut
 from rollwire.proxy.http.errors import HttpError
 from rollwire.proxy.http.names import ModelRef, model_id, parse_model

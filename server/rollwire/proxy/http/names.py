@@ -15,7 +15,7 @@ import re
 from dataclasses import dataclass
 
 from rollwire.common.errors import InvalidArgument
-from rollwire.common.push import MAX_VERSION, name_ok
+from rollwire.common.manifest import MAX_VERSION, name_ok
 from rollwire.common.reasons import Reason
 
 _VERSIONED = re.compile(r"^(?P<name>.+)-v(?P<version>[0-9]{1,19})$")

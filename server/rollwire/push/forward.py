@@ -36,8 +36,10 @@ import grpc
 
 from rollwire.common.errors import ERROR_DOMAIN, Unavailable, from_rpc_error, status_detail
 from rollwire.common.logs import get_logger
-from rollwire.common.push import Child, opening, result, results_from_error
 from rollwire.common.reasons import Reason
+from rollwire.common.writer import opening
+from rollwire.push.plan import Child
+from rollwire.push.results import result, results_from_error
 from rollwire.serving.dial import Dialer
 from rollwire.v1 import generator_pb2 as pb
 from rollwire.v1 import generator_pb2_grpc

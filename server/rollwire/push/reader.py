@@ -1,0 +1,188 @@
+"""Reading one PushAdapter stream: every receiver (proxy, replica, relaying replica) uses this.
+
+Invariants:
+- the opening is read but not judged (`Opening`): the caller checks the manifest against
+  its own base model, limits and versions before it asks for the chunks;
+- each message is checked as it arrives, with the same codes and reasons wherever it runs:
+  chunks of at most MAX_CHUNK bytes, never more bytes in all than the manifest's
+  `byte_length`, fields of the opening only on the opening;
+- a stream that sends nothing for `idle_s` ends with DEADLINE_EXCEEDED (PUSH_IDLE), so a
+  stalled sender cannot hold an upload slot;
+- the payload is hashed once, incrementally, by the push's `Sink` while it arrives; length
+  and digest are checked when the stream ends, before anything may use the payload;
+- `PushReader.chunks()` hands each chunk on as the very `bytes` object received, before the
+  upload ends, so a relay forwards it at once;
+- a stripe's stream (`stripe_chunks`) carries exactly the chunks `stripe_layout` gives it,
+  each of exactly its size; an `Assembly` (push.assembly) hashes and checks them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterable, AsyncIterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from rollwire.common.errors import DeadlineExceeded, InvalidArgument
+from rollwire.common.reasons import Reason
+from rollwire.common.writer import MAX_CHUNK, stripe_layout
+from rollwire.push.sink import Inspector, Sink, verdict
+from rollwire.v1 import generator_pb2 as pb
+
+
+@dataclass(frozen=True)
+class Opening:
+    """The first message of a push, read but not judged: the caller checks the manifest
+    against its own base model, limits and versions before it asks for the chunks."""
+
+    manifest: pb.AdapterManifest
+    relay: pb.RelayPlan
+    stage_only: bool
+    stripe: pb.Stripe | None = None
+
+
+async def idle_bounded(messages: AsyncIterable, idle_s: float, holder: str):
+    """The messages of a push stream; DEADLINE_EXCEEDED when none arrives for `idle_s`, so a
+    stalled sender cannot hold an upload slot (and its buffered bytes) until its deadline."""
+    it = aiter(messages)
+    while True:
+        try:
+            async with asyncio.timeout(idle_s):  # not wait_for: see rollwire.common.waits
+                msg = await anext(it)
+        except StopAsyncIteration:
+            return
+        except TimeoutError:
+            raise DeadlineExceeded(
+                f"the push sent no message for {idle_s:g} s, so this {holder} cancelled it; send the chunks without "
+                "pausing and push again",
+                reason=Reason.PUSH_IDLE,
+            ) from None
+        yield msg
+
+
+@dataclass(eq=False)
+class PushReader:
+    """Reads one PushAdapter stream: `open()`, then `chunks()`, then `finish()` (the payload
+    as one `bytes`) or `finish_chunks()` (the chunks as received, nothing copied: for a
+    holder that only forwards them); `close()` on every exit. The payload is hashed, copied
+    into one buffer (unless `keep_chunks`) and written to `store` (if given) by one worker
+    thread, at most `backlog_bytes` behind the network."""
+
+    messages: AsyncIterable[pb.PushAdapterRequest]
+    idle_s: float
+    holder: str
+    keep_chunks: bool = False
+    backlog_bytes: int = 8 * MAX_CHUNK
+    received: int = 0
+    manifest: pb.AdapterManifest | None = None
+    _stream: AsyncIterator | None = field(default=None, repr=False)
+    _sink: Sink | None = field(default=None, repr=False)
+
+    async def open(self) -> Opening:
+        self._stream = aiter(idle_bounded(self.messages, self.idle_s, self.holder))
+        try:
+            first = await anext(self._stream)
+        except StopAsyncIteration:
+            raise InvalidArgument(
+                "the upload was empty: send a manifest, then the chunks", reason=Reason.NO_MANIFEST
+            ) from None
+        if first.WhichOneof("part") != "manifest":
+            raise InvalidArgument("the first PushAdapter message must be the manifest", reason=Reason.NO_MANIFEST)
+        self.manifest = first.manifest
+        return Opening(
+            first.manifest, first.relay, first.stage_only, first.stripe if first.HasField("stripe") else None
+        )
+
+    async def chunks(self, store: Path | None = None, inspector: Inspector | None = None) -> AsyncIterator[bytes]:
+        """Each chunk as received, after its checks; call once the manifest was accepted.
+        `store`: a file the payload is written to as well; `inspector`: more checks of the
+        payload's content, run on the worker as it arrives (a failure ends the upload)."""
+        assert self._stream is not None and self.manifest is not None, "open() first"
+        declared = self.manifest.byte_length
+        self._sink = Sink(declared, store, self.backlog_bytes, inspector, self.keep_chunks)
+        async for msg in self._stream:
+            chunk = _chunk_of(msg)
+            self.received += len(chunk)
+            if self.received > declared:
+                raise InvalidArgument(
+                    f"received more than the {declared} bytes the manifest declared", reason=Reason.LENGTH_MISMATCH
+                )
+            await self._sink.absorb(chunk)
+            self._sink.raise_inspection()
+            yield chunk
+
+    async def stripe_chunks(self, stripe: pb.Stripe) -> AsyncIterator[tuple[int, bytes]]:
+        """(j, chunk j of the payload) for each chunk of a striped stream (`check_stripe`
+        first), each of exactly the size its place in the payload gives it; the stream must
+        end after the stripe's last chunk. Nothing is hashed or kept here: an `Assembly`
+        puts the stripes back together."""
+        assert self._stream is not None and self.manifest is not None, "open() first"
+        expected = iter(stripe_layout(self.manifest.byte_length, stripe))
+        async for msg in self._stream:
+            chunk = _chunk_of(msg)
+            j, size = next(expected, (-1, 0))
+            if len(chunk) != size:
+                raise InvalidArgument(
+                    f"stripe {stripe.index} of {stripe.count} carries chunk {j} of {size} bytes, got {len(chunk)}"
+                    if j >= 0
+                    else f"stripe {stripe.index} of {stripe.count} sent more chunks than the payload has for it",
+                    reason=Reason.BAD_STRIPE,
+                )
+            self.received += size
+            yield j, chunk
+        if (j := next(expected, (-1, 0))[0]) >= 0:
+            raise InvalidArgument(
+                f"stripe {stripe.index} of {stripe.count} ended before chunk {j}; the upload was truncated",
+                reason=Reason.LENGTH_MISMATCH,
+            )
+
+    async def finish(self, sync: bool = True) -> bytes:
+        """The payload once the stream ended: length, digest, then the inspector's checks;
+        the store is flushed (and fsynced unless `sync` is false: then the caller syncs it
+        before relying on it, e.g. off the critical path)."""
+        assert not self.keep_chunks, "finish_chunks() keeps the chunks"
+        payload = await self._finish(sync)
+        assert isinstance(payload, bytes)
+        return payload
+
+    async def finish_chunks(self, sync: bool = True) -> list[bytes]:
+        """As `finish`, but the payload is the list of chunks as received."""
+        assert self.keep_chunks, "finish() buffers the payload"
+        payload = await self._finish(sync)
+        assert isinstance(payload, list)
+        return payload
+
+    async def _finish(self, sync: bool) -> bytes | list[bytes]:
+        assert self.manifest is not None and self._sink is not None, "chunks() first"
+        m = self.manifest
+        if self.received != m.byte_length:
+            raise InvalidArgument(
+                f"upload ended after {self.received} of the {m.byte_length} bytes the manifest declared; "
+                "the upload was truncated or the manifest is wrong",
+                reason=Reason.LENGTH_MISMATCH,
+            )
+        return await verdict(m, self._sink, sync)
+
+    def close(self) -> None:
+        """Stop the worker and close the store; idempotent, safe on every exit."""
+        if self._sink is not None:
+            self._sink.close()
+
+
+def _chunk_of(msg: pb.PushAdapterRequest) -> bytes:
+    """The chunk of a message after the first, which must carry a chunk and nothing else."""
+    if msg.WhichOneof("part") != "chunk":
+        raise InvalidArgument("only the first PushAdapter message may be a manifest", reason=Reason.SECOND_MANIFEST)
+    if msg.HasField("relay") or msg.stage_only or msg.HasField("stripe"):
+        raise InvalidArgument(
+            "relay, stage_only and stripe may be set on the first PushAdapter message only",
+            reason=Reason.MISPLACED_FIELD,
+        )
+    chunk = msg.chunk
+    if len(chunk) > MAX_CHUNK:
+        raise InvalidArgument(
+            f"a chunk of {len(chunk)} bytes exceeds the 1 MiB ({MAX_CHUNK} bytes) chunk limit; "
+            "split the payload into smaller chunks",
+            reason=Reason.CHUNK_TOO_LARGE,
+        )
+    return chunk

@@ -1,0 +1,179 @@
+"""The sink of one push: a worker thread that hashes, copies, stores and inspects the bytes.
+
+Invariants:
+- the event loop only queues references to received chunks; hashing (which releases the
+  GIL), copying, writing the store and the `Inspector`'s checks run on one worker thread per
+  push, in payload order, never on the event loop;
+- `absorb` waits while the worker is more than `backlog_bytes` behind, so memory stays
+  bounded when the disk is slow;
+- a host holds the payload once: one buffer (or the chunks as received), and a file when
+  asked; a file that cannot be written ends the upload with RESOURCE_EXHAUSTED (DISK_FULL)
+  when its disk is full, else UNAVAILABLE (STORE_FAILED) (durable.storage_error);
+- `verdict` checks the digest before the inspector's refusal, and only then hands the
+  payload out.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import io
+import os
+from collections import deque
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Protocol
+
+from rollwire.common.durable import storage_error
+from rollwire.common.errors import InvalidArgument, RollwireError
+from rollwire.common.reasons import Reason
+from rollwire.v1 import generator_pb2 as pb
+
+_SUBMIT_BYTES = 256 << 10  # small chunks are handed to the worker thread in batches of this size
+
+
+class Inspector(Protocol):
+    """Checks of a payload's content that can run while it arrives (push.checks.PayloadInspector)."""
+
+    error: RollwireError | None
+    """The first failure seen so far, if any."""
+
+    def feed(self, chunk: bytes) -> None:
+        """The next chunk, in order; called on the reader's worker thread."""
+
+    def finish(self, payload: bytes | list[bytes]) -> None:
+        """After the last chunk, with the whole payload (or its chunks); raises the first failure."""
+
+
+class Sink:
+    """The worker thread of one push: sha256, the in-memory copy, and the optional file.
+
+    The event loop only queues references to received chunks; hashing (which releases the
+    GIL) and copying run on the worker, in order. `absorb` waits when the worker is more than
+    `backlog_bytes` behind, so memory stays bounded when the disk is slow."""
+
+    def __init__(
+        self, size: int, store: Path | None, backlog_bytes: int, inspector: Inspector | None, keep_chunks: bool
+    ) -> None:
+        self.size, self.backlog, self.inspector = size, backlog_bytes, inspector
+        self.digest = hashlib.sha256()
+        # BytesIO grows in place and getvalue() hands over its buffer without a copy, so the
+        # payload costs its size once, not twice as a list of chunks plus their join would.
+        self.buffer: io.BytesIO | None = None if keep_chunks else io.BytesIO()
+        self.kept: list[bytes] | None = [] if keep_chunks else None
+        self.store = store
+        try:
+            self.file = store.open("wb") if store is not None else None
+        except OSError as exc:
+            raise self.store_error(exc) from None
+        self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="push-sink")
+        self.pending: list[bytes] = []
+        self.pending_bytes = 0
+        self.inflight: deque[tuple[asyncio.Future, int]] = deque()
+        self.inflight_bytes = 0
+        self.closed = False
+
+    async def absorb(self, chunk: bytes) -> None:
+        if self.kept is not None:
+            self.kept.append(chunk)
+        self.pending.append(chunk)
+        self.pending_bytes += len(chunk)
+        if self.pending_bytes >= _SUBMIT_BYTES:
+            self._submit()
+        while self.inflight_bytes > self.backlog:
+            await self._settle_oldest()
+
+    def _submit(self) -> None:
+        if not self.pending:
+            return
+        batch, size = self.pending, self.pending_bytes
+        self.pending, self.pending_bytes = [], 0
+        future = asyncio.get_running_loop().run_in_executor(self.pool, self._write, batch)
+        self.inflight.append((future, size))
+        self.inflight_bytes += size
+
+    async def _settle_oldest(self) -> None:
+        future, size = self.inflight[0]
+        try:
+            await future
+        except OSError as exc:
+            raise self.store_error(exc) from None
+        self.inflight.popleft()
+        self.inflight_bytes -= size
+
+    def store_error(self, exc: OSError) -> RollwireError:
+        """A failed write of the store: DISK_FULL when its disk is full, else STORE_FAILED."""
+        where = f"the upload's file {self.store}" if self.store is not None else "the upload's buffer"
+        return storage_error(exc, where)
+
+    def _write(self, batch: list[bytes]) -> None:
+        for chunk in batch:
+            self.digest.update(chunk)
+            if self.buffer is not None:
+                self.buffer.write(chunk)
+            if self.file is not None:
+                self.file.write(chunk)
+            if self.inspector is not None:
+                self.inspector.feed(chunk)
+
+    def raise_inspection(self) -> None:
+        if self.inspector is not None and self.inspector.error is not None:
+            raise self.inspector.error
+
+    def _seal(self, sync: bool) -> tuple[str, bytes | list[bytes], RollwireError | None]:
+        if self.file is not None:
+            self.file.flush()
+            if sync:
+                os.fsync(self.file.fileno())
+            self.file.close()
+            self.file = None
+        payload: bytes | list[bytes]
+        if self.buffer is not None:
+            payload, self.buffer = self.buffer.getvalue(), None
+        else:
+            assert self.kept is not None
+            payload, self.kept = self.kept, None
+        refusal = None
+        if self.inspector is not None:
+            try:
+                self.inspector.finish(payload)
+            except RollwireError as exc:
+                refusal = exc
+        return self.digest.hexdigest(), payload, refusal
+
+    async def finish(self, sync: bool) -> tuple[str, bytes | list[bytes], RollwireError | None]:
+        self._submit()
+        while self.inflight:
+            await self._settle_oldest()
+        try:
+            return await asyncio.get_running_loop().run_in_executor(self.pool, self._seal, sync)
+        except OSError as exc:
+            raise self.store_error(exc) from None
+        finally:
+            self.close()
+
+    def close(self) -> None:
+        if self.closed:
+            return
+        self.closed = True
+        for future, _ in self.inflight:
+            future.cancel()
+        file, self.file = self.file, None
+        if file is not None:
+            self.pool.submit(file.close)  # after any write still running: FIFO, one worker
+        self.pool.shutdown(wait=False, cancel_futures=False)
+        self.buffer = self.kept = None
+
+
+async def verdict(m: pb.AdapterManifest, sink: Sink, sync: bool) -> bytes | list[bytes]:
+    """The payload of a sink that took every byte: digest, then the inspector's checks."""
+    digest, payload, refusal = await sink.finish(sync)
+    if digest != m.sha256:
+        raise InvalidArgument(
+            f"payload sha256 is {digest} but the manifest declared {m.sha256}; the bytes were corrupted or the "
+            "manifest is stale",
+            reason=Reason.DIGEST_MISMATCH,
+        )
+    if refusal is not None:
+        raise refusal
+    return payload
