@@ -27,22 +27,9 @@ from rollwire.common.errors import (
     to_status,
 )
 from rollwire.common.logs import REQUEST_ID_KEY, get_logger, request_id_from
-from rollwire.common.push import (
-    Assembly,
-    Opening,
-    PushReader,
-    check_commit,
-    check_manifest,
-    check_name,
-    check_stripe,
-    grant_key,
-    manifest_from_pb,
-    split_plan,
-    status_with_results,
-    unplanned,
-)
+from rollwire.common.manifest import check_commit, check_manifest, check_name, manifest_from_pb
 from rollwire.common.reasons import Reason
-from rollwire.generator.adapters import AdapterRegistry, PayloadInspector
+from rollwire.generator.adapters import AdapterRegistry
 from rollwire.generator.config import GeneratorConfig
 from rollwire.generator.engines.base import Engine
 from rollwire.generator.metrics import GeneratorMetrics
@@ -55,9 +42,14 @@ from rollwire.generator.types import (
     coalesce,
     worth_sending,
 )
+from rollwire.push.assembly import Assembly, check_stripe
+from rollwire.push.checks import PayloadInspector
+from rollwire.push.forward import ChannelPool, Forwarder
+from rollwire.push.plan import grant_key, split_plan, unplanned
+from rollwire.push.reader import Opening, PushReader
+from rollwire.push.results import status_with_results
 from rollwire.serving import __version__
 from rollwire.serving.dial import Dialer, bearer
-from rollwire.serving.forward import ChannelPool, Forwarder
 from rollwire.serving.security import RELAY, TokenAuth, caller_role, require_stage_only
 from rollwire.serving.sessions import SessionStore, Turn, caller_identity, check_turn
 from rollwire.v1 import generator_pb2 as pb
