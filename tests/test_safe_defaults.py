@@ -181,6 +181,31 @@ def test_token_comparison_is_by_digest_in_constant_time(tmp_path):
     assert all(len(d) == 32 for f, _ in auth._files for d in f.current())  # only digests are kept
 
 
+def test_the_peer_role_shares_versions_between_proxies_and_nothing_else():
+    auth = TokenAuth({"gen"}, {"adm"}, peer={"peer"})
+
+    class Call:
+        def __init__(self, token: str) -> None:
+            self.metadata = (("authorization", f"Bearer {token}"),)
+
+        def invocation_metadata(self):
+            return self.metadata
+
+    push, status = "/rollwire.v1.GeneratorService/PushAdapter", "/rollwire.v1.GeneratorService/GetStatus"
+    for method in (push, status):  # what a peer proxy calls passes the interceptor
+        auth.check(method, Call("peer").metadata)
+    for method in ("/rollwire.v1.GeneratorService/Generate", "/rollwire.v1.GeneratorService/CommitAdapter"):
+        with pytest.raises(security.PermissionDenied):
+            auth.check(method, Call("peer").metadata)
+    with pytest.raises(security.PermissionDenied, match="peer token only shares"):
+        security.require_stage_only(security.caller_role(auth, Call("peer")), stage_only=True)  # a replica's check
+    security.require_peer(auth, Call("peer"))
+    for other in ("adm", "gen"):  # the marker from anyone else, an admin included, is refused
+        with pytest.raises(security.PermissionDenied, match="only a peer proxy's token"):
+            security.require_peer(auth, Call(other))
+    security.require_peer(None, Call("anyone"))  # auth off: every call may do anything
+
+
 def test_metadata_check_costs_at_most_one_stat_per_interval(tmp_path, monkeypatch):
     path = tmp_path / "t"
     path.write_text("tok\n")

@@ -610,8 +610,24 @@ class PushResult:
     loaded_versions: list[int]
     replicas: list[ReplicaPush]
     """Filled by a proxy; empty from a replica."""
+    peers: list[PeerPush] = field(default_factory=list)
+    """Filled by a proxy with peer proxies: whether each one's spool holds the version now."""
+
+
+@dataclass(frozen=True, slots=True)
+class PeerPush:
+    """Outcome of sharing a push with one peer proxy (a peer that is behind is named here)."""
+
+    address: str
+    code: str
+    """gRPC status code name; "OK" when the peer's spool holds the version."""
+    reason: str
+    """PEER_BEHIND for a peer being caught up, PEER_VERSION_CONFLICT, ...; empty on success."""
+    message: str
 
 
 def push_result_from_pb(message: pb.PushAdapterResponse) -> PushResult:
     replicas = [ReplicaPush(r.replica, r.code, r.message) for r in message.replicas]
-    return PushResult(message.name, message.version, message.already_loaded, list(message.loaded_versions), replicas)
+    peers = [PeerPush(p.address, p.code, p.reason, p.message) for p in message.peers]
+    loaded = list(message.loaded_versions)
+    return PushResult(message.name, message.version, message.already_loaded, loaded, replicas, peers)

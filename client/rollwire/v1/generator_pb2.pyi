@@ -233,7 +233,7 @@ class ReplicaPushResult(_message.Message):
     def __init__(self, replica: _Optional[str] = ..., code: _Optional[str] = ..., message: _Optional[str] = ..., address: _Optional[str] = ..., staged: _Optional[bool] = ..., reason: _Optional[str] = ..., stripe_pending: _Optional[bool] = ...) -> None: ...
 
 class PushAdapterResponse(_message.Message):
-    __slots__ = ("name", "version", "already_loaded", "loaded_versions", "replicas", "staged", "stripe_pending")
+    __slots__ = ("name", "version", "already_loaded", "loaded_versions", "replicas", "staged", "stripe_pending", "peers")
     NAME_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
     ALREADY_LOADED_FIELD_NUMBER: _ClassVar[int]
@@ -241,6 +241,7 @@ class PushAdapterResponse(_message.Message):
     REPLICAS_FIELD_NUMBER: _ClassVar[int]
     STAGED_FIELD_NUMBER: _ClassVar[int]
     STRIPE_PENDING_FIELD_NUMBER: _ClassVar[int]
+    PEERS_FIELD_NUMBER: _ClassVar[int]
     name: str
     version: int
     already_loaded: bool
@@ -248,7 +249,20 @@ class PushAdapterResponse(_message.Message):
     replicas: _containers.RepeatedCompositeFieldContainer[ReplicaPushResult]
     staged: bool
     stripe_pending: bool
-    def __init__(self, name: _Optional[str] = ..., version: _Optional[int] = ..., already_loaded: _Optional[bool] = ..., loaded_versions: _Optional[_Iterable[int]] = ..., replicas: _Optional[_Iterable[_Union[ReplicaPushResult, _Mapping]]] = ..., staged: _Optional[bool] = ..., stripe_pending: _Optional[bool] = ...) -> None: ...
+    peers: _containers.RepeatedCompositeFieldContainer[PeerPushResult]
+    def __init__(self, name: _Optional[str] = ..., version: _Optional[int] = ..., already_loaded: _Optional[bool] = ..., loaded_versions: _Optional[_Iterable[int]] = ..., replicas: _Optional[_Iterable[_Union[ReplicaPushResult, _Mapping]]] = ..., staged: _Optional[bool] = ..., stripe_pending: _Optional[bool] = ..., peers: _Optional[_Iterable[_Union[PeerPushResult, _Mapping]]] = ...) -> None: ...
+
+class PeerPushResult(_message.Message):
+    __slots__ = ("address", "code", "message", "reason")
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    CODE_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    address: str
+    code: str
+    message: str
+    reason: str
+    def __init__(self, address: _Optional[str] = ..., code: _Optional[str] = ..., message: _Optional[str] = ..., reason: _Optional[str] = ...) -> None: ...
 
 class CommitAdapterRequest(_message.Message):
     __slots__ = ("name", "version", "sha256")
@@ -312,7 +326,7 @@ class ReplicaStatus(_message.Message):
     def __init__(self, address: _Optional[str] = ..., replica: _Optional[str] = ..., healthy: _Optional[bool] = ..., draining: _Optional[bool] = ..., in_flight: _Optional[int] = ..., adapters: _Optional[_Iterable[_Union[LoadedAdapter, _Mapping]]] = ..., detail: _Optional[str] = ...) -> None: ...
 
 class GetStatusResponse(_message.Message):
-    __slots__ = ("role", "replica", "model_fingerprint", "engine", "adapters", "in_flight", "queue_depth", "limits", "replicas", "server_version", "base_linear_layers")
+    __slots__ = ("role", "replica", "model_fingerprint", "engine", "adapters", "in_flight", "queue_depth", "limits", "replicas", "server_version", "base_linear_layers", "instance")
     ROLE_FIELD_NUMBER: _ClassVar[int]
     REPLICA_FIELD_NUMBER: _ClassVar[int]
     MODEL_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
@@ -324,6 +338,7 @@ class GetStatusResponse(_message.Message):
     REPLICAS_FIELD_NUMBER: _ClassVar[int]
     SERVER_VERSION_FIELD_NUMBER: _ClassVar[int]
     BASE_LINEAR_LAYERS_FIELD_NUMBER: _ClassVar[int]
+    INSTANCE_FIELD_NUMBER: _ClassVar[int]
     role: str
     replica: str
     model_fingerprint: str
@@ -335,7 +350,8 @@ class GetStatusResponse(_message.Message):
     replicas: _containers.RepeatedCompositeFieldContainer[ReplicaStatus]
     server_version: str
     base_linear_layers: _containers.RepeatedCompositeFieldContainer[LinearLayer]
-    def __init__(self, role: _Optional[str] = ..., replica: _Optional[str] = ..., model_fingerprint: _Optional[str] = ..., engine: _Optional[str] = ..., adapters: _Optional[_Iterable[_Union[LoadedAdapter, _Mapping]]] = ..., in_flight: _Optional[int] = ..., queue_depth: _Optional[int] = ..., limits: _Optional[_Union[Limits, _Mapping]] = ..., replicas: _Optional[_Iterable[_Union[ReplicaStatus, _Mapping]]] = ..., server_version: _Optional[str] = ..., base_linear_layers: _Optional[_Iterable[_Union[LinearLayer, _Mapping]]] = ...) -> None: ...
+    instance: str
+    def __init__(self, role: _Optional[str] = ..., replica: _Optional[str] = ..., model_fingerprint: _Optional[str] = ..., engine: _Optional[str] = ..., adapters: _Optional[_Iterable[_Union[LoadedAdapter, _Mapping]]] = ..., in_flight: _Optional[int] = ..., queue_depth: _Optional[int] = ..., limits: _Optional[_Union[Limits, _Mapping]] = ..., replicas: _Optional[_Iterable[_Union[ReplicaStatus, _Mapping]]] = ..., server_version: _Optional[str] = ..., base_linear_layers: _Optional[_Iterable[_Union[LinearLayer, _Mapping]]] = ..., instance: _Optional[str] = ...) -> None: ...
 
 class LinearLayer(_message.Message):
     __slots__ = ("module", "out_features", "in_features")

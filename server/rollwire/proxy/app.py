@@ -105,6 +105,7 @@ async def start_proxy(config: ProxyConfig) -> RunningProxy:
     proxy_id = config.proxy_id or default_proxy_id(config.host, endpoint.port)
     peers = Peers(config, proxy_id, spool, replicas, upstream)
     fanout = FanOut(spool, replicas, config, metrics, peers)
+    await peers.refuse_shared_id()
     servicer = ProxyServicer(config, dispatcher, fanout, proxy_id, endpoint.auth)
     generator_pb2_grpc.add_GeneratorServiceServicer_to_server(servicer, endpoint.server)
     admin_pb2_grpc.add_AdminServiceServicer_to_server(

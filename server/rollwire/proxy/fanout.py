@@ -401,17 +401,35 @@ class FanOut:
                 await self._collect(pub, forward, healing=False)
                 await self._heal(pub, payload)
                 del payload
+                peers: list[pb.PeerPushResult] = []
                 if self.peers is not None and any(o.ok for o in pub.outcomes.values()):
-                    await self.peers.share(
-                        adapter, pub.request_id
-                    )  # in every peer proxy's spool before any replica serves it
+                    # in every peer proxy's spool before any replica serves it
+                    peers = await self.peers.share(adapter, pub.request_id)
+                    self._fence_conflicts(adapter, created, peers)
                 results = await self._commit(pub)
                 self.metrics.fanout_latency.observe(time.monotonic() - pub.started)
-                return self._settle(pub, adapter, created, results)
+                return self._settle(pub, adapter, created, results, peers)
             finally:
                 self.replicas.publishing.discard(key)
         finally:
             lock.release()
+
+    def _fence_conflicts(self, adapter: SpooledAdapter, created: bool, peers: list[pb.PeerPushResult]) -> None:
+        """A peer proxy holding other bytes under this version is two truths for one version:
+        nothing is committed (the replicas' staged copies expire), a copy this push spooled is
+        quarantined (so no catch-up serves it), and the push fails naming the peers."""
+        conflicts = [r.address for r in peers if r.reason == Reason.PEER_VERSION_CONFLICT]
+        if not conflicts:
+            return
+        why = f"peer proxies {', '.join(conflicts)} hold this version with another digest"
+        if created:
+            self.spool.quarantine(adapter, why)
+        log.error("adapter_version_fenced", adapter=adapter.name, version=adapter.version, peers=conflicts)
+        raise FailedPrecondition(
+            f"{adapter.name!r} v{adapter.version} was not published: {why} (two pushes gave it different bytes); "
+            "versions are immutable fleet-wide, so push the next version, and find which learner pushed the other",
+            reason=Reason.PEER_VERSION_CONFLICT,
+        )
 
     async def _commit(self, pub: _Publication) -> list[PushResult]:
         """CommitAdapter on every target that staged the version; the others keep their
@@ -431,7 +449,12 @@ class FanOut:
         return results
 
     def _settle(
-        self, pub: _Publication, adapter: SpooledAdapter, created: bool, results: list[PushResult]
+        self,
+        pub: _Publication,
+        adapter: SpooledAdapter,
+        created: bool,
+        results: list[PushResult],
+        peers: list[pb.PeerPushResult],
     ) -> pb.PushAdapterResponse:
         accepted = [r for r in results if r.ok]
         log.info(
@@ -466,7 +489,9 @@ class FanOut:
                     result.replica,
                     f"push of {adapter.name!r} v{adapter.version} failed with {result.code.name}: {result.message}",
                 )
-        return self._reply(adapter, results, list(pub.targets))
+        reply = self._reply(adapter, results, list(pub.targets))
+        reply.peers.extend(peers)
+        return reply
 
     def _reply(self, adapter: SpooledAdapter, results: list[PushResult], pushed: list[str]) -> pb.PushAdapterResponse:
         accepted = [r.reply for r in results if r.ok and r.reply is not None]

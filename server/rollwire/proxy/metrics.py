@@ -137,6 +137,11 @@ class ProxyMetrics:
         self.peer_synced = gauge(
             "peer_synced", "1 when the peer proxy is known to hold every version this proxy spools.", ["peer"]
         )
+        self.peer_conflicts = counter(
+            "peer_version_conflicts_total",
+            "Versions a peer proxy holds with another digest than this proxy's (two truths: a page, not a retry).",
+            ["peer"],
+        )
         # counters a dashboard rates exist at 0 from the start (Prometheus' advice), so rate()
         # sees their first event instead of a series appearing at 1
         for code in CODES:
@@ -168,6 +173,7 @@ class ProxyMetrics:
         for code in PEER_CODES:
             self.peer_pushes.labels(peer, code)
         self.peer_synced.labels(peer).set(0)
+        self.peer_conflicts.labels(peer)
 
     def forget_replica(self, address: str) -> None:
         """Drop every series of a replica that left, so dashboards do not show ghosts."""

@@ -9,11 +9,12 @@ Receiving (`Peers.receive`, for a push carrying `PEER_KEY`): the version is chec
 push (manifest, digest, tensors; a version already held with that digest is answered after
 the manifest, without the payload) and committed to the spool (atomically, durably); it is
 never fanned out to the replicas (the sender does that) and never sent on to other peers, so
-there are no loops and no double fan-out. Then, for `peering.hold_s` at most, requests for
-"latest" of that name wait until this proxy sees a routable replica serve the version (it
-re-reads the replicas every `REFRESH_EVERY_S` meanwhile): the sender commits it on the
-replicas right after, and a client that moves from one proxy to the other never sees its
-versions go backwards.
+there are no loops and no double fan-out. Then requests for "latest" of that name wait (to
+their own deadline) until this proxy sees a routable replica serve the version (it re-reads
+the replicas every `REFRESH_EVERY_S` meanwhile), so a client that moves from one proxy to the
+other never sees its versions go backwards: the sender commits it on the replicas right after,
+and if none serves it within `peering.hold_s` (the sender died before committing) this proxy
+catches them up to it from its own spool. Only a version no longer spooled is let go.
 
 Invariants:
 - a peer that is down, partitioned or slow never fails a push: its send fails within
@@ -28,16 +29,23 @@ Invariants:
 - what was built instead of "a proxy pulls at start what its peers hold": the peers push. A
   proxy that starts (or comes back) is a new or dropped connection to each of its peers, so
   every peer sends it all its spool within one check interval; there is no pull RPC;
-- a peer whose GetStatus reports this proxy's own id is this proxy (a `dns:///` entry that
-  resolves to every proxy, itself included): never sent to; proxy ids must be unique;
-- peer pushes need the admin role at the peer like any push (`peering.token_file`, else the
-  upstream token); the marker only changes what a receiver does with a version it would
-  accept from any admin anyway.
+- a peer whose GetStatus reports this proxy's own id and instance is this proxy (a `dns:///`
+  entry that resolves to every proxy, itself included): never sent to. Proxy ids must be
+  unique: a start whose static peer answers with this id is refused (`refuse_shared_id`);
+- a peer's push carries the marker and the `peer` role (`peering.token_file` here, in the
+  receiver's `auth.peer_tokens_file`); the marker is honoured from that role only, and that
+  role publishes nothing (security.py), so no caller can put a version in one proxy's spool
+  without the fleet's replicas and peers;
+- a peer holding another digest under a version is two truths: the push is fenced (not
+  committed, its spool copy quarantined) and fails PEER_VERSION_CONFLICT, counted in
+  `rollwire_proxy_peer_version_conflicts_total`; the push reply lists every peer's outcome
+  (`PushAdapterResponse.peers`), so a peer that is behind is named, not hidden behind OK.
 """
 
 from __future__ import annotations
 
 import asyncio
+import secrets
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
@@ -48,7 +56,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from pydantic import Field
 
 from rollwire.common import writer
-from rollwire.common.config import Section
+from rollwire.common.config import ConfigError, Section
 from rollwire.common.errors import FailedPrecondition, Unavailable, from_rpc_error
 from rollwire.common.logs import REQUEST_ID_KEY, get_logger, new_request_id
 from rollwire.common.reasons import Reason
@@ -82,10 +90,12 @@ class PeeringSection(Section):
     """Seconds between health checks of each peer; a peer found answering after a failure (or a dropped connection) is
     sent every spooled version it may lack."""
     hold_s: float = Field(default=5.0, ge=0)
-    """After a peer sent a version, requests for the latest version of its name wait up to this long for a replica here
-    to serve it, so versions never go backwards for a client that switches proxies; 0 = do not wait."""
+    """After a peer sent a version, requests for the latest version of its name wait (up to their own deadline) until a
+    replica here serves it, so versions never go backwards for a client that switches proxies. The sender commits it on
+    the replicas; if no replica serves it after this long, this proxy catches them up to it itself."""
     token_file: str = Field(default="")
-    """Bearer token sent to peer proxies (admin role there); empty = upstream.token_file."""
+    """Bearer token sent to peer proxies (the `peer` role there: in their auth.peer_tokens_file); empty =
+    upstream.token_file."""
     server_name: str = Field(default="")
     """Name to check peer proxies' certificates against; empty = upstream.server_name. Peers are dialled with the
     upstream section's TLS settings otherwise."""
@@ -139,8 +149,31 @@ class Peers:
         self._tasks: list[asyncio.Task] = []
         self._holds: dict[str, tuple[int, float]] = {}  # name -> (version a peer sent, hold until)
         self._refresher: asyncio.Task | None = None
+        self.instance = secrets.token_hex(8)
+        """This process's draw (GetStatus.instance): one id with another instance is another proxy."""
 
     # -- membership -----------------------------------------------------------------------
+    async def refuse_shared_id(self) -> None:
+        """Refuse to start when a static peer that answers already goes by this proxy's id: peers
+        that share an id cannot tell each other's copies apart in logs and metrics, and a proxy
+        older than `GetStatus.instance` would take the other for itself and stop peering."""
+        for address in (e for e in self.entries if not e.startswith("dns:")):
+            channel = self.dialer.channel(address)
+            try:
+                stub = generator_pb2_grpc.GeneratorServiceStub(channel)
+                status = await stub.GetStatus(
+                    pb.GetStatusRequest(), timeout=self.check_timeout_s, metadata=self.metadata
+                )
+            except grpc.aio.AioRpcError:
+                continue  # down or not yet up: its own start checks against this one
+            finally:
+                await channel.close(grace=None)
+            if status.replica == self.proxy_id and status.instance != self.instance:
+                raise ConfigError(
+                    f"peer proxy {address} already goes by this proxy's id {self.proxy_id!r}: give each proxy "
+                    "a unique --proxy-id (proxy_id) when peers are configured"
+                )
+
     def start(self) -> None:
         """Open a link to every static peer, resolve the dns:/// ones; monitors start now."""
         from rollwire.proxy.discovery import DnsDiscovery
@@ -206,36 +239,50 @@ class Peers:
                 await peer.bulk_channel.close(grace=None)
 
     # -- sending --------------------------------------------------------------------------
-    async def share(self, adapter: SpooledAdapter, request_id: str = "") -> None:
+    async def share(self, adapter: SpooledAdapter, request_id: str = "") -> list[pb.PeerPushResult]:
         """Store `adapter` (just committed to this proxy's spool) in every synced peer's spool,
         at once, each within `peering.timeout_s`; a peer that fails is marked behind. Returns
-        when every send ended; never raises for a peer's failure."""
-        peers = [p for p in self.peers.values() if p.synced and not p.is_self]
-        if not peers:
-            return
+        when every send ended, one result per peer (by address; this proxy excluded): OK when
+        its spool holds the version, PEER_BEHIND for one being caught up (not sent now), else
+        the send's failure (PEER_VERSION_CONFLICT: it holds other bytes under this version).
+        Never raises for a peer's failure."""
+        peers = sorted((p for p in self.peers.values() if not p.is_self), key=lambda p: p.address)
+        if not any(p.synced for p in peers):
+            return [_behind(p.address) for p in peers]
         try:
             payload = await adapter.payload()
         except Unavailable:
-            return  # evicted or quarantined meanwhile: nothing to share
+            return []  # evicted or quarantined meanwhile: nothing to share
         request_id = request_id or new_request_id()
         started = time.monotonic()
-        sent = await asyncio.gather(*(self._share_one(p, adapter, payload, request_id) for p in peers))
+        results = await asyncio.gather(*(self._share_one(p, adapter, payload, request_id) for p in peers))
         seconds = round(time.monotonic() - started, 4)
         said = log.bind(adapter=adapter.name, version=adapter.version)
-        said.info("adapter_shared_with_peers", peers=len(peers), delivered=sum(sent), seconds=seconds)
+        said.info(
+            "adapter_shared_with_peers",
+            peers=len(peers),
+            delivered=sum(r.code == "OK" for r in results),
+            seconds=seconds,
+        )
+        return results
 
-    async def _share_one(self, peer: _Peer, adapter: SpooledAdapter, payload: bytes, request_id: str) -> bool:
+    async def _share_one(
+        self, peer: _Peer, adapter: SpooledAdapter, payload: bytes, request_id: str
+    ) -> pb.PeerPushResult:
+        if not peer.synced:  # its catch-up will send this version
+            return _behind(peer.address)
         async with peer.lock:
-            if not peer.synced:  # it failed meanwhile: its catch-up will send this version
-                return False
-            delivered = await self._send(peer, adapter, payload, request_id)
-            if not delivered:
+            if not peer.synced:  # it failed meanwhile
+                return _behind(peer.address)
+            result = await self._send(peer, adapter, payload, request_id)
+            if not _delivered(result):
                 self._behind(peer, f"sending {adapter.name!r} v{adapter.version} failed")
-            return delivered
+            return result
 
-    async def _send(self, peer: _Peer, adapter: SpooledAdapter, payload: bytes, request_id: str) -> bool:
-        """One version to one peer; True when the peer holds it (or a newer one, or refuses
-        these bytes for good: then nothing is to be gained by sending them again)."""
+    async def _send(self, peer: _Peer, adapter: SpooledAdapter, payload: bytes, request_id: str) -> pb.PeerPushResult:
+        """One version to one peer. A VERSION_CONFLICT (the peer holds other bytes under this
+        version) is two truths: counted, logged as an error and answered PEER_VERSION_CONFLICT,
+        never taken for delivery of these bytes."""
         metadata = ((PEER_KEY, self.proxy_id), (REQUEST_ID_KEY, request_id), *self.metadata)
         try:
             await generator_pb2_grpc.GeneratorServiceStub(peer.bulk_channel).PushAdapter(
@@ -247,15 +294,20 @@ class Peers:
             code, reason, message = exc.code(), err.reason, err.message
         self.metrics.peer_pushes.labels(peer.address, code.name).inc()
         said = log.bind(peer=peer.address, adapter=adapter.name, version=adapter.version)
-        if code == grpc.StatusCode.OK or reason in VERSION_TAKEN:
-            if reason == Reason.VERSION_CONFLICT:
-                said.error("peer_version_conflict")
-            return True
-        if push_refused_for_good(code, reason):
-            said.error("peer_refused_version", code=code.name, error=message)
-            return True
-        said.warning("peer_send_failed", code=code.name, error=message)
-        return False
+        if reason == Reason.VERSION_CONFLICT:
+            self.metrics.peer_conflicts.labels(peer.address).inc()
+            said.error("peer_version_conflict", sha256=adapter.manifest.sha256, error=message)
+            reason = Reason.PEER_VERSION_CONFLICT
+            message = (
+                f"peer proxy {peer.address} holds {adapter.name!r} v{adapter.version} with another digest than "
+                f"sha256 {adapter.manifest.sha256[:12]}...: two pushes gave this version different bytes"
+            )
+        elif code != grpc.StatusCode.OK and reason not in VERSION_TAKEN:
+            if push_refused_for_good(code, reason):
+                said.error("peer_refused_version", code=code.name, error=message)
+            else:
+                said.warning("peer_send_failed", code=code.name, error=message)
+        return pb.PeerPushResult(address=peer.address, code=code.name, message=message, reason=reason)
 
     def _behind(self, peer: _Peer, why: str) -> None:
         if peer.synced:
@@ -286,10 +338,12 @@ class Peers:
             await peer.health.Check(health_pb2.HealthCheckRequest(), timeout=timeout, metadata=self.metadata)  # pyright: ignore[reportAttributeAccessIssue]  # grpc's stubs lack it; it exists at run time
             if not peer.synced:
                 status = await peer.stub.GetStatus(pb.GetStatusRequest(), timeout=timeout, metadata=self.metadata)
-                if status.replica == self.proxy_id:
+                if status.replica == self.proxy_id and status.instance in ("", self.instance):
                     peer.is_self = True
                     log.info("peer_is_this_proxy", peer=peer.address)
                     return False
+                if status.replica == self.proxy_id:
+                    log.error("peer_shares_proxy_id", peer=peer.address, proxy_id=self.proxy_id)
         except grpc.aio.AioRpcError:
             return False
         return True
@@ -310,7 +364,7 @@ class Peers:
                         payload = await adapter.payload()
                     except Unavailable:
                         continue
-                    if not await self._send(peer, adapter, payload, new_request_id()):
+                    if not _delivered(await self._send(peer, adapter, payload, new_request_id())):
                         return  # still behind: the monitor tries again
                 if self._spooled() == spooled:
                     peer.synced = True
@@ -361,7 +415,7 @@ class Peers:
 
     # -- "latest" never goes backwards across proxies ---------------------------------------
     def _hold(self, name: str, version: int) -> None:
-        if self.section.hold_s <= 0 or self.replicas.latest(name) >= version:
+        if self.replicas.latest(name) >= version:
             return
         held, _ = self._holds.get(name, (0, 0.0))
         self._holds[name] = (max(held, version), time.monotonic() + self.section.hold_s)
@@ -369,13 +423,21 @@ class Peers:
             self._refresher = asyncio.create_task(self._refresh())
 
     def _unheld(self, name: str) -> bool:
+        """True once no version of `name` a peer sent waits to be served here. A held version is
+        let go only when a routable replica serves it, or when it can never be served (no
+        longer spooled: quarantined or evicted); never because time passed, so a client that
+        saw it through the sender never gets an older one here."""
         hold = self._holds.get(name)
         if hold is None:
             return True
         version, until = hold
-        if self.replicas.latest(name) >= version or time.monotonic() >= until:
+        if self.replicas.latest(name) >= version or self.spool.get(name, version) is None:
             self._holds.pop(name, None)
             return True
+        if until and time.monotonic() >= until:  # the sender has not committed it: catch up from here
+            log.warning("peer_version_not_served", adapter=name, version=version, hold_s=self.section.hold_s)
+            self._holds[name] = (version, 0.0)
+            self.replicas.check_now()
         return False
 
     async def settled(self, name: str, timeout_s: float) -> None:
@@ -390,6 +452,23 @@ class Peers:
         while not all([self._unheld(name) for name in list(self._holds)]):
             await asyncio.gather(*(self.replicas.refresh(r) for r in self.replicas.healthy()))
             await asyncio.sleep(REFRESH_EVERY_S)
+
+
+def _behind(address: str) -> pb.PeerPushResult:
+    return pb.PeerPushResult(
+        address=address,
+        code=grpc.StatusCode.UNAVAILABLE.name,
+        message="not sent now: this peer is behind and is sent every version it lacks once it answers",
+        reason=Reason.PEER_BEHIND,
+    )
+
+
+def _delivered(result: pb.PeerPushResult) -> bool:
+    """Nothing is gained by sending these bytes to that peer again: it holds them (or a newer
+    version), holds other ones (a conflict, alerted), or refuses them for good."""
+    if result.code == grpc.StatusCode.OK.name or result.reason in (*VERSION_TAKEN, Reason.PEER_VERSION_CONFLICT):
+        return True
+    return push_refused_for_good(grpc.StatusCode[result.code], result.reason)
 
 
 __all__ = ["PEER_KEY", "PeeringSection", "Peers", "check_peer"]

@@ -311,6 +311,13 @@ class ReplicaSet:
             self.note_refusal(replica, adapter, result.code, result.reason, result.message, verdict=True)
         return True
 
+    def check_now(self) -> None:
+        """Have every monitor re-read its replica and catch it up at once, staying in rotation
+        (a peer proxy sent a version its sender has not brought to the replicas)."""
+        for replica in self.all():
+            replica.last_status = 0.0
+            replica.wake.set()
+
     def mark_unsynced(self, replica: Replica, why: str) -> None:
         """Take a replica out of rotation until a catch-up brings it to the newest versions."""
         if replica.synced:

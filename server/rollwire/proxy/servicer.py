@@ -26,7 +26,7 @@ from rollwire.proxy.fanout import FanOut
 from rollwire.proxy.peers import Peers
 from rollwire.proxy.relay import Relay
 from rollwire.serving import __version__
-from rollwire.serving.security import ADMIN, TokenAuth, caller_role, require_stage_only
+from rollwire.serving.security import ADMIN, TokenAuth, caller_role, require_peer, require_stage_only
 from rollwire.v1 import generator_pb2 as pb
 from rollwire.v1 import generator_pb2_grpc
 
@@ -138,10 +138,11 @@ class ProxyServicer(generator_pb2_grpc.GeneratorServiceServicer):
         rid = request_id_from(context.invocation_metadata())
         structlog.contextvars.bind_contextvars(request_id=rid)
         try:
-            require_stage_only(caller_role(self.auth, context), False)  # a relay token pushes to no proxy
             origin = Peers.origin(context.invocation_metadata())
             if origin and self.peers is not None:  # a peer proxy's copy: spool it, no fan-out (peers.py)
+                require_peer(self.auth, context)
                 return await self.peers.receive(request_iterator, origin, rid)
+            require_stage_only(caller_role(self.auth, context), False)  # a relay or peer token publishes nothing
             return await self.fanout.push(request_iterator, rid)
         except RollwireError as err:
             log.info("adapter_push_refused", code=err.code.name, reason=err.reason, error=err.message)
@@ -180,6 +181,7 @@ class ProxyServicer(generator_pb2_grpc.GeneratorServiceServicer):
         return pb.GetStatusResponse(
             role="proxy",
             replica=self.proxy_id,
+            instance=self.peers.instance if self.peers is not None else "",
             model_fingerprint=self.replicas.fingerprint,
             engine=",".join(sorted({r.engine for r in members if r.engine})),
             adapters=[pb.LoadedAdapter(name=n, versions=sorted(v)) for n, v in sorted(adapters.items())],

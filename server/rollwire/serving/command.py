@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import functools
+import sys
 from collections.abc import Callable, Coroutine, Sequence
 from typing import Any
 
@@ -38,11 +39,16 @@ def register_server(
 
 
 def _run(args: argparse.Namespace, *, model: type[ServerConfig], role: str, serve: Serve) -> int:
+    from rollwire.common.config import ConfigError
     from rollwire.common.logs import setup_logging
 
     config = config_for_command(model, args)
     if isinstance(config, int):
         return config
     setup_logging(role, config.log_level)
-    asyncio.run(serve(config, args))
+    try:
+        asyncio.run(serve(config, args))
+    except ConfigError as exc:  # what only starting could find out (a peer proxy already has this id)
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
     return 0

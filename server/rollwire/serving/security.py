@@ -1,10 +1,12 @@
 """Bearer-token roles and TLS for every rollwire server (generator and proxy).
 
-Four roles: `generate` (Generate, GetStatus), `admin` (everything), and two narrow ones a
+Five roles: `generate` (Generate, GetStatus), `admin` (everything), two narrow ones a
 replica holds: `relay` (PushAdapter, and only a `stage_only` push: it can stage bytes that an
 admin commits, never serve them, commit or call anything else) and `register` (the proxy's
 RegisterGenerator, DrainGenerator and DeregisterGenerator, for the caller's own address only,
-checked by the handler). `caller_role` tells a handler which role a call has, for the checks
+checked by the handler), and one a peer proxy holds: `peer` (GetStatus, and PushAdapter only
+carrying the peer marker: a version for the spool, never fanned out; the marker is honoured
+from this role only, so no admin can make a proxy's spool diverge from the fleet's). `caller_role` tells a handler which role a call has, for the checks
 a method's role cannot express. Tokens come from files (Kubernetes Secrets mount as files),
 one per line, and are never logged; a token file is re-read when it changes (checked at most
 every RELOAD_INTERVAL_S, on the request path: one os.stat), so rotation needs no restart, and a
@@ -38,7 +40,7 @@ from rollwire.common.reasons import Reason
 
 log = get_logger(__name__)
 
-GENERATE, RELAY, REGISTER, ADMIN = "generate", "relay", "register", "admin"
+GENERATE, RELAY, REGISTER, PEER, ADMIN = "generate", "relay", "register", "peer", "admin"
 RELOAD_INTERVAL_S = 1.0  # how often a token file's metadata is checked, at most
 REREAD_INTERVAL_S = 10.0  # a file is re-read this often even when its metadata looks unchanged
 MAX_TOKEN_FILE_BYTES = 1 << 20
@@ -56,6 +58,8 @@ METHOD_ROLES = {
     "/rollwire.v1.LearnerService/GetIngestStatus": ADMIN,
 }
 """The least role each method needs; `admin` may call every method."""
+PEER_METHODS = frozenset({"/rollwire.v1.GeneratorService/PushAdapter", "/rollwire.v1.GeneratorService/GetStatus"})
+"""What the `peer` role may call besides: a peer proxy asks who a proxy is and shares versions."""
 
 
 class AuthSection(Section):
@@ -70,6 +74,9 @@ class AuthSection(Section):
     register_tokens_file: str = Field(default="")
     """File of tokens with the `register` role (a proxy: a replica registering, draining or removing its own address),
     one per line."""
+    peer_tokens_file: str = Field(default="")
+    """File of tokens with the `peer` role (a proxy: the tokens its peer proxies send, `peering.token_file` there), one
+    per line. Only a push with this role may carry the peer marker."""
 
     def files(self) -> dict[str, str]:
         """Each role's token file, by role."""
@@ -77,6 +84,7 @@ class AuthSection(Section):
             GENERATE: self.generate_tokens_file,
             RELAY: self.relay_tokens_file,
             REGISTER: self.register_tokens_file,
+            PEER: self.peer_tokens_file,
             ADMIN: self.admin_tokens_file,
         }
 
@@ -201,8 +209,9 @@ class TokenAuth:
         admin: TokenFile | set[str],
         relay: TokenFile | set[str] | None = None,
         register: TokenFile | set[str] | None = None,
+        peer: TokenFile | set[str] | None = None,
     ) -> None:
-        roles = ((generate, GENERATE), (relay or set(), RELAY), (register or set(), REGISTER))
+        roles = ((generate, GENERATE), (relay or set(), RELAY), (register or set(), REGISTER), (peer or set(), PEER))
         self._files = [(_as_file(t), role) for t, role in roles]
         self._files.append((_as_file(admin), ADMIN))
 
@@ -211,7 +220,7 @@ class TokenAuth:
         if not auth.enabled():
             return None
         files = {role: TokenFile(path) for role, path in auth.files().items()}
-        return cls(files[GENERATE], files[ADMIN], files[RELAY], files[REGISTER])
+        return cls(files[GENERATE], files[ADMIN], files[RELAY], files[REGISTER], files[PEER])
 
     def admin_digests(self) -> list[bytes]:
         """sha256 digests of the admin tokens now valid (the keys of relay grants derive from them)."""
@@ -233,11 +242,11 @@ class TokenAuth:
         if needed is None:
             raise PermissionDenied(f"{short} has no role assigned on this server; refusing it", reason=Reason.NO_ROLE)
         header = next((v for k, v in metadata or () if k == "authorization"), None)
-        self.require(needed, header, short)
+        self.require(needed, header, short, also=(PEER,) if method in PEER_METHODS else ())
 
-    def require(self, needed: str, header: str | bytes | None, what: str) -> None:
+    def require(self, needed: str, header: str | bytes | None, what: str, also: tuple[str, ...] = ()) -> None:
         """Raise Unauthenticated or PermissionDenied unless the `authorization` header's bearer
-        token has the `needed` role (the HTTP door asks this for its routes, too)."""
+        token has the `needed` role, or one of `also` (the HTTP door asks this for its routes, too)."""
         if not header:
             raise Unauthenticated(
                 f"{what} needs a bearer token: send `authorization: Bearer <token>` (the CLI's --token-file)",
@@ -247,7 +256,7 @@ class TokenAuth:
         role = self._role_of(token.strip()) if scheme.lower() == "bearer" else None
         if role is None:
             raise Unauthenticated("the bearer token is not valid on this server", reason=Reason.BAD_TOKEN)
-        if role not in (needed, ADMIN):
+        if role not in (needed, ADMIN, *also):
             raise PermissionDenied(
                 f"{what} needs the admin role{'' if needed == ADMIN else f' (or {needed})'}; this token has the {role} role",
                 reason=Reason.WRONG_ROLE,
@@ -271,11 +280,30 @@ def caller_role(auth: TokenAuth | None, context) -> str:
 
 
 def require_stage_only(role: str, stage_only: bool) -> None:
-    """A `relay` token stages pushes only: what it sends is served once an admin commits it."""
+    """A `relay` token stages pushes only: what it sends is served once an admin commits it. A
+    `peer` token pushes only a peer's copy to a proxy (`require_peer`), never to a replica."""
     if role == RELAY and not stage_only:
         raise PermissionDenied(
             "a relay token may only stage a push (stage_only, as a relay hop sends it); "
             "serving, committing and pushing for good need an admin token",
+            reason=Reason.WRONG_ROLE,
+        )
+    if role == PEER:
+        raise PermissionDenied(
+            "a peer token only shares versions between peer proxies (with the x-rollwire-peer marker); "
+            "publishing a version needs an admin token",
+            reason=Reason.WRONG_ROLE,
+        )
+
+
+def require_peer(auth: TokenAuth | None, context) -> None:
+    """The peer marker (a proxy's spool copy, never fanned out) is honoured from the `peer`
+    role only, so no admin can make one proxy's spool diverge from the fleet's; from anyone
+    where auth is off, as every call is."""
+    if auth is not None and auth.role(context.invocation_metadata()) != PEER:
+        raise PermissionDenied(
+            "only a peer proxy's token (auth.peer_tokens_file here, peering.token_file there) may mark a push as a "
+            "peer's copy; push without the x-rollwire-peer metadata to publish a version",
             reason=Reason.WRONG_ROLE,
         )
 
