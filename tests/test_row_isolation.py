@@ -28,6 +28,7 @@ from rollwire.common.errors import FailedPrecondition, Internal, RollwireError, 
 from rollwire.common.logs import request_id_from
 from rollwire.common.reasons import Reason
 from rollwire.generator.engines import transformers_engine as te
+from rollwire.generator.engines import transformers_sampling
 from rollwire.generator.types import GroupRequest, SampleDone, SamplingParams, TokenDelta
 from rollwire.v1 import generator_pb2 as pb
 
@@ -90,7 +91,7 @@ def poison(monkeypatch):
     """The honest seam: the engine's own sampling_logprobs (called with each row's params for
     the whole batch), with NaN injected into one row of the groups seeded POISON_SEED from
     their `at`-th step on, and the draw raising whenever a row of a RAISE_SEED group is in it."""
-    real_logprobs, real_inverse_cdf = te.sampling_logprobs, te.inverse_cdf
+    real_logprobs, real_inverse_cdf = transformers_sampling.sampling_logprobs, transformers_sampling.inverse_cdf
     steps: dict[int, int] = {}
     at = {"step": 0}
 
@@ -110,8 +111,8 @@ def poison(monkeypatch):
             raise RuntimeError("injected sampling failure " + "x" * 1000)
         return real_inverse_cdf(lp, params, uniforms)
 
-    monkeypatch.setattr(te, "sampling_logprobs", logprobs)
-    monkeypatch.setattr(te, "inverse_cdf", inverse_cdf)
+    monkeypatch.setattr(transformers_sampling, "sampling_logprobs", logprobs)
+    monkeypatch.setattr(transformers_sampling, "inverse_cdf", inverse_cdf)
     return at
 
 

@@ -58,6 +58,21 @@ class RelaySection(DialTlsSection, ForwardSection):
     """Bearer token with the `relay` role sent to the children; empty = the caller's, when it is a relay token."""
 
 
+class PrefixCacheSection(Section):
+    """The transformers engine's prefix KV cache: the keys and values of recently prefilled prompts (and of finished
+    one-sample turns, prompt plus reply), reused when a later prompt under the same adapter version extends them (a
+    session's next turn, an agent harness resending its history). Held on CPU; see docs/sessions.md."""
+
+    max_tokens: int = Field(default=16384, ge=0)
+    """Tokens held at most, all entries together (least recently used evicted first); 0 turns reuse off. One token
+    costs 2 x layers x kv_heads x head_dim x 4 bytes of CPU memory (2 KiB on the tiny model, 24 KiB on
+    Qwen2.5-0.5B)."""
+    ttl_s: float = Field(default=300.0, gt=0)
+    """An entry unused this long is evicted."""
+    block_tokens: int = Field(default=16, ge=1, le=4096)
+    """Block size of the prefix hash index; prompts shorter than one block are neither stored nor reused."""
+
+
 class TransformersSection(Section):
     """Settings of the embedded transformers+PEFT engine."""
 
@@ -72,6 +87,8 @@ class TransformersSection(Section):
     """torch CPU threads; 0 keeps torch's default."""
     device: str = Field(default="cpu")
     """torch device, e.g. cpu or cuda:0."""
+    prefix_cache: PrefixCacheSection = Field(default_factory=PrefixCacheSection)
+    """Reuse of prompt-prefix keys and values across requests ([transformers.prefix_cache])."""
 
 
 class SGLangSection(Section):

@@ -56,6 +56,25 @@ class GeneratorMetrics:
         self.adapter_versions_loaded = m.gauge(
             "adapter_versions_loaded", "Versions of each adapter loaded.", ["adapter"]
         )
+        self.prefill_tokens = m.counter(
+            "prefill_tokens_total",
+            "Prompt tokens the transformers engine computed in prefill passes (a prefix reused from its prefix KV cache "
+            "is not computed).",
+        )
+        self.prefix_lookups = m.counter(
+            "prefix_cache_lookups_total", "Prefix KV cache lookups by groups being prefilled, by result.", ["result"]
+        )
+        self.prefix_hit_tokens = m.counter(
+            "prefix_cache_hit_tokens_total", "Prompt tokens whose keys and values came from the prefix KV cache."
+        )
+        self.prefix_entries = m.gauge("prefix_cache_entries", "Token sequences held in the prefix KV cache.")
+        self.prefix_tokens = m.gauge("prefix_cache_tokens", "Tokens held in the prefix KV cache (its budget's unit).")
+        self.prefix_bytes = m.gauge("prefix_cache_bytes", "Bytes of keys and values held in the prefix KV cache.")
+        self.prefix_evictions = m.counter(
+            "prefix_cache_evictions_total",
+            "Prefix KV cache entries evicted, by cause (ttl, capacity, adapter, superseded).",
+            ["cause"],
+        )
         self.pushes = m.counter("adapter_pushes_total", "Adapter pushes by final gRPC status code.", ["code"])
         self.push_bytes = m.counter("adapter_push_bytes_total", "Adapter payload bytes received.")
         self.push_slots = m.gauge(
@@ -75,6 +94,10 @@ class GeneratorMetrics:
             self.pushes.labels(code.name)
         for kind in ("prompt", "completion"):
             self.tokens.labels(kind)
+        for result in ("hit", "miss"):
+            self.prefix_lookups.labels(result)
+        for cause in ("ttl", "capacity", "adapter", "superseded"):
+            self.prefix_evictions.labels(cause)
 
     def on_forward(self, rows: int) -> None:
         self.forward_passes.inc()

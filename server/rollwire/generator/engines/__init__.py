@@ -29,9 +29,11 @@ EngineBuilder = Callable[["GeneratorConfig", "GeneratorMetrics"], "Engine"]
 
 
 def _transformers(config: GeneratorConfig, metrics: GeneratorMetrics) -> Engine:
+    from rollwire.generator.engines.prefix_cache import PrefixCacheSettings
     from rollwire.generator.engines.transformers_engine import TransformersEngine
 
     t = config.transformers
+    p = t.prefix_cache
     return TransformersEngine(
         config.model,
         max_batch_rows=t.max_batch_rows,
@@ -39,6 +41,8 @@ def _transformers(config: GeneratorConfig, metrics: GeneratorMetrics) -> Engine:
         threads=t.threads,
         device=t.device,
         on_forward=metrics.on_forward,
+        prefix_cache=PrefixCacheSettings(max_tokens=p.max_tokens, ttl_s=p.ttl_s, block_tokens=p.block_tokens),
+        metrics=metrics,
     )
 
 

@@ -1,0 +1,209 @@
+"""The transformers engine's groups on their way through the worker thread: a group and its
+event queue, the mailbox that hands each step's events to an event loop, the KV-token
+reservation a group is admitted by, and the statuses that end groups when something fails
+(see transformers_engine.py's docstring for the blast radius of each).
+
+Invariant: the worker thread never blocks on an event loop; it posts and moves on, and a
+loop that is gone marks its groups cancelled (nobody is listening).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import threading
+from dataclasses import dataclass, field
+
+import torch
+
+from rollwire.common.errors import FailedPrecondition, Internal, InvalidArgument, ResourceExhausted
+from rollwire.common.logs import get_logger
+from rollwire.common.reasons import Reason
+from rollwire.generator.detokenize import TextStream
+from rollwire.generator.engines.prefix_cache import AdapterKey
+from rollwire.generator.types import GroupRequest
+
+log = get_logger("rollwire.generator.engines.transformers_engine")
+_MAX_ERROR_CHARS = 200  # an exception's text as a status message may echo it
+
+END = object()
+"""The last item of a group's queue."""
+
+
+@dataclass
+class Group:
+    req: GroupRequest
+    loop: asyncio.AbstractEventLoop
+    events: asyncio.Queue
+    cancelled: bool = False
+    open_rows: int = 0
+    admitted_at: int = 0  # the prefill that admitted it (later ones are the first to go when memory runs out)
+
+    def send(self, items: list) -> None:
+        try:
+            self.loop.call_soon_threadsafe(_put_all, self.events, items)
+        except RuntimeError:  # the caller's event loop is gone; nobody is listening
+            self.cancelled = True
+
+
+@dataclass
+class Row:
+    """One sample being generated: a row of the running batch."""
+
+    group: Group
+    index: int
+    generator: random.Random
+    position: int  # position id of the next token fed to the model
+    adapter: str | None  # engine handle; None = the base model
+    version: int  # the adapter version `adapter` stands for: what the row's next tokens are tagged with
+    text: TextStream
+    key: AdapterKey  # the selection its prompt was prefilled under (prefix cache)
+    generated: int = 0  # tokens sampled so far
+    last_token: int = -1
+    tokens: list[int] = field(default_factory=list)  # sampled so far
+
+
+def _put_all(queue: asyncio.Queue, items: list) -> None:
+    for item in items:
+        queue.put_nowait(item)
+
+
+class Mailbox:
+    """Events on their way from the worker to one event loop.
+
+    The worker posts each step's events and wakes the loop only when no wake-up is already
+    pending, so a loop that falls behind takes several steps' events in one callback (and
+    each group's stream sends them as one message) instead of being woken once per step.
+    Order is kept: events go out in the order they were posted."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self.loop = loop
+        self._lock = threading.Lock()
+        self._items: list[tuple[Group, list]] = []
+        self._due = False
+
+    def post(self, deliveries: list[tuple[Group, list]]) -> bool:
+        """False when the loop is gone (nobody is listening)."""
+        with self._lock:
+            self._items.extend(deliveries)
+            if self._due:
+                return True
+            self._due = True
+        try:
+            self.loop.call_soon_threadsafe(self._drain)
+        except RuntimeError:
+            return False
+        return True
+
+    def _drain(self) -> None:
+        with self._lock:
+            items, self._items, self._due = self._items, [], False
+        for group, events in items:
+            _put_all(group.events, events)
+
+
+def deliver(mailboxes: dict[asyncio.AbstractEventLoop, Mailbox], outbox: dict[int, tuple[Group, list]]) -> None:
+    """Hand one step's events to their event loops' mailboxes (created on first use, dropped
+    with their groups marked cancelled when the loop is gone)."""
+    by_loop: dict[asyncio.AbstractEventLoop, list[tuple[Group, list]]] = {}
+    for group, items in outbox.values():
+        by_loop.setdefault(group.loop, []).append((group, items))
+    for loop, deliveries in by_loop.items():
+        box = mailboxes.get(loop)
+        if box is None:
+            box = mailboxes[loop] = Mailbox(loop)
+        if not box.post(deliveries):
+            del mailboxes[loop]
+            for group, _ in deliveries:
+                group.cancelled = True
+
+
+class NonFinite(Exception):
+    """A group's sampling met NaN or +inf; the argument says where."""
+
+
+def row_error(group: Group, exc: Exception):
+    """The status that ends one group whose sampling failed (see the module docstring)."""
+    rid = group.req.request_id
+    if isinstance(exc, NonFinite):
+        log.warning("group_non_finite", request_id=rid, where=str(exc))
+        return FailedPrecondition(
+            f"the model produced NaN or infinite values in {exc} of this request (adapter "
+            f"{group.req.adapter.name or 'base'} v{group.req.adapter.version}); nothing can be sampled from "
+            "them. Check the adapter's weights (a diverged run produces them) or sample from another version",
+            reason=Reason.NON_FINITE_LOGITS,
+        )
+    log.exception("group_sampling_failed", request_id=rid, exc_info=exc)
+    return Internal(
+        f"sampling this request failed on this replica ({clip_exc(exc)}); the other requests were not "
+        "affected. Report it with the request id",
+        reason=Reason.ROW_FAILED,
+    )
+
+
+def kv_tokens(req: GroupRequest) -> int:
+    """The KV-cache tokens a group may come to hold: n x (prompt + max_new_tokens)."""
+    return req.n * (len(req.prompt_ids) + req.sampling.max_new_tokens)
+
+
+def out_of_memory(exc: BaseException) -> bool:
+    return isinstance(exc, (torch.OutOfMemoryError, MemoryError))
+
+
+def fail_out_of_memory(groups: list[Group], where: str) -> None:
+    """Groups ended because memory ran out in `where`: RESOURCE_EXHAUSTED with a retry hint,
+    the replica's load, never its fault (faults.py: the proxy retries it elsewhere)."""
+    log.warning("engine_out_of_memory", where=where, groups=len(groups))
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+    for g in groups:
+        g.send(
+            [
+                ResourceExhausted(
+                    f"this replica ran out of memory in {where} of this request ({g.req.n} samples, "
+                    f"{len(g.req.prompt_ids)} prompt tokens, up to {g.req.sampling.max_new_tokens} new); retry, or ask "
+                    "for fewer samples or tokens",
+                    reason=Reason.ENGINE_OOM,
+                    retry_after_s=1.0,
+                ),
+                END,
+            ]
+        )
+
+
+def fail_engine(groups: list[Group], exc: Exception) -> None:
+    """A forward pass failed (no row to blame): end every group in it, a replica fault."""
+    log.exception("engine_step_failed", groups=len(groups), exc_info=exc)
+    for g in groups:
+        g.send(
+            [
+                Internal(
+                    f"generation failed on this replica ({clip_exc(exc)}); retry on another replica",
+                    reason=Reason.ENGINE_FAILED,
+                ),
+                END,
+            ]
+        )
+
+
+def clip_exc(exc: Exception) -> str:
+    text = f"{type(exc).__name__}: {exc}"
+    return text if len(text) <= _MAX_ERROR_CHARS else text[:_MAX_ERROR_CHARS] + "..."
+
+
+def check_fits(req: GroupRequest, max_rows: int, max_tokens: int) -> None:
+    """Refuse up front a group that could never be admitted (its rows or its KV-token reservation)."""
+    if req.n > max_rows:
+        raise InvalidArgument(f"n={req.n} exceeds this engine's batch of {max_rows} rows")
+    if kv_tokens(req) > max_tokens:
+        raise InvalidArgument(
+            f"this group would hold {kv_tokens(req)} tokens of KV cache (n {req.n} x (prompt "
+            f"{len(req.prompt_ids)} + max_new_tokens {req.sampling.max_new_tokens})), more than this replica's "
+            f"budget of {max_tokens}; ask for fewer samples or fewer new tokens per request",
+            reason=Reason.KV_BUDGET,
+        )
+
+
+def eos_ids(config, tokenizer) -> set[int]:
+    ids = config.eos_token_id if config.eos_token_id is not None else tokenizer.eos_token_id
+    return set(ids if isinstance(ids, list) else [ids]) - {None}
