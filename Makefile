@@ -9,12 +9,13 @@ PROTOS := $(wildcard proto/rollwire/v1/*.proto)
 VLLM_VENV  := .venv-vllm
 VLLM_STAMP := $(VLLM_VENV)/.installed
 
-.PHONY: help install system-deps .venv-vllm test test-fast lint breaking proto demo demo-trl bench clean
+.PHONY: help install system-deps .venv-vllm test test-fast lint breaking proto demo demo-trl demo-agent bench clean
 
 help:
 	@echo "make demo     teach the tiny model, run a replica + proxy + learner, watch GRPO learn"
 	@echo "make demo ENGINE=vllm  the same with a vLLM-backed replica (builds .venv-vllm first)"
 	@echo "make demo-trl the same task learned by TRL's AsyncGRPOTrainer through the proxy's HTTP door, 2 replicas"
+	@echo "make demo-agent a multi-turn task learned from an external producer's scored episodes (ingestion), 2 replicas"
 	@echo "make test     lint (buf, ruff, pyright), check proto/ for breaking changes, run the whole suite"
 	@echo "make test-fast  the unit tests only (no processes, no sockets): the inner loop, under 90 s"
 	@echo "make install  create .venv (CPU torch first, then rollwire with pinned dependencies)"
@@ -88,6 +89,11 @@ demo: install $(if $(filter vllm,$(ENGINE)),$(VLLM_STAMP))
 # TRL's AsyncGRPOTrainer, unmodified, through the proxy's HTTP front door (learner/rollwire/demo/trl.py).
 demo-trl: install
 	$(BIN)/python -m rollwire.demo.trl
+
+# Multi-turn chained addition: examples/agent_producer.py plays episodes through the proxy and
+# submits them to the learner's LearnerService (learner/rollwire/demo/agent.py, docs/sessions.md).
+demo-agent: install
+	$(BIN)/python -m rollwire.demo.agent
 
 # Each line is also runnable alone; each writes bench/results/<name>.json, report.py the docs.
 bench: install

@@ -53,9 +53,14 @@ class TeachSpec:
     held_out_fraction: float = 0.1
     seed: int = 0
     threads: int = 1
+    chain_turns: int = 0
+    """0: the single-turn addition task; else chained addition over this many turns (learner/chain.py)."""
 
     def key(self) -> str:
-        blob = json.dumps({"format": TEACH_FORMAT, **dataclasses.asdict(self)}, sort_keys=True)
+        fields = dataclasses.asdict(self)
+        if not self.chain_turns:  # the single-turn spec keeps the key it had before chains existed
+            del fields["chain_turns"]
+        blob = json.dumps({"format": TEACH_FORMAT, **fields}, sort_keys=True)
         return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
 
@@ -93,17 +98,18 @@ def teach(spec: TeachSpec, log=print):
 
     torch.set_num_threads(spec.threads)
     model, tokenizer = new_tiny_model(spec.model)
-    train, held = addition_examples(spec.held_out_fraction)
+    train, held = task_examples(spec)
     vocab = tokenizer.get_vocab()
     encode = lambda text: [vocab[c] for c in text]  # noqa: E731 (char-level: one id per character)
+    eos: int = tokenizer.eos_token_id  # pyright: ignore[reportAssignmentType]
     rng = random.Random(spec.seed)
     optimizer = torch.optim.AdamW(model.parameters(), lr=spec.lr, betas=(0.9, 0.98), weight_decay=0.0)
     schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_factor(spec, s))
     model.train()
     for step in range(1, spec.steps + 1):
         accuracy = 1.0 if step <= spec.clean_fraction * spec.steps else spec.teacher_accuracy
-        batch = [teacher_pair(rng.choice(train), rng, accuracy) for _ in range(spec.batch_size)]
-        ids, mask, labels = sft_tensors(batch, encode, tokenizer.eos_token_id)  # pyright: ignore[reportArgumentType]
+        batch = [teacher_example(spec, rng.choice(train), rng, accuracy) for _ in range(spec.batch_size)]
+        ids, mask, labels = segment_tensors(batch, encode, eos)
         loss = model(input_ids=ids, attention_mask=mask, labels=labels).loss
         optimizer.zero_grad()
         loss.backward()
@@ -113,7 +119,12 @@ def teach(spec: TeachSpec, log=print):
         if step % 100 == 0 or step == spec.steps:
             log(f"teach step {step}/{spec.steps} loss {loss.item():.3f}")
     model.eval()
-    accuracy = greedy_accuracy(model, encode, tokenizer, eval_subset(held, 300, spec.seed))
+    if spec.chain_turns:
+        from rollwire.demo.teach_chain import greedy_chain_success
+
+        accuracy = greedy_chain_success(model, encode, tokenizer, eval_subset(held, 300, spec.seed))
+    else:
+        accuracy = greedy_accuracy(model, encode, tokenizer, eval_subset(held, 300, spec.seed))
     log(f"taught: greedy accuracy on 300 held-out problems {accuracy:.2f}")
     return model, tokenizer, {"greedy_accuracy_held_out": accuracy, "final_loss": round(loss.item(), 4)}
 
@@ -125,27 +136,52 @@ def lr_factor(spec: TeachSpec, step: int) -> float:
     return warm * max(0.0, min(1.0, (spec.steps - step) / decay_steps))
 
 
+def task_examples(spec: TeachSpec) -> tuple[list[Example], list[Example]]:
+    """(train, held_out) of the task `spec` teaches."""
+    if spec.chain_turns:
+        from rollwire.learner.chain import chain_examples
+
+        return chain_examples(spec.held_out_fraction)
+    return addition_examples(spec.held_out_fraction)
+
+
+def teacher_example(spec: TeachSpec, ex: Example, rng: random.Random, accuracy: float) -> list[tuple[str, bool]]:
+    """The teacher's text for `ex` as (text, trained) segments; EOS follows each trained one."""
+    if spec.chain_turns:
+        from rollwire.learner.chain import from_example, teacher_segments
+
+        return teacher_segments(from_example(ex), rng, accuracy)
+    prompt, answer = teacher_pair(ex, rng, accuracy)
+    return [(prompt, False), (answer, True)]
+
+
+def segment_tensors(examples: list[list[tuple[str, bool]]], encode, eos_id: int):
+    """Right-padded ids, attention mask and labels: the loss on trained segments and the EOS after each."""
+    import torch
+
+    rows = []
+    for segments in examples:
+        ids, trained = [], []
+        for text, train in segments:
+            part = encode(text) + ([eos_id] if train else [])
+            ids += part
+            trained += [train] * len(part)
+        rows.append((ids, trained))
+    width = max(len(ids) for ids, _ in rows)
+    ids_t = torch.zeros(len(rows), width, dtype=torch.long)
+    mask = torch.zeros_like(ids_t)
+    labels = torch.full_like(ids_t, -100)
+    for i, (ids, trained) in enumerate(rows):
+        ids_t[i, : len(ids)] = torch.tensor(ids)
+        mask[i, : len(ids)] = 1
+        labels[i, : len(ids)] = torch.tensor([t if k else -100 for t, k in zip(ids, trained, strict=True)])
+    return ids_t, mask, labels
+
+
 def teacher_pair(ex: Example, rng: random.Random, accuracy: float) -> tuple[str, str]:
     """(prompt, what the imperfect teacher answers)."""
     right = rng.random() < accuracy
     return ex.prompt, ex.answer if right else carry_free_answer(ex.meta["a"], ex.meta["b"])
-
-
-def sft_tensors(pairs, encode, eos_id: int):
-    """Right-padded ids, attention mask and labels (loss on the answer and EOS only)."""
-    import torch
-
-    rows = [(encode(p), [*encode(a), eos_id]) for p, a in pairs]
-    width = max(len(p) + len(a) for p, a in rows)
-    ids = torch.zeros(len(rows), width, dtype=torch.long)
-    mask = torch.zeros_like(ids)
-    labels = torch.full_like(ids, -100)
-    for i, (p, a) in enumerate(rows):
-        seq = p + a
-        ids[i, : len(seq)] = torch.tensor(seq)
-        mask[i, : len(seq)] = 1
-        labels[i, len(p) : len(seq)] = torch.tensor(a)
-    return ids, mask, labels
 
 
 def greedy_accuracy(model, encode, tokenizer, examples: list[Example], max_new_tokens: int = 5) -> float:

@@ -42,8 +42,9 @@ class ClientSection(Section):
 class TaskSection(Section):
     """Where prompts and their verifiable answers come from."""
 
-    kind: Literal["addition", "jsonl"] = Field(default="addition")
-    """Built-in two-digit addition, or JSON lines."""
+    kind: Literal["addition", "chain", "jsonl"] = Field(default="addition")
+    """Built-in two-digit addition, built-in chained addition (multi-turn, trained from ingested episodes
+    only: needs ingest.exclusive; evaluation plays held-out episodes), or JSON lines."""
     train_path: str = Field(default="")
     """jsonl: file of {"prompt", "answer"} objects to train on."""
     held_out_path: str = Field(default="")
@@ -282,6 +283,11 @@ class LearnerConfig(Section):
             )
         if self.task.kind == "jsonl" and not self.task.train_path:
             raise ValueError("task.kind = 'jsonl' needs task.train_path")
+        if self.task.kind == "chain" and not (self.ingest.enabled and self.ingest.exclusive):
+            raise ValueError(
+                "task.kind = 'chain' is multi-turn: its episodes come from a producer through ingestion "
+                "(set ingest.enabled and ingest.exclusive, and run e.g. examples/agent_producer.py)"
+            )
         if not self.rewards:
             raise ValueError("rewards must list at least one reward function")
         return self

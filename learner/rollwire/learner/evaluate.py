@@ -7,6 +7,7 @@ A prompt whose request fails is counted as unanswered, never as right or wrong.
 from __future__ import annotations
 
 import asyncio
+import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -51,3 +52,23 @@ async def held_out_accuracy(
     answered = [o for o in outcomes if o is not None]
     accuracy = sum(answered) / len(answered) if answered else None
     return EvalResult(accuracy, len(answered), len(outcomes) - len(answered))
+
+
+@functools.cache
+def _encoder(base_model: str):
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(base_model)
+    return lambda text: tokenizer.encode(text, add_special_tokens=False)
+
+
+async def held_out_episodes(
+    client, examples: Sequence[Example], base_model: str, adapter: str | None, concurrency: int = 32
+) -> EvalResult:
+    """Greedy episode success of the multi-turn chain task (chain.py): the share of held-out
+    episodes whose every turn is right; an episode whose request fails is unanswered."""
+    from rollwire.learner.chain import episode_success
+
+    encode = await asyncio.to_thread(_encoder, base_model)
+    succeeded, answered, failed = await episode_success(client, examples, encode, adapter, concurrency)
+    return EvalResult(succeeded / answered if answered else None, answered, failed)

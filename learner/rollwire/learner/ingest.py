@@ -98,6 +98,11 @@ class Ingest:
         self.groups: Counter[str] = Counter()
         """Ingested groups by outcome: completed, trained, expired."""
         self._ids = 0
+        self.on_outcome: Callable[[str, int | None], None] = lambda outcome, staleness: None
+        """Told each trajectory's outcome ("accepted" or the refusal's reason) and, when accepted, its
+        staleness (versions between its oldest trained token and the version the next batch trains at)."""
+        self.on_group: Callable[[ScoredGroup], None] = lambda group: None
+        """Told each completed group (before the buffer judges it)."""
 
     # -- the contract -------------------------------------------------------------------------
     @property
@@ -120,9 +125,12 @@ class Ingest:
                 group = self._open(t)
         except RollwireError as err:
             self.counts[err.reason] += 1
+            self.on_outcome(err.reason, None)
             raise
         group.samples.append(_sample(t))
         self.counts["accepted"] += 1
+        oldest = min(v for v, m in zip(t.token_versions, t.loss_mask, strict=True) if m)
+        self.on_outcome("accepted", max(0, self.buffer.next_train_version - oldest))
         if len(group.samples) < group.size:
             return False
         self._complete(t.group_id, group)
@@ -226,6 +234,7 @@ class Ingest:
             source="ingest",
         )
         self.groups["completed"] += 1
+        self.on_group(scored)
         ledger = self.buffer.ledger
         ledger.request()  # enters the ledger whole, as a producer's group enters it when its request ends
         ledger.generated()

@@ -29,6 +29,20 @@ DROP_REASONS = (
 """The ledger's drop reasons (buffer.py, producer.drop_reason); another code's name may still appear."""
 PUSH_OUTCOMES = ("ok", "superseded", "retried", "failed")
 STALENESS = (0, 1, 2, 3, 4, 6, 8, 16, 32)
+INGEST_OUTCOMES = (
+    "accepted",
+    "TRAJECTORY_TOO_LARGE",
+    "BAD_TRAJECTORY",
+    "BAD_TOKEN_ID",
+    "GROUP_MISMATCH",
+    "GROUP_CLOSED",
+    "UNKNOWN_VERSION",
+    "STALE_TRAJECTORY",
+    "INGEST_FULL",
+    "LEARNER_STOPPING",
+)
+"""What ingest.py answers a trajectory: accepted, or the refusal's reason."""
+INGEST_STATES = ("open", "buffered")
 
 
 class LearnerMetrics:
@@ -79,6 +93,23 @@ class LearnerMetrics:
             "pushes_total", "Adapter pushes by outcome (ok, superseded, retried, failed).", ["outcome"]
         )
         self.push_seconds = m.histogram("push_seconds", "From push start to the version being served.", buckets=SECONDS)
+        self.ingested = m.counter(
+            "ingest_trajectories_total",
+            "Submitted trajectories by outcome (accepted, or the refusal's reason).",
+            ["outcome"],
+        )
+        self.ingest_staleness = m.histogram(
+            "ingest_staleness",
+            "Versions between an accepted trajectory's oldest trained token and the version the next batch trains at.",
+            buckets=STALENESS,
+        )
+        self.ingest_pending = m.gauge(
+            "ingest_pending_groups", "Ingested groups being assembled (open) or waiting to train (buffered).", ["state"]
+        )
+        for outcome in INGEST_OUTCOMES:
+            self.ingested.labels(outcome)
+        for state in INGEST_STATES:
+            self.ingest_pending.labels(state)
         # counters a dashboard rates exist at 0 from the start (Prometheus' advice): rate() then
         # sees the first drop or failed push instead of a series that appears at 1
         for outcome in GROUP_OUTCOMES:
@@ -103,6 +134,11 @@ class LearnerMetrics:
             self.dropped.labels(reason).inc(count)
         else:
             self.groups.labels(event).inc(count)
+
+    def on_ingest(self, outcome: str, staleness: int | None) -> None:
+        self.ingested.labels(outcome).inc()
+        if staleness is not None:
+            self.ingest_staleness.observe(staleness)
 
     def on_push(self, record: PushRecord) -> None:
         self.pushes.labels(record.outcome).inc()

@@ -30,7 +30,7 @@ from rollwire.learner import checkpoint
 from rollwire.learner.admission import staleness
 from rollwire.learner.buffer import Buffer, GroupLedger, ScoredGroup
 from rollwire.learner.config import LearnerConfig
-from rollwire.learner.evaluate import held_out_accuracy
+from rollwire.learner.evaluate import held_out_accuracy, held_out_episodes
 from rollwire.learner.ingest import Ingest
 from rollwire.learner.metrics import LearnerMetrics
 from rollwire.learner.producer import Producer
@@ -201,13 +201,15 @@ class Session:
             return None
         await self.publisher.wait_served(version)
         started = time.monotonic()
-        result = await held_out_accuracy(
-            self.client,
-            self.eval_examples,
-            f"{self.cfg.adapter_name}@{version}",
-            self.cfg.rollout.max_new_tokens,
-            self.cfg.eval.concurrency,
-        )
+        adapter = f"{self.cfg.adapter_name}@{version}"
+        if self.cfg.task.kind == "chain":
+            result = await held_out_episodes(
+                self.client, self.eval_examples, self.cfg.base_model, adapter, self.cfg.eval.concurrency
+            )
+        else:
+            result = await held_out_accuracy(
+                self.client, self.eval_examples, adapter, self.cfg.rollout.max_new_tokens, self.cfg.eval.concurrency
+            )
         return self.report.evaluation(label, version, self.step, result, time.monotonic() - started)
 
     async def shutdown(self) -> None:

@@ -23,6 +23,7 @@ from rollwire.common.secrets import SecretFileError, read_secret_file
 from rollwire.learner import checkpoint
 from rollwire.learner.admission import may_request
 from rollwire.learner.buffer import Buffer, GroupLedger, ScoredGroup
+from rollwire.learner.chain import chain_examples
 from rollwire.learner.config import LearnerConfig
 from rollwire.learner.ingest import Ingest
 from rollwire.learner.metrics import LearnerMetrics
@@ -46,6 +47,8 @@ def load_task(cfg: LearnerConfig):
     t = cfg.task
     if t.kind == "addition":
         return addition_examples(t.held_out_fraction)
+    if t.kind == "chain":
+        return chain_examples(t.held_out_fraction)
     train = read_jsonl(t.train_path)
     if t.held_out_path:
         return train, read_jsonl(t.held_out_path)
@@ -183,7 +186,11 @@ async def open_ingest(session: Session, fingerprint: str) -> None:
 
     cfg = session.cfg
     vocab_size = int(session.trainer.model.config.vocab_size)
-    session.ingest = Ingest(cfg.ingest, session.buffer, lambda: session.publisher.served, vocab_size)
+    session.ingest = ingest = Ingest(cfg.ingest, session.buffer, lambda: session.publisher.served, vocab_size)
+    ingest.on_outcome = session.metrics.on_ingest
+    ingest.on_group = lambda group: session.report.on_group(group, 0)  # its rewards reach steps.jsonl
+    session.metrics.ingest_pending.labels("open").set_function(lambda: len(ingest.open))
+    session.metrics.ingest_pending.labels("buffered").set_function(lambda: ingest.pending() - len(ingest.open))
     servicer = LearnerServicer(session.ingest, cfg.adapter_name, fingerprint)
     session.ingest_server, session.ingest_port = await serve_ingest(cfg.ingest, servicer)
 
