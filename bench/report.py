@@ -562,6 +562,25 @@ def trl_vllm_vs_rollwire(d: dict) -> str:
     )
 
 
+def prefix_cache(d: dict) -> str:
+    rows = []
+    for name, m in d["models"].items():
+        shape = m["shape"]
+        for t in ("1", "4", str(d["turns"])):
+            on, off = m["turns"]["reuse"][t], m["turns"]["no_reuse"][t]
+            ratio = on["median"] / off["median"]
+            rows.append([f"{name} ({shape['prompt']}/{shape['env']}/{shape['reply']})", t, s(on, 1e3, 1, " ms"), s(off, 1e3, 1, " ms"), f"{ratio:.2f}"])  # fmt: skip
+        rows.append([f"{name}: prompt tokens reused", "all", f"{m['hit_rate']:.1%}", "0%", ""])
+    runs = next(iter(d["models"].values()))["turns"]["reuse"]["1"]["n"]
+    return "\n\n".join(
+        [
+            provenance(d)
+            + f" Median (min–max) of {runs} alternating episodes per arm, after one warm-up episode each.",
+            table(["model (prompt/env/reply tokens)", "turn", "with reuse", "without", "ratio"], rows),
+        ]
+    )
+
+
 SECTIONS = {
     "weight_push": weight_push,
     "proxy_overhead": proxy_overhead,
@@ -572,6 +591,7 @@ SECTIONS = {
     "follow_vs_pinned": follow_vs_pinned,
     "vllm_vs_transformers": vllm_vs_transformers,
     "trl_vllm_vs_rollwire": trl_vllm_vs_rollwire,
+    "prefix_cache": prefix_cache,
 }
 
 
