@@ -47,6 +47,11 @@ class RoutingSection(Section):
     """Affinity spills to the least-loaded replica when its choice runs over this x the average..."""
     affinity_min_gap: int = Field(default=4, ge=0)
     """...and at least this many groups more than the least-loaded replica."""
+    prefix_block: int = Field(default=16, ge=1, le=4096)
+    """The prefix policy's block: prompts are indexed by their prefixes of whole blocks of this many tokens (4x as many
+    bytes of a text prompt)."""
+    prefix_index_entries: int = Field(default=1 << 16, ge=1, le=1 << 24)
+    """Prefix hashes the prefix policy remembers (about 40 bytes each), least recently used forgotten first."""
 
 
 class HealthSection(Section):
@@ -172,7 +177,7 @@ class ProxyConfig(ServerConfig):
     for a host bound to every address (0.0.0.0, ::)."""
     policy: Annotated[str, POLICIES] = Field(default="least-loaded")
     """Routing policy, a name registered in rollwire.proxy.policies: least-loaded (power of two choices), round-robin,
-    or affinity (consistent hash)."""
+    affinity (consistent hash) or prefix (where the prompt's longest recently served prefix went)."""
     generators: list[str] = Field(default_factory=list)
     """Static replicas, HOST:PORT each."""
     discover: str = Field(default="")

@@ -25,6 +25,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hashlib
+import math
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -109,6 +110,7 @@ class _Waiter:
     work: int
     exclude: frozenset[str]
     client: Client
+    prefer: str = ""
     future: asyncio.Future = field(default_factory=lambda: asyncio.get_running_loop().create_future())
 
 
@@ -168,12 +170,14 @@ class Dispatcher:
         deadline: float,
         client: Client | None = None,
         first: bool = True,
+        prefer: str = "",
     ) -> Lease:
         """A slot on a replica that can serve `need`, waiting in the client's queue if all are
         busy. `first`: the request's first attempt (a retry is not refused for the client's
-        queued work: it was admitted already)."""
+        queued work: it was admitted already). `prefer`: a session's sticky replica, taken
+        whenever it has a free slot and is not overloaded (`_sticky`)."""
         client = client or self._anonymous
-        lease = self._place(need, key, work, exclude)
+        lease = self._place(need, key, work, exclude, prefer)
         if lease is not None:
             self._served(client)
             return lease
@@ -196,7 +200,7 @@ class Dispatcher:
                 reason=Reason.PROXY_QUEUE_FULL,
                 retry_after_s=self.routing.retry_after_s,
             )
-        waiter = _Waiter(need, key, work, exclude, client)
+        waiter = _Waiter(need, key, work, exclude, client, prefer)
         self._enqueue(waiter)
         start, lease = time.monotonic(), None
         try:
@@ -280,7 +284,7 @@ class Dispatcher:
                 for waiter in list(client.waiters):
                     if waiter.future.done():
                         continue
-                    lease = self._place(waiter.need, waiter.key, waiter.work, waiter.exclude)
+                    lease = self._place(waiter.need, waiter.key, waiter.work, waiter.exclude, waiter.prefer)
                     if lease is not None:
                         self._dequeue(waiter)
                         self._served(client)
@@ -300,17 +304,36 @@ class Dispatcher:
         eligible = [r for r in self.replicas.routable() if need.served_by(r)]
         return [r for r in eligible if r.address not in exclude] or eligible
 
-    def _place(self, need: Need, key: bytes, work: int, exclude: frozenset[str]) -> Lease | None:
+    def _place(self, need: Need, key: bytes, work: int, exclude: frozenset[str], prefer: str = "") -> Lease | None:
         free = [r for r in self._eligible(need, exclude) if r.in_flight < self.routing.max_in_flight_per_replica]
         if not free:
             return None
-        chosen = self.policy.choose([r.candidate() for r in free], key)
-        replica = next(r for r in free if r.address == chosen.address)
+        replica = self._sticky(free, prefer) if prefer else None
+        if replica is None:
+            chosen = self.policy.choose([r.candidate() for r in free], key)
+            replica = next(r for r in free if r.address == chosen.address)
+            outcome = getattr(self.policy, "outcome", "")
+            if outcome:
+                self.metrics.prefix_routes.labels(outcome).inc()
         replica.in_flight += 1
         replica.work += work
         replica.idle.clear()
         self.metrics.in_flight.labels(replica.address).set(replica.in_flight)
         return Lease(replica, work, self)
+
+    def _sticky(self, free: list[Replica], prefer: str) -> Replica | None:
+        """The preferred replica when it is free and not overloaded: it runs at most
+        `affinity_load_factor` x the average load of the free replicas, or fewer than
+        `affinity_min_gap` groups more than the least loaded of them (the affinity rule)."""
+        sticky = next((r for r in free if r.address == prefer), None)
+        if sticky is None:
+            return None
+        total = sum(r.in_flight for r in free)
+        bound = math.ceil(self.routing.affinity_load_factor * (total + 1) / len(free))
+        least = min(r.in_flight for r in free)
+        if sticky.in_flight + 1 <= bound or sticky.in_flight - least < self.routing.affinity_min_gap:
+            return sticky
+        return None
 
     def _free(self, lease: Lease) -> None:
         replica = lease.replica

@@ -79,20 +79,28 @@ class GroupRun:
         deadline: float,
         dispatcher: Dispatcher,
         client: Client | None = None,
+        prefer: str = "",
     ) -> None:
-        """Runs `request` on the dispatcher's replicas, under its routing settings and metrics."""
+        """Runs `request` on the dispatcher's replicas, under its routing settings and metrics;
+        `prefer`: the address of a replica to keep it on when it can (a session's sticky one)."""
         self.request, self.request_id, self.deadline, self.client = request, request_id, deadline, client
+        self.prefer = prefer
+        self.current: Replica | None = None
+        """The replica of the attempt running now (the last one once the group ended)."""
+        self.failed: list[str] = []
+        """Addresses of the replicas whose attempts failed, in order."""
         self.dispatcher, self.replicas = dispatcher, dispatcher.replicas
         self.routing, self.metrics = dispatcher.routing, dispatcher.metrics
         request.request_id = request_id
         self.need = resolve(request, self.replicas)
         kind = request.WhichOneof("prompt")
-        self.key = routing_key(
-            request.group_key,
-            request.text if kind == "text" else None,
-            request.token_ids.ids if kind == "token_ids" else None,
-            self.routing.affinity_prefix,
-        )
+        text = request.text if kind == "text" else None
+        ids = request.token_ids.ids if kind == "token_ids" else None
+        key_for = getattr(dispatcher.policy, "key_for", None)  # a policy with its own key (prefix.py)
+        if key_for is not None:
+            self.key = key_for(request.group_key, text, ids)
+        else:
+            self.key = routing_key(request.group_key, text, ids, self.routing.affinity_prefix)
         self.work = max(1, request.n) * max(1, request.sampling.max_new_tokens)
         self.suspects: list[AttemptFailed] = []
         """Attempts that failed unexplained (faults.SUSPECT): counted only if the group then succeeds elsewhere."""
@@ -108,7 +116,14 @@ class GroupRun:
             if number > 1 and self.request.adapter.follow:
                 self.need = resolve(self.request, self.replicas)  # a restart starts on the newest version
             lease = await self.dispatcher.acquire(
-                self.need, self.key, self.work, tried, self.deadline, client=self.client, first=number == 1
+                self.need,
+                self.key,
+                self.work,
+                tried,
+                self.deadline,
+                client=self.client,
+                first=number == 1,
+                prefer="" if self.prefer in tried else self.prefer,
             )
             failure = None
             try:
@@ -123,6 +138,7 @@ class GroupRun:
                 self._convict(lease.replica)
                 return
             failures.append(failure)
+            self.failed.append(failure.replica.address)
             self._count(failure)
             if number == self.routing.max_attempts:
                 break
@@ -138,7 +154,7 @@ class GroupRun:
         )
 
     async def _attempt(self, lease: Lease) -> AsyncIterator[pb.GenerateResponse]:
-        replica = lease.replica
+        replica = self.current = lease.replica
         call = replica.generator.Generate(
             self.request,
             timeout=max(0.001, self.deadline - time.monotonic()),

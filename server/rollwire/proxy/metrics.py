@@ -17,6 +17,8 @@ from prometheus_client import CollectorRegistry, Histogram
 from rollwire.common.metrics import MetricFactory
 from rollwire.common.retries import CLIENT_CAUSED
 from rollwire.proxy.http import ROUTES as HTTP_ROUTES
+from rollwire.proxy.policies.prefix import OUTCOMES as PREFIX_OUTCOMES
+from rollwire.serving.sessions import SessionMetrics
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
 PREFIX = "rollwire_proxy_"
@@ -25,6 +27,9 @@ CODES = tuple(code.name for code in grpc.StatusCode)
 CLIENT_CODES = tuple(sorted(code.name for code in CLIENT_CAUSED))
 """The codes a client can cause (retries.CLIENT_CAUSED): client_errors_total starts with each."""
 CLIENT_LIMITS = ("in_flight", "queued_tokens", "slow_reader")
+SESSION_ROUTES = ("first", "sticky", "overloaded", "draining", "down", "version", "failed")
+"""Where a session turn went: its first turn; the session's replica (sticky); another one because that replica was
+overloaded, draining, down (ejected, unhealthy or gone), lacked the version, or failed the turn."""
 REPLICA_CODES = (
     "OK",
     "CANCELLED",
@@ -68,6 +73,23 @@ class ProxyMetrics:
             ["limit"],
         )
         self.clients = gauge("clients", "Client identities with requests open or queued at the proxy.")
+        self.sessions = SessionMetrics(make)
+        self.session_routes = counter(
+            "session_routes_total",
+            "Session turns by where they ran: first, sticky (the session's replica), or moved because it was "
+            "overloaded, draining, down, lacked the version, or failed the turn.",
+            ["outcome"],
+        )
+        self.prefix_routes = counter(
+            "prefix_routes_total",
+            "Groups placed by the prefix policy: hit (where their longest known prefix went), miss (no known prefix), "
+            "overloaded (the prefix's replica was too busy).",
+            ["outcome"],
+        )
+        for outcome in SESSION_ROUTES:
+            self.session_routes.labels(outcome)
+        for outcome in PREFIX_OUTCOMES:
+            self.prefix_routes.labels(outcome)
         self.http_requests = counter(
             "http_requests_total",
             "HTTP front door requests by route and HTTP status (docs/http.md).",

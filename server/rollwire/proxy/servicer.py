@@ -25,8 +25,10 @@ from rollwire.proxy.failover import GroupRun
 from rollwire.proxy.fanout import FanOut
 from rollwire.proxy.peers import Peers
 from rollwire.proxy.relay import Relay
+from rollwire.proxy.sessions import SessionTurns
 from rollwire.serving import __version__
 from rollwire.serving.security import ADMIN, TokenAuth, caller_role, require_peer, require_stage_only
+from rollwire.serving.sessions import SessionStore
 from rollwire.v1 import generator_pb2 as pb
 from rollwire.v1 import generator_pb2_grpc
 
@@ -53,6 +55,8 @@ class ProxyServicer(generator_pb2_grpc.GeneratorServiceServicer):
             fanout.metrics,
             fanout.peers,
         )
+        self.sessions = SessionTurns(SessionStore(config.sessions, self.metrics.sessions), dispatcher)
+        """Session turns: their histories and sticky routing (sessions.py)."""
 
     async def Generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext) -> None:
         """Admitted under the client's limits (dispatch.py), run by failover.py; messages are
@@ -101,8 +105,11 @@ class ProxyServicer(generator_pb2_grpc.GeneratorServiceServicer):
         if self.peers is not None and request.adapter.name and not request.adapter.version:
             await self.peers.settled(request.adapter.name, max(0.0, deadline - time.monotonic()))
         with self.dispatcher.admit(client) as admitted:  # exits (frees the client's slot) before any abort
-            run = GroupRun(request, rid, deadline, self.dispatcher, admitted)
-            async with contextlib.aclosing(run.events()) as events:  # closing it releases the lease  # pyright: ignore[reportArgumentType]  # the library's annotation is narrower than what it accepts
+            if request.HasField("session"):
+                source = self.sessions.events(request, rid, client, deadline, admitted)
+            else:
+                source = GroupRun(request, rid, deadline, self.dispatcher, admitted).events()
+            async with contextlib.aclosing(source) as events:  # closing it releases the lease  # pyright: ignore[reportArgumentType]  # the library's annotation is narrower than what it accepts
                 async for message in events:
                     yield message
 
@@ -202,4 +209,5 @@ class ProxyServicer(generator_pb2_grpc.GeneratorServiceServicer):
             max_prompt_tokens=min(x.max_prompt_tokens for x in limits),
             max_adapter_bytes=min([spool_max] + [x.max_adapter_bytes for x in limits]),
             adapter_window=min(x.adapter_window for x in limits),
+            max_context=min((x.max_context for x in limits if x.max_context), default=0),
         )

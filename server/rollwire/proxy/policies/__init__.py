@@ -17,6 +17,7 @@ from rollwire.common.registry import Registry
 from rollwire.proxy.policies.affinity import Affinity
 from rollwire.proxy.policies.base import Candidate, Policy, routing_key
 from rollwire.proxy.policies.least_loaded import LeastLoaded
+from rollwire.proxy.policies.prefix import PrefixAware
 from rollwire.proxy.policies.round_robin import RoundRobin
 
 if TYPE_CHECKING:
@@ -31,6 +32,16 @@ POLICIES.register(
     "affinity",
     lambda routing: Affinity(load_factor=routing.affinity_load_factor, min_gap=routing.affinity_min_gap),
     "bounded-load consistent hash of group_key or the prompt's first tokens (prefix-cache reuse)",
+)
+POLICIES.register(
+    "prefix",
+    lambda routing: PrefixAware(
+        block=routing.prefix_block,
+        max_entries=routing.prefix_index_entries,
+        load_factor=routing.affinity_load_factor,
+        min_gap=routing.affinity_min_gap,
+    ),
+    "where the prompt's longest recently served prefix was served (prefix-cache reuse), bounded load",
 )
 
 
@@ -51,6 +62,7 @@ __all__ = [
     "LeastLoaded",
     "Policy",
     "PolicyFactory",
+    "PrefixAware",
     "RoundRobin",
     "make_policy",
     "routing_key",
