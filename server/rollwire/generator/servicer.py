@@ -9,10 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import ipaddress
 import math
-import secrets
-import socket
 import time
 
 import grpc
@@ -21,17 +18,17 @@ import structlog
 from rollwire.common.errors import (
     FailedPrecondition,
     InvalidArgument,
-    PermissionDenied,
     ResourceExhausted,
     RollwireError,
     to_status,
 )
-from rollwire.common.logs import REQUEST_ID_KEY, get_logger, request_id_from
-from rollwire.common.manifest import check_commit, check_manifest, check_name, manifest_from_pb
+from rollwire.common.logs import get_logger, request_id_from
+from rollwire.common.manifest import check_name
 from rollwire.common.reasons import Reason
 from rollwire.generator.adapters import AdapterRegistry
 from rollwire.generator.config import GeneratorConfig
 from rollwire.generator.engines.base import Engine
+from rollwire.generator.intake import PushIntake
 from rollwire.generator.metrics import GeneratorMetrics
 from rollwire.generator.types import (
     MAX_TEMPERATURE,
@@ -42,15 +39,8 @@ from rollwire.generator.types import (
     coalesce,
     worth_sending,
 )
-from rollwire.push.assembly import Assembly, check_stripe
-from rollwire.push.checks import PayloadInspector
-from rollwire.push.forward import ChannelPool, Forwarder
-from rollwire.push.plan import grant_key, split_plan, unplanned
-from rollwire.push.reader import Opening, PushReader
-from rollwire.push.results import status_with_results
 from rollwire.serving import __version__
-from rollwire.serving.dial import Dialer, bearer
-from rollwire.serving.security import RELAY, TokenAuth, caller_role, require_stage_only
+from rollwire.serving.security import TokenAuth
 from rollwire.serving.sessions import SessionStore, Turn, caller_identity, check_turn
 from rollwire.v1 import generator_pb2 as pb
 from rollwire.v1 import generator_pb2_grpc
@@ -62,9 +52,6 @@ INLINE_TOKENIZE_CHARS = 2048  # longer texts are tokenized on a worker thread, n
 MAX_STOP_CHARS = 64  # longest stop string
 MAX_GROUP_KEY_CHARS = 1024  # longest group_key (the replica ignores it; the proxy hashes it)
 FINISH = {"eos": pb.FINISH_REASON_EOS, "stop": pb.FINISH_REASON_STOP, "length": pb.FINISH_REASON_LENGTH}
-RELAY_PATH_KEY = "x-rollwire-relay-path"
-"""Metadata of a relayed push: the instance ids of the replicas it came through, so one that a
-plan leads back to (through any alias of its address) refuses it before taking a slot."""
 
 
 class GeneratorServicer(generator_pb2_grpc.GeneratorServiceServicer):
@@ -84,17 +71,15 @@ class GeneratorServicer(generator_pb2_grpc.GeneratorServiceServicer):
         self.config, self.engine, self.registry, self.metrics = config, engine, registry, metrics
         self.fingerprint, self.base_shapes, self.replica = fingerprint, base_shapes, replica
         self.in_flight = 0
-        self._assemblies = {}
         self._following: dict[str, dict[int, GroupRequest]] = {}
         """Running groups that follow an adapter's newest version, by adapter name."""
         registry.on_servable.append(self._follow)
-        # channels to relay children; a TLS file that cannot be read fails at start
-        self._channels = ChannelPool(Dialer.from_config(config.relay, "relay", config.keepalive.keepalive()))
         self.auth, self.port = auth, port
         """The tokens this replica checks (None: auth off) and the port it serves on."""
-        self.instance = secrets.token_hex(8)
-        """This process's id in RELAY_PATH_KEY."""
-        self._relay_token = bearer(config.relay.token_file)  # read at start: a bad file stops it
+        self.intake = PushIntake(
+            config, registry, metrics, fingerprint=fingerprint, base_shapes=base_shapes, auth=auth, port=port
+        )
+        """PushAdapter and CommitAdapter: the push package's intake on this replica."""
         self.sessions = SessionStore(config.sessions, metrics.sessions)
         """Histories of the sessions whose turns are sent to this replica directly (not through a proxy)."""
 
@@ -388,341 +373,16 @@ class GeneratorServicer(generator_pb2_grpc.GeneratorServiceServicer):
                 )
         return msg
 
-    # -- PushAdapter -------------------------------------------------------------------
-    _pushes_active = 0
-    """Pushes being received now (bounded by limits.max_concurrent_pushes): one per plain push
-    stream, one per striped version being assembled (its stripes' streams share it). A slot
-    belongs to open streams: an assembly none of whose streams is open keeps its slot for
-    `limits.stripe_linger_s` at most, and gives it up at once to a push that finds none free."""
-    _assemblies: dict[tuple[str, int, str], Assembly]
-    """Striped versions being assembled, by (name, version, sha256)."""
-
+    # -- PushAdapter, CommitAdapter: the push intake (intake.py) -----------------------
     async def PushAdapter(self, request_iterator, context: grpc.aio.ServicerContext) -> pb.PushAdapterResponse:
-        """Read the push with the shared protocol (push.PushReader: hashed, and its tensors
-        checked against the base model, as it arrives); with a relay plan, forward every
-        chunk to the children while receiving; stage this replica's own verified copy
-        (`stage_only`) or serve it; then report this replica's outcome, with its subtree's
-        outcomes in `replicas` (or in the refusal's details). Nothing is served, or staged,
-        before every check passed on this replica's own bytes.
+        return await self.intake.push(request_iterator, context)
 
-        A striped stream (`stripe`) carries one stripe; its chunks join the version's
-        `Assembly`, shared with the streams of its other stripes. The stream that completes
-        the payload verifies and stages it and answers with the verdict; one that ends before
-        answers `stripe_pending`. A stripe stream that fails leaves the version incomplete
-        here (its sender reports why, and the proxy heals it); bytes that fail a check fail
-        every stripe's stream."""
-        rid = request_id_from(context.invocation_metadata())
-        structlog.contextvars.bind_contextvars(request_id=rid)
-        start, code = time.monotonic(), grpc.StatusCode.OK
-        lim = self.config.limits
-        reader = PushReader(request_iterator, lim.push_idle_timeout_s, "replica")
-        forward: Forwarder | None = None
-        subtree: list[pb.ReplicaPushResult] = []
-        admitted = False
-        assembly: Assembly | None = None
-        attached: Assembly | None = None  # the assembly this stream keeps alive while it is open
-        try:
-            first = await reader.open()
-            manifest = manifest_from_pb(first.manifest)
-            role = caller_role(self.auth, context)
-            require_stage_only(role, first.stage_only)
-            self._refuse_loop(context)
-            joining = None
-            if first.stripe is not None:
-                check_stripe(first.stripe, stage_only=first.stage_only)
-                joining = self._assemblies.get((manifest.name, manifest.version, manifest.sha256))
-            if joining is None:  # a stripe of a version being assembled shares its slot
-                self._admit_push()
-                admitted = True
-            check_manifest(manifest, fingerprint=self.fingerprint, max_bytes=lim.max_adapter_bytes)
-            self.registry.check_version(manifest, lim.max_version_step)
-            if first.stripe is not None:
-                if joining is None:
-                    joining = self._assemble(first, manifest)
-                    admitted = False  # the assembly holds the slot now
-                joining.join(first.stripe)  # a conflicting stripe is refused here, leaving the assembly alone
-                assembly = attached = joining
-                self._attach(attached)
-            if first.relay.nodes:
-                forward = await self._relay(first, context, role)
-            try:
-                if assembly is not None:
-                    assert first.stripe is not None
-                    async for j, chunk in reader.stripe_chunks(first.stripe):
-                        self.metrics.push_bytes.inc(len(chunk))
-                        await assembly.add(j, chunk)
-                        if forward is not None:
-                            await forward.send(chunk)
-                else:
-                    async for chunk in reader.chunks(inspector=PayloadInspector(manifest, self.base_shapes)):
-                        self.metrics.push_bytes.inc(len(chunk))
-                        if forward is not None:
-                            await forward.send(chunk)
-            except BaseException as exc:
-                if forward is not None:
-                    forward.abort(f"its parent's upload failed: {exc}"[:300])
-                raise
-            if forward is not None:
-                forward.end()  # the children judge the bytes they got on their own
-            if assembly is not None:
-                assert first.stripe is not None
-                if not assembly.end(first.stripe.index):
-                    assembly = None  # its stripe is in: what happens to this call now spoils nothing
-                    return await self._stripe_received(first, forward, start)
-                payload = await assembly.finish()  # it holds its slot until staged, as a plain push does
-            else:
-                payload = await reader.finish()  # length, digest, header, finiteness: checked as the bytes came
-            push = self.registry.stage if first.stage_only else self.registry.push
-            outcome = await push(manifest, payload, lim.max_version_step)
-            del payload
-            # this push's assembly, or a stale one of the same version (a heal's plain push replaces it)
-            self._release_assembly(self._assemblies.get((manifest.name, manifest.version, manifest.sha256)))
-            self.metrics.set_adapters(self.registry.loaded())
-            if forward is not None:
-                subtree = await forward.results()
-            log.info(
-                "adapter_staged" if outcome.staged else "adapter_pushed",
-                adapter=manifest.name,
-                version=manifest.version,
-                bytes=assembly.manifest.byte_length if assembly is not None else reader.received,
-                stripes=assembly.count if assembly is not None else 1,
-                already_loaded=outcome.already_loaded,
-                relayed_to=len(subtree),
-                seconds=round(time.monotonic() - start, 4),
-            )
-            return pb.PushAdapterResponse(
-                name=outcome.name,
-                version=outcome.version,
-                already_loaded=outcome.already_loaded,
-                loaded_versions=outcome.loaded_versions,
-                replicas=subtree,
-                staged=outcome.staged,
-            )
-        except RollwireError as err:
-            code = err.code
-            if assembly is not None:  # refused bytes (add, finish) failed it with their error already
-                assembly.fail(None)
-                self._release_assembly(assembly)
-            if forward is not None and not subtree:
-                subtree = await forward.results()
-            log.info("adapter_push_refused", code=code.name, reason=err.reason, error=err.message)
-            await context.abort_with_status(status_with_results(err, subtree))  # pyright: ignore[reportAttributeAccessIssue]  # grpc's stubs lack it; it exists at run time
-            raise AssertionError("unreachable: abort_with_status raises") from err
-        except asyncio.CancelledError:
-            code = grpc.StatusCode.CANCELLED
-            if assembly is not None:
-                assembly.fail(None)
-                self._release_assembly(assembly)
-            if forward is not None:
-                forward.abort("its parent's push was cancelled")
-            raise
-        finally:
-            reader.close()
-            if admitted:
-                self._take_slot(-1)
-            if attached is not None:
-                self._detach(attached)
-            self.metrics.pushes.labels(code.name).inc()
-            self.metrics.push_latency.observe(time.monotonic() - start)
-            structlog.contextvars.unbind_contextvars("request_id")
-
-    def _admit_push(self) -> None:
-        """Take a push slot: a free one, else the slot of an assembly none of whose stripes'
-        streams is open (its slot belongs to open streams), else RESOURCE_EXHAUSTED."""
-        lim = self.config.limits
-        if self._pushes_active >= lim.max_concurrent_pushes and not self._reclaim():
-            raise ResourceExhausted(
-                f"this replica is receiving {self._pushes_active} pushes already (limit {lim.max_concurrent_pushes}); "
-                "retry shortly",
-                reason=Reason.TOO_MANY_PUSHES,
-                retry_after_s=1.0,
-            )
-        self._take_slot(1)
-
-    def _take_slot(self, count: int) -> None:
-        self._pushes_active += count
-        self.metrics.push_slots.set(self._pushes_active)
-
-    def _assemble(self, first: Opening, manifest) -> Assembly:
-        """A new assembly for a striped version; it holds the push slot its first stream took
-        until it completes or fails, or until no stream of its stripes has been open for
-        `limits.stripe_linger_s` (a stripe that never came), or until a push needs the slot
-        while none is open. Never longer: a caller's deadline does not extend it."""
-        assert first.stripe is not None
-        key = (manifest.name, manifest.version, manifest.sha256)
-        assembly = Assembly(first.manifest, first.stripe, PayloadInspector(manifest, self.base_shapes))
-        self._assemblies[key] = assembly
-        return assembly
-
-    def _attach(self, assembly: Assembly) -> None:
-        """A stream of one of its stripes is open: the assembly keeps its slot while it is."""
-        assembly.open_streams += 1
-        if assembly.linger is not None:
-            assembly.linger.cancel()
-            assembly.linger = None
-
-    def _detach(self, assembly: Assembly) -> None:
-        """A stream of its stripes ended; with none left open, the assembly waits for a missing
-        stripe's stream `limits.stripe_linger_s` at most."""
-        assembly.open_streams -= 1
-        if assembly.open_streams or assembly.completed or not self._registered(assembly):
-            return
-        assembly.orphaned_at = time.monotonic()
-        linger = self.config.limits.stripe_linger_s
-        assembly.linger = asyncio.get_running_loop().call_later(
-            linger, self._drop_assembly, assembly, f"no stream of its missing stripes came within {linger:g}s"
-        )
-
-    def _reclaim(self) -> bool:
-        """Free the slot of the assembly that has waited longest with no stream open; False if none."""
-        waiting = [a for a in self._assemblies.values() if not a.open_streams and not a.completed]
-        if not waiting:
-            return False
-        self._drop_assembly(min(waiting, key=lambda a: a.orphaned_at), "another push needed its slot")
-        return True
-
-    def _drop_assembly(self, assembly: Assembly, why: str) -> None:
-        """Give up an incomplete assembly with no stream open; its stripes must be sent again."""
-        if assembly.open_streams or not self._registered(assembly):
-            return
-        log.warning(
-            "stripe_assembly_dropped",
-            adapter=assembly.manifest.name,
-            version=assembly.manifest.version,
-            stripes=sorted(assembly.ended),
-            of=assembly.count,
-            why=why,
-        )
-        self._release_assembly(assembly)
-
-    def _registered(self, assembly: Assembly) -> bool:
-        key = (assembly.manifest.name, assembly.manifest.version, assembly.manifest.sha256)
-        return self._assemblies.get(key) is assembly
-
-    def _release_assembly(self, assembly: Assembly | None) -> None:
-        """Forget an assembly and free its push slot (idempotent). Streams still holding it go
-        on forwarding their stripe; they answer `stripe_pending` (or its failure)."""
-        if assembly is None:
-            return
-        key = (assembly.manifest.name, assembly.manifest.version, assembly.manifest.sha256)
-        if assembly.linger is not None:
-            assembly.linger.cancel()
-            assembly.linger = None
-        if self._assemblies.get(key) is assembly:
-            del self._assemblies[key]
-            self._take_slot(-1)
-            if not assembly.completed:
-                assembly.fail(None)
-
-    async def _stripe_received(self, first: Opening, forward: Forwarder | None, start: float) -> pb.PushAdapterResponse:
-        """The answer of a stripe stream that ended before the payload was whole: not a verdict."""
-        subtree = await forward.results() if forward is not None else []
-        assert first.stripe is not None
-        log.info(
-            "adapter_stripe_received",
-            adapter=first.manifest.name,
-            version=first.manifest.version,
-            stripe=first.stripe.index,
-            stripes=first.stripe.count,
-            relayed_to=len(subtree),
-            seconds=round(time.monotonic() - start, 4),
-        )
-        return pb.PushAdapterResponse(
-            name=first.manifest.name, version=first.manifest.version, replicas=subtree, stripe_pending=True
-        )
-
-    def _refuse_loop(self, context: grpc.aio.ServicerContext) -> None:
-        """A push that already came through this replica (a plan that leads back to it)."""
-        path = next((v for k, v in context.invocation_metadata() or () if k == RELAY_PATH_KEY), "")
-        if self.instance in str(path).split(","):
-            raise FailedPrecondition(
-                "this push was relayed through this replica already: its relay plan leads back to it; "
-                "a proxy plans each replica once, by one address",
-                reason=Reason.RELAY_LOOP,
-            )
-
-    async def _relay(self, first: Opening, context: grpc.aio.ServicerContext, role: str) -> Forwarder:
-        """Open a stream to each child of the plan, once every node is one the proxy granted
-        (auth on) and no child is this replica; a relay token (never an admin token) and the
-        request id travel with them, and their deadline is what is left of this push's own."""
-        relay = self.config.relay
-        if not relay.enabled:
-            raise FailedPrecondition(
-                "this replica does not relay pushes (relay.enabled is false); push to it without a relay plan",
-                reason=Reason.RELAY_DISABLED,
-            )
-        children = split_plan(first.relay, max_children=relay.max_children)
-        if self.auth is not None:
-            keys = [grant_key(d) for d in self.auth.admin_digests()]
-            if (address := unplanned(first.relay, keys, first.manifest)) is not None:
-                raise PermissionDenied(
-                    f"the relay plan names {address}, which this push's proxy did not plan (no valid grant); "
-                    "a replica relays only to the members its proxy planned: push through the proxy",
-                    reason=Reason.RELAY_NOT_PLANNED,
-                )
-        for child in children:
-            if await self._is_self(child.address):
-                raise FailedPrecondition(
-                    f"the relay plan names {child.address}, which is this replica itself; "
-                    "a replica never relays to itself",
-                    reason=Reason.RELAY_LOOP,
-                )
-        remaining = context.time_remaining()
-        deadline = time.monotonic() + (relay.timeout_s if remaining is None else remaining)
-        incoming = context.invocation_metadata() or ()
-        path = next((str(v) for k, v in incoming if k == RELAY_PATH_KEY), "")
-        metadata = [(k, v) for k, v in incoming if k == REQUEST_ID_KEY and isinstance(v, str)]
-        metadata.append((RELAY_PATH_KEY, f"{path},{self.instance}" if path else self.instance))
-        if self.auth is not None:  # grants checked: the children are planned members
-            if self._relay_token:
-                metadata += self._relay_token
-            elif role == RELAY:
-                metadata += [(k, v) for k, v in incoming if k == "authorization" and isinstance(v, str)]
-        return Forwarder(
-            children,
-            first.manifest,
-            stage_only=first.stage_only,
-            stub_for=self._channels.stub,
-            metadata=metadata,
-            deadline=deadline,
-            queue_chunks=relay.queue_chunks,
-            stall_s=relay.stall_timeout_s,
-            settle_s=relay.settle_timeout_s,
-            stripe=first.stripe,
-        )
-
-    async def _is_self(self, address: str) -> bool:
-        """Whether `address` reaches this replica: its port, on a host that resolves to an
-        address of this machine (loopback, unspecified, or one it can bind)."""
-        host, _, port = address.rpartition(":")
-        if not self.port or int(port) != self.port:
-            return False
-        try:
-            infos = await asyncio.get_running_loop().getaddrinfo(host.strip("[]"), None, type=socket.SOCK_STREAM)
-        except OSError:
-            return False  # unresolvable: the dial fails, and its outcome says so
-        return any(_local(str(info[4][0]), info[0]) for info in infos)
+    async def CommitAdapter(self, request: pb.CommitAdapterRequest, context) -> pb.CommitAdapterResponse:
+        return await self.intake.commit(request, context)
 
     async def close(self) -> None:
         """Close the relay channels (at shutdown)."""
-        await self._channels.close()
-
-    async def CommitAdapter(self, request: pb.CommitAdapterRequest, context) -> pb.CommitAdapterResponse:
-        """Serve a version a `stage_only` push staged here, if its digest is the one named."""
-        try:
-            check_commit(request.name, request.version, request.sha256)
-            outcome = await self.registry.commit(request.name, request.version, request.sha256)
-        except RollwireError as err:
-            log.info("adapter_commit_refused", code=err.code.name, reason=err.reason, error=err.message)
-            await context.abort_with_status(to_status(err))
-        self.metrics.set_adapters(self.registry.loaded())
-        log.info("adapter_committed", adapter=outcome.name, version=outcome.version, again=outcome.already_loaded)
-        return pb.CommitAdapterResponse(
-            name=outcome.name,
-            version=outcome.version,
-            already_loaded=outcome.already_loaded,
-            loaded_versions=outcome.loaded_versions,
-        )
+        await self.intake.close()
 
     # -- GetStatus ---------------------------------------------------------------------
     async def GetStatus(self, request: pb.GetStatusRequest, context) -> pb.GetStatusResponse:
@@ -757,16 +417,3 @@ class GeneratorServicer(generator_pb2_grpc.GeneratorServiceServicer):
                 for m, (o, i) in sorted(self.base_shapes.items())
             ],
         )
-
-
-def _local(ip: str, family: int) -> bool:
-    """An IP address of this machine: loopback, unspecified, or one a socket can bind."""
-    parsed = ipaddress.ip_address(ip.split("%", 1)[0])
-    if parsed.is_loopback or parsed.is_unspecified:
-        return True
-    try:
-        with socket.socket(family, socket.SOCK_STREAM) as probe:
-            probe.bind((ip, 0))
-    except OSError:
-        return False
-    return True

@@ -5,11 +5,11 @@ The steps of one publication (`FanOut.push`):
 1. the client's manifest is checked as a replica would (base model, name, version, size,
    spool room); the version's name is locked, so versions of one name are published one at
    a time, in order;
-2. cut-through: chunks go on to the proxy's children of a relay tree (plan.py) as they
+2. cut-through: chunks go on to the proxy's children of a relay tree (push.plan) as they
    arrive, `stage_only`, and each replica forwards them to its own children while it
    receives them; with stripes (`push.stripes`, the default "auto" = 2) the chunks are dealt
-   over S trees instead, one replica under the proxy in each (plan.striped_layout,
-   forward.StripedForwarder), and each replica reports its verdict from the stripe that
+   over S trees instead, one replica under the proxy in each (push.plan.striped_layout,
+   push.forward.StripedForwarder), and each replica reports its verdict from the stripe that
    completed its payload; the proxy's copy is hashed and written to the spool's `.incoming/` by a
    worker thread alongside (push.reader.PushReader). Nothing is forwarded before the payload's
    header passed the replicas' header checks, and the chunk that completes the payload is

@@ -7,18 +7,28 @@ Invariants:
   for any push; chunks that arrive ahead wait (at most the payload's size, which the
   receiver admitted);
 - each stripe joins once; the stream whose end completes the payload takes the verdict,
-  exactly once; bytes that fail a check fail every stripe's stream.
+  exactly once; bytes that fail a check fail every stripe's stream;
+- a receiver's push slots (`PushSlots`) bound the pushes it takes in at once: one per plain
+  push stream, one per striped version being assembled (its stripes' streams share it). A
+  slot belongs to open streams: an assembly none of whose streams is open keeps its slot for
+  `linger_s` at most, and gives it up at once to a push that finds none free. A caller's
+  deadline never extends it.
 """
 
 from __future__ import annotations
 
 import asyncio
+import time
+from collections.abc import Callable
 
-from rollwire.common.errors import FailedPrecondition, InvalidArgument, RollwireError
+from rollwire.common.errors import FailedPrecondition, InvalidArgument, ResourceExhausted, RollwireError
+from rollwire.common.logs import get_logger
 from rollwire.common.reasons import Reason
 from rollwire.common.writer import MAX_CHUNK, MAX_STRIPES, MIN_STRIPE_CHUNK
 from rollwire.push.sink import Inspector, Sink, verdict
 from rollwire.v1 import generator_pb2 as pb
+
+log = get_logger(__name__)
 
 
 def check_stripe(stripe: pb.Stripe, *, stage_only: bool) -> None:
@@ -125,3 +135,106 @@ class Assembly:
         self.ahead.clear()
         if not self.completed:
             self.sink.close()
+
+
+class PushSlots:
+    """The push slots of one receiver and the striped versions it is assembling, by (name,
+    version, sha256). `admit` takes a slot for a plain push (`free` gives it back); a striped
+    version's first stream takes one with `admit` and hands it to its assembly (`assemble`),
+    which holds it until `release`. Streams `attach` to the assembly while open and `detach`
+    when they end."""
+
+    def __init__(self, limit: int, linger_s: float, on_count: Callable[[int], None], holder: str = "replica") -> None:
+        self.limit, self.linger_s, self.on_count, self.holder = limit, linger_s, on_count, holder
+        self.active = 0
+        """Slots taken now (at most `limit`, but for a moment while one is handed over)."""
+        self.assemblies: dict[tuple[str, int, str], Assembly] = {}
+
+    def admit(self) -> None:
+        """Take a slot: a free one, else the slot of an assembly none of whose stripes'
+        streams is open, else RESOURCE_EXHAUSTED (TOO_MANY_PUSHES)."""
+        if self.active >= self.limit and not self._reclaim():
+            raise ResourceExhausted(
+                f"this {self.holder} is receiving {self.active} pushes already (limit {self.limit}); retry shortly",
+                reason=Reason.TOO_MANY_PUSHES,
+                retry_after_s=1.0,
+            )
+        self._count(1)
+
+    def free(self) -> None:
+        """Give back the slot of a plain push."""
+        self._count(-1)
+
+    def _count(self, change: int) -> None:
+        self.active += change
+        self.on_count(self.active)
+
+    def assembly_of(self, manifest: pb.AdapterManifest) -> Assembly | None:
+        """The assembly of this exact version (name, version, digest), if one is under way."""
+        return self.assemblies.get((manifest.name, manifest.version, manifest.sha256))
+
+    def assemble(self, manifest: pb.AdapterManifest, stripe: pb.Stripe, inspector: Inspector | None) -> Assembly:
+        """A new assembly for a striped version; it holds the slot its first stream took (`admit`)
+        until it completes or fails, or until no stream of its stripes has been open for
+        `linger_s` (a stripe that never came), or until a push needs the slot while none is open."""
+        assembly = Assembly(manifest, stripe, inspector)
+        self.assemblies[(manifest.name, manifest.version, manifest.sha256)] = assembly
+        return assembly
+
+    def attach(self, assembly: Assembly) -> None:
+        """A stream of one of its stripes is open: the assembly keeps its slot while it is."""
+        assembly.open_streams += 1
+        if assembly.linger is not None:
+            assembly.linger.cancel()
+            assembly.linger = None
+
+    def detach(self, assembly: Assembly) -> None:
+        """A stream of its stripes ended; with none left open, the assembly waits for a missing
+        stripe's stream `linger_s` at most."""
+        assembly.open_streams -= 1
+        if assembly.open_streams or assembly.completed or not self._registered(assembly):
+            return
+        assembly.orphaned_at = time.monotonic()
+        assembly.linger = asyncio.get_running_loop().call_later(
+            self.linger_s, self._drop, assembly, f"no stream of its missing stripes came within {self.linger_s:g}s"
+        )
+
+    def _reclaim(self) -> bool:
+        """Free the slot of the assembly that has waited longest with no stream open; False if none."""
+        waiting = [a for a in self.assemblies.values() if not a.open_streams and not a.completed]
+        if not waiting:
+            return False
+        self._drop(min(waiting, key=lambda a: a.orphaned_at), "another push needed its slot")
+        return True
+
+    def _drop(self, assembly: Assembly, why: str) -> None:
+        """Give up an incomplete assembly with no stream open; its stripes must be sent again."""
+        if assembly.open_streams or not self._registered(assembly):
+            return
+        log.warning(
+            "stripe_assembly_dropped",
+            adapter=assembly.manifest.name,
+            version=assembly.manifest.version,
+            stripes=sorted(assembly.ended),
+            of=assembly.count,
+            why=why,
+        )
+        self.release(assembly)
+
+    def _registered(self, assembly: Assembly) -> bool:
+        return self.assembly_of(assembly.manifest) is assembly
+
+    def release(self, assembly: Assembly | None) -> None:
+        """Forget an assembly and free its slot (idempotent). Streams still holding it go on
+        forwarding their stripe; they answer `stripe_pending` (or its failure)."""
+        if assembly is None:
+            return
+        if assembly.linger is not None:
+            assembly.linger.cancel()
+            assembly.linger = None
+        if self._registered(assembly):
+            m = assembly.manifest
+            del self.assemblies[(m.name, m.version, m.sha256)]
+            self._count(-1)
+            if not assembly.completed:
+                assembly.fail(None)

@@ -1,0 +1,363 @@
+"""The replica's push intake: PushAdapter and CommitAdapter on one replica.
+
+A push is read with the push package (rollwire.push: `PushReader`, hashed and its tensors
+checked against the base model as it arrives; a stripe joins its version's `Assembly`); with
+a relay plan every chunk is forwarded to the children while it is received (`Forwarder`);
+this replica's own verified copy is then staged (`stage_only`) or served by the registry.
+
+Invariants:
+- nothing is served, or staged, before every check passed on this replica's own bytes;
+- a push takes a slot (`PushSlots`, limits.max_concurrent_pushes) before its manifest is
+  judged, and gives it back on every exit; a stripe of a version being assembled shares the
+  assembly's slot;
+- the reply carries this replica's outcome and its subtree's (in `replicas`, or beside the
+  refusal's ErrorInfo), whatever happened here;
+- a replica relays only when relay.enabled, only to nodes its proxy granted (auth on), never
+  to itself or along a path that came through it (RELAY_PATH_KEY), with a relay token, and
+  within what is left of its own push's deadline;
+- a stripe stream that ends before the payload is whole answers `stripe_pending`, not a
+  verdict; one that fails leaves the version incomplete here (its sender reports why, and
+  the proxy heals it).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import ipaddress
+import secrets
+import socket
+import time
+from dataclasses import dataclass, field
+
+import grpc
+import structlog
+
+from rollwire.common.errors import FailedPrecondition, PermissionDenied, RollwireError, to_status
+from rollwire.common.logs import REQUEST_ID_KEY, get_logger, request_id_from
+from rollwire.common.manifest import Manifest, check_commit, check_manifest, manifest_from_pb
+from rollwire.common.reasons import Reason
+from rollwire.generator.adapters import AdapterRegistry
+from rollwire.generator.config import GeneratorConfig
+from rollwire.generator.metrics import GeneratorMetrics
+from rollwire.push.assembly import Assembly, PushSlots, check_stripe
+from rollwire.push.checks import PayloadInspector
+from rollwire.push.forward import ChannelPool, Forwarder
+from rollwire.push.plan import grant_key, split_plan, unplanned
+from rollwire.push.reader import Opening, PushReader
+from rollwire.push.results import status_with_results
+from rollwire.serving.dial import Dialer, bearer
+from rollwire.serving.security import RELAY, TokenAuth, caller_role, require_stage_only
+from rollwire.v1 import generator_pb2 as pb
+
+log = get_logger(__name__)
+RELAY_PATH_KEY = "x-rollwire-relay-path"
+"""Metadata of a relayed push: the instance ids of the replicas it came through, so one that a
+plan leads back to (through any alias of its address) refuses it before taking a slot."""
+
+
+@dataclass(eq=False)
+class _Stream:
+    """One PushAdapter call's state, released on every exit."""
+
+    reader: PushReader
+    start: float
+    code: grpc.StatusCode = grpc.StatusCode.OK
+    role: str = ""
+    forward: Forwarder | None = None
+    subtree: list[pb.ReplicaPushResult] = field(default_factory=list)
+    admitted: bool = False
+    """It holds a plain push's slot."""
+    assembly: Assembly | None = None
+    """The assembly its stripe feeds, until its stripe is in (then what happens spoils nothing)."""
+    attached: Assembly | None = None
+    """The assembly this stream keeps alive while it is open."""
+
+
+class PushIntake:
+    """PushAdapter and CommitAdapter of one replica, over its adapter registry."""
+
+    def __init__(
+        self,
+        config: GeneratorConfig,
+        registry: AdapterRegistry,
+        metrics: GeneratorMetrics,
+        *,
+        fingerprint: str,
+        base_shapes: dict[str, tuple[int, int]],
+        auth: TokenAuth | None,
+        port: int,
+    ) -> None:
+        self.config, self.registry, self.metrics = config, registry, metrics
+        self.fingerprint, self.base_shapes, self.auth, self.port = fingerprint, base_shapes, auth, port
+        lim = config.limits
+        self.slots = PushSlots(lim.max_concurrent_pushes, lim.stripe_linger_s, metrics.push_slots.set)
+        # channels to relay children; a TLS file that cannot be read fails at start
+        self._channels = ChannelPool(Dialer.from_config(config.relay, "relay", config.keepalive.keepalive()))
+        self.instance = secrets.token_hex(8)
+        """This process's id in RELAY_PATH_KEY."""
+        self._relay_token = bearer(config.relay.token_file)  # read at start: a bad file stops it
+
+    async def push(self, messages, context: grpc.aio.ServicerContext) -> pb.PushAdapterResponse:
+        """One PushAdapter call: admit, relay, receive, then stage or serve (or refuse)."""
+        structlog.contextvars.bind_contextvars(request_id=request_id_from(context.invocation_metadata()))
+        stream = _Stream(PushReader(messages, self.config.limits.push_idle_timeout_s, "replica"), time.monotonic())
+        try:
+            first, manifest = await self._admit(stream, context)
+            if first.relay.nodes:
+                stream.forward = await self._relay(first, context, stream.role)
+            await self._receive(stream, first, manifest)
+            if stream.assembly is not None and first.stripe is not None and not stream.assembly.end(first.stripe.index):
+                stream.assembly = None  # its stripe is in: what happens to this call now spoils nothing
+                return await self._stripe_received(stream, first)
+            return await self._keep(stream, first, manifest)
+        except RollwireError as err:
+            stream.code = err.code
+            await self._refuse(stream, err, context)
+            raise AssertionError("unreachable: abort_with_status raises") from err
+        except asyncio.CancelledError:
+            stream.code = grpc.StatusCode.CANCELLED
+            self._give_up(stream)
+            if stream.forward is not None:
+                stream.forward.abort("its parent's push was cancelled")
+            raise
+        finally:
+            self._close(stream)
+
+    async def _admit(self, stream: _Stream, context: grpc.aio.ServicerContext) -> tuple[Opening, Manifest]:
+        """The opening, judged: caller, loop, a slot (or the assembly's), manifest, version;
+        a stripe joins its version's assembly."""
+        lim = self.config.limits
+        first = await stream.reader.open()
+        manifest = manifest_from_pb(first.manifest)
+        stream.role = caller_role(self.auth, context)
+        require_stage_only(stream.role, first.stage_only)
+        self._refuse_loop(context)
+        joining = None
+        if first.stripe is not None:
+            check_stripe(first.stripe, stage_only=first.stage_only)
+            joining = self.slots.assembly_of(first.manifest)
+        if joining is None:  # a stripe of a version being assembled shares its slot
+            self.slots.admit()
+            stream.admitted = True
+        check_manifest(manifest, fingerprint=self.fingerprint, max_bytes=lim.max_adapter_bytes)
+        self.registry.check_version(manifest, lim.max_version_step)
+        if first.stripe is not None:
+            if joining is None:
+                inspector = PayloadInspector(manifest, self.base_shapes)
+                joining = self.slots.assemble(first.manifest, first.stripe, inspector)
+                stream.admitted = False  # the assembly holds the slot now
+            joining.join(first.stripe)  # a conflicting stripe is refused here, leaving the assembly alone
+            stream.assembly = stream.attached = joining
+            self.slots.attach(joining)
+        return first, manifest
+
+    async def _receive(self, stream: _Stream, first: Opening, manifest: Manifest) -> None:
+        """Every chunk: counted, checked (or fed to the assembly) and forwarded at once."""
+        forward = stream.forward
+        try:
+            if stream.assembly is not None and first.stripe is not None:
+                async for j, chunk in stream.reader.stripe_chunks(first.stripe):
+                    self.metrics.push_bytes.inc(len(chunk))
+                    await stream.assembly.add(j, chunk)
+                    if forward is not None:
+                        await forward.send(chunk)
+            else:
+                async for chunk in stream.reader.chunks(inspector=PayloadInspector(manifest, self.base_shapes)):
+                    self.metrics.push_bytes.inc(len(chunk))
+                    if forward is not None:
+                        await forward.send(chunk)
+        except BaseException as exc:
+            if forward is not None:
+                forward.abort(f"its parent's upload failed: {exc}"[:300])
+            raise
+        if forward is not None:
+            forward.end()  # the children judge the bytes they got on their own
+
+    async def _keep(self, stream: _Stream, first: Opening, manifest: Manifest) -> pb.PushAdapterResponse:
+        """The verified payload staged or served; the reply with the subtree's outcomes."""
+        lim, assembly = self.config.limits, stream.assembly
+        # length, digest, header, finiteness: checked as the bytes came; an assembly holds its slot until staged
+        payload = await assembly.finish() if assembly is not None else await stream.reader.finish()
+        keep = self.registry.stage if first.stage_only else self.registry.push
+        outcome = await keep(manifest, payload, lim.max_version_step)
+        del payload
+        # this push's assembly, or a stale one of the same version (a heal's plain push replaces it)
+        self.slots.release(self.slots.assembly_of(first.manifest))
+        self.metrics.set_adapters(self.registry.loaded())
+        if stream.forward is not None:
+            stream.subtree = await stream.forward.results()
+        log.info(
+            "adapter_staged" if outcome.staged else "adapter_pushed",
+            adapter=manifest.name,
+            version=manifest.version,
+            bytes=manifest.byte_length if assembly is not None else stream.reader.received,
+            stripes=assembly.count if assembly is not None else 1,
+            already_loaded=outcome.already_loaded,
+            relayed_to=len(stream.subtree),
+            seconds=round(time.monotonic() - stream.start, 4),
+        )
+        return pb.PushAdapterResponse(
+            name=outcome.name,
+            version=outcome.version,
+            already_loaded=outcome.already_loaded,
+            loaded_versions=outcome.loaded_versions,
+            replicas=stream.subtree,
+            staged=outcome.staged,
+        )
+
+    async def _stripe_received(self, stream: _Stream, first: Opening) -> pb.PushAdapterResponse:
+        """The answer of a stripe stream that ended before the payload was whole: not a verdict."""
+        subtree = await stream.forward.results() if stream.forward is not None else []
+        assert first.stripe is not None
+        log.info(
+            "adapter_stripe_received",
+            adapter=first.manifest.name,
+            version=first.manifest.version,
+            stripe=first.stripe.index,
+            stripes=first.stripe.count,
+            relayed_to=len(subtree),
+            seconds=round(time.monotonic() - stream.start, 4),
+        )
+        return pb.PushAdapterResponse(
+            name=first.manifest.name, version=first.manifest.version, replicas=subtree, stripe_pending=True
+        )
+
+    async def _refuse(self, stream: _Stream, err: RollwireError, context: grpc.aio.ServicerContext) -> None:
+        """End the call with `err`, carrying the subtree's outcomes."""
+        self._give_up(stream)
+        if stream.forward is not None and not stream.subtree:
+            stream.subtree = await stream.forward.results()
+        log.info("adapter_push_refused", code=err.code.name, reason=err.reason, error=err.message)
+        await context.abort_with_status(status_with_results(err, stream.subtree))  # pyright: ignore[reportAttributeAccessIssue]  # grpc's stubs lack it; it exists at run time
+
+    def _give_up(self, stream: _Stream) -> None:
+        """The version cannot complete through this stream's assembly (refused bytes failed it already)."""
+        if stream.assembly is not None:
+            stream.assembly.fail(None)
+            self.slots.release(stream.assembly)
+
+    def _close(self, stream: _Stream) -> None:
+        stream.reader.close()
+        if stream.admitted:
+            self.slots.free()
+        if stream.attached is not None:
+            self.slots.detach(stream.attached)
+        self.metrics.pushes.labels(stream.code.name).inc()
+        self.metrics.push_latency.observe(time.monotonic() - stream.start)
+        structlog.contextvars.unbind_contextvars("request_id")
+
+    def _refuse_loop(self, context: grpc.aio.ServicerContext) -> None:
+        """A push that already came through this replica (a plan that leads back to it)."""
+        path = next((v for k, v in context.invocation_metadata() or () if k == RELAY_PATH_KEY), "")
+        if self.instance in str(path).split(","):
+            raise FailedPrecondition(
+                "this push was relayed through this replica already: its relay plan leads back to it; "
+                "a proxy plans each replica once, by one address",
+                reason=Reason.RELAY_LOOP,
+            )
+
+    async def _relay(self, first: Opening, context: grpc.aio.ServicerContext, role: str) -> Forwarder:
+        """Open a stream to each child of the plan, once every node is one the proxy granted
+        (auth on) and no child is this replica; a relay token (never an admin token) and the
+        request id travel with them, and their deadline is what is left of this push's own."""
+        relay = self.config.relay
+        if not relay.enabled:
+            raise FailedPrecondition(
+                "this replica does not relay pushes (relay.enabled is false); push to it without a relay plan",
+                reason=Reason.RELAY_DISABLED,
+            )
+        children = split_plan(first.relay, max_children=relay.max_children)
+        await self._check_children(first, children)
+        remaining = context.time_remaining()
+        return Forwarder(
+            children,
+            first.manifest,
+            stage_only=first.stage_only,
+            stub_for=self._channels.stub,
+            metadata=self._relay_metadata(context, role),
+            deadline=time.monotonic() + (relay.timeout_s if remaining is None else remaining),
+            queue_chunks=relay.queue_chunks,
+            stall_s=relay.stall_timeout_s,
+            settle_s=relay.settle_timeout_s,
+            stripe=first.stripe,
+        )
+
+    async def _check_children(self, first: Opening, children) -> None:
+        """PERMISSION_DENIED for a node the proxy did not grant (auth on); FAILED_PRECONDITION
+        for a child that is this replica."""
+        if self.auth is not None:
+            keys = [grant_key(d) for d in self.auth.admin_digests()]
+            if (address := unplanned(first.relay, keys, first.manifest)) is not None:
+                raise PermissionDenied(
+                    f"the relay plan names {address}, which this push's proxy did not plan (no valid grant); "
+                    "a replica relays only to the members its proxy planned: push through the proxy",
+                    reason=Reason.RELAY_NOT_PLANNED,
+                )
+        for child in children:
+            if await self._is_self(child.address):
+                raise FailedPrecondition(
+                    f"the relay plan names {child.address}, which is this replica itself; "
+                    "a replica never relays to itself",
+                    reason=Reason.RELAY_LOOP,
+                )
+
+    def _relay_metadata(self, context: grpc.aio.ServicerContext, role: str) -> list[tuple[str, str]]:
+        """The request id, the relay path with this replica on it, and (auth on: the grants were
+        checked, so the children are planned members) the relay token, or a relayed caller's own."""
+        incoming = context.invocation_metadata() or ()
+        path = next((str(v) for k, v in incoming if k == RELAY_PATH_KEY), "")
+        metadata = [(k, v) for k, v in incoming if k == REQUEST_ID_KEY and isinstance(v, str)]
+        metadata.append((RELAY_PATH_KEY, f"{path},{self.instance}" if path else self.instance))
+        if self.auth is not None:
+            if self._relay_token:
+                metadata += self._relay_token
+            elif role == RELAY:
+                metadata += [(k, v) for k, v in incoming if k == "authorization" and isinstance(v, str)]
+        return metadata
+
+    async def _is_self(self, address: str) -> bool:
+        """Whether `address` reaches this replica: its port, on a host that resolves to an
+        address of this machine (loopback, unspecified, or one it can bind)."""
+        host, _, port = address.rpartition(":")
+        if not self.port or int(port) != self.port:
+            return False
+        try:
+            infos = await asyncio.get_running_loop().getaddrinfo(host.strip("[]"), None, type=socket.SOCK_STREAM)
+        except OSError:
+            return False  # unresolvable: the dial fails, and its outcome says so
+        return any(_local(str(info[4][0]), info[0]) for info in infos)
+
+    async def commit(self, request: pb.CommitAdapterRequest, context) -> pb.CommitAdapterResponse:
+        """Serve a version a `stage_only` push staged here, if its digest is the one named."""
+        try:
+            check_commit(request.name, request.version, request.sha256)
+            outcome = await self.registry.commit(request.name, request.version, request.sha256)
+        except RollwireError as err:
+            log.info("adapter_commit_refused", code=err.code.name, reason=err.reason, error=err.message)
+            await context.abort_with_status(to_status(err))
+            raise AssertionError("unreachable: abort_with_status raises") from err
+        self.metrics.set_adapters(self.registry.loaded())
+        log.info("adapter_committed", adapter=outcome.name, version=outcome.version, again=outcome.already_loaded)
+        return pb.CommitAdapterResponse(
+            name=outcome.name,
+            version=outcome.version,
+            already_loaded=outcome.already_loaded,
+            loaded_versions=outcome.loaded_versions,
+        )
+
+    async def close(self) -> None:
+        """Close the relay channels (at shutdown)."""
+        await self._channels.close()
+
+
+def _local(ip: str, family: int) -> bool:
+    """An IP address of this machine: loopback, unspecified, or one a socket can bind."""
+    parsed = ipaddress.ip_address(ip.split("%", 1)[0])
+    if parsed.is_loopback or parsed.is_unspecified:
+        return True
+    try:
+        with socket.socket(family, socket.SOCK_STREAM) as probe:
+            probe.bind((ip, 0))
+    except OSError:
+        return False
+    return True
