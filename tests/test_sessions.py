@@ -105,7 +105,9 @@ def test_a_replica_called_directly_keeps_its_own_sessions(replicas, reference_mo
 
 def raw_turn(stub, sid: str, ids: list[int], n: int = 1, max_new_tokens: int = 4, expect: int = 0):
     req = pb.GenerateRequest(
-        n=n, token_ids=pb.TokenIds(ids=ids), sampling=pb.SamplingParams(max_new_tokens=max_new_tokens)
+        n=n,
+        token_ids=pb.TokenIds(ids=ids),
+        sampling=pb.SamplingParams(max_new_tokens=max_new_tokens, temperature=0.0, ignore_eos=True),
     )
     req.session.id, req.session.expect_tokens = sid, expect
     return stub.Generate(req, timeout=30)
