@@ -157,7 +157,7 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--budget-s", type=float, default=20.0, help="training seconds of each learning run")
     args = ap.parse_args()
-    from rollwire.common.logs import setup_logging
+    from rollwire.runtime.logs import setup_logging
 
     setup_logging("bench", "error")
     stormed = storm(3)

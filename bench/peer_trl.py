@@ -555,7 +555,7 @@ def main() -> None:
     TRL_THREADS = args.trl_threads
     import torch
 
-    from rollwire.common.logs import setup_logging
+    from rollwire.runtime.logs import setup_logging
 
     setup_logging("bench", "error")
     systems = args.systems.split(",")

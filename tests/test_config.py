@@ -10,12 +10,12 @@ import tomllib
 import pytest
 
 from rollwire.client import cli
-from rollwire.common.config import ConfigError, dump_config, field_info, load_config
 from rollwire.generator import cli as generator_cli
 from rollwire.generator.config import GeneratorConfig
 from rollwire.learner.config import LearnerConfig
 from rollwire.proxy import cli as proxy_cli
 from rollwire.proxy.config import ProxyConfig
+from rollwire.runtime.config import ConfigError, dump_config, field_info, load_config
 
 
 @pytest.fixture(autouse=True)
@@ -159,7 +159,7 @@ def test_dry_run_prints_toml_that_loads_back_to_the_same_config(argv, model, tmp
     path.write_text(out)
     parser = cli.build_parser()
     args = parser.parse_args(argv)
-    from rollwire.common.config import flag_values
+    from rollwire.runtime.config import flag_values
 
     expected = load_config(model, None, [*getattr(args, "overrides", []), *args.set], flag_values(args))
     assert load_config(model, path) == expected

@@ -1,10 +1,10 @@
-"""rollwire.common.durable: a file or a folder is replaced whole or not at all."""
+"""rollwire.runtime.durable: a file or a folder is replaced whole or not at all."""
 
 from __future__ import annotations
 
 import pytest
 
-from rollwire.common.durable import atomic_dir, write_atomic, write_synced
+from rollwire.runtime.durable import atomic_dir, write_atomic, write_synced
 
 
 def test_a_folder_appears_whole_and_replaces_the_old_one(tmp_path):

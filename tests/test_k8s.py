@@ -13,8 +13,8 @@ import pytest
 import yaml
 from support.wire import metric_value
 
-from rollwire.common.config import load_config
 from rollwire.generator.config import GeneratorConfig
+from rollwire.runtime.config import load_config
 
 K8S = Path(__file__).resolve().parents[1] / "ops" / "k8s"
 

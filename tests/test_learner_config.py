@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from rollwire.common.config import ConfigError, dump_config, load_config
 from rollwire.learner.config import LearnerConfig
+from rollwire.runtime.config import ConfigError, dump_config, load_config
 
 ROOT = Path(__file__).resolve().parents[1]
 

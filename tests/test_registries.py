@@ -13,14 +13,14 @@ from pathlib import Path
 import pytest
 
 from rollwire.client import cli
-from rollwire.common.config import ConfigError, load_config
-from rollwire.common.registry import Registry
 from rollwire.generator.config import GeneratorConfig
 from rollwire.generator.engines import ENGINES
 from rollwire.learner.config import LearnerConfig, TrainSection
 from rollwire.learner.losses import LOSSES
 from rollwire.proxy.config import ProxyConfig
 from rollwire.proxy.policies import POLICIES, Affinity, Candidate, make_policy
+from rollwire.runtime.config import ConfigError, load_config
+from rollwire.runtime.registry import Registry
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -25,11 +25,11 @@ from hypothesis import strategies as st
 from support.wire import generate, stub
 
 from rollwire.common.errors import FailedPrecondition, Internal, RollwireError, clip, from_rpc_error
-from rollwire.common.logs import request_id_from
 from rollwire.common.reasons import Reason
 from rollwire.generator.engines import transformers_engine as te
 from rollwire.generator.engines import transformers_sampling
 from rollwire.generator.types import GroupRequest, SampleDone, SamplingParams, TokenDelta
+from rollwire.runtime.logs import request_id_from
 from rollwire.v1 import generator_pb2 as pb
 
 POISON_SEED = 666_666  # groups seeded with this get NaN in one row (the test seam below)

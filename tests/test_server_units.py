@@ -170,7 +170,7 @@ async def test_registry_window_leases_and_handles():
 
 
 def test_request_ids_are_kept_only_when_safe_to_forward_and_log():
-    from rollwire.common.logs import request_id_from
+    from rollwire.runtime.logs import request_id_from
 
     assert request_id_from([("x-request-id", "abc-123")], "field") == "abc-123"
     assert request_id_from([], "from-field") == "from-field"

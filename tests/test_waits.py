@@ -1,4 +1,4 @@
-"""rollwire.common.waits: a bounded wait that never swallows its caller's cancellation."""
+"""rollwire.runtime.waits: a bounded wait that never swallows its caller's cancellation."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from rollwire.common.waits import wait_at_most
+from rollwire.runtime.waits import wait_at_most
 
 
 async def _cancel_as_the_wait_ends(bounded_wait) -> tuple[bool, int]:

@@ -105,8 +105,8 @@ def write_learner_config(run: Path, target: str, model: Path, args) -> Path:
     """The learner's config: the chain task, trained only from ingested groups."""
     import tomli_w
 
-    from rollwire.common.config import dump_config, load_config
     from rollwire.learner.config import LearnerConfig
+    from rollwire.runtime.config import dump_config, load_config
 
     config = {
         "target": target,

@@ -176,8 +176,8 @@ def write_learner_config(run: Path, target: str, model: Path, args) -> Path:
     """The demo's learner config as TOML; `--set` overrides are validated and resolved into it."""
     import tomli_w
 
-    from rollwire.common.config import dump_config, load_config
     from rollwire.learner.config import LearnerConfig
+    from rollwire.runtime.config import dump_config, load_config
 
     demo = {
         "target": target,

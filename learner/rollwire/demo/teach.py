@@ -26,9 +26,9 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from rollwire.common.durable import atomic_dir
 from rollwire.demo.tiny_model import TinyModelSpec, save_tokenizer
 from rollwire.learner.task import Example, addition_examples, carry_free_answer, eval_subset, is_correct
+from rollwire.runtime.durable import atomic_dir
 
 TEACH_FORMAT = 2
 """Bumped whenever the teaching code changes what it builds, so caches are rebuilt (2: the

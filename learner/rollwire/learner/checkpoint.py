@@ -24,7 +24,7 @@ from collections.abc import Iterable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from rollwire.common.durable import atomic_dir, write_atomic, write_synced
+from rollwire.runtime.durable import atomic_dir, write_atomic, write_synced
 
 LATEST = "latest"
 

@@ -29,8 +29,8 @@ def register_model(subparsers) -> None:
 
 def register(subparsers) -> None:
     """Add `rollwire learner` (imports the config model only: pydantic, no torch)."""
-    from rollwire.common.config import add_process_command
     from rollwire.learner.config import LearnerConfig
+    from rollwire.runtime.config import add_process_command
 
     p = add_process_command(
         subparsers,
@@ -70,18 +70,18 @@ def run_model_tiny(args: argparse.Namespace) -> int:
 
 
 def run_learner(args: argparse.Namespace) -> int:
-    from rollwire.common.config import config_for_command
     from rollwire.learner.config import LearnerConfig
+    from rollwire.runtime.config import config_for_command
 
     config = config_for_command(LearnerConfig, args, args.overrides)
     if isinstance(config, int):
         return config
     import asyncio
 
-    from rollwire.common.logs import setup_logging
     from rollwire.learner.loop import run_learner as run
     from rollwire.learner.publisher import NonFiniteWeights
     from rollwire.learner.wiring import LearnerError
+    from rollwire.runtime.logs import setup_logging
 
     setup_logging("learner", config.log_level)
     try:

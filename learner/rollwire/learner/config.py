@@ -1,6 +1,6 @@
 """Typed configuration of the learner (`rollwire learner --config FILE --set key.sub=value ...`).
 
-Loaded by `rollwire.common.config.load_config(LearnerConfig, ...)`: a TOML (or YAML) file,
+Loaded by `rollwire.runtime.config.load_config(LearnerConfig, ...)`: a TOML (or YAML) file,
 then ROLLWIRE_* environment variables, then dotted overrides, each winning over the one
 before; every field has its help text and bounds, and cross-field rules that would deadlock
 or silently misbehave are refused with a message naming the keys.
@@ -12,8 +12,8 @@ from typing import Annotated, Literal
 
 from pydantic import Field, model_validator
 
-from rollwire.common.config import Section
 from rollwire.learner.losses import LOSSES
+from rollwire.runtime.config import Section
 from rollwire.serving.security import AuthSection, TlsSection
 
 LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]

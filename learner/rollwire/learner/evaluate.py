@@ -12,8 +12,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from rollwire.common.errors import RollwireError
-from rollwire.common.logs import get_logger
 from rollwire.learner.task import Example, is_correct
+from rollwire.runtime.logs import get_logger
 
 log = get_logger(__name__)
 

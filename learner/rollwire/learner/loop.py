@@ -13,10 +13,10 @@ import asyncio
 import os
 import signal
 
-from rollwire.common.logs import get_logger
 from rollwire.learner.config import LearnerConfig
 from rollwire.learner.session import Session
 from rollwire.learner.wiring import open_session
+from rollwire.runtime.logs import get_logger
 from rollwire.serving.scaffold import write_ready_file
 
 log = get_logger(__name__)

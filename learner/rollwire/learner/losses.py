@@ -22,7 +22,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from rollwire.common.registry import Registry
+from rollwire.runtime.registry import Registry
 
 if TYPE_CHECKING:
     from rollwire.learner.config import TrainSection

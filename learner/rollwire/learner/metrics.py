@@ -9,9 +9,9 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, start_http_server
 
-from rollwire.common.metrics import MetricFactory
 from rollwire.learner.publisher import PushRecord
 from rollwire.learner.trainer import StepStats
+from rollwire.runtime.metrics import MetricFactory
 
 SECONDS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
 GROUP_OUTCOMES = ("requested", "trained")

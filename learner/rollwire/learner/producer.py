@@ -21,11 +21,11 @@ from typing import Protocol
 import grpc
 
 from rollwire.common.errors import RollwireError
-from rollwire.common.logs import get_logger
 from rollwire.learner.buffer import Buffer, ScoredGroup, ScoredSample
 from rollwire.learner.config import RolloutSection
 from rollwire.learner.rewards import Reward, score
 from rollwire.learner.task import DataStream, Example, is_correct
+from rollwire.runtime.logs import get_logger
 
 log = get_logger(__name__)
 BACK_OFF = {"unavailable", "busy", "adapter_missing"}

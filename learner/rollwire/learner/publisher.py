@@ -22,11 +22,11 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from rollwire.common.errors import RollwireError
-from rollwire.common.logs import get_logger
 from rollwire.common.lora import LoraShape
 from rollwire.common.retries import PUSH_TRANSIENT
 from rollwire.common.safetensors_header import HeaderError, header_length, nonfinite_tensor, read_entries
 from rollwire.learner.buffer import Signal
+from rollwire.runtime.logs import get_logger
 
 log = get_logger(__name__)
 

@@ -14,13 +14,13 @@ import sys
 import time
 from pathlib import Path
 
-from rollwire.common.durable import write_atomic
-from rollwire.common.logs import get_logger
 from rollwire.learner.buffer import GroupLedger, ScoredGroup
 from rollwire.learner.evaluate import EvalResult
 from rollwire.learner.metrics import LearnerMetrics
 from rollwire.learner.publisher import PushRecord
 from rollwire.learner.trainer import StepStats
+from rollwire.runtime.durable import write_atomic
+from rollwire.runtime.logs import get_logger
 
 log = get_logger(__name__)
 

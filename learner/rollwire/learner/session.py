@@ -23,9 +23,7 @@ import grpc
 
 from rollwire.client import AsyncClient
 from rollwire.common.errors import FailedPrecondition
-from rollwire.common.logs import get_logger
 from rollwire.common.retries import VERSION_TAKEN
-from rollwire.common.waits import wait_at_most
 from rollwire.learner import checkpoint
 from rollwire.learner.admission import staleness
 from rollwire.learner.buffer import Buffer, GroupLedger, ScoredGroup
@@ -38,6 +36,8 @@ from rollwire.learner.publisher import Publisher
 from rollwire.learner.report import Report
 from rollwire.learner.task import DataStream, Example
 from rollwire.learner.trainer import StepStats, Trainer
+from rollwire.runtime.logs import get_logger
+from rollwire.runtime.waits import wait_at_most
 
 log = get_logger(__name__)
 

@@ -18,7 +18,6 @@ from pathlib import Path
 from rollwire.client import AsyncClient
 from rollwire.client._common import TlsConfig
 from rollwire.common.fingerprint import model_fingerprint
-from rollwire.common.logs import get_logger
 from rollwire.common.secrets import SecretFileError, read_secret_file
 from rollwire.learner import checkpoint
 from rollwire.learner.admission import may_request
@@ -34,6 +33,7 @@ from rollwire.learner.rewards import build_rewards
 from rollwire.learner.session import Session, target_versions
 from rollwire.learner.task import DataStream, addition_examples, eval_subset, is_held_out, read_jsonl
 from rollwire.learner.trainer import Trainer
+from rollwire.runtime.logs import get_logger
 
 log = get_logger(__name__)
 

@@ -7,13 +7,13 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from rollwire.common.fingerprint import model_fingerprint
-from rollwire.common.logs import get_logger
 from rollwire.generator.adapters import AdapterRegistry, base_linear_shapes
 from rollwire.generator.config import GeneratorConfig
 from rollwire.generator.engines import ENGINES
 from rollwire.generator.engines.base import Engine
 from rollwire.generator.metrics import GeneratorMetrics
 from rollwire.generator.servicer import GeneratorServicer
+from rollwire.runtime.logs import get_logger
 from rollwire.serving.scaffold import Running, listen, serve
 from rollwire.v1 import generator_pb2, generator_pb2_grpc
 

@@ -6,8 +6,8 @@ from typing import Annotated
 
 from pydantic import Field
 
-from rollwire.common.config import Section
 from rollwire.generator.engines import ENGINES
+from rollwire.runtime.config import Section
 from rollwire.serving.config import ForwardSection, PushLimits, ServerConfig, port_field, push_idle_field
 from rollwire.serving.dial import DialTlsSection
 

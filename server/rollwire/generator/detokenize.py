@@ -20,7 +20,7 @@ from tokenizers import Tokenizer
 from tokenizers.decoders import DecodeStream
 
 from rollwire.common.errors import FailedPrecondition
-from rollwire.common.logs import get_logger
+from rollwire.runtime.logs import get_logger
 
 log = get_logger(__name__)
 

@@ -33,7 +33,6 @@ import grpc
 import structlog
 
 from rollwire.common.errors import FailedPrecondition, PermissionDenied, RollwireError, to_status
-from rollwire.common.logs import REQUEST_ID_KEY, get_logger, request_id_from
 from rollwire.common.manifest import Manifest, check_commit, check_manifest, manifest_from_pb
 from rollwire.common.reasons import Reason
 from rollwire.generator.adapters import AdapterRegistry
@@ -45,6 +44,7 @@ from rollwire.push.forward import ChannelPool, Forwarder
 from rollwire.push.plan import grant_key, split_plan, unplanned
 from rollwire.push.reader import Opening, PushReader
 from rollwire.push.results import status_with_results
+from rollwire.runtime.logs import REQUEST_ID_KEY, get_logger, request_id_from
 from rollwire.serving.dial import Dialer, bearer
 from rollwire.serving.security import RELAY, TokenAuth, caller_role, require_stage_only
 from rollwire.v1 import generator_pb2 as pb

@@ -9,7 +9,7 @@ from __future__ import annotations
 import grpc
 from prometheus_client import CollectorRegistry
 
-from rollwire.common.metrics import MetricFactory
+from rollwire.runtime.metrics import MetricFactory
 from rollwire.serving.sessions import SessionMetrics
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)

@@ -14,8 +14,8 @@ from dataclasses import dataclass, field
 import grpc
 
 from rollwire.common.keepalive import DEFAULT as DEFAULT_KEEPALIVE
-from rollwire.common.logs import get_logger
-from rollwire.common.waits import wait_at_most
+from rollwire.runtime.logs import get_logger
+from rollwire.runtime.waits import wait_at_most
 from rollwire.v1 import admin_pb2 as apb
 from rollwire.v1 import admin_pb2_grpc
 

@@ -22,7 +22,6 @@ from rollwire.common.errors import (
     RollwireError,
     to_status,
 )
-from rollwire.common.logs import get_logger, request_id_from
 from rollwire.common.manifest import check_name
 from rollwire.common.reasons import Reason
 from rollwire.generator.adapters import AdapterRegistry
@@ -39,6 +38,7 @@ from rollwire.generator.types import (
     coalesce,
     worth_sending,
 )
+from rollwire.runtime.logs import get_logger, request_id_from
 from rollwire.serving import __version__
 from rollwire.serving.security import TokenAuth
 from rollwire.serving.sessions import SessionStore, Turn, caller_identity, check_turn

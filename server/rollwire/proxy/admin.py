@@ -30,11 +30,11 @@ from rollwire.common.errors import (
     RollwireError,
     to_status,
 )
-from rollwire.common.logs import get_logger
 from rollwire.common.reasons import Reason
 from rollwire.proxy.config import RegistrationSection, check_address
 from rollwire.proxy.replica import Replica
 from rollwire.proxy.replicas import ReplicaSet
+from rollwire.runtime.logs import get_logger
 from rollwire.serving.security import REGISTER, TokenAuth, caller_role
 from rollwire.v1 import admin_pb2 as apb
 from rollwire.v1 import admin_pb2_grpc

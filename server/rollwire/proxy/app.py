@@ -15,7 +15,6 @@ import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from rollwire.common.logs import get_logger
 from rollwire.proxy.admin import AdminServicer
 from rollwire.proxy.config import ProxyConfig
 from rollwire.proxy.discovery import DnsDiscovery
@@ -30,6 +29,7 @@ from rollwire.proxy.replicas import SERVICE, ReplicaSet
 from rollwire.proxy.servicer import ProxyServicer
 from rollwire.proxy.spool import Spool
 from rollwire.proxy.upstream import upstream_dialer
+from rollwire.runtime.logs import get_logger
 from rollwire.serving.scaffold import Endpoint, Running, listen, serve
 from rollwire.v1 import admin_pb2, admin_pb2_grpc, generator_pb2_grpc
 

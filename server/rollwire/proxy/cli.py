@@ -2,14 +2,14 @@
 
 Registered as the `proxy` entry point of the `rollwire.commands` group (pyproject.toml).
 Flags are generated from ProxyConfig's fields; every other key is set with --set,
-ROLLWIRE_* environment variables or the --config file (rollwire.common.config).
+ROLLWIRE_* environment variables or the --config file (rollwire.runtime.config).
 """
 
 from __future__ import annotations
 
 import argparse
 
-from rollwire.common.config import Flag
+from rollwire.runtime.config import Flag
 from rollwire.serving.command import register_server
 
 FLAGS = (

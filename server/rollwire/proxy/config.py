@@ -7,12 +7,12 @@ from typing import Annotated, Literal
 
 from pydantic import Field, field_validator
 
-from rollwire.common.config import Section
 from rollwire.common.writer import MAX_STRIPES
 from rollwire.proxy.http.config import HttpSection
 from rollwire.proxy.peers import PeeringSection
 from rollwire.proxy.policies import POLICIES
 from rollwire.proxy.upstream import UpstreamSection
+from rollwire.runtime.config import Section
 from rollwire.serving.config import ForwardSection, PushLimits, ServerConfig, port_field, push_idle_field
 
 MiB = 1 << 20

@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 import socket
 
-from rollwire.common.logs import get_logger
+from rollwire.runtime.logs import get_logger
 
 log = get_logger(__name__)
 PREFIX = "dns:///"

@@ -32,12 +32,12 @@ from dataclasses import dataclass, field
 
 from rollwire.common.errors import DeadlineExceeded, ResourceExhausted, Unavailable
 from rollwire.common.reasons import Reason
-from rollwire.common.waits import wait_at_most
 from rollwire.proxy.config import FairnessSection, RoutingSection
 from rollwire.proxy.metrics import ProxyMetrics
 from rollwire.proxy.policies import Policy
 from rollwire.proxy.replica import Replica
 from rollwire.proxy.replicas import ReplicaSet
+from rollwire.runtime.waits import wait_at_most
 
 
 @dataclass(frozen=True)

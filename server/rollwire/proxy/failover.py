@@ -26,7 +26,6 @@ from dataclasses import dataclass
 import grpc
 
 from rollwire.common.errors import DeadlineExceeded, Unavailable, from_rpc_error
-from rollwire.common.logs import REQUEST_ID_KEY, get_logger
 from rollwire.common.reasons import Reason
 from rollwire.proxy import faults
 from rollwire.proxy.dispatch import Client, Dispatcher, Lease, Need
@@ -34,6 +33,7 @@ from rollwire.proxy.policies import routing_key
 from rollwire.proxy.relay import Relay
 from rollwire.proxy.replica import Attempt, Replica
 from rollwire.proxy.replicas import ReplicaSet
+from rollwire.runtime.logs import REQUEST_ID_KEY, get_logger
 from rollwire.v1 import generator_pb2 as pb
 
 log = get_logger(__name__)

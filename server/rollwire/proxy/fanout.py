@@ -55,7 +55,6 @@ from dataclasses import dataclass, field
 import grpc
 
 from rollwire.common.errors import FailedPrecondition, Unavailable
-from rollwire.common.logs import REQUEST_ID_KEY, get_logger
 from rollwire.common.manifest import Manifest, manifest_from_pb
 from rollwire.common.reasons import Reason
 from rollwire.common.safetensors_header import HeaderError, header_length
@@ -71,6 +70,7 @@ from rollwire.push.checks import MAX_HEADER_BYTES, PayloadInspector, check_heade
 from rollwire.push.forward import Forwarder, StripedForwarder
 from rollwire.push.plan import Child, Target, choose_fanout, grant_plan, layout, stripe_chunk_bytes, striped_layout
 from rollwire.push.reader import PushReader
+from rollwire.runtime.logs import REQUEST_ID_KEY, get_logger
 from rollwire.v1 import generator_pb2 as pb
 
 log = get_logger(__name__)

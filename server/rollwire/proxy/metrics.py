@@ -14,10 +14,10 @@ from collections.abc import Sequence
 import grpc
 from prometheus_client import CollectorRegistry, Histogram
 
-from rollwire.common.metrics import MetricFactory
 from rollwire.common.retries import CLIENT_CAUSED
 from rollwire.proxy.http import ROUTES as HTTP_ROUTES
 from rollwire.proxy.policies.prefix import OUTCOMES as PREFIX_OUTCOMES
+from rollwire.runtime.metrics import MetricFactory
 from rollwire.serving.sessions import SessionMetrics
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)

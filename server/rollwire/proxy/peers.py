@@ -56,13 +56,13 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from pydantic import Field
 
 from rollwire.common import writer
-from rollwire.common.config import ConfigError, Section
 from rollwire.common.errors import FailedPrecondition, Unavailable, from_rpc_error
-from rollwire.common.logs import REQUEST_ID_KEY, get_logger, new_request_id
 from rollwire.common.reasons import Reason
 from rollwire.common.retries import VERSION_TAKEN, push_refused_for_good
-from rollwire.common.waits import wait_at_most
 from rollwire.push.reader import PushReader
+from rollwire.runtime.config import ConfigError, Section
+from rollwire.runtime.logs import REQUEST_ID_KEY, get_logger, new_request_id
+from rollwire.runtime.waits import wait_at_most
 from rollwire.serving.dial import on_each_drop
 from rollwire.v1 import generator_pb2 as pb
 from rollwire.v1 import generator_pb2_grpc

@@ -24,10 +24,10 @@ from grpc_health.v1 import health_pb2_grpc
 
 from rollwire.common import writer
 from rollwire.common.errors import RollwireError, from_rpc_error
-from rollwire.common.logs import REQUEST_ID_KEY
 from rollwire.proxy.breaker import Breaker
 from rollwire.proxy.policies import Candidate
 from rollwire.proxy.spool import SpooledAdapter
+from rollwire.runtime.logs import REQUEST_ID_KEY
 from rollwire.serving.dial import Dialer
 from rollwire.v1 import generator_pb2 as pb
 from rollwire.v1 import generator_pb2_grpc

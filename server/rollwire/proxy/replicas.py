@@ -51,16 +51,16 @@ import grpc
 from grpc_health.v1 import health_pb2
 
 from rollwire.common.errors import Unavailable
-from rollwire.common.logs import get_logger, new_request_id
 from rollwire.common.reasons import Reason
 from rollwire.common.retries import VERSION_TAKEN, push_refused_for_good
-from rollwire.common.waits import wait_at_most
 from rollwire.proxy.basemodel import BaseModel, Shapes
 from rollwire.proxy.breaker import Breaker
 from rollwire.proxy.config import ProxyConfig
 from rollwire.proxy.metrics import ProxyMetrics
 from rollwire.proxy.replica import Replica
 from rollwire.proxy.spool import Spool
+from rollwire.runtime.logs import get_logger, new_request_id
+from rollwire.runtime.waits import wait_at_most
 from rollwire.serving.dial import Dialer, on_each_drop
 from rollwire.v1 import generator_pb2 as pb
 

@@ -16,7 +16,6 @@ import grpc
 import structlog
 
 from rollwire.common.errors import FailedPrecondition, ResourceExhausted, RollwireError, to_status
-from rollwire.common.logs import get_logger, request_id_from
 from rollwire.common.reasons import Reason
 from rollwire.common.retries import CLIENT_BEHAVIOUR
 from rollwire.proxy.config import ProxyConfig
@@ -26,6 +25,7 @@ from rollwire.proxy.fanout import FanOut
 from rollwire.proxy.peers import Peers
 from rollwire.proxy.relay import Relay
 from rollwire.proxy.sessions import SessionTurns
+from rollwire.runtime.logs import get_logger, request_id_from
 from rollwire.serving import __version__
 from rollwire.serving.security import ADMIN, TokenAuth, caller_role, require_peer, require_stage_only
 from rollwire.serving.sessions import SessionStore

@@ -39,13 +39,13 @@ from pathlib import Path
 
 from google.protobuf import json_format
 
-from rollwire.common.durable import fsync_dir, storage_error, write_atomic
 from rollwire.common.errors import InvalidArgument, ResourceExhausted, RollwireError, Unavailable
-from rollwire.common.logs import get_logger
 from rollwire.common.manifest import DEFAULT_MAX_VERSION_STEP, check_manifest, check_push_version, manifest_from_pb
 from rollwire.common.reasons import Reason
 from rollwire.push.checks import check_payload, check_tensors_async
 from rollwire.push.reader import PushReader
+from rollwire.runtime.durable import fsync_dir, storage_error, write_atomic
+from rollwire.runtime.logs import get_logger
 from rollwire.v1 import generator_pb2 as pb
 
 log = get_logger(__name__)

@@ -22,10 +22,10 @@ import time
 from collections.abc import Callable
 
 from rollwire.common.errors import FailedPrecondition, InvalidArgument, ResourceExhausted, RollwireError
-from rollwire.common.logs import get_logger
 from rollwire.common.reasons import Reason
 from rollwire.common.writer import MAX_CHUNK, MAX_STRIPES, MIN_STRIPE_CHUNK
 from rollwire.push.sink import Inspector, Sink, verdict
+from rollwire.runtime.logs import get_logger
 from rollwire.v1 import generator_pb2 as pb
 
 log = get_logger(__name__)

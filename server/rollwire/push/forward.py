@@ -35,11 +35,11 @@ from collections.abc import Callable, Sequence
 import grpc
 
 from rollwire.common.errors import ERROR_DOMAIN, Unavailable, from_rpc_error, status_detail
-from rollwire.common.logs import get_logger
 from rollwire.common.reasons import Reason
 from rollwire.common.writer import opening
 from rollwire.push.plan import Child
 from rollwire.push.results import result, results_from_error
+from rollwire.runtime.logs import get_logger
 from rollwire.serving.dial import Dialer
 from rollwire.v1 import generator_pb2 as pb
 from rollwire.v1 import generator_pb2_grpc

@@ -47,7 +47,7 @@ async def idle_bounded(messages: AsyncIterable, idle_s: float, holder: str):
     it = aiter(messages)
     while True:
         try:
-            async with asyncio.timeout(idle_s):  # not wait_for: see rollwire.common.waits
+            async with asyncio.timeout(idle_s):  # not wait_for: see rollwire.runtime.waits
                 msg = await anext(it)
         except StopAsyncIteration:
             return

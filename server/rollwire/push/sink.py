@@ -24,9 +24,9 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Protocol
 
-from rollwire.common.durable import storage_error
 from rollwire.common.errors import InvalidArgument, RollwireError
 from rollwire.common.reasons import Reason
+from rollwire.runtime.durable import storage_error
 from rollwire.v1 import generator_pb2 as pb
 
 _SUBMIT_BYTES = 256 << 10  # small chunks are handed to the worker thread in batches of this size

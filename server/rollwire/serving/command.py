@@ -13,7 +13,7 @@ import sys
 from collections.abc import Callable, Coroutine, Sequence
 from typing import Any
 
-from rollwire.common.config import Flag, add_process_command, config_for_command
+from rollwire.runtime.config import Flag, add_process_command, config_for_command
 from rollwire.serving.config import ServerConfig
 
 Serve = Callable[[Any, argparse.Namespace], Coroutine[Any, Any, None]]
@@ -39,8 +39,8 @@ def register_server(
 
 
 def _run(args: argparse.Namespace, *, model: type[ServerConfig], role: str, serve: Serve) -> int:
-    from rollwire.common.config import ConfigError
-    from rollwire.common.logs import setup_logging
+    from rollwire.runtime.config import ConfigError
+    from rollwire.runtime.logs import setup_logging
 
     config = config_for_command(model, args)
     if isinstance(config, int):

@@ -8,7 +8,7 @@ from typing import Any
 
 from pydantic import Field
 
-from rollwire.common.config import Section
+from rollwire.runtime.config import Section
 from rollwire.serving.keepalive import KeepaliveSection
 from rollwire.serving.security import AuthSection, TlsSection
 from rollwire.serving.sessions import SessionSection

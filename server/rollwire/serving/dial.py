@@ -17,9 +17,9 @@ from pathlib import Path
 import grpc
 from pydantic import Field
 
-from rollwire.common.config import Section
 from rollwire.common.keepalive import DEFAULT as DEFAULT_KEEPALIVE
 from rollwire.common.keepalive import Keepalive, for_pushes
+from rollwire.runtime.config import Section
 
 MESSAGE_OPTIONS = (
     ("grpc.max_receive_message_length", 8 << 20),

@@ -6,8 +6,8 @@ from __future__ import annotations
 
 from pydantic import Field, model_validator
 
-from rollwire.common.config import Section
 from rollwire.common.keepalive import DEFAULT, MIN_PING_INTERVAL_S, Keepalive
+from rollwire.runtime.config import Section
 
 
 class KeepaliveSection(Section):

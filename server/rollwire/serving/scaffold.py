@@ -25,10 +25,10 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 from prometheus_client import CollectorRegistry, start_http_server
 
-from rollwire.common.durable import write_atomic
 from rollwire.common.keepalive import DEFAULT as DEFAULT_KEEPALIVE
 from rollwire.common.keepalive import Keepalive
-from rollwire.common.logs import get_logger
+from rollwire.runtime.durable import write_atomic
+from rollwire.runtime.logs import get_logger
 from rollwire.serving.config import ServerConfig
 from rollwire.serving.security import (
     TlsSection,

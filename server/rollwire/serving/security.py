@@ -33,10 +33,10 @@ from pathlib import Path
 import grpc
 from pydantic import Field
 
-from rollwire.common.config import Section
 from rollwire.common.errors import PermissionDenied, RollwireError, Unauthenticated, to_status
-from rollwire.common.logs import get_logger
 from rollwire.common.reasons import Reason
+from rollwire.runtime.config import Section
+from rollwire.runtime.logs import get_logger
 
 log = get_logger(__name__)
 

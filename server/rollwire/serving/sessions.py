@@ -32,10 +32,10 @@ from dataclasses import dataclass, field
 
 from pydantic import Field
 
-from rollwire.common.config import Section
 from rollwire.common.errors import FailedPrecondition, InvalidArgument, ResourceExhausted
-from rollwire.common.metrics import MetricFactory
 from rollwire.common.reasons import Reason
+from rollwire.runtime.config import Section
+from rollwire.runtime.metrics import MetricFactory
 from rollwire.v1 import generator_pb2 as pb
 
 SESSION_ID_RE = re.compile(r"^[A-Za-z0-9._:-]{1,128}$")

@@ -51,7 +51,6 @@ from typing import Any, Protocol
 
 import httpx2 as httpx
 
-from rollwire.common.durable import atomic_dir, write_synced
 from rollwire.common.errors import (
     DeadlineExceeded,
     FailedPrecondition,
@@ -63,14 +62,15 @@ from rollwire.common.errors import (
     Unauthenticated,
     Unavailable,
 )
-from rollwire.common.logs import get_logger
 from rollwire.common.manifest import Manifest
 from rollwire.common.reasons import Reason
 from rollwire.common.safetensors_header import read_header
 from rollwire.common.secrets import SecretFileError, read_secret_file
-from rollwire.common.waits import wait_at_most
 from rollwire.generator.detokenize import TextStream, backend
 from rollwire.generator.engines.base import EngineStats, GroupSlots
+from rollwire.runtime.durable import atomic_dir, write_synced
+from rollwire.runtime.logs import get_logger
+from rollwire.runtime.waits import wait_at_most
 
 log = get_logger(__name__)
 READY_PROBE_S = 0.25  # pause between health probes while a launched server starts
@@ -433,7 +433,7 @@ class Supervisor:
     async def wait_for(self, predicate: Callable[[Supervisor], bool], timeout_s: float) -> None:
         """Until `predicate(self)` holds after some state change (tests and operators)."""
         async with self._changed:
-            async with asyncio.timeout(timeout_s):  # not wait_for: see rollwire.common.waits
+            async with asyncio.timeout(timeout_s):  # not wait_for: see rollwire.runtime.waits
                 await self._changed.wait_for(lambda: predicate(self))
 
     async def _notify(self) -> None:

@@ -26,7 +26,6 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 
 from rollwire.common.errors import FailedPrecondition, RollwireError, Unavailable
-from rollwire.common.logs import get_logger
 from rollwire.common.reasons import Reason
 from rollwire.generator.config import GeneratorConfig, SGLangSection
 from rollwire.generator.engines.served import (
@@ -50,6 +49,7 @@ from rollwire.generator.engines.sglang_protocol import (
     unload_lora_body,
 )
 from rollwire.generator.types import Event, GroupRequest
+from rollwire.runtime.logs import get_logger
 
 log = get_logger(__name__)
 

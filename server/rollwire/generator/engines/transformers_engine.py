@@ -58,7 +58,6 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from rollwire.common.errors import FailedPrecondition, Unavailable
-from rollwire.common.logs import get_logger
 from rollwire.common.manifest import Manifest
 from rollwire.generator.detokenize import TextStream, backend
 from rollwire.generator.engines import kv_batch
@@ -84,6 +83,7 @@ from rollwire.generator.engines.transformers_groups import Row as _Row
 from rollwire.generator.engines.transformers_sampling import sample, sample_by_group
 from rollwire.generator.sampling import row_uniforms, sample_generator
 from rollwire.generator.types import Event, GroupRequest, SampleDone, TokenDelta
+from rollwire.runtime.logs import get_logger
 
 if TYPE_CHECKING:
     from rollwire.generator.metrics import GeneratorMetrics

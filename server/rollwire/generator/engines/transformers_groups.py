@@ -17,11 +17,11 @@ from dataclasses import dataclass, field
 import torch
 
 from rollwire.common.errors import FailedPrecondition, Internal, InvalidArgument, ResourceExhausted
-from rollwire.common.logs import get_logger
 from rollwire.common.reasons import Reason
 from rollwire.generator.detokenize import TextStream
 from rollwire.generator.engines.prefix_cache import AdapterKey
 from rollwire.generator.types import GroupRequest
+from rollwire.runtime.logs import get_logger
 
 log = get_logger("rollwire.generator.engines.transformers_engine")
 _MAX_ERROR_CHARS = 200  # an exception's text as a status message may echo it

@@ -37,7 +37,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from rollwire.common.errors import FailedPrecondition, Internal, RollwireError, Unavailable
-from rollwire.common.logs import get_logger
 from rollwire.common.reasons import Reason
 from rollwire.generator.config import GeneratorConfig, VLLMSection
 from rollwire.generator.detokenize import TextStream
@@ -53,6 +52,7 @@ from rollwire.generator.engines.served import (
     status_of,
 )
 from rollwire.generator.types import Event, GroupRequest, SampleDone, SamplingParams, TokenDelta
+from rollwire.runtime.logs import get_logger
 
 log = get_logger(__name__)
 TARGET_VERSION = "0.32.0"

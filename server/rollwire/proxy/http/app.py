@@ -27,7 +27,6 @@ from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel
 
 from rollwire.common.errors import Internal, RollwireError, Unavailable
-from rollwire.common.logs import get_logger
 from rollwire.common.reasons import Reason
 from rollwire.proxy.dispatch import client_name
 from rollwire.proxy.http import ROUTES, convert
@@ -37,6 +36,7 @@ from rollwire.proxy.http.errors import HttpError, error_response, http_status
 from rollwire.proxy.http.openai import ChatBody, CompletionBody, LoadLoraBody, UnloadLoraBody, check_unhonoured
 from rollwire.proxy.http.stream import stream_group
 from rollwire.proxy.relay import Relay
+from rollwire.runtime.logs import get_logger
 from rollwire.serving.security import ADMIN, GENERATE
 
 log = get_logger(__name__)

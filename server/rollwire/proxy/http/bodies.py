@@ -12,9 +12,9 @@ import grpc
 from fastapi import Request
 from pydantic import BaseModel, ValidationError
 
-from rollwire.common.logs import get_logger
 from rollwire.common.reasons import Reason
 from rollwire.proxy.http.errors import HttpError
+from rollwire.runtime.logs import get_logger
 
 log = get_logger(__name__)
 THREAD_PARSE_BYTES = 64 << 10

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pydantic import Field
 
-from rollwire.common.config import Section
+from rollwire.runtime.config import Section
 
 
 class HttpSection(Section):

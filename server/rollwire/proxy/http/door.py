@@ -14,7 +14,6 @@ from typing import Any
 import grpc
 
 from rollwire.common.errors import FailedPrecondition
-from rollwire.common.logs import get_logger
 from rollwire.common.reasons import Reason
 from rollwire.proxy.config import ProxyConfig
 from rollwire.proxy.http import convert
@@ -24,6 +23,7 @@ from rollwire.proxy.http.names import ModelRef, model_id, parse_model
 from rollwire.proxy.http.openai import ChatBody
 from rollwire.proxy.http.tokenizer import ChatTokenizer
 from rollwire.proxy.servicer import ProxyServicer
+from rollwire.runtime.logs import get_logger
 from rollwire.serving.security import TokenAuth
 from rollwire.v1 import generator_pb2 as pb
 

@@ -10,9 +10,9 @@ import socket
 import ssl
 from typing import Any
 
-from rollwire.common.logs import get_logger
 from rollwire.proxy.http.app import create_app
 from rollwire.proxy.http.door import Door
+from rollwire.runtime.logs import get_logger
 
 log = get_logger(__name__)
 

@@ -17,13 +17,13 @@ from typing import Any
 from fastapi.responses import StreamingResponse
 
 from rollwire.common.errors import RollwireError, Unavailable
-from rollwire.common.logs import get_logger
 from rollwire.common.reasons import Reason
 from rollwire.proxy.http import convert
 from rollwire.proxy.http.door import Door
 from rollwire.proxy.http.errors import error_response
 from rollwire.proxy.http.openai import ChatBody, CompletionBody
 from rollwire.proxy.relay import Relay
+from rollwire.runtime.logs import get_logger
 from rollwire.v1 import generator_pb2 as pb
 
 log = get_logger(__name__)

@@ -13,12 +13,12 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from rollwire.common.registry import Registry
 from rollwire.proxy.policies.affinity import Affinity
 from rollwire.proxy.policies.base import Candidate, Policy, routing_key
 from rollwire.proxy.policies.least_loaded import LeastLoaded
 from rollwire.proxy.policies.prefix import PrefixAware
 from rollwire.proxy.policies.round_robin import RoundRobin
+from rollwire.runtime.registry import Registry
 
 if TYPE_CHECKING:
     from rollwire.proxy.config import RoutingSection

@@ -30,7 +30,7 @@ from typing import Any, TypeVar, get_args, get_origin
 from pydantic import BaseModel, ConfigDict, ValidationError
 from pydantic.fields import FieldInfo
 
-from rollwire.common.registry import Registry
+from rollwire.runtime.registry import Registry
 
 T = TypeVar("T", bound=BaseModel)
 
