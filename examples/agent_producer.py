@@ -116,7 +116,7 @@ async def produce(args, token: str | None) -> Stats:
     encode = lambda text: tokenizer.encode(text, add_special_tokens=False)  # noqa: E731
     metadata = [("authorization", f"Bearer {token}")] if token else []
     train, _ = chain_examples(args.held_out_fraction)
-    stats, stop_at = Stats(), time.monotonic() + args.seconds
+    stats, stop_at, started = Stats(), time.monotonic() + args.seconds, [0]
     stopped = asyncio.Event()
     async with (
         grpc.aio.insecure_channel(args.learner) as channel,
@@ -124,16 +124,15 @@ async def produce(args, token: str | None) -> Stats:
     ):
         stub = learner_pb2_grpc.LearnerServiceStub(channel)
         status = await stub.GetIngestStatus(lpb.GetIngestStatusRequest(), metadata=metadata, timeout=30)
-        play = Play(f"{status.adapter_name}@latest", temperature=args.temperature)
+        play = Play(f"{status.adapter_name}@latest", temperature=args.temperature, sessions=args.sessions)
 
         async def worker(w: int) -> None:
             rng = random.Random(f"{args.seed}/{w}")
-            while (
-                not stopped.is_set() and time.monotonic() < stop_at and (not args.groups or stats.groups < args.groups)
-            ):
+            while not stopped.is_set() and time.monotonic() < stop_at and (not args.groups or started[0] < args.groups):
+                started[0] += 1
                 example = rng.choice(train)
                 prompt, episodes = await play_group(client, from_example(example), args.n, encode, play)
-                group_id = f"chain-{args.seed}-{w}-{stats.groups}-{example.id}"
+                group_id = f"chain-{args.seed}-{w}-{started[0]}-{example.id}"
                 try:
                     statuses = await submit(stub, trajectories(group_id, prompt, episodes), metadata)
                 except grpc.aio.AioRpcError as err:  # the learner is gone: its run ended
@@ -161,6 +160,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--n", type=int, default=8, help="episodes per group")
     parser.add_argument("--concurrency", type=int, default=8, help="groups played at once")
     parser.add_argument("--temperature", type=float, default=1.0)
+    parser.add_argument(
+        "--sessions",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="play later turns as session turns (client.session; default) or resend the whole history (--no-sessions)",
+    )
     parser.add_argument("--held-out-fraction", type=float, default=0.1, help="the learner's task.held_out_fraction")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--stats-file", default="", help="also write the final counts here (JSON)")

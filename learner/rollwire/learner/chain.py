@@ -160,48 +160,58 @@ class Episode:
 
 @dataclass(frozen=True)
 class Play:
-    """How episodes are sampled: the adapter ("name@version" or "name@latest"), temperature, tokens per reply."""
+    """How episodes are sampled: the adapter ("name@version" or "name@latest"), temperature,
+    tokens per reply, and whether later turns go through sessions (client.session) or resend
+    the whole history as prompt token ids."""
 
     adapter: str | None
     temperature: float = 1.0
     max_new_tokens: int = 4
     seed: int | None = None
+    sessions: bool = False
 
 
 async def play_group(
     client, c: Chain, n: int, encode: Callable[[str], list[int]], play: Play
 ) -> tuple[list[int], list[Episode]]:
-    """`n` episodes of chain `c` (the first turn one group of n, each later turn a request
-    carrying the episode's whole token history); returns (prompt token ids, episodes)."""
+    """`n` episodes of chain `c`: the first turn is one group of n; each later turn is a turn
+    of the episode's session (its first session turn carries the history so far, the next ones
+    only the environment's new tokens) or, without sessions, a request carrying the whole
+    history. Returns (prompt token ids, episodes)."""
     first = await client.generate(c.prompt, n, **_options(play, 0, 0))
     prompt = list(first.prompt_token_ids)
+    return prompt, list(await asyncio.gather(*(_rest(client, c, prompt, s, encode, play) for s in first.samples)))
 
-    async def rest(sample) -> Episode:
-        episode = Episode(turns=len(c.addends) + 1)
-        left, right, reply = c.a, c.b, sample
-        for turn in range(len(c.addends) + 1):
-            episode.model_turn(reply.token_ids, reply.logprobs, reply.token_versions)
-            answer = read_answer(reply.text)
-            episode.turns_right += answer == left + right
-            if answer is None or turn == len(c.addends):
-                return episode
-            left, right = answer, c.addends[turn]
-            episode.environment_turn(encode(question(left, right)))
-            result = await client.generate(prompt + episode.token_ids, 1, **_options(play, turn + 1, sample.index))
-            reply = result.samples[0]
-        return episode
 
-    return prompt, list(await asyncio.gather(*(rest(s) for s in first.samples)))
+async def _rest(client, c: Chain, prompt: list[int], reply, encode: Callable[[str], list[int]], play: Play) -> Episode:
+    """The episode of one first-turn sample, played to its end."""
+    episode, left, right = Episode(turns=len(c.addends) + 1), c.a, c.b
+    session = client.session(**_options(play, 1, reply.index)) if play.sessions else None
+    for turn in range(len(c.addends) + 1):
+        episode.model_turn(reply.token_ids, reply.logprobs, reply.token_versions)
+        answer = read_answer(reply.text)
+        episode.turns_right += answer == left + right
+        if answer is None or turn == len(c.addends):
+            break
+        left, right = answer, c.addends[turn]
+        new = encode(question(left, right))
+        history = prompt + episode.token_ids
+        episode.environment_turn(new)
+        if session is None:
+            reply = (await client.generate(history + new, 1, **_options(play, turn + 1, reply.index))).samples[0]
+            continue
+        sent = len(session.history)
+        reply = await session.turn(history[sent:] + new, end=turn + 1 == len(c.addends))
+        if session.history != prompt + episode.token_ids + reply.token_ids:
+            raise RuntimeError(f"session {session.id} holds another history than the episode's (chain {c.id})")
+    if session is not None:
+        await session.close()
+    return episode
 
 
 def _options(play: Play, turn: int, index: int) -> dict:
     seed = None if play.seed is None else play.seed * 1009 + turn * 101 + index
-    return dict(
-        max_new_tokens=play.max_new_tokens,
-        temperature=play.temperature,
-        adapter=play.adapter,
-        seed=seed,
-    )
+    return dict(max_new_tokens=play.max_new_tokens, temperature=play.temperature, adapter=play.adapter, seed=seed)
 
 
 async def episode_success(
