@@ -581,6 +581,32 @@ def prefix_cache(d: dict) -> str:
     )
 
 
+def sessions(d: dict) -> str:
+    load, last = d["load"], str(d["turns"])
+    routes = load["routes"]
+    moved = ", ".join(f"{k} {v:.0f}" for k, v in routes.items() if k not in ("first", "sticky") and v)
+    lines = [
+        provenance(d),
+        f"Sticky routing under load: {load['sessions']} concurrent {load['turns']}-turn sessions over 2 replicas "
+        f"(tiny model) in {load['seconds']:.1f} s: sticky hit rate {load['sticky_hit_rate']:.1%} "
+        f"({routes['sticky']:.0f} of {sum(v for k, v in routes.items() if k != 'first'):.0f} turns after the first; "
+        f"moved: {moved or 'none'}); prompt tokens reused by the replicas' prefix caches "
+        f"{load['prompt_tokens_reused'] / (load['prompt_tokens_reused'] + load['prompt_tokens_computed']):.1%}; "
+        f"turn latency {s(load['turn_latency_s'], 1e3, 1, ' ms')}.",
+    ]
+    rows = []
+    for name, m in d["models"].items():
+        shape = m["shape"]
+        for t in ("1", "4", last):
+            on, off = m["turns"]["reuse"][t], m["turns"]["no_reuse"][t]
+            label = f"{name} ({shape['prompt']}/{shape['env']}/{shape['reply']})"
+            rows.append([label, t, s(on, 1e3, 1, " ms"), s(off, 1e3, 1, " ms"), f"{on['median'] / off['median']:.2f}"])
+    runs = next(iter(d["models"].values()))["turns"]["reuse"]["1"]["n"]
+    lines.append(f"Turn latency through the proxy, median (min–max) of {runs} alternating sessions per arm:")
+    lines.append(table(["model (prompt/env/reply tokens)", "turn", "with reuse", "without", "ratio"], rows))
+    return "\n\n".join(lines)
+
+
 SECTIONS = {
     "weight_push": weight_push,
     "proxy_overhead": proxy_overhead,
@@ -592,6 +618,7 @@ SECTIONS = {
     "vllm_vs_transformers": vllm_vs_transformers,
     "trl_vllm_vs_rollwire": trl_vllm_vs_rollwire,
     "prefix_cache": prefix_cache,
+    "sessions": sessions,
 }
 
 
