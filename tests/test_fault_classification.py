@@ -31,7 +31,7 @@ from rollwire.proxy.breaker import Breaker
 from rollwire.proxy.config import RoutingSection
 from rollwire.proxy.failover import GroupRun
 from rollwire.proxy.metrics import ProxyMetrics
-from rollwire.proxy.relay import Relay
+from rollwire.proxy.passthrough import PassThrough
 from rollwire.v1 import generator_pb2 as pb
 from rollwire.v1 import generator_pb2_grpc
 
@@ -213,7 +213,7 @@ async def run_group(replicas, max_attempts=3):
     try:
         async for message in run.events():
             got.append(message)
-    except (Relay, RollwireError) as exc:
+    except (PassThrough, RollwireError) as exc:
         error = exc
     return got, error, metrics
 
@@ -250,7 +250,7 @@ def test_a_failure_that_follows_the_request_is_never_counted(failure, replica_co
     assert error is not None
     assert all(r.breaker.failures == 0 and r.breaker.ejections == 0 for r in replicas)
     assert ejections(metrics) == 0
-    if isinstance(error, Relay):
+    if isinstance(error, PassThrough):
         assert error.code == code  # relayed unchanged
 
 
@@ -267,7 +267,7 @@ def test_an_unexplained_internal_on_two_replicas_is_the_requests_and_is_relayed(
     second = FakeReplica("b", lambda req: ([started("b")], rpc_error(C.UNKNOWN, "")))
     third = FakeReplica("c", lambda req: ([started("c"), tokens(), finished()], None))
     _, error, _metrics = asyncio.run(run_group([first, second, third]))
-    assert isinstance(error, Relay) and error.code == C.UNKNOWN  # retried once, not twice
+    assert isinstance(error, PassThrough) and error.code == C.UNKNOWN  # retried once, not twice
     assert [r.breaker.ejections for r in (first, second, third)] == [0, 0, 0]
 
 
@@ -289,7 +289,7 @@ def test_a_per_request_failure_is_relayed_at_once():
     replicas = [FakeReplica("a", outcome), FakeReplica("b", outcome)]
     _, error, _ = asyncio.run(run_group(replicas))
     assert (
-        isinstance(error, Relay)
+        isinstance(error, PassThrough)
         and from_rpc_error(rpc_error(C.INTERNAL, Reason.ROW_FAILED)).reason == Reason.ROW_FAILED
     )
     assert len(calls) == 1 and all(r.breaker.failures == 0 for r in replicas)

@@ -412,17 +412,6 @@ def test_backoff_is_jittered_exponential_and_capped():
     assert len(delays) > 1 and all(0.1 <= d <= 0.2 for d in delays)
 
 
-def test_next_delay_respects_attempts_and_deadline():
-    policy = RetryPolicy(max_attempts=3)
-    unavailable = Unavailable("down")
-    roomy = common.Deadline(30)
-    assert common.next_delay(policy, unavailable, attempt=1, received=False, deadline=roomy) is not None
-    assert common.next_delay(policy, unavailable, attempt=3, received=False, deadline=roomy) is None
-    assert common.next_delay(policy, unavailable, attempt=1, received=True, deadline=roomy) is None
-    assert common.next_delay(policy, ResourceExhausted("busy"), attempt=1, received=False, deadline=roomy) is None
-    assert common.next_delay(policy, unavailable, attempt=1, received=False, deadline=common.Deadline(0.001)) is None
-
-
 class FakeRpcError(grpc.RpcError):
     """A status as gRPC reports it: from the transport (no reason) or from a rollwire server
     (its ErrorInfo reason in the trailers)."""

@@ -303,16 +303,6 @@ class Deadline:
         return max(0.0, self._end - time.monotonic())
 
 
-def next_delay(
-    policy: RetryPolicy, error: RollwireError, *, attempt: int, received: bool, deadline: Deadline
-) -> float | None:
-    """Seconds to wait before trying again, or None when `error` is final."""
-    if (policy.max_attempts is not None and attempt >= policy.max_attempts) or not is_retryable(error, received):
-        return None
-    delay = policy.backoff_s(attempt, error.retry_after_s)
-    return delay if delay < deadline.remaining() else None
-
-
 # ---------------------------------------------------------------- stream events and results
 
 

@@ -29,8 +29,8 @@ from rollwire.common.errors import DeadlineExceeded, Unavailable, from_rpc_error
 from rollwire.common.reasons import Reason
 from rollwire.proxy import faults
 from rollwire.proxy.dispatch import Client, Dispatcher, Lease, Need
+from rollwire.proxy.passthrough import PassThrough
 from rollwire.proxy.policies import routing_key
-from rollwire.proxy.relay import Relay
 from rollwire.proxy.replica import Attempt, Replica
 from rollwire.proxy.replicas import ReplicaSet
 from rollwire.runtime.logs import REQUEST_ID_KEY, get_logger
@@ -106,7 +106,7 @@ class GroupRun:
         """Attempts that failed unexplained (faults.SUSPECT): counted only if the group then succeeds elsewhere."""
 
     async def events(self) -> AsyncIterator[pb.GenerateResponse]:
-        """The client's stream: one complete group, or an exception (RollwireError / Relay)."""
+        """The client's stream: one complete group, or an exception (RollwireError / PassThrough)."""
         if self.need.any_replica and not self.replicas.routable():
             await self.dispatcher.wait_for_replica(self.deadline)  # so "latest" resolves to a version
             self.need = resolve(self.request, self.replicas)
@@ -207,7 +207,7 @@ class GroupRun:
             return self._deadline_error()
         if verdict.retry:
             return AttemptFailed(replica, code.name, err.message, visible, verdict.kind, verdict.counts)
-        return Relay(exc)
+        return PassThrough(exc)
 
     def _count(self, failure: AttemptFailed) -> None:
         replica, now = failure.replica, time.monotonic()

@@ -62,7 +62,7 @@ from rollwire.common.writer import MIN_STRIPE_CHUNK
 from rollwire.proxy.config import ProxyConfig
 from rollwire.proxy.metrics import ProxyMetrics
 from rollwire.proxy.peers import Peers
-from rollwire.proxy.replica import PushResult, Replica
+from rollwire.proxy.replica import Replica, ReplicaCall
 from rollwire.proxy.replicas import ReplicaSet
 from rollwire.proxy.spool import Spool, SpooledAdapter, Upload
 from rollwire.proxy.upstream import relay_credentials
@@ -431,7 +431,7 @@ class FanOut:
             reason=Reason.PEER_VERSION_CONFLICT,
         )
 
-    async def _commit(self, pub: _Publication) -> list[PushResult]:
+    async def _commit(self, pub: _Publication) -> list[ReplicaCall]:
         """CommitAdapter on every target that staged the version; the others keep their
         staging failure. One result per target, in address order."""
         timeout = self.config.push.commit_timeout_s
@@ -441,7 +441,7 @@ class FanOut:
         results = []
         for address in sorted(pub.outcomes):
             o = pub.outcomes[address]
-            result = by_address.get(address) or PushResult(o.replica, o.code, o.message, o.reason)
+            result = by_address.get(address) or ReplicaCall(o.replica, o.code, o.message, o.reason)
             self.metrics.pushes.labels(address, result.code.name).inc()
             if result.ok:
                 self.metrics.versions.labels(address, pub.manifest.name).set(o.replica.newest(pub.manifest.name))
@@ -453,7 +453,7 @@ class FanOut:
         pub: _Publication,
         adapter: SpooledAdapter,
         created: bool,
-        results: list[PushResult],
+        results: list[ReplicaCall],
         peers: list[pb.PeerPushResult],
     ) -> pb.PushAdapterResponse:
         accepted = [r for r in results if r.ok]
@@ -493,7 +493,7 @@ class FanOut:
         reply.peers.extend(peers)
         return reply
 
-    def _reply(self, adapter: SpooledAdapter, results: list[PushResult], pushed: list[str]) -> pb.PushAdapterResponse:
+    def _reply(self, adapter: SpooledAdapter, results: list[ReplicaCall], pushed: list[str]) -> pb.PushAdapterResponse:
         accepted = [r.reply for r in results if r.ok and r.reply is not None]
         loaded = set.intersection(*(set(reply.loaded_versions) for reply in accepted)) if accepted else set()
         per_replica = [r.to_pb() for r in results]

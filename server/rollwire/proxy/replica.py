@@ -34,8 +34,9 @@ from rollwire.v1 import generator_pb2_grpc
 
 
 @dataclass
-class PushResult:
-    """The outcome of one push to one replica."""
+class ReplicaCall:
+    """The outcome of one PushAdapter or CommitAdapter call to one replica (the SDK's
+    `PushResult` is a confirmed push, as a client sees it)."""
 
     replica: Replica
     code: grpc.StatusCode
@@ -169,23 +170,23 @@ class Replica:
             attempt.abandon(reason)
         return len(attempts)
 
-    async def push(self, adapter: SpooledAdapter, payload: bytes, timeout: float, request_id: str) -> PushResult:
+    async def push(self, adapter: SpooledAdapter, payload: bytes, timeout: float, request_id: str) -> ReplicaCall:
         """Upload one spooled version; the caller holds `push_lock`."""
         messages = writer.messages(adapter.manifest, payload)
         return await self._adapter_call(self.bulk.PushAdapter, messages, timeout, request_id)
 
-    async def commit(self, manifest: pb.AdapterManifest, timeout: float, request_id: str) -> PushResult:
+    async def commit(self, manifest: pb.AdapterManifest, timeout: float, request_id: str) -> ReplicaCall:
         """Serve a version this replica staged (CommitAdapter with the version's digest)."""
         request = pb.CommitAdapterRequest(name=manifest.name, version=manifest.version, sha256=manifest.sha256)
         return await self._adapter_call(self.generator.CommitAdapter, request, timeout, request_id)
 
-    async def _adapter_call(self, rpc: Any, request: Any, timeout: float, request_id: str) -> PushResult:
+    async def _adapter_call(self, rpc: Any, request: Any, timeout: float, request_id: str) -> ReplicaCall:
         """PushAdapter or CommitAdapter: the reply's loaded versions are what this replica holds now."""
         try:
             metadata = ((REQUEST_ID_KEY, request_id), *self.metadata)
             reply = await rpc(request, timeout=timeout, metadata=metadata)
         except grpc.aio.AioRpcError as exc:
             err = from_rpc_error(exc)
-            return PushResult(self, exc.code(), err.message, err.reason, error=exc)
+            return ReplicaCall(self, exc.code(), err.message, err.reason, error=exc)
         self.set_versions(reply.name, reply.loaded_versions)
-        return PushResult(self, grpc.StatusCode.OK, reply=reply)
+        return ReplicaCall(self, grpc.StatusCode.OK, reply=reply)

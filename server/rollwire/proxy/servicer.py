@@ -22,8 +22,8 @@ from rollwire.proxy.config import ProxyConfig
 from rollwire.proxy.dispatch import Dispatcher, client_name
 from rollwire.proxy.failover import GroupRun
 from rollwire.proxy.fanout import FanOut
+from rollwire.proxy.passthrough import PassThrough
 from rollwire.proxy.peers import Peers
-from rollwire.proxy.relay import Relay
 from rollwire.proxy.sessions import SessionTurns
 from rollwire.runtime.logs import get_logger, request_id_from
 from rollwire.serving import __version__
@@ -82,7 +82,7 @@ class ProxyServicer(generator_pb2_grpc.GeneratorServiceServicer):
             if err.reason in CLIENT_BEHAVIOUR:
                 self.metrics.client_errors.labels(code.name).inc()
             await self._finish(context, context.abort_with_status(to_status(err)), err.reason == Reason.SLOW_READER)  # pyright: ignore[reportAttributeAccessIssue]  # grpc's stubs lack it; it exists at run time
-        except Relay as relay:
+        except PassThrough as relay:
             code = relay.code
             log.info("generate_refused_by_replica", code=code.name, error=relay.details)
             self.metrics.client_errors.labels(code.name).inc()
@@ -101,7 +101,7 @@ class ProxyServicer(generator_pb2_grpc.GeneratorServiceServicer):
     ) -> AsyncIterator[pb.GenerateResponse]:
         """One group through the core, whichever door it came by: admitted under `client`'s
         limits (dispatch.py), "latest" settled with peer proxies, run by failover.py. Raises
-        RollwireError or Relay; closing the iterator frees the client's slot and the lease."""
+        RollwireError or PassThrough; closing the iterator frees the client's slot and the lease."""
         if self.peers is not None and request.adapter.name and not request.adapter.version:
             await self.peers.settled(request.adapter.name, max(0.0, deadline - time.monotonic()))
         with self.dispatcher.admit(client) as admitted:  # exits (frees the client's slot) before any abort

@@ -35,7 +35,7 @@ from rollwire.proxy.http.door import Door
 from rollwire.proxy.http.errors import HttpError, error_response, http_status
 from rollwire.proxy.http.openai import ChatBody, CompletionBody, LoadLoraBody, UnloadLoraBody, check_unhonoured
 from rollwire.proxy.http.stream import stream_group
-from rollwire.proxy.relay import Relay
+from rollwire.proxy.passthrough import PassThrough
 from rollwire.runtime.logs import get_logger
 from rollwire.serving.security import ADMIN, GENERATE
 
@@ -92,8 +92,8 @@ def _observe(app: FastAPI, door: Door) -> None:
         _log_refusal(request, err)
         return error_response(err)
 
-    @app.exception_handler(Relay)
-    async def relayed(request: Request, relay: Relay):
+    @app.exception_handler(PassThrough)
+    async def relayed(request: Request, relay: PassThrough):
         err = relay.error()
         _log_refusal(request, err)
         return error_response(err)

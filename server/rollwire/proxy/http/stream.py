@@ -22,7 +22,7 @@ from rollwire.proxy.http import convert
 from rollwire.proxy.http.door import Door
 from rollwire.proxy.http.errors import error_response
 from rollwire.proxy.http.openai import ChatBody, CompletionBody
-from rollwire.proxy.relay import Relay
+from rollwire.proxy.passthrough import PassThrough
 from rollwire.runtime.logs import get_logger
 from rollwire.v1 import generator_pb2 as pb
 
@@ -101,7 +101,7 @@ class _Events:
                         yield self.event(payload)
             if self.body.stream_options and self.body.stream_options.include_usage:
                 yield self.event({**self.frame([]), "usage": convert.usage([self.group])})
-        except Relay as relay:
+        except PassThrough as relay:
             yield self.event(_error_body(relay.error()))
         except RollwireError as err:
             yield self.event(_error_body(err))

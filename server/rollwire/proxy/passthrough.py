@@ -12,7 +12,7 @@ import grpc
 from rollwire.common.errors import DETAILS_KEY, RollwireError, error_class
 
 
-class Relay(Exception):
+class PassThrough(Exception):
     """A replica's final status, to be sent to the client as it is."""
 
     def __init__(self, exc: grpc.aio.AioRpcError) -> None:
