@@ -59,6 +59,15 @@ def taught_model() -> Path:
 
 
 @pytest.fixture(scope="session")
+def chain_model() -> Path:
+    """The tiny model taught chained addition (make demo-agent's), cached across sessions by its key."""
+    from rollwire.demo.teach import build_taught_model
+    from rollwire.demo.teach_chain import CHAIN_SPEC
+
+    return build_taught_model(TAUGHT_DIR.parent / "taught-chain", CHAIN_SPEC, log=lambda line: None)
+
+
+@pytest.fixture(scope="session")
 def stack(taught_model, tmp_path_factory):
     """One proxy with 2 replicas of the taught model, shared: each test uses its own adapter name."""
     s = start_stack(taught_model, tmp_path_factory.mktemp("learner-stack"), generator_args=FAST_STOP)

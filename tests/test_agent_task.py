@@ -71,15 +71,6 @@ def test_the_teacher_writes_what_the_environment_would_answer():
 
 
 # -- real episodes through a real replica ------------------------------------------------------
-@pytest.fixture(scope="session")
-def chain_model() -> Path:
-    """The tiny model taught chained addition (make demo-agent's), cached by its content key."""
-    from rollwire.demo.teach import build_taught_model
-    from rollwire.demo.teach_chain import CHAIN_SPEC
-
-    return build_taught_model(CHAIN_DIR, CHAIN_SPEC, log=lambda line: None)
-
-
 @pytest.fixture(scope="module")
 def replica(chain_model, workdir):
     svc = start_generator(chain_model, workdir, "chain-generator", "--set", "limits.max_n=16")
@@ -192,4 +183,5 @@ def test_the_node_and_python_producers_episodes_are_all_trained(learner, replica
     summary = json.loads((run / "summary.json").read_text())
     assert summary["ingest"]["trajectories"]["accepted"] == 32
     assert summary["ingest"]["trajectories"]["trained"] == 32  # none lost between acceptance and the step
+    assert summary["ingest"]["trajectories"].keys() <= {"accepted", "trained"}  # nothing dropped, expired or refused
     assert summary["steps"] == 4 and summary["accuracy_before"] is not None

@@ -63,12 +63,13 @@ def main(argv=None) -> int:
         producer = start_producer(run, stack.proxy.target, learner.target, model, args, placement.replicas)
         code = follow(learner, run / "learner", args.budget_s)
         produced = stop_producer(producer, run)
+        serving = serving_counts(stack.proxy, stack.replicas)
         if code != 0:
             say(f"\nthe learner exited with code {code}; the end of {learner.log_path}:")
             print(learner.log_path.read_text(errors="replace")[-3000:])
             return 1
         summary = finish(run, argparse.Namespace(budget_s=args.budget_s, replicas=REPLICAS, engine="transformers"))
-        summary.update(task="chain", producer=produced, ingest=learner_ingest(run))
+        summary.update(task="chain", producer=produced, ingest=learner_ingest(run), serving=serving)
         (run / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
         print_table(summary, run)
         print_rows(ingest_rows(summary))
@@ -157,6 +158,45 @@ def stop_producer(proc: subprocess.Popen, run: Path, timeout: float = 60) -> dic
         return {}
 
 
+def serving_counts(proxy: Service, replicas: list[Service]) -> dict:
+    """What the serving side did with the episodes: the proxy's session routes, the replicas' prefix KV reuse."""
+    from urllib.request import urlopen
+
+    from prometheus_client.parser import text_string_to_metric_families
+
+    def scrape(service: Service) -> dict[str, float]:
+        totals: dict[str, float] = {}
+        try:
+            with urlopen(f"http://{service.host}:{service.metrics_port}/metrics", timeout=10) as reply:
+                text = reply.read().decode()
+        except OSError:
+            return totals
+        for family in text_string_to_metric_families(text):
+            for s in family.samples:
+                key = s.name + "".join(f":{v}" for v in s.labels.values())
+                totals[key] = totals.get(key, 0.0) + s.value
+        return totals
+
+    routes = {
+        k.split(":", 1)[1]: int(v)
+        for k, v in scrape(proxy).items()
+        if k.startswith("rollwire_proxy_session_routes_total:")
+    }
+    hit = computed = 0.0
+    for replica in replicas:
+        metrics = scrape(replica)
+        hit += metrics.get("rollwire_generator_prefix_cache_hit_tokens_total", 0.0)
+        computed += metrics.get("rollwire_generator_prefill_tokens_total", 0.0)
+    later = sum(v for k, v in routes.items() if k != "first")
+    return {
+        "session_routes": routes,
+        "sticky_rate": round(routes.get("sticky", 0) / later, 4) if later else None,
+        "prefix_hit_tokens": int(hit),
+        "prefill_tokens": int(computed),
+        "prefix_hit_rate": round(hit / (hit + computed), 4) if hit + computed else None,
+    }
+
+
 def learner_ingest(run: Path) -> dict:
     return json.loads((run / "learner" / "summary.json").read_text()).get("ingest") or {}
 
@@ -165,7 +205,9 @@ def ingest_rows(s: dict) -> list[tuple[str, str]]:
     produced, ingest = s.get("producer") or {}, s.get("ingest") or {}
     trajectories = ingest.get("trajectories", {})
     refused = {k: v for k, v in trajectories.items() if k not in ("accepted", "trained", "expired", "dropped")}
+    serving = s.get("serving") or {}
     return [
+        ("task", "chained addition, 3 turns: held-out accuracy is the share of episodes with every turn right"),
         (
             "producer",
             f"{produced.get('groups', 'n/a')} groups, {produced.get('episodes', 'n/a')} episodes, "
@@ -173,8 +215,14 @@ def ingest_rows(s: dict) -> list[tuple[str, str]]:
         ),
         (
             "ingested",
-            f"{trajectories.get('accepted', 0)} trajectories accepted, {trajectories.get('trained', 0)} trained; "
+            f"{trajectories.get('accepted', 0)} trajectories accepted: {trajectories.get('trained', 0)} trained, "
+            f"{trajectories.get('dropped', 0)} dropped with their group, {trajectories.get('expired', 0)} expired; "
             f"refused {refused or 'none'}",
+        ),
+        (
+            "sessions",
+            f"sticky turns {serving.get('sticky_rate')} of later turns {serving.get('session_routes')}; "
+            f"prefix KV reuse {serving.get('prefix_hit_rate')} of prompt tokens",
         ),
     ]
 

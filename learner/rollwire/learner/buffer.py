@@ -197,6 +197,8 @@ class Buffer:
         self.next_train_version = 0
         """The earliest version the next batch can be trained at; set as a batch is taken."""
         self._groups: deque[ScoredGroup] = deque()
+        self.drop_observers: list[Callable[[str, list[ScoredGroup]], None]] = []
+        """Told every group dropped from the buffer (stale, shutdown), with the reason."""
 
     def __len__(self) -> int:
         return len(self._groups)
@@ -218,6 +220,7 @@ class Buffer:
         if stale:
             self._groups = deque(fresh)
             self.ledger.drop("stale", len(stale), from_buffer=True)
+            self._dropped("stale", stale)
         return stale
 
     async def take(self, count: int, version: int) -> list[ScoredGroup]:
@@ -234,8 +237,13 @@ class Buffer:
 
     def drain(self, reason: str) -> int:
         """Drop everything left (at shutdown), counted under `reason`."""
-        count = len(self._groups)
+        count, left = len(self._groups), list(self._groups)
         self._groups.clear()
         if count:
             self.ledger.drop(reason, count, from_buffer=True)
+            self._dropped(reason, left)
         return count
+
+    def _dropped(self, reason: str, groups: list[ScoredGroup]) -> None:
+        for observer in self.drop_observers:
+            observer(reason, groups)

@@ -98,6 +98,7 @@ class Ingest:
         self.groups: Counter[str] = Counter()
         """Ingested groups by outcome: completed, trained, expired."""
         self._ids = 0
+        buffer.drop_observers.append(self._dropped_from_buffer)
         self.on_outcome: Callable[[str, int | None], None] = lambda outcome, staleness: None
         """Told each trajectory's outcome ("accepted" or the refusal's reason) and, when accepted, its
         staleness (versions between its oldest trained token and the version the next batch trains at)."""
@@ -152,6 +153,10 @@ class Ingest:
         ingested = [g for g in batch if g.source == "ingest"]
         self.groups["trained"] += len(ingested)
         self.counts["trained"] += sum(len(g.samples) for g in ingested)
+
+    def _dropped_from_buffer(self, reason: str, groups: list[ScoredGroup]) -> None:
+        """Count the ingested samples of groups the buffer dropped after taking them (stale, shutdown)."""
+        self.counts["dropped"] += sum(len(g.samples) for g in groups if g.source == "ingest")
 
     def stop(self) -> None:
         """Refuse what comes next; groups still incomplete are dropped as expired."""
