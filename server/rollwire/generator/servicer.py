@@ -11,6 +11,7 @@ import asyncio
 import contextlib
 import math
 import time
+from collections.abc import AsyncIterator
 
 import grpc
 import structlog
@@ -87,7 +88,7 @@ class GeneratorServicer(generator_pb2_grpc.GeneratorServiceServicer):
     async def Generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext):
         rid = request_id_from(context.invocation_metadata(), request.request_id)
         structlog.contextvars.bind_contextvars(request_id=rid)
-        start, first_token_at, code = time.monotonic(), None, grpc.StatusCode.OK
+        start, code = time.monotonic(), grpc.StatusCode.OK
         selection, turn = None, None
         self.in_flight += 1
         self.metrics.in_flight.inc()
@@ -116,22 +117,9 @@ class GeneratorServicer(generator_pb2_grpc.GeneratorServiceServicer):
                 )
             )
             self.metrics.tokens.labels("prompt").inc(len(group.prompt_ids) * group.n)
-            async with contextlib.aclosing(self.engine.generate(group)) as stream:  # pyright: ignore[reportArgumentType]  # the library's annotation is narrower than what it accepts
-                gathered: list = []  # held back until worth a message (config.stream_interval)
-                async for events in stream:
-                    gathered.extend(events)
-                    if turn is not None:
-                        turn.output.extend(t for ev in events if isinstance(ev, TokenDelta) for t in ev.token_ids)
-                    if worth_sending(gathered, self.config.stream_interval):
-                        if first_token_at is None:  # the first token the client gets, gathered or not
-                            first_token_at = time.monotonic()
-                            self.metrics.ttft.observe(first_token_at - start)
-                        yield self._to_response(gathered, selection.name)
-                        gathered = []
-                if gathered:
-                    yield self._to_response(gathered, selection.name)
-            if turn is not None:
-                turn.commit(group.prompt_ids, turn.output, version=selection.version)
+            async with contextlib.aclosing(self._messages(group, turn, start)) as messages:  # pyright: ignore[reportArgumentType]  # the library's annotation is narrower than what it accepts
+                async for message in messages:
+                    yield message
         except RollwireError as err:
             code = err.code
             log.info("generate_refused", code=code.name, reason=err.reason, error=err.message)
@@ -153,6 +141,30 @@ class GeneratorServicer(generator_pb2_grpc.GeneratorServiceServicer):
             self.in_flight -= 1
             self.metrics.in_flight.dec()
             structlog.contextvars.unbind_contextvars("request_id")
+
+    async def _messages(
+        self, group: GroupRequest, turn: Turn | None, start: float
+    ) -> AsyncIterator[pb.GenerateResponse]:
+        """The engine's events for `group` as response messages, held back until worth one
+        (config.stream_interval); a session turn collects its reply and is committed once the
+        group ended."""
+        name, first = group.adapter.name, True
+        async with contextlib.aclosing(self.engine.generate(group)) as stream:  # pyright: ignore[reportArgumentType]  # the library's annotation is narrower than what it accepts
+            gathered: list = []
+            async for events in stream:
+                gathered.extend(events)
+                if turn is not None:
+                    turn.output.extend(t for ev in events if isinstance(ev, TokenDelta) for t in ev.token_ids)
+                if worth_sending(gathered, self.config.stream_interval):
+                    if first:  # the first token the client gets, gathered or not
+                        first = False
+                        self.metrics.ttft.observe(time.monotonic() - start)
+                    yield self._to_response(gathered, name)
+                    gathered = []
+            if gathered:
+                yield self._to_response(gathered, name)
+        if turn is not None:
+            turn.commit(group.prompt_ids, turn.output, version=group.adapter.version)
 
     def _begin_turn(self, request: pb.GenerateRequest, group: GroupRequest, context) -> Turn | None:
         """A session turn (serving/sessions.py): refused before any work when over a bound, else
