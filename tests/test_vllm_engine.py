@@ -20,15 +20,18 @@ import pytest
 import pytest_asyncio
 import torch
 from support.engines import collect, forward_logprobs, manifest_for
+from support.follow import follow_with_push
 from support.processes import FAST_STOP, GENERATOR_ARGS, start_generator, start_proxy, wait_until
 from support.vllm import require_vllm, vllm_section
 from support.wire import fingerprint, generate, make_adapter, peft_reference, push, status
 
-from rollwire.common.errors import Unavailable
+from rollwire.common import kept
+from rollwire.common.errors import FailedPrecondition, Unavailable
+from rollwire.common.reasons import Reason
 from rollwire.generator.adapters import AdapterRegistry
-from rollwire.generator.engines.vllm_engine import VLLMEngine, completions_body, launch_argv
+from rollwire.generator.engines.vllm_engine import VLLMEngine, completions_body, kept_logprobs_for, launch_argv
 from rollwire.generator.sampling import sample_seed
-from rollwire.generator.types import AdapterSelection, GroupRequest, SamplingParams
+from rollwire.generator.types import AdapterSelection, GroupRequest, SamplingParams, TokenDelta
 
 pytestmark = pytest.mark.integration  # starts a vLLM server: not in make test-fast
 
@@ -57,6 +60,7 @@ def test_launch_flags_and_bodies():
     assert argv[:3] == ["py", "-m", "x"] and argv[-1] == "--z"
     assert " --logprobs-mode processed_logprobs" in " ".join(argv) and "--max-model-len" not in argv
     assert "--enable-lora" in argv and argv[argv.index("--max-loras") + 1] == "4"
+    assert argv[argv.index("--max-logprobs") + 1] == "20"
     seeded = completions_body(group([1, 2], n=3, seed=7, top_k=0), "m", "r1")
     assert seeded["seed"] == sample_seed(7, 0) and seeded["n"] == 3 and seeded["prompt"] == [1, 2]
     assert seeded["top_k"] == -1 and seeded["logprobs"] == 0 and seeded["return_token_ids"] is True
@@ -101,6 +105,34 @@ async def test_top_k_logprobs_are_those_of_the_truncated_distribution(engine, re
         expected = forward_logprobs(reference_model, prompt, out["tokens"][i], temperature=0.8, top_k=5)
         got = torch.tensor(out["logprobs"][i])
         assert torch.allclose(got, expected, atol=1e-4), (got - expected).abs().max()
+
+
+async def test_kept_sets_are_the_tokens_top_k_kept(engine, reference_model):
+    """return_kept_tokens from vLLM's processed top logprobs: each token's kept set is the
+    top-5 of a teacher-forced pass; top-p alone over this vocabulary (100 > vllm.max_logprobs
+    64) is refused before any work."""
+    prompt = engine.tokenize("kept")
+    g = group(prompt, n=2, temperature=0.8, top_k=5, max_new_tokens=8, return_kept=True)
+    tokens: dict[int, list[int]] = {0: [], 1: []}
+    sets: dict[int, list[bytes]] = {0: [], 1: []}
+    async for events in engine.generate(g):
+        for ev in events:
+            if isinstance(ev, TokenDelta):
+                tokens[ev.sample_index] += ev.token_ids
+                sets[ev.sample_index] += ev.kept
+    for i in range(2):
+        ids = torch.tensor([prompt + tokens[i]])
+        with torch.no_grad():
+            logits = reference_model(input_ids=ids).logits[0, len(prompt) - 1 : -1]
+        top5 = [sorted(row.topk(5).indices.tolist()) for row in logits]
+        assert [kept.decode(b) for b in sets[i]] == top5
+        assert all(t in kept.decode(b) for t, b in zip(tokens[i], sets[i], strict=True))
+    with pytest.raises(FailedPrecondition, match="max-logprobs") as err:
+        await collect(engine, group(prompt, top_p=0.8, return_kept=True))
+    assert err.value.reason == Reason.KEPT_TOKENS_UNSUPPORTED
+    assert kept_logprobs_for(SamplingParams(4, top_k=5), 100, 64) == 0  # not asked
+    assert kept_logprobs_for(SamplingParams(4, temperature=0, top_k=5, return_kept=True), 100, 64) == 0  # greedy
+    assert kept_logprobs_for(SamplingParams(4, top_p=0.8, return_kept=True), 100, -1) == 100
 
 
 async def test_the_window_moves_in_vllm(engine, tiny_model):
@@ -168,6 +200,56 @@ def test_a_proxy_serves_one_version_from_a_transformers_and_a_vllm_replica(engin
         for svc in (proxy, vl, tf):
             if svc is not None:
                 svc.stop()
+
+
+def test_a_following_group_continues_under_the_version_pushed_mid_generation(engine, tiny_model, tmp_path):
+    """Follow by continuation on a real vLLM: every sample has tokens of both versions, switching
+    once at a token boundary, none aborted; each token's logprob is that of a teacher-forced
+    pass of the version that produced it over prompt + every token before (the continuation
+    prefilled that prefix under the new version)."""
+    svc = start_generator(
+        tiny_model,
+        tmp_path,
+        "vf",
+        *GENERATOR_ARGS,
+        *FAST_STOP,
+        "--set",
+        "limits.max_new_tokens=240",
+        "--engine",
+        "vllm",
+        "--set",
+        f"vllm.url={engine.api.base_url}",
+        "--set",
+        f"vllm.adapter_dir={tmp_path / 'vf-adapters'}",
+    )
+    try:
+        fp = fingerprint(svc.target)
+        adapters = {v: make_adapter(tiny_model, seed=80 + v, r=4) for v in (1, 2)}
+        push(svc.target, adapters[1].manifest("vfol", 1, fp), adapters[1].payload)
+        prompt = engine.tokenize("follow")
+        got = follow_with_push(
+            svc.target,
+            prompt,
+            2,
+            lambda: push(svc.target, adapters[2].manifest("vfol", 2, fp), adapters[2].payload),
+            max_new_tokens=240,
+            ignore_eos=True,
+            seed=11,
+            adapter="vfol@latest",
+        )
+    finally:
+        svc.stop()
+    reference = {v: peft_reference(tiny_model, adapters[v]) for v in (1, 2)}
+    for i in range(2):
+        v = got.versions[i]
+        assert v == sorted(v) and set(v) == {1, 2}, f"sample {i} did not switch: {sorted(set(v))}"
+        assert got.finished[i].completion_tokens == 240 and got.finished[i].finish_reason == "length"
+        old, old_lp = got.of_version(i, 1)
+        new, new_lp = got.of_version(i, 2)
+        assert got.tokens[i] == old + new  # one switch, at a token boundary
+        assert torch.allclose(torch.tensor(old_lp), forward_logprobs(reference[1], prompt, old), atol=1e-4)
+        expected = forward_logprobs(reference[2], prompt + old, new)
+        assert torch.allclose(torch.tensor(new_lp), expected, atol=1e-4), (torch.tensor(new_lp) - expected).abs().max()
 
 
 # Last: these take the module's server down (the engine restarts a killed one).

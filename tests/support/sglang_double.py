@@ -194,6 +194,9 @@ class DoubleServer:
         self.aborted: set[str] = set()
         self.injected: dict[str, list[tuple[int, object]]] = {}
         self.cut_after_tokens: int | None = None
+        self.hold_at_tokens: int | None = None
+        """Once a row of a request has this many tokens, that request waits for `release` (once)."""
+        self.release = threading.Event()
         self.active_rows = 0
         self.idle = threading.Event()
         self.idle.set()
@@ -494,6 +497,7 @@ class DoubleServer:
         emitted = 0
         try:
             while live:
+                await self._hold([rows[i] for i in live])
                 groups: dict[tuple, list[int]] = {}
                 for i in live:
                     groups.setdefault((len(rows[i].out), lora_names[i]), []).append(i)
@@ -517,6 +521,12 @@ class DoubleServer:
                         self._row_count(-1)
         finally:
             self._row_count(-len(live))
+
+    async def _hold(self, rows: list[Row]) -> None:
+        if self.hold_at_tokens is not None and any(len(r.out) >= self.hold_at_tokens for r in rows):
+            self.hold_at_tokens = None
+            if not await asyncio.to_thread(self.release.wait, 60):
+                raise RuntimeError("the test never released the held request")
 
     def _sample(self, row: Row, logits) -> None:
         torch = self.model.torch

@@ -186,6 +186,10 @@ class VLLMSection(Section):
     """Restarts of a crashed, launched vLLM before the replica gives up."""
     max_concurrent_groups: int = Field(default=256, ge=1)
     """Groups streamed from vLLM at once; more wait in rollwire's queue."""
+    max_logprobs: int = Field(default=64, ge=-1)
+    """vLLM's --max-logprobs (-1: the vocabulary): the most top logprobs a request may ask for, which bounds
+    return_kept_tokens: a top-k group needs top_k + 1, a top-p-only group the whole vocabulary. Give a server at
+    `url` the value it was started with."""
 
 
 class ScriptedSection(Section):

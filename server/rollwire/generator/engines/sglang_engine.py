@@ -17,38 +17,31 @@ Invariants:
   SGLang was started with, so SGLang's own LRU eviction never unloads a servable version;
 - after SGLang restarts, every adapter the registry still holds is loaded again before the
   replica serves again;
-- closing a generate stream closes the HTTP stream and aborts its SGLang requests.
+- closing a generate stream closes the HTTP stream and aborts its SGLang requests;
+- a following group switches by continuation (served_follow.py): SGLang fixes a request's
+  LoRA at admission, so each unfinished sample goes on as a new request under the new one.
 """
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
 from pathlib import Path
 
-from rollwire.common.errors import FailedPrecondition, RollwireError, Unavailable
+from rollwire.common.errors import FailedPrecondition, RollwireError
 from rollwire.common.reasons import Reason
 from rollwire.generator.config import GeneratorConfig, SGLangSection
-from rollwire.generator.engines.served import (
-    ServedAdapter,
-    ServedEngine,
-    find_key,
-    peft_config,
-    read_secret,
-    write_peft_folder,
-)
+from rollwire.generator.engines.served import NO_TEXT, ServedAdapter, ServedEngine, ServerCall
+from rollwire.generator.engines.served_files import find_key, peft_config, read_secret, write_peft_folder
 from rollwire.generator.engines.sglang_process import launch_argv, write_key_config
 from rollwire.generator.engines.sglang_protocol import (
-    DONE,
     SGLANG,
     TARGET_VERSION,
     StreamTracker,
     abort_body,
     generate_body,
     load_lora_body,
-    parse_sse_line,
     unload_lora_body,
 )
-from rollwire.generator.types import Event, GroupRequest
+from rollwire.generator.types import GroupRequest
 from rollwire.runtime.logs import get_logger
 
 log = get_logger(__name__)
@@ -112,32 +105,13 @@ class SGLangEngine(ServedEngine):
         )
 
     # -- serving ---------------------------------------------------------------------------
-    async def generate(self, group: GroupRequest) -> AsyncIterator[list[Event]]:
-        self.check_up()
-        seeds = self._seeds(group)
-        lora = self._lora_name(group.adapter.handle, f"{group.adapter.name!r} v{group.adapter.version}")
-        rid = f"{group.request_id}.{next(self._rids)}"
-        body, rids = generate_body(group, lora, seeds, rid)
-        tracker = StreamTracker(group, self._text_stream)
-        async with self._slots.held():
-            try:
-                async with self.api.stream_lines("/generate", body, f"generation of {rid}") as lines:
-                    async for line in lines:
-                        item = parse_sse_line(line)
-                        if item is DONE:
-                            break
-                        if isinstance(item, dict) and (events := tracker.feed(item)):
-                            yield events
-                if not tracker.complete:
-                    raise Unavailable(
-                        f"SGLang ended the stream of {rid} before all {group.n} samples finished; "
-                        "the partial samples are void, retry the group",
-                        reason=Reason.SGLANG_STREAM_CUT,
-                        retry_after_s=1.0,
-                    )
-            finally:
-                if not tracker.complete:
-                    self._abort(rids or sorted(tracker.rids))
+    def _check_group(self, group: GroupRequest) -> None:
+        self._seeds(group)
+
+    def _call(self, segment: GroupRequest, lora: str | None, rid: str) -> ServerCall:
+        body, rids = generate_body(segment, lora, self._seeds(segment), rid)
+        tracker = StreamTracker(segment, NO_TEXT)
+        return ServerCall("/generate", body, tracker, lambda: rids or sorted(tracker.rids))
 
     def _seeds(self, group: GroupRequest) -> list[int] | None:
         if group.sampling.seed is None:
@@ -152,13 +126,9 @@ class SGLangEngine(ServedEngine):
 
         return [sample_seed(group.sampling.seed, i) % (1 << 31) for i in range(group.n)]
 
-    def _abort(self, rids: list[str]) -> None:
+    async def _send_abort(self, ids: list[str]) -> None:
         """Ask SGLang to stop the given requests now (closing the stream stops them too, later)."""
-        if rids:
-            self._abort_later(lambda: self._send_aborts(rids))
-
-    async def _send_aborts(self, rids: list[str]) -> None:
-        for rid in rids:
+        for rid in ids:
             try:
                 await self.api.post_json("/abort_request", abort_body(rid), f"aborting {rid}", admin=True)
             except RollwireError as err:

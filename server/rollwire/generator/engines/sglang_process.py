@@ -15,7 +15,7 @@ import os
 import sys
 from pathlib import Path
 
-from rollwire.generator.engines.served import free_port
+from rollwire.generator.engines.served_process import free_port
 
 
 # -- launching -----------------------------------------------------------------------------

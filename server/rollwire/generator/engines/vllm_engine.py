@@ -21,36 +21,35 @@ Invariants (with served.py's):
 - a seeded group sends vLLM `seed = sample_seed(seed, 0)`: vLLM seeds child i of a parallel
   request with `seed + i`, which is `sample_seed(seed, i)`, so every sample has its own
   reproducible stream (one seed for all would give n identical samples);
+- with return_kept_tokens on a truncated group, each token's kept set is the finite entries
+  of its processed top logprobs (keyed by token id), asked for deep enough to reach a
+  masked token (kept_logprobs_for) and refused (KEPT_TOKENS_UNSUPPORTED) where
+  vllm.max_logprobs is too small; a kept token below e^-9999 (vLLM's clamp of -inf) is not
+  told apart from a masked one;
 - a sample ends exactly once: `length` -> length, `stop` with a matched stop string ->
   stop, `stop` without one -> eos (the EOS token is reported, as the transformers engine
   does); anything else (abort, error chunk) fails the group with vLLM's message;
 - closing a generate stream closes the HTTP stream (vLLM aborts on disconnect) and, when
-  vLLM offers /abort_requests (VLLM_SERVER_DEV_MODE=1), asks it to abort at once.
+  vLLM offers /abort_requests (VLLM_SERVER_DEV_MODE=1), asks it to abort at once;
+- a following group switches by continuation (served_follow.py): each continued token's
+  logprob is the new version's, over a prefix it prefilled itself.
 """
 
 from __future__ import annotations
 
 import sys
 import time
-from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from rollwire.common import kept
 from rollwire.common.errors import FailedPrecondition, Internal, RollwireError, Unavailable
 from rollwire.common.reasons import Reason
 from rollwire.generator.config import GeneratorConfig, VLLMSection
 from rollwire.generator.detokenize import TextStream
-from rollwire.generator.engines import served
-from rollwire.generator.engines.served import (
-    DONE,
-    ServedAdapter,
-    ServedEngine,
-    ServerKind,
-    ServerReasons,
-    error_from_body,
-    read_secret,
-    status_of,
-)
+from rollwire.generator.engines.served import NO_TEXT, ServedAdapter, ServedEngine, ServerCall
+from rollwire.generator.engines.served_files import read_secret
+from rollwire.generator.engines.served_http import ServerKind, ServerReasons, error_from_body, status_of
 from rollwire.generator.types import Event, GroupRequest, SampleDone, SamplingParams, TokenDelta
 from rollwire.runtime.logs import get_logger
 
@@ -105,6 +104,7 @@ def launch_argv(
     dtype: str,
     max_model_len: int,
     extra_args: list[str],
+    max_logprobs: int = 20,
 ) -> list[str]:
     """vLLM's command line: LoRA on, its rank and slots sized for the window, and the logprobs
     of the distribution actually sampled from (`processed_logprobs`)."""
@@ -112,14 +112,17 @@ def launch_argv(
     argv += ["--model", model, "--host", host, "--port", str(port), "--dtype", dtype]
     argv += ["--enable-lora", "--max-lora-rank", str(max_lora_rank), "--max-loras", str(max_loras)]
     argv += ["--max-cpu-loras", str(max_loras), "--logprobs-mode", "processed_logprobs"]
+    argv += ["--max-logprobs", str(max_logprobs)]
     if max_model_len:
         argv += ["--max-model-len", str(max_model_len)]
     return argv + list(extra_args)
 
 
-def completions_body(group: GroupRequest, model: str, rid: str) -> dict:
+def completions_body(group: GroupRequest, model: str, rid: str, kept_logprobs: int = 0) -> dict:
     """The /v1/completions body for a group: token-id prompt, n samples, streamed, with each
     token's id and logprob. `rid` becomes vLLM's request id (`cmpl-{rid}-{prompt index}`).
+    `kept_logprobs` > 0 asks for that many top logprobs per token, keyed by token id, from which
+    the tracker reads the kept set (`kept_logprobs_for`).
 
     vLLM refuses `n > 1` with greedy sampling, so a greedy group sends the prompt n times
     with n = 1 (choice `index` is then the prompt's index; the prefix cache shares the prompt).
@@ -130,11 +133,13 @@ def completions_body(group: GroupRequest, model: str, rid: str) -> dict:
         "prompt": [list(group.prompt_ids)] * group.n if greedy else list(group.prompt_ids),
         "n": 1 if greedy else group.n,
         "stream": True,
-        "logprobs": 0,
+        "logprobs": kept_logprobs,
         "return_token_ids": True,
         "request_id": rid,
         **sampling_fields(group.sampling),
     }
+    if kept_logprobs:
+        body["return_tokens_as_token_ids"] = True  # top logprobs keyed "token_id:N", never by text
     if group.sampling.seed is not None:
         from rollwire.generator.sampling import sample_seed  # one definition of per-sample seeds
 
@@ -162,6 +167,45 @@ def sampling_fields(s: SamplingParams) -> dict:
     return fields
 
 
+def truncated(s: SamplingParams) -> bool:
+    """Whether top-k/top-p truncate the distribution a token is drawn from (greedy: no kept set)."""
+    return s.temperature > 0 and (s.top_k > 0 or s.top_p < 1.0)
+
+
+def kept_logprobs_for(s: SamplingParams, vocab_size: int, max_logprobs: int) -> int:
+    """How many top logprobs a request with return_kept needs (0: none, the set is the whole
+    vocabulary); refuses when vLLM's --max-logprobs cannot cover the kept set.
+
+    With processed_logprobs, a token outside the kept set has logprob -inf (sent as -9999.0),
+    so the kept set is the finite entries of a top list long enough to reach one masked token:
+    top_k + 1 under top-k, the whole vocabulary under top-p alone.
+    """
+    if not (s.return_kept and truncated(s)):
+        return 0
+    cap = vocab_size if max_logprobs == -1 else max_logprobs
+    if vocab_size <= cap:
+        return vocab_size
+    if s.top_k > 0 and s.top_k + 1 <= cap:
+        return s.top_k + 1
+    need = f"top_k + 1 = {s.top_k + 1}" if s.top_k else f"the vocabulary ({vocab_size} tokens) under top-p alone"
+    raise FailedPrecondition(
+        f"return_kept_tokens needs {need} top logprobs per token from vLLM, above its --max-logprobs {cap}; "
+        f"use a top_k below {cap}, or start vLLM with a larger vllm.max_logprobs",
+        reason=Reason.KEPT_TOKENS_UNSUPPORTED,
+    )
+
+
+def kept_set(entry, index: int) -> bytes:
+    """The kept set encoded (rollwire.common.kept) from one token's top logprobs {"token_id:N": lp}."""
+    if not isinstance(entry, dict):
+        raise Internal(f"vLLM sent no top logprobs for a token of sample {index}; is it vLLM >= 0.10?")
+    try:
+        ids = [int(key.rsplit(":", 1)[1]) for key, lp in entry.items() if lp > -9999.0]
+    except (IndexError, ValueError):
+        raise Internal(f"vLLM keyed top logprobs by text, not token id, for sample {index}") from None
+    return kept.encode(ids)
+
+
 # -- streamed responses ----------------------------------------------------------------------
 @dataclass
 class _Sample:
@@ -182,10 +226,13 @@ class CompletionTracker:
 
     group: GroupRequest
     samples: list[_Sample] = field(default_factory=list)
+    kept_logprobs: int = 0
+    """The top logprobs asked per token for kept sets (0: none asked)."""
+    vocab_size: int = 0
 
     @classmethod
-    def of(cls, group: GroupRequest, text_stream) -> CompletionTracker:
-        return cls(group, [_Sample(text_stream()) for _ in range(group.n)])
+    def of(cls, group: GroupRequest, text_stream, kept_logprobs: int = 0, vocab_size: int = 0) -> CompletionTracker:
+        return cls(group, [_Sample(text_stream()) for _ in range(group.n)], kept_logprobs, vocab_size)
 
     @property
     def complete(self) -> bool:
@@ -217,13 +264,31 @@ class CompletionTracker:
             )
         if ids:
             sample.tokens += len(ids)
-            events.append(
-                TokenDelta(index, ids, [float(lp) for lp in logprobs], sample.text.add(ids), self.group.adapter.version)
-            )
+            lps = [float(lp) for lp in logprobs]
+            delta = TokenDelta(index, ids, lps, sample.text.add(ids), self.group.adapter.version)
+            if self.group.sampling.return_kept:
+                delta.kept = self._kept(choice, index, len(ids))
+            events.append(delta)
         finish = choice.get("finish_reason")
         if finish is not None:
             events.append(self._finish(index, finish, choice.get("stop_reason")))
         return events
+
+    def _kept(self, choice: dict, index: int, count: int) -> list[bytes]:
+        if not self.kept_logprobs:
+            return [b""] * count  # not truncated: the whole vocabulary
+        top = (choice.get("logprobs") or {}).get("top_logprobs") or []
+        if len(top) != count:
+            raise Internal(f"vLLM sent {len(top)} top-logprob entries for {count} tokens of sample {index}")
+        sets = [kept_set(entry, index) for entry in top]
+        if self.kept_logprobs < self.vocab_size and any(
+            sum(lp > -9999.0 for lp in entry.values()) >= self.kept_logprobs for entry in top
+        ):
+            raise Internal(
+                f"vLLM kept more than {self.kept_logprobs - 1} tokens for sample {index} (ties at the top-k "
+                "boundary), so the kept set is not known; retry with another top_k"
+            )
+        return sets
 
     def _finish(self, index: int, finish: str, stop_reason) -> SampleDone:
         if finish == "length":
@@ -249,6 +314,8 @@ class VLLMEngine(ServedEngine):
     name = "vllm"
     kind = VLLM
     settings: VLLMSection
+    returns_kept_tokens = True
+    """From processed top logprobs (kept_logprobs_for), within vllm.max_logprobs."""
 
     def __init__(self, model_dir: str | Path, settings: VLLMSection, *, adapter_window: int) -> None:
         super().__init__(model_dir, settings, adapter_window=adapter_window)
@@ -275,6 +342,7 @@ class VLLMEngine(ServedEngine):
             dtype=s.dtype,
             max_model_len=s.max_model_len,
             extra_args=s.extra_args,
+            max_logprobs=s.max_logprobs,
         )
         env = {**s.env, "VLLM_ALLOW_RUNTIME_LORA_UPDATING": "1"}
         if api_key:
@@ -314,42 +382,27 @@ class VLLMEngine(ServedEngine):
         log.info("vllm_warm", seconds=round(time.monotonic() - started, 2))
 
     # -- serving ---------------------------------------------------------------------------
-    async def generate(self, group: GroupRequest) -> AsyncIterator[list[Event]]:
-        self.check_up()
-        lora = self._lora_name(group.adapter.handle, f"{group.adapter.name!r} v{group.adapter.version}")
-        rid = f"{group.request_id}.{next(self._rids)}.{self._nonce}"
-        body = completions_body(group, lora or self.base_name, rid)
-        tracker = CompletionTracker.of(group, self._text_stream)
-        async with self._slots.held():
-            try:
-                async with self.api.stream_lines("/v1/completions", body, f"generation of {rid}") as lines:
-                    async for line in lines:
-                        item = served.parse_sse_line(line, VLLM)
-                        if item is DONE:
-                            break
-                        if isinstance(item, dict) and (events := tracker.feed(item)):
-                            yield events
-                if not tracker.complete:
-                    raise Unavailable(
-                        f"vLLM ended the stream of {rid} before all {group.n} samples finished; "
-                        "the partial samples are void, retry the group",
-                        reason=Reason.ENGINE_SERVER_STREAM_CUT,
-                        retry_after_s=1.0,
-                    )
-            finally:
-                if not tracker.complete and self._can_abort:
-                    prompts = len(body["prompt"]) if isinstance(body["prompt"][0], list) else 1
-                    ids = [f"cmpl-{rid}-{i}" for i in range(prompts)]
-                    self._abort_later(lambda: self._send_abort(ids))
+    def _check_group(self, group: GroupRequest) -> None:
+        kept_logprobs_for(group.sampling, self.vocab_size, self.settings.max_logprobs)
 
-    async def _send_abort(self, request_ids: list[str]) -> None:
+    def _call(self, segment: GroupRequest, lora: str | None, rid: str) -> ServerCall:
+        k = kept_logprobs_for(segment.sampling, self.vocab_size, self.settings.max_logprobs)
+        body = completions_body(segment, lora or self.base_name, rid, k)
+        prompts = len(body["prompt"]) if isinstance(body["prompt"][0], list) else 1
+        ids = [f"cmpl-{rid}-{i}" for i in range(prompts)]  # vLLM's ids for a request id and its prompts
+        tracker = CompletionTracker.of(segment, NO_TEXT, k, self.vocab_size)
+        return ServerCall("/v1/completions", body, tracker, lambda: ids)
+
+    async def _send_abort(self, ids: list[str]) -> None:
         """Ask vLLM to abort requests now (closing their stream aborts them too, a step later)."""
+        if not self._can_abort:
+            return
         try:
-            await self.api.post_json("/abort_requests", {"request_ids": request_ids}, f"aborting {request_ids[0]}")
+            await self.api.post_json("/abort_requests", {"request_ids": ids}, f"aborting {ids[0]}")
         except FailedPrecondition:  # 404: vLLM runs without VLLM_SERVER_DEV_MODE; the disconnect suffices
             self._can_abort = False
         except RollwireError as err:
-            log.info("vllm_abort_failed", request_ids=request_ids, error=err.message)
+            log.info("vllm_abort_failed", request_ids=ids, error=err.message)
 
     # -- adapters ----------------------------------------------------------------------------
     async def _server_load(self, adapter: ServedAdapter) -> None:
