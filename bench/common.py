@@ -17,6 +17,9 @@ from datetime import UTC, datetime
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+# tests/support holds the network lab (support.netlab) a benchmark may use; it is not shipped.
+if str(ROOT / "tests") not in sys.path:
+    sys.path.append(str(ROOT / "tests"))
 RESULTS = ROOT / "bench" / "results"
 WORK = ROOT / "runs" / "bench"
 

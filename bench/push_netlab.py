@@ -1,6 +1,6 @@
 """Weight push on netlab: a LoRA adapter through the proxy to N replicas, each a host behind its own link.
 
-The proxy and every replica run in their own network namespace (rollwire.netlab) behind a
+The proxy and every replica run in their own network namespace (tests/support/netlab.py) behind a
 link shaped to --rate Mbit/s in each direction; the pusher (this process) is outside, on a
 link of the same rate. Replicas are scripted engines serving a config-only Qwen2.5-1.5B-shaped
 folder, and the payload is a synthetic rank-16 adapter on all linear layers (bf16, 36.9 MB),
@@ -39,9 +39,9 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from common import QWEN25, WORK, config_only_model, spread, write_result
+from support import netlab  # tests/support, on the path through common
 from weight_push import Pusher, lora_shapes, safetensors_bytes
 
-from rollwire import netlab
 from rollwire.common.fingerprint import model_fingerprint
 from rollwire.common.writer import MAX_CHUNK
 from rollwire.demo.stack import Service, routing, start

@@ -181,7 +181,7 @@ def test_every_image_runs_as_the_non_root_user_the_manifests_expect(path):
 
 def test_scraped_learner_metrics_bind_all_interfaces(tmp_path):
     from rollwire.learner.config import LearnerConfig
-    from rollwire.serving.security import is_loopback
+    from rollwire.runtime.security import is_loopback
 
     (tmp_path / "learner.toml").write_text(by_kind("ConfigMap")["rollwire-learner-config"]["data"]["learner.toml"])
     learner = load_config(LearnerConfig, tmp_path / "learner.toml")

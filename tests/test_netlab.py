@@ -15,11 +15,16 @@ import time
 from pathlib import Path
 
 import pytest
-
-from rollwire import netlab
-from rollwire.netlab import Netlab, copy_time
+from support import netlab
+from support.netlab import Netlab, copy_time
 
 pytestmark = pytest.mark.integration
+
+# The lab lives in tests/support, so a child that imports it needs tests/ on its path.
+TESTS_ENV = {
+    **os.environ,
+    "PYTHONPATH": os.pathsep.join(filter(None, [str(Path(__file__).parent), os.environ.get("PYTHONPATH")])),
+}
 
 ECHO_SERVER = """
 import socket, sys, threading
@@ -36,7 +41,7 @@ while True:
 
 CHILD_LAB = """
 import json, subprocess, sys, time
-from rollwire.netlab import Netlab
+from support.netlab import Netlab
 lab = Netlab(rate_mbit=100)
 host = lab.add_host("a")
 inside = host.popen(["sleep", "300"])
@@ -149,7 +154,7 @@ def test_an_exception_in_the_block_leaves_nothing_behind():
 
 
 def _start_child() -> tuple[subprocess.Popen, dict]:
-    child = subprocess.Popen([sys.executable, "-c", CHILD_LAB], stdout=subprocess.PIPE, text=True)
+    child = subprocess.Popen([sys.executable, "-c", CHILD_LAB], stdout=subprocess.PIPE, text=True, env=TESTS_ENV)
     assert child.stdout is not None
     line = child.stdout.readline()
     assert line, f"the child lab failed (exit {child.wait()})"
@@ -167,7 +172,11 @@ def test_a_killed_creator_leaves_leftovers_that_the_next_lab_and_sweep_remove():
             Netlab(rate_mbit=100).close()
         else:
             out = subprocess.run(
-                [sys.executable, "-m", "rollwire.netlab", "--sweep"], capture_output=True, text=True, check=True
+                [sys.executable, "-m", "support.netlab", "--sweep"],
+                capture_output=True,
+                text=True,
+                check=True,
+                env=TESTS_ENV,
             )
             assert info["prefix"] + "-a" in out.stdout
         assert _names(info["prefix"]) == [], remover

@@ -1,6 +1,6 @@
 """Partitions and freezes are detected within the keepalive bound, and heal.
 
-The partition cases run on the emulated network (rollwire.netlab: each process in its own
+The partition cases run on the emulated network (tests/support/netlab.py: each process in its own
 network namespace, links cut silently: no FIN, no RST, no ICMP), skipped with netlab's reason
 where namespaces cannot be made: a replica cut mid-stream, an interior replica of a relay
 chain cut mid-push, a client and a learner cut off from the proxy. The freeze case (SIGSTOP)
@@ -21,10 +21,10 @@ from pathlib import Path
 
 import grpc
 import pytest
+from support import netlab
 from support.processes import GENERATOR_ARGS, start_generators, start_service, stop_all, wait_until
 from support.wire import make_adapter, metric_value
 
-from rollwire import netlab
 from rollwire.client import Client, Finished, Restarted, RollwireError, Started
 from rollwire.common.keepalive import Keepalive
 from rollwire.demo.stack import Service, rollwire_cmd

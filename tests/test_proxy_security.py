@@ -10,7 +10,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from support.processes import GENERATOR_ARGS, free_port, start_generator, start_service, wait_until
 from support.wire import all_methods, make_adapter, push_messages, request, run_group
 
-from rollwire.serving.security import METHOD_ROLES
+from rollwire.runtime.security import METHOD_ROLES
 from rollwire.v1 import admin_pb2 as apb
 from rollwire.v1 import admin_pb2_grpc, generator_pb2_grpc
 from rollwire.v1 import generator_pb2 as pb

@@ -12,8 +12,8 @@ import grpc
 import pytest
 from support.processes import start_generator
 
-from rollwire.serving import security
-from rollwire.serving.security import AuthSection, TlsSection, TokenAuth, TokenFile, is_loopback, warn_if_exposed
+from rollwire.runtime import security
+from rollwire.runtime.security import AuthSection, TlsSection, TokenAuth, TokenFile, is_loopback, warn_if_exposed
 from rollwire.v1 import generator_pb2
 
 GET_STATUS = "/rollwire.v1.GeneratorService/GetStatus"

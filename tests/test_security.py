@@ -10,7 +10,7 @@ from support.wire import all_methods
 
 from rollwire.client import Client, TlsConfig
 from rollwire.common.errors import PermissionDenied, Unauthenticated, Unavailable
-from rollwire.serving.security import METHOD_ROLES
+from rollwire.runtime.security import METHOD_ROLES
 
 GENERATE_TOKEN, ADMIN_TOKEN = "gen-secret-123", "admin-secret-456"
 

@@ -14,7 +14,7 @@ from pydantic import Field, model_validator
 
 from rollwire.learner.losses import LOSSES
 from rollwire.runtime.config import Section
-from rollwire.serving.security import AuthSection, TlsSection
+from rollwire.runtime.security import AuthSection, TlsSection
 
 LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 

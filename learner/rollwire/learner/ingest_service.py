@@ -18,7 +18,7 @@ from rollwire.common.keepalive import DEFAULT as DEFAULT_KEEPALIVE
 from rollwire.learner.config import IngestSection
 from rollwire.learner.ingest import Ingest, Trajectory, bad_trajectory
 from rollwire.runtime.logs import get_logger
-from rollwire.serving.security import TokenAuth, add_port, interceptors, warn_if_exposed
+from rollwire.runtime.security import TokenAuth, add_port, interceptors, warn_if_exposed
 from rollwire.v1 import learner_pb2 as lpb
 from rollwire.v1 import learner_pb2_grpc
 

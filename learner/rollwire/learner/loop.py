@@ -16,8 +16,8 @@ import signal
 from rollwire.learner.config import LearnerConfig
 from rollwire.learner.session import Session
 from rollwire.learner.wiring import open_session
+from rollwire.runtime.durable import write_ready_file
 from rollwire.runtime.logs import get_logger
-from rollwire.serving.scaffold import write_ready_file
 
 log = get_logger(__name__)
 

@@ -15,8 +15,7 @@ import asyncio
 from dataclasses import dataclass
 from pathlib import Path
 
-from rollwire.client import AsyncClient
-from rollwire.client._common import TlsConfig
+from rollwire.client import AsyncClient, TlsConfig
 from rollwire.common.fingerprint import model_fingerprint
 from rollwire.common.secrets import SecretFileError, read_secret_file
 from rollwire.learner import checkpoint

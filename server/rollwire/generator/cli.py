@@ -63,7 +63,7 @@ def _registration(config):
     from pathlib import Path
 
     from rollwire.generator.registration import Registration
-    from rollwire.serving.security import read_tokens
+    from rollwire.runtime.security import read_tokens
 
     token = sorted(read_tokens(reg.token_file))[0] if reg.token_file else ""
     try:

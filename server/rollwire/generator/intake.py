@@ -45,8 +45,8 @@ from rollwire.push.plan import grant_key, split_plan, unplanned
 from rollwire.push.reader import Opening, PushReader
 from rollwire.push.results import status_with_results
 from rollwire.runtime.logs import REQUEST_ID_KEY, get_logger, request_id_from
+from rollwire.runtime.security import RELAY, TokenAuth, caller_role, require_stage_only
 from rollwire.serving.dial import Dialer, bearer
-from rollwire.serving.security import RELAY, TokenAuth, caller_role, require_stage_only
 from rollwire.v1 import generator_pb2 as pb
 
 log = get_logger(__name__)

@@ -40,8 +40,8 @@ from rollwire.generator.types import (
     worth_sending,
 )
 from rollwire.runtime.logs import get_logger, request_id_from
+from rollwire.runtime.security import TokenAuth
 from rollwire.serving import __version__
-from rollwire.serving.security import TokenAuth
 from rollwire.serving.sessions import SessionStore, Turn, caller_identity, check_turn
 from rollwire.v1 import generator_pb2 as pb
 from rollwire.v1 import generator_pb2_grpc

@@ -35,7 +35,7 @@ from rollwire.proxy.config import RegistrationSection, check_address
 from rollwire.proxy.replica import Replica
 from rollwire.proxy.replicas import ReplicaSet
 from rollwire.runtime.logs import get_logger
-from rollwire.serving.security import REGISTER, TokenAuth, caller_role
+from rollwire.runtime.security import REGISTER, TokenAuth, caller_role
 from rollwire.v1 import admin_pb2 as apb
 from rollwire.v1 import admin_pb2_grpc
 

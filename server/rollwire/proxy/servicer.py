@@ -26,8 +26,8 @@ from rollwire.proxy.passthrough import PassThrough
 from rollwire.proxy.peers import Peers
 from rollwire.proxy.sessions import SessionTurns
 from rollwire.runtime.logs import get_logger, request_id_from
+from rollwire.runtime.security import ADMIN, TokenAuth, caller_role, require_peer, require_stage_only
 from rollwire.serving import __version__
-from rollwire.serving.security import ADMIN, TokenAuth, caller_role, require_peer, require_stage_only
 from rollwire.serving.sessions import SessionStore
 from rollwire.v1 import generator_pb2 as pb
 from rollwire.v1 import generator_pb2_grpc

@@ -14,6 +14,7 @@ ready files. `storage_error` turns a failed write into the status a client is se
 from __future__ import annotations
 
 import errno
+import json
 import os
 import shutil
 import tempfile
@@ -106,3 +107,9 @@ def atomic_dir(final: Path, *, replace: bool = True) -> Iterator[Path]:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     fsync_dir(final.parent)
+
+
+def write_ready_file(path: str, data: dict) -> None:
+    """Atomically write the ports a supervisor or test waits for (every server process, the
+    learner's ingest service included)."""
+    write_atomic(Path(path), json.dumps(data).encode())

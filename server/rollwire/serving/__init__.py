@@ -1,4 +1,4 @@
-"""What every rollwire server process shares: the version string and security (serving.security).
+"""What every rollwire server process shares: the version string and security (runtime.security).
 
 The generator (`rollwire.generator`) and the proxy (`rollwire.proxy`) are separate processes
 in sibling packages; anything both need to serve gRPC lives here, never in one of them.

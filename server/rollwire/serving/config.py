@@ -9,8 +9,8 @@ from typing import Any
 from pydantic import Field
 
 from rollwire.runtime.config import Section
+from rollwire.runtime.security import AuthSection, TlsSection
 from rollwire.serving.keepalive import KeepaliveSection
-from rollwire.serving.security import AuthSection, TlsSection
 from rollwire.serving.sessions import SessionSection
 
 

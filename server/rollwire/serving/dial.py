@@ -52,7 +52,7 @@ def bearer(token_file: str) -> tuple[tuple[str, str], ...]:
     """The authorization metadata for the first token in `token_file` (none when it is empty)."""
     if not token_file:
         return ()
-    from rollwire.serving.security import read_tokens
+    from rollwire.runtime.security import read_tokens
 
     return (("authorization", f"Bearer {sorted(read_tokens(token_file))[0]}"),)
 

@@ -10,13 +10,11 @@ stop sending), then the server drains for `grace` seconds, then the probe and me
 from __future__ import annotations
 
 import asyncio
-import json
 import os
 import signal
 from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass, field
 from http.server import HTTPServer
-from pathlib import Path
 from typing import TypeVar
 
 import grpc
@@ -27,10 +25,9 @@ from prometheus_client import CollectorRegistry, start_http_server
 
 from rollwire.common.keepalive import DEFAULT as DEFAULT_KEEPALIVE
 from rollwire.common.keepalive import Keepalive
-from rollwire.runtime.durable import write_atomic
+from rollwire.runtime.durable import write_ready_file
 from rollwire.runtime.logs import get_logger
-from rollwire.serving.config import ServerConfig
-from rollwire.serving.security import (
+from rollwire.runtime.security import (
     TlsSection,
     TokenAuth,
     add_port,
@@ -38,6 +35,7 @@ from rollwire.serving.security import (
     start_health_port,
     warn_if_exposed,
 )
+from rollwire.serving.config import ServerConfig
 
 log = get_logger(__name__)
 C = TypeVar("C", bound=ServerConfig)
@@ -152,11 +150,6 @@ async def serve(
         await running.stop(config.grace_seconds)
 
     await serve_until_signal(ready_file, running.ready(), on_stop)
-
-
-def write_ready_file(path: str, data: dict) -> None:
-    """Atomically write the ports a supervisor or test waits for."""
-    write_atomic(Path(path), json.dumps(data).encode())
 
 
 async def serve_until_signal(ready_file: str | None, ready: dict, on_stop: Callable[[], Awaitable[None]]) -> None:

@@ -37,7 +37,7 @@ from rollwire.proxy.http.openai import ChatBody, CompletionBody, LoadLoraBody, U
 from rollwire.proxy.http.stream import stream_group
 from rollwire.proxy.passthrough import PassThrough
 from rollwire.runtime.logs import get_logger
-from rollwire.serving.security import ADMIN, GENERATE
+from rollwire.runtime.security import ADMIN, GENERATE
 
 log = get_logger(__name__)
 

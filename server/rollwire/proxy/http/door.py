@@ -24,7 +24,7 @@ from rollwire.proxy.http.openai import ChatBody
 from rollwire.proxy.http.tokenizer import ChatTokenizer
 from rollwire.proxy.servicer import ProxyServicer
 from rollwire.runtime.logs import get_logger
-from rollwire.serving.security import TokenAuth
+from rollwire.runtime.security import TokenAuth
 from rollwire.v1 import generator_pb2 as pb
 
 log = get_logger(__name__)

@@ -23,7 +23,7 @@ Invariants:
 - Every name starts with the lab's prefix `rwl<pid>-<seq>` (pid: the creating process), and
   /run/rollwire-netlab/<prefix>.json records that process's start time. A lab whose creator is
   dead (or whose pid now belongs to a younger process) is a leftover: a new Netlab, `sweep()`
-  and `python -m rollwire.netlab --sweep` delete it, processes inside it first. This covers
+  and `python -m support.netlab --sweep` delete it, processes inside it first. This covers
   a creator killed by SIGKILL.
 - A lab is torn down exactly once, whatever the exit: `close()`, the end of its `with` block
   (an exception included), interpreter exit (atexit), or SIGINT/SIGTERM (the handler tears
@@ -41,7 +41,8 @@ Invariants:
 
 Needs root, iproute2 (`ip`, `tc`) and the kernel's veth, bridge, sch_tbf and sch_fifo;
 `available()` says whether this machine has them. Standard library only.
-Command line: `python -m rollwire.netlab --sweep | --list | --selftest [--rate MBIT]`.
+Command line (from tests/, or with tests/ on PYTHONPATH): `python -m support.netlab --sweep | --list |
+--selftest [--rate MBIT]`. Not shipped: it lives with the tests; bench/ finds it through bench/common.py.
 """
 
 from __future__ import annotations
@@ -759,7 +760,7 @@ def _selftest(rate_mbit: float, size: int) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m rollwire.netlab", description=(__doc__ or "").splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m support.netlab", description=(__doc__ or "").splitlines()[0])
     group = parser.add_mutually_exclusive_group(required=True)
     group.add_argument("--sweep", action="store_true", help="delete labs whose creating process is dead")
     group.add_argument("--selftest", action="store_true", help="build 2 hosts and print the throughput measured")
