@@ -28,7 +28,7 @@ REPLICAS = 2
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m rollwire.demo.agent", description=(__doc__ or "").splitlines()[0])
-    p.add_argument("--budget-s", type=float, default=100.0, help="seconds of training (default %(default)s)")
+    p.add_argument("--budget-s", type=float, default=80.0, help="seconds of training (default %(default)s)")
     p.add_argument("--max-steps", type=int, default=0, help="stop the learner after this many steps (0: no limit)")
     p.add_argument("--eval-size", type=int, default=200, help="held-out episodes scored (default %(default)s)")
     p.add_argument("--eval-every", type=int, default=25, help="also score every this many steps (0: never)")
