@@ -7,7 +7,8 @@ import asyncio
 import pytest
 
 from rollwire.learner.admission import split_stale, staleness
-from rollwire.learner.buffer import Buffer, GroupLedger, LedgerError, ScoredGroup, ScoredSample, Signal
+from rollwire.learner.buffer import Buffer, GroupLedger, LedgerError, Signal
+from rollwire.learner.groups import ScoredGroup, ScoredSample
 from rollwire.learner.task import Example
 
 

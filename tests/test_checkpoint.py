@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from rollwire.learner import checkpoint
-from rollwire.learner.buffer import ScoredGroup, ScoredSample
 from rollwire.learner.config import TrainSection
+from rollwire.learner.groups import ScoredGroup, ScoredSample
 from rollwire.learner.task import Example
 from rollwire.learner.trainer import Trainer
 

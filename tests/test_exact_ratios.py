@@ -15,8 +15,8 @@ import pytest
 import torch
 
 from rollwire.client import Client
-from rollwire.learner.buffer import ScoredGroup, ScoredSample
 from rollwire.learner.config import TrainSection
+from rollwire.learner.groups import ScoredGroup, ScoredSample
 from rollwire.learner.task import Example
 
 pytestmark = pytest.mark.integration

@@ -9,7 +9,8 @@ import itertools
 import pytest
 
 from rollwire.learner.admission import buffer_refusal, may_request
-from rollwire.learner.buffer import Buffer, GroupLedger, ScoredGroup, ScoredSample
+from rollwire.learner.buffer import Buffer, GroupLedger
+from rollwire.learner.groups import ScoredGroup, ScoredSample
 from rollwire.learner.task import Example
 
 

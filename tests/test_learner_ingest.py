@@ -14,8 +14,9 @@ from support.learner import learner_args
 from support.processes import start, wait_until
 
 from rollwire.common.reasons import Reason
-from rollwire.learner.buffer import Buffer, GroupLedger, ScoredGroup, ScoredSample
+from rollwire.learner.buffer import Buffer, GroupLedger
 from rollwire.learner.config import IngestSection, TrainSection
+from rollwire.learner.groups import ScoredGroup, ScoredSample
 from rollwire.learner.ingest import Ingest, Trajectory
 from rollwire.learner.task import Example
 from rollwire.learner.trainer import Trainer

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from rollwire.learner.buffer import ScoredGroup, ScoredSample
 from rollwire.learner.config import TrainSection
+from rollwire.learner.groups import ScoredGroup, ScoredSample
 from rollwire.learner.task import Example
 from rollwire.learner.trainer import Trainer
 

@@ -166,7 +166,7 @@ def test_the_default_loss_is_policy_loss_with_the_runs_settings():
 
 
 def test_the_trainer_steps_with_the_loss_named_in_its_config(tiny_model):
-    from rollwire.learner.buffer import ScoredGroup, ScoredSample
+    from rollwire.learner.groups import ScoredGroup, ScoredSample
     from rollwire.learner.grpo import clipped_loss
     from rollwire.learner.task import Example
     from rollwire.learner.trainer import Trainer

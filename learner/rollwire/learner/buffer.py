@@ -12,76 +12,11 @@ Invariants:
 from __future__ import annotations
 
 import asyncio
-import time
 from collections import Counter, deque
 from collections.abc import Callable
-from dataclasses import dataclass, field
 
 from rollwire.learner.admission import buffer_refusal, split_stale
-from rollwire.learner.task import Example
-
-
-@dataclass
-class ScoredSample:
-    """One completion with what the loss needs; token lists are parallel."""
-
-    token_ids: list[int]
-    logprobs: list[float]
-    """Behaviour logprobs, as the generator sampled them."""
-    token_versions: list[int]
-    """Adapter version that produced each token."""
-    text: str
-    finish_reason: str
-    reward: float
-    correct: bool
-    kept_tokens: list[list[int]] = field(default_factory=list)
-    """When sampled with top-k/top-p and asked for: each token's kept set (empty: the whole
-    vocabulary), so the loss computes its logprob over the same truncated distribution."""
-    loss_mask: list[bool] = field(default_factory=list)
-    """Parallel to token_ids: False for an environment or tool token of a multi-turn sample
-    (ingested), which never reaches the loss and whose logprob and version mean nothing;
-    empty: every token was sampled by the model and is trained."""
-
-    @property
-    def trained_mask(self) -> list[bool]:
-        """Which tokens the loss sees (loss_mask, or all of them)."""
-        return self.loss_mask or [True] * len(self.token_ids)
-
-    @property
-    def trained_versions(self) -> list[int]:
-        """Versions of the tokens the model sampled (environment tokens have none)."""
-        if not self.loss_mask:
-            return self.token_versions
-        return [v for v, m in zip(self.token_versions, self.loss_mask, strict=True) if m]
-
-
-@dataclass
-class ScoredGroup:
-    """A complete, scored GRPO group."""
-
-    example: Example
-    prompt_ids: list[int]
-    samples: list[ScoredSample]
-    adapter_version: int
-    """Version the request was served with ("latest" resolved); used when a sample has no tokens."""
-    replica: str = ""
-    source: str = "producer"
-    """Who made it: "producer" (the learner's own) or "ingest" (an external producer, ingest.py)."""
-    created_at: float = field(default_factory=time.monotonic)
-
-    @property
-    def min_version(self) -> int:
-        versions = [v for s in self.samples for v in s.trained_versions]
-        return min(versions) if versions else self.adapter_version
-
-    @property
-    def rewards(self) -> list[float]:
-        return [s.reward for s in self.samples]
-
-    @property
-    def zero_variance(self) -> bool:
-        rewards = self.rewards
-        return max(rewards) - min(rewards) < 1e-12
+from rollwire.learner.groups import ScoredGroup
 
 
 class Signal:

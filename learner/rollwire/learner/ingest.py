@@ -43,8 +43,9 @@ from rollwire.common.errors import (
     Unavailable,
 )
 from rollwire.common.reasons import Reason
-from rollwire.learner.buffer import Buffer, ScoredGroup, ScoredSample
+from rollwire.learner.buffer import Buffer
 from rollwire.learner.config import IngestSection
+from rollwire.learner.groups import ScoredGroup, ScoredSample
 from rollwire.learner.task import Example
 
 MAX_ID_CHARS = 256

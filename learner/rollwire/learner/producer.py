@@ -21,8 +21,9 @@ from typing import Protocol
 import grpc
 
 from rollwire.common.errors import RollwireError
-from rollwire.learner.buffer import Buffer, ScoredGroup, ScoredSample
+from rollwire.learner.buffer import Buffer
 from rollwire.learner.config import RolloutSection
+from rollwire.learner.groups import ScoredGroup, ScoredSample
 from rollwire.learner.rewards import Reward, score
 from rollwire.learner.task import DataStream, Example, is_correct
 from rollwire.runtime.logs import get_logger

@@ -14,8 +14,9 @@ import sys
 import time
 from pathlib import Path
 
-from rollwire.learner.buffer import GroupLedger, ScoredGroup
+from rollwire.learner.buffer import GroupLedger
 from rollwire.learner.evaluate import EvalResult
+from rollwire.learner.groups import ScoredGroup
 from rollwire.learner.metrics import LearnerMetrics
 from rollwire.learner.publisher import PushRecord
 from rollwire.learner.trainer import StepStats

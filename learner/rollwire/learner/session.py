@@ -26,9 +26,10 @@ from rollwire.common.errors import FailedPrecondition
 from rollwire.common.retries import VERSION_TAKEN
 from rollwire.learner import checkpoint
 from rollwire.learner.admission import staleness
-from rollwire.learner.buffer import Buffer, GroupLedger, ScoredGroup
+from rollwire.learner.buffer import Buffer, GroupLedger
 from rollwire.learner.config import LearnerConfig
 from rollwire.learner.evaluate import held_out_accuracy, held_out_episodes
+from rollwire.learner.groups import ScoredGroup
 from rollwire.learner.ingest import Ingest
 from rollwire.learner.metrics import LearnerMetrics
 from rollwire.learner.producer import Producer

@@ -25,8 +25,8 @@ from pathlib import Path
 import torch
 
 from rollwire.common.lora import LoraShape
-from rollwire.learner.buffer import ScoredGroup
 from rollwire.learner.config import TrainSection
+from rollwire.learner.groups import ScoredGroup
 from rollwire.learner.grpo import LossBatch, group_advantages, token_logprobs
 from rollwire.learner.losses import LOSSES
 from rollwire.learner.publisher import NonFiniteWeights

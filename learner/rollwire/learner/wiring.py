@@ -20,9 +20,10 @@ from rollwire.common.fingerprint import model_fingerprint
 from rollwire.common.secrets import SecretFileError, read_secret_file
 from rollwire.learner import checkpoint
 from rollwire.learner.admission import may_request
-from rollwire.learner.buffer import Buffer, GroupLedger, ScoredGroup
+from rollwire.learner.buffer import Buffer, GroupLedger
 from rollwire.learner.chain import chain_examples
 from rollwire.learner.config import LearnerConfig
+from rollwire.learner.groups import ScoredGroup
 from rollwire.learner.ingest import Ingest
 from rollwire.learner.metrics import LearnerMetrics
 from rollwire.learner.producer import Producer
