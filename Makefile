@@ -52,12 +52,14 @@ $(BUF): .tools/package.json .tools/package-lock.json
 	npm ci --prefix .tools --no-audit --no-fund --silent
 	touch $(BUF)
 
-# buf lints the protos; ruff lints and checks formatting; pyright type-checks (pyrightconfig.json).
+# buf lints the protos; ruff lints and checks formatting; pyright type-checks (pyrightconfig.json);
+# lint-imports checks the layering contracts ([tool.importlinter] in pyproject.toml).
 lint: install $(BUF)
 	$(BUF) lint
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 	$(PYRIGHT)
+	$(BIN)/lint-imports
 
 # The wire contract never breaks silently: proto/ against the previous commit's (buf FILE rules).
 breaking: $(BUF)
