@@ -14,11 +14,13 @@ import uuid
 
 import grpc
 import pytest
+import requests
 import torch
 from support.processes import start_generators, start_proxy, stop_all, wait_routable
-from support.wire import metric_value
+from support.wire import fingerprint, make_adapter, metric_value, push
 
-from rollwire.client import Client, ResourceExhausted
+from rollwire.client import Client, InvalidArgument, ResourceExhausted
+from rollwire.client._common import build_generate_request
 from rollwire.common.errors import from_rpc_error
 from rollwire.common.reasons import Reason
 from rollwire.v1 import generator_pb2 as pb
@@ -36,8 +38,10 @@ def replicas(tiny_model, workdir):
 
 
 @pytest.fixture(scope="module")
-def proxy(replicas, workdir):
-    svc = start_proxy(workdir, "sproxy", replicas, "--policy", "prefix")
+def proxy(replicas, workdir, tiny_model):
+    svc = start_proxy(
+        workdir, "sproxy", replicas, "--policy", "prefix", "--http-port", "0", "--http-model", str(tiny_model)
+    )
     wait_routable(svc, replicas)
     yield svc
     stop_all([svc])
@@ -194,6 +198,53 @@ def test_an_extending_prompt_goes_where_its_prefix_was_served(proxy):
     assert served == {first.replica}
     hits = 'rollwire_proxy_prefix_routes_total{outcome="hit"}'
     assert metric_value(after, hits) - metric_value(before, hits) >= 3
+
+
+def test_the_http_door_routes_an_extending_prompt_by_its_prefix_too(proxy, replicas, tiny_model):
+    ok = 'rollwire_generator_requests_total{code="OK"}'
+    before = [metric_value(r.metrics(), ok) for r in replicas]
+    rng = random.Random(9)
+    history = env_tokens(rng, 40)
+    for _ in range(4):  # an OpenAI-style harness: the whole conversation every turn, no session
+        body = {
+            "model": str(tiny_model),
+            "prompt": history,
+            "max_tokens": 4,
+            "temperature": 0,
+            "return_token_ids": True,
+        }
+        reply = requests.post(proxy.http_url + "/v1/completions", json=body, timeout=60)
+        assert reply.status_code == 200, reply.text
+        history = history + reply.json()["choices"][0]["token_ids"] + env_tokens(rng)
+    served = sorted(metric_value(r.metrics(), ok) - b for r, b in zip(replicas, before, strict=True))
+    assert served == [0, 4]
+
+
+def test_a_pinned_session_keeps_its_version_and_a_following_one_moves_on(proxy, tiny_model):
+    fp, rng = fingerprint(proxy.target), random.Random(8)
+
+    def publish(version: int) -> None:
+        adapter = make_adapter(tiny_model, seed=40 + version)
+        push(proxy.target, adapter.manifest("sess", version, fp), adapter.payload)
+
+    with Client(proxy.target) as client:
+        publish(1)
+        pinned = client.session(adapter="sess", **GREEDY)
+        follows = client.session(adapter="sess", follow=True, **GREEDY)
+        assert pinned.turn(env_tokens(rng, 8)).adapter_version == 1
+        assert follows.turn(env_tokens(rng, 8)).adapter_version == 1
+        publish(2)
+        assert set(pinned.turn(env_tokens(rng)).token_versions) == {1}  # the episode stays on one policy
+        assert set(follows.turn(env_tokens(rng)).token_versions) == {2}  # each turn resolves the newest
+        with pytest.raises(InvalidArgument) as other:  # a session keeps its adapter
+            client._generate_request(_turn_request(pinned, env_tokens(rng), adapter=None), None)
+        assert other.value.reason == Reason.BAD_SESSION
+
+
+def _turn_request(session, new: list[int], **options):
+    request = build_generate_request(new, 1, **{**GREEDY, **options})
+    request.session.id, request.session.expect_tokens = session.id, len(session.history)
+    return request
 
 
 def test_an_episode_survives_its_replica_being_killed(tiny_model, workdir, reference_model):
