@@ -93,7 +93,7 @@ def measure(name: str, model, repeats: int) -> dict:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--models", default="tiny,wide")
     args = parser.parse_args()

@@ -43,7 +43,7 @@ class SessionTurns:
         self, request: pb.GenerateRequest, rid: str, caller: str, deadline: float, client: Client | None
     ) -> AsyncIterator[pb.GenerateResponse]:
         """One turn's stream, as a replica would send it (started.prompt_token_ids is the
-        whole history); raises RollwireError or Relay as GroupRun does."""
+        whole history); raises RollwireError or PassThrough as GroupRun does."""
         turn = self._begin(request, caller)
         try:
             forward = self._forward(request, turn)
