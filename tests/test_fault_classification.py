@@ -176,7 +176,7 @@ class FakeDispatcher:
     def __init__(self, replicas, routing, metrics):
         self.replicas, self.routing, self.metrics = replicas, routing, metrics
 
-    async def acquire(self, need, key, work, exclude, deadline, client=None, first=True):
+    async def acquire(self, need, key, work, exclude, deadline, client=None, first=True, prefer=""):
         members = self.replicas.members
         return FakeLease(next((r for r in members if r.address not in exclude), members[0]))
 
@@ -185,6 +185,9 @@ class FakeDispatcher:
 
     def wake(self):
         pass
+
+    def key_for(self, request):
+        return b""
 
 
 def started(replica):

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, start_http_server
 
+from rollwire.common.reasons import Reason
 from rollwire.learner.publisher import PushRecord
 from rollwire.learner.trainer import StepStats
 from rollwire.runtime.metrics import MetricFactory
@@ -31,15 +32,20 @@ PUSH_OUTCOMES = ("ok", "superseded", "retried", "failed")
 STALENESS = (0, 1, 2, 3, 4, 6, 8, 16, 32)
 INGEST_OUTCOMES = (
     "accepted",
-    "TRAJECTORY_TOO_LARGE",
-    "BAD_TRAJECTORY",
-    "BAD_TOKEN_ID",
-    "GROUP_MISMATCH",
-    "GROUP_CLOSED",
-    "UNKNOWN_VERSION",
-    "STALE_TRAJECTORY",
-    "INGEST_FULL",
-    "LEARNER_STOPPING",
+    *(
+        r.value
+        for r in (
+            Reason.TRAJECTORY_TOO_LARGE,
+            Reason.BAD_TRAJECTORY,
+            Reason.BAD_TOKEN_ID,
+            Reason.GROUP_MISMATCH,
+            Reason.GROUP_CLOSED,
+            Reason.UNKNOWN_VERSION,
+            Reason.STALE_TRAJECTORY,
+            Reason.INGEST_FULL,
+            Reason.LEARNER_STOPPING,
+        )
+    ),
 )
 """What ingest.py answers a trajectory: accepted, or the refusal's reason."""
 INGEST_STATES = ("open", "buffered")

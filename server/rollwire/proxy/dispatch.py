@@ -34,10 +34,11 @@ from rollwire.common.errors import DeadlineExceeded, ResourceExhausted, Unavaila
 from rollwire.common.reasons import Reason
 from rollwire.proxy.config import FairnessSection, RoutingSection
 from rollwire.proxy.metrics import ProxyMetrics
-from rollwire.proxy.policies import Policy
+from rollwire.proxy.policies import Policy, routing_key
 from rollwire.proxy.replica import Replica
 from rollwire.proxy.replicas import ReplicaSet
 from rollwire.runtime.waits import wait_at_most
+from rollwire.v1 import generator_pb2 as pb
 
 
 @dataclass(frozen=True)
@@ -135,6 +136,17 @@ class Dispatcher:
 
     def queued(self) -> int:
         return self._waiting
+
+    def key_for(self, request: pb.GenerateRequest) -> bytes:
+        """The routing key of a group: the policy's own (prefix.py keys by token blocks) or the
+        shared one (group_key, else the prompt's first `affinity_prefix` characters or ids)."""
+        kind = request.WhichOneof("prompt")
+        text = request.text if kind == "text" else None
+        ids = request.token_ids.ids if kind == "token_ids" else None
+        own = getattr(self.policy, "key_for", None)
+        if own is not None:
+            return own(request.group_key, text, ids)
+        return routing_key(request.group_key, text, ids, self.routing.affinity_prefix)
 
     @contextlib.contextmanager
     def admit(self, name: str):

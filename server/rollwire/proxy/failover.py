@@ -30,7 +30,6 @@ from rollwire.common.reasons import Reason
 from rollwire.proxy import faults
 from rollwire.proxy.dispatch import Client, Dispatcher, Lease, Need
 from rollwire.proxy.passthrough import PassThrough
-from rollwire.proxy.policies import routing_key
 from rollwire.proxy.replica import Attempt, Replica
 from rollwire.proxy.replicas import ReplicaSet
 from rollwire.runtime.logs import REQUEST_ID_KEY, get_logger
@@ -93,14 +92,7 @@ class GroupRun:
         self.routing, self.metrics = dispatcher.routing, dispatcher.metrics
         request.request_id = request_id
         self.need = resolve(request, self.replicas)
-        kind = request.WhichOneof("prompt")
-        text = request.text if kind == "text" else None
-        ids = request.token_ids.ids if kind == "token_ids" else None
-        key_for = getattr(dispatcher.policy, "key_for", None)  # a policy with its own key (prefix.py)
-        if key_for is not None:
-            self.key = key_for(request.group_key, text, ids)
-        else:
-            self.key = routing_key(request.group_key, text, ids, self.routing.affinity_prefix)
+        self.key = dispatcher.key_for(request)
         self.work = max(1, request.n) * max(1, request.sampling.max_new_tokens)
         self.suspects: list[AttemptFailed] = []
         """Attempts that failed unexplained (faults.SUSPECT): counted only if the group then succeeds elsewhere."""

@@ -155,7 +155,7 @@ class TransformersEngine:
         self._text_backend = backend(self.tokenizer)
         self._lora = LoraSet(self.model)
         if self.prefix_cache.enabled and not kv_batch.plain_layers(self.model.config):
-            log.warning("prefix_cache_off", reason="this model's cache has sliding-window or recurrent layers")
+            log.warning("prefix_cache_off", why="this model's cache has sliding-window or recurrent layers")
             self.prefix_cache = PrefixCache(PrefixCacheSettings(max_tokens=0), self.metrics)
         log.info(
             "engine_loaded",
