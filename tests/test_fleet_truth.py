@@ -517,10 +517,23 @@ def test_a_replica_relays_only_to_members_its_proxy_planned(workdir, guarded, to
     listener = Listener()
     closed = f"127.0.0.1:{free_port()}"
 
-    def relayed(version: int, plan: pb.RelayPlan | None, token: str = ADMIN_TOKEN, stage_only: bool = True):
+    def relayed(
+        version: int,
+        plan: pb.RelayPlan | None,
+        token: str = ADMIN_TOKEN,
+        stage_only: bool = True,
+        granted: pb.RelayNode | None = None,
+    ):
         m = adapter.manifest("planned", version, fp)
-        messages = writer.messages(m, adapter.payload, relay=plan, stage_only=stage_only)
+        messages = writer.messages(m, adapter.payload, relay=plan, stage_only=stage_only, granted=granted)
         return lambda: stub.PushAdapter(messages, timeout=30, metadata=bearer_of(token))
+
+    def own_grant(version: int, sha256: str = "", token: str = ADMIN_TOKEN) -> pb.RelayNode:
+        """The receiver's node as a proxy holding `token` plans it for ("planned", version[, digest])."""
+        m = adapter.manifest("planned", version, fp)
+        if sha256:
+            m.sha256 = sha256
+        return granted([a.target], m, token).nodes[0]
 
     try:
         # 1. a plan naming an address no proxy granted: refused, and nobody is dialled
@@ -548,8 +561,21 @@ def test_a_replica_relays_only_to_members_its_proxy_planned(workdir, guarded, to
         assert Listener.BANNER not in str(reply) and "refused" not in str(reply).lower()
         assert listener.calls.wait(10)
         assert ADMIN_TOKEN not in " ".join(listener.seen)  # an admin caller's token is never passed on
-        # a relay token's push is passed on with the relay token, never more
-        reply = relayed(3, granted([listener.address], adapter.manifest("planned", 3, fp)), RELAY_TOKEN)()
+        # a relay token's push is taken only with the receiver's own grant for that very version
+        # and digest (a relaying parent can pass on nothing but what the proxy planned) ...
+        plan3 = granted([listener.address], adapter.manifest("planned", 3, fp))
+        calls = len(listener.seen)
+        for bad in (
+            None,  # no grant
+            own_grant(2),  # the grant of another version
+            own_grant(3, sha256="0" * 64),  # the grant of other bytes under this version
+            own_grant(3, token="not-the-admin-token"),  # a grant nobody's admin key made
+        ):
+            code, reason, message = refusal(relayed(3, plan3, RELAY_TOKEN, granted=bad))
+            assert (code, reason) == (grpc.StatusCode.PERMISSION_DENIED, Reason.RELAY_NOT_PLANNED), message
+        assert len(listener.seen) == calls  # refused before any dial
+        # ... and is then passed on with the relay token, never more
+        reply = relayed(3, plan3, RELAY_TOKEN, granted=own_grant(3))()
         assert listener.seen[-1] == f"Bearer {RELAY_TOKEN}" and reply.staged
         # 4. a relay token can only stage: no serving push, no commit, no generate
         code, reason, _ = refusal(relayed(4, None, RELAY_TOKEN, stage_only=False))

@@ -100,7 +100,7 @@ class Reason(StrEnum):
     RELAY_DISABLED = "RELAY_DISABLED"
     """FAILED_PRECONDITION; do not retry: This replica does not relay; push without a plan."""
     RELAY_NOT_PLANNED = "RELAY_NOT_PLANNED"
-    """PERMISSION_DENIED; do not retry: The relay plan names an address its proxy did not plan (no valid grant)."""
+    """PERMISSION_DENIED; do not retry: A relay plan names an address, or a relayed push a version, its proxy did not plan (no valid grant)."""
     RELAY_LOOP = "RELAY_LOOP"
     """FAILED_PRECONDITION; do not retry: The relay plan leads back to the receiver (its own address or an alias)."""
     NO_MANIFEST = "NO_MANIFEST"

@@ -39,13 +39,17 @@ def opening(
     relay: pb.RelayPlan | None = None,
     stage_only: bool = False,
     stripe: pb.Stripe | None = None,
+    granted: pb.RelayNode | None = None,
 ) -> pb.PushAdapterRequest:
-    """The first message of a push."""
+    """The first message of a push. `granted`: the receiver's own node of a relay plan (set by
+    whoever dials it inside a relay tree), which a replica with auth on needs from a relay token."""
     message = pb.PushAdapterRequest(manifest=manifest, stage_only=stage_only)
     if relay is not None and relay.nodes:
         message.relay.CopyFrom(relay)
     if stripe is not None:
         message.stripe.CopyFrom(stripe)
+    if granted is not None and granted.grant:
+        message.granted.CopyFrom(granted)
     return message
 
 
@@ -65,9 +69,10 @@ def messages(
     *,
     relay: pb.RelayPlan | None = None,
     stage_only: bool = False,
+    granted: pb.RelayNode | None = None,
 ) -> Iterator[pb.PushAdapterRequest]:
     """A whole push: the opening message, then the payload in chunks."""
-    yield opening(manifest, relay=relay, stage_only=stage_only)
+    yield opening(manifest, relay=relay, stage_only=stage_only, granted=granted)
     for piece in chunks(payload, chunk_bytes):
         yield pb.PushAdapterRequest(chunk=piece)
 

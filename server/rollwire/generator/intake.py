@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 import grpc
 import structlog
 
-from rollwire.common.errors import FailedPrecondition, PermissionDenied, RollwireError, to_status
+from rollwire.common.errors import FailedPrecondition, PermissionDenied, RollwireError, clip, to_status
 from rollwire.common.manifest import Manifest, check_commit, check_manifest, manifest_from_pb
 from rollwire.common.reasons import Reason
 from rollwire.generator.adapters import AdapterRegistry
@@ -41,7 +41,7 @@ from rollwire.generator.metrics import GeneratorMetrics
 from rollwire.push.assembly import Assembly, PushSlots, check_stripe
 from rollwire.push.checks import PayloadInspector
 from rollwire.push.forward import ChannelPool, Forwarder
-from rollwire.push.plan import grant_key, split_plan, unplanned
+from rollwire.push.plan import grant_key, is_granted, split_plan, unplanned
 from rollwire.push.reader import Opening, PushReader
 from rollwire.push.results import status_with_results
 from rollwire.runtime.logs import REQUEST_ID_KEY, get_logger, request_id_from
@@ -131,6 +131,7 @@ class PushIntake:
         manifest = manifest_from_pb(first.manifest)
         stream.role = caller_role(self.auth, context)
         require_stage_only(stream.role, first.stage_only)
+        self._require_grant(first, stream.role)
         self._refuse_loop(context)
         joining = None
         if first.stripe is not None:
@@ -282,11 +283,29 @@ class PushIntake:
             stripe=first.stripe,
         )
 
+    def _grant_keys(self) -> list[bytes]:
+        assert self.auth is not None
+        return [grant_key(d) for d in self.auth.admin_digests()]
+
+    def _require_grant(self, first: Opening, role: str) -> None:
+        """A relay token's push (auth on) must carry this replica's grant for its manifest: a
+        relaying parent passes on only the version (name, version, digest) the proxy planned.
+        Admin callers (the proxy's own heal and catch-up) need none."""
+        if self.auth is None or role != RELAY:
+            return
+        if first.granted is None or not is_granted(first.granted, self._grant_keys(), first.manifest):
+            m = first.manifest
+            raise PermissionDenied(
+                f"this relayed push of {clip(m.name)} v{m.version} carries no grant of the proxy for that version "
+                "and digest; a replica takes from a relay only the version its proxy planned: push through the proxy",
+                reason=Reason.RELAY_NOT_PLANNED,
+            )
+
     async def _check_children(self, first: Opening, children) -> None:
         """PERMISSION_DENIED for a node the proxy did not grant (auth on); FAILED_PRECONDITION
         for a child that is this replica."""
         if self.auth is not None:
-            keys = [grant_key(d) for d in self.auth.admin_digests()]
+            keys = self._grant_keys()
             if (address := unplanned(first.relay, keys, first.manifest)) is not None:
                 raise PermissionDenied(
                     f"the relay plan names {address}, which this push's proxy did not plan (no valid grant); "

@@ -68,7 +68,7 @@ from rollwire.proxy.spool import Spool, SpooledAdapter, Upload
 from rollwire.proxy.upstream import relay_credentials
 from rollwire.push.checks import MAX_HEADER_BYTES, PayloadInspector, check_header
 from rollwire.push.forward import Forwarder, StripedForwarder
-from rollwire.push.plan import Child, Target, choose_fanout, grant_plan, layout, stripe_chunk_bytes, striped_layout
+from rollwire.push.plan import Child, Target, choose_fanout, grant_children, layout, stripe_chunk_bytes, striped_layout
 from rollwire.push.reader import PushReader
 from rollwire.runtime.logs import REQUEST_ID_KEY, get_logger
 from rollwire.v1 import generator_pb2 as pb
@@ -315,9 +315,8 @@ class FanOut:
 
     def _forwarder(self, pub: _Publication, children: list[Child], stripe: pb.Stripe | None) -> Forwarder:
         metadata = ((REQUEST_ID_KEY, pub.request_id), *self._credentials.metadata)
-        if (key := self._credentials.grant_key) is not None:
-            for child in children:  # the nodes its children will dial: each granted for this push
-                grant_plan(child.plan, key, pub.manifest)
+        if (key := self._credentials.grant_key) is not None:  # every node, each granted for this push
+            children = grant_children(children, key, pub.manifest)
         return Forwarder(
             children,
             pub.manifest,

@@ -123,7 +123,8 @@ class ChildLink:
         self.mark = 0
         """`turns` when this child last took a chunk."""
         self.height = child.height()
-        self.first = opening(manifest, relay=child.plan, stage_only=stage_only, stripe=stripe)
+        granted = pb.RelayNode(address=child.address, name=child.name, grant=child.grant)
+        self.first = opening(manifest, relay=child.plan, stage_only=stage_only, stripe=stripe, granted=granted)
         self.cut_reason, self.cut_code, self.cut_tag = "", grpc.StatusCode.OK, ""
         self.sent = 0
         self.took_at = time.monotonic()

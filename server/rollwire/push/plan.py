@@ -11,7 +11,9 @@ Invariants:
   once; a node's children and their subtrees come from `split_plan`;
 - every node keeps the grant its proxy signed it with (`relay_grant`: an HMAC bound to the
   push's name, version, digest and the node's address, keyed by the admin token's digest),
-  so a replica with auth on relays only to the members its proxy planned;
+  so a replica with auth on relays only to the members its proxy planned; and every node is
+  sent its own grant when dialled (`granted`), so with a relay token it takes only the
+  version its proxy planned, whatever its parent sends;
 - with fan-out k the replicas fill a complete k-ary tree breadth first (the proxy's children
   are the first k): callers put the replicas they trust least last, where a failure costs no
   subtree; "auto" picks the k of least modelled cost (`cost`: k x (chunks + depth - 1));
@@ -22,6 +24,7 @@ Invariants:
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import hmac
 import math
@@ -46,6 +49,9 @@ class Child:
     address: str
     name: str
     plan: pb.RelayPlan
+    grant: bytes = b""
+    """The proxy's grant for this child (its RelayNode.grant), sent to it in the opening
+    (`granted`): with a relay token, a replica takes only a version its proxy planned."""
 
     def subtree(self) -> list[tuple[str, str]]:
         """(address, name) of every replica below this child."""
@@ -87,10 +93,24 @@ def grant_plan(plan: pb.RelayPlan, key: bytes, manifest: pb.AdapterManifest) -> 
         node.grant = relay_grant(key, manifest, node.address)
 
 
+def grant_children(children: Sequence[Child], key: bytes, manifest: pb.AdapterManifest) -> list[Child]:
+    """The proxy's children of a tree and every node below them, each granted for this push."""
+    granted = []
+    for child in children:
+        grant_plan(child.plan, key, manifest)
+        granted.append(dataclasses.replace(child, grant=relay_grant(key, manifest, child.address)))
+    return granted
+
+
+def is_granted(node: pb.RelayNode, keys: Sequence[bytes], manifest: pb.AdapterManifest) -> bool:
+    """Whether some key verifies `node`'s grant for this push (name, version, digest, address)."""
+    return any(hmac.compare_digest(node.grant, relay_grant(k, manifest, node.address)) for k in keys)
+
+
 def unplanned(plan: pb.RelayPlan, keys: Sequence[bytes], manifest: pb.AdapterManifest) -> str | None:
     """The first node whose grant no key verifies (its address), or None when all verify."""
     for node in plan.nodes:
-        if not any(hmac.compare_digest(node.grant, relay_grant(k, manifest, node.address)) for k in keys):
+        if not is_granted(node, keys, manifest):
             return node.address
     return None
 
@@ -139,7 +159,7 @@ def split_plan(plan: pb.RelayPlan, *, max_children: int, max_nodes: int = MAX_PL
         owner.append(top)
         rows[top].append((node.address, node.name, position[parent], node.grant))
         position.append(len(rows[top]))
-    return [Child(nodes[i].address, nodes[i].name, plan_from_parents(rows[i])) for i in rows]
+    return [Child(nodes[i].address, nodes[i].name, plan_from_parents(rows[i]), nodes[i].grant) for i in rows]
 
 
 # -- the proxy's trees ---------------------------------------------------------------------

@@ -39,6 +39,8 @@ class Opening:
     relay: pb.RelayPlan
     stage_only: bool
     stripe: pb.Stripe | None = None
+    granted: pb.RelayNode | None = None
+    """The receiver's own node as its proxy planned it (sent inside relay trees)."""
 
 
 async def idle_bounded(messages: AsyncIterable, idle_s: float, holder: str):
@@ -90,7 +92,11 @@ class PushReader:
             raise InvalidArgument("the first PushAdapter message must be the manifest", reason=Reason.NO_MANIFEST)
         self.manifest = first.manifest
         return Opening(
-            first.manifest, first.relay, first.stage_only, first.stripe if first.HasField("stripe") else None
+            first.manifest,
+            first.relay,
+            first.stage_only,
+            first.stripe if first.HasField("stripe") else None,
+            first.granted if first.HasField("granted") else None,
         )
 
     async def chunks(self, store: Path | None = None, inspector: Inspector | None = None) -> AsyncIterator[bytes]:
