@@ -356,7 +356,7 @@ class GeneratorServicer(generator_pb2_grpc.GeneratorServiceServicer):
         if asked and not getattr(self.engine, "returns_kept_tokens", False):
             raise FailedPrecondition(
                 f"this replica's engine ({self.config.engine}) cannot return kept-token sets; send the request without "
-                "return_kept_tokens, or to a transformers replica",
+                "return_kept_tokens, or to a transformers or vllm replica",
                 reason=Reason.KEPT_TOKENS_UNSUPPORTED,
             )
         return asked
