@@ -16,7 +16,7 @@ import grpc
 import pytest
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from rollwire.client._common import open_channel
+from rollwire.client._channels import open_channel
 from rollwire.common.keepalive import BULK_PING_TIMEOUT_S, DEFAULT, MIN_PING_INTERVAL_S, Keepalive, for_pushes
 from rollwire.runtime.config import ConfigError, load_config
 from rollwire.serving.scaffold import server_options

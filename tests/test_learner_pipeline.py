@@ -7,7 +7,8 @@ import dataclasses
 
 import pytest
 
-from rollwire.client._common import AdapterVersion, GenerateResult, Sample
+from rollwire.client._requests import AdapterVersion
+from rollwire.client._results import GenerateResult, Sample
 from rollwire.common.errors import FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted, Unavailable
 from rollwire.common.reasons import Reason
 from rollwire.learner.buffer import Buffer, GroupLedger, Signal

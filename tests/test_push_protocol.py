@@ -69,7 +69,8 @@ def test_good_names_pass_everywhere(name):
 
 @pytest.mark.parametrize("name", ["", ".hidden", "-x", "_x", "x" * 65, "a/b", "lora\n", "a b", "é"])
 def test_bad_names_fail_in_the_sdk_and_on_the_server_alike(name):
-    from rollwire.client._common import RequestError, check_adapter_name
+    from rollwire.client._requests import check_adapter_name
+    from rollwire.common.errors import RequestError
 
     with pytest.raises(InvalidArgument) as info:
         check_name(name)

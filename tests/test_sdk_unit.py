@@ -39,8 +39,11 @@ from rollwire.client import (
     parse_adapter,
     read_peft_dir,
 )
-from rollwire.client import _common as common
 from rollwire.client._failover import DOWN_MIN_S, CallAttempts, RetryBudget, Rotation, parse_targets
+from rollwire.client._push import build_manifest, push_requests
+from rollwire.client._requests import DEFAULT_MAX_NEW_TOKENS, build_generate_request
+from rollwire.client._results import events_from_pb
+from rollwire.client._retries import Deadline
 from rollwire.common.errors import RollwireError
 from rollwire.v1 import generator_pb2 as pb
 
@@ -52,7 +55,7 @@ MiB = 1 << 20
 
 
 def test_every_parameter_lands_in_its_field():
-    req = common.build_generate_request(
+    req = build_generate_request(
         "Hello",
         4,
         max_new_tokens=33,
@@ -78,9 +81,9 @@ def test_every_parameter_lands_in_its_field():
 
 
 def test_token_id_prompt_and_unset_optionals():
-    req = common.build_generate_request([5, 6, np.int64(7)])
+    req = build_generate_request([5, 6, np.int64(7)])
     assert req.WhichOneof("prompt") == "token_ids" and list(req.token_ids.ids) == [5, 6, 7]
-    assert req.n == 1 and req.sampling.max_new_tokens == common.DEFAULT_MAX_NEW_TOKENS
+    assert req.n == 1 and req.sampling.max_new_tokens == DEFAULT_MAX_NEW_TOKENS
     for name in ("temperature", "top_p", "top_k", "seed"):
         assert not req.sampling.HasField(name), name
     assert not req.HasField("adapter")
@@ -88,16 +91,16 @@ def test_token_id_prompt_and_unset_optionals():
 
 
 def test_greedy_is_distinct_from_unset_and_single_stop_is_wrapped():
-    req = common.build_generate_request("x", temperature=0, top_k=0, stop="\n\n")
+    req = build_generate_request("x", temperature=0, top_k=0, stop="\n\n")
     assert req.sampling.HasField("temperature") and req.sampling.temperature == 0
     assert req.sampling.HasField("top_k")
     assert list(req.sampling.stop) == ["\n\n"]
 
 
 def test_latest_adapter_is_version_zero():
-    req = common.build_generate_request("x", adapter="lora")
+    req = build_generate_request("x", adapter="lora")
     assert req.HasField("adapter") and (req.adapter.name, req.adapter.version) == ("lora", 0)
-    req = common.build_generate_request("x", adapter=AdapterVersion("lora", 9))
+    req = build_generate_request("x", adapter=AdapterVersion("lora", 9))
     assert req.adapter.version == 9
 
 
@@ -126,14 +129,14 @@ def test_latest_adapter_is_version_zero():
 def test_bad_requests_are_refused_before_sending(kwargs, needle):
     prompt = kwargs.pop("prompt", "hi")
     with pytest.raises(RequestError, match=needle) as info:
-        common.build_generate_request(prompt, **kwargs)
+        build_generate_request(prompt, **kwargs)
     assert isinstance(info.value, ValueError) and isinstance(info.value, InvalidArgument)
     assert info.value.code == grpc.StatusCode.INVALID_ARGUMENT
 
 
 def test_unknown_option_is_a_type_error():
     with pytest.raises(TypeError):
-        common.build_generate_request("x", temprature=1.0)  # type: ignore[call-arg]
+        build_generate_request("x", temprature=1.0)  # type: ignore[call-arg]
 
 
 @pytest.mark.parametrize(
@@ -207,7 +210,7 @@ def restarted(attempt=2, reason="replica r0 died"):
 def fold(n, messages):
     group = GroupAccumulator(n)
     for message in messages:
-        for event in common.events_from_pb(message):
+        for event in events_from_pb(message):
             group.add(event)
     return group.result()
 
@@ -287,10 +290,8 @@ def test_stream_contract_violations_are_errors_not_results(messages, needle):
 
 def test_chunks_follow_the_manifest_and_rebuild_the_payload():
     payload = os.urandom(2 * MiB + MiB // 2 + 3)
-    manifest = common.build_manifest(
-        "lora", 7, payload, {"r": 4, "lora_alpha": 8, "target_modules": ["q_proj"]}, "sha256:abc"
-    )
-    messages = list(common.push_requests(manifest, payload))
+    manifest = build_manifest("lora", 7, payload, {"r": 4, "lora_alpha": 8, "target_modules": ["q_proj"]}, "sha256:abc")
+    messages = list(push_requests(manifest, payload))
     first = messages[0]
     assert first.WhichOneof("part") == "manifest"
     assert first.manifest.sha256 == hashlib.sha256(payload).hexdigest()
@@ -306,11 +307,11 @@ def test_chunks_follow_the_manifest_and_rebuild_the_payload():
 
 def test_small_chunk_size_and_limits():
     payload = bytes(range(256)) * 10
-    manifest = common.build_manifest("a", 1, payload, LoraShape(1, 1.0, ("all-linear",)), "fp")
-    chunks = [m.chunk for m in list(common.push_requests(manifest, payload, chunk_size=1000))[1:]]
+    manifest = build_manifest("a", 1, payload, LoraShape(1, 1.0, ("all-linear",)), "fp")
+    chunks = [m.chunk for m in list(push_requests(manifest, payload, chunk_size=1000))[1:]]
     assert [len(c) for c in chunks] == [1000, 1000, 560] and b"".join(chunks) == payload
     with pytest.raises(RequestError, match="chunk_size"):
-        list(common.push_requests(manifest, payload, chunk_size=MiB + 1))
+        list(push_requests(manifest, payload, chunk_size=MiB + 1))
 
 
 @pytest.mark.parametrize(
@@ -325,7 +326,7 @@ def test_small_chunk_size_and_limits():
 def test_manifest_refuses_what_the_server_would(args, needle):
     name, version, payload, fp = args
     with pytest.raises(RequestError, match=needle):
-        common.build_manifest(name, version, payload, LoraShape(8, 16.0, ("q_proj",)), fp)
+        build_manifest(name, version, payload, LoraShape(8, 16.0, ("q_proj",)), fp)
 
 
 # ---------------------------------------------------------------- PEFT folders
@@ -565,7 +566,7 @@ def test_rotation_takes_turns_and_puts_failed_addresses_last_for_a_doubling_whil
 def test_call_attempts_try_every_address_at_once_then_back_off_within_the_deadline():
     policy = RetryPolicy(initial_backoff_s=0.1, max_backoff_s=1.0)
     refused = Unavailable("failed to connect to all addresses")
-    attempts = CallAttempts(Rotation(["a", "b"]), policy, common.Deadline(30), rand=lambda: 1.0)
+    attempts = CallAttempts(Rotation(["a", "b"]), policy, Deadline(30), rand=lambda: 1.0)
     assert attempts.target == "a"
     assert attempts.next(refused, received=False) == 0.0 and attempts.target == "b"  # no wait: b is untried
     assert attempts.next(refused, received=False) == pytest.approx(0.1)  # a whole round failed: back off
@@ -574,7 +575,7 @@ def test_call_attempts_try_every_address_at_once_then_back_off_within_the_deadli
     assert attempts.attempt == 5
 
     # a server's UNAVAILABLE (it names a reason) is retried, its hint respected, the address not marked down
-    attempts = CallAttempts(Rotation(["a"]), policy, common.Deadline(30), rand=lambda: 0.0)
+    attempts = CallAttempts(Rotation(["a"]), policy, Deadline(30), rand=lambda: 0.0)
     no_replica = Unavailable("no replica", reason="NO_REPLICA", retry_after_s=0.7)
     assert attempts.next(no_replica, received=False) == pytest.approx(0.7)
     assert attempts.rotation.order() == [0]
@@ -587,13 +588,13 @@ def test_call_attempts_try_every_address_at_once_then_back_off_within_the_deadli
         (Unavailable("given up", reason="ATTEMPTS_EXHAUSTED"), True, False),
         (DeadlineExceeded("Deadline Exceeded"), True, False),
     ):
-        attempts = CallAttempts(Rotation(["a", "b"]), policy, common.Deadline(30))
+        attempts = CallAttempts(Rotation(["a", "b"]), policy, Deadline(30))
         assert (attempts.next(error, received=True, restartable=restartable) is not None) is expect
 
     # never past the deadline, never past max_attempts
-    attempts = CallAttempts(Rotation(["a"]), policy, common.Deadline(0.05), rand=lambda: 1.0)
+    attempts = CallAttempts(Rotation(["a"]), policy, Deadline(0.05), rand=lambda: 1.0)
     assert attempts.next(refused, received=False) is None
-    attempts = CallAttempts(Rotation(["a", "b"]), RetryPolicy(max_attempts=1), common.Deadline(30))
+    attempts = CallAttempts(Rotation(["a", "b"]), RetryPolicy(max_attempts=1), Deadline(30))
     assert attempts.next(refused, received=False) is None
 
 
@@ -602,24 +603,24 @@ def test_a_proxys_fleet_fault_is_tried_once_more_at_most_and_retries_draw_on_a_b
     no_replica = Unavailable("no replica", reason="NO_REPLICA", retry_after_s=0.01)
     exhausted = Unavailable("given up", reason="ATTEMPTS_EXHAUSTED")
     # the proxy already spent its attempts: one more try (the other proxy first), never two
-    attempts = CallAttempts(Rotation(["a", "b"]), policy, common.Deadline(30))
+    attempts = CallAttempts(Rotation(["a", "b"]), policy, Deadline(30))
     assert attempts.next(exhausted, received=False) == 0.0 and attempts.target == "b"
     assert attempts.next(no_replica, received=False) is None
     # every server-decided failure of any call takes a token; such retries stop below half the bucket
     budget = RetryBudget(max_tokens=10, ratio=0.1)
     changed = Unavailable("spool changed", reason="SPOOL_CHANGED")
-    attempts = CallAttempts(Rotation(["a"]), policy, common.Deadline(30), budget=budget)
+    attempts = CallAttempts(Rotation(["a"]), policy, Deadline(30), budget=budget)
     assert [attempts.next(changed, received=False) is not None for _ in range(5)] == [True] * 4 + [False]
-    fresh = CallAttempts(Rotation(["a"]), policy, common.Deadline(30), budget=budget)
+    fresh = CallAttempts(Rotation(["a"]), policy, Deadline(30), budget=budget)
     assert fresh.next(changed, received=False) is None  # another call of the same client: still throttled
     for _ in range(30):  # answered attempts give tokens back, slowly (0.1 each)
-        CallAttempts(Rotation(["a"]), policy, common.Deadline(30), budget=budget).responded()
-    assert CallAttempts(Rotation(["a"]), policy, common.Deadline(30), budget=budget).next(changed, False) is not None
+        CallAttempts(Rotation(["a"]), policy, Deadline(30), budget=budget).responded()
+    assert CallAttempts(Rotation(["a"]), policy, Deadline(30), budget=budget).next(changed, False) is not None
     # a connection failure reached no server: it is bounded by the deadline, never by the budget
     refused = Unavailable("failed to connect to all addresses")
     drained = RetryBudget(max_tokens=10)
     drained.tokens = 0
-    attempts = CallAttempts(Rotation(["a"]), policy, common.Deadline(30), budget=drained)
+    attempts = CallAttempts(Rotation(["a"]), policy, Deadline(30), budget=drained)
     assert all(attempts.next(refused, received=False) is not None for _ in range(5))
 
 
@@ -871,7 +872,7 @@ def test_printed_stream_restarts_cleanly(capsys):
             tokens(0, [2], "lo"),
             finished(0, completion=2),
         ]
-        for e in common.events_from_pb(m)
+        for e in events_from_pb(m)
     ]
     out, info = io.StringIO(), io.StringIO()
     result = cli.print_stream(events, 1, out, info)
@@ -881,7 +882,7 @@ def test_printed_stream_restarts_cleanly(capsys):
     events = [
         e
         for m in [started(), tokens(1, [1], "one"), tokens(0, [2], "zero"), finished(1), finished(0)]
-        for e in common.events_from_pb(m)
+        for e in events_from_pb(m)
     ]
     out = io.StringIO()
     cli.print_stream(events, 2, out, io.StringIO())
@@ -942,7 +943,7 @@ def test_one_message_may_carry_several_samples_and_their_finishes():
             )
         ],
     )
-    events = common.events_from_pb(both)
+    events = events_from_pb(both)
     assert [type(e).__name__ for e in events] == ["Tokens", "Tokens", "Finished"]
     result = fold(2, [started(), both, tokens(0, [8], "c"), finished(0, completion=3)])
     assert [s.token_ids for s in result.samples] == [[5, 6, 8], [7]]

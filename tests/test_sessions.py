@@ -20,7 +20,7 @@ from support.processes import start_generators, start_proxy, stop_all, wait_rout
 from support.wire import fingerprint, make_adapter, metric_value, push
 
 from rollwire.client import Client, InvalidArgument, ResourceExhausted
-from rollwire.client._common import build_generate_request
+from rollwire.client._requests import build_generate_request
 from rollwire.common.errors import from_rpc_error
 from rollwire.common.reasons import Reason
 from rollwire.v1 import generator_pb2 as pb

@@ -4,30 +4,20 @@ Imports without torch. Results are plain dataclasses; failures are the typed exc
 rollwire.common.errors (re-exported here), raised from every gRPC status.
 """
 
-from rollwire.client._common import (
-    AdapterVersion,
+from rollwire.client._channels import TlsConfig
+from rollwire.client._push import LoraSpec, PeerPush, PeftAdapter, PushResult, ReplicaPush, read_peft_dir
+from rollwire.client._requests import AdapterVersion, GenerateOptions, parse_adapter
+from rollwire.client._results import (
     Finished,
-    GenerateOptions,
     GenerateResult,
     GroupAccumulator,
-    LoraShape,
-    LoraSpec,
-    PeerPush,
-    PeftAdapter,
-    PushResult,
-    ReplicaPush,
-    RequestError,
     Restarted,
-    RetryPolicy,
     Sample,
     Started,
     StreamEvent,
-    TlsConfig,
     Tokens,
-    is_retryable,
-    parse_adapter,
-    read_peft_dir,
 )
+from rollwire.client._retries import RetryPolicy, is_retryable
 from rollwire.client._session import AsyncSession, Session, TurnReply
 from rollwire.client.aio import AsyncClient
 from rollwire.client.sync import Client
@@ -40,11 +30,13 @@ from rollwire.common.errors import (
     InvalidArgument,
     NotFound,
     PermissionDenied,
+    RequestError,
     ResourceExhausted,
     RollwireError,
     Unauthenticated,
     Unavailable,
 )
+from rollwire.common.lora import LoraShape
 
 __all__ = [
     "AdapterVersion",

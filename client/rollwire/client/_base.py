@@ -9,17 +9,10 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Any, ClassVar
 
-from rollwire.client._common import (
-    Deadline,
-    RetryPolicy,
-    TlsConfig,
-    call_metadata,
-    check_chunk_size,
-    check_timeout,
-    open_channel,
-    push_requests,
-)
+from rollwire.client._channels import TlsConfig, call_metadata, check_timeout, open_channel
 from rollwire.client._failover import CallAttempts, RetryBudget, Rotation, parse_targets
+from rollwire.client._push import check_chunk_size, push_requests
+from rollwire.client._retries import Deadline, RetryPolicy
 from rollwire.common.keepalive import DEFAULT as DEFAULT_KEEPALIVE
 from rollwire.common.keepalive import Keepalive
 from rollwire.v1 import generator_pb2 as pb

@@ -34,7 +34,9 @@ from collections.abc import Callable, Sequence
 
 import grpc
 
-from rollwire.client._common import Deadline, Restarted, RetryPolicy, check_target, is_retryable
+from rollwire.client._channels import check_target
+from rollwire.client._results import Restarted
+from rollwire.client._retries import Deadline, RetryPolicy, is_retryable
 from rollwire.common.errors import RequestError, RollwireError
 from rollwire.common.retries import FLEET_FAULTS
 

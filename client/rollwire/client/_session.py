@@ -20,8 +20,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from rollwire.client._common import GenerateResult, RequestError, build_generate_request
-from rollwire.common.errors import FailedPrecondition
+from rollwire.client._requests import build_generate_request
+from rollwire.client._results import GenerateResult
+from rollwire.common.errors import FailedPrecondition, RequestError
 from rollwire.common.reasons import Reason
 from rollwire.v1 import generator_pb2 as pb
 

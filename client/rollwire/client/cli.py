@@ -19,24 +19,12 @@ from importlib.metadata import EntryPoint, entry_points
 from pathlib import Path
 from typing import Any, TextIO
 
-from rollwire.client._common import (
-    DEFAULT_MAX_NEW_TOKENS,
-    GenerateOptions,
-    GenerateResult,
-    GroupAccumulator,
-    PeftAdapter,
-    PushResult,
-    RequestError,
-    Restarted,
-    Started,
-    StreamEvent,
-    TlsConfig,
-    Tokens,
-    parse_adapter,
-    read_peft_dir,
-)
+from rollwire.client._channels import TlsConfig
+from rollwire.client._push import PeftAdapter, PushResult, read_peft_dir
+from rollwire.client._requests import DEFAULT_MAX_NEW_TOKENS, GenerateOptions, parse_adapter
+from rollwire.client._results import GenerateResult, GroupAccumulator, Restarted, Started, StreamEvent, Tokens
 from rollwire.client.sync import Client
-from rollwire.common.errors import RollwireError
+from rollwire.common.errors import RequestError, RollwireError
 from rollwire.common.secrets import SecretFileError, read_secret_file
 
 COMMANDS_GROUP = "rollwire.commands"

@@ -17,27 +17,18 @@ from typing import TYPE_CHECKING, Any
 import grpc
 
 from rollwire.client._base import ClientBase, Invoke
-from rollwire.client._common import (
-    MAX_CHUNK_BYTES,
-    GenerateResult,
-    GroupAccumulator,
-    LoraShape,
-    PushResult,
-    StreamEvent,
-    build_generate_request,
-    build_manifest,
-    events_from_pb,
-    push_result_from_pb,
-    read_peft_dir,
-)
+from rollwire.client._push import MAX_CHUNK_BYTES, PushResult, build_manifest, push_result_from_pb, read_peft_dir
+from rollwire.client._requests import build_generate_request
+from rollwire.client._results import GenerateResult, GroupAccumulator, StreamEvent, events_from_pb
 from rollwire.client._session import Session
 from rollwire.common.errors import from_rpc_error
+from rollwire.common.lora import LoraShape
 from rollwire.v1 import generator_pb2 as pb
 
 if TYPE_CHECKING:
     from typing_extensions import Unpack
 
-    from rollwire.client._common import GenerateOptions
+    from rollwire.client._requests import GenerateOptions
 
 
 class Client(ClientBase):
