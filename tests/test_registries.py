@@ -136,7 +136,8 @@ def test_make_policy_tunes_affinity_from_the_routing_section():
 def test_the_default_loss_is_policy_loss_with_the_runs_settings():
     import torch
 
-    from rollwire.learner.grpo import LossBatch, clipped_loss, policy_loss
+    from rollwire.learner.grpo import clipped_loss, policy_loss
+    from rollwire.learner.losses import LossBatch
 
     gen = torch.Generator().manual_seed(0)
     logp, behaviour = -torch.rand(2, 5, generator=gen), -torch.rand(2, 5, generator=gen)

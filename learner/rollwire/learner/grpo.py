@@ -19,13 +19,9 @@ No model, no I/O: tensors in, tensors out, so every formula is unit-tested by ha
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import TYPE_CHECKING
-
 import torch
 
-if TYPE_CHECKING:
-    from rollwire.learner.config import TrainSection
+from rollwire.learner.losses import LossBatch, LossSettings, LossTerms
 
 
 def group_advantages(rewards: torch.Tensor, normalize_std: bool = True, eps: float = 1e-6) -> torch.Tensor:
@@ -53,22 +49,6 @@ def token_logprobs(
         gathered = scaled.gather(-1, kept.clamp(min=0)).masked_fill(~present, float("-inf"))
         norm = torch.where(present.any(-1), torch.logsumexp(gathered, dim=-1), norm)
     return picked - norm
-
-
-@dataclass
-class LossTerms:
-    """The loss to backpropagate and what to report about it (floats are detached)."""
-
-    loss: torch.Tensor
-    tokens: int
-    ratio_sum: float
-    ratio_min: float
-    ratio_max: float
-    clipped: int
-    """Tokens whose gradient the PPO clip removed."""
-    truncated: int
-    """Tokens whose importance weight hit ratio_cap."""
-    kl_sum: float
 
 
 def policy_loss(
@@ -122,25 +102,7 @@ def policy_loss(
     )
 
 
-@dataclass(frozen=True)
-class LossBatch:
-    """One micro-batch as every loss sees it (losses.py): [B, T] tensors aligned with the shifted targets."""
-
-    logp: torch.Tensor
-    """Current-policy logprobs of the sampled tokens, with grad."""
-    behaviour_logp: torch.Tensor
-    """Logprobs the replicas reported when they sampled these tokens."""
-    advantages: torch.Tensor
-    """Each sample's advantage repeated on its tokens."""
-    mask: torch.Tensor
-    """1 on completion tokens, 0 on prompt and padding."""
-    ref_logp: torch.Tensor | None
-    """Base-model logprobs (adapter disabled) when train.kl_coef > 0, else None."""
-    normaliser: float
-    """Completion tokens in the whole step: the loss is a sum divided by it."""
-
-
-def clipped_loss(batch: LossBatch, cfg: TrainSection) -> LossTerms:
+def clipped_loss(batch: LossBatch, cfg: LossSettings) -> LossTerms:
     """The loss registered as "clipped": `policy_loss` with the run's clip, cap and KL weight."""
     return policy_loss(
         batch.logp,

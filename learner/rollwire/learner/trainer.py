@@ -27,8 +27,8 @@ import torch
 from rollwire.common.lora import LoraShape
 from rollwire.learner.config import TrainSection
 from rollwire.learner.groups import ScoredGroup
-from rollwire.learner.grpo import LossBatch, group_advantages, token_logprobs
-from rollwire.learner.losses import LOSSES
+from rollwire.learner.grpo import group_advantages, token_logprobs
+from rollwire.learner.losses import LOSSES, LossBatch
 from rollwire.learner.publisher import NonFiniteWeights
 
 
