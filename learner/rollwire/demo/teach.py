@@ -120,8 +120,6 @@ def teach(spec: TeachSpec, log=print):
             log(f"teach step {step}/{spec.steps} loss {loss.item():.3f}")
     model.eval()
     if spec.chain_turns:
-        from rollwire.demo.teach_chain import greedy_chain_success
-
         accuracy = greedy_chain_success(model, encode, tokenizer, eval_subset(held, 300, spec.seed))
     else:
         accuracy = greedy_accuracy(model, encode, tokenizer, eval_subset(held, 300, spec.seed))
@@ -206,6 +204,48 @@ def greedy_accuracy(model, encode, tokenizer, examples: list[Example], max_new_t
         )
     texts = tokenizer.batch_decode(out[:, width:], skip_special_tokens=True)
     return sum(is_correct(t, e.answer) for t, e in zip(texts, examples, strict=False)) / len(examples)
+
+
+def greedy_chain_success(model, encode, tokenizer, examples: list[Example], max_new_tokens: int = 4) -> float:
+    """Share of held-out episodes whose every turn the model answers right, greedily, in-process."""
+    import torch
+
+    from rollwire.learner.chain import TURNS, from_example, question, read_answer
+
+    chains = [from_example(e) for e in examples]
+    histories = [encode(c.prompt) for c in chains]
+    operands = [(c.a, c.b) for c in chains]
+    alive = [True] * len(chains)
+    for turn in range(TURNS):
+        rows = [i for i, ok in enumerate(alive) if ok]
+        if not rows:
+            break
+        width = max(len(histories[i]) for i in rows)
+        ids = torch.full((len(rows), width), tokenizer.pad_token_id, dtype=torch.long)
+        mask = torch.zeros_like(ids)
+        for r, i in enumerate(rows):
+            ids[r, width - len(histories[i]) :] = torch.tensor(histories[i])
+            mask[r, width - len(histories[i]) :] = 1
+        with torch.no_grad():
+            out = model.generate(
+                input_ids=ids,
+                attention_mask=mask,
+                max_new_tokens=max_new_tokens,
+                do_sample=False,
+                pad_token_id=tokenizer.pad_token_id,
+                eos_token_id=tokenizer.eos_token_id,
+            )
+        for r, i in enumerate(rows):
+            answer = read_answer(tokenizer.decode(out[r, width:], skip_special_tokens=True))
+            left, right = operands[i]
+            if answer is None or answer != left + right:
+                alive[i] = False
+                continue
+            if turn + 1 < TURNS:
+                addend = chains[i].addends[turn]
+                histories[i] += [*encode(f"{answer:03d}"), tokenizer.eos_token_id, *encode(question(answer, addend))]
+                operands[i] = (answer, addend)
+    return sum(alive) / len(chains)
 
 
 def describe(folder: Path) -> str:
