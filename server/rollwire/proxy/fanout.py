@@ -55,18 +55,18 @@ from dataclasses import dataclass, field
 import grpc
 
 from rollwire.common.errors import FailedPrecondition, Unavailable
-from rollwire.common.manifest import Manifest, manifest_from_pb
+from rollwire.common.manifest import manifest_from_pb
 from rollwire.common.reasons import Reason
-from rollwire.common.safetensors_header import HeaderError, header_length
 from rollwire.common.writer import MIN_STRIPE_CHUNK
 from rollwire.proxy.config import ProxyConfig
+from rollwire.proxy.header_gate import HeaderGate
 from rollwire.proxy.metrics import ProxyMetrics
 from rollwire.proxy.peers import Peers
 from rollwire.proxy.replica import Replica, ReplicaCall
 from rollwire.proxy.replicas import ReplicaSet
 from rollwire.proxy.spool import Spool, SpooledAdapter, Upload
 from rollwire.proxy.upstream import relay_credentials
-from rollwire.push.checks import MAX_HEADER_BYTES, PayloadInspector, check_header
+from rollwire.push.checks import PayloadInspector
 from rollwire.push.forward import Forwarder, StripedForwarder
 from rollwire.push.plan import Child, Target, choose_fanout, grant_children, layout, stripe_chunk_bytes, striped_layout
 from rollwire.push.reader import PushReader
@@ -78,58 +78,6 @@ SUSPECT_S = 600.0
 """A replica whose own relay hop failed is planned as a leaf for this long."""
 MIN_HEAL_S = 0.5
 """A heal round starts only with at least this much of the push deadline left."""
-INLINE_HEADER_BYTES = 64 << 10  # larger headers are parsed off the event loop
-
-
-class HeaderGate:
-    """What the proxy forwards of a client's upload, and when: nothing until the payload's
-    safetensors header passed the replicas' header checks (so a malformed payload never
-    reaches a replica), then each chunk as it arrives, except the one that completes the
-    payload, held in `held` until the proxy's digest and full payload check passed."""
-
-    def __init__(self, manifest: Manifest, base_shapes: dict[str, tuple[int, int]]) -> None:
-        self.manifest, self.base_shapes = manifest, base_shapes
-        self.prefix = bytearray()
-        self.header_ok = False
-        self.waiting: list[bytes] = []
-        self.seen = 0
-        self.held: bytes | None = None
-
-    async def feed(self, chunk: bytes) -> list[bytes]:
-        """The chunks that may be forwarded now."""
-        self.seen += len(chunk)
-        self.waiting.append(chunk)
-        if not self.header_ok:
-            self.prefix += chunk
-            if not await self._header_checked():
-                return []
-        ready, self.waiting = self.waiting, []
-        if self.seen == self.manifest.byte_length and ready:
-            self.held = ready.pop()
-        return ready
-
-    async def _header_checked(self) -> bool:
-        """True once the header passed; raises when it fails; False while it is incomplete."""
-        if len(self.prefix) < 8:
-            return self.seen >= self.manifest.byte_length and self._check(bytes(self.prefix))
-        try:
-            need = 8 + header_length(self.prefix)
-        except HeaderError:  # pragma: no cover - 8 bytes are there
-            need = 8
-        if len(self.prefix) < need and need <= min(self.manifest.byte_length, 8 + MAX_HEADER_BYTES):
-            return False  # the header is still arriving (what read_entries would refuse is refused then)
-        data = bytes(self.prefix[: max(need, 8)])
-        if len(data) > INLINE_HEADER_BYTES:
-            await asyncio.to_thread(self._check, data)
-        else:
-            self._check(data)
-        self.prefix = bytearray()
-        self.header_ok = True
-        return True
-
-    def _check(self, data: bytes) -> bool:
-        check_header(self.manifest, data, self.base_shapes)
-        return True
 
 
 @dataclass
@@ -475,13 +423,15 @@ class FanOut:
         if not accepted:
             if not created:  # an older spooled copy: maybe one no replica accepts (quarantined then)
                 for result in verdicts:
-                    self.replicas.note_refusal(result.replica, adapter, result.code, result.reason, result.message)
+                    self.replicas.catch_up.note_refusal(
+                        result.replica, adapter, result.code, result.reason, result.message
+                    )
             if created:
                 self.spool.discard(adapter)
             own = [r for r in results if r.reason not in (Reason.RELAY_NOT_REACHED, Reason.RELAY_ABORTED)]
             raise (own or results)[0].refusal(self.config.routing.retry_after_s)
         for result in verdicts:
-            self.replicas.note_refusal(result.replica, adapter, result.code, result.reason, result.message)
+            self.replicas.catch_up.note_refusal(result.replica, adapter, result.code, result.reason, result.message)
         for result in results:
             if not result.ok:
                 self.replicas.mark_unsynced(

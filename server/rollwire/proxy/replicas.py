@@ -12,25 +12,15 @@ Invariants:
 - removing a replica cancels its tasks, abandons its live groups (their runs restart them
   elsewhere) and forgets its metric series;
 - every state change calls `on_change`, which lets waiting requests re-check for a slot;
-- a replica refusing a spooled version permanently (INVALID_ARGUMENT, FAILED_PRECONDITION
-  other than "already ahead") is not asked for that version again until it reconnects; when
-  every healthy replica of the base model has refused a version and none holds it, the
-  version is quarantined (spool.py) and catch-up goes on without it, so no stored push can
-  keep replicas out of rotation, and nothing is retried forever;
 - the base model is declared or agreed by the spool, never learned from a member
   (basemodel.py); a member serving another one is refused membership: it is never routed
   to, pushed to or caught up, its refusals never count towards quarantine, it is named in
   its status, a log line and `replica_foreign_base_model`; a registered one is told so at
   its next heartbeat (admin.py). BASE_MODEL_MISMATCH from a replica means "wrong replica",
   never "wrong bytes": the replica is checked again, the version stays;
-- a refusal that is not for good (UNAVAILABLE, UNKNOWN, TOO_MANY_PUSHES, ...) is retried on
-  each round `health.catch_up_attempts` times per (replica, version) at most, then decided
-  (`catch_up_gave_up`, `rollwire_proxy_catchup_gave_up_total`): a failure of the replica
-  counts as its verdict on the version (quarantine by quorum, as a refusal for good), a busy
-  one (RESOURCE_EXHAUSTED) never does; either way the version is not pushed to it again until
-  it reconnects or a newer one is published;
-- a replica that refused (or was given up on for) versions is routed what it holds: it is
-  not behind for them, and version-aware routing never sends it a version it lacks;
+- what catch-up pushes, what a refusal or a failure decides, and when a replica counts as
+  caught up: catchup.py; a replica that refused (or was given up on for) versions is routed
+  what it holds, and version-aware routing never sends it a version it lacks;
 - one digest per version: a version a replica holds with other bytes than the spool's
   (GetStatus digests, or VERSION_CONFLICT when catch-up pushes it) is never routed to it,
   is logged (`replica_digest_conflict`) and counted (`replica_digest_conflicts`); in
@@ -50,16 +40,14 @@ from collections.abc import Callable
 import grpc
 from grpc_health.v1 import health_pb2
 
-from rollwire.common.errors import Unavailable
-from rollwire.common.reasons import Reason
-from rollwire.common.retries import VERSION_TAKEN, push_refused_for_good
 from rollwire.proxy.basemodel import BaseModel, Shapes
 from rollwire.proxy.breaker import Breaker
+from rollwire.proxy.catchup import CatchUp
 from rollwire.proxy.config import ProxyConfig
 from rollwire.proxy.metrics import ProxyMetrics
 from rollwire.proxy.replica import Replica
 from rollwire.proxy.spool import Spool
-from rollwire.runtime.logs import get_logger, new_request_id
+from rollwire.runtime.logs import get_logger
 from rollwire.runtime.waits import wait_at_most
 from rollwire.serving.dial import Dialer, on_each_drop
 from rollwire.v1 import generator_pb2 as pb
@@ -83,18 +71,13 @@ class ReplicaSet:
         self._background: set[asyncio.Task] = set()
         self.base = BaseModel(config.base_model, spool)
         spool.max_version_step = config.spool.max_version_step
-        # (name, version, sha256) -> addresses of replicas that refused it permanently
-        self._refusals: dict[tuple[str, int, str], set[str]] = {}
-        # (address, name, version, sha256) -> catch-up attempts that failed for now, in a row
-        self._tries: dict[tuple[str, str, int, str], int] = {}
-        self._gave_up: set[tuple[str, str, int, str]] = set()
-        """(address, name, version, sha256) catch-up no longer pushes (bounded retries spent)."""
         self.publishing: set[tuple[str, int]] = set()
         """(name, version) a publication (fanout.py) is delivering now, spooled but still on its
         way to the replicas: catch-up leaves it to that publication, and a replica that lacks it
         yet is not behind. A second copy pushed over the same links would halve both (a thin
         link then took twice as long and closed connections mid-push); the publication hands
         whoever it missed to catch-up when it settles (mark_unsynced)."""
+        self.catch_up = CatchUp(config, spool, metrics, self)
 
     # -- membership --------------------------------------------------------------------
     def add(self, address: str, source: str, ttl_s: float | None = None) -> tuple[Replica, bool]:
@@ -130,7 +113,7 @@ class ReplicaSet:
         await asyncio.gather(*replica.tasks, return_exceptions=True)
         await replica.channel.close(grace=None)
         await replica.bulk_channel.close(grace=None)
-        self._forget_refusals(address)
+        self.catch_up.forget(address)
         self.metrics.forget_replica(address)
         self.metrics.replicas.set(len(self.members))
         log.info("replica_removed", replica=address, reason=reason, restarted=abandoned)
@@ -214,47 +197,7 @@ class ReplicaSet:
         serving = {r.fingerprint for r in self.healthy() if r.fingerprint}
         return self.base.basis(pushed, serving, self.describe(), self.config.routing.retry_after_s)
 
-    def note_refusal(
-        self, replica: Replica, adapter, code: grpc.StatusCode, reason: str, message: str, verdict: bool = False
-    ) -> bool:
-        """Record a replica's refusal of a spooled version; quarantine the version when every
-        healthy replica of the base model refused it for good (or `verdict`: catch-up's retries
-        were spent on it) and none holds it. True when the version is (now) out of the spool."""
-        if not self.spool.holds(adapter):
-            return True
-        if reason == Reason.BASE_MODEL_MISMATCH:  # the replica is wrong, not the bytes: look at it again
-            self._recheck(replica, f"it refused {adapter.name!r} v{adapter.version} as trained on another base model")
-            return False
-        if not (verdict or push_refused_for_good(code, reason)) or replica.foreign:
-            return False
-        key = (adapter.name, adapter.version, adapter.manifest.sha256)
-        live = {(a.name, a.version, a.manifest.sha256) for n in self.spool.names() for a in self.spool.versions(n)}
-        for stale in [k for k in self._refusals if k not in live]:
-            del self._refusals[stale]
-        refusers = self._refusals.setdefault(key, set())
-        refusers.add(replica.address)
-        peers = self.healthy()
-        if any(r.holds(adapter.name, adapter.version) for r in self.all()):
-            return False
-        if not peers or not {r.address for r in peers} <= refusers:
-            return False
-        why = (
-            f"every replica ({', '.join(sorted(refusers))}) refused {adapter.name!r} v{adapter.version}; "
-            f"the last with {code.name} {reason}: {message}"
-        )
-        if self.spool.quarantine(adapter, why):
-            self.metrics.quarantined.inc()
-            log.error("adapter_quarantined", adapter=adapter.name, version=adapter.version, why=why)
-        del self._refusals[key]
-        for r in peers:
-            if not r.synced:
-                r.wake.set()  # catch up now, without the quarantined version
-        return True
-
-    def _refused_by(self, replica: Replica, adapter) -> bool:
-        return replica.address in self._refusals.get((adapter.name, adapter.version, adapter.manifest.sha256), ())
-
-    def _recheck(self, replica: Replica, why: str) -> None:
+    def recheck(self, replica: Replica, why: str) -> None:
         """A replica that claims another base model than its status said: read its status again
         before anything else is pushed to it."""
         replica.fingerprint = ""
@@ -273,43 +216,6 @@ class ReplicaSet:
                 why=why,
             )
         replica.foreign, replica.synced, replica.detail = True, False, why
-
-    def _forget_refusals(self, address: str) -> None:
-        for refusers in self._refusals.values():
-            refusers.discard(address)
-        self._gave_up = {k for k in self._gave_up if k[0] != address}
-        self._tries = {k: n for k, n in self._tries.items() if k[0] != address}
-
-    def _skips(self, replica: Replica, adapter) -> bool:
-        """Catch-up does not push this version to this replica (it refused it, or its retries
-        were spent on it) until the replica reconnects."""
-        key = (replica.address, adapter.name, adapter.version, adapter.manifest.sha256)
-        return self._refused_by(replica, adapter) or key in self._gave_up
-
-    def _retry_spent(self, replica: Replica, adapter, result) -> bool:
-        """A catch-up push failed for now; True once `health.catch_up_attempts` of them in a row
-        were spent on this (replica, version): then it is decided, loudly."""
-        key = (replica.address, adapter.name, adapter.version, adapter.manifest.sha256)
-        tries = self._tries[key] = self._tries.get(key, 0) + 1
-        if tries < self.config.health.catch_up_attempts:
-            return False
-        del self._tries[key]
-        self._gave_up.add(key)
-        self.metrics.catchup_gave_up.labels(replica.address).inc()
-        busy = result.code == grpc.StatusCode.RESOURCE_EXHAUSTED
-        log.warning(
-            "catch_up_gave_up",
-            replica=replica.address,
-            adapter=adapter.name,
-            version=adapter.version,
-            attempts=tries,
-            code=result.code.name,
-            error=result.message,
-            decision="it is routed what it holds" + ("" if busy else "; its failure counts towards quarantine"),
-        )
-        if not busy:  # a busy replica says nothing about the bytes
-            self.note_refusal(replica, adapter, result.code, result.reason, result.message, verdict=True)
-        return True
 
     def check_now(self) -> None:
         """Have every monitor re-read its replica and catch it up at once, staying in rotation
@@ -371,7 +277,7 @@ class ReplicaSet:
         return True, True, ""
 
     def _dropped(self, replica: Replica) -> None:
-        self._forget_refusals(replica.address)  # a restarted replica may accept what it refused
+        self.catch_up.forget(replica.address)  # a restarted replica may accept what it refused
         self.mark_unsynced(replica, "its connection dropped; checking it again")
 
     async def sync(self, replica: Replica) -> None:
@@ -398,7 +304,7 @@ class ReplicaSet:
                 replica.foreign = False
                 log.info("replica_admitted", replica=replica.address, serves=status.model_fingerprint)
             self._take_versions(replica, status.adapters)
-            if await self._catch_up(replica) and not replica.synced:
+            if await self.catch_up.run(replica) and not replica.synced:
                 replica.synced, replica.detail = True, ""
                 log.info("replica_ready", replica=replica.address, identity=replica.identity, adapters=replica.versions)
 
@@ -437,7 +343,7 @@ class ReplicaSet:
         for a in adapters:
             replica.set_versions(a.name, a.versions)
 
-    def _conflict(self, replica: Replica, name: str, version: int, digest: str) -> None:
+    def note_conflict(self, replica: Replica, name: str, version: int, digest: str) -> None:
         """A refusal said the replica holds (name, version) with other bytes than the spool's."""
         if (name, version) not in replica.conflicts:
             self._log_conflict(replica, name, version, digest)
@@ -456,76 +362,6 @@ class ReplicaSet:
             spool=spooled.manifest.sha256 if spooled else "",
             why="one digest per version: this replica is never routed this version",
         )
-
-    async def _catch_up(self, replica: Replica) -> bool:
-        """Push every spooled version above what the replica holds, oldest first. A version
-        that ends up quarantined is skipped; one this replica refused for good is not pushed
-        again (until it reconnects) and is skipped; the replica is caught up once it holds the
-        newest spooled version of every name. A transient failure ends the round."""
-        for name in self.spool.names():
-            for adapter in self.spool.versions(name):
-                if adapter.version <= replica.newest(name) or not self.spool.holds(adapter):
-                    continue
-                if (name, adapter.version) in self.publishing:
-                    continue
-                if self._skips(replica, adapter) or (name, adapter.version) in replica.conflicts:
-                    continue  # it would refuse again: pushing the bytes again would change nothing
-                try:
-                    payload = await adapter.payload()
-                except Unavailable:
-                    continue  # quarantined or evicted meanwhile
-                result = await replica.push(adapter, payload, self.config.health.push_timeout_s, new_request_id())
-                self.metrics.pushes.labels(replica.address, result.code.name).inc()
-                if result.ok:
-                    self._tries.pop((replica.address, name, adapter.version, adapter.manifest.sha256), None)
-                    self.metrics.catchup_pushes.labels(replica.address).inc()
-                    log.info("replica_caught_up", replica=replica.address, adapter=name, version=adapter.version)
-                elif result.reason == Reason.VERSION_CONFLICT:  # other bytes under this version: a fault
-                    self._conflict(replica, name, adapter.version, "")
-                elif result.reason == Reason.BASE_MODEL_MISMATCH:  # the replica is wrong, not the bytes
-                    self._recheck(replica, f"it refused {name!r} v{adapter.version} as trained on another base model")
-                    return False
-                elif result.reason not in VERSION_TAKEN:  # else it already holds that version or a newer one
-                    log.warning(
-                        "catch_up_failed",
-                        replica=replica.address,
-                        adapter=name,
-                        version=adapter.version,
-                        code=result.code.name,
-                        error=result.message,
-                    )
-                    replica.detail = (
-                        f"catching up {name} v{adapter.version} failed with {result.code.name}: {result.message}"
-                    )
-                    if not push_refused_for_good(result.code, result.reason):
-                        if self._retry_spent(replica, adapter, result):
-                            continue
-                        replica.synced = False
-                        return False
-                    self.note_refusal(replica, adapter, result.code, result.reason, result.message)
-        wanted = {
-            n: [v for v in self.spool.versions(n) if (n, v.version) not in self.publishing] for n in self.spool.names()
-        }
-        lacking = [f"{n} v{v.version}" for n, vs in wanted.items() for v in vs if self._skips(replica, v)]
-        replica.lacking = (
-            f"routed what it holds; it lacks {', '.join(lacking)} (refused or given up)" if lacking else ""
-        )
-        behind = [
-            f"{n} v{vs[-1].version}"
-            for n, all_versions in wanted.items()
-            if (vs := [v for v in all_versions if not self._skips(replica, v)]) and replica.newest(n) < vs[-1].version
-        ]
-        if behind:
-            replica.synced = False
-            replica.detail = f"it does not hold {', '.join(behind)}"
-            if replica.conflicts:
-                held = ", ".join(f"{n} v{v}" for n, v in sorted(replica.conflicts))
-                replica.detail += (
-                    f"; it holds {held} with other bytes than the spool's (one digest per version): restart it with "
-                    "an empty adapter window, or remove it"
-                )
-            return False
-        return True
 
     def _publish(self, replica: Replica) -> None:
         if replica.address in self.members:

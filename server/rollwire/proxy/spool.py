@@ -21,7 +21,7 @@ Invariants:
   RESOURCE_EXHAUSTED (DISK_FULL) naming the spool's folder, its partial file removed and
   every spooled version kept. Start, reload and quarantine never fail for a full disk;
 - a version every replica refuses is moved to `.quarantine/` (never retried, never deleted
-  silently: an operator can look at it), see replicas.py;
+  silently: an operator can look at it), see catchup.py;
 - a name whose last version is discarded or quarantined leaves no empty folder behind.
 """
 
