@@ -57,6 +57,14 @@ class LearnerMetrics:
     def __init__(self, registry: CollectorRegistry | None = None) -> None:
         self.registry = registry or CollectorRegistry()
         m = MetricFactory("rollwire_learner_", self.registry)
+        # counters a dashboard rates exist at 0 from the start (Prometheus' advice): rate() then
+        # sees the first drop or failed push instead of a series that appears at 1
+        self._training(m)
+        self._groups(m)
+        self._ingest(m)
+
+    def _training(self, m: MetricFactory) -> None:
+        """The trainer's steps: versions, rewards, staleness, loss terms, phases, throughput."""
         self.steps = m.counter("steps_total", "Optimiser steps taken.")
         self.policy_version = m.gauge("policy_version", "Adapter version of the trainer's current weights.")
         self.served_version = m.gauge("served_version", "Newest adapter version the target confirmed serving.")
@@ -90,6 +98,9 @@ class LearnerMetrics:
         self.phase = m.histogram("step_phase_seconds", "Time per step phase.", ["phase"], buckets=SECONDS)
         self.tokens = m.counter("tokens_total", "Completion tokens trained on.")
         self.tokens_per_second = m.gauge("tokens_per_second", "Completion tokens trained per second of the last step.")
+
+    def _groups(self, m: MetricFactory) -> None:
+        """Groups requested, trained and dropped; reward errors; pushes."""
         self.groups = m.counter("groups_total", "Groups by outcome (requested, trained).", ["outcome"])
         self.dropped = m.counter("groups_dropped_total", "Groups dropped, by reason.", ["reason"])
         self.pending = m.gauge("groups_pending", "Groups requested and not yet trained, by state.", ["state"])
@@ -99,6 +110,15 @@ class LearnerMetrics:
             "pushes_total", "Adapter pushes by outcome (ok, superseded, retried, failed).", ["outcome"]
         )
         self.push_seconds = m.histogram("push_seconds", "From push start to the version being served.", buckets=SECONDS)
+        for outcome in GROUP_OUTCOMES:
+            self.groups.labels(outcome)
+        for reason in DROP_REASONS:
+            self.dropped.labels(reason)
+        for outcome in PUSH_OUTCOMES:
+            self.pushes.labels(outcome)
+
+    def _ingest(self, m: MetricFactory) -> None:
+        """Trajectories submitted to the ingest service."""
         self.ingested = m.counter(
             "ingest_trajectories_total",
             "Submitted trajectories by outcome (accepted, or the refusal's reason).",
@@ -116,14 +136,6 @@ class LearnerMetrics:
             self.ingested.labels(outcome)
         for state in INGEST_STATES:
             self.ingest_pending.labels(state)
-        # counters a dashboard rates exist at 0 from the start (Prometheus' advice): rate() then
-        # sees the first drop or failed push instead of a series that appears at 1
-        for outcome in GROUP_OUTCOMES:
-            self.groups.labels(outcome)
-        for reason in DROP_REASONS:
-            self.dropped.labels(reason)
-        for outcome in PUSH_OUTCOMES:
-            self.pushes.labels(outcome)
 
     def know_rewards(self, names: list[str]) -> None:
         """Create each reward function's error counter at 0 (the names come from the config)."""

@@ -21,6 +21,14 @@ class GeneratorMetrics:
     def __init__(self, registry: CollectorRegistry | None = None) -> None:
         self.registry = registry or CollectorRegistry()
         m = MetricFactory("rollwire_generator_", self.registry)
+        # each group's counters a dashboard rates exist at 0 from the start (Prometheus' advice),
+        # so rate() sees the first failure instead of a series that appears at 1
+        self._serving(m)
+        self._adapters(m)
+        self._prefix_cache(m)
+
+    def _serving(self, m: MetricFactory) -> None:
+        """Requests, tokens, batches: what the replica serves."""
         self.requests = m.counter("requests_total", "Generate requests by final gRPC status code.", ["code"])
         self.tokens = m.counter("tokens_total", "Tokens processed, by kind (prompt or completion).", ["kind"])
         self.ttft = m.histogram(
@@ -39,6 +47,13 @@ class GeneratorMetrics:
             "Sequences in one forward pass (a prefill has one per group: its samples share the prompt).",
             buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256),
         )
+        for code in grpc.StatusCode:
+            self.requests.labels(code.name)
+        for kind in ("prompt", "completion"):
+            self.tokens.labels(kind)
+
+    def _adapters(self, m: MetricFactory) -> None:
+        """Adapter versions served and pushes received."""
         self.adapter_version = m.gauge("adapter_version", "Newest loaded version per adapter.", ["adapter"])
         self.served_tokens = m.counter(
             "served_tokens_total",
@@ -56,6 +71,22 @@ class GeneratorMetrics:
         self.adapter_versions_loaded = m.gauge(
             "adapter_versions_loaded", "Versions of each adapter loaded.", ["adapter"]
         )
+        self.pushes = m.counter("adapter_pushes_total", "Adapter pushes by final gRPC status code.", ["code"])
+        self.push_bytes = m.counter("adapter_push_bytes_total", "Adapter payload bytes received.")
+        self.push_slots = m.gauge(
+            "push_slots_used",
+            "Push slots held now, of limits.max_concurrent_pushes: plain push streams and striped versions being assembled.",
+        )
+        self.push_latency = m.histogram(
+            "adapter_push_duration_seconds",
+            "From first push message to the version being served.",
+            buckets=LATENCY_BUCKETS,
+        )
+        for code in grpc.StatusCode:
+            self.pushes.labels(code.name)
+
+    def _prefix_cache(self, m: MetricFactory) -> None:
+        """The transformers engine's prefill and prefix KV cache."""
         self.prefill_tokens = m.counter(
             "prefill_tokens_total",
             "Prompt tokens the transformers engine computed in prefill passes (a prefix reused from its prefix KV cache "
@@ -75,25 +106,6 @@ class GeneratorMetrics:
             "Prefix KV cache entries evicted, by cause (ttl, capacity, adapter, superseded).",
             ["cause"],
         )
-        self.pushes = m.counter("adapter_pushes_total", "Adapter pushes by final gRPC status code.", ["code"])
-        self.push_bytes = m.counter("adapter_push_bytes_total", "Adapter payload bytes received.")
-        self.push_slots = m.gauge(
-            "push_slots_used",
-            "Push slots held now, of limits.max_concurrent_pushes: plain push streams and striped versions being assembled.",
-        )
-        self.push_latency = m.histogram(
-            "adapter_push_duration_seconds",
-            "From first push message to the version being served.",
-            buckets=LATENCY_BUCKETS,
-        )
-
-        # counters a dashboard rates exist at 0 from the start (Prometheus' advice), so rate()
-        # sees the first failure instead of a series that appears at 1
-        for code in grpc.StatusCode:
-            self.requests.labels(code.name)
-            self.pushes.labels(code.name)
-        for kind in ("prompt", "completion"):
-            self.tokens.labels(kind)
         for result in ("hit", "miss"):
             self.prefix_lookups.labels(result)
         for cause in ("ttl", "capacity", "adapter", "superseded"):

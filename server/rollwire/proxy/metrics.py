@@ -45,21 +45,33 @@ rest appear when they first occur, so a replica costs 16 series here, not 34).""
 PEER_CODES = ("OK", "DEADLINE_EXCEEDED", "FAILED_PRECONDITION", "UNAVAILABLE")
 
 
+def _latency(make: MetricFactory, name: str, text: str, labels: Sequence[str] = ()) -> Histogram:
+    return make.histogram(name, text, labels, buckets=LATENCY_BUCKETS)
+
+
 class ProxyMetrics:
     def __init__(self, policy: str, registry: CollectorRegistry | None = None) -> None:
         self.registry = registry or CollectorRegistry()
         self.policy = policy
         make = MetricFactory(PREFIX, self.registry)
+        # counters a dashboard rates exist at 0 from the start (Prometheus' advice), so rate()
+        # sees their first event instead of a series appearing at 1
+        self._requests(make, policy)
+        self._routes(make)
+        self._replica_families(make)
+        self._push_families(make)
+        self._peer_families(make)
+
+    def _requests(self, make: MetricFactory, policy: str) -> None:
+        """Generate requests: outcomes, latency, queueing, refusals, per-client limits."""
         counter, gauge = make.counter, make.gauge
-
-        def histogram(name: str, text: str, labels: Sequence[str] = ()) -> Histogram:
-            return make.histogram(name, text, labels, buckets=LATENCY_BUCKETS)
-
         self.requests = counter(
             "requests_total", "Generate requests by routing policy and final gRPC code.", ["policy", "code"]
         )
-        self.latency = histogram("request_duration_seconds", "From request arrival to its last message.", ["policy"])
-        self.queue_wait = histogram("queue_wait_seconds", "Time a request waited for a replica slot.")
+        self.latency = _latency(
+            make, "request_duration_seconds", "From request arrival to its last message.", ["policy"]
+        )
+        self.queue_wait = _latency(make, "queue_wait_seconds", "Time a request waited for a replica slot.")
         self.queue_depth = gauge("queue_depth", "Requests waiting for a replica slot.")
         self.refused = counter("refused_total", "Requests refused by backpressure (RESOURCE_EXHAUSTED).")
         self.client_errors = counter(
@@ -73,6 +85,16 @@ class ProxyMetrics:
             ["limit"],
         )
         self.clients = gauge("clients", "Client identities with requests open or queued at the proxy.")
+        for code in CODES:
+            self.requests.labels(policy, code)
+        for code in CLIENT_CODES:
+            self.client_errors.labels(code)
+        for limit in CLIENT_LIMITS:
+            self.client_limited.labels(limit)
+
+    def _routes(self, make: MetricFactory) -> None:
+        """Where sessions and prefixes sent work; the HTTP front door."""
+        counter = make.counter
         self.sessions = SessionMetrics(make)
         self.session_routes = counter(
             "session_routes_total",
@@ -95,12 +117,20 @@ class ProxyMetrics:
             "HTTP front door requests by route and HTTP status (docs/http.md).",
             ["route", "code"],
         )
-        self.http_latency = histogram(
-            "http_request_duration_seconds", "HTTP front door: from request arrival to its response's end.", ["route"]
+        self.http_latency = _latency(
+            make,
+            "http_request_duration_seconds",
+            "HTTP front door: from request arrival to its response's end.",
+            ["route"],
         )
         for route in (*HTTP_ROUTES, "other"):
             self.http_requests.labels(route, "200")
             self.http_latency.labels(route)
+
+    def _replica_families(self, make: MetricFactory) -> None:
+        """Each replica's attempts, state and versions."""
+        counter, gauge = make.counter, make.gauge
+        self.replicas = gauge("replicas", "Replicas known to the proxy.")
         self.attempts = counter(
             "replica_attempts_total", "Attempts sent to each replica, by outcome code.", ["replica", "code"]
         )
@@ -127,6 +157,10 @@ class ProxyMetrics:
             "Adapter versions the replica holds with other bytes than the spool's under the same name and number.",
             ["replica"],
         )
+
+    def _push_families(self, make: MetricFactory) -> None:
+        """Adapter pushes: fan-out, catch-up, quarantine, heals."""
+        counter = make.counter
         self.pushes = counter(
             "replica_pushes_total", "Adapter pushes (fan-out and catch-up) by code.", ["replica", "code"]
         )
@@ -141,7 +175,8 @@ class ProxyMetrics:
         self.quarantined = counter(
             "quarantined_versions_total", "Spooled adapter versions every replica refused, moved out of the spool."
         )
-        self.fanout_latency = histogram(
+        self.fanout_latency = _latency(
+            make,
             "push_fanout_duration_seconds",
             "From a push's manifest to its version committed on every replica that staged it (relay, heal, commit).",
         )
@@ -150,7 +185,10 @@ class ProxyMetrics:
             "Replicas that got a pushed version again from the proxy because the relay tree did not deliver it.",
             ["replica"],
         )
-        self.replicas = gauge("replicas", "Replicas known to the proxy.")
+
+    def _peer_families(self, make: MetricFactory) -> None:
+        """Peer proxies' spools."""
+        counter, gauge = make.counter, make.gauge
         self.peer_pushes = counter(
             "peer_pushes_total",
             "Adapter versions sent to each peer proxy's spool (replication and catch-up), by code.",
@@ -164,14 +202,6 @@ class ProxyMetrics:
             "Versions a peer proxy holds with another digest than this proxy's (two truths: a page, not a retry).",
             ["peer"],
         )
-        # counters a dashboard rates exist at 0 from the start (Prometheus' advice), so rate()
-        # sees their first event instead of a series appearing at 1
-        for code in CODES:
-            self.requests.labels(policy, code)
-        for code in CLIENT_CODES:
-            self.client_errors.labels(code)
-        for limit in CLIENT_LIMITS:
-            self.client_limited.labels(limit)
 
     def know_replica(self, address: str) -> None:
         """Create a new replica's series at 0, so its first retry, restart, ejection or failed
