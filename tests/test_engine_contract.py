@@ -25,8 +25,9 @@ from support.sglang_double import DoubleModel, DoubleServer, Options
 from support.wire import make_adapter, peft_reference
 
 from rollwire.generator.app import make_engine
-from rollwire.generator.config import GeneratorConfig, SGLangSection
+from rollwire.generator.config import GeneratorConfig
 from rollwire.generator.engines import ENGINES
+from rollwire.generator.engines.settings import SGLangSection
 from rollwire.generator.metrics import GeneratorMetrics
 from rollwire.generator.types import AdapterSelection, GroupRequest, SamplingParams
 

@@ -35,7 +35,7 @@ from rollwire.common.errors import (
 from rollwire.common.lora import LoraShape
 from rollwire.common.manifest import Manifest
 from rollwire.generator.adapters import AdapterRegistry
-from rollwire.generator.config import SGLangSection
+from rollwire.generator.engines.settings import SGLangSection
 from rollwire.generator.engines.sglang_engine import SGLangEngine, peft_config
 from rollwire.generator.engines.sglang_protocol import (
     DONE,

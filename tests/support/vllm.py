@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from rollwire.demo.stack import VLLM_CPU_ENV, VLLMServer  # noqa: F401 (re-exported for the tests)
-from rollwire.generator.config import VLLMSection
+from rollwire.generator.engines.settings import VLLMSection
 
 ROOT = Path(__file__).resolve().parents[2]
 VLLM_PYTHON = ROOT / ".venv-vllm" / "bin" / "python"

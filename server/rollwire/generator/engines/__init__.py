@@ -3,12 +3,15 @@
 ENGINES is the only place an engine's name is written: the config's `engine` field, the
 `--engine` choices, `make_engine`, the contract tests (tests/test_engine_contract.py) and the
 docs check (tests/test_registries.py) all read it. An entry names a builder
-`build(config: GeneratorConfig, metrics: GeneratorMetrics) -> Engine`; a builder imports its
+`build(config: EngineConfig, metrics: GeneratorMetrics) -> Engine`; a builder imports its
 engine module (and torch) only when a replica builds that engine, so importing this package,
-listing the names or validating a config imports nothing heavy.
+listing the names or validating a config imports nothing heavy. `EngineConfig` is the part of
+the generator's config an engine reads (GeneratorConfig has it), and each engine's own section
+is defined beside the engines (settings.py): the config imports this package, never the reverse.
 
 Adding an engine: its module, with a `build(config, metrics)` function, and one line here,
-`ENGINES.register("name", "rollwire.generator.engines.module:build", "summary")`.
+`ENGINES.register("name", "rollwire.generator.engines.module:build", "summary")`; its settings
+section goes in settings.py, its field in GeneratorConfig and in EngineConfig.
 Trait `runs_model=False` marks an engine that serves a folder holding only config.json and
 emits scripted tokens, so the contract suite checks no model numbers against it.
 """
@@ -16,19 +19,31 @@ emits scripted tokens, so the contract suite checks no model numbers against it.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 from rollwire.runtime.registry import Registry
 
 if TYPE_CHECKING:
-    from rollwire.generator.config import GeneratorConfig
     from rollwire.generator.engines.base import Engine
+    from rollwire.generator.engines.settings import ScriptedSection, SGLangSection, TransformersSection, VLLMSection
     from rollwire.generator.metrics import GeneratorMetrics
 
-EngineBuilder = Callable[["GeneratorConfig", "GeneratorMetrics"], "Engine"]
+
+class EngineConfig(Protocol):
+    """The generator config's keys a builder reads (GeneratorConfig has them all)."""
+
+    model: str
+    adapter_window: int
+    transformers: TransformersSection
+    sglang: SGLangSection
+    vllm: VLLMSection
+    scripted: ScriptedSection
 
 
-def _transformers(config: GeneratorConfig, metrics: GeneratorMetrics) -> Engine:
+EngineBuilder = Callable[[EngineConfig, "GeneratorMetrics"], "Engine"]
+
+
+def _transformers(config: EngineConfig, metrics: GeneratorMetrics) -> Engine:
     from rollwire.generator.engines.prefix_cache import PrefixCacheSettings
     from rollwire.generator.engines.transformers_engine import TransformersEngine
 
@@ -46,19 +61,19 @@ def _transformers(config: GeneratorConfig, metrics: GeneratorMetrics) -> Engine:
     )
 
 
-def _sglang(config: GeneratorConfig, metrics: GeneratorMetrics) -> Engine:
+def _sglang(config: EngineConfig, metrics: GeneratorMetrics) -> Engine:
     from rollwire.generator.engines.sglang_engine import SGLangEngine
 
-    return SGLangEngine.from_config(config)
+    return SGLangEngine(config.model, config.sglang, adapter_window=config.adapter_window)
 
 
-def _vllm(config: GeneratorConfig, metrics: GeneratorMetrics) -> Engine:
+def _vllm(config: EngineConfig, metrics: GeneratorMetrics) -> Engine:
     from rollwire.generator.engines.vllm_engine import VLLMEngine
 
-    return VLLMEngine.from_config(config)
+    return VLLMEngine(config.model, config.vllm, adapter_window=config.adapter_window)
 
 
-def _scripted(config: GeneratorConfig, metrics: GeneratorMetrics) -> Engine:
+def _scripted(config: EngineConfig, metrics: GeneratorMetrics) -> Engine:
     from rollwire.generator.engines.scripted import ScriptedEngine
 
     s = config.scripted
@@ -79,4 +94,4 @@ ENGINES.register(
     "scripted", _scripted, "benchmark engine: tokens at a set rate from config.json alone, no model", runs_model=False
 )
 
-__all__ = ["ENGINES", "EngineBuilder"]
+__all__ = ["ENGINES", "EngineBuilder", "EngineConfig"]

@@ -28,9 +28,9 @@ from pathlib import Path
 
 from rollwire.common.errors import FailedPrecondition, RollwireError
 from rollwire.common.reasons import Reason
-from rollwire.generator.config import GeneratorConfig, SGLangSection
 from rollwire.generator.engines.served import NO_TEXT, ServedAdapter, ServedEngine, ServerCall
 from rollwire.generator.engines.served_files import find_key, peft_config, read_secret, write_peft_folder
+from rollwire.generator.engines.settings import SGLangSection
 from rollwire.generator.engines.sglang_process import launch_argv, write_key_config
 from rollwire.generator.engines.sglang_protocol import (
     SGLANG,
@@ -57,10 +57,6 @@ class SGLangEngine(ServedEngine):
     def __init__(self, model_dir: str | Path, settings: SGLangSection, *, adapter_window: int) -> None:
         super().__init__(model_dir, settings, adapter_window=adapter_window)
         self.honours_seeds = settings.deterministic
-
-    @classmethod
-    def from_config(cls, config: GeneratorConfig) -> SGLangEngine:
-        return cls(config.model, config.sglang, adapter_window=config.adapter_window)
 
     # -- lifecycle -------------------------------------------------------------------------
     def _read_keys(self) -> tuple[str | None, str | None]:

@@ -45,11 +45,11 @@ from pathlib import Path
 from rollwire.common import kept
 from rollwire.common.errors import FailedPrecondition, Internal, RollwireError, Unavailable
 from rollwire.common.reasons import Reason
-from rollwire.generator.config import GeneratorConfig, VLLMSection
 from rollwire.generator.detokenize import TextStream
 from rollwire.generator.engines.served import NO_TEXT, ServedAdapter, ServedEngine, ServerCall
 from rollwire.generator.engines.served_files import read_secret
 from rollwire.generator.engines.served_http import ServerKind, ServerReasons, error_from_body, status_of
+from rollwire.generator.engines.settings import VLLMSection
 from rollwire.generator.types import Event, GroupRequest, SampleDone, SamplingParams, TokenDelta
 from rollwire.runtime.logs import get_logger
 
@@ -321,10 +321,6 @@ class VLLMEngine(ServedEngine):
         super().__init__(model_dir, settings, adapter_window=adapter_window)
         self.base_name = str(model_dir)  # the model name vLLM serves the base under; read at start
         self._can_abort = True  # until vLLM says it has no /abort_requests (no VLLM_SERVER_DEV_MODE)
-
-    @classmethod
-    def from_config(cls, config: GeneratorConfig) -> VLLMEngine:
-        return cls(config.model, config.vllm, adapter_window=config.adapter_window)
 
     # -- lifecycle -------------------------------------------------------------------------
     def _read_keys(self) -> tuple[str | None, str | None]:

@@ -1,0 +1,160 @@
+"""Each engine's settings, beside the engines: the generator config's [transformers] (with its
+[transformers.prefix_cache]), [sglang], [vllm] and [scripted] sections.
+
+GeneratorConfig (generator/config.py) holds one of each; an engine module reads only its own,
+so this module imports nothing of the generator's and an engine never imports the config.
+"""
+
+from __future__ import annotations
+
+from pydantic import Field
+
+from rollwire.runtime.config import Section
+
+
+class PrefixCacheSection(Section):
+    """The transformers engine's prefix KV cache: the keys and values of recently prefilled prompts (and of finished
+    one-sample turns, prompt plus reply), reused when a later prompt under the same adapter version extends them (a
+    session's next turn, an agent harness resending its history). Held on CPU; see docs/sessions.md."""
+
+    max_tokens: int = Field(default=16384, ge=0)
+    """Tokens held at most, all entries together (least recently used evicted first); 0 turns reuse off. One token
+    costs 2 x layers x kv_heads x head_dim x 4 bytes of CPU memory (2 KiB on the tiny model, 24 KiB on
+    Qwen2.5-0.5B)."""
+    ttl_s: float = Field(default=300.0, gt=0)
+    """An entry unused this long is evicted."""
+    block_tokens: int = Field(default=16, ge=1, le=4096)
+    """Block size of the prefix hash index; prompts shorter than one block are neither stored nor reused."""
+
+
+class TransformersSection(Section):
+    """Settings of the embedded transformers+PEFT engine."""
+
+    max_batch_rows: int = Field(default=64, ge=1)
+    """Sequences decoded together in one forward pass."""
+    max_batch_tokens: int = Field(default=1 << 20, ge=1)
+    """KV-cache tokens the running groups may reserve together: a group reserves n x (prompt + max_new_tokens) while
+    it runs, and waits for room beyond it; one that could never fit alone is refused up front (INVALID_ARGUMENT,
+    KV_BUDGET). Size it from the accelerator's memory left after the weights, divided by the bytes of one token's
+    keys and values (2 x layers x kv_heads x head_dim x dtype bytes)."""
+    threads: int = Field(default=0, ge=0)
+    """torch CPU threads; 0 keeps torch's default."""
+    device: str = Field(default="cpu")
+    """torch device, e.g. cpu or cuda:0."""
+    prefix_cache: PrefixCacheSection = Field(default_factory=PrefixCacheSection)
+    """Reuse of prompt-prefix keys and values across requests ([transformers.prefix_cache])."""
+
+
+class SGLangSection(Section):
+    """Settings of the sglang engine: an SGLang server this replica launches, or one at `url`.
+
+    Secrets are read from files named here, never from the environment, and never logged.
+    """
+
+    url: str = Field(default="")
+    """Use the SGLang server at this URL (e.g. http://127.0.0.1:30000) instead of launching one; it must see
+    adapter_dir (same host or shared volume)."""
+    launch_command: list[str] = Field(default_factory=list)
+    """Command that starts SGLang; empty = [this python, -m, sglang.launch_server]. rollwire appends --model-path,
+    --host, --port and the LoRA flags."""
+    extra_args: list[str] = Field(default_factory=list)
+    """More SGLang flags, e.g. ["--mem-fraction-static", "0.5"]."""
+    host: str = Field(default="127.0.0.1")
+    """Address the launched SGLang server binds."""
+    port: int = Field(default=0, ge=0, le=65535)
+    """Port of the launched SGLang server; 0 picks a free one."""
+    max_lora_rank: int = Field(default=64, ge=1)
+    """Largest LoRA rank SGLang reserves memory for; pushes of a larger r are refused."""
+    lora_target_modules: list[str] = Field(default_factory=lambda: ["all"])
+    """Modules SGLang prepares LoRA buffers for (--lora-target-modules)."""
+    max_loaded_adapters: int = Field(default=0, ge=0)
+    """Adapter versions SGLang holds at once; 0 = adapter_window + 1 (the window plus one for the swap)."""
+    deterministic: bool = Field(default=False)
+    """Start SGLang with --enable-deterministic-inference; required to honour request seeds."""
+    random_seed: int | None = Field(default=None)
+    """SGLang's --random-seed."""
+    api_key_file: str = Field(default="")
+    """File holding SGLang's --api-key (generate endpoints)."""
+    admin_api_key_file: str = Field(default="")
+    """File holding SGLang's --admin-api-key (adapter load/unload and abort)."""
+    adapter_dir: str = Field(default="")
+    """Where pushed adapters are written for SGLang to load; empty = a fresh temporary folder."""
+    adapter_dir_on_server: str = Field(default="")
+    """adapter_dir as the SGLang server sees it, when it mounts it elsewhere; empty = the same path."""
+    startup_timeout_s: float = Field(default=900.0, gt=0)
+    """How long a launched SGLang may take to become healthy."""
+    request_timeout_s: float = Field(default=600.0, gt=0)
+    """Longest wait for the next chunk of a generation or for an adapter call."""
+    health_interval_s: float = Field(default=5.0, gt=0)
+    """How often an SGLang given by url is probed."""
+    max_restarts: int = Field(default=5, ge=0)
+    """Restarts of a crashed, launched SGLang before the replica gives up."""
+    max_concurrent_groups: int = Field(default=256, ge=1)
+    """Groups streamed from SGLang at once; more wait in rollwire's queue."""
+
+
+class VLLMSection(Section):
+    """Settings of the vllm engine: a vLLM OpenAI server this replica launches, or one at `url` (docs/engines.md).
+
+    Secrets are read from files named here, never from the environment, and never logged.
+    """
+
+    url: str = Field(default="")
+    """Use the vLLM server at this URL (e.g. http://127.0.0.1:8000) instead of launching one; it must run with
+    --enable-lora and VLLM_ALLOW_RUNTIME_LORA_UPDATING=1 and see adapter_dir (same host or shared volume)."""
+    launch_command: list[str] = Field(default_factory=list)
+    """Command that starts vLLM's OpenAI server; empty = [this python, -m, vllm.entrypoints.openai.api_server]. vLLM
+    needs its own environment, e.g. [".venv-vllm/bin/python", "-m", "vllm.entrypoints.openai.api_server"]. rollwire
+    appends --model, --host, --port, the LoRA flags and --logprobs-mode processed_logprobs."""
+    extra_args: list[str] = Field(default_factory=list)
+    """More vLLM flags, e.g. ["--gpu-memory-utilization", "0.8", "--tensor-parallel-size", "2"]."""
+    env: dict[str, str] = Field(default_factory=dict)
+    """Environment variables set for the launched server only, e.g. {"VLLM_CPU_KVCACHE_SPACE": "1"} on CPU; rollwire
+    always sets VLLM_ALLOW_RUNTIME_LORA_UPDATING=1. Never put secrets here (use api_key_file)."""
+    host: str = Field(default="127.0.0.1")
+    """Address the launched vLLM server binds."""
+    port: int = Field(default=0, ge=0, le=65535)
+    """Port of the launched vLLM server; 0 picks a free one."""
+    dtype: str = Field(default="auto")
+    """vLLM's --dtype (auto, float32, bfloat16, float16)."""
+    max_model_len: int = Field(default=0, ge=0)
+    """vLLM's --max-model-len; 0 = the model's own limit."""
+    max_lora_rank: int = Field(default=64, ge=1)
+    """Largest LoRA rank vLLM reserves memory for (--max-lora-rank); pushes of a larger r are refused."""
+    max_loaded_adapters: int = Field(default=0, ge=0)
+    """Adapter versions loaded at once (vLLM's --max-loras); 0 = adapter_window + 1 (the window plus one for the
+    swap)."""
+    api_key_file: str = Field(default="")
+    """File holding vLLM's API key (its --api-key; passed to a launched server as VLLM_API_KEY)."""
+    adapter_dir: str = Field(default="")
+    """Where pushed adapters are written for vLLM to load; empty = a fresh temporary folder."""
+    adapter_dir_on_server: str = Field(default="")
+    """adapter_dir as the vLLM server sees it, when it mounts it elsewhere; empty = the same path."""
+    startup_timeout_s: float = Field(default=900.0, gt=0)
+    """How long a launched vLLM may take to become healthy."""
+    request_timeout_s: float = Field(default=600.0, gt=0)
+    """Longest wait for the next chunk of a generation or for an adapter call."""
+    health_interval_s: float = Field(default=5.0, gt=0)
+    """How often a vLLM given by url is probed."""
+    max_restarts: int = Field(default=5, ge=0)
+    """Restarts of a crashed, launched vLLM before the replica gives up."""
+    max_concurrent_groups: int = Field(default=256, ge=1)
+    """Groups streamed from vLLM at once; more wait in rollwire's queue."""
+    max_logprobs: int = Field(default=64, ge=-1)
+    """vLLM's --max-logprobs (-1: the vocabulary): the most top logprobs a request may ask for, which bounds
+    return_kept_tokens: a top-k group needs top_k + 1, a top-p-only group the whole vocabulary. Give a server at
+    `url` the value it was started with."""
+
+
+class ScriptedSection(Section):
+    """Settings of the scripted benchmark engine: tokens at a set rate, no model (engines/scripted.py)."""
+
+    tokens_per_s: float = Field(default=100.0, ge=0)
+    """Tokens per second per sample, all n samples of a group together; 0 = as fast as the event loop runs."""
+    logprob: float = Field(default=-1.0, le=0)
+    """The logprob reported for every token."""
+    max_concurrent_groups: int = Field(default=256, ge=1)
+    """Groups generating at once; more wait in the engine's queue."""
+
+
+__all__ = ["PrefixCacheSection", "SGLangSection", "ScriptedSection", "TransformersSection", "VLLMSection"]
