@@ -100,8 +100,9 @@ class RunHooks:
         self.report.on_reward_error(reward)
 
 
-async def open_session(cfg: LearnerConfig, resume: bool) -> Session:
-    """Build every part of the run; raises LearnerError when it cannot start as configured."""
+def _open_run_dir(cfg: LearnerConfig, resume: bool) -> tuple[Path, Path, checkpoint.Checkpoint | None]:
+    """(run_dir, its checkpoint folder, the latest checkpoint there); an earlier run's
+    checkpoints without `resume` are refused rather than overwritten."""
     run_dir = Path(cfg.run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     checkpoint_dir = run_dir / "checkpoints"
@@ -110,13 +111,12 @@ async def open_session(cfg: LearnerConfig, resume: bool) -> Session:
         raise LearnerError(
             f"{checkpoint_dir} holds checkpoints of an earlier run: pass --resume to continue it, or set run_dir to a new folder"
         )
-    metrics = LearnerMetrics()
-    ledger = GroupLedger()
-    ledger.observers.append(metrics.on_ledger)
-    buffer = Buffer(cfg.buffer.max_staleness, cfg.buffer.keep_zero_variance, ledger)
-    train, held = load_task(cfg)
-    stream = DataStream(train, cfg.seed)
-    client = make_client(cfg)
+    return run_dir, checkpoint_dir, saved
+
+
+async def _check_base_model(cfg: LearnerConfig, client: AsyncClient) -> tuple[str, list[int]]:
+    """(base_model's fingerprint, the versions of the adapter the target serves); refuses a
+    target that serves another base model."""
     fingerprint = await asyncio.to_thread(model_fingerprint, cfg.base_model)
     served_fp, remote = await target_versions(client, cfg.adapter_name)
     if served_fp and served_fp != fingerprint:
@@ -124,6 +124,20 @@ async def open_session(cfg: LearnerConfig, resume: bool) -> Session:
             f"the target serves base model {served_fp}, but base_model {cfg.base_model} is "
             f"{fingerprint}: point both at the same model files"
         )
+    return fingerprint, remote
+
+
+async def open_session(cfg: LearnerConfig, resume: bool) -> Session:
+    """Build every part of the run; raises LearnerError when it cannot start as configured."""
+    run_dir, checkpoint_dir, saved = _open_run_dir(cfg, resume)
+    metrics = LearnerMetrics()
+    ledger = GroupLedger()
+    ledger.observers.append(metrics.on_ledger)
+    buffer = Buffer(cfg.buffer.max_staleness, cfg.buffer.keep_zero_variance, ledger)
+    train, held = load_task(cfg)
+    stream = DataStream(train, cfg.seed)
+    client = make_client(cfg)
+    fingerprint, remote = await _check_base_model(cfg, client)
     trainer = await asyncio.to_thread(
         Trainer,
         cfg.base_model,
@@ -166,18 +180,23 @@ async def open_session(cfg: LearnerConfig, resume: bool) -> Session:
     )
     if cfg.ingest.enabled:
         await open_ingest(session, fingerprint)
+    _log_ready(session, fingerprint, saved)
+    return session
+
+
+def _log_ready(session: Session, fingerprint: str, saved: checkpoint.Checkpoint | None) -> None:
+    cfg = session.cfg
     log.info(
         "learner_ready",
         target=cfg.target,
         base_model=cfg.base_model,
         fingerprint=fingerprint,
         resumed_from=str(saved.path) if saved else None,
-        step=step,
-        version=version,
-        data_cursor=stream.cursor,
+        step=session.step,
+        version=session.version,
+        data_cursor=session.stream.cursor,
         sync=cfg.sync,
     )
-    return session
 
 
 async def open_ingest(session: Session, fingerprint: str) -> None:

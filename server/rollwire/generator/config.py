@@ -9,8 +9,8 @@ from pydantic import Field
 from rollwire.generator.engines import ENGINES
 from rollwire.generator.engines.settings import ScriptedSection, SGLangSection, TransformersSection, VLLMSection
 from rollwire.runtime.config import Section
+from rollwire.runtime.dialing import DialSection
 from rollwire.serving.config import ForwardSection, PushLimits, ServerConfig, port_field, push_idle_field
-from rollwire.serving.dial import DialTlsSection
 
 
 class Limits(PushLimits):
@@ -38,7 +38,7 @@ class Limits(PushLimits):
     health.push_timeout_s."""
 
 
-class RelaySection(DialTlsSection, ForwardSection):
+class RelaySection(DialSection, ForwardSection):
     """Forwarding a relayed push to this replica's children (the proxy sends the plan).
 
     With auth on, a replica relays only to the nodes its proxy granted (each node of the plan
@@ -59,8 +59,9 @@ class RelaySection(DialTlsSection, ForwardSection):
     """Bearer token with the `relay` role sent to the children; empty = the caller's, when it is a relay token."""
 
 
-class RegisterSection(Section):
-    """Self-registration with a routing proxy (heartbeats); off unless `proxy` is set."""
+class RegisterSection(DialSection):
+    """Self-registration with a routing proxy (heartbeats); off unless `proxy` is set. The dial settings say how to
+    reach a proxy that requires tokens (the `register` role, for its own address only; admin works too) or TLS."""
 
     proxy: str = Field(default="")
     """HOST:PORT of the proxy to join; empty = do not register."""
@@ -68,10 +69,6 @@ class RegisterSection(Section):
     """The proxy forgets this replica this long after its last heartbeat."""
     advertise: str = Field(default="")
     """HOST:PORT the proxy dials to reach this replica; defaults to host:port."""
-    token_file: str = Field(default="")
-    """Bearer token with the `register` role (its own address only; admin works too) for a proxy that requires tokens."""
-    tls_ca_file: str = Field(default="")
-    """PEM roots of the proxy's certificate, for a proxy that listens with TLS."""
 
 
 class GeneratorConfig(ServerConfig):

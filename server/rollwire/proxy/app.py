@@ -28,7 +28,7 @@ from rollwire.proxy.policies import make_policy
 from rollwire.proxy.replicas import SERVICE, ReplicaSet
 from rollwire.proxy.servicer import ProxyServicer
 from rollwire.proxy.spool import Spool
-from rollwire.proxy.upstream import upstream_dialer
+from rollwire.proxy.upstream import peer_dialer, upstream_dialer
 from rollwire.runtime.logs import get_logger
 from rollwire.serving.scaffold import Endpoint, Running, listen, serve
 from rollwire.v1 import admin_pb2, admin_pb2_grpc, generator_pb2_grpc
@@ -103,7 +103,7 @@ async def start_proxy(config: ProxyConfig) -> RunningProxy:
     )
     dispatcher = Dispatcher(replicas, policy, routing, metrics, config.fairness)
     proxy_id = config.proxy_id or default_proxy_id(config.host, endpoint.port)
-    peers = Peers(config, proxy_id, spool, replicas, upstream)
+    peers = Peers(config, proxy_id, spool, replicas, peer_dialer(config.peering, config.upstream, keepalive))
     fanout = FanOut(spool, replicas, config, metrics, peers)
     await peers.refuse_shared_id()
     servicer = ProxyServicer(config, dispatcher, fanout, proxy_id, endpoint.auth)

@@ -1,27 +1,22 @@
 """Publishing an adapter version: relay it down a tree of replicas while it arrives, stage it
 everywhere, heal whoever missed it, then commit it everywhere.
 
-The steps of one publication (`FanOut.push`):
+One publication (`FanOut.push`; push/README.md walks it, route 1, and heal, route 2):
 1. the client's manifest is checked as a replica would (base model, name, version, size,
    spool room); the version's name is locked, so versions of one name are published one at
    a time, in order;
-2. cut-through: chunks go on to the proxy's children of a relay tree (push.plan) as they
-   arrive, `stage_only`, and each replica forwards them to its own children while it
-   receives them; with stripes (`push.stripes`, the default "auto" = 2) the chunks are dealt
-   over S trees instead, one replica under the proxy in each (push.plan.striped_layout,
-   push.forward.StripedForwarder), and each replica reports its verdict from the stripe that
-   completed its payload; the proxy's copy is hashed and written to the spool's `.incoming/` by a
-   worker thread alongside (push.reader.PushReader). Nothing is forwarded before the payload's
-   header passed the replicas' header checks, and the chunk that completes the payload is
-   held back until the digest and the full payload check passed at the proxy, so no replica
-   ever holds a complete payload the proxy refused;
+2. cut-through: chunks go on, `stage_only`, to the proxy's children of a relay tree (or of S
+   striped trees, `push.stripes`, one replica under the proxy in each) as they arrive, none
+   before the header passed and the completing one only after the proxy's digest and full
+   check (header_gate.py), so no replica ever holds a complete payload the proxy refused;
+   each replica forwards them to its own children while it receives them; the proxy's copy
+   is hashed and written to the spool's `.incoming/` by a worker thread alongside;
 3. the version is committed to the spool (atomically, durably); catch-up leaves it to this
    publication until it ends (`ReplicaSet.publishing`), then uses it for whoever missed it;
-4. every replica verifies its own copy (length, sha256, tensors against the base model,
-   finiteness) and stages it; a healthy target that did not stage it (its parent died or
-   was cut off for stalling, or it refused bytes a hop altered) gets it again from the
-   proxy's copy: first a relay over the missed targets (the ones that failed themselves as
-   leaves), then, for any still missing, directly; all within `health.push_timeout_s`;
+4. every replica verifies and stages its own copy; a healthy target that did not stage it
+   (its parent died or stalled, or it refused bytes a hop altered) gets it again from the
+   proxy's copy: a relay over the missed targets, then directly for any still missing; all
+   within `health.push_timeout_s`;
 5. the proxy commits (CommitAdapter with the digest) on every target that staged it.
 
 What "all-or-nothing" means: no replica serves the version before every healthy target has
