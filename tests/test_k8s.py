@@ -129,7 +129,7 @@ def test_learner_config_map_is_a_valid_learner_config(tmp_path):
     if proxy.auth.admin_tokens_file:
         assert learner.client.token_file
     if proxy.tls.cert_file:
-        assert learner.client.tls_ca_file and any(learner.client.tls_ca_file.startswith(m) for m in mounts)
+        assert learner.client.ca_file and any(learner.client.ca_file.startswith(m) for m in mounts)
 
 
 def pod_specs() -> dict[str, dict]:
@@ -304,8 +304,8 @@ def test_the_shipped_configs_relay_a_push_between_replicas_over_tls(tmp_path, ti
             "k8s-proxy",
             plaintext=False,
         )
-        credentials = grpc.ssl_channel_credentials(Path(learner.client.tls_ca_file).read_bytes())
-        options = [("grpc.ssl_target_name_override", learner.client.tls_server_name)]
+        credentials = grpc.ssl_channel_credentials(Path(learner.client.ca_file).read_bytes())
+        options = [("grpc.ssl_target_name_override", learner.client.server_name)]
         metadata = (("authorization", f"Bearer {admin}"),)
         with grpc.secure_channel(proxy.target, credentials, options=options) as channel:
             stub = generator_pb2_grpc.GeneratorServiceStub(channel)

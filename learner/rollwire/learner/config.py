@@ -14,29 +14,21 @@ from pydantic import Field, model_validator
 
 from rollwire.learner.losses import LOSSES
 from rollwire.runtime.config import Section
+from rollwire.runtime.dialing import DialSection
 from rollwire.runtime.security import AuthSection, TlsSection
 
 LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
 
-class ClientSection(Section):
-    """How the learner reaches the target (a proxy or one generator)."""
+class ClientSection(DialSection):
+    """How the learner reaches the target (a proxy or one generator); its token needs the admin role (the learner
+    pushes)."""
 
     timeout_s: float = Field(default=120.0, gt=0)
     """Deadline of one Generate or PushAdapter call, in seconds."""
     max_attempts: int = Field(default=0, ge=0, le=10_000)
     """Attempts of a call whose connection fails (UNAVAILABLE before any reply); 0 = as many as timeout_s allows, so a
     proxy that restarts or dies (with another listed in target) is waited out."""
-    token_file: str = Field(default="")
-    """File holding the bearer token (admin role: the learner pushes)."""
-    tls_ca_file: str = Field(default="")
-    """PEM roots for TLS; TLS is on when this or tls_cert_file is set."""
-    tls_cert_file: str = Field(default="")
-    """PEM client certificate for mutual TLS."""
-    tls_key_file: str = Field(default="")
-    """PEM private key of tls_cert_file."""
-    tls_server_name: str = Field(default="")
-    """Name to check the server certificate against, if not the host."""
 
 
 class TaskSection(Section):

@@ -17,7 +17,6 @@ from pathlib import Path
 
 from rollwire.client import AsyncClient, TlsConfig
 from rollwire.common.fingerprint import model_fingerprint
-from rollwire.common.secrets import SecretFileError, read_secret_file
 from rollwire.learner import checkpoint
 from rollwire.learner.admission import may_request
 from rollwire.learner.buffer import Buffer, GroupLedger
@@ -33,6 +32,7 @@ from rollwire.learner.rewards import build_rewards
 from rollwire.learner.session import Session, target_versions
 from rollwire.learner.task import DataStream, addition_examples, eval_subset, is_held_out, read_jsonl
 from rollwire.learner.trainer import Trainer
+from rollwire.runtime.dialing import dial_credentials
 from rollwire.runtime.logs import get_logger
 
 log = get_logger(__name__)
@@ -59,17 +59,13 @@ def load_task(cfg: LearnerConfig):
 
 
 def make_client(cfg: LearnerConfig) -> AsyncClient:
-    c = cfg.client
-    try:
-        token = read_secret_file(c.token_file, "client.token_file") if c.token_file else None
-    except SecretFileError as exc:
-        raise LearnerError(str(exc)) from None
+    c, found = cfg.client, dial_credentials(cfg.client, "client")  # files read and checked once, at start
     tls = None
-    if c.tls_ca_file or c.tls_cert_file:
-        tls = TlsConfig.from_files(
-            c.tls_ca_file or None, c.tls_cert_file or None, c.tls_key_file or None, c.tls_server_name or None
-        )
-    return AsyncClient(cfg.target, timeout=c.timeout_s, token=token, tls=tls, max_attempts=c.max_attempts or None)
+    if found.tls:
+        tls = TlsConfig(found.root_certificates, found.certificate_chain, found.private_key, found.server_name or None)
+    return AsyncClient(
+        cfg.target, timeout=c.timeout_s, token=found.token or None, tls=tls, max_attempts=c.max_attempts or None
+    )
 
 
 @dataclass

@@ -25,7 +25,7 @@ FLAGS = (
     Flag("registration.ttl_seconds", "--register-ttl", metavar="SECONDS"),
     Flag("registration.advertise", "--advertise", metavar="HOST:PORT"),
     Flag("registration.token_file", "--register-token-file", metavar="FILE"),
-    Flag("registration.tls_ca_file", "--register-tls-ca", metavar="PEM"),
+    Flag("registration.ca_file", "--register-tls-ca", metavar="PEM"),
 )
 """Command-line shortcuts for the keys set most often; help, type and choices come from the fields."""
 
@@ -60,14 +60,7 @@ def _registration(config):
         raise SystemExit(
             f"--register: the proxy cannot dial {config.host!r}; give --advertise HOST:PORT, the address it can reach"
         )
-    from pathlib import Path
-
     from rollwire.generator.registration import Registration
-    from rollwire.runtime.security import read_tokens
+    from rollwire.serving.dial import Dialer
 
-    token = sorted(read_tokens(reg.token_file))[0] if reg.token_file else ""
-    try:
-        ca = Path(reg.tls_ca_file).read_bytes() if reg.tls_ca_file else None
-    except OSError as exc:
-        raise SystemExit(f"cannot read registration.tls_ca_file {reg.tls_ca_file}: {exc.strerror}") from None
-    return Registration(reg.proxy, reg.advertise, reg.ttl_seconds, token, ca)
+    return Registration(reg.proxy, reg.advertise, reg.ttl_seconds, Dialer.from_config(reg, "registration"))

@@ -46,7 +46,7 @@ from rollwire.push.reader import Opening, PushReader
 from rollwire.push.results import status_with_results
 from rollwire.runtime.logs import REQUEST_ID_KEY, get_logger, request_id_from
 from rollwire.runtime.security import RELAY, TokenAuth, caller_role, require_stage_only
-from rollwire.serving.dial import Dialer, bearer
+from rollwire.serving.dial import Dialer
 from rollwire.v1 import generator_pb2 as pb
 
 log = get_logger(__name__)
@@ -91,11 +91,11 @@ class PushIntake:
         self.fingerprint, self.base_shapes, self.auth, self.port = fingerprint, base_shapes, auth, port
         lim = config.limits
         self.slots = PushSlots(lim.max_concurrent_pushes, lim.stripe_linger_s, metrics.push_slots.set)
-        # channels to relay children; a TLS file that cannot be read fails at start
-        self._channels = ChannelPool(Dialer.from_config(config.relay, "relay", config.keepalive.keepalive()))
+        # channels to relay children and their token; a file that cannot be read fails at start
+        dialer = Dialer.from_config(config.relay, "relay", config.keepalive.keepalive())
+        self._channels, self._relay_token = ChannelPool(dialer), dialer.metadata
         self.instance = secrets.token_hex(8)
         """This process's id in RELAY_PATH_KEY."""
-        self._relay_token = bearer(config.relay.token_file)  # read at start: a bad file stops it
 
     async def push(self, messages, context: grpc.aio.ServicerContext) -> pb.PushAdapterResponse:
         """One PushAdapter call: admit, relay, receive, then stage or serve (or refuse)."""

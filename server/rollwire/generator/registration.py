@@ -13,9 +13,9 @@ from dataclasses import dataclass, field
 
 import grpc
 
-from rollwire.common.keepalive import DEFAULT as DEFAULT_KEEPALIVE
 from rollwire.runtime.logs import get_logger
 from rollwire.runtime.waits import wait_at_most
+from rollwire.serving.dial import Dialer
 from rollwire.v1 import admin_pb2 as apb
 from rollwire.v1 import admin_pb2_grpc
 
@@ -32,23 +32,16 @@ class Registration:
     """HOST:PORT the proxy dials to reach this replica; empty = the bind address and port."""
     ttl_s: int = 15
     """The registration lapses this long after the last heartbeat."""
-    token: str = field(default="", repr=False)
-    """Bearer token with the register role (or admin), when the proxy requires tokens."""
-    tls_ca: bytes | None = None
-    """PEM roots of the proxy's certificate, when the proxy listens with TLS."""
+    dialer: Dialer = field(default_factory=Dialer)
+    """How to reach the proxy (the `registration` section's TLS and token: the register role, or admin)."""
 
 
 class Heartbeat:
     def __init__(self, registration: Registration, address: str) -> None:
         self.registration, self.address = registration, address
-        options = DEFAULT_KEEPALIVE.channel_options()  # a proxy that comes back is dialled again within a second
-        if registration.tls_ca is None:
-            self.channel = grpc.aio.insecure_channel(registration.proxy, options=options)
-        else:
-            self.channel = grpc.aio.secure_channel(
-                registration.proxy, grpc.ssl_channel_credentials(registration.tls_ca), options=options
-            )
-        self.metadata = (("authorization", f"Bearer {registration.token}"),) if registration.token else ()
+        # its keepalive dials a proxy that comes back again within a second
+        self.channel = registration.dialer.channel(registration.proxy)
+        self.metadata = registration.dialer.metadata
         self.admin = admin_pb2_grpc.AdminServiceStub(self.channel)
         self._stop = asyncio.Event()
         self._task: asyncio.Task | None = None

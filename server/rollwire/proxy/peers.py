@@ -60,7 +60,8 @@ from rollwire.common.errors import FailedPrecondition, Unavailable, from_rpc_err
 from rollwire.common.reasons import Reason
 from rollwire.common.retries import VERSION_TAKEN, push_refused_for_good
 from rollwire.push.reader import PushReader
-from rollwire.runtime.config import ConfigError, Section
+from rollwire.runtime.config import ConfigError
+from rollwire.runtime.dialing import DialSection
 from rollwire.runtime.logs import REQUEST_ID_KEY, get_logger, new_request_id
 from rollwire.runtime.waits import wait_at_most
 from rollwire.serving.dial import on_each_drop
@@ -80,8 +81,9 @@ REFRESH_EVERY_S = 0.05
 """While a received version is held, how often the replicas are asked what they serve."""
 
 
-class PeeringSection(Section):
-    """How this proxy keeps its peer proxies' spools in step with its own (`peers` lists them)."""
+class PeeringSection(DialSection):
+    """How this proxy keeps its peer proxies' spools in step with its own (`peers` lists them), and how it dials them:
+    each dial setting left empty here is upstream's."""
 
     timeout_s: float = Field(default=30.0, gt=0)
     """Deadline of sending one adapter version to one peer proxy; a peer over it is marked behind (the push still
@@ -97,8 +99,7 @@ class PeeringSection(Section):
     """Bearer token sent to peer proxies (the `peer` role there: in their auth.peer_tokens_file); empty =
     upstream.token_file."""
     server_name: str = Field(default="")
-    """Name to check peer proxies' certificates against; empty = upstream.server_name. Peers are dialled with the
-    upstream section's TLS settings otherwise."""
+    """Name to check peer proxies' certificates against; empty = upstream.server_name."""
 
 
 def check_peer(entry: str) -> str:
@@ -133,15 +134,13 @@ class _Peer:
 class Peers:
     """This proxy's peer proxies: sending published versions, receiving theirs."""
 
-    def __init__(
-        self, config: ProxyConfig, proxy_id: str, spool: Spool, replicas: ReplicaSet, upstream: Dialer
-    ) -> None:
-        """Peers are `config.peers`, dialled like the replicas (`upstream`) but for the
-        peering section's token and certificate name; a peer's health check has the
-        replicas' deadline, and a push it sends the same idle deadline as any other."""
+    def __init__(self, config: ProxyConfig, proxy_id: str, spool: Spool, replicas: ReplicaSet, dialer: Dialer) -> None:
+        """Peers are `config.peers`, dialled with `dialer` (the peering section over upstream's);
+        a peer's health check has the replicas' deadline, and a push it sends the same idle
+        deadline as any other."""
         self.entries, self.section = [check_peer(e) for e in config.peers], config.peering
         self.spool, self.replicas, self.metrics, self.proxy_id = spool, replicas, replicas.metrics, proxy_id
-        self.dialer = upstream.overridden(self.section.server_name, self.section.token_file)
+        self.dialer = dialer
         self.metadata = self.dialer.metadata
         self.check_timeout_s, self.idle_s = config.health.timeout_s, config.spool.upload_idle_timeout_s
         self.peers: dict[str, _Peer] = {}

@@ -1,4 +1,4 @@
-"""How the proxy dials its replicas: the `upstream` section, built into a Dialer (serving/dial.py).
+"""How the proxy dials its replicas: the `upstream` section (a DialSection), built into a Dialer (serving/dial.py).
 
 The proxy checks its own clients' tokens (security.py) and never forwards them: towards the
 replicas it speaks with its own token, which needs the admin role because the proxy pushes
@@ -6,7 +6,7 @@ adapters. The streams of a relay tree carry `relay_token_file`'s token instead w
 (the `relay` role: it can only stage), so the replicas pass on a token that can do nothing
 but relay, and every node of a plan carries the proxy's grant, keyed from its admin token
 (push.plan.relay_grant), so a replica relays only to the members this proxy planned. Peer proxies
-are dialled with the same settings (peers.py may override the token and the certificate name).
+are dialled with the same settings, each one the `peering` section sets taking precedence.
 """
 
 from __future__ import annotations
@@ -19,14 +19,13 @@ from pydantic import Field
 from rollwire.common.keepalive import DEFAULT as DEFAULT_KEEPALIVE
 from rollwire.common.keepalive import Keepalive
 from rollwire.push.plan import grant_key
-from rollwire.serving.dial import Dialer, DialTlsSection, bearer
+from rollwire.runtime.dialing import DialSection, bearer, read_token
+from rollwire.serving.dial import Dialer
 
 
-class UpstreamSection(DialTlsSection):
-    """Credentials for replicas that require tokens or TLS."""
+class UpstreamSection(DialSection):
+    """Credentials for replicas that require tokens or TLS; the token needs the admin role (the proxy pushes)."""
 
-    token_file: str = Field(default="")
-    """File holding the bearer token sent to replicas (admin role: the proxy pushes)."""
     relay_token_file: str = Field(default="")
     """File holding the token the proxy's relayed (stage_only) pushes carry: the `relay` role on the replicas, which
     they pass on down the tree; empty = token_file, which the replicas then do not pass on (set relay.token_file
@@ -35,7 +34,12 @@ class UpstreamSection(DialTlsSection):
 
 def upstream_dialer(section: UpstreamSection, keepalive: Keepalive = DEFAULT_KEEPALIVE) -> Dialer:
     """The proxy's link to its replicas; raises SystemExit naming a setting it cannot use."""
-    return Dialer.from_config(section, "upstream", keepalive, token_file=section.token_file)
+    return Dialer.from_config(section, "upstream", keepalive)
+
+
+def peer_dialer(peering: DialSection, upstream: UpstreamSection, keepalive: Keepalive = DEFAULT_KEEPALIVE) -> Dialer:
+    """The proxy's link to its peer proxies: each dial setting the peering section leaves empty is upstream's."""
+    return Dialer.from_config(peering, "peering", keepalive, inherit=(upstream, "upstream"))
 
 
 @dataclass(frozen=True)
@@ -49,6 +53,6 @@ class RelayCredentials:
 
 def relay_credentials(section: UpstreamSection) -> RelayCredentials:
     """Read at start, like the dialer: a token file that cannot be read stops the proxy."""
-    admin = bearer(section.token_file)
-    key = grant_key(hashlib.sha256(admin[0][1].removeprefix("Bearer ").encode()).digest()) if admin else None
-    return RelayCredentials(bearer(section.relay_token_file) or admin, key)
+    admin = read_token(section.token_file, "upstream.token_file")
+    key = grant_key(hashlib.sha256(admin.encode()).digest()) if admin else None
+    return RelayCredentials(bearer(read_token(section.relay_token_file, "upstream.relay_token_file") or admin), key)

@@ -25,7 +25,7 @@ import sys
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, TypeVar, get_args, get_origin
+from typing import Any, ClassVar, TypeVar, get_args, get_origin
 
 from pydantic import BaseModel, ConfigDict, ValidationError
 from pydantic.fields import FieldInfo
@@ -46,6 +46,8 @@ class Section(BaseModel):
     folded, which --help, the docs and error messages read."""
 
     model_config = ConfigDict(extra="forbid", validate_assignment=True, use_attribute_docstrings=True)
+    renamed_keys: ClassVar[dict[str, str]] = {}
+    """Old key -> its new name in this section: a config that still sets the old key is refused with the new one."""
 
     @classmethod
     def __pydantic_init_subclass__(cls, **kwargs: Any) -> None:
@@ -93,7 +95,7 @@ def load_config(
     try:
         loaded = loader(**_nest(explicit))
     except ValidationError as exc:
-        problems = "; ".join(f"{'.'.join(str(p) for p in e['loc'])}: {e['msg']}" for e in exc.errors())
+        problems = "; ".join(_problem(model, e) for e in exc.errors())
         raise ConfigError(f"invalid configuration: {problems}") from None
     except SettingsError as exc:  # e.g. an environment variable that should hold JSON
         raise ConfigError(f"invalid configuration: {exc}") from None
@@ -102,6 +104,19 @@ def load_config(
     # Hand back the plain model (not the loader subclass), built from the values just validated.
     values = {name: getattr(loaded, name) for name in model.model_fields}
     return model.model_construct(_fields_set=set(loaded.model_fields_set), **values)
+
+
+def _problem(model: type[BaseModel], error: Any) -> str:
+    """`key: message`, where a key a section has renamed (Section.renamed_keys) names its new key."""
+    key = ".".join(str(p) for p in error["loc"])
+    section: Any = model
+    for part in error["loc"][:-1]:
+        info = getattr(section, "model_fields", {}).get(part)
+        section = info.annotation if info is not None else None
+    new = getattr(section, "renamed_keys", {}).get(error["loc"][-1]) if error["type"] == "extra_forbidden" else None
+    if new:
+        return f"{key} is now {'.'.join([*map(str, error['loc'][:-1]), new])}: rename it"
+    return f"{key}: {error['msg']}"
 
 
 def _nest(items: Iterable[tuple[str, object]]) -> dict:

@@ -1,25 +1,20 @@
-"""How one rollwire server dials another: TLS credentials, a bearer token and channel options.
+"""How one rollwire server dials another over grpc.aio: channels from a link's credentials.
 
-Three server-to-server links exist: the proxy to its replicas (`upstream`), the proxy to its
-peer proxies (`peering`, the upstream settings with two overrides) and a replica to its relay
-children (`relay`). All three are built here from the same fields, read once at start: a file
-that cannot be read, or a certificate without its key, stops the process with a sentence
-naming the setting. Token values are never logged.
+The settings and their reading live in rollwire.runtime.dialing (DialSection, dial_credentials),
+shared with the learner; here a link's credentials become channel credentials, per-call
+metadata (the bearer token) and channel options.
 """
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import grpc
-from pydantic import Field
 
 from rollwire.common.keepalive import DEFAULT as DEFAULT_KEEPALIVE
 from rollwire.common.keepalive import Keepalive, for_pushes
-from rollwire.runtime.config import Section
+from rollwire.runtime.dialing import DialSection, dial_credentials
 
 MESSAGE_OPTIONS = (
     ("grpc.max_receive_message_length", 8 << 20),
@@ -29,32 +24,6 @@ MESSAGE_OPTIONS = (
 Keepalive and reconnect timing come from rollwire.common.keepalive: a peer that restarts at the
 same address is dialled again within a second, and one that goes silent without closing its
 connection has its streams ended within the keepalive bound."""
-
-NAME_OVERRIDE = "grpc.ssl_target_name_override"
-
-
-class DialTlsSection(Section):
-    """TLS towards other rollwire servers: off unless tls, ca_file or cert_file is set."""
-
-    tls: bool = Field(default=False)
-    """Dial over TLS (trusting the system roots unless ca_file is set)."""
-    ca_file: str = Field(default="")
-    """PEM roots that sign the servers' certificates; implies tls."""
-    cert_file: str = Field(default="")
-    """PEM client certificate, for servers that require mutual TLS."""
-    key_file: str = Field(default="")
-    """PEM private key of cert_file."""
-    server_name: str = Field(default="")
-    """Name to check the servers' certificates against when it differs from their host."""
-
-
-def bearer(token_file: str) -> tuple[tuple[str, str], ...]:
-    """The authorization metadata for the first token in `token_file` (none when it is empty)."""
-    if not token_file:
-        return ()
-    from rollwire.runtime.security import read_tokens
-
-    return (("authorization", f"Bearer {sorted(read_tokens(token_file))[0]}"),)
 
 
 @dataclass(frozen=True)
@@ -67,30 +36,21 @@ class Dialer:
 
     @classmethod
     def from_config(
-        cls, tls: DialTlsSection, setting: str, keepalive: Keepalive = DEFAULT_KEEPALIVE, token_file: str = ""
+        cls,
+        section: DialSection,
+        setting: str,
+        keepalive: Keepalive = DEFAULT_KEEPALIVE,
+        inherit: tuple[DialSection, str] | None = None,
     ) -> Dialer:
-        """`setting` names the config section in errors (e.g. "upstream"); raises SystemExit."""
+        """The link configured as `setting` (runtime.dialing.dial_credentials); raises SystemExit."""
+        found = dial_credentials(section, setting, inherit)
         options: list = [*MESSAGE_OPTIONS, *keepalive.channel_options()]
-        if tls.server_name:
-            options.append((NAME_OVERRIDE, tls.server_name))
-        metadata = bearer(token_file)
-        if not (tls.tls or tls.ca_file or tls.cert_file):
-            return cls(None, metadata, options)
-        if bool(tls.cert_file) != bool(tls.key_file):
-            raise SystemExit(f"{setting}.cert_file and {setting}.key_file go together: give both for mutual TLS")
-        try:
-            ca, cert, key = (Path(f).read_bytes() if f else None for f in (tls.ca_file, tls.cert_file, tls.key_file))
-        except OSError as exc:
-            raise SystemExit(f"cannot read {setting} TLS file {exc.filename}: {exc.strerror}") from None
-        return cls(grpc.ssl_channel_credentials(ca, key, cert), metadata, options)
-
-    def overridden(self, server_name: str = "", token_file: str = "") -> Dialer:
-        """The same link with another certificate name and/or token, where either is given."""
-        options = self.options
-        if server_name:
-            options = [*(o for o in options if o[0] != NAME_OVERRIDE), (NAME_OVERRIDE, server_name)]
-        metadata = bearer(token_file) if token_file else self.metadata
-        return dataclasses.replace(self, options=options, metadata=metadata)
+        if found.server_name:
+            options.append(("grpc.ssl_target_name_override", found.server_name))
+        if not found.tls:
+            return cls(None, found.metadata, options)
+        credentials = grpc.ssl_channel_credentials(found.root_certificates, found.private_key, found.certificate_chain)
+        return cls(credentials, found.metadata, options)
 
     def channel(self, address: str, bulk: bool = False) -> grpc.aio.Channel:
         """A channel to `address`. `bulk` gives it a TCP connection of its own (a local

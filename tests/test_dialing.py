@@ -1,0 +1,73 @@
+"""The one dial section and credentials function (rollwire.runtime.dialing): every link reads its
+files once, names the setting it cannot use, and refuses the keys' older names with the new ones."""
+
+from __future__ import annotations
+
+import pytest
+
+from rollwire.generator.config import GeneratorConfig
+from rollwire.learner.config import LearnerConfig
+from rollwire.proxy.config import PeeringSection, ProxyConfig
+from rollwire.proxy.upstream import UpstreamSection, peer_dialer
+from rollwire.runtime.config import ConfigError, load_config
+from rollwire.runtime.dialing import DialSection, dial_credentials
+
+
+@pytest.mark.parametrize(
+    ("model", "old", "new"),
+    [
+        (GeneratorConfig, "registration.tls_ca_file", "registration.ca_file"),
+        (LearnerConfig, "client.tls_ca_file", "client.ca_file"),
+        (LearnerConfig, "client.tls_cert_file", "client.cert_file"),
+        (LearnerConfig, "client.tls_key_file", "client.key_file"),
+        (LearnerConfig, "client.tls_server_name", "client.server_name"),
+    ],
+)
+def test_an_old_key_is_refused_with_its_new_name(model, old, new):
+    with pytest.raises(ConfigError, match=f"{old} is now {new}"):
+        load_config(model, overrides=[f"{old}=x"])
+
+
+def test_every_link_takes_the_same_keys():
+    sections = [ProxyConfig.model_fields[name].annotation for name in ("upstream", "peering")]
+    sections += [GeneratorConfig.model_fields[name].annotation for name in ("relay", "registration")]
+    sections.append(LearnerConfig.model_fields["client"].annotation)
+    for section in sections:
+        assert isinstance(section, type) and issubclass(section, DialSection), section
+
+
+def test_each_problem_names_its_setting(tmp_path):
+    token = tmp_path / "token"
+    token.write_text("# the admin token\nsecret\n")
+    empty = tmp_path / "empty"
+    empty.write_text("# nothing yet\n")
+    cases = [
+        (DialSection(ca_file=str(tmp_path / "missing.pem")), "relay.ca_file is .*cannot be read"),
+        (DialSection(cert_file=str(token)), "relay.cert_file and relay.key_file go together"),
+        (DialSection(token_file=str(empty)), "relay.token_file is .*holds no token"),
+    ]
+    for section, sentence in cases:
+        with pytest.raises(SystemExit, match=sentence):
+            dial_credentials(section, "relay")
+    found = dial_credentials(DialSection(token_file=str(token), server_name="proxy.internal"), "client")
+    assert (found.tls, found.token, found.server_name) == (False, "secret", "proxy.internal")
+    assert "secret" not in repr(found)
+
+
+def test_peers_take_each_empty_setting_from_upstream(tmp_path):
+    ca, token = tmp_path / "ca.pem", tmp_path / "token"
+    ca.write_bytes(b"roots")
+    token.write_text("admin\n")
+    upstream = DialSection(ca_file=str(ca), token_file=str(token))
+    found = dial_credentials(DialSection(server_name="peer.internal"), "peering", (upstream, "upstream"))
+    assert (found.tls, found.root_certificates, found.token, found.server_name) == (
+        True,
+        b"roots",
+        "admin",
+        "peer.internal",
+    )
+    with pytest.raises(SystemExit, match="peering.token_file is"):
+        dial_credentials(DialSection(token_file=str(tmp_path / "nope")), "peering", (upstream, "upstream"))
+    dialer = peer_dialer(PeeringSection(server_name="peer.internal"), UpstreamSection(token_file=str(token)))
+    assert dialer.metadata == (("authorization", "Bearer admin"),)
+    assert ("grpc.ssl_target_name_override", "peer.internal") in dialer.options
