@@ -68,7 +68,7 @@ def dispatcher(slots=1, **fairness) -> Dispatcher:
     replicas = FakeReplicas([FakeReplica("r")])
     routing = RoutingSection(max_in_flight_per_replica=slots, retry_after_s=0.5)
     return Dispatcher(
-        replicas, make_policy("round-robin"), routing, ProxyMetrics("round-robin"), FairnessSection(**fairness)
+        replicas, make_policy("round-robin", routing), routing, ProxyMetrics("round-robin"), FairnessSection(**fairness)
     )
 
 

@@ -17,8 +17,8 @@ from rollwire.generator.config import GeneratorConfig
 from rollwire.generator.engines import ENGINES
 from rollwire.learner.config import LearnerConfig, TrainSection
 from rollwire.learner.losses import LOSSES
-from rollwire.proxy.config import ProxyConfig
-from rollwire.proxy.policies import POLICIES, Affinity, Candidate, make_policy
+from rollwire.proxy.config import ProxyConfig, RoutingSection
+from rollwire.proxy.policies import POLICIES, Affinity, Candidate, PrefixAware, make_policy
 from rollwire.runtime.config import ConfigError, load_config
 from rollwire.runtime.registry import Registry
 
@@ -86,7 +86,7 @@ def test_a_policy_registered_at_run_time_is_valid_config_a_cli_choice_and_builda
         assert load_config(ProxyConfig, overrides=["policy=last"]).policy == "last"
         assert "last" in choices("proxy", "--policy")
         cands = [Candidate("a:1"), Candidate("b:1")]
-        assert make_policy("last").choose(cands, b"") == cands[-1]
+        assert make_policy("last", RoutingSection()).choose(cands, b"") == cands[-1]
     finally:
         POLICIES.unregister("last")
     with pytest.raises(ValueError, match="unknown routing policy 'last'"):
@@ -120,14 +120,11 @@ def test_a_loss_registered_at_run_time_is_valid_config():
         LOSSES.unregister("mine")
 
 
-def test_make_policy_tunes_affinity_from_the_routing_section():
-    from rollwire.proxy.config import RoutingSection
-
+def test_make_policy_tunes_the_policies_from_the_routing_section():
     policy = make_policy("affinity", RoutingSection(affinity_load_factor=2.0, affinity_min_gap=0))
     assert isinstance(policy, Affinity) and (policy.load_factor, policy.min_gap) == (2.0, 0)
-    assert make_policy("affinity", affinity_min_gap=7).min_gap == 7
-    with pytest.raises(Exception, match="affinity_load_factor"):
-        make_policy("affinity", affinity_load_factor=0.5)  # validated like the config key
+    prefix = make_policy("prefix", RoutingSection(prefix_block=8, prefix_index_entries=100, affinity_min_gap=7))
+    assert isinstance(prefix, PrefixAware) and (prefix.block, prefix.max_entries, prefix.min_gap) == (8, 100, 7)
 
 
 # ---------------------------------------------------------------- the loss seam

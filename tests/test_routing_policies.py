@@ -11,9 +11,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from rollwire.proxy.breaker import Breaker
+from rollwire.proxy.config import RoutingSection
 from rollwire.proxy.policies import POLICIES, Affinity, Candidate, LeastLoaded, RoundRobin, make_policy, routing_key
 
 ADDRESSES = [f"10.0.0.{i}:50051" for i in range(1, 6)]
+ROUTING = RoutingSection()
 
 candidate_sets = st.lists(
     st.builds(Candidate, st.sampled_from(ADDRESSES), st.integers(0, 50), st.integers(0, 5000)),
@@ -27,23 +29,23 @@ candidate_sets = st.lists(
 @settings(max_examples=200, deadline=None)
 @given(candidates=candidate_sets, key=st.binary(max_size=40))
 def test_every_policy_chooses_one_of_the_candidates(name, candidates, key):
-    assert make_policy(name).choose(candidates, key) in candidates
+    assert make_policy(name, ROUTING).choose(candidates, key) in candidates
 
 
 @pytest.mark.parametrize("name", POLICIES.names())
 def test_every_policy_reports_the_name_it_is_registered_under(name):
-    assert make_policy(name).name == name  # the Policy protocol's `name` never drifts from the registry
+    assert make_policy(name, ROUTING).name == name  # the Policy protocol's `name` never drifts from the registry
 
 
 @pytest.mark.parametrize("name", POLICIES.names())
 def test_a_single_candidate_is_always_chosen(name):
     only = Candidate("10.0.0.1:1", in_flight=99, work=9999)
-    assert all(make_policy(name).choose([only], bytes([i])) == only for i in range(20))
+    assert all(make_policy(name, ROUTING).choose([only], bytes([i])) == only for i in range(20))
 
 
 def test_unknown_policy_is_refused_with_the_choices():
     with pytest.raises(ValueError, match="least-loaded, round-robin, affinity"):
-        make_policy("random")
+        make_policy("random", ROUTING)
 
 
 # -- least loaded (power of two choices) --------------------------------------------------

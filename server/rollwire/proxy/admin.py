@@ -21,6 +21,7 @@ from typing import NoReturn
 
 import grpc
 
+from rollwire.common.addresses import check_address
 from rollwire.common.errors import (
     FailedPrecondition,
     InvalidArgument,
@@ -31,7 +32,7 @@ from rollwire.common.errors import (
     to_status,
 )
 from rollwire.common.reasons import Reason
-from rollwire.proxy.config import RegistrationSection, check_address
+from rollwire.proxy.config import RegistrationSection
 from rollwire.proxy.replica import Replica
 from rollwire.proxy.replicas import ReplicaSet
 from rollwire.runtime.logs import get_logger

@@ -98,9 +98,7 @@ async def start_proxy(config: ProxyConfig) -> RunningProxy:
 
     upstream = upstream_dialer(config.upstream, keepalive)
     replicas = ReplicaSet(config, spool, metrics, on_change, upstream)
-    policy = make_policy(
-        config.policy, affinity_load_factor=routing.affinity_load_factor, affinity_min_gap=routing.affinity_min_gap
-    )
+    policy = make_policy(config.policy, routing)
     dispatcher = Dispatcher(replicas, policy, routing, metrics, config.fairness)
     proxy_id = config.proxy_id or default_proxy_id(config.host, endpoint.port)
     peers = Peers(config, proxy_id, spool, replicas, peer_dialer(config.peering, config.upstream, keepalive))

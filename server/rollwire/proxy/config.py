@@ -1,29 +1,28 @@
-"""Typed configuration of the routing proxy (`rollwire proxy --config FILE --set k=v`)."""
+"""Typed configuration of the routing proxy (`rollwire proxy --config FILE --set k=v`).
+
+Every section of the proxy's config is defined here or in a module that imports nothing of the
+proxy's (the dial settings' upstream.py, the front door's http/config.py), addresses are checked
+by the one rule of rollwire.common.addresses, and policy names by the registry of
+rollwire.proxy.policies, which does not import the config: so any proxy module may import this
+one and none of them is imported back.
+"""
 
 from __future__ import annotations
 
-import re
 from typing import Annotated, Literal
 
 from pydantic import Field, field_validator
 
+from rollwire.common.addresses import check_address, check_target, parse_dns_target
 from rollwire.common.writer import MAX_STRIPES
 from rollwire.proxy.http.config import HttpSection
-from rollwire.proxy.peers import PeeringSection
 from rollwire.proxy.policies import POLICIES
 from rollwire.proxy.upstream import UpstreamSection
 from rollwire.runtime.config import Section
+from rollwire.runtime.dialing import DialSection
 from rollwire.serving.config import ForwardSection, PushLimits, ServerConfig, port_field, push_idle_field
 
 MiB = 1 << 20
-ADDRESS_RE = re.compile(r"^(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9_.-]+):[0-9]{1,5}$")
-
-
-def check_address(address: str) -> str:
-    """`host:port` or `[v6]:port`; raises ValueError with a sentence otherwise."""
-    if not ADDRESS_RE.fullmatch(address) or not 0 < int(address.rsplit(":", 1)[1]) < 65536:
-        raise ValueError(f"{address!r} is not a HOST:PORT address (e.g. 10.0.0.5:50051 or [::1]:50051)")
-    return address
 
 
 class RoutingSection(Section):
@@ -167,6 +166,27 @@ class RegistrationSection(Section):
     """Replicas this proxy holds at most, however they came; a registration past it is refused (TOO_MANY_MEMBERS)."""
 
 
+class PeeringSection(DialSection):
+    """How this proxy keeps its peer proxies' spools in step with its own (`peers` lists them), and how it dials them:
+    each dial setting left empty here is upstream's."""
+
+    timeout_s: float = Field(default=30.0, gt=0)
+    """Deadline of sending one adapter version to one peer proxy; a peer over it is marked behind (the push still
+    succeeds) and caught up when it answers again."""
+    interval_s: float = Field(default=1.0, gt=0)
+    """Seconds between health checks of each peer; a peer found answering after a failure (or a dropped connection) is
+    sent every spooled version it may lack."""
+    hold_s: float = Field(default=5.0, ge=0)
+    """After a peer sent a version, requests for the latest version of its name wait (up to their own deadline) until a
+    replica here serves it, so versions never go backwards for a client that switches proxies. The sender commits it on
+    the replicas; if no replica serves it after this long, this proxy catches them up to it itself."""
+    token_file: str = Field(default="")
+    """Bearer token sent to peer proxies (the `peer` role there: in their auth.peer_tokens_file); empty =
+    upstream.token_file."""
+    server_name: str = Field(default="")
+    """Name to check peer proxies' certificates against; empty = upstream.server_name."""
+
+
 class ProxyConfig(ServerConfig):
     """The routing proxy: one GeneratorService and AdminService address for many generator replicas."""
 
@@ -216,15 +236,11 @@ class ProxyConfig(ServerConfig):
     @field_validator("peers")
     @classmethod
     def _peers(cls, value: list[str]) -> list[str]:
-        from rollwire.proxy.peers import check_peer
-
-        return [check_peer(p) for p in value]
+        return [check_target(p) for p in value]
 
     @field_validator("discover")
     @classmethod
     def _dns(cls, value: str) -> str:
         if value:
-            from rollwire.proxy.discovery import parse_dns_target
-
             parse_dns_target(value)
         return value

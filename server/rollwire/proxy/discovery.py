@@ -1,4 +1,4 @@
-"""DNS discovery of replicas: `dns:///NAME:PORT`, re-resolved periodically.
+"""DNS discovery of replicas: `dns:///NAME:PORT` (common/addresses.py), re-resolved periodically.
 
 Every address the name resolves to is a replica (a Kubernetes headless service resolves to
 its ready pods). Invariant: a failed resolution changes nothing, so a DNS hiccup never
@@ -10,24 +10,10 @@ from __future__ import annotations
 import asyncio
 import socket
 
+from rollwire.common.addresses import format_address, parse_dns_target
 from rollwire.runtime.logs import get_logger
 
 log = get_logger(__name__)
-PREFIX = "dns:///"
-
-
-def parse_dns_target(target: str) -> tuple[str, int]:
-    """`dns:///NAME:PORT` -> (NAME, PORT); raises ValueError with a sentence otherwise."""
-    from rollwire.proxy.config import check_address
-
-    if not target.startswith(PREFIX):
-        raise ValueError(f"{target!r} must look like dns:///NAME:PORT, e.g. dns:///generators.default.svc:50051")
-    host, port = check_address(target[len(PREFIX) :]).rsplit(":", 1)
-    return host.strip("[]"), int(port)
-
-
-def format_address(ip: str, port: int) -> str:
-    return f"[{ip}]:{port}" if ":" in ip else f"{ip}:{port}"
 
 
 class DnsDiscovery:

@@ -53,7 +53,6 @@ from typing import TYPE_CHECKING
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from pydantic import Field
 
 from rollwire.common import writer
 from rollwire.common.errors import FailedPrecondition, Unavailable, from_rpc_error
@@ -61,7 +60,6 @@ from rollwire.common.reasons import Reason
 from rollwire.common.retries import VERSION_TAKEN, push_refused_for_good
 from rollwire.push.reader import PushReader
 from rollwire.runtime.config import ConfigError
-from rollwire.runtime.dialing import DialSection
 from rollwire.runtime.logs import REQUEST_ID_KEY, get_logger, new_request_id
 from rollwire.runtime.waits import wait_at_most
 from rollwire.serving.dial import on_each_drop
@@ -79,38 +77,6 @@ PEER_KEY = "x-rollwire-peer"
 """Metadata of a push from a peer proxy; its value is the sender's proxy id."""
 REFRESH_EVERY_S = 0.05
 """While a received version is held, how often the replicas are asked what they serve."""
-
-
-class PeeringSection(DialSection):
-    """How this proxy keeps its peer proxies' spools in step with its own (`peers` lists them), and how it dials them:
-    each dial setting left empty here is upstream's."""
-
-    timeout_s: float = Field(default=30.0, gt=0)
-    """Deadline of sending one adapter version to one peer proxy; a peer over it is marked behind (the push still
-    succeeds) and caught up when it answers again."""
-    interval_s: float = Field(default=1.0, gt=0)
-    """Seconds between health checks of each peer; a peer found answering after a failure (or a dropped connection) is
-    sent every spooled version it may lack."""
-    hold_s: float = Field(default=5.0, ge=0)
-    """After a peer sent a version, requests for the latest version of its name wait (up to their own deadline) until a
-    replica here serves it, so versions never go backwards for a client that switches proxies. The sender commits it on
-    the replicas; if no replica serves it after this long, this proxy catches them up to it itself."""
-    token_file: str = Field(default="")
-    """Bearer token sent to peer proxies (the `peer` role there: in their auth.peer_tokens_file); empty =
-    upstream.token_file."""
-    server_name: str = Field(default="")
-    """Name to check peer proxies' certificates against; empty = upstream.server_name."""
-
-
-def check_peer(entry: str) -> str:
-    """A peer is HOST:PORT or dns:///NAME:PORT (every address it resolves to, this proxy skipped)."""
-    from rollwire.proxy.config import check_address
-    from rollwire.proxy.discovery import parse_dns_target
-
-    if entry.startswith("dns:"):
-        parse_dns_target(entry)
-        return entry
-    return check_address(entry)
 
 
 @dataclass(eq=False)
@@ -138,7 +104,7 @@ class Peers:
         """Peers are `config.peers`, dialled with `dialer` (the peering section over upstream's);
         a peer's health check has the replicas' deadline, and a push it sends the same idle
         deadline as any other."""
-        self.entries, self.section = [check_peer(e) for e in config.peers], config.peering
+        self.entries, self.section = list(config.peers), config.peering
         self.spool, self.replicas, self.metrics, self.proxy_id = spool, replicas, replicas.metrics, proxy_id
         self.dialer = dialer
         self.metadata = self.dialer.metadata
@@ -470,4 +436,4 @@ def _delivered(result: pb.PeerPushResult) -> bool:
     return push_refused_for_good(grpc.StatusCode[result.code], result.reason)
 
 
-__all__ = ["PEER_KEY", "PeeringSection", "Peers", "check_peer"]
+__all__ = ["PEER_KEY", "Peers"]

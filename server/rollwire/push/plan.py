@@ -28,10 +28,10 @@ import dataclasses
 import hashlib
 import hmac
 import math
-import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from rollwire.common.addresses import is_address
 from rollwire.common.errors import InvalidArgument, clip
 from rollwire.common.reasons import Reason
 from rollwire.common.writer import MAX_CHUNK, MIN_STRIPE_CHUNK
@@ -39,7 +39,6 @@ from rollwire.v1 import generator_pb2 as pb
 
 MAX_PLAN_NODES = 8192
 """Most replicas in one relay plan (a plan of 8192 nodes is ~300 KB on the wire)."""
-ADDRESS_RE = re.compile(r"(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9_.-]{1,253}):[0-9]{1,5}")
 
 
 @dataclass(frozen=True)
@@ -129,7 +128,7 @@ def split_plan(plan: pb.RelayPlan, *, max_children: int, max_nodes: int = MAX_PL
     position: list[int] = []  # node i's 1-based index inside its owner's plan (0 for the owner itself)
     seen: set[str] = set()
     for i, node in enumerate(nodes):
-        if not ADDRESS_RE.fullmatch(node.address) or not 0 < int(node.address.rsplit(":", 1)[1]) < 65536:
+        if not is_address(node.address):
             raise InvalidArgument(
                 f"relay plan node {i} has address {clip(node.address)}; use HOST:PORT", reason=Reason.BAD_RELAY_PLAN
             )

@@ -3,27 +3,24 @@
 POLICIES is the only place a policy's name is written: the proxy config's `policy` field,
 the `--policy` choices, `make_policy`, the policy contract tests (tests/test_routing_policies.py)
 and the docs check (tests/test_registries.py) read it. An entry names a factory
-`factory(routing: RoutingSection) -> Policy` that takes its tuning from the proxy's
-`[routing]` section. Adding a policy: its module, with such a factory, and one
-`POLICIES.register(...)` line here.
+`factory(routing: PolicyTuning) -> Policy` that takes its tuning from the proxy's
+`[routing]` section (the keys PolicyTuning names). Adding a policy: its module, with such a
+factory, and one `POLICIES.register(...)` line here. This package imports nothing of the
+proxy's but itself, so the config can name the policies without a circle.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING
 
 from rollwire.proxy.policies.affinity import Affinity
-from rollwire.proxy.policies.base import Candidate, Policy, routing_key
+from rollwire.proxy.policies.base import Candidate, Policy, PolicyTuning, routing_key
 from rollwire.proxy.policies.least_loaded import LeastLoaded
 from rollwire.proxy.policies.prefix import PrefixAware
 from rollwire.proxy.policies.round_robin import RoundRobin
 from rollwire.runtime.registry import Registry
 
-if TYPE_CHECKING:
-    from rollwire.proxy.config import RoutingSection
-
-PolicyFactory = Callable[["RoutingSection"], Policy]
+PolicyFactory = Callable[[PolicyTuning], Policy]
 
 POLICIES: Registry[PolicyFactory] = Registry("routing policy")
 POLICIES.register("least-loaded", lambda routing: LeastLoaded(), "least outstanding work of two random choices")
@@ -45,14 +42,9 @@ POLICIES.register(
 )
 
 
-def make_policy(name: str, routing: RoutingSection | None = None, **settings: object) -> Policy:
-    """The policy registered as `name`, tuned by `routing` (default: the `[routing]` defaults)
-    with `settings` (RoutingSection keys, e.g. affinity_min_gap=2) applied on top."""
-    from rollwire.proxy.config import RoutingSection
-
-    factory = POLICIES.load(name)
-    base = routing if routing is not None else RoutingSection()
-    return factory(RoutingSection.model_validate({**base.model_dump(), **settings}) if settings else base)
+def make_policy(name: str, routing: PolicyTuning) -> Policy:
+    """The policy registered as `name`, tuned by `routing` (the proxy's `[routing]` section)."""
+    return POLICIES.load(name)(routing)
 
 
 __all__ = [
@@ -62,6 +54,7 @@ __all__ = [
     "LeastLoaded",
     "Policy",
     "PolicyFactory",
+    "PolicyTuning",
     "PrefixAware",
     "RoundRobin",
     "make_policy",

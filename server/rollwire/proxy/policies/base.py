@@ -25,6 +25,15 @@ class Candidate:
     """Outstanding work of those groups, in sample-tokens (n * max_new_tokens each)."""
 
 
+class PolicyTuning(Protocol):
+    """The `[routing]` keys a policy's factory reads (the proxy config's RoutingSection has them all)."""
+
+    affinity_load_factor: float
+    affinity_min_gap: int
+    prefix_block: int
+    prefix_index_entries: int
+
+
 class Policy(Protocol):
     """Chooses a replica for a group; `candidates` is never empty."""
 
