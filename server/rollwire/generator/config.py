@@ -8,7 +8,6 @@ from pydantic import Field
 
 from rollwire.generator.engines import ENGINES
 from rollwire.generator.engines.settings import ScriptedSection, SGLangSection, TransformersSection, VLLMSection
-from rollwire.runtime.config import Section
 from rollwire.runtime.dialing import DialSection
 from rollwire.serving.config import ForwardSection, PushLimits, ServerConfig, port_field, push_idle_field
 
