@@ -26,7 +26,7 @@ from rollwire.proxy.metrics import ProxyMetrics
 from rollwire.proxy.peers import Peers
 from rollwire.proxy.policies import make_policy
 from rollwire.proxy.replicas import SERVICE, ReplicaSet
-from rollwire.proxy.servicer import ProxyServicer
+from rollwire.proxy.servicer import ProxyServicer, ProxyState
 from rollwire.proxy.spool import Spool
 from rollwire.proxy.upstream import peer_dialer, upstream_dialer
 from rollwire.runtime.logs import get_logger
@@ -81,13 +81,7 @@ async def start_proxy(config: ProxyConfig) -> RunningProxy:
     metrics = ProxyMetrics(config.policy)
     keepalive = config.keepalive.keepalive()
     endpoint = listen("proxy", config, metrics.registry)
-    owns_spool = not config.spool.dir
-    spool_dir = Path(config.spool.dir or tempfile.mkdtemp(prefix="rollwire-spool-"))
-    spool_dir.mkdir(parents=True, exist_ok=True)
-    s = config.spool
-    spool = Spool(
-        spool_dir, max_bytes=s.max_bytes, keep_versions=s.keep_versions, max_adapter_bytes=s.max_adapter_bytes
-    )
+    spool, owns_spool = _open_spool(config)
     serving = _ServingFlag(endpoint)
     dispatcher: Dispatcher | None = None
 
@@ -104,7 +98,7 @@ async def start_proxy(config: ProxyConfig) -> RunningProxy:
     peers = Peers(config, proxy_id, spool, replicas, peer_dialer(config.peering, config.upstream, keepalive))
     fanout = FanOut(spool, replicas, config, metrics, peers)
     await peers.refuse_shared_id()
-    servicer = ProxyServicer(config, dispatcher, fanout, proxy_id, endpoint.auth)
+    servicer = ProxyServicer(ProxyState(config, proxy_id, replicas, metrics, dispatcher, fanout, peers, endpoint.auth))
     generator_pb2_grpc.add_GeneratorServiceServicer_to_server(servicer, endpoint.server)
     admin_pb2_grpc.add_AdminServiceServicer_to_server(
         AdminServicer(replicas, config.registration, endpoint.auth), endpoint.server
@@ -114,7 +108,7 @@ async def start_proxy(config: ProxyConfig) -> RunningProxy:
     await endpoint.set_health(SERVICE, False)
     for address in config.generators:
         replicas.add(address, "static")
-    running = RunningProxy(endpoint, servicer, replicas, spool_dir, owns_spool, peers)
+    running = RunningProxy(endpoint, servicer, replicas, spool.folder, owns_spool, peers)
     if config.http.port >= 0:
         running.http = HttpServer(Door.build(config, servicer))
         await running.http.start()
@@ -133,8 +127,17 @@ async def start_proxy(config: ProxyConfig) -> RunningProxy:
         http_port=running.http_port,
         **sources,
     )
-    log.info("proxy_settings", policy=config.policy, fanout=config.push.fanout, spool=str(spool_dir))
+    log.info("proxy_settings", policy=config.policy, fanout=config.push.fanout, spool=str(spool.folder))
     return running
+
+
+def _open_spool(config: ProxyConfig) -> tuple[Spool, bool]:
+    """The spool in `spool.dir`, or in a temporary folder the proxy owns (removed at close) when it is empty."""
+    s = config.spool
+    root = Path(s.dir or tempfile.mkdtemp(prefix="rollwire-spool-"))
+    root.mkdir(parents=True, exist_ok=True)
+    spool = Spool(root, max_bytes=s.max_bytes, keep_versions=s.keep_versions, max_adapter_bytes=s.max_adapter_bytes)
+    return spool, not s.dir
 
 
 def default_proxy_id(host: str, port: int) -> str:

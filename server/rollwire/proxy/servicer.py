@@ -11,6 +11,8 @@ import asyncio
 import contextlib
 import time
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import grpc
 import structlog
@@ -32,29 +34,36 @@ from rollwire.serving.sessions import SessionStore
 from rollwire.v1 import generator_pb2 as pb
 from rollwire.v1 import generator_pb2_grpc
 
+if TYPE_CHECKING:
+    from rollwire.proxy.metrics import ProxyMetrics
+    from rollwire.proxy.replicas import ReplicaSet
+
 log = get_logger(__name__)
 """Reasons of the proxy's own refusals that are the client's doing (rollwire_proxy_client_errors_total)."""
 
 
+@dataclass(frozen=True)
+class ProxyState:
+    """What the proxy's servicer works with, built once by start_proxy (app.py)."""
+
+    config: ProxyConfig
+    proxy_id: str
+    replicas: ReplicaSet
+    metrics: ProxyMetrics
+    dispatcher: Dispatcher
+    """Generate goes through it."""
+    fanout: FanOut
+    """Pushes go through it."""
+    peers: Peers | None = None
+    """Pushes from peer proxies go to it; None = no peering."""
+    auth: TokenAuth | None = None
+
+
 class ProxyServicer(generator_pb2_grpc.GeneratorServiceServicer):
-    def __init__(
-        self,
-        config: ProxyConfig,
-        dispatcher: Dispatcher,
-        fanout: FanOut,
-        proxy_id: str,
-        auth: TokenAuth | None = None,
-    ) -> None:
-        """Generate goes through `dispatcher`, pushes through `fanout` (whose spool, replicas,
-        metrics and peers this servicer also answers from)."""
-        self.config, self.dispatcher, self.fanout, self.proxy_id = config, dispatcher, fanout, proxy_id
-        self.auth = auth
-        self.replicas, self.spool, self.metrics, self.peers = (
-            fanout.replicas,
-            fanout.spool,
-            fanout.metrics,
-            fanout.peers,
-        )
+    def __init__(self, state: ProxyState) -> None:
+        config, dispatcher = state.config, state.dispatcher
+        self.config, self.dispatcher, self.fanout, self.proxy_id = config, dispatcher, state.fanout, state.proxy_id
+        self.replicas, self.metrics, self.peers, self.auth = state.replicas, state.metrics, state.peers, state.auth
         self.sessions = SessionTurns(SessionStore(config.sessions, self.metrics.sessions), dispatcher)
         """Session turns: their histories and sticky routing (sessions.py)."""
 
