@@ -18,7 +18,7 @@ from __future__ import annotations
 import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from rollwire.client._requests import build_generate_request
 from rollwire.client._results import GenerateResult
@@ -26,9 +26,17 @@ from rollwire.common.errors import FailedPrecondition, RequestError
 from rollwire.common.reasons import Reason
 from rollwire.v1 import generator_pb2 as pb
 
-if TYPE_CHECKING:
-    from rollwire.client.aio import AsyncClient
-    from rollwire.client.sync import Client
+
+class Sender(Protocol):
+    """What a `Session` needs of its client (`Client` is one): a generate call that returns the whole group."""
+
+    def _generate_request(self, request: pb.GenerateRequest, timeout: float | None) -> GenerateResult: ...
+
+
+class AsyncSender(Protocol):
+    """What an `AsyncSession` needs of its client (`AsyncClient` is one)."""
+
+    async def _generate_request(self, request: pb.GenerateRequest, timeout: float | None) -> GenerateResult: ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -107,7 +115,7 @@ def _lost(error: Exception) -> bool:
 class Session:
     """One episode through a blocking `Client` (`client.session(...)`)."""
 
-    def __init__(self, client: Client, session_id: str | None = None, **options: Any) -> None:
+    def __init__(self, client: Sender, session_id: str | None = None, **options: Any) -> None:
         """`options`: generate's keyword options (max_new_tokens, temperature, seed, adapter,
         follow, ...) for every turn; `n` is always 1. `session_id` defaults to a random uuid."""
         build_generate_request([0], 1, **options)  # the options are checked now
@@ -157,7 +165,7 @@ class Session:
 class AsyncSession:
     """One episode through an `AsyncClient` (`client.session(...)`)."""
 
-    def __init__(self, client: AsyncClient, session_id: str | None = None, **options: Any) -> None:
+    def __init__(self, client: AsyncSender, session_id: str | None = None, **options: Any) -> None:
         """As `Session`."""
         build_generate_request([0], 1, **options)
         self._client, self._state = client, _SessionState(session_id or uuid.uuid4().hex, dict(options))
