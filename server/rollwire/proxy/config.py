@@ -1,10 +1,9 @@
 """Typed configuration of the routing proxy (`rollwire proxy --config FILE --set k=v`).
 
-Every section of the proxy's config is defined here or in a module that imports nothing of the
-proxy's (the dial settings' upstream.py, the front door's http/config.py), addresses are checked
-by the one rule of rollwire.common.addresses, and policy names by the registry of
-rollwire.proxy.policies, which does not import the config: so any proxy module may import this
-one and none of them is imported back.
+Every section of the proxy's config is defined here but the dial settings' (upstream.py, which
+imports nothing of the proxy's); addresses are checked by the one rule of
+rollwire.common.addresses, and policy names by the registry of rollwire.proxy.policies, which
+does not import the config: so any proxy module may import this one and none is imported back.
 """
 
 from __future__ import annotations
@@ -15,7 +14,6 @@ from pydantic import Field, field_validator
 
 from rollwire.common.addresses import check_address, check_target, parse_dns_target
 from rollwire.common.writer import MAX_STRIPES
-from rollwire.proxy.http.config import HttpSection
 from rollwire.proxy.policies import POLICIES
 from rollwire.proxy.upstream import UpstreamSection
 from rollwire.runtime.config import Section
@@ -164,6 +162,40 @@ class RegistrationSection(Section):
     """Longest ttl_seconds a registration may ask; a `register` token must give 1..this (0, for good, is admin's)."""
     max_members: int = Field(default=1024, ge=1)
     """Replicas this proxy holds at most, however they came; a registration past it is refused (TOO_MANY_MEMBERS)."""
+
+
+class HttpSection(Section):
+    """The vLLM/OpenAI-compatible HTTP front door; off unless `port` is set. It binds the proxy's `host`, takes the
+    proxy's `[auth]` tokens as `Authorization: Bearer` (generate role for sampling, admin for adapters) and serves TLS
+    with the proxy's `[tls]` certificate."""
+
+    port: int = Field(default=-1, ge=-1, le=65535)
+    """HTTP port; -1 = no HTTP door (the default), 0 = a free port (written to the ready file as http_port)."""
+    model_path: str = Field(default="")
+    """The base model's local folder: its tokenizer renders chat templates and names tokens in logprobs, its config
+    gives max_model_len, and its path string is accepted as a `model` name (TRL sends it). Empty: text and token-id
+    completions still work (the replicas tokenize); chat completions are refused with a sentence."""
+    served_model_name: str = Field(default="")
+    """The base model's id in /v1/models and responses; empty = the model folder's name (or "base" without one)."""
+    adapter_root: str = Field(default="")
+    """The only folder whose adapter folders /v1/load_lora_adapter may read by `lora_path` (symlinks resolved); empty =
+    loading by path is refused (403) and adapters come by upload (POST /v1/upload_lora_adapter)."""
+    max_model_len: int = Field(default=0, ge=0)
+    """Longest prompt + completion reported in /v1/models; 0 = the smaller of the model's max_position_embeddings and
+    the replicas' max_prompt_tokens + max_new_tokens."""
+    dtype: str = Field(default="float32")
+    """The weights' dtype /server_info reports when some replica runs an engine server whose dtype the proxy cannot
+    see (sglang, vllm); transformers replicas always run float32."""
+    max_lora_rank: int = Field(default=512, ge=1)
+    """The largest LoRA rank /server_info reports (TRL checks its adapter against it): transformers replicas take any
+    rank within spool.max_adapter_bytes; set it to the engine servers' own limit (--max-lora-rank) for sglang or vllm
+    replicas."""
+    max_body_bytes: int = Field(default=8 << 20, ge=1024)
+    """Largest JSON request body; a larger one is refused (413) before it is read."""
+    max_prompts: int = Field(default=16, ge=1)
+    """Prompts one /v1/completions request may batch (each becomes one group)."""
+    request_timeout_s: float = Field(default=600.0, gt=0)
+    """Deadline of one HTTP generation request (the proxy's routing.request_timeout_s still caps it)."""
 
 
 class PeeringSection(DialSection):

@@ -15,7 +15,6 @@ import grpc
 from prometheus_client import CollectorRegistry, Histogram
 
 from rollwire.common.retries import CLIENT_CAUSED
-from rollwire.proxy.http import ROUTES as HTTP_ROUTES
 from rollwire.proxy.policies.prefix import OUTCOMES as PREFIX_OUTCOMES
 from rollwire.runtime.metrics import MetricFactory
 from rollwire.serving.sessions import SessionMetrics
@@ -30,6 +29,21 @@ CLIENT_LIMITS = ("in_flight", "queued_tokens", "slow_reader")
 SESSION_ROUTES = ("first", "sticky", "overloaded", "draining", "down", "version", "failed")
 """Where a session turn went: its first turn; the session's replica (sticky); another one because that replica was
 overloaded, draining, down (ejected, unhealthy or gone), lacked the version, or failed the turn."""
+HTTP_ROUTES = (
+    "/health",
+    "/server_info",
+    "/v1/models",
+    "/pause",
+    "/resume",
+    "/is_paused",
+    "/v1/load_lora_adapter",
+    "/v1/unload_lora_adapter",
+    "/v1/upload_lora_adapter",
+    "/v1/completions",
+    "/v1/chat/completions",
+)
+"""Every route the HTTP front door serves (http/app.py declares each): the label set of
+rollwire_proxy_http_requests_total."""
 REPLICA_CODES = (
     "OK",
     "CANCELLED",

@@ -13,18 +13,3 @@ Invariants:
 - every error is an OpenAI-style JSON body with the status its gRPC code maps to
   (errors.py); a caller's mistake is never a 500.
 """
-
-ROUTES = (
-    "/health",
-    "/server_info",
-    "/v1/models",
-    "/pause",
-    "/resume",
-    "/is_paused",
-    "/v1/load_lora_adapter",
-    "/v1/unload_lora_adapter",
-    "/v1/upload_lora_adapter",
-    "/v1/completions",
-    "/v1/chat/completions",
-)
-"""Every route the door serves: the label set of rollwire_proxy_http_requests_total."""

@@ -29,12 +29,13 @@ from pydantic import BaseModel
 from rollwire.common.errors import Internal, RollwireError, Unavailable
 from rollwire.common.reasons import Reason
 from rollwire.proxy.dispatch import client_name
-from rollwire.proxy.http import ROUTES, convert
+from rollwire.proxy.http import convert
 from rollwire.proxy.http.bodies import check_length, parse_body, read_body
 from rollwire.proxy.http.door import Door
 from rollwire.proxy.http.errors import HttpError, error_response, http_status
 from rollwire.proxy.http.openai import ChatBody, CompletionBody, LoadLoraBody, UnloadLoraBody, check_unhonoured
 from rollwire.proxy.http.stream import stream_group
+from rollwire.proxy.metrics import HTTP_ROUTES
 from rollwire.proxy.passthrough import PassThrough
 from rollwire.runtime.logs import get_logger
 from rollwire.runtime.security import ADMIN, GENERATE
@@ -43,7 +44,7 @@ log = get_logger(__name__)
 
 
 def create_app(door: Door) -> FastAPI:
-    """The FastAPI application of the door; every route is declared in ROUTES."""
+    """The FastAPI application of the door; every route is declared in metrics.HTTP_ROUTES."""
     app = FastAPI(title="rollwire", docs_url=None, redoc_url=None, openapi_url=None)
     _observe(app, door)
     _vllm_routes(app, door)
@@ -73,7 +74,7 @@ def _observe(app: FastAPI, door: Door) -> None:
     @app.middleware("http")
     async def observe(request: Request, call_next):
         start = time.monotonic()
-        route = request.url.path if request.url.path in ROUTES else "other"
+        route = request.url.path if request.url.path in HTTP_ROUTES else "other"
         rid = request.headers.get("x-request-id", "")[:128] or uuid.uuid4().hex
         request.state.rid = rid
         structlog.contextvars.bind_contextvars(request_id=rid)
