@@ -26,9 +26,10 @@ import pytest
 from rollwire.common.errors import ResourceExhausted, from_rpc_error
 from rollwire.common.reasons import Reason
 from rollwire.proxy.config import FairnessSection, ProxyConfig, RoutingSection
-from rollwire.proxy.dispatch import Client, Dispatcher, Need, client_name
+from rollwire.proxy.dispatch import Client, Dispatcher, Need
 from rollwire.proxy.metrics import ProxyMetrics
 from rollwire.proxy.policies import make_policy
+from rollwire.runtime.security import caller_identity
 from rollwire.v1 import generator_pb2 as pb
 from rollwire.v1 import generator_pb2_grpc
 
@@ -144,14 +145,16 @@ def test_per_client_limits_refuse_only_that_client_with_a_retry_hint():
 def test_a_client_is_its_token_where_auth_is_on_and_its_host_otherwise():
     token = "s3cret-token-value"
     meta = (("authorization", f"Bearer {token}"),)
-    name = client_name(meta, "ipv4:10.0.0.5:41234", auth=True)
-    assert name.startswith("token:") and token not in name and name == client_name(meta, "ipv4:10.0.0.9:1", auth=True)
+    name = caller_identity(meta, "ipv4:10.0.0.5:41234", auth=True)
     assert (
-        client_name(meta, "ipv4:10.0.0.5:41234", auth=False) == "ipv4:10.0.0.5"
+        name.startswith("token:") and token not in name and name == caller_identity(meta, "ipv4:10.0.0.9:1", auth=True)
+    )
+    assert (
+        caller_identity(meta, "ipv4:10.0.0.5:41234", auth=False) == "ipv4:10.0.0.5"
     )  # a header is not an identity without auth
-    assert client_name((), "ipv4:10.0.0.5:41234", auth=False) == client_name((), "ipv4:10.0.0.5:5", auth=False)
-    assert client_name((), "ipv6:[::1]:5000", auth=False) == "ipv6:[::1]"
-    assert client_name((), "ipv6:%5B::1%5D:5000", auth=False) == "ipv6:%5B::1%5D"
+    assert caller_identity((), "ipv4:10.0.0.5:41234", auth=False) == caller_identity((), "ipv4:10.0.0.5:5", auth=False)
+    assert caller_identity((), "ipv6:[::1]:5000", auth=False) == "ipv6:[::1]"
+    assert caller_identity((), "ipv6:%5B::1%5D:5000", auth=False) == "ipv6:%5B::1%5D"
 
 
 def test_the_fairness_section_is_typed_with_descriptions():

@@ -40,9 +40,9 @@ from rollwire.generator.types import (
     worth_sending,
 )
 from rollwire.runtime.logs import get_logger, request_id_from
-from rollwire.runtime.security import TokenAuth
+from rollwire.runtime.security import TokenAuth, caller_identity
 from rollwire.serving import __version__
-from rollwire.serving.sessions import SessionStore, Turn, caller_identity, check_turn
+from rollwire.serving.sessions import SessionStore, Turn, check_turn
 from rollwire.v1 import generator_pb2 as pb
 from rollwire.v1 import generator_pb2_grpc
 

@@ -5,7 +5,7 @@ Invariants:
 - a replica never runs more than `max_in_flight_per_replica` groups placed by this proxy;
 - at most `max_queue` requests wait; the next is refused at once with RESOURCE_EXHAUSTED
   and a retry hint, before any work is done;
-- a client (security identity or peer host, see `client_name`) has at most
+- a client (security identity or peer host, see `security.caller_identity`) has at most
   `fairness.max_in_flight_per_client` requests open and at most
   `fairness.max_queued_tokens_per_client` of work (n x max_new_tokens) queued; beyond
   either it is refused with RESOURCE_EXHAUSTED, reason CLIENT_LIMIT, and a retry hint,
@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import hashlib
 import math
 import time
 from collections import deque
@@ -72,22 +71,6 @@ class Lease:
         if not self.released:
             self.released = True
             self.dispatcher._free(self)
-
-
-def client_name(metadata, peer: str, auth: bool) -> str:
-    """A client's identity for the per-client limits: with auth on, the bearer token's (a
-    hash prefix, never the token; the interceptor already checked the token); otherwise the
-    peer's host without its port ("ipv4:10.0.0.5:41234" -> "ipv4:10.0.0.5")."""
-    if auth:
-        header = next((str(v) for k, v in metadata or () if k == "authorization"), "")
-        token = header.partition(" ")[2].strip()
-        if token:
-            return "token:" + hashlib.sha256(token.encode("utf-8", "surrogatepass")).hexdigest()[:16]
-    peer = peer or "unknown"
-    scheme, _, rest = peer.partition(":")
-    if scheme in ("ipv4", "ipv6") and ":" in rest:
-        return f"{scheme}:{rest.rsplit(':', 1)[0]}"
-    return peer
 
 
 @dataclass(eq=False)

@@ -21,14 +21,14 @@ from rollwire.common.errors import FailedPrecondition, ResourceExhausted, Rollwi
 from rollwire.common.reasons import Reason
 from rollwire.common.retries import CLIENT_BEHAVIOUR
 from rollwire.proxy.config import ProxyConfig
-from rollwire.proxy.dispatch import Dispatcher, client_name
+from rollwire.proxy.dispatch import Dispatcher
 from rollwire.proxy.failover import GroupRun
 from rollwire.proxy.fanout import FanOut
 from rollwire.proxy.passthrough import PassThrough
 from rollwire.proxy.peers import Peers
 from rollwire.proxy.sessions import SessionTurns
 from rollwire.runtime.logs import get_logger, request_id_from
-from rollwire.runtime.security import ADMIN, TokenAuth, caller_role, require_peer, require_stage_only
+from rollwire.runtime.security import ADMIN, TokenAuth, caller_identity, caller_role, require_peer, require_stage_only
 from rollwire.serving import __version__
 from rollwire.serving.sessions import SessionStore
 from rollwire.v1 import generator_pb2 as pb
@@ -80,7 +80,7 @@ class ProxyServicer(generator_pb2_grpc.GeneratorServiceServicer):
         limit = self.config.routing.request_timeout_s
         timeout = limit if remaining is None else min(remaining, limit)
         auth = self.config.auth
-        name = client_name(metadata, context.peer(), auth.enabled())
+        name = caller_identity(metadata, context.peer(), auth.enabled())
         try:
             async with contextlib.aclosing(self.group_events(request, rid, name, start + timeout)) as events:  # pyright: ignore[reportArgumentType]  # the library's annotation is narrower than what it accepts
                 async for message in events:

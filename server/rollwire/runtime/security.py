@@ -450,3 +450,19 @@ def warn_if_exposed(role: str, host: str, port: int, auth: AuthSection, tls: Tls
     log.warning("insecure_bind", role=role, host=host, port=port, auth=not no_auth, tls=not no_tls, message=sentence)
     print(f"WARNING: {sentence}", file=sys.stderr, flush=True)
     return sentence
+
+
+def caller_identity(metadata, peer: str, auth: bool) -> str:
+    """A caller's identity for per-client limits and session scoping: with auth on, the bearer
+    token's (a hash prefix, never the token); otherwise the peer's host without its port
+    ("ipv4:10.0.0.5:41234" -> "ipv4:10.0.0.5")."""
+    if auth:
+        header = next((str(v) for k, v in metadata or () if k == "authorization"), "")
+        token = header.partition(" ")[2].strip()
+        if token:
+            return "token:" + hashlib.sha256(token.encode("utf-8", "surrogatepass")).hexdigest()[:16]
+    peer = peer or "unknown"
+    scheme, _, rest = peer.partition(":")
+    if scheme in ("ipv4", "ipv6") and ":" in rest:
+        return f"{scheme}:{rest.rsplit(':', 1)[0]}"
+    return peer

@@ -28,7 +28,6 @@ from pydantic import BaseModel
 
 from rollwire.common.errors import Internal, RollwireError, Unavailable
 from rollwire.common.reasons import Reason
-from rollwire.proxy.dispatch import client_name
 from rollwire.proxy.http import convert
 from rollwire.proxy.http.bodies import check_length, parse_body, read_body
 from rollwire.proxy.http.door import Door
@@ -38,7 +37,7 @@ from rollwire.proxy.http.stream import stream_group
 from rollwire.proxy.metrics import HTTP_ROUTES
 from rollwire.proxy.passthrough import PassThrough
 from rollwire.runtime.logs import get_logger
-from rollwire.runtime.security import ADMIN, GENERATE
+from rollwire.runtime.security import ADMIN, GENERATE, caller_identity
 
 log = get_logger(__name__)
 
@@ -60,7 +59,7 @@ def _authorize(door: Door, request: Request, role: str) -> str:
         door.auth.require(role, header, request.url.path)
     peer = request.client
     host = f"ipv4:{peer.host}:{peer.port}" if peer else "unknown"
-    return client_name([("authorization", header or "")], host, door.auth is not None)
+    return caller_identity([("authorization", header or "")], host, door.auth is not None)
 
 
 async def _body(door: Door, request: Request, kind: type[BaseModel]) -> Any:
