@@ -27,6 +27,7 @@ from rollwire.proxy.fanout import FanOut
 from rollwire.proxy.passthrough import PassThrough
 from rollwire.proxy.peers import Peers
 from rollwire.proxy.sessions import SessionTurns
+from rollwire.proxy.spool import Spool
 from rollwire.runtime.logs import get_logger, request_id_from
 from rollwire.runtime.security import ADMIN, TokenAuth, caller_identity, caller_role, require_peer, require_stage_only
 from rollwire.serving import __version__
@@ -58,9 +59,15 @@ class ProxyState:
     """Pushes from peer proxies go to it; None = no peering."""
     auth: TokenAuth | None = None
 
+    @property
+    def spool(self) -> Spool:
+        """The proxy's committed versions (the fan-out's)."""
+        return self.fanout.spool
+
 
 class ProxyServicer(generator_pb2_grpc.GeneratorServiceServicer):
     def __init__(self, state: ProxyState) -> None:
+        self.state = state
         config, dispatcher = state.config, state.dispatcher
         self.config, self.dispatcher, self.fanout, self.proxy_id = config, dispatcher, state.fanout, state.proxy_id
         self.replicas, self.metrics, self.peers, self.auth = state.replicas, state.metrics, state.peers, state.auth

@@ -34,9 +34,9 @@ from rollwire.common.manifest import check_name
 from rollwire.common.reasons import Reason
 from rollwire.common.safetensors_header import HeaderError, read_header
 from rollwire.common.writer import MAX_CHUNK, messages
-from rollwire.proxy.fanout import FanOut
 from rollwire.proxy.http.errors import HttpError
 from rollwire.proxy.http.names import ModelRef, model_id, parse_model
+from rollwire.proxy.servicer import ProxyState
 from rollwire.v1 import generator_pb2 as pb
 
 MAX_CONFIG_BYTES = 1 << 20
@@ -46,8 +46,8 @@ CONFIG_FILE, WEIGHTS_FILE = "adapter_config.json", "adapter_model.safetensors"
 class AdapterDoor:
     """Loads, uploads and unloads of adapters, with the door's memory of unloaded names."""
 
-    def __init__(self, fanout: FanOut, adapter_root: str, max_adapter_bytes: int) -> None:
-        self.fanout, self.max_bytes = fanout, max_adapter_bytes
+    def __init__(self, state: ProxyState, adapter_root: str, max_adapter_bytes: int) -> None:
+        self.state, self.max_bytes = state, max_adapter_bytes
         self.root = Path(adapter_root).resolve() if adapter_root else None
         self.hidden: set[tuple[str, int]] = set()
         self._next_version = defaultdict(asyncio.Lock)
@@ -74,7 +74,7 @@ class AdapterDoor:
     def served(self, name: str) -> list[int]:
         """Versions of `name` some routable replica serves, newest last."""
         held: set[int] = set()
-        for replica in self.fanout.replicas.routable():
+        for replica in self.state.replicas.routable():
             held.update(replica.versions.get(name, ()))
         return sorted(held)
 
@@ -96,7 +96,7 @@ class AdapterDoor:
     async def _push(
         self, name: str, version: int, lora: LoraShape, payload: bytes, sha256: str, rid: str
     ) -> dict[str, Any]:
-        fingerprint, _ = self.fanout.replicas.push_basis(self._fleet_model())
+        fingerprint, _ = self.state.replicas.push_basis(self._fleet_model())
         manifest = pb.AdapterManifest(
             name=check_name(name),
             version=version,
@@ -105,7 +105,7 @@ class AdapterDoor:
             byte_length=len(payload),
             sha256=sha256,
         )
-        reply = await self.fanout.push(_aiter(messages(manifest, payload, MAX_CHUNK)), rid)
+        reply = await self.state.fanout.push(_aiter(messages(manifest, payload, MAX_CHUNK)), rid)
         self.hidden.discard((name, version))
         return {
             "object": "lora_adapter",
@@ -120,7 +120,7 @@ class AdapterDoor:
     def _fleet_model(self) -> str:
         """The base model a PEFT folder (which names none we can trust) is pushed for: the
         fleet's own (basemodel.py), or the one every healthy replica serves."""
-        replicas = self.fanout.replicas
+        replicas = self.state.replicas
         if replicas.base.fingerprint:
             return replicas.base.fingerprint
         serving = {r.fingerprint for r in replicas.healthy() if r.fingerprint}
@@ -130,12 +130,12 @@ class AdapterDoor:
             f"the replicas do not agree on one base model yet ({replicas.describe()}); nothing was applied, retry "
             "when they do (or declare base_model in the proxy's config)",
             reason=Reason.NO_REPLICA,
-            retry_after_s=self.fanout.config.routing.retry_after_s,
+            retry_after_s=self.state.config.routing.retry_after_s,
         )
 
     def _newest(self, name: str) -> int:
-        spooled = max((a.version for a in self.fanout.spool.versions(name)), default=0)
-        return max(spooled, self.fanout.replicas.latest(name))
+        spooled = max((a.version for a in self.state.spool.versions(name)), default=0)
+        return max(spooled, self.state.replicas.latest(name))
 
     # -- reading adapter folders ------------------------------------------------------------
     def _inside_root(self, lora_path: str) -> Path:

@@ -58,7 +58,7 @@ class Door:
             context_len = int(model_config.get("max_position_embeddings") or 0)
             base_id = http.served_model_name or folder.resolve().name
             names |= {base_id, http.model_path, str(folder.resolve())}
-        adapters = AdapterDoor(servicer.fanout, http.adapter_root, config.spool.max_adapter_bytes)
+        adapters = AdapterDoor(servicer.state, http.adapter_root, config.spool.max_adapter_bytes)
         return cls(
             config,
             servicer,
