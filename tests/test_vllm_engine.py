@@ -247,9 +247,12 @@ def test_a_following_group_continues_under_the_version_pushed_mid_generation(eng
         old, old_lp = got.of_version(i, 1)
         new, new_lp = got.of_version(i, 2)
         assert got.tokens[i] == old + new  # one switch, at a token boundary
-        assert torch.allclose(torch.tensor(old_lp), forward_logprobs(reference[1], prompt, old), atol=1e-4)
+        # 240-token contexts: vLLM's CPU attention sums in another order than the eager forward,
+        # and float32 rounding reached 2e-4 at a late position in one CI run (1e-4 holds on short ones)
+        expected = forward_logprobs(reference[1], prompt, old)
+        assert torch.allclose(torch.tensor(old_lp), expected, atol=5e-4), (torch.tensor(old_lp) - expected).abs().max()
         expected = forward_logprobs(reference[2], prompt + old, new)
-        assert torch.allclose(torch.tensor(new_lp), expected, atol=1e-4), (torch.tensor(new_lp) - expected).abs().max()
+        assert torch.allclose(torch.tensor(new_lp), expected, atol=5e-4), (torch.tensor(new_lp) - expected).abs().max()
 
 
 # Last: these take the module's server down (the engine restarts a killed one).
