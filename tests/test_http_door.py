@@ -73,6 +73,12 @@ def door(chat_model, tmp_path_factory):
         stop_all([proxy, guarded, *gens])
 
 
+# The two doors run the same seeded samples in separate requests, which a replica may batch
+# with different neighbours: the tokens and text are equal, the float32 logprobs agree to a few
+# ulps (a CI run saw 4.8e-7 apart at -4.78), never more than this.
+SAME_LOGPROB = 1e-5
+
+
 def openai_client(url: str, key: str = "unused"):
     import openai
 
@@ -124,7 +130,9 @@ def test_completions_equal_the_grpc_path(door, prompt):
         i = choice.index
         extra = choice.model_extra or {}
         assert extra["token_ids"] == want.tokens[i]
-        assert choice.logprobs is not None and choice.logprobs.token_logprobs == pytest.approx(want.logprobs[i], abs=0)
+        assert choice.logprobs is not None and choice.logprobs.token_logprobs == pytest.approx(
+            want.logprobs[i], abs=SAME_LOGPROB
+        )
         assert choice.text == want.text[i]
         assert choice.finish_reason == (
             "length" if want.finished[i].finish_reason == pb.FINISH_REASON_LENGTH else "stop"
@@ -153,7 +161,9 @@ def test_completions_equal_the_grpc_path(door, prompt):
             if choice.logprobs is not None:
                 lps.setdefault(choice.index, []).extend(choice.logprobs.token_logprobs or [])
             texts[choice.index] = texts.get(choice.index, "") + choice.text
-    assert ids == want.tokens and lps == want.logprobs and texts == want.text
+    assert ids == want.tokens and texts == want.text
+    assert lps.keys() == want.logprobs.keys()
+    assert all(lps[i] == pytest.approx(want.logprobs[i], abs=SAME_LOGPROB) for i in want.logprobs)
     assert usage is not None and usage.completion_tokens == completion_tokens
 
 
@@ -181,7 +191,9 @@ def test_chat_renders_the_template_as_transformers_does(door):
         assert (choice.model_extra or {})["token_ids"] == want.tokens[choice.index]
         assert choice.message.content == want.text[choice.index]
         assert choice.logprobs is not None and choice.logprobs.content is not None
-        assert [c.logprob for c in choice.logprobs.content] == want.logprobs[choice.index]
+        assert [c.logprob for c in choice.logprobs.content] == pytest.approx(
+            want.logprobs[choice.index], abs=SAME_LOGPROB
+        )
     content: dict[int, str] = {}
     for event in client.chat.completions.create(
         model=model.name, messages=messages, n=2, seed=5, max_tokens=10, stream=True
