@@ -182,11 +182,14 @@ def teacher_pair(ex: Example, rng: random.Random, accuracy: float) -> tuple[str,
     return ex.prompt, ex.answer if right else carry_free_answer(ex.meta["a"], ex.meta["b"])
 
 
-def greedy_accuracy(model, encode, tokenizer, examples: list[Example], max_new_tokens: int = 5) -> float:
-    """Share of examples whose greedy completion is right (in-process, for the build report)."""
+def greedy_completions(model, tokenizer, prompts: list[list[int]], max_new_tokens: int) -> list[str]:
+    """The model's greedy completion of each prompt, decoded, in one left-padded batch.
+
+    Left padding keeps every prompt's last token in the batch's last column, so each row's new
+    tokens start at the same place and the batch decodes as the prompts would alone.
+    """
     import torch
 
-    prompts = [encode(e.prompt) for e in examples]
     width = max(map(len, prompts))
     ids = torch.full((len(prompts), width), tokenizer.pad_token_id, dtype=torch.long)
     mask = torch.zeros_like(ids)
@@ -202,14 +205,17 @@ def greedy_accuracy(model, encode, tokenizer, examples: list[Example], max_new_t
             pad_token_id=tokenizer.pad_token_id,
             eos_token_id=tokenizer.eos_token_id,
         )
-    texts = tokenizer.batch_decode(out[:, width:], skip_special_tokens=True)
-    return sum(is_correct(t, e.answer) for t, e in zip(texts, examples, strict=False)) / len(examples)
+    return tokenizer.batch_decode(out[:, width:], skip_special_tokens=True)
+
+
+def greedy_accuracy(model, encode, tokenizer, examples: list[Example], max_new_tokens: int = 5) -> float:
+    """Share of examples whose greedy completion is right (in-process, for the build report)."""
+    texts = greedy_completions(model, tokenizer, [encode(e.prompt) for e in examples], max_new_tokens)
+    return sum(is_correct(t, e.answer) for t, e in zip(texts, examples, strict=True)) / len(examples)
 
 
 def greedy_chain_success(model, encode, tokenizer, examples: list[Example], max_new_tokens: int = 4) -> float:
     """Share of held-out episodes whose every turn the model answers right, greedily, in-process."""
-    import torch
-
     from rollwire.learner.chain import TURNS, from_example, question, read_answer
 
     chains = [from_example(e) for e in examples]
@@ -220,23 +226,9 @@ def greedy_chain_success(model, encode, tokenizer, examples: list[Example], max_
         rows = [i for i, ok in enumerate(alive) if ok]
         if not rows:
             break
-        width = max(len(histories[i]) for i in rows)
-        ids = torch.full((len(rows), width), tokenizer.pad_token_id, dtype=torch.long)
-        mask = torch.zeros_like(ids)
-        for r, i in enumerate(rows):
-            ids[r, width - len(histories[i]) :] = torch.tensor(histories[i])
-            mask[r, width - len(histories[i]) :] = 1
-        with torch.no_grad():
-            out = model.generate(
-                input_ids=ids,
-                attention_mask=mask,
-                max_new_tokens=max_new_tokens,
-                do_sample=False,
-                pad_token_id=tokenizer.pad_token_id,
-                eos_token_id=tokenizer.eos_token_id,
-            )
-        for r, i in enumerate(rows):
-            answer = read_answer(tokenizer.decode(out[r, width:], skip_special_tokens=True))
+        texts = greedy_completions(model, tokenizer, [histories[i] for i in rows], max_new_tokens)
+        for i, text in zip(rows, texts, strict=True):
+            answer = read_answer(text)
             left, right = operands[i]
             if answer is None or answer != left + right:
                 alive[i] = False
