@@ -71,3 +71,23 @@ def test_peers_take_each_empty_setting_from_upstream(tmp_path):
     dialer = peer_dialer(PeeringSection(server_name="peer.internal"), UpstreamSection(token_file=str(token)))
     assert dialer.metadata == (("authorization", "Bearer admin"),)
     assert ("grpc.ssl_target_name_override", "peer.internal") in dialer.options
+
+
+def test_a_server_s_bad_token_file_names_its_auth_key(tmp_path):
+    from rollwire.runtime.security import AuthSection, TokenAuth
+
+    good, empty, binary = tmp_path / "good", tmp_path / "empty", tmp_path / "binary"
+    good.write_text("a-token\n")
+    empty.write_text("\n# none yet\n")
+    binary.write_bytes(b"\xff\xfe\x00token")
+    for role in ("generate", "admin", "relay", "register", "peer"):
+        others = {f"{r}_tokens_file": str(good) for r in ("generate", "admin") if r != role}
+        for path, problem in (
+            (tmp_path / "missing", "cannot be read"),
+            (empty, "holds no token"),
+            (binary, "not UTF-8"),
+        ):
+            auth = AuthSection(**others, **{f"{role}_tokens_file": str(path)})
+            with pytest.raises(SystemExit, match=f"auth.{role}_tokens_file is '{path}', which .*{problem}"):
+                TokenAuth.from_config(auth)
+    assert TokenAuth.from_config(AuthSection(generate_tokens_file=str(good), admin_tokens_file=str(good)))

@@ -19,7 +19,7 @@ from typing import ClassVar
 from pydantic import Field
 
 from rollwire.runtime.config import Section
-from rollwire.runtime.security import parse_tokens
+from rollwire.runtime.security import read_tokens
 
 TLS_KEYS = ("ca_file", "cert_file", "key_file")
 
@@ -96,17 +96,8 @@ def dial_credentials(
 
 def read_token(path: str, setting: str) -> str:
     """The first token (in sorted order) of the token file `path`; "" when `path` is empty."""
-    if not path:
-        return ""
-    try:
-        tokens = parse_tokens(Path(path).read_text())
-    except OSError as exc:
-        raise SystemExit(f"{setting} is {path!r}, which cannot be read: {exc.strerror}") from None
-    except UnicodeDecodeError:
-        raise SystemExit(f"{setting} is {path!r}, which is not UTF-8 text") from None
-    if not tokens:
-        raise SystemExit(f"{setting} is {path!r}, which holds no token; put the token in it")
-    return sorted(tokens)[0]
+    tokens = read_tokens(path, setting)
+    return min(tokens) if tokens else ""
 
 
 def _read_pem(path: str, setting: str) -> bytes | None:

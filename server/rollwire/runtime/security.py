@@ -110,18 +110,22 @@ def parse_tokens(text: str) -> set[str]:
     return {line.strip() for line in text.splitlines() if line.strip() and not line.lstrip().startswith("#")}
 
 
-def read_tokens(path: str) -> set[str]:
-    """Tokens in a file, one per line; blank lines and # comments are ignored."""
+def read_tokens(path: str, setting: str = "the token file") -> set[str]:
+    """Tokens in a file, one per line; blank lines and # comments are ignored.
+
+    A file that cannot be read, is not UTF-8 or holds no token stops the process with a
+    sentence naming `setting` (the config key that names the file) and the path.
+    """
     if not path:
         return set()
     try:
         tokens = parse_tokens(Path(path).read_text())
     except OSError as exc:
-        raise SystemExit(f"cannot read token file {path}: {exc.strerror}") from None
+        raise SystemExit(f"{setting} is {path!r}, which cannot be read: {exc.strerror}") from None
     except UnicodeDecodeError:
-        raise SystemExit(f"token file {path} is not UTF-8 text") from None
+        raise SystemExit(f"{setting} is {path!r}, which is not UTF-8 text") from None
     if not tokens:
-        raise SystemExit(f"token file {path} holds no token")
+        raise SystemExit(f"{setting} is {path!r}, which holds no token; put a token in it, one per line")
     return tokens
 
 
@@ -137,7 +141,13 @@ class TokenFile:
     event loop. Kubernetes rotates a mounted Secret by swapping a symlink: stat follows it.
     """
 
-    def __init__(self, path: str, interval: float = RELOAD_INTERVAL_S, reread: float = REREAD_INTERVAL_S) -> None:
+    def __init__(
+        self,
+        path: str,
+        interval: float = RELOAD_INTERVAL_S,
+        reread: float = REREAD_INTERVAL_S,
+        setting: str = "the token file",
+    ) -> None:
         self.path, self.interval, self.reread = path, interval, reread
         self.digests: list[bytes] = []
         self._signature: tuple | None = None
@@ -145,7 +155,7 @@ class TokenFile:
         self._checked = self._read_at = 0.0
         self._error = ""
         if path:
-            self.digests = [_digest(t) for t in read_tokens(path)]  # at start, a bad file is fatal
+            self.digests = [_digest(t) for t in read_tokens(path, setting)]  # at start, a bad file is fatal
             self._signature, self._content = self._stat(), Path(path).read_bytes()
             self._checked = self._read_at = time.monotonic()
 
@@ -219,7 +229,7 @@ class TokenAuth:
     def from_config(cls, auth: AuthSection) -> TokenAuth | None:
         if not auth.enabled():
             return None
-        files = {role: TokenFile(path) for role, path in auth.files().items()}
+        files = {role: TokenFile(path, setting=f"auth.{role}_tokens_file") for role, path in auth.files().items()}
         return cls(files[GENERATE], files[ADMIN], files[RELAY], files[REGISTER], files[PEER])
 
     def admin_digests(self) -> list[bytes]:
