@@ -45,3 +45,40 @@ def test_dns_targets_name_every_address_a_name_resolves_to():
         parse_dns_target("dns://gens:1")
     with pytest.raises(ValueError, match="is not a HOST:PORT address"):
         check_target("dns:///gens")
+
+
+# -- which machine a host names (rollwire.runtime.hosts) -----------------------------------------
+def test_peer_strings_and_literals_parse_to_one_ip_whatever_their_spelling():
+    import ipaddress
+
+    from rollwire.runtime.hosts import parse_ip, peer_ip
+
+    v4, v6 = ipaddress.ip_address("10.1.2.3"), ipaddress.ip_address("fe80::1")
+    assert peer_ip("ipv4:10.1.2.3:5051") == v4 == parse_ip(" 10.1.2.3 ")
+    assert peer_ip("ipv6:[fe80::1%eth0]:5051") == v6 == parse_ip("[fe80::1%eth0]") == parse_ip("fe80::1")
+    for junk in ("unix:/tmp/sock", "ipv4:", "ipv4:host.name:5", "ipv6:[zz::1]:5", "", "in-process", "ipv4:1.2.3.4"):
+        assert peer_ip(junk) is None, junk
+    assert parse_ip("gen-0.gens.svc") is None and parse_ip("") is None
+
+
+async def test_a_host_resolves_to_its_ips_and_only_this_machine_s_are_local():
+    import ipaddress
+    import socket
+
+    from rollwire.runtime.hosts import is_local_ip, resolve_ips
+
+    loopback = ipaddress.ip_address("127.0.0.1")
+    assert loopback in await resolve_ips("localhost")
+    assert await resolve_ips("[::1]") == {ipaddress.ip_address("::1")}
+    for nowhere in ("no-such-host.invalid", "a" * 300, "\udcff", "bad..name"):
+        assert await resolve_ips(nowhere) == set(), nowhere
+    assert is_local_ip(loopback) and is_local_ip(ipaddress.ip_address("0.0.0.0"))
+    assert not is_local_ip(ipaddress.ip_address("192.0.2.7"))  # TEST-NET-1: no machine's address
+    # An interface address of this machine (not loopback) is local: the one a UDP socket would leave from.
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+        try:
+            probe.connect(("192.0.2.7", 9))  # no packet is sent: this only picks the source address
+        except OSError:
+            return  # no route off loopback here: nothing more to check
+        own = ipaddress.ip_address(probe.getsockname()[0])
+    assert own.is_loopback or is_local_ip(own)

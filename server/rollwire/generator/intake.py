@@ -23,15 +23,14 @@ Invariants:
 from __future__ import annotations
 
 import asyncio
-import ipaddress
 import secrets
-import socket
 import time
 from dataclasses import dataclass, field
 
 import grpc
 import structlog
 
+from rollwire.common.addresses import split_address
 from rollwire.common.errors import FailedPrecondition, PermissionDenied, RollwireError, clip, to_status
 from rollwire.common.manifest import Manifest, check_commit, check_manifest, manifest_from_pb
 from rollwire.common.reasons import Reason
@@ -44,6 +43,7 @@ from rollwire.push.forward import ChannelPool, Forwarder
 from rollwire.push.plan import grant_key, is_granted, split_plan, unplanned
 from rollwire.push.reader import Opening, PushReader
 from rollwire.push.results import status_with_results
+from rollwire.runtime.hosts import is_local_ip, resolve_ips
 from rollwire.runtime.logs import REQUEST_ID_KEY, get_logger, request_id_from
 from rollwire.runtime.security import RELAY, TokenAuth, caller_role, require_stage_only
 from rollwire.serving.dial import Dialer
@@ -337,14 +337,11 @@ class PushIntake:
     async def _is_self(self, address: str) -> bool:
         """Whether `address` reaches this replica: its port, on a host that resolves to an
         address of this machine (loopback, unspecified, or one it can bind)."""
-        host, _, port = address.rpartition(":")
-        if not self.port or int(port) != self.port:
-            return False
         try:
-            infos = await asyncio.get_running_loop().getaddrinfo(host.strip("[]"), None, type=socket.SOCK_STREAM)
-        except OSError:
-            return False  # unresolvable: the dial fails, and its outcome says so
-        return any(_local(str(info[4][0]), info[0]) for info in infos)
+            host, port = split_address(address)
+        except ValueError:
+            return False  # the plan's addresses were checked already; a bad one is not this replica
+        return bool(self.port) and port == self.port and any(map(is_local_ip, await resolve_ips(host)))
 
     async def commit(self, request: pb.CommitAdapterRequest, context) -> pb.CommitAdapterResponse:
         """Serve a version a `stage_only` push staged here, if its digest is the one named."""
@@ -367,16 +364,3 @@ class PushIntake:
     async def close(self) -> None:
         """Close the relay channels (at shutdown)."""
         await self._channels.close()
-
-
-def _local(ip: str, family: int) -> bool:
-    """An IP address of this machine: loopback, unspecified, or one a socket can bind."""
-    parsed = ipaddress.ip_address(ip.split("%", 1)[0])
-    if parsed.is_loopback or parsed.is_unspecified:
-        return True
-    try:
-        with socket.socket(family, socket.SOCK_STREAM) as probe:
-            probe.bind((ip, 0))
-    except OSError:
-        return False
-    return True

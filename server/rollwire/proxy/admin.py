@@ -14,14 +14,11 @@ address. A registration that would take the proxy past registration.max_members 
 
 from __future__ import annotations
 
-import asyncio
-import ipaddress
-import socket
 from typing import NoReturn
 
 import grpc
 
-from rollwire.common.addresses import check_address
+from rollwire.common.addresses import check_address, split_address
 from rollwire.common.errors import (
     FailedPrecondition,
     InvalidArgument,
@@ -35,6 +32,7 @@ from rollwire.common.reasons import Reason
 from rollwire.proxy.config import RegistrationSection
 from rollwire.proxy.replica import Replica
 from rollwire.proxy.replicas import ReplicaSet
+from rollwire.runtime.hosts import peer_ip, resolve_ips
 from rollwire.runtime.logs import get_logger
 from rollwire.runtime.security import REGISTER, TokenAuth, caller_role
 from rollwire.v1 import admin_pb2 as apb
@@ -89,12 +87,10 @@ class AdminServicer(admin_pb2_grpc.AdminServiceServicer):
         caller's IP address (the port is its own business)."""
         if caller_role(self.auth, context) != REGISTER:
             return
-        peer = _peer_ip(context.peer())
-        host = address.rpartition(":")[0].strip("[]")
+        peer = peer_ip(context.peer())
         try:
-            infos = await asyncio.get_running_loop().getaddrinfo(host, None, type=socket.SOCK_STREAM)
-            ips = {ipaddress.ip_address(str(i[4][0]).split("%", 1)[0]) for i in infos}
-        except (OSError, ValueError):
+            ips = await resolve_ips(split_address(address)[0])
+        except ValueError:  # not HOST:PORT: no DNS lookup of a caller's junk, and not its own
             ips = set()
         if peer is None or peer not in ips:
             raise PermissionDenied(
@@ -142,18 +138,6 @@ class AdminServicer(admin_pb2_grpc.AdminServiceServicer):
             f"no replica {address!r} is registered here (known: {known}); ListGenerators shows them",
             reason=Reason.UNKNOWN_REPLICA,
         )
-
-
-def _peer_ip(peer: str) -> ipaddress.IPv4Address | ipaddress.IPv6Address | None:
-    """The IP address of a gRPC peer string ("ipv4:1.2.3.4:5", "ipv6:[::1]:5"), or None."""
-    kind, _, rest = peer.partition(":")
-    if kind not in ("ipv4", "ipv6"):
-        return None
-    host = rest.rpartition(":")[0].strip("[]")
-    try:
-        return ipaddress.ip_address(host.split("%", 1)[0])
-    except ValueError:
-        return None
 
 
 async def _abort(context: grpc.aio.ServicerContext, err: RollwireError) -> NoReturn:

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import hashlib
 import hmac
-import ipaddress
 import os
 import socket
 import sys
@@ -36,6 +35,7 @@ from pydantic import Field
 from rollwire.common.errors import PermissionDenied, RollwireError, Unauthenticated, to_status
 from rollwire.common.reasons import Reason
 from rollwire.runtime.config import Section
+from rollwire.runtime.hosts import parse_ip
 from rollwire.runtime.logs import get_logger
 
 log = get_logger(__name__)
@@ -396,19 +396,19 @@ async def start_health_port(health_servicer, host: str, tls: TlsSection) -> grpc
 
 
 def is_loopback(host: str) -> bool:
-    """True when `host` (an IP literal or a name) reaches only this machine."""
+    """True when `host` (an IP literal or a name) reaches only this machine (a bind check at
+    start, so a blocking lookup is fine here)."""
     host = host.strip().strip("[]")
     if host.lower() == "localhost":
         return True
-    try:
-        return ipaddress.ip_address(host.split("%", 1)[0]).is_loopback
-    except ValueError:
-        pass
+    if (ip := parse_ip(host)) is not None:
+        return ip.is_loopback
     try:
         infos = socket.getaddrinfo(host, None)
-    except OSError:
+    except (OSError, UnicodeError):
         return False
-    return bool(infos) and all(ipaddress.ip_address(str(info[4][0]).split("%", 1)[0]).is_loopback for info in infos)
+    ips = [parse_ip(str(info[4][0])) for info in infos]
+    return bool(ips) and all(ip is not None and ip.is_loopback for ip in ips)
 
 
 _warned: set[tuple[str, str, int]] = set()
