@@ -55,6 +55,7 @@ from rollwire.generator.engines.served_http import (
     status_of,
 )
 from rollwire.generator.engines.served_process import ServerProcess, Supervisor, free_port
+from rollwire.generator.engines.settings import ServedSection
 from rollwire.generator.types import Event, GroupRequest
 from rollwire.runtime.logs import get_logger
 
@@ -93,24 +94,6 @@ NO_TEXT = cast(Callable[[], TextStream], _NoText)
 
 
 # -- the engine skeleton ---------------------------------------------------------------------
-class ServedSettings(Protocol):
-    """The settings every served engine's config section has (SGLangSection, VLLMSection)."""
-
-    url: str
-    host: str
-    port: int
-    max_lora_rank: int
-    max_loaded_adapters: int
-    api_key_file: str
-    adapter_dir: str
-    adapter_dir_on_server: str
-    startup_timeout_s: float
-    request_timeout_s: float
-    health_interval_s: float
-    max_restarts: int
-    max_concurrent_groups: int
-
-
 @dataclass
 class ServedAdapter:
     """One adapter version as the server knows it."""
@@ -135,7 +118,7 @@ class ServedEngine:
     follows_versions = True
     """Follows by continuation (served_follow.py): a switch costs a prefill of prompt + generated tokens."""
 
-    def __init__(self, model_dir: str | Path, settings: ServedSettings, *, adapter_window: int) -> None:
+    def __init__(self, model_dir: str | Path, settings: ServedSection, *, adapter_window: int) -> None:
         self.model_dir = Path(model_dir)
         self.settings = settings
         self.max_adapters = settings.max_loaded_adapters or adapter_window + 1

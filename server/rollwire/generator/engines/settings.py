@@ -45,63 +45,69 @@ class TransformersSection(Section):
     """Reuse of prompt-prefix keys and values across requests ([transformers.prefix_cache])."""
 
 
-class SGLangSection(Section):
+class ServedSection(Section):
+    """What every served engine's section has ([sglang], [vllm]): where its server listens, how
+    adapters reach it, and how long rollwire waits on it. Each engine's section adds its own
+    server's flags; engines/served.py reads only these."""
+
+    url: str = Field(default="")
+    """Use the server at this URL (e.g. http://127.0.0.1:30000) instead of launching one; it must see adapter_dir
+    (same host or shared volume). A vLLM must run with --enable-lora and VLLM_ALLOW_RUNTIME_LORA_UPDATING=1."""
+    host: str = Field(default="127.0.0.1")
+    """Address the launched server binds."""
+    port: int = Field(default=0, ge=0, le=65535)
+    """Port of the launched server; 0 picks a free one."""
+    max_lora_rank: int = Field(default=64, ge=1)
+    """Largest LoRA rank the server reserves memory for (its --max-lora-rank); pushes of a larger r are refused."""
+    max_loaded_adapters: int = Field(default=0, ge=0)
+    """Adapter versions the server holds at once (SGLang's --max-loaded-loras, vLLM's --max-loras); 0 =
+    adapter_window + 1 (the window plus one for the swap)."""
+    api_key_file: str = Field(default="")
+    """File holding the server's API key (its --api-key: SGLang's generate endpoints; vLLM's every endpoint, passed to
+    a launched vLLM as VLLM_API_KEY)."""
+    adapter_dir: str = Field(default="")
+    """Where pushed adapters are written for the server to load; empty = a fresh temporary folder."""
+    adapter_dir_on_server: str = Field(default="")
+    """adapter_dir as the server sees it, when it mounts it elsewhere; empty = the same path."""
+    startup_timeout_s: float = Field(default=900.0, gt=0)
+    """How long a launched server may take to become healthy."""
+    request_timeout_s: float = Field(default=600.0, gt=0)
+    """Longest wait for the next chunk of a generation or for an adapter call."""
+    health_interval_s: float = Field(default=5.0, gt=0)
+    """How often a server given by url is probed."""
+    max_restarts: int = Field(default=5, ge=0)
+    """Restarts of a crashed, launched server before the replica gives up."""
+    max_concurrent_groups: int = Field(default=256, ge=1)
+    """Groups streamed from the server at once; more wait in rollwire's queue."""
+
+
+class SGLangSection(ServedSection):
     """Settings of the sglang engine: an SGLang server this replica launches, or one at `url`.
 
     Secrets are read from files named here, never from the environment, and never logged.
     """
 
-    url: str = Field(default="")
-    """Use the SGLang server at this URL (e.g. http://127.0.0.1:30000) instead of launching one; it must see
-    adapter_dir (same host or shared volume)."""
     launch_command: list[str] = Field(default_factory=list)
     """Command that starts SGLang; empty = [this python, -m, sglang.launch_server]. rollwire appends --model-path,
     --host, --port and the LoRA flags."""
     extra_args: list[str] = Field(default_factory=list)
     """More SGLang flags, e.g. ["--mem-fraction-static", "0.5"]."""
-    host: str = Field(default="127.0.0.1")
-    """Address the launched SGLang server binds."""
-    port: int = Field(default=0, ge=0, le=65535)
-    """Port of the launched SGLang server; 0 picks a free one."""
-    max_lora_rank: int = Field(default=64, ge=1)
-    """Largest LoRA rank SGLang reserves memory for; pushes of a larger r are refused."""
     lora_target_modules: list[str] = Field(default_factory=lambda: ["all"])
     """Modules SGLang prepares LoRA buffers for (--lora-target-modules)."""
-    max_loaded_adapters: int = Field(default=0, ge=0)
-    """Adapter versions SGLang holds at once; 0 = adapter_window + 1 (the window plus one for the swap)."""
     deterministic: bool = Field(default=False)
     """Start SGLang with --enable-deterministic-inference; required to honour request seeds."""
     random_seed: int | None = Field(default=None)
     """SGLang's --random-seed."""
-    api_key_file: str = Field(default="")
-    """File holding SGLang's --api-key (generate endpoints)."""
     admin_api_key_file: str = Field(default="")
     """File holding SGLang's --admin-api-key (adapter load/unload and abort)."""
-    adapter_dir: str = Field(default="")
-    """Where pushed adapters are written for SGLang to load; empty = a fresh temporary folder."""
-    adapter_dir_on_server: str = Field(default="")
-    """adapter_dir as the SGLang server sees it, when it mounts it elsewhere; empty = the same path."""
-    startup_timeout_s: float = Field(default=900.0, gt=0)
-    """How long a launched SGLang may take to become healthy."""
-    request_timeout_s: float = Field(default=600.0, gt=0)
-    """Longest wait for the next chunk of a generation or for an adapter call."""
-    health_interval_s: float = Field(default=5.0, gt=0)
-    """How often an SGLang given by url is probed."""
-    max_restarts: int = Field(default=5, ge=0)
-    """Restarts of a crashed, launched SGLang before the replica gives up."""
-    max_concurrent_groups: int = Field(default=256, ge=1)
-    """Groups streamed from SGLang at once; more wait in rollwire's queue."""
 
 
-class VLLMSection(Section):
+class VLLMSection(ServedSection):
     """Settings of the vllm engine: a vLLM OpenAI server this replica launches, or one at `url` (docs/engines.md).
 
     Secrets are read from files named here, never from the environment, and never logged.
     """
 
-    url: str = Field(default="")
-    """Use the vLLM server at this URL (e.g. http://127.0.0.1:8000) instead of launching one; it must run with
-    --enable-lora and VLLM_ALLOW_RUNTIME_LORA_UPDATING=1 and see adapter_dir (same host or shared volume)."""
     launch_command: list[str] = Field(default_factory=list)
     """Command that starts vLLM's OpenAI server; empty = [this python, -m, vllm.entrypoints.openai.api_server]. vLLM
     needs its own environment, e.g. [".venv-vllm/bin/python", "-m", "vllm.entrypoints.openai.api_server"]. rollwire
@@ -111,35 +117,10 @@ class VLLMSection(Section):
     env: dict[str, str] = Field(default_factory=dict)
     """Environment variables set for the launched server only, e.g. {"VLLM_CPU_KVCACHE_SPACE": "1"} on CPU; rollwire
     always sets VLLM_ALLOW_RUNTIME_LORA_UPDATING=1. Never put secrets here (use api_key_file)."""
-    host: str = Field(default="127.0.0.1")
-    """Address the launched vLLM server binds."""
-    port: int = Field(default=0, ge=0, le=65535)
-    """Port of the launched vLLM server; 0 picks a free one."""
     dtype: str = Field(default="auto")
     """vLLM's --dtype (auto, float32, bfloat16, float16)."""
     max_model_len: int = Field(default=0, ge=0)
     """vLLM's --max-model-len; 0 = the model's own limit."""
-    max_lora_rank: int = Field(default=64, ge=1)
-    """Largest LoRA rank vLLM reserves memory for (--max-lora-rank); pushes of a larger r are refused."""
-    max_loaded_adapters: int = Field(default=0, ge=0)
-    """Adapter versions loaded at once (vLLM's --max-loras); 0 = adapter_window + 1 (the window plus one for the
-    swap)."""
-    api_key_file: str = Field(default="")
-    """File holding vLLM's API key (its --api-key; passed to a launched server as VLLM_API_KEY)."""
-    adapter_dir: str = Field(default="")
-    """Where pushed adapters are written for vLLM to load; empty = a fresh temporary folder."""
-    adapter_dir_on_server: str = Field(default="")
-    """adapter_dir as the vLLM server sees it, when it mounts it elsewhere; empty = the same path."""
-    startup_timeout_s: float = Field(default=900.0, gt=0)
-    """How long a launched vLLM may take to become healthy."""
-    request_timeout_s: float = Field(default=600.0, gt=0)
-    """Longest wait for the next chunk of a generation or for an adapter call."""
-    health_interval_s: float = Field(default=5.0, gt=0)
-    """How often a vLLM given by url is probed."""
-    max_restarts: int = Field(default=5, ge=0)
-    """Restarts of a crashed, launched vLLM before the replica gives up."""
-    max_concurrent_groups: int = Field(default=256, ge=1)
-    """Groups streamed from vLLM at once; more wait in rollwire's queue."""
     max_logprobs: int = Field(default=64, ge=-1)
     """vLLM's --max-logprobs (-1: the vocabulary): the most top logprobs a request may ask for, which bounds
     return_kept_tokens: a top-k group needs top_k + 1, a top-p-only group the whole vocabulary. Give a server at
@@ -157,4 +138,11 @@ class ScriptedSection(Section):
     """Groups generating at once; more wait in the engine's queue."""
 
 
-__all__ = ["PrefixCacheSection", "SGLangSection", "ScriptedSection", "TransformersSection", "VLLMSection"]
+__all__ = [
+    "PrefixCacheSection",
+    "SGLangSection",
+    "ScriptedSection",
+    "ServedSection",
+    "TransformersSection",
+    "VLLMSection",
+]
