@@ -172,3 +172,40 @@ def test_not_safetensors(generator, adapter):
 
 
 pytestmark = pytest.mark.integration  # starts processes or servers: not in make test-fast
+
+
+def test_a_group_the_engine_can_never_serve_is_refused_before_its_stream_starts(tiny_model, tmp_path):
+    """Too big for the KV budget of 200 tokens (8 x 43; a session turn of 3 + 200): a status and
+    nothing else, no GenerationStarted first; a session's turn is not begun, so its next turn
+    still opens the session afresh."""
+    from support.processes import start_generator
+    from support.wire import metric_value
+
+    svc = start_generator(tiny_model, tmp_path, "small-kv", "--set", "transformers.max_batch_tokens=200")
+    try:
+        prompt = pb.TokenIds(ids=[5, 17, 33])
+        for n, tokens, session in ((8, 40, None), (1, 200, pb.SessionTurn(id="agent-1"))):
+            request = pb.GenerateRequest(token_ids=prompt, n=n, sampling=pb.SamplingParams(max_new_tokens=tokens))
+            if session is not None:
+                request.session.CopyFrom(session)
+            received: list[pb.GenerateResponse] = []
+            with pytest.raises(grpc.RpcError) as err:
+                received.extend(stub(svc.target).Generate(request, timeout=30))
+            assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT, err.value.details()
+            assert from_rpc_error(err.value).reason == "KV_BUDGET" and "KV cache" in str(err.value.details())
+            assert received == []
+        fits = pb.GenerateRequest(
+            token_ids=prompt,
+            n=1,
+            sampling=pb.SamplingParams(max_new_tokens=12),
+            session=pb.SessionTurn(id="agent-1"),
+        )
+        started = [m.started for m in stub(svc.target).Generate(fits, timeout=30) if m.HasField("started")]
+        assert [list(s.prompt_token_ids) for s in started] == [[5, 17, 33]]  # the refused turn left nothing
+        metrics = svc.metrics()
+        assert metric_value(metrics, "rollwire_generator_requests_total", 'code="INVALID_ARGUMENT"') == 2
+        assert metric_value(metrics, "rollwire_generator_requests_total", 'code="OK"') == 1
+        turns = "rollwire_generator_session_turns_total"
+        assert [metric_value(metrics, turns, f'outcome="{o}"') for o in ("completed", "failed")] == [1, 0]
+    finally:
+        svc.stop()

@@ -95,6 +95,7 @@ class GeneratorServicer(generator_pb2_grpc.GeneratorServiceServicer):
         try:
             check_turn(request)
             group = await self._to_group(request, rid)
+            self.engine.check(group)  # before any slot, turn or stream: a refusal is only a status
             turn = self._begin_turn(request, group, context)
             self._admit()
             selection = self.registry.acquire(request.adapter.name, request.adapter.version)

@@ -69,6 +69,12 @@ class Engine(Protocol):
         """Prompt text to token ids, as the model's tokenizer does it."""
         ...
 
+    def check(self, group: GroupRequest) -> None:
+        """Refuse, with a RollwireError, a group this engine can never serve (too big for its KV
+        budget, kept tokens it cannot report). The servicer calls it before it admits the
+        request or begins a session turn, so such a caller gets a status and no stream that
+        starts and then fails; `generate` calls it too, for callers that use an engine directly."""
+
     def generate(self, group: GroupRequest) -> AsyncIterator[list[Event]]:
         """Generate `group.n` samples, yielding the events ready together; each sample ends
         with one SampleDone. Closing the iterator cancels the group and frees its rows."""

@@ -72,6 +72,9 @@ class ScriptedEngine:
         """The deterministic token id of `sample` at `position` for a group seeded `seed`."""
         return (seed * 1_000_003 + sample * 7_919 + position * 31) % self.vocab_size
 
+    def check(self, group: GroupRequest) -> None:
+        """Any group is served: the scripted engine has no KV cache to fill."""
+
     async def generate(self, group: GroupRequest) -> AsyncIterator[list[Event]]:
         async with self._slots.held():
             async for events in self._steps(group):

@@ -110,7 +110,7 @@ class ServedEngine:
     Subclasses set `name` and `kind` and provide the server's dialect: `_launch` (command
     line and environment of a launched server), `_after_start` (read what the server says
     about itself), `_server_load` / `_server_unload` (one adapter), `_call` (one generation
-    request) and `_send_abort`; `_check_group` refuses what the server cannot honour.
+    request) and `_send_abort`; `check` refuses what the server cannot honour.
     """
 
     name = "served"
@@ -253,7 +253,7 @@ class ServedEngine:
             raise Internal(f"adapter {label} is leased but not loaded in {self.kind.label}")
         return adapter.lora_name
 
-    def _check_group(self, group: GroupRequest) -> None:
+    def check(self, group: GroupRequest) -> None:
         """Refuse, before any work, what this server cannot honour (FAILED_PRECONDITION)."""
 
     def _call(self, segment: GroupRequest, lora: str | None, rid: str) -> ServerCall:
@@ -265,7 +265,7 @@ class ServedEngine:
     async def generate(self, group: GroupRequest) -> AsyncIterator[list[Event]]:
         """The group's events: one segment, or a chain of them when it follows (served_follow.py)."""
         self.check_up()
-        self._check_group(group)
+        self.check(group)
         run = FollowRun(group, self._text_stream, self.eos_ids)
         async with self._slots.held():
             while not run.complete:

@@ -101,7 +101,7 @@ class SGLangEngine(ServedEngine):
         )
 
     # -- serving ---------------------------------------------------------------------------
-    def _check_group(self, group: GroupRequest) -> None:
+    def check(self, group: GroupRequest) -> None:
         self._seeds(group)
 
     def _call(self, segment: GroupRequest, lora: str | None, rid: str) -> ServerCall:

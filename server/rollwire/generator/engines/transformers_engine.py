@@ -180,8 +180,11 @@ class TransformersEngine:
         with self._cv:
             return EngineStats(running=self._running_groups, queued=len(self._pending))
 
-    async def generate(self, group: GroupRequest) -> AsyncIterator[list[Event]]:
+    def check(self, group: GroupRequest) -> None:
         check_fits(group, self.max_batch_rows, self.max_batch_tokens)
+
+    async def generate(self, group: GroupRequest) -> AsyncIterator[list[Event]]:
+        self.check(group)
         g = _Group(group, asyncio.get_running_loop(), asyncio.Queue())
         with self._cv:
             self._pending.append(g)

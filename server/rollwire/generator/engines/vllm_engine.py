@@ -378,7 +378,7 @@ class VLLMEngine(ServedEngine):
         log.info("vllm_warm", seconds=round(time.monotonic() - started, 2))
 
     # -- serving ---------------------------------------------------------------------------
-    def _check_group(self, group: GroupRequest) -> None:
+    def check(self, group: GroupRequest) -> None:
         kept_logprobs_for(group.sampling, self.vocab_size, self.settings.max_logprobs)
 
     def _call(self, segment: GroupRequest, lora: str | None, rid: str) -> ServerCall:
