@@ -175,37 +175,50 @@ pytestmark = pytest.mark.integration  # starts processes or servers: not in make
 
 
 def test_a_group_the_engine_can_never_serve_is_refused_before_its_stream_starts(tiny_model, tmp_path):
-    """Too big for the KV budget of 200 tokens (8 x 43; a session turn of 3 + 200): a status and
-    nothing else, no GenerationStarted first; a session's turn is not begun, so its next turn
-    still opens the session afresh."""
+    """Too big for the KV budget of 200 tokens: a status and nothing else, no GenerationStarted
+    first. Checked on the group as it would run: 8 x 43 tokens; a new session's turn of 3 + 200;
+    a later turn whose new tokens fit but whose history does not (103 + 3 + 100). A refused turn
+    counts as refused, not failed, and leaves its session as it was, even one sent with end."""
     from support.processes import start_generator
     from support.wire import metric_value
 
     svc = start_generator(tiny_model, tmp_path, "small-kv", "--set", "transformers.max_batch_tokens=200")
-    try:
-        prompt = pb.TokenIds(ids=[5, 17, 33])
-        for n, tokens, session in ((8, 40, None), (1, 200, pb.SessionTurn(id="agent-1"))):
-            request = pb.GenerateRequest(token_ids=prompt, n=n, sampling=pb.SamplingParams(max_new_tokens=tokens))
-            if session is not None:
-                request.session.CopyFrom(session)
-            received: list[pb.GenerateResponse] = []
-            with pytest.raises(grpc.RpcError) as err:
-                received.extend(stub(svc.target).Generate(request, timeout=30))
-            assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT, err.value.details()
-            assert from_rpc_error(err.value).reason == "KV_BUDGET" and "KV cache" in str(err.value.details())
-            assert received == []
-        fits = pb.GenerateRequest(
-            token_ids=prompt,
-            n=1,
-            sampling=pb.SamplingParams(max_new_tokens=12),
-            session=pb.SessionTurn(id="agent-1"),
+
+    def turn(tokens: int, session: str | None = None, n: int = 1, end: bool = False) -> pb.GenerateRequest:
+        request = pb.GenerateRequest(
+            token_ids=pb.TokenIds(ids=[5, 17, 33]),
+            n=n,
+            sampling=pb.SamplingParams(max_new_tokens=tokens, ignore_eos=True),
         )
-        started = [m.started for m in stub(svc.target).Generate(fits, timeout=30) if m.HasField("started")]
-        assert [list(s.prompt_token_ids) for s in started] == [[5, 17, 33]]  # the refused turn left nothing
+        if session is not None:
+            request.session.CopyFrom(pb.SessionTurn(id=session, end=end))
+        return request
+
+    def refused(request: pb.GenerateRequest) -> None:
+        received: list[pb.GenerateResponse] = []
+        with pytest.raises(grpc.RpcError) as err:
+            received.extend(stub(svc.target).Generate(request, timeout=30))
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT, err.value.details()
+        assert from_rpc_error(err.value).reason == "KV_BUDGET" and "KV cache" in str(err.value.details())
+        assert received == []
+
+    def prompt_of(request: pb.GenerateRequest) -> list[int]:
+        started = [m.started for m in stub(svc.target).Generate(request, timeout=60) if m.HasField("started")]
+        assert len(started) == 1
+        return list(started[0].prompt_token_ids)
+
+    try:
+        refused(turn(40, n=8))
+        refused(turn(200, session="agent-1"))
+        assert prompt_of(turn(100, session="agent-1")) == [5, 17, 33]  # the refused first turn left nothing
+        refused(turn(100, session="agent-1", end=True))  # 103 held + 3 new + 100 > 200
+        again = prompt_of(turn(50, session="agent-1"))  # the session is still there, as it was
+        assert len(again) == 106 and again[:3] == again[-3:] == [5, 17, 33]
         metrics = svc.metrics()
-        assert metric_value(metrics, "rollwire_generator_requests_total", 'code="INVALID_ARGUMENT"') == 2
-        assert metric_value(metrics, "rollwire_generator_requests_total", 'code="OK"') == 1
+        assert metric_value(metrics, "rollwire_generator_requests_total", 'code="INVALID_ARGUMENT"') == 3
+        assert metric_value(metrics, "rollwire_generator_requests_total", 'code="OK"') == 2
         turns = "rollwire_generator_session_turns_total"
-        assert [metric_value(metrics, turns, f'outcome="{o}"') for o in ("completed", "failed")] == [1, 0]
+        outcomes = ("completed", "refused", "failed")
+        assert [metric_value(metrics, turns, f'outcome="{o}"') for o in outcomes] == [2, 2, 0]
     finally:
         svc.stop()

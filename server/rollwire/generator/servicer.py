@@ -95,8 +95,8 @@ class GeneratorServicer(generator_pb2_grpc.GeneratorServiceServicer):
         try:
             check_turn(request)
             group = await self._to_group(request, rid)
-            self.engine.check(group)  # before any slot, turn or stream: a refusal is only a status
             turn = self._begin_turn(request, group, context)
+            self._check(group, turn)
             self._admit()
             selection = self.registry.acquire(request.adapter.name, request.adapter.version)
             group.adapter = selection
@@ -186,6 +186,17 @@ class GeneratorServicer(generator_pb2_grpc.GeneratorServiceServicer):
         turn.apply_version(request.adapter)
         group.prompt_ids = [*turn.history, *group.prompt_ids]
         return turn
+
+    def _check(self, group: GroupRequest, turn: Turn | None) -> None:
+        """The engine's refusal of a group it can never serve (Engine.check), on the group as it
+        will run (a session's history included), before any slot or stream: the caller gets a
+        status only, and a refused session turn leaves its session as it was."""
+        try:
+            self.engine.check(group)
+        except RollwireError:
+            if turn is not None:
+                turn.refuse()
+            raise
 
     def _follow(self, name: str, version: int) -> None:
         """A version of `name` became servable: every group following it takes a lease on it,

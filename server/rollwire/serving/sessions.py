@@ -267,12 +267,14 @@ class SessionStore:
 
 
 class Turn:
-    """One running turn: `commit` appends it to its session; `close` (always called, e.g. by
-    `with`) releases its reservation and, uncommitted, leaves the session as it was."""
+    """One running turn: `commit` appends it to its session; `refuse` or `close` (always
+    called, e.g. by `with`) releases its reservation and, uncommitted, leaves the session as
+    it was. A turn is counted once: completed, refused or failed."""
 
     def __init__(self, store: SessionStore, session: Session, reserved: int) -> None:
         self.store, self.session, self.reserved = store, session, reserved
         self.done = False
+        self.committed = False
         self.output: list[int] = []
         """The model's tokens of this turn so far (its caller collects them)."""
 
@@ -302,19 +304,30 @@ class Turn:
         if not session.follow and version:
             session.version = version
         store.metrics.turns.labels("completed").inc()
-        self.done = True
+        self.done = self.committed = True
+
+    def refuse(self) -> None:
+        """The turn is refused before any work, once its whole prompt is known (the engine
+        cannot serve history + new tokens): counted as refused, like a session bound."""
+        self._abandon("refused")
 
     def close(self, end: bool = False) -> None:
-        """End the turn: an uncommitted one counts as failed (a session with no completed turn
-        is forgotten); `end` forgets the session after a committed turn."""
+        """End the turn: an uncommitted one counts as failed; `end` forgets the session after a
+        committed turn only (a failed or refused last turn can be sent again)."""
         if not self.done:
-            self._release()
-            self.store.metrics.turns.labels("failed").inc()
-            self.done = True
-            if self.session.turns == 0:
-                self.store._forget(self.session, "")
-        elif end:
+            self._abandon("failed")
+        elif end and self.committed:
             self.store._forget(self.session, "ended")
+
+    def _abandon(self, outcome: str) -> None:
+        """Release, count, and forget a session that never completed a turn."""
+        if self.done:
+            return
+        self._release()
+        self.store.metrics.turns.labels(outcome).inc()
+        self.done = True
+        if self.session.turns == 0:
+            self.store._forget(self.session, "")
 
     def _release(self) -> None:
         if self.session.running is self:
