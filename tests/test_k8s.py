@@ -109,7 +109,7 @@ def test_proxy_config_map_is_a_valid_proxy_config_that_can_reach_the_generators(
         assert proxy.upstream.ca_file
     mounts = [m["mountPath"] for m in container["volumeMounts"]]
     assert any(proxy.spool.dir.startswith(m) for m in mounts)
-    assert proxy.spool.keep_versions >= generator.adapter_window
+    assert proxy.spool.keep_versions >= generator.adapter_keep
 
 
 def test_learner_config_map_is_a_valid_learner_config(tmp_path):

@@ -153,7 +153,7 @@ async def test_registry_window_leases_and_handles():
     await reg.settle()
     assert reg.loaded() == {"a": [2, 3]}
     assert ("unload", held.handle) not in engine.calls
-    with pytest.raises(FailedPrecondition, match="left this replica's window"):
+    with pytest.raises(FailedPrecondition, match="older than the 2 newest versions this replica keeps"):
         reg.acquire("a", 1)
     reg.release(held)  # the last request on v1 ends: now it is unloaded
     await reg.settle()
@@ -167,6 +167,40 @@ async def test_registry_window_leases_and_handles():
     with pytest.raises(NotFound):
         reg.acquire("b", 0)
     assert reg.acquire("a", 0).version == 3
+
+
+async def test_the_window_is_a_cache_of_the_versions_a_caller_may_name():
+    """window 2 loaded, keep 4 servable: an older kept version is loaded again (a fresh
+    handle) when taken and unloaded when its last request ends; beyond keep it is gone;
+    beyond keep_bytes the oldest outside the window go first."""
+    engine = EngineLog()
+    payload = lora_payload(4)
+    reg = AdapterRegistry(engine.load, engine.unload, window=2, keep=4, keep_bytes=10 * len(payload))
+    for v in range(1, 6):
+        await reg.push(manifest(payload, version=v), payload)
+    await reg.settle()
+    assert reg.loaded() == {"a": [2, 3, 4, 5]} and sorted(reg.digests()["a"]) == [2, 3, 4, 5]
+    loaded = {h for op, h in engine.calls if op == "load"} - {h for op, h in engine.calls if op == "unload"}
+    assert len(loaded) == 2  # only the window is in the engine
+    with pytest.raises(FailedPrecondition, match="kept but not loaded"):
+        reg.acquire("a", 2)
+    first = await reg.take("a", 2)
+    second = await reg.take("a", 2)  # a second request shares the load
+    assert first.version == 2 and first.handle == second.handle and first.handle not in loaded
+    assert [op for op, h in engine.calls if h == first.handle] == ["load"]
+    reg.release(first)
+    reg.release(second)
+    await reg.settle()
+    assert [op for op, h in engine.calls if h == first.handle] == ["load", "unload"]
+    assert reg.loaded() == {"a": [2, 3, 4, 5]}  # still servable: kept as bytes
+    assert (await reg.push(manifest(payload, version=3), payload)).already_loaded  # a kept version is held
+    with pytest.raises(FailedPrecondition, match="older than the 4 newest") as info:
+        await reg.take("a", 1)
+    assert info.value.reason == "ADAPTER_VERSION_EVICTED"
+    tight = AdapterRegistry(EngineLog().load, EngineLog().unload, window=1, keep=4, keep_bytes=2 * len(payload))
+    for v in range(1, 5):
+        await tight.push(manifest(payload, version=v), payload)
+    assert tight.loaded() == {"a": [3, 4]}  # two payloads' worth of bytes: the oldest went first
 
 
 def test_request_ids_are_kept_only_when_safe_to_forward_and_log():

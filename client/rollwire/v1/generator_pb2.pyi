@@ -366,17 +366,19 @@ class LinearLayer(_message.Message):
     def __init__(self, module: _Optional[str] = ..., out_features: _Optional[int] = ..., in_features: _Optional[int] = ...) -> None: ...
 
 class Limits(_message.Message):
-    __slots__ = ("max_n", "max_new_tokens", "max_prompt_tokens", "max_adapter_bytes", "adapter_window", "max_context")
+    __slots__ = ("max_n", "max_new_tokens", "max_prompt_tokens", "max_adapter_bytes", "adapter_window", "max_context", "adapter_keep")
     MAX_N_FIELD_NUMBER: _ClassVar[int]
     MAX_NEW_TOKENS_FIELD_NUMBER: _ClassVar[int]
     MAX_PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     MAX_ADAPTER_BYTES_FIELD_NUMBER: _ClassVar[int]
     ADAPTER_WINDOW_FIELD_NUMBER: _ClassVar[int]
     MAX_CONTEXT_FIELD_NUMBER: _ClassVar[int]
+    ADAPTER_KEEP_FIELD_NUMBER: _ClassVar[int]
     max_n: int
     max_new_tokens: int
     max_prompt_tokens: int
     max_adapter_bytes: int
     adapter_window: int
     max_context: int
-    def __init__(self, max_n: _Optional[int] = ..., max_new_tokens: _Optional[int] = ..., max_prompt_tokens: _Optional[int] = ..., max_adapter_bytes: _Optional[int] = ..., adapter_window: _Optional[int] = ..., max_context: _Optional[int] = ...) -> None: ...
+    adapter_keep: int
+    def __init__(self, max_n: _Optional[int] = ..., max_new_tokens: _Optional[int] = ..., max_prompt_tokens: _Optional[int] = ..., max_adapter_bytes: _Optional[int] = ..., adapter_window: _Optional[int] = ..., max_context: _Optional[int] = ..., adapter_keep: _Optional[int] = ...) -> None: ...

@@ -9,8 +9,13 @@ Invariants:
   it served before;
 - a version staged by a `stage_only` push is loaded but never servable until committed
   with its digest, and is dropped when not committed within `stage_timeout_s`;
-- the K newest versions of each name are servable; an older version stops being servable
-  at once and is unloaded from the engine when its last request finishes (leases);
+- the `keep` newest versions of each name are servable: a caller may name any of them. The
+  `window` newest of those stay loaded in the engine; an older one is kept as its verified
+  bytes (within `keep_bytes` over all names) and loaded again, under a fresh handle, when a
+  request names it, then unloaded when its last request finishes. So the window is a cache
+  of what callers may name, not a limit on it (TRL names up to max_staleness + 2 versions);
+- a version older than the `keep` newest stops being servable at once and is unloaded from
+  the engine when its last request finishes (leases);
 - engine handles are never reused, so no cache entry of an old policy can be served under
   a new version.
 """
@@ -31,6 +36,8 @@ from rollwire.generator.types import AdapterSelection
 
 DEFAULT_STAGE_TIMEOUT_S = 300.0
 """A staged version not committed within this long is dropped (limits.stage_timeout_s)."""
+DEFAULT_KEEP_BYTES = 2 << 30
+"""Bytes of adapter payloads a replica keeps to load versions again (limits.adapter_keep_bytes)."""
 
 
 def base_linear_shapes(model_dir: str | Path, *, config_only: bool = False) -> dict[str, tuple[int, int]]:
@@ -89,7 +96,11 @@ def config_linear_shapes(config: dict) -> dict[str, tuple[int, int]]:
 class _Version:
     version: int
     sha256: str
-    handle: str
+    handle: str | None
+    """The engine's handle while loaded; None while kept as bytes only."""
+    manifest: Manifest | None = None
+    payload: bytes | None = None
+    """The verified bytes, kept while servable so the version can be loaded again."""
     leases: int = 0
     servable: bool = True
 
@@ -113,6 +124,8 @@ class _Staged:
     version: int
     sha256: str
     handle: str
+    manifest: Manifest | None = None
+    payload: bytes | None = None
     expiry: asyncio.TimerHandle | None = None
 
 
@@ -136,8 +149,13 @@ class AdapterRegistry:
         unload: Callable[[str], Awaitable[None]],
         window: int,
         stage_timeout_s: float = DEFAULT_STAGE_TIMEOUT_S,
+        keep: int = 0,
+        keep_bytes: int = DEFAULT_KEEP_BYTES,
     ) -> None:
+        """`keep`: versions of a name a caller may name (at least `window`; 0 = `window`);
+        `keep_bytes`: the bytes of every servable version's payload held, over all names."""
         self._load, self._unload, self.window = load, unload, window
+        self.keep, self.keep_bytes = max(keep, window), keep_bytes
         self.stage_timeout_s = stage_timeout_s
         self._versions: dict[str, list[_Version]] = {}
         self._newest: dict[str, int] = {}
@@ -164,7 +182,7 @@ class AdapterRegistry:
             if staged is not None and (staged.version, staged.sha256) == (m.version, m.sha256):
                 return self._make_servable(m.name, self._unstage(m.name))
             handle = await self._load_new(m, payload)
-            return self._make_servable(m.name, _Staged(m.version, m.sha256, handle))
+            return self._make_servable(m.name, _Staged(m.version, m.sha256, handle, m, payload))
 
     async def stage(self, m: Manifest, payload: bytes, max_step: int = DEFAULT_MAX_VERSION_STEP) -> PushOutcome:
         """Load a checked payload without serving it; `commit` serves it. Staging the staged
@@ -177,7 +195,7 @@ class AdapterRegistry:
             if staged is None or (staged.version, staged.sha256) != (m.version, m.sha256):
                 handle = await self._load_new(m, payload)
                 self._drop_staged(m.name)
-                staged = self._staged[m.name] = _Staged(m.version, m.sha256, handle)
+                staged = self._staged[m.name] = _Staged(m.version, m.sha256, handle, m, payload)
             if staged.expiry is not None:
                 staged.expiry.cancel()
             staged.expiry = asyncio.get_running_loop().call_later(
@@ -224,18 +242,43 @@ class AdapterRegistry:
 
     def _make_servable(self, name: str, item: _Staged) -> PushOutcome:
         versions = self._versions.setdefault(name, [])
-        versions.append(_Version(item.version, item.sha256, item.handle))
+        versions.append(_Version(item.version, item.sha256, item.handle, item.manifest, item.payload))
         self._newest[name] = item.version
-        servable = [v for v in versions if v.servable]
-        for old in servable[: max(0, len(servable) - self.window)]:
-            old.servable = False
-            self._maybe_unload(name, old)
+        self._retire(name)
         staged = self._staged.get(name)
         if staged is not None and staged.version <= item.version:
             self._drop_staged(name)  # it can never be committed now: versions only increase
         for listener in self.on_servable:
             listener(name, item.version)
         return PushOutcome(name, item.version, False, self.loaded().get(name, []))
+
+    def _retire(self, name: str) -> None:
+        """Keep the `keep` newest versions servable (an older one outside the window only with
+        its bytes), the `window` newest loaded, and the kept bytes within `keep_bytes`."""
+        servable = [v for v in self._versions.get(name, []) if v.servable]
+        for age, v in enumerate(reversed(servable)):  # newest first
+            if age >= self.keep or (age >= self.window and v.payload is None):
+                v.servable, v.payload = False, None
+            self._maybe_unload(name, v)
+        held = sum(len(v.payload) for vs in self._versions.values() for v in vs if v.payload is not None)
+        for n, v in self._oldest_kept():
+            if held <= self.keep_bytes:
+                break
+            held -= len(v.payload or b"")
+            v.servable, v.payload = False, None
+            self._maybe_unload(n, v)
+
+    def _oldest_kept(self) -> list[tuple[str, _Version]]:
+        """Servable versions outside their window, oldest first: what `keep_bytes` lets go first."""
+        out = []
+        for name, versions in self._versions.items():
+            servable = [v for v in versions if v.servable]
+            out += [(name, v) for v in servable[: max(0, len(servable) - self.window)]]
+        return sorted(out, key=lambda item: item[1].version)
+
+    def _in_window(self, name: str, v: _Version) -> bool:
+        servable = [x for x in self._versions.get(name, []) if x.servable]
+        return v in servable[-self.window :]
 
     def _unstage(self, name: str) -> _Staged:
         item = self._staged.pop(name)
@@ -257,10 +300,33 @@ class AdapterRegistry:
         self._pending_unloads.add(task)
         task.add_done_callback(self._pending_unloads.discard)
 
-    def acquire(self, name: str, version: int) -> AdapterSelection:
-        """Resolve a request's adapter (version 0 = newest) and hold it until release."""
+    async def take(self, name: str, version: int) -> AdapterSelection:
+        """`acquire`, loading a kept version into the engine again first (under a fresh handle)."""
         if not name:
             return AdapterSelection()
+        chosen = self._choose(name, version)
+        if chosen.handle is None:
+            async with self._lock:  # pushes and other loads wait; the version cannot leave meanwhile
+                chosen = self._choose(name, version)
+                if chosen.handle is None and chosen.manifest is not None and chosen.payload is not None:
+                    chosen.handle = await self._load_new(chosen.manifest, chosen.payload)
+        return self.acquire(name, chosen.version)
+
+    def acquire(self, name: str, version: int) -> AdapterSelection:
+        """Resolve a request's loaded adapter (version 0 = newest) and hold it until release;
+        a kept version must be taken with `take`, which loads it."""
+        if not name:
+            return AdapterSelection()
+        chosen = self._choose(name, version)
+        if chosen.handle is None:
+            raise FailedPrecondition(
+                f"adapter {name!r} v{chosen.version} is kept but not loaded on this replica; take it (it loads it)",
+                reason=Reason.ADAPTER_VERSION_EVICTED,
+            )
+        chosen.leases += 1
+        return AdapterSelection(name, chosen.version, chosen.handle)
+
+    def _choose(self, name: str, version: int) -> _Version:
         versions = [v for v in self._versions.get(name, []) if v.servable]
         if not versions:
             known = ", ".join(sorted(self.loaded())) or "none"
@@ -276,8 +342,9 @@ class AdapterRegistry:
                 loaded = ", ".join(str(v.version) for v in versions)
                 if version < versions[0].version:
                     raise FailedPrecondition(
-                        f"adapter {name!r} v{version} has left this replica's window of the {self.window} newest "
-                        f"versions (loaded: {loaded}); request a loaded version or the latest",
+                        f"adapter {name!r} v{version} is older than the {self.keep} newest versions this replica keeps "
+                        f"(servable: {loaded}); request a newer version or the latest, or raise the replicas' "
+                        "adapter_keep",
                         reason=Reason.ADAPTER_VERSION_EVICTED,
                     )
                 raise NotFound(
@@ -285,8 +352,7 @@ class AdapterRegistry:
                     "it has not been pushed here yet",
                     reason=Reason.ADAPTER_VERSION_NOT_FOUND,
                 )
-        chosen.leases += 1
-        return AdapterSelection(name, chosen.version, chosen.handle)
+        return chosen
 
     def release(self, sel: AdapterSelection) -> None:
         """End a request's hold; unloads a retired version when its last request ends."""
@@ -321,10 +387,17 @@ class AdapterRegistry:
         }
 
     def _maybe_unload(self, name: str, v: _Version) -> None:
-        if v.servable or v.leases > 0:
+        """Once no request holds it: forget a version that is no longer servable; unload a kept
+        one that left the window (its bytes stay, to load it again)."""
+        if v.leases > 0:
             return
-        self._versions[name].remove(v)
-        self._unload_later(v.handle)
+        if not v.servable:
+            self._versions[name].remove(v)
+        elif v.handle is None or self._in_window(name, v):
+            return
+        if v.handle is not None:
+            self._unload_later(v.handle)
+            v.handle = None
 
     async def settle(self) -> None:
         """Wait for pending unloads (tests and shutdown)."""

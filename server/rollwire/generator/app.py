@@ -14,6 +14,7 @@ from rollwire.generator.engines.base import Engine
 from rollwire.generator.metrics import GeneratorMetrics
 from rollwire.generator.servicer import GeneratorServicer
 from rollwire.runtime.logs import get_logger
+from rollwire.runtime.members import member_token, read_member_key
 from rollwire.serving.scaffold import Running, listen, serve
 from rollwire.v1 import generator_pb2, generator_pb2_grpc
 
@@ -51,7 +52,12 @@ async def start_generator(config: GeneratorConfig) -> RunningGenerator:
     config_only = not ENGINES.entry(config.engine).traits.get("runs_model", True)  # may serve config.json alone
     fingerprint = await asyncio.to_thread(model_fingerprint, config.model, config_only=config_only)
     registry = AdapterRegistry(
-        engine.load_adapter, engine.unload_adapter, config.adapter_window, config.limits.stage_timeout_s
+        engine.load_adapter,
+        engine.unload_adapter,
+        config.adapter_window,
+        config.limits.stage_timeout_s,
+        keep=config.adapter_keep,
+        keep_bytes=config.adapter_keep_bytes,
     )
     endpoint = listen("generator", config, metrics.registry)
     replica = config.replica_id or f"{config.host}:{endpoint.port}"
@@ -66,6 +72,11 @@ async def start_generator(config: GeneratorConfig) -> RunningGenerator:
         auth=endpoint.auth,
         port=endpoint.port,
     )
+    key = read_member_key(config.auth.member_key_file, "auth.member_key_file")
+    if key is not None and endpoint.auth is not None:  # its proxy's credential, for this address only
+        advertised = config.registration.advertise or f"{config.host}:{endpoint.port}"
+        endpoint.auth.accept_member(member_token(key, advertised))
+        servicer.member = (key, advertised)
     generator_pb2_grpc.add_GeneratorServiceServicer_to_server(servicer, endpoint.server)
     await endpoint.start([SERVICE], config.host, config.tls)
     for name in ("", SERVICE):

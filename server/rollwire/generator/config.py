@@ -83,7 +83,14 @@ class GeneratorConfig(ServerConfig):
     replica_id: str = Field(default="")
     """Name in logs and status; defaults to host:port."""
     adapter_window: int = Field(default=3, ge=1)
-    """Newest versions of each adapter kept loaded."""
+    """Newest versions of each adapter kept loaded in the engine (a cache of the adapter_keep newest)."""
+    adapter_keep: int = Field(default=8, ge=1)
+    """Newest versions of each adapter a caller may name (taken as at least adapter_window): those outside the window
+    are kept as their verified bytes and loaded again when a request names them. It is what the proxy's HTTP door
+    reports as vLLM's max_loras, so the default covers TRL's max_staleness + 2 (6 at TRL's defaults)."""
+    adapter_keep_bytes: int = Field(default=2 << 30, ge=0)
+    """Bytes of adapter payloads kept in memory to load versions again, over all names; beyond it the oldest versions
+    outside their window stop being servable first."""
     stream_interval: int = Field(default=1, ge=1, le=4096)
     """New tokens of a sample gathered before they are sent (a sample's end is always sent at once); 1 streams
     every token as it is made. Larger values cut the per-message cost of gRPC, the proxy and the caller when the

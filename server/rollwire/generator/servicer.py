@@ -40,6 +40,7 @@ from rollwire.generator.types import (
     worth_sending,
 )
 from rollwire.runtime.logs import get_logger, request_id_from
+from rollwire.runtime.members import CHALLENGE_KEY, PROOF_KEY, member_proof
 from rollwire.runtime.security import TokenAuth, caller_identity
 from rollwire.serving import __version__
 from rollwire.serving.sessions import SessionStore, Turn, check_turn
@@ -81,6 +82,9 @@ class GeneratorServicer(generator_pb2_grpc.GeneratorServiceServicer):
             config, registry, metrics, fingerprint=fingerprint, base_shapes=base_shapes, auth=auth, port=port
         )
         """PushAdapter and CommitAdapter: the push package's intake on this replica."""
+        self.member: tuple[bytes, str] | None = None
+        """(fleet key, advertised address) when auth.member_key_file is set: GetStatus answers a
+        proxy's challenge with a proof for that address (runtime/members.py)."""
         self.sessions = SessionStore(config.sessions, metrics.sessions)
         """Histories of the sessions whose turns are sent to this replica directly (not through a proxy)."""
 
@@ -98,7 +102,7 @@ class GeneratorServicer(generator_pb2_grpc.GeneratorServiceServicer):
             turn = self._begin_turn(request, group, context)
             self._check(group, turn)
             self._admit()
-            selection = self.registry.acquire(request.adapter.name, request.adapter.version)
+            selection = await self.registry.take(request.adapter.name, request.adapter.version)
             group.adapter = selection
             if group.follow:
                 self._following.setdefault(selection.name, {})[id(group)] = group
@@ -410,6 +414,10 @@ class GeneratorServicer(generator_pb2_grpc.GeneratorServiceServicer):
 
     # -- GetStatus ---------------------------------------------------------------------
     async def GetStatus(self, request: pb.GetStatusRequest, context) -> pb.GetStatusResponse:
+        nonce = next((str(v) for k, v in context.invocation_metadata() or () if k == CHALLENGE_KEY), "")
+        if nonce and self.member is not None:  # a proxy checks who listens at the address it was given
+            key, address = self.member
+            await context.send_initial_metadata(((PROOF_KEY, member_proof(key, address, nonce[:128])),))
         return self.status()
 
     def status(self) -> pb.GetStatusResponse:
@@ -433,6 +441,7 @@ class GeneratorServicer(generator_pb2_grpc.GeneratorServiceServicer):
                 max_prompt_tokens=lim.max_prompt_tokens,
                 max_adapter_bytes=lim.max_adapter_bytes,
                 adapter_window=self.config.adapter_window,
+                adapter_keep=max(self.config.adapter_keep, self.config.adapter_window),
                 max_context=min(self.engine.max_context, (1 << 32) - 1),
             ),
             server_version=__version__,

@@ -83,8 +83,9 @@ class SpoolSection(PushLimits):
     """Folder of spooled adapters, reloaded at start; empty = a private folder removed at exit."""
     max_bytes: int = Field(default=4096 * MiB, ge=1)
     """Bytes the spool may hold; older versions are evicted first."""
-    keep_versions: int = Field(default=3, ge=1)
-    """Newest versions of each adapter kept for catch-up (set it to the replicas' adapter_window)."""
+    keep_versions: int = Field(default=8, ge=1)
+    """Newest versions of each adapter kept for catch-up (set it to the replicas' adapter_keep, the versions a caller
+    may name)."""
     upload_idle_timeout_s: float = push_idle_field()
 
 

@@ -61,7 +61,8 @@ class ServedSection(Section):
     """Largest LoRA rank the server reserves memory for (its --max-lora-rank); pushes of a larger r are refused."""
     max_loaded_adapters: int = Field(default=0, ge=0)
     """Adapter versions the server holds at once (SGLang's --max-loaded-loras, vLLM's --max-loras); 0 =
-    adapter_window + 1 (the window plus one for the swap)."""
+    adapter_window + 1 (the window plus one for the swap, which an older kept version a request names also uses; when
+    both are taken such a request is refused as busy and retried elsewhere)."""
     api_key_file: str = Field(default="")
     """File holding the server's API key (its --api-key: SGLang's generate endpoints; vLLM's every endpoint, passed to
     a launched vLLM as VLLM_API_KEY)."""

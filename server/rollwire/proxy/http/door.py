@@ -123,7 +123,7 @@ class Door:
         status = self.servicer.status()
         engines = set(status.engine.split(",")) - {""}
         dtype = "float32" if engines <= {"transformers"} else self.config.http.dtype
-        window = status.limits.adapter_window
+        window = status.limits.adapter_keep or status.limits.adapter_window  # versions a caller may name
         return {
             "vllm_config": {
                 "model_config": {
