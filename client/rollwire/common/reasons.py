@@ -87,6 +87,8 @@ class Reason(StrEnum):
     """FAILED_PRECONDITION; do not retry: That version is held with another digest; versions are immutable."""
     BASE_MODEL_MISMATCH = "BASE_MODEL_MISMATCH"
     """FAILED_PRECONDITION; do not retry: The adapter was trained on another base model than the one served."""
+    BASE_MODEL_UNKNOWN = "BASE_MODEL_UNKNOWN"
+    """FAILED_PRECONDITION; do not retry: The proxy knows no fleet base model yet: set `base_model` in its config."""
     BAD_LORA_CONFIG = "BAD_LORA_CONFIG"
     """INVALID_ARGUMENT; do not retry: `lora_config` is out of bounds (r, alpha, modules)."""
     BAD_DIGEST = "BAD_DIGEST"

@@ -58,12 +58,13 @@ def resolve(request: pb.GenerateRequest, replicas: ReplicaSet) -> Need:
     so every attempt of the group, on whichever replica, uses the same version. A request
     that follows the newest version is never pinned: each attempt goes to a replica holding
     the newest version known now, and starts there on its newest (a restarted group starts
-    on the newest version)."""
+    on the newest version). A version the fleet is being given (a load answered at "spooled",
+    a catch-up) is waited for: never served by another version."""
     name = request.adapter.name
     if not name:
         return Need()
-    version = request.adapter.version or replicas.latest(name)
-    if version and any(r.holds(name, version) for r in replicas.routable()):
+    version = request.adapter.version or max(replicas.latest(name), replicas.promised(name))
+    if version and (any(r.holds(name, version) for r in replicas.routable()) or replicas.coming(name, version)):
         if not request.adapter.follow:
             request.adapter.version = version
         return Need(name, version)

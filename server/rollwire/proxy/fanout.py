@@ -117,6 +117,8 @@ class _Publication:
     base_shapes: dict[str, tuple[int, int]]
     outcomes: dict[str, _Outcome] = field(default_factory=dict)
     started: float = field(default_factory=time.monotonic)
+    answered: bool = False
+    """The caller was answered once the version was spooled: the spool copy stays whatever the replicas say."""
 
 
 class FanOut:
@@ -129,12 +131,19 @@ class FanOut:
         self._tasks: set[asyncio.Task] = set()
         self._suspect: dict[str, float] = {}  # address -> when its own relay hop last failed
         self._credentials = relay_credentials(config.upstream)
+        self.failed_after_answer: dict[str, str] = {}
+        """Per name: why the last publication answered at "spooled" reached no replica (until the next load says so)."""
 
     # -- receiving (the client's call) ----------------------------------------------------
-    async def push(self, messages: AsyncIterator[pb.PushAdapterRequest], request_id: str) -> pb.PushAdapterResponse:
+    async def push(
+        self, messages: AsyncIterator[pb.PushAdapterRequest], request_id: str, answer: str = "committed"
+    ) -> pb.PushAdapterResponse:
         """Receive a client's upload, relaying it as it arrives, then publish it. Until the
         upload is complete every exit (a refusal, the client's cancellation) cancels the relay
-        and leaves nothing behind; after that the publication runs to its end."""
+        and leaves nothing behind; after that the publication runs to its end. `answer`
+        "spooled": return once the version is durable in the spool (a reply with no replica
+        results) while the relay and commit go on; a failure after that keeps the spool copy
+        for catch-up and is counted, logged and told to the next load of the name."""
         reader = PushReader(messages, self.config.spool.upload_idle_timeout_s, "proxy", keep_chunks=True)
         upload: Upload | None = None
         lock: asyncio.Lock | None = None
@@ -171,9 +180,19 @@ class FanOut:
             if lock is not None:
                 lock.release()
             raise
-        task = asyncio.create_task(self._publish(pub, upload, payload, gate.held, forward, lock))
+        spooled: asyncio.Future[SpooledAdapter] = asyncio.get_running_loop().create_future()
+        task = asyncio.create_task(self._publish(pub, upload, payload, gate.held, forward, lock, spooled))
         self._tasks.add(task)
         task.add_done_callback(self._finished)
+        if answer == "spooled":
+            await asyncio.wait({spooled, task}, return_when=asyncio.FIRST_COMPLETED)  # neither is cancelled by ours
+            if not task.done() and spooled.done():  # set before _settle can run: the commit round is still ahead
+                pub.answered = True
+                key = (pub.manifest.name, pub.manifest.version)
+                self.replicas.answered.add(key)
+                self.metrics.publications_pending.inc()
+                task.add_done_callback(lambda _: self._answered_ended(key))
+                return pb.PushAdapterResponse(name=pub.manifest.name, version=pub.manifest.version)
         return await asyncio.shield(task)
 
     def _start(self, manifest: pb.AdapterManifest, base_shapes, request_id: str) -> _Publication:
@@ -323,6 +342,7 @@ class FanOut:
         held: bytes | None,
         forward: Forwarder | StripedForwarder | None,
         lock: asyncio.Lock,
+        spooled: asyncio.Future[SpooledAdapter],
     ) -> pb.PushAdapterResponse:
         try:
             forward = forward or self._relay(pub, striped=True)
@@ -336,6 +356,7 @@ class FanOut:
                     await asyncio.to_thread(self.spool.sync, upload)
                     adapter, created = self.spool.commit(upload)  # consumes the upload on every exit
                     self.replicas.base.adopt(pub.manifest.base_model_fingerprint)
+                    spooled.set_result(adapter)  # requests naming it now wait for a replica (ReplicaSet.coming)
                 except BaseException as exc:
                     forward.abort(f"the proxy could not spool the payload: {exc}"[:300])
                     upload.discard()
@@ -379,6 +400,7 @@ class FanOut:
         timeout = self.config.push.commit_timeout_s
         ready = [o.replica for o in pub.outcomes.values() if o.ok]
         committed = await asyncio.gather(*(r.commit(pub.manifest, timeout, pub.request_id) for r in ready))
+        self.replicas.on_change()  # requests waiting for this version may go now
         by_address = {r.replica.address: r for r in committed}
         results = []
         for address in sorted(pub.outcomes):
@@ -416,14 +438,16 @@ class FanOut:
             if not r.ok and pub.outcomes[r.replica.address].direct and not pub.outcomes[r.replica.address].ok
         ]
         if not accepted:
-            if not created:  # an older spooled copy: maybe one no replica accepts (quarantined then)
+            if not created or pub.answered:  # a spooled copy stays: maybe one no replica accepts (quarantined then)
                 for result in verdicts:
                     self.replicas.catch_up.note_refusal(
                         result.replica, adapter, result.code, result.reason, result.message
                     )
-            if created:
-                self.spool.discard(adapter)
             own = [r for r in results if r.reason not in (Reason.RELAY_NOT_REACHED, Reason.RELAY_ABORTED)]
+            if pub.answered:
+                self._failed_after_answer(adapter, results, (own or results)[0])
+            elif created:
+                self.spool.discard(adapter)
             raise (own or results)[0].refusal(self.config.routing.retry_after_s)
         for result in verdicts:
             self.replicas.catch_up.note_refusal(result.replica, adapter, result.code, result.reason, result.message)
@@ -436,6 +460,21 @@ class FanOut:
         reply = self._reply(adapter, results, list(pub.targets))
         reply.peers.extend(peers)
         return reply
+
+    def _answered_ended(self, key: tuple[str, int]) -> None:
+        self.replicas.answered.discard(key)
+        self.metrics.publications_pending.dec()
+
+    def _failed_after_answer(self, adapter: SpooledAdapter, results: list[ReplicaCall], first: ReplicaCall) -> None:
+        """A publication the caller was told is spooled reached no replica: it stays spooled,
+        every target is caught up from the spool (or refuses it, and it is quarantined), and
+        the failure is counted, logged and told to the next load of the name."""
+        why = f"no replica committed {adapter.name!r} v{adapter.version} ({first.code.name}: {first.message[:200]})"
+        self.failed_after_answer[adapter.name] = why
+        self.metrics.publications_failed_after_answer.inc()
+        log.error("adapter_publish_failed_after_answer", adapter=adapter.name, version=adapter.version, why=why)
+        for result in results:
+            self.replicas.mark_unsynced(result.replica, why)
 
     def _reply(self, adapter: SpooledAdapter, results: list[ReplicaCall], pushed: list[str]) -> pb.PushAdapterResponse:
         accepted = [r.reply for r in results if r.ok and r.reply is not None]

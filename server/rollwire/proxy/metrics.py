@@ -207,6 +207,15 @@ class ProxyMetrics:
             "peer_pushes_total",
             "Adapter versions sent to each peer proxy's spool (replication and catch-up), by code.",
             ["peer", "code"],
+        self.publications_pending = make.gauge(
+            "publications_pending",
+            'Publications answered at "spooled" (the HTTP door\'s loads) whose relay and commit still run.',
+        )
+        self.publications_failed_after_answer = counter(
+            "publications_failed_after_answer_total",
+            'Publications answered at "spooled" that no replica committed: the version stays spooled and catch-up '
+            "brings it to the replicas.",
+        )
         )
         self.peer_synced = gauge(
             "peer_synced", "1 when the peer proxy is known to hold every version this proxy spools.", ["peer"]

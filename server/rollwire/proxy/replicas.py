@@ -72,6 +72,8 @@ class ReplicaSet:
         self.base = BaseModel(config.base_model, spool)
         spool.max_version_step = config.spool.max_version_step
         self.publishing: set[tuple[str, int]] = set()
+        self.answered: set[tuple[str, int]] = set()
+        """(name, version) of publications whose caller was answered at "spooled" and that still run."""
         """(name, version) a publication (fanout.py) is delivering now, spooled but still on its
         way to the replicas: catch-up leaves it to that publication, and a replica that lacks it
         yet is not behind. A second copy pushed over the same links would halve both (a thin
@@ -183,6 +185,18 @@ class ReplicaSet:
     def latest(self, name: str) -> int:
         """Newest version of `name` confirmed on at least one routable replica (0: none)."""
         return max((r.newest(name) for r in self.routable()), default=0)
+
+    def promised(self, name: str) -> int:
+        """The newest version of `name` a caller was told is loaded while its publication still
+        runs (a load answered at "spooled"); 0: none. "latest" resolves to it, waiting for it."""
+        return max((v for n, v in self.answered if n == name), default=0)
+
+    def coming(self, name: str, version: int) -> bool:
+        """Is the fleet being given this version: published now, or spooled and newer than any
+        routable replica serves (catch-up brings it)? A request naming it waits for a replica."""
+        if (name, version) in self.publishing:
+            return True
+        return version > self.latest(name) and self.spool.get(name, version) is not None
 
     def describe(self) -> str:
         """Each replica's state in a few words, for error sentences."""

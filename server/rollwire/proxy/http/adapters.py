@@ -4,7 +4,9 @@ Invariants:
 - a load publishes through FanOut.push, exactly as a gRPC PushAdapter to the proxy does:
   the manifest and bytes are checked, spooled, relayed to every replica, healed, caught up
   by late joiners and shared with peer proxies; the load answers once the version is
-  committed (or with the refusal the push met);
+  durable in the spool (`http.load_answer = "spooled"`, the default: the relay and commit
+  finish behind the answer, and a request naming the version waits for a replica that
+  serves it) or once it is committed (`"committed"`), or with the refusal the push met;
 - `lora_path` is read only inside `http.adapter_root`, after resolving symlinks and `..`;
   anything else is refused (403) before the file system is asked whether it exists;
 - bytes are bounded before they are read: adapter_config.json by MAX_CONFIG_BYTES, the
@@ -28,7 +30,8 @@ from typing import Any
 
 import grpc
 
-from rollwire.common.errors import InvalidArgument, PermissionDenied, Unavailable
+from rollwire.common.errors import FailedPrecondition, InvalidArgument, PermissionDenied
+from rollwire.common.fingerprint import model_fingerprint
 from rollwire.common.lora import LoraShape
 from rollwire.common.manifest import check_name
 from rollwire.common.reasons import Reason
@@ -50,6 +53,7 @@ class AdapterDoor:
         self.state, self.max_bytes = state, max_adapter_bytes
         self.root = Path(adapter_root).resolve() if adapter_root else None
         self.hidden: set[tuple[str, int]] = set()
+        self._folder_fingerprint = ""
         self._next_version = defaultdict(asyncio.Lock)
         """Per name: a load under a plain name picks the next version and publishes it under this lock."""
 
@@ -88,6 +92,7 @@ class AdapterDoor:
         except HeaderError as exc:
             raise _bad_folder(f"{WEIGHTS_FILE} is not a valid safetensors file: {exc}") from None
         sha256 = await asyncio.to_thread(lambda: hashlib.sha256(payload).hexdigest())
+        await self._model_folder_fingerprint()
         if ref.version:
             return await self._push(ref.name, ref.version, lora, payload, sha256, rid)
         async with self._next_version[ref.name]:
@@ -105,7 +110,9 @@ class AdapterDoor:
             byte_length=len(payload),
             sha256=sha256,
         )
-        reply = await self.state.fanout.push(_aiter(messages(manifest, payload, MAX_CHUNK)), rid)
+        fanout, answer = self.state.fanout, self.state.config.http.load_answer
+        earlier = fanout.failed_after_answer.pop(name, "")
+        reply = await fanout.push(_aiter(messages(manifest, payload, MAX_CHUNK)), rid, answer=answer)
         self.hidden.discard((name, version))
         return {
             "object": "lora_adapter",
@@ -113,24 +120,33 @@ class AdapterDoor:
             "name": name,
             "version": version,
             "sha256": sha256,
+            "state": "committed" if reply.replicas else "spooled",
             "already_loaded": reply.already_loaded,
             "replicas": [{"replica": r.replica, "code": r.code, "message": r.message} for r in reply.replicas],
         }
+        return out | ({"earlier_failure": earlier} if earlier else {})
+
+    async def _model_folder_fingerprint(self) -> str:
+        """The fingerprint of `http.model_path`, the base model's folder the operator gave the
+        door (computed once, off the event loop); empty without one."""
+        folder = self.state.config.http.model_path
+        if folder and not self._folder_fingerprint:
+            self._folder_fingerprint = await asyncio.to_thread(model_fingerprint, folder)
+        return self._folder_fingerprint
 
     def _fleet_model(self) -> str:
         """The base model a PEFT folder (which names none we can trust) is pushed for: the
-        fleet's own (basemodel.py), or the one every healthy replica serves."""
-        replicas = self.state.replicas
-        if replicas.base.fingerprint:
-            return replicas.base.fingerprint
-        serving = {r.fingerprint for r in replicas.healthy() if r.fingerprint}
-        if len(serving) == 1:
-            return serving.pop()
-        raise Unavailable(
-            f"the replicas do not agree on one base model yet ({replicas.describe()}); nothing was applied, retry "
-            "when they do (or declare base_model in the proxy's config)",
-            reason=Reason.NO_REPLICA,
-            retry_after_s=self.state.config.routing.retry_after_s,
+        fleet's own (basemodel.py: declared, or agreed by the spool), else the one of the model
+        folder the operator gave the door (http.model_path); never one a member reports."""
+        fingerprint = self.state.replicas.base.fingerprint or self._folder_fingerprint
+        if fingerprint:
+            return fingerprint
+        raise FailedPrecondition(
+            "this proxy does not know its fleet's base model yet (nothing declared, nothing spooled), and never takes "
+            "it from a replica; set base_model in the proxy's config to the fingerprint the replicas serve "
+            "(`rollwire status` shows it) or http.model_path to the base model's folder, or push a first version over "
+            "gRPC; nothing was applied",
+            reason=Reason.BASE_MODEL_UNKNOWN,
         )
 
     def _newest(self, name: str) -> int:

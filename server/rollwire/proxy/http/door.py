@@ -100,17 +100,17 @@ class Door:
                 "max_model_len": max_len,
             }
         ]
-        for adapter in status.adapters:
-            for version in adapter.versions:
-                if (adapter.name, version) in self.adapters.hidden:
-                    continue
+        served = {(a.name, v) for a in status.adapters for v in a.versions}
+        promised = self.adapters.state.replicas.answered  # loads answered at "spooled": served once committed
+        for name, version in sorted(served | promised):
+            if (name, version) not in self.adapters.hidden:
                 data.append(
                     {
-                        "id": model_id(adapter.name, version),
+                        "id": model_id(name, version),
                         "object": "model",
                         "created": created,
                         "owned_by": "rollwire",
-                        "root": model_id(adapter.name, version),
+                        "root": model_id(name, version),
                         "parent": self.base_id,
                         "max_model_len": max_len,
                     }
@@ -122,6 +122,22 @@ class Door:
         replica, so to the caller the fleet is one data-parallel rank."""
         status = self.servicer.status()
         engines = set(status.engine.split(",")) - {""}
+    def model(self, model: str) -> dict[str, Any]:
+        """GET /v1/models/{id}: the entry /v1/models lists under that id (the base also under
+        its path); 404 in vLLM's words otherwise."""
+        data = self.models()["data"]
+        if model in self.base_names:
+            return data[0]
+        entry = next((m for m in data if m["id"] == model), None)
+        if entry is None:
+            raise HttpError(
+                grpc.StatusCode.NOT_FOUND,
+                f"The model `{model[:256]}` does not exist (GET /v1/models lists the models served)",
+                reason=Reason.ADAPTER_NOT_FOUND,
+                param="model",
+            )
+        return entry
+
         dtype = "float32" if engines <= {"transformers"} else self.config.http.dtype
         window = status.limits.adapter_keep or status.limits.adapter_window  # versions a caller may name
         return {

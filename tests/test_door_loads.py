@@ -1,0 +1,188 @@
+"""Loads through the HTTP door as TRL's loop needs them (issue 31; docs/http.md "Loads").
+
+- a load answers once the version is durable in the spool (`http.load_answer = "spooled"`),
+  while a replica has not committed it; a request naming it right after the answer waits and
+  is served by that version only (per-token versions, logprobs against a PEFT forward);
+- a replica that missed the relay after the answer is reported (metrics) and healed (catch-up);
+- a proxy killed right after the answer, restarted on its spool, serves the version;
+- a version that left a replica's window (adapter_window 1) but not its adapter_keep is served,
+  with logprobs within 1e-4 of a teacher-forced forward under that version; one beyond it is
+  refused with a sentence naming adapter_keep; /server_info's max_loras is adapter_keep.
+
+A replica is held mid-publication with SIGSTOP (a peer that vanishes without closing its
+socket), so "not yet committed when the answer came" is a fact of the test, not a race.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+from pathlib import Path
+
+import pytest
+import requests
+from support.engines import forward_logprobs
+from support.peft_folders import peft_folder
+from support.processes import FAST_STOP, start_generators, start_proxy, stop_all, wait_routable, wait_until
+from support.wire import generate, metric_value, peft_reference, status
+
+pytestmark = pytest.mark.integration
+
+PROMPT = [5, 17, 33, 40, 12]
+
+
+@pytest.fixture(scope="module")
+def fleet(tiny_model, tmp_path_factory):
+    """Two replicas with a window of 1 and 4 versions kept, and a proxy with the door and a
+    durable spool (this module stops and kills them: it shares them with nobody)."""
+    work = tmp_path_factory.mktemp("door-loads")
+    root = work / "adapters"
+    root.mkdir()
+    gens = start_generators(
+        tiny_model, work, ["dl1", "dl2"], "--set", "adapter_window=1", "--set", "adapter_keep=4", *FAST_STOP
+    )
+    args = (
+        "--http-port",
+        "0",
+        "--http-model",
+        str(tiny_model),
+        "--http-adapter-root",
+        str(root),
+        "--set",
+        f"spool.dir={work / 'spool'}",
+        "--set",
+        "push.stall_timeout_s=3",
+        "--set",
+        "health.push_timeout_s=20",
+    )
+    state = {"gens": gens, "root": root, "work": work, "args": args, "model": tiny_model}
+    state["proxy"] = start_proxy(work, "dl", gens, *args)
+    try:
+        wait_routable(state["proxy"], gens)
+        yield state
+    finally:
+        for g in gens:
+            os.kill(g.proc.pid, signal.SIGCONT)
+        stop_all([state["proxy"], *gens])
+
+
+def load(fleet, name: str, seed: int):
+    adapter = peft_folder(fleet["model"], fleet["root"] / name, seed)
+    body = json.dumps({"lora_name": name, "lora_path": str(fleet["root"] / name)})
+    reply = requests.post(
+        fleet["proxy"].http_url + "/v1/load_lora_adapter",
+        data=body,
+        headers={"Content-Type": "application/json"},
+        timeout=60,
+    )
+    assert reply.status_code == 200, reply.text
+    return adapter, reply.json()
+
+
+def completion(fleet, model: str, **extra) -> requests.Response:
+    body = {"model": model, "prompt": PROMPT, "max_tokens": 6, "return_token_ids": True, "logprobs": 0} | extra
+    return requests.post(fleet["proxy"].http_url + "/v1/completions", json=body, timeout=60)
+
+
+def versions_of(replica, name: str) -> list[int]:
+    return next((list(a.versions) for a in status(replica.target).adapters if a.name == name), [])
+
+
+def check_served_by(fleet, adapter, name: str, version: int) -> None:
+    """A request naming the version, by either door, is served by it and no other."""
+    reference = peft_reference(fleet["model"], adapter)
+    choice = completion(fleet, f"{name}-v{version}", seed=11).json()["choices"][0]
+    assert choice["adapter_version"] == version
+    expected = forward_logprobs(reference, PROMPT, choice["token_ids"]).tolist()
+    assert choice["logprobs"]["token_logprobs"] == pytest.approx(expected, abs=1e-4)
+    group = generate(fleet["proxy"].target, PROMPT, n=2, adapter=(name, version), max_new_tokens=6, temperature=1.0)
+    assert all(v == {version} for v in group.versions.values())  # every token of every sample
+    for i, tokens in group.tokens.items():
+        assert group.logprobs[i] == pytest.approx(forward_logprobs(reference, PROMPT, tokens).tolist(), abs=1e-4)
+
+
+def test_a_load_answers_once_spooled_and_its_version_is_waited_for(fleet):
+    held, other = fleet["gens"]
+    os.kill(other.proc.pid, signal.SIGSTOP)  # it will not stage: the commit round waits for it
+    try:
+        adapter, answer = load(fleet, "pol-v1", seed=1)
+        assert answer["state"] == "spooled" and answer["replicas"] == []
+        assert versions_of(held, "pol") == []  # no replica had committed it when the answer came
+        assert "pol-v1" in [
+            m["id"] for m in requests.get(fleet["proxy"].http_url + "/v1/models", timeout=10).json()["data"]
+        ]
+        check_served_by(fleet, adapter, "pol", 1)  # waits for the commit, which follows the stalled replica's timeout
+    finally:
+        os.kill(other.proc.pid, signal.SIGCONT)
+    metrics = fleet["proxy"].metrics()
+    assert metric_value(metrics, "rollwire_proxy_replica_pushes_total", f'code="OK",replica="{held.target}"') >= 1
+    failed = [
+        line
+        for line in metrics.splitlines()
+        if line.startswith("rollwire_proxy_replica_pushes_total") and other.target in line and 'code="OK"' not in line
+    ]
+    assert any(float(line.rsplit(" ", 1)[1]) >= 1 for line in failed), failed  # the miss is reported
+    wait_until(lambda: versions_of(other, "pol") == [1], 60, "catch-up heals the replica that missed v1")
+    assert (
+        metric_value(fleet["proxy"].metrics(), "rollwire_proxy_catchup_pushes_total", f'replica="{other.target}"') >= 1
+    )
+
+
+def test_a_proxy_killed_after_the_answer_still_serves_the_version(fleet):
+    gens = fleet["gens"]
+    os.kill(gens[1].proc.pid, signal.SIGSTOP)
+    try:
+        adapter, answer = load(fleet, "pol-v2", seed=2)
+        assert answer["state"] == "spooled"
+        fleet["proxy"].kill()  # before any commit: the stopped replica holds the round
+    finally:
+        os.kill(gens[1].proc.pid, signal.SIGCONT)
+    fleet["proxy"] = start_proxy(fleet["work"], "dl-again", gens, *fleet["args"])
+    wait_routable(fleet["proxy"], gens, timeout=60)
+    check_served_by(fleet, adapter, "pol", 2)
+    wait_until(lambda: all(2 in versions_of(g, "pol") for g in gens), 60, "every replica serves pol v2")
+
+
+def test_a_version_outside_the_window_is_served_and_one_beyond_keep_is_refused(fleet):
+    info = requests.get(fleet["proxy"].http_url + "/server_info", timeout=10).json()
+    assert info["vllm_config"]["lora_config"]["max_loras"] == 4  # adapter_keep, what a caller may name
+    first, _ = load(fleet, "old-v1", seed=5)
+    for v in (2, 3):
+        load(fleet, f"old-v{v}", seed=5 + v)
+    for g in fleet["gens"]:
+        wait_until(lambda g=g: versions_of(g, "old") == [1, 2, 3], 60, f"{g.name} serves old v1-v3")
+    check_served_by(fleet, first, "old", 1)  # v1 left the window of 1: loaded again from its kept bytes
+    for v in (4, 5):
+        load(fleet, f"old-v{v}", seed=5 + v)
+    for g in fleet["gens"]:
+        wait_until(lambda g=g: versions_of(g, "old") == [2, 3, 4, 5], 60, f"{g.name} lets old v1 go")
+    gone = completion(fleet, "old-v1")
+    assert gone.status_code == 400, gone.text
+    assert "adapter_keep" in gone.json()["error"]["message"]
+
+
+def test_the_answer_at_committed_is_kept_for_who_wants_it(tiny_model, fleet, tmp_path: Path):
+    """`http.load_answer = "committed"`: today's behaviour, every healthy replica holds it."""
+    proxy = start_proxy(
+        fleet["work"],
+        "dl-committed",
+        fleet["gens"],
+        *fleet["args"][:6],
+        "--set",
+        "http.load_answer=committed",
+        "--set",
+        f"spool.dir={tmp_path / 'spool'}",
+    )
+    try:
+        wait_routable(proxy, fleet["gens"])
+        peft_folder(tiny_model, fleet["root"] / "com-v1", seed=21)
+        reply = requests.post(
+            proxy.http_url + "/v1/load_lora_adapter",
+            json={"lora_name": "com-v1", "lora_path": str(fleet["root"] / "com-v1")},
+            timeout=60,
+        ).json()
+        assert reply["state"] == "committed" and {r["code"] for r in reply["replicas"]} == {"OK"}
+        assert all(versions_of(g, "com") == [1] for g in fleet["gens"])
+    finally:
+        stop_all([proxy])
