@@ -252,9 +252,10 @@ def test_the_shipped_configs_relay_a_push_between_replicas_over_tls(tmp_path, ti
     """The generator and proxy ConfigMaps as shipped (TLS on every port, tokens of every role),
     their /etc/rollwire files stood in by a local CA and the Secret's keys: a push through the
     proxy, reached as the learner's ConfigMap reaches it, is relayed from replica to replica,
-    and no replica has to be healed."""
+    and no replica has to be healed; a second proxy, peered as the shipped config peers them (the
+    `peer` token both ways), has the version in its spool before the push returns."""
     import grpc
-    from support.processes import GENERATOR_ARGS, start_service, stop_all, wait_until
+    from support.processes import GENERATOR_ARGS, Service, start_service, stop_all, wait_until
     from support.wire import make_adapter
 
     from rollwire.common import writer
@@ -274,12 +275,13 @@ def test_the_shipped_configs_relay_a_push_between_replicas_over_tls(tmp_path, ti
     maps = by_kind("ConfigMap")
     for name in ("generator", "proxy", "learner"):
         text = maps[f"rollwire-{name}-config"]["data"][f"{name}.toml"].replace("/etc/rollwire/", f"{root}/")
-        # no cluster DNS here: the proxy is given the replicas by address, and no peer
+        # no cluster DNS here: the proxy is given the replicas by address, and its peer (below)
         text = "\n".join(line for line in text.splitlines() if not line.startswith(("discover =", "peers =")))
         (tmp_path / f"{name}.toml").write_text(text)
+    proxy_toml = (tmp_path / "proxy.toml").read_text()
     learner = load_config(LearnerConfig, tmp_path / "learner.toml")
     local = ["--set", "host=127.0.0.1", "--set", "tls.health_port=0", "--set", "grace_seconds=1"]
-    generators, proxy = [], None
+    generators, proxy, peer = [], None, None
     try:
         for name in ("k8s-a", "k8s-b"):
             generators.append(
@@ -294,16 +296,23 @@ def test_the_shipped_configs_relay_a_push_between_replicas_over_tls(tmp_path, ti
                     plaintext=False,
                 )
             )
-        proxy = start_service(
-            [
-                *("proxy", "--config", str(tmp_path / "proxy.toml"), "--port", "0", "--metrics-port", "0", *local),
-                *("--set", f"spool.dir={tmp_path / 'spool'}", "--set", "health.interval_s=0.2"),
-                *("--proxy-id", "k8s-proxy", *(x for g in generators for x in ("--generator", g.target))),
-            ],
-            tmp_path,
-            "k8s-proxy",
-            plaintext=False,
-        )
+        members = [x for g in generators for x in ("--generator", g.target)]
+
+        def start_proxy(name: str, config: str) -> Service:
+            return start_service(
+                [
+                    *("proxy", "--config", config, "--port", "0", "--metrics-port", "0", *local),
+                    *("--set", f"spool.dir={tmp_path / name}", "--set", "health.interval_s=0.2"),
+                    *("--proxy-id", name, *members),
+                ],
+                tmp_path,
+                name,
+                plaintext=False,
+            )
+
+        peer = start_proxy("k8s-peer", str(tmp_path / "proxy.toml"))
+        (tmp_path / "peered.toml").write_text(f'peers = ["{peer.target}"]\n' + proxy_toml)
+        proxy = start_proxy("k8s-proxy", str(tmp_path / "peered.toml"))
         credentials = grpc.ssl_channel_credentials(Path(learner.client.ca_file).read_bytes())
         options = [("grpc.ssl_target_name_override", learner.client.server_name)]
         metadata = (("authorization", f"Bearer {admin}"),)
@@ -321,6 +330,8 @@ def test_the_shipped_configs_relay_a_push_between_replicas_over_tls(tmp_path, ti
             messages = writer.messages(adapter.manifest("shipped", 1, fp), adapter.payload)
             reply = stub.PushAdapter(messages, timeout=120, metadata=metadata)
         assert sorted((r.replica, r.code) for r in reply.replicas) == [("k8s-a", "OK"), ("k8s-b", "OK")], reply
+        assert [(p.address, p.code) for p in reply.peers] == [(peer.target, "OK")], reply  # the peer role, shipped
+        assert [f.name for f in (tmp_path / "k8s-peer" / "shipped").glob("*.json")] == ["1.json"]
         assert sum(_relay_hops(g.log_path, "shipped") for g in generators) >= 1  # a hop over TLS, relay token
         heals = sum(
             metric_value(proxy.metrics(), "rollwire_proxy_push_heals_total", f'replica="{g.target}"')
@@ -328,4 +339,18 @@ def test_the_shipped_configs_relay_a_push_between_replicas_over_tls(tmp_path, ti
         )
         assert heals == 0
     finally:
-        stop_all([*generators, *([proxy] if proxy is not None else [])])
+        stop_all([*generators, *(p for p in (proxy, peer) if p is not None)])
+
+
+def test_a_proxy_with_peers_and_no_peer_tokens_refuses_to_start(tmp_path):
+    from rollwire.proxy.app import check_peering
+    from rollwire.proxy.config import ProxyConfig
+
+    (tmp_path / "proxy.toml").write_text(by_kind("ConfigMap")["rollwire-proxy-config"]["data"]["proxy.toml"])
+    shipped = load_config(ProxyConfig, tmp_path / "proxy.toml")
+    assert shipped.peers and shipped.auth.peer_tokens_file and shipped.peering.token_file
+    check_peering(shipped)  # as shipped: starts
+    assert "peer" in by_kind("Secret")["rollwire-tokens"]["stringData"]
+    bare = shipped.model_copy(update={"auth": shipped.auth.model_copy(update={"peer_tokens_file": ""})})
+    with pytest.raises(SystemExit, match="peers is set but auth.peer_tokens_file is not"):
+        check_peering(bare)

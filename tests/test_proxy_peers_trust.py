@@ -66,6 +66,7 @@ def test_the_peer_marker_needs_the_peer_role(tiny_model, tmp_path):
         (tmp_path / f"{role}.token").write_text(f"{role}-token\n")
     auth = ["--set", f"auth.admin_tokens_file={tmp_path / 'admin.token'}"]
     auth += ["--set", f"auth.peer_tokens_file={tmp_path / 'peer.token'}"]
+    auth += ["--set", f"peering.token_file={tmp_path / 'peer.token'}"]
     port = free_port()
     proxy = start_service(proxy_args(tmp_path, "a", port, replica, [f"127.0.0.1:{free_port()}"], *auth), tmp_path, "a")
     try:

@@ -8,8 +8,10 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from support.processes import GENERATOR_ARGS, free_port, start_generator, start_service, wait_until
-from support.wire import all_methods, make_adapter, push_messages, request, run_group
+from support.wire import all_methods, make_adapter, metric_value, push_messages, request, run_group
 
+from rollwire.proxy.replicas import SERVICE
+from rollwire.runtime.members import CHALLENGE_KEY, PROOF_KEY, member_proof
 from rollwire.runtime.security import METHOD_ROLES
 from rollwire.v1 import admin_pb2 as apb
 from rollwire.v1 import admin_pb2_grpc, generator_pb2_grpc
@@ -20,6 +22,8 @@ TOKENS = {
     "proxy-admin": "p-adm-222",
     "replica-generate": "r-gen-333",
     "replica-admin": "r-adm-444",
+    "proxy-register": "p-reg-555",
+    "fleet-key": "fleet-key-0123456789abcdef",
 }
 AUTH_ERRORS = (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED)
 
@@ -47,6 +51,10 @@ def secured(tiny_model, pki, tmp_path_factory):
             f"auth.generate_tokens_file={work / 'proxy-generate.token'}",
             "--set",
             f"auth.admin_tokens_file={work / 'proxy-admin.token'}",
+            "--set",
+            f"auth.register_tokens_file={work / 'proxy-register.token'}",
+            "--set",
+            f"upstream.member_key_file={work / 'fleet-key.token'}",
             "--set",
             f"upstream.token_file={work / 'replica-admin.token'}",
             "--set",
@@ -159,6 +167,141 @@ def test_generate_and_push_cross_tls_and_tokens_on_both_hops(secured, tiny_model
     assert check.status == health_pb2.HealthCheckResponse.SERVING
     logs = proxy.log_path.read_text() + replica.log_path.read_text()
     assert not any(token in logs for token in TOKENS.values())
+
+
+class Rogue(generator_pb2_grpc.GeneratorServiceServicer):
+    """A member that echoes the fleet's public facts (fingerprint, plausible limits) and answers
+    rollouts with tokens of its choice; it records every credential the proxy sends it. With
+    `key` it also answers the registration challenge (a compromised key holder)."""
+
+    def __init__(self, fingerprint: str) -> None:
+        self.fingerprint, self.key, self.address = fingerprint, b"", ""
+        self.seen: list[str] = []
+        self.generates = 0
+
+    def _record(self, context) -> dict:
+        metadata = dict(context.invocation_metadata())
+        self.seen.append(str(metadata.get("authorization", "")))
+        return metadata
+
+    def GetStatus(self, request, context):
+        nonce = self._record(context).get(CHALLENGE_KEY)
+        if nonce and self.key:
+            context.send_initial_metadata(((PROOF_KEY, member_proof(self.key, self.address, nonce)),))
+        limits = pb.Limits(max_n=1, max_new_tokens=9, max_prompt_tokens=9, max_context=40, adapter_window=1)
+        return pb.GetStatusResponse(
+            role="generator", replica="rogue", model_fingerprint=self.fingerprint, limits=limits
+        )
+
+    def Generate(self, request, context):
+        self._record(context)
+        self.generates += 1
+        yield pb.GenerateResponse(tokens=[pb.TokenChunk(sample_index=0, token_ids=[5, 5, 5], logprobs=[-0.1] * 3)])
+
+
+def _serve_rogue(rogue: Rogue, pki) -> tuple[grpc.Server, int]:
+    from concurrent import futures
+
+    from grpc_health.v1 import health
+
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=4))
+    generator_pb2_grpc.add_GeneratorServiceServicer_to_server(rogue, server)
+    checks = health.HealthServicer()
+    for name in ("", SERVICE):
+        checks.set(name, health_pb2.HealthCheckResponse.SERVING)
+    health_pb2_grpc.add_HealthServicer_to_server(checks, server)
+    credentials = grpc.ssl_server_credentials([((pki / "server.key").read_bytes(), (pki / "server.pem").read_bytes())])
+    port = server.add_secure_port("127.0.0.1:0", credentials)
+    server.start()
+    return server, port
+
+
+def test_a_registered_member_earns_only_its_own_token_and_serves_after_its_canary(secured, tiny_model, pki, tmp_path):
+    """A register token: a rogue that cannot prove its address is refused; one that can (a key
+    holder) gets only a token for itself, which the real replicas refuse, fails its canary and never
+    serves or moves the fleet's limits; an honest replica that registers itself passes and serves,
+    and clients beside them see no failure."""
+    proxy, replica, channel, _ = secured
+    stub, admin = generator_pb2_grpc.GeneratorServiceStub(channel), admin_pb2_grpc.AdminServiceStub(channel)
+    before = stub.GetStatus(pb.GetStatusRequest(), metadata=bearer("proxy-admin"), timeout=10)
+    rogue = Rogue(before.model_fingerprint)
+    server, port = _serve_rogue(rogue, pki)
+    rogue.address = f"127.0.0.1:{port}"
+    register = apb.RegisterGeneratorRequest(address=rogue.address, ttl_seconds=60)
+    failures, served = [], []
+
+    def clients() -> None:  # well-behaved clients of the same proxy, throughout
+        for i in range(2):
+            try:
+                served.append(run_group(stub, request(f"{i}+1="), metadata=bearer("proxy-generate")).replica)
+            except grpc.RpcError as exc:
+                failures.append(exc)
+
+    honest = None
+    try:
+        with pytest.raises(grpc.RpcError) as info:  # another port of the caller's host, no proof
+            admin.RegisterGenerator(register, metadata=bearer("proxy-register"), timeout=30)
+        assert info.value.code() == grpc.StatusCode.PERMISSION_DENIED
+        assert "did not prove" in (info.value.details() or "") and "member_key_file" in info.value.details()
+        rogue.key = TOKENS["fleet-key"].encode()
+        assert admin.RegisterGenerator(register, metadata=bearer("proxy-register"), timeout=30).created
+
+        def rogue_refused() -> bool:
+            clients()
+            listed = admin.ListGenerators(apb.ListGeneratorsRequest(), metadata=bearer("proxy-admin"), timeout=10)
+            return any(r.address == rogue.address and "failed the canary" in r.detail for r in listed.replicas)
+
+        wait_until(rogue_refused, 60, "the rogue failed its canary")
+        assert rogue.seen and all(seen.startswith("Bearer rwm1.") for seen in rogue.seen), rogue.seen
+        assert rogue.generates == 1  # the canary only: no client's prompt reached it
+        with grpc.secure_channel(replica.target, _client_tls(pki)) as direct:  # useless on a real replica
+            with pytest.raises(grpc.RpcError) as info:
+                generator_pb2_grpc.GeneratorServiceStub(direct).GetStatus(
+                    pb.GetStatusRequest(), metadata=(("authorization", rogue.seen[0]),), timeout=10
+                )
+        assert info.value.code() == grpc.StatusCode.UNAUTHENTICATED
+        after = stub.GetStatus(pb.GetStatusRequest(), metadata=bearer("proxy-admin"), timeout=10)
+        assert after.limits == before.limits
+        refusals = proxy.metrics()
+        assert metric_value(refusals, "rollwire_proxy_member_refusals_total", 'why="canary"') == 1
+        assert metric_value(refusals, "rollwire_proxy_member_refusals_total", 'why="unproven"') == 1
+
+        honest = _honest_member(tiny_model, tmp_path, pki, proxy)
+        wait_until(lambda: (clients(), "honest-member" in served)[1], 90, "the honest member passed and serves")
+        assert failures == [] and rogue.generates == 1
+    finally:
+        if honest is not None:
+            honest.stop()  # it drains and deregisters itself
+        admin.DeregisterGenerator(
+            apb.DeregisterGeneratorRequest(address=rogue.address), metadata=bearer("proxy-admin"), timeout=10
+        )
+        server.stop(0)
+    assert not any(secret in proxy.log_path.read_text() for secret in TOKENS.values())
+
+
+def _client_tls(pki) -> grpc.ChannelCredentials:
+    return grpc.ssl_channel_credentials(
+        (pki / "ca.pem").read_bytes(), (pki / "client.key").read_bytes(), (pki / "client.pem").read_bytes()
+    )
+
+
+def _honest_member(tiny_model, work, pki, proxy):
+    for name in ("replica-generate", "replica-admin", "proxy-register", "fleet-key"):
+        (work / f"{name}.token").write_text(TOKENS[name] + "\n")
+    tls = ["--set", f"tls.cert_file={pki / 'server.pem'}", "--set", f"tls.key_file={pki / 'server.key'}"]
+    return start_generator(
+        tiny_model,
+        work,
+        "honest-member",
+        *GENERATOR_ARGS,
+        *("--replica-id", "honest-member", *tls, "--set", f"tls.client_ca_file={pki / 'ca.pem'}"),
+        *("--set", f"auth.generate_tokens_file={work / 'replica-generate.token'}"),
+        *("--set", f"auth.admin_tokens_file={work / 'replica-admin.token'}"),
+        *("--set", f"auth.member_key_file={work / 'fleet-key.token'}"),
+        *("--register", proxy.target, "--register-token-file", str(work / "proxy-register.token")),
+        *("--register-tls-ca", str(pki / "ca.pem"), "--register-ttl", "6"),
+        plaintext=False,
+    )
 
 
 def test_the_replica_leaves_through_tls_with_its_token(secured):

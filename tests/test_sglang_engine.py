@@ -402,6 +402,7 @@ async def test_start_up_failures_say_what_happened(tiny_model, tmp_path):
 
 # -- the whole replica: `rollwire generator --engine sglang` launching SGLang (the double) -------------
 def test_generator_launches_sglang_serves_and_survives_its_crash(tiny_model, tmp_path):
+    import urllib.error
     import urllib.request
 
     from rollwire.generator.engines.sglang_process import free_port
@@ -432,6 +433,10 @@ def test_generator_launches_sglang_serves_and_survives_its_crash(tiny_model, tmp
         state = json.load(urllib.request.urlopen(f"http://127.0.0.1:{port}/_double/state", timeout=5))
         argv = (tmp_path / "adapters" / "_sglang" / "sglang.log").read_text()
         assert "--enable-lora" in argv and "'--max-loaded-loras', '3'" in argv and len(state["loras"]) == 1
+        with pytest.raises(urllib.error.HTTPError) as refused:  # a per-launch key no other process holds
+            body = json.dumps({"lora_name": "intruder", "lora_path": str(tmp_path)}).encode()
+            urllib.request.urlopen(f"http://127.0.0.1:{port}/load_lora_adapter", body, timeout=5)
+        assert refused.value.code == 401 and "keys.json" in argv  # the key is in a private file, not argv
         with pytest.raises(Exception):
             urllib.request.urlopen(
                 urllib.request.Request(f"http://127.0.0.1:{port}/_double/die", method="POST"), timeout=5

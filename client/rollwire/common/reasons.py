@@ -231,6 +231,8 @@ class Reason(StrEnum):
     """PERMISSION_DENIED; do not retry: The token's role does not grant this method, or this use of it."""
     NOT_OWN_ADDRESS = "NOT_OWN_ADDRESS"
     """PERMISSION_DENIED; do not retry: A `register` token may register, drain or remove only its own address."""
+    MEMBER_UNPROVEN = "MEMBER_UNPROVEN"
+    """PERMISSION_DENIED; do not retry: The address did not prove it holds the fleet key and advertises itself."""
 
     # -- The proxy --------------------------------------------------------------------------
     CLIENT_LIMIT = "CLIENT_LIMIT"

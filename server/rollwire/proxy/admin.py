@@ -10,6 +10,11 @@ Who may register: a `register` token registers, drains and removes only its own 
 host must resolve to the caller's own IP address) with a ttl in 1..registration.max_ttl_s, so
 it lapses unless it keeps beating; only an admin may register for good (ttl 0) or for another
 address. A registration that would take the proxy past registration.max_members is refused.
+A `register` token adds a new address only once the process listening there proved, called back,
+that it holds the fleet key and advertises that very HOST:PORT (runtime/members.py): otherwise
+PERMISSION_DENIED (MEMBER_UNPROVEN), counted in `member_refusals_total{why="unproven"}`. Such a
+member is dialled with its own member token, never the proxy's admin token, and serves only
+after its canary (canary.py).
 """
 
 from __future__ import annotations
@@ -32,11 +37,14 @@ from rollwire.common.reasons import Reason
 from rollwire.proxy.config import RegistrationSection
 from rollwire.proxy.replica import Replica
 from rollwire.proxy.replicas import ReplicaSet
+from rollwire.runtime.dialing import bearer
 from rollwire.runtime.hosts import peer_ip, resolve_ips
 from rollwire.runtime.logs import get_logger
+from rollwire.runtime.members import CHALLENGE_KEY, PROOF_KEY, member_token, new_challenge, proof_matches
 from rollwire.runtime.security import REGISTER, TokenAuth, caller_role
 from rollwire.v1 import admin_pb2 as apb
-from rollwire.v1 import admin_pb2_grpc
+from rollwire.v1 import admin_pb2_grpc, generator_pb2_grpc
+from rollwire.v1 import generator_pb2 as pb
 
 log = get_logger(__name__)
 
@@ -70,7 +78,15 @@ class AdminServicer(admin_pb2_grpc.AdminServiceServicer):
                     retry_after_s=float(self.limits.max_ttl_s),
                 ),
             )
-        replica, created = self.replicas.add(request.address, "registered", request.ttl_seconds or None)
+        member = caller_role(self.auth, context) == REGISTER
+        if member and known is None:
+            try:
+                await self._prove(request.address)
+            except RollwireError as err:
+                self.replicas.metrics.member_refusals.labels("unproven").inc()
+                log.warning("registration_unproven", address=request.address, why=err.message)
+                return await _abort(context, err)
+        replica, created = self.replicas.add(request.address, "registered", request.ttl_seconds or None, member)
         return apb.RegisterGeneratorResponse(replica=replica.status(), created=created)
 
     def _check_ttl(self, ttl: int, context) -> None:
@@ -84,7 +100,7 @@ class AdminServicer(admin_pb2_grpc.AdminServiceServicer):
 
     async def _own(self, address: str, context) -> None:
         """A `register` token acts on its own address only: the host must resolve to the
-        caller's IP address (the port is its own business)."""
+        caller's IP address (and a new address's port proves itself: `_prove`)."""
         if caller_role(self.auth, context) != REGISTER:
             return
         peer = peer_ip(context.peer())
@@ -98,6 +114,41 @@ class AdminServicer(admin_pb2_grpc.AdminServiceServicer):
                 f"the address this call comes from ({context.peer()}); advertise the address the proxy sees, "
                 "or use an admin token",
                 reason=Reason.NOT_OWN_ADDRESS,
+            )
+
+    async def _prove(self, address: str) -> None:
+        """Call `address` back with a challenge: whoever listens there must answer with the proof
+        for that very address, which only a holder of the fleet key advertising it can compute."""
+        key = self.replicas.member_key
+        if key is None:
+            raise PermissionDenied(
+                "this proxy takes no registration by a register token: set upstream.member_key_file here and "
+                "auth.member_key_file on the replicas to the same fleet key (docs/deploy.md, Security), or "
+                "register with an admin token",
+                reason=Reason.MEMBER_UNPROVEN,
+            )
+        nonce, answer, why = new_challenge(), "", ""
+        channel = self.replicas.upstream.channel(address)
+        try:
+            call = generator_pb2_grpc.GeneratorServiceStub(channel).GetStatus(
+                pb.GetStatusRequest(),
+                timeout=self.replicas.config.health.timeout_s,
+                metadata=((CHALLENGE_KEY, nonce), *bearer(member_token(key, address))),
+            )
+            answer = next((str(v) for k, v in await call.initial_metadata() or () if k == PROOF_KEY), "")
+            await call
+        except grpc.aio.AioRpcError as exc:
+            why = f"calling it back failed with {exc.code().name}"
+        finally:
+            await channel.close(grace=None)
+        if not why and not proof_matches(key, address, nonce, answer):
+            why = "what listens there did not answer the challenge with the proof for that address"
+        if why:
+            raise PermissionDenied(
+                f"{address} did not prove it is a replica of this fleet advertising that address ({why}); a replica "
+                "registers the address it listens on (registration.advertise), with auth.member_key_file set to "
+                "this proxy's upstream.member_key_file",
+                reason=Reason.MEMBER_UNPROVEN,
             )
 
     async def DeregisterGenerator(

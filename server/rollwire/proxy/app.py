@@ -77,6 +77,7 @@ class RunningProxy(Running):
 
 async def start_proxy(config: ProxyConfig) -> RunningProxy:
     """Listen at once; replicas join as their health checks and catch-ups succeed."""
+    check_peering(config)
     routing = config.routing
     metrics = ProxyMetrics(config.policy)
     keepalive = config.keepalive.keepalive()
@@ -129,6 +130,27 @@ async def start_proxy(config: ProxyConfig) -> RunningProxy:
     )
     log.info("proxy_settings", policy=config.policy, fanout=config.push.fanout, spool=str(spool.folder))
     return running
+
+
+def check_peering(config: ProxyConfig) -> None:
+    """A proxy with peers and auth on must take peer tokens and send one: peers mark their copies
+    as a peer's, which only the `peer` role may (security.require_peer), so without them every share
+    would be refused and the peers would drift apart. Raises SystemExit with the sentence."""
+    auth = config.auth
+    missing = [
+        k
+        for k, v in (
+            ("auth.peer_tokens_file", auth.peer_tokens_file),
+            ("peering.token_file", config.peering.token_file),
+        )
+        if not v
+    ]
+    if config.peers and auth.enabled() and missing:
+        raise SystemExit(
+            f"peers is set but {' and '.join(missing)} {'is' if len(missing) == 1 else 'are'} not: a peer proxy shares "
+            "versions with a `peer` token only (an admin token is refused), so set auth.peer_tokens_file to the tokens "
+            "the peers send and peering.token_file to the one this proxy sends (docs/deploy.md, Security)"
+        )
 
 
 def _open_spool(config: ProxyConfig) -> tuple[Spool, bool]:

@@ -163,6 +163,27 @@ class RegistrationSection(Section):
     """Longest ttl_seconds a registration may ask; a `register` token must give 1..this (0, for good, is admin's)."""
     max_members: int = Field(default=1024, ge=1)
     """Replicas this proxy holds at most, however they came; a registration past it is refused (TOO_MANY_MEMBERS)."""
+    canary: bool = Field(default=True)
+    """A replica a `register` token added serves only after its canary (greedy tokens and logprobs of a fixed prompt
+    on the base model) matches a trusted routable replica's; false = its proof of address is enough."""
+    canary_tolerance: float = Field(default=0.05, gt=0, le=10)
+    """Largest difference between a canary's logprobs and the trusted replica's, per token (the tokens must match)."""
+    canary_timeout_s: float = Field(default=30.0, gt=0)
+    """Deadline of one canary call (to the new member, and to the trusted replica)."""
+
+
+class FloorSection(Section):
+    """The operator's floor under the fleet's limits: a member reporting less is refused (not routed, named in its
+    status), so no member can shrink what clients are promised. max_context applies where a member reports one."""
+
+    max_n: int = Field(default=1, ge=1)
+    """Least `max_n` a member may report."""
+    max_new_tokens: int = Field(default=8, ge=1)
+    """Least `max_new_tokens` a member may report."""
+    max_prompt_tokens: int = Field(default=8, ge=1)
+    """Least `max_prompt_tokens` a member may report."""
+    max_context: int = Field(default=32, ge=0)
+    """Least `max_context` (prompt + generated tokens) a member may report; 0 = no floor."""
 
 
 class HttpSection(Section):
@@ -276,6 +297,7 @@ class ProxyConfig(ServerConfig):
     peering: PeeringSection = Field(default_factory=PeeringSection)
     http: HttpSection = Field(default_factory=HttpSection)
     registration: RegistrationSection = Field(default_factory=RegistrationSection)
+    floor: FloorSection = Field(default_factory=FloorSection)
 
     @field_validator("base_model")
     @classmethod

@@ -26,6 +26,8 @@ CODES = tuple(code.name for code in grpc.StatusCode)
 CLIENT_CODES = tuple(sorted(code.name for code in CLIENT_CAUSED))
 """The codes a client can cause (retries.CLIENT_CAUSED): client_errors_total starts with each."""
 CLIENT_LIMITS = ("in_flight", "queued_tokens", "slow_reader")
+MEMBER_REFUSALS = ("unproven", "canary", "floor")
+"""Why a would-be member was kept out: its address unproven at registration, a failed canary, limits under the floor."""
 SESSION_ROUTES = ("first", "sticky", "overloaded", "draining", "down", "version", "failed")
 """Where a session turn went: its first turn; the session's replica (sticky); another one because that replica was
 overloaded, draining, down (ejected, unhealthy or gone), lacked the version, or failed the turn."""
@@ -166,6 +168,13 @@ class ProxyMetrics:
             ["replica"],
         )
         self.versions = gauge("replica_adapter_version", "Newest adapter version confirmed.", ["replica", "adapter"])
+        self.member_refusals = counter(
+            "member_refusals_total",
+            "Would-be members kept out: unproven address at registration, failed canary, limits under the floor.",
+            ["why"],
+        )
+        for why in MEMBER_REFUSALS:
+            self.member_refusals.labels(why)
         self.conflicts = gauge(
             "replica_digest_conflicts",
             "Adapter versions the replica holds with other bytes than the spool's under the same name and number.",
@@ -194,6 +203,15 @@ class ProxyMetrics:
             "push_fanout_duration_seconds",
             "From a push's manifest to its version committed on every replica that staged it (relay, heal, commit).",
         )
+        self.publications_pending = make.gauge(
+            "publications_pending",
+            'Publications answered at "spooled" (the HTTP door\'s loads) whose relay and commit still run.',
+        )
+        self.publications_failed_after_answer = counter(
+            "publications_failed_after_answer_total",
+            'Publications answered at "spooled" that no replica committed: the version stays spooled and catch-up '
+            "brings it to the replicas.",
+        )
         self.push_heals = counter(
             "push_heals_total",
             "Replicas that got a pushed version again from the proxy because the relay tree did not deliver it.",
@@ -207,15 +225,6 @@ class ProxyMetrics:
             "peer_pushes_total",
             "Adapter versions sent to each peer proxy's spool (replication and catch-up), by code.",
             ["peer", "code"],
-        self.publications_pending = make.gauge(
-            "publications_pending",
-            'Publications answered at "spooled" (the HTTP door\'s loads) whose relay and commit still run.',
-        )
-        self.publications_failed_after_answer = counter(
-            "publications_failed_after_answer_total",
-            'Publications answered at "spooled" that no replica committed: the version stays spooled and catch-up '
-            "brings it to the replicas.",
-        )
         )
         self.peer_synced = gauge(
             "peer_synced", "1 when the peer proxy is known to hold every version this proxy spools.", ["peer"]

@@ -3,7 +3,10 @@
 Invariants:
 - a replica takes new work only while routable: it passes health checks, it serves the
   fleet's base model, it was caught up with the spool since it last (re)connected, it is not
-  draining, and its circuit is not open;
+  draining, its circuit is not open, it is vetted (a member a `register` token added passed
+  its canary, canary.py) and not refused (limits under the operator's floor, a failed canary);
+- a member added by a `register` token (`token` set) is dialled with its own member token
+  (runtime/members.py), never the proxy's admin token, on every call of both its channels;
 - `versions` holds only versions the replica itself confirmed (a push reply or GetStatus),
   so version-aware routing never sends a group to a replica that lacks its version, and
   never one it holds with other bytes than the spool's (`conflicts`);
@@ -27,7 +30,9 @@ from rollwire.common.errors import RollwireError, from_rpc_error
 from rollwire.proxy.breaker import Breaker
 from rollwire.proxy.policies import Candidate
 from rollwire.proxy.spool import SpooledAdapter
+from rollwire.runtime.dialing import bearer
 from rollwire.runtime.logs import REQUEST_ID_KEY
+from rollwire.runtime.members import MemberToken
 from rollwire.serving.dial import Dialer
 from rollwire.v1 import generator_pb2 as pb
 from rollwire.v1 import generator_pb2_grpc
@@ -80,15 +85,28 @@ class Attempt:
 
 class Replica:
     def __init__(
-        self, address: str, source: str, breaker: Breaker, upstream: Dialer, expires_at: float | None = None
+        self,
+        address: str,
+        source: str,
+        breaker: Breaker,
+        upstream: Dialer,
+        expires_at: float | None = None,
+        token: str = "",
     ) -> None:
         self.address, self.source, self.breaker, self.expires_at = address, source, breaker, expires_at
-        self.channel = upstream.channel(address)
-        self.metadata = upstream.metadata
-        """Sent on every call to the replica: the proxy's own bearer token, if any."""
+        own = next((v for k, v in upstream.metadata if k == "authorization"), "")
+        swap = [MemberToken(token, own)] if token else None
+        self.channel = upstream.channel(address, interceptors=swap)
+        self.metadata = bearer(token) if token else upstream.metadata
+        """Sent on every call to the replica: its member token, else the proxy's own bearer token, if any."""
+        self.member = bool(token)
+        """Added by a `register` token: it proved its address, and is vetted by its canary before it serves."""
+        self.vetted = not token
+        self.refused = ""
+        """Why it is kept out of rotation although it answers (a failed canary, limits under the floor)."""
         self.generator = generator_pb2_grpc.GeneratorServiceStub(self.channel)
         self.health = health_pb2_grpc.HealthStub(self.channel)
-        self.bulk_channel = upstream.channel(address, bulk=True)
+        self.bulk_channel = upstream.channel(address, bulk=True, interceptors=swap)
         self.bulk = generator_pb2_grpc.GeneratorServiceStub(self.bulk_channel)
         """PushAdapter streams go on their own connection (Dialer.channel), never ahead of a
         health check or a rollout; the connection opens with the first push."""
@@ -121,6 +139,8 @@ class Replica:
 
     def routable(self, now: float | None = None) -> bool:
         now = time.monotonic() if now is None else now
+        if self.refused or not self.vetted:
+            return False
         return self.healthy and self.synced and not self.foreign and not self.draining and self.breaker.allows(now)
 
     def set_versions(self, name: str, versions) -> None:
@@ -142,6 +162,8 @@ class Replica:
         now = time.monotonic() if now is None else now
         if self.foreign:
             return self.detail
+        if self.refused:
+            return f"refused: {self.refused}"
         if not self.healthy:
             return f"unhealthy: {self.detail}"
         if self.draining:

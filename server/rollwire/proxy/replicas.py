@@ -27,7 +27,12 @@ Invariants:
   catch-up it is a fault, not "already held": the replica stays behind until it holds the
   spool's newest versions;
 - pushes are checked against the base model's fingerprint and a member's linear-layer
-  shapes before they are spooled (fanout.py).
+  shapes before they are spooled (fanout.py);
+- a member a `register` token added is dialled with its member token (runtime/members.py) and
+  passes its canary (canary.py) before it is caught up or routed;
+- a member reporting limits under the operator's floor (`floor`) is refused (`member_under_floor`);
+  the fleet's limits (`fleet_limits`) come only from routable members serving the fleet's base
+  model, so a member that leaves rotation, or was never admitted, moves no client's limits.
 """
 
 from __future__ import annotations
@@ -42,12 +47,14 @@ from grpc_health.v1 import health_pb2
 
 from rollwire.proxy.basemodel import BaseModel, Shapes
 from rollwire.proxy.breaker import Breaker
+from rollwire.proxy.canary import Canary
 from rollwire.proxy.catchup import CatchUp
 from rollwire.proxy.config import ProxyConfig
 from rollwire.proxy.metrics import ProxyMetrics
 from rollwire.proxy.replica import Replica
 from rollwire.proxy.spool import Spool
 from rollwire.runtime.logs import get_logger
+from rollwire.runtime.members import member_token, read_member_key
 from rollwire.runtime.waits import wait_at_most
 from rollwire.serving.dial import Dialer, on_each_drop
 from rollwire.v1 import generator_pb2 as pb
@@ -80,10 +87,14 @@ class ReplicaSet:
         link then took twice as long and closed connections mid-push); the publication hands
         whoever it missed to catch-up when it settles (mark_unsynced)."""
         self.catch_up = CatchUp(config, spool, metrics, self)
+        self.member_key = read_member_key(config.upstream.member_key_file, "upstream.member_key_file")
+        """The fleet key member tokens derive from; None = no `register` token may add a member."""
+        self.canary = Canary(config.registration, metrics)
 
     # -- membership --------------------------------------------------------------------
-    def add(self, address: str, source: str, ttl_s: float | None = None) -> tuple[Replica, bool]:
-        """Add a replica, or refresh its registration; (replica, created)."""
+    def add(self, address: str, source: str, ttl_s: float | None = None, member: bool = False) -> tuple[Replica, bool]:
+        """Add a replica, or refresh its registration; (replica, created). A `member` (added by a
+        `register` token, admin.py) is dialled with its member token and vetted by its canary."""
         expires = time.monotonic() + ttl_s if ttl_s else None
         replica = self.members.get(address)
         if replica is not None:
@@ -92,7 +103,8 @@ class ReplicaSet:
             return replica, False
         hc = self.config.health
         breaker = Breaker(hc.eject_after_failures, hc.eject_s, hc.eject_max_s)
-        replica = Replica(address, source, breaker, self.upstream, expires)
+        token = member_token(self.member_key, address) if member and self.member_key else ""
+        replica = Replica(address, source, breaker, self.upstream, expires, token)
         self.members[address] = replica
         self.metrics.know_replica(address)
         replica.tasks = [
@@ -166,9 +178,17 @@ class ReplicaSet:
         now = time.monotonic()
         return [r for r in self.all() if r.routable(now)]
 
+    def fleet_limits(self) -> list[pb.Limits]:
+        """The limits of the routable members that serve the fleet's base model: what the fleet
+        promises its clients (proxy GetStatus, the door, session checks). None from a member out of
+        rotation, refused or of another base model, and none under the floor (`_under_floor`)."""
+        fleet = self.fingerprint
+        return [r.limits for r in self.routable() if r.limits is not None and r.fingerprint == fleet]
+
     def healthy(self) -> list[Replica]:
-        """Members that pass health checks and serve the fleet's base model (push targets)."""
-        return [r for r in self.all() if r.healthy and not r.foreign]
+        """Members that pass health checks, serve the fleet's base model and are neither refused
+        nor waiting for their canary (push targets)."""
+        return [r for r in self.all() if r.healthy and not r.foreign and r.vetted and not r.refused]
 
     @property
     def fingerprint(self) -> str:
@@ -267,6 +287,7 @@ class ReplicaSet:
                 replica.failed_checks += 1
                 if replica.healthy and replica.failed_checks >= hc.unhealthy_after:
                     replica.healthy = replica.synced = False
+                    replica.limits = None  # out of rotation: its limits are no longer the fleet's
                     log.warning("replica_unhealthy", replica=replica.address, why=why)
                     if not answered:  # hung or gone: its groups would wait for their deadline
                         replica.abandon_all(f"replica {replica.address} stopped answering health checks")
@@ -305,22 +326,53 @@ class ReplicaSet:
                 replica.detail = f"GetStatus failed with {exc.code().name}: {exc.details()}"
                 return
             replica.last_status = time.monotonic()
-            replica.identity, replica.engine, replica.limits = status.replica, status.engine, status.limits
-            replica.fingerprint = status.model_fingerprint
-            self.base.report(
-                status.model_fingerprint,
-                {x.module: (x.out_features, x.in_features) for x in status.base_linear_layers},
-            )
-            if self.base.foreign(status.model_fingerprint):
-                self._refuse(replica)
+            if not await self._admit(replica, status):
                 return
-            if replica.foreign:
-                replica.foreign = False
-                log.info("replica_admitted", replica=replica.address, serves=status.model_fingerprint)
             self._take_versions(replica, status.adapters)
             if await self.catch_up.run(replica) and not replica.synced:
                 replica.synced, replica.detail = True, ""
                 log.info("replica_ready", replica=replica.address, identity=replica.identity, adapters=replica.versions)
+
+    async def _admit(self, replica: Replica, status: pb.GetStatusResponse) -> bool:
+        """Whether a replica that answered GetStatus may be caught up: it serves the fleet's base
+        model, reports limits at or above the floor, and (a member) passed its canary."""
+        replica.identity, replica.engine, replica.limits = status.replica, status.engine, None
+        replica.fingerprint = status.model_fingerprint
+        shapes = {x.module: (x.out_features, x.in_features) for x in status.base_linear_layers}
+        if replica.vetted:  # an unvetted member's shapes could mislead push checks
+            self.base.report(status.model_fingerprint, shapes)
+        if self.base.foreign(status.model_fingerprint):
+            self._refuse(replica)
+            return False
+        if replica.foreign:
+            replica.foreign = False
+            log.info("replica_admitted", replica=replica.address, serves=status.model_fingerprint)
+        if replica.refused:
+            return False
+        if why := self._under_floor(status.limits):
+            replica.refused = why
+            self.metrics.member_refusals.labels("floor").inc()
+            log.error("member_under_floor", replica=replica.address, identity=replica.identity, why=why)
+            return False
+        replica.limits = status.limits
+        if not replica.vetted:
+            trusted = [r for r in self.routable() if r.fingerprint == replica.fingerprint and r is not replica]
+            if not await self.canary.vet(replica, trusted, replica.fingerprint):
+                return False
+            self.base.report(status.model_fingerprint, shapes)
+        return True
+
+    def _under_floor(self, limits: pb.Limits) -> str:
+        """Which reported limit is under the operator's floor, in words; "" when none."""
+        floor = self.config.floor
+        for key in ("max_n", "max_new_tokens", "max_prompt_tokens", "max_context"):
+            reported, least = getattr(limits, key), getattr(floor, key)
+            if reported < least and (key != "max_context" or reported):
+                return (
+                    f"it reports {key} {reported}, under this proxy's floor of {least} (floor.{key}); raise the "
+                    "replica's limit, or lower the floor"
+                )
+        return ""
 
     async def refresh(self, replica: Replica) -> None:
         """Re-read what a replica serves (GetStatus), without catching it up: a peer proxy sent

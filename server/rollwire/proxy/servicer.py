@@ -193,8 +193,8 @@ class ProxyServicer(generator_pb2_grpc.GeneratorServiceServicer):
 
     def status(self) -> pb.GetStatusResponse:
         """The proxy as one big replica: what some routable replica serves, the strictest
-        limits of any replica (a client keeping to them is served by every one), and each
-        replica's own state."""
+        limits of the routable replicas that serve the fleet's base model (a client keeping to
+        them is served by every one; replicas.fleet_limits), and each replica's own state."""
         members = self.replicas.all()
         routable = self.replicas.routable()
         adapters: dict[str, set[int]] = {}
@@ -210,7 +210,7 @@ class ProxyServicer(generator_pb2_grpc.GeneratorServiceServicer):
             adapters=[pb.LoadedAdapter(name=n, versions=sorted(v)) for n, v in sorted(adapters.items())],
             in_flight=sum(r.in_flight for r in members),
             queue_depth=self.dispatcher.queued(),
-            limits=self._limits([r.limits for r in members if r.limits is not None]),
+            limits=self._limits(self.replicas.fleet_limits()),
             replicas=[r.status() for r in members],
             server_version=__version__,
         )

@@ -68,7 +68,7 @@ class SessionTurns:
 
     def _begin(self, request: pb.GenerateRequest, caller: str) -> Turn:
         """Checks before any work (serving/sessions.py), against the strictest limits of the
-        fleet's replicas."""
+        fleet's routable replicas (replicas.fleet_limits)."""
         sid = check_turn(request)
         kind = request.WhichOneof("prompt")
         session = self.store.get(caller, sid)
@@ -79,7 +79,7 @@ class SessionTurns:
                 reason=Reason.BAD_SESSION,
             )
         new = len(request.token_ids.ids) if kind == "token_ids" else len(request.text.encode())
-        limits = [r.limits for r in self.replicas.all() if r.limits is not None]
+        limits = self.replicas.fleet_limits()
         context = min((x.max_context for x in limits if x.max_context), default=0)
         prompt_limit = min((x.max_prompt_tokens for x in limits if x.max_prompt_tokens), default=0)
         turn = self.store.begin(

@@ -7,6 +7,8 @@ adapters. The streams of a relay tree carry `relay_token_file`'s token instead w
 but relay, and every node of a plan carries the proxy's grant, keyed from its admin token
 (push.plan.relay_grant), so a replica relays only to the members this proxy planned. Peer proxies
 are dialled with the same settings, each one the `peering` section sets taking precedence.
+A replica that registered itself with a `register` token is never sent token_file's (admin) token:
+it gets its member token (runtime/members.py) instead.
 """
 
 from __future__ import annotations
@@ -30,6 +32,10 @@ class UpstreamSection(DialSection):
     """File holding the token the proxy's relayed (stage_only) pushes carry: the `relay` role on the replicas, which
     they pass on down the tree; empty = token_file, which the replicas then do not pass on (set relay.token_file
     on them, or this)."""
+    member_key_file: str = Field(default="")
+    """The fleet key (the replicas' auth.member_key_file): a replica a `register` token adds is dialled with a token
+    derived from it and its own address, never token_file's, and proves its address with it to register; empty =
+    this proxy refuses registrations by `register` tokens."""
 
 
 def upstream_dialer(section: UpstreamSection, keepalive: Keepalive = DEFAULT_KEEPALIVE) -> Dialer:

@@ -6,7 +6,10 @@ admin commits, never serve them, commit or call anything else) and `register` (t
 RegisterGenerator, DrainGenerator and DeregisterGenerator, for the caller's own address only,
 checked by the handler), and one a peer proxy holds: `peer` (GetStatus, and PushAdapter only
 carrying the peer marker: a version for the spool, never fanned out; the marker is honoured
-from this role only, so no admin can make a proxy's spool diverge from the fleet's). `caller_role` tells a handler which role a call has, for the checks
+from this role only, so no admin can make a proxy's spool diverge from the fleet's), and one a replica
+gives its proxy: `member` (the GeneratorService methods, on that replica only: a token derived from
+the fleet key and the replica's own advertised address, runtime/members.py; never accepted by a
+proxy). `caller_role` tells a handler which role a call has, for the checks
 a method's role cannot express. Tokens come from files (Kubernetes Secrets mount as files),
 one per line, and are never logged; a token file is re-read when it changes (checked at most
 every RELOAD_INTERVAL_S, on the request path: one os.stat), so rotation needs no restart, and a
@@ -40,7 +43,7 @@ from rollwire.runtime.logs import get_logger
 
 log = get_logger(__name__)
 
-GENERATE, RELAY, REGISTER, PEER, ADMIN = "generate", "relay", "register", "peer", "admin"
+GENERATE, RELAY, REGISTER, PEER, MEMBER, ADMIN = "generate", "relay", "register", "peer", "member", "admin"
 RELOAD_INTERVAL_S = 1.0  # how often a token file's metadata is checked, at most
 REREAD_INTERVAL_S = 10.0  # a file is re-read this often even when its metadata looks unchanged
 MAX_TOKEN_FILE_BYTES = 1 << 20
@@ -60,6 +63,8 @@ METHOD_ROLES = {
 """The least role each method needs; `admin` may call every method."""
 PEER_METHODS = frozenset({"/rollwire.v1.GeneratorService/PushAdapter", "/rollwire.v1.GeneratorService/GetStatus"})
 """What the `peer` role may call besides: a peer proxy asks who a proxy is and shares versions."""
+MEMBER_METHODS = frozenset(m for m in METHOD_ROLES if m.startswith("/rollwire.v1.GeneratorService/"))
+"""What the `member` role may call on its own replica: what a proxy does to a member."""
 
 
 class AuthSection(Section):
@@ -77,6 +82,9 @@ class AuthSection(Section):
     peer_tokens_file: str = Field(default="")
     """File of tokens with the `peer` role (a proxy: the tokens its peer proxies send, `peering.token_file` there), one
     per line. Only a push with this role may carry the peer marker."""
+    member_key_file: str = Field(default="")
+    """A replica: the fleet key (the proxy's upstream.member_key_file) its proxy derives this replica's `member` token
+    from, for its own advertised address only (docs/deploy.md, Security); empty = no member token is accepted."""
 
     def files(self) -> dict[str, str]:
         """Each role's token file, by role."""
@@ -89,7 +97,7 @@ class AuthSection(Section):
         }
 
     def enabled(self) -> bool:
-        return any(self.files().values())
+        return any(self.files().values()) or bool(self.member_key_file)
 
 
 class TlsSection(Section):
@@ -232,6 +240,10 @@ class TokenAuth:
         files = {role: TokenFile(path, setting=f"auth.{role}_tokens_file") for role, path in auth.files().items()}
         return cls(files[GENERATE], files[ADMIN], files[RELAY], files[REGISTER], files[PEER])
 
+    def accept_member(self, token: str) -> None:
+        """Accept `token` (this replica's own member token) with the `member` role."""
+        self._files.insert(0, (_as_file({token}), MEMBER))
+
     def admin_digests(self) -> list[bytes]:
         """sha256 digests of the admin tokens now valid (the keys of relay grants derive from them)."""
         return [d for tokens, role in self._files if role == ADMIN for d in tokens.current()]
@@ -252,7 +264,8 @@ class TokenAuth:
         if needed is None:
             raise PermissionDenied(f"{short} has no role assigned on this server; refusing it", reason=Reason.NO_ROLE)
         header = next((v for k, v in metadata or () if k == "authorization"), None)
-        self.require(needed, header, short, also=(PEER,) if method in PEER_METHODS else ())
+        also = ((PEER,) if method in PEER_METHODS else ()) + ((MEMBER,) if method in MEMBER_METHODS else ())
+        self.require(needed, header, short, also=also)
 
     def require(self, needed: str, header: str | bytes | None, what: str, also: tuple[str, ...] = ()) -> None:
         """Raise Unauthenticated or PermissionDenied unless the `authorization` header's bearer

@@ -52,16 +52,17 @@ class Dialer:
         credentials = grpc.ssl_channel_credentials(found.root_certificates, found.private_key, found.certificate_chain)
         return cls(credentials, found.metadata, options)
 
-    def channel(self, address: str, bulk: bool = False) -> grpc.aio.Channel:
+    def channel(self, address: str, bulk: bool = False, interceptors: list | None = None) -> grpc.aio.Channel:
         """A channel to `address`. `bulk` gives it a TCP connection of its own (a local
         subchannel pool) for adapter pushes: megabytes queued in one connection's socket
         buffers delay every frame behind them, so health checks, status calls and rollout
         streams keep a connection that pushes never fill. Its ping deadline is longer
-        (keepalive.for_pushes): a ping there waits behind the push bytes already queued."""
+        (keepalive.for_pushes): a ping there waits behind the push bytes already queued.
+        `interceptors` see every call (runtime.members.MemberToken swaps a member's credential)."""
         options = [*for_pushes(self.options), ("grpc.use_local_subchannel_pool", 1)] if bulk else self.options
         if self.credentials is None:
-            return grpc.aio.insecure_channel(address, options=options)
-        return grpc.aio.secure_channel(address, self.credentials, options=options)
+            return grpc.aio.insecure_channel(address, options=options, interceptors=interceptors)
+        return grpc.aio.secure_channel(address, self.credentials, options=options, interceptors=interceptors)
 
 
 async def on_each_drop(channel: grpc.aio.Channel, dropped: Callable[[], None]) -> None:

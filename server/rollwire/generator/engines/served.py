@@ -146,6 +146,7 @@ class ServedEngine:
         api_key, admin_key = self._read_keys()
         process, url = None, self.settings.url
         if not url:
+            api_key = api_key or secrets.token_urlsafe(32)  # per launch: no other local process can drive it
             port = self.settings.port or free_port(self.settings.host)
             url = f"http://{self.settings.host}:{port}"
             argv, env = self._launch(port, api_key, admin_key)
@@ -161,6 +162,7 @@ class ServedEngine:
             startup_timeout_s=self.settings.startup_timeout_s,
             health_interval_s=self.settings.health_interval_s,
             max_restarts=self.settings.max_restarts,
+            restart_window_s=self.settings.restart_window_s,
         )
         try:
             await self.supervisor.start()

@@ -2,7 +2,11 @@
 
 Invariants:
 - a launched server runs in a process group this replica started; `stop` ends that group
-  (SIGTERM, then SIGKILL after a grace period) and nothing else;
+  (SIGTERM, then SIGKILL after a grace period) and nothing else; it is started with
+  PR_SET_PDEATHSIG (Linux), so a replica killed without a word (SIGKILL, OOM) takes it along;
+- a crashed server is restarted at most `max_restarts` times within any `restart_window_s`; past
+  that, or on any error the supervisor did not expect, the replica is marked failed with the
+  reason (`failed`, its health NOT_SERVING, an error log line): supervision never ends silently;
 - the supervisor reports the server up only after it answered its health route since its
   last (re)start and `on_ready` (the engine re-loading its adapters) succeeded; while it is
   down, requests are refused at once with UNAVAILABLE and a retry hint, never parked;
@@ -16,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import ctypes
 import os
 import signal
 import socket
@@ -33,6 +38,18 @@ READY_PROBE_S = 0.25  # pause between health probes while a launched server star
 
 
 # -- launching -------------------------------------------------------------------------------
+PR_SET_PDEATHSIG = 1
+
+
+def die_with_parent() -> None:
+    """In the child, before exec: the kernel sends it SIGKILL when the replica that launched it
+    dies (Linux; elsewhere a no-op). Only async-signal-safe calls here."""
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+    except (OSError, AttributeError):
+        pass
+
+
 def free_port(host: str) -> int:
     """A port free now on `host` (another process may take it before the server binds it)."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
@@ -61,6 +78,7 @@ class ServerProcess:
                 stderr=asyncio.subprocess.STDOUT,
                 env=self.env,
                 start_new_session=True,  # its own process group, so stop() reaches its workers too
+                preexec_fn=die_with_parent,
             )
         log.info(f"{self.kind.key}_launched", pid=self.proc.pid, log=str(self.log_path))
 
@@ -112,6 +130,7 @@ class Supervisor:
         startup_timeout_s: float,
         health_interval_s: float,
         max_restarts: int,
+        restart_window_s: float = 600.0,
     ) -> None:
         self.kind, self.http, self.process, self.on_ready = kind, http, process, on_ready
         self.startup_timeout_s, self.health_interval_s, self.max_restarts = (
@@ -119,9 +138,13 @@ class Supervisor:
             health_interval_s,
             max_restarts,
         )
+        self.restart_window_s = restart_window_s
         self.up = False
         self.down_reason = f"{kind.label} has not started yet"
+        self.failed = ""
+        """Why supervision gave up (the replica must be restarted); "" while it supervises."""
         self.restarts = 0
+        self._restarted_at: list[float] = []
         self.listeners: list[Callable[[bool], Awaitable[None]]] = []
         self._stopping = False
         self._probe_now = asyncio.Event()
@@ -137,7 +160,7 @@ class Supervisor:
         await self.on_ready()
         await self._mark_up()
         watch = self._watch_process if self.process is not None else self._watch_url
-        self._task = asyncio.get_running_loop().create_task(watch())
+        self._task = asyncio.get_running_loop().create_task(self._supervise(watch))
 
     def check_up(self) -> None:
         if not self.up:
@@ -214,8 +237,33 @@ class Supervisor:
         if was_up:
             await self._tell(False)
 
+    async def _supervise(self, watch: Callable[[], Awaitable[None]]) -> None:
+        """Run `watch`; whatever ends it but a stop marks the replica failed, with the reason."""
+        try:
+            await watch()
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:
+            await self._fail(f"supervising {self.kind.label} failed with {type(exc).__name__}: {exc}")
+
+    async def _fail(self, reason: str) -> None:
+        """Give up: the server stays down and the replica says why (its health is NOT_SERVING)."""
+        was_up = self.up
+        self.failed = self.down_reason = f"{reason}; the replica gave up and must be restarted"
+        self.up = False
+        log.error(f"{self.kind.key}_supervision_failed", reason=reason)
+        await self._notify()
+        if was_up:
+            await self._tell(False)
+
+    def _budget_spent(self) -> bool:
+        """Whether `max_restarts` restarts happened within the last `restart_window_s`."""
+        now = time.monotonic()
+        self._restarted_at = [t for t in self._restarted_at if now - t < self.restart_window_s]
+        return len(self._restarted_at) >= self.max_restarts
+
     async def _watch_process(self) -> None:
-        """Restart a launched server each time it exits, up to max_restarts."""
+        """Restart a launched server each time it exits, up to max_restarts per restart_window_s."""
         assert self.process is not None, "only a launched server is watched"
         label = self.kind.label
         while True:
@@ -223,15 +271,16 @@ class Supervisor:
             if self._stopping:
                 return
             await self._mark_down(f"{label} exited with code {code} and is being restarted")
-            if self.restarts >= self.max_restarts:
-                self.down_reason = (
-                    f"{label} exited with code {code} after {self.restarts} restarts; the replica gave up "
-                    f"(see {self.process.log_path}) and must be restarted"
-                )
+            if self._budget_spent():
                 log.error(f"{self.kind.key}_gave_up", restarts=self.restarts, log=str(self.process.log_path))
-                await self._notify()
+                await self._fail(
+                    f"{label} exited with code {code} after {len(self._restarted_at)} restarts within "
+                    f"{self.restart_window_s:g}s ({self.kind.key}.max_restarts, {self.kind.key}.restart_window_s; "
+                    f"see {self.process.log_path})"
+                )
                 return
             self.restarts += 1
+            self._restarted_at.append(time.monotonic())
             try:
                 await self.process.start()
                 await self.wait_healthy()

@@ -65,7 +65,8 @@ class ServedSection(Section):
     both are taken such a request is refused as busy and retried elsewhere)."""
     api_key_file: str = Field(default="")
     """File holding the server's API key (its --api-key: SGLang's generate endpoints; vLLM's every endpoint, passed to
-    a launched vLLM as VLLM_API_KEY)."""
+    a launched vLLM as VLLM_API_KEY); empty = a server rollwire launches gets a random key of its own at each launch,
+    which never leaves the replica (so no other local process can load adapters into it)."""
     adapter_dir: str = Field(default="")
     """Where pushed adapters are written for the server to load; empty = a fresh temporary folder."""
     adapter_dir_on_server: str = Field(default="")
@@ -77,7 +78,10 @@ class ServedSection(Section):
     health_interval_s: float = Field(default=5.0, gt=0)
     """How often a server given by url is probed."""
     max_restarts: int = Field(default=5, ge=0)
-    """Restarts of a crashed, launched server before the replica gives up."""
+    """Restarts of a crashed, launched server within restart_window_s before the replica gives up (marked failed)."""
+    restart_window_s: float = Field(default=600.0, gt=0)
+    """The window max_restarts counts restarts in: a server that crashes now and then is restarted for the replica's
+    whole life; one that crashes max_restarts times within it is given up."""
     max_concurrent_groups: int = Field(default=256, ge=1)
     """Groups streamed from the server at once; more wait in rollwire's queue."""
 
