@@ -19,7 +19,7 @@ import structlog
 
 from rollwire.common.errors import FailedPrecondition, ResourceExhausted, RollwireError, to_status
 from rollwire.common.reasons import Reason
-from rollwire.common.retries import CLIENT_BEHAVIOUR
+from rollwire.proxy.accounting import RequestRecord
 from rollwire.proxy.config import ProxyConfig
 from rollwire.proxy.dispatch import Dispatcher
 from rollwire.proxy.failover import GroupRun
@@ -40,7 +40,6 @@ if TYPE_CHECKING:
     from rollwire.proxy.replicas import ReplicaSet
 
 log = get_logger(__name__)
-"""Reasons of the proxy's own refusals that are the client's doing (rollwire_proxy_client_errors_total)."""
 
 
 @dataclass(frozen=True)
@@ -82,35 +81,34 @@ class ProxyServicer(generator_pb2_grpc.GeneratorServiceServicer):
         metadata = context.invocation_metadata()
         rid = request_id_from(metadata, request.request_id)
         structlog.contextvars.bind_contextvars(request_id=rid)
-        start, code = time.monotonic(), grpc.StatusCode.OK
         remaining = context.time_remaining()
         limit = self.config.routing.request_timeout_s
         timeout = limit if remaining is None else min(remaining, limit)
         auth = self.config.auth
         name = caller_identity(metadata, context.peer(), auth.enabled())
         try:
-            async with contextlib.aclosing(self.group_events(request, rid, name, start + timeout)) as events:  # pyright: ignore[reportArgumentType]  # the library's annotation is narrower than what it accepts
-                async for message in events:
-                    await self._write(context, message, name)
-        except RollwireError as err:
-            code = err.code
-            log.info("generate_failed", code=code.name, reason=err.reason, error=err.message)
-            if err.reason in CLIENT_BEHAVIOUR:
-                self.metrics.client_errors.labels(code.name).inc()
-            await self._finish(context, context.abort_with_status(to_status(err)), err.reason == Reason.SLOW_READER)  # pyright: ignore[reportAttributeAccessIssue]  # grpc's stubs lack it; it exists at run time
-        except PassThrough as relay:
-            code = relay.code
-            log.info("generate_refused_by_replica", code=code.name, error=relay.details)
-            self.metrics.client_errors.labels(code.name).inc()
-            await self._finish(context, relay.abort(context))
-        except asyncio.CancelledError:
-            code = grpc.StatusCode.CANCELLED
-            raise
+            with self.account() as record:  # counted, timed and classified (accounting.py)
+                try:
+                    events = self.group_events(request, rid, name, record.start + timeout)
+                    async with contextlib.aclosing(events):  # pyright: ignore[reportArgumentType]  # the library's annotation is narrower than what it accepts
+                        async for message in events:
+                            await self._write(context, message, name)
+                except RollwireError as err:
+                    record.close(err)
+                    log.info("generate_failed", code=err.code.name, reason=err.reason, error=err.message)
+                    aborting = context.abort_with_status(to_status(err))  # pyright: ignore[reportAttributeAccessIssue]  # grpc's stubs lack it; it exists at run time
+                    await self._finish(context, aborting, err.reason == Reason.SLOW_READER)
+                except PassThrough as relay:
+                    record.close(relay)
+                    log.info("generate_refused_by_replica", code=relay.code.name, error=relay.details)
+                    await self._finish(context, relay.abort(context))
         finally:
-            policy = self.metrics.policy
-            self.metrics.requests.labels(policy, code.name).inc()
-            self.metrics.latency.labels(policy).observe(time.monotonic() - start)
             structlog.contextvars.unbind_contextvars("request_id")
+
+    def account(self, *, edge: bool = False) -> RequestRecord:
+        """A generation request's record in the core metrics, whichever door it came by: the
+        HTTP door opens one per request as gRPC's Generate does (accounting.py)."""
+        return RequestRecord(self.metrics, edge=edge)
 
     async def group_events(
         self, request: pb.GenerateRequest, rid: str, client: str, deadline: float
