@@ -43,13 +43,13 @@ from rollwire.runtime.logs import get_logger, request_id_from
 from rollwire.runtime.members import CHALLENGE_KEY, PROOF_KEY, member_proof
 from rollwire.runtime.security import TokenAuth, caller_identity
 from rollwire.serving import __version__
+from rollwire.serving.config import PROMPT_BYTES_PER_TOKEN  # checked before tokenizing
 from rollwire.serving.sessions import SessionStore, Turn, check_turn
 from rollwire.v1 import generator_pb2 as pb
 from rollwire.v1 import generator_pb2_grpc
 
 log = get_logger(__name__)
 # Generate's bounds on client strings (docs/protocol.md lists them with the Limits section):
-PROMPT_BYTES_PER_TOKEN = 32  # a text prompt may have 32 UTF-8 bytes per allowed token, checked before tokenizing
 INLINE_TOKENIZE_CHARS = 2048  # longer texts are tokenized on a worker thread, not the event loop
 MAX_STOP_CHARS = 64  # longest stop string
 MAX_GROUP_KEY_CHARS = 1024  # longest group_key (the replica ignores it; the proxy hashes it)

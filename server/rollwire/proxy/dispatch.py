@@ -36,8 +36,11 @@ from rollwire.proxy.metrics import ProxyMetrics
 from rollwire.proxy.policies import Policy, routing_key
 from rollwire.proxy.replica import Replica
 from rollwire.proxy.replicas import ReplicaSet
+from rollwire.runtime.logs import Throttled, get_logger
 from rollwire.runtime.waits import wait_at_most
 from rollwire.v1 import generator_pb2 as pb
+
+log = get_logger(__name__)
 
 
 @dataclass(frozen=True)
@@ -116,6 +119,7 @@ class Dispatcher:
     _waiting: int = field(default=0, init=False)
     _turn: int = field(default=0, init=False)
     _changed: asyncio.Event = field(default_factory=asyncio.Event, init=False)
+    _no_replica_log: Throttled = field(default_factory=lambda: Throttled(log, "no_replica"), init=False)
 
     def queued(self) -> int:
         return self._waiting
@@ -257,9 +261,12 @@ class Dispatcher:
             await wait_at_most(self._changed.wait(), limit - time.monotonic())
 
     def _no_replica(self, need: Need, waited: float) -> Unavailable:
+        """A generic sentence for the caller: the replicas' addresses and errors are the
+        operator's to read (this log line, GetStatus for an admin), not every caller's (audit A12)."""
+        self._no_replica_log(need=str(need), waited_s=round(waited, 1), replicas=self.replicas.describe()[:1000])
         return Unavailable(
-            f"no generator replica could serve {need} for {waited:.1f}s ({self.replicas.describe()}); "
-            "retry later or check the replicas",
+            f"no generator replica could serve {need} for {waited:.1f}s; retry later (the proxy's log and "
+            "GetStatus name each replica's state)",
             reason=Reason.NO_REPLICA,
             retry_after_s=self.routing.retry_after_s,
         )

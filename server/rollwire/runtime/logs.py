@@ -9,6 +9,7 @@ from __future__ import annotations
 import logging
 import re
 import sys
+import time
 import uuid
 
 import structlog
@@ -55,3 +56,22 @@ def request_id_from(metadata, fallback: str = "") -> str:
 
 def get_logger(name: str):
     return structlog.get_logger(name)
+
+
+class Throttled:
+    """One log event at most every `every_s` seconds: a flood (accept errors, refused
+    connections, a fleet with no replica) becomes one line a second saying how many it stands
+    for, so no caller can fill the disk through the log."""
+
+    def __init__(self, logger, event: str, every_s: float = 1.0) -> None:
+        self.logger, self.event, self.every_s = logger, event, every_s
+        self.last = float("-inf")
+        self.suppressed = 0
+
+    def __call__(self, level: str = "warning", **fields) -> None:
+        now = time.monotonic()
+        if now - self.last < self.every_s:
+            self.suppressed += 1
+            return
+        getattr(self.logger, level)(self.event, suppressed=self.suppressed, **fields)
+        self.last, self.suppressed = now, 0

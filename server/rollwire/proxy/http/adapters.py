@@ -8,7 +8,9 @@ Invariants:
   finish behind the answer, and a request naming the version waits for a replica that
   serves it) or once it is committed (`"committed"`), or with the refusal the push met;
 - `lora_path` is read only inside `http.adapter_root`, after resolving symlinks and `..`;
-  anything else is refused (403) before the file system is asked whether it exists;
+  anything else is refused (403) before the file system is asked whether it exists; the
+  folder and its files are then opened without following symlinks (a link is a 403), and
+  nothing parsed out of a refused file is echoed to the caller;
 - bytes are bounded before they are read: adapter_config.json by MAX_CONFIG_BYTES, the
   weights by the spool's max_adapter_bytes (file size, or the upload's length);
 - a version keeps its bytes: `NAME-vN` loaded again with the same bytes is an idempotent
@@ -21,8 +23,11 @@ Invariants:
 from __future__ import annotations
 
 import asyncio
+import errno
 import hashlib
 import json
+import os
+import stat
 from collections import defaultdict
 from collections.abc import AsyncIterator, Iterable
 from pathlib import Path
@@ -40,8 +45,10 @@ from rollwire.common.writer import MAX_CHUNK, messages
 from rollwire.proxy.http.errors import HttpError
 from rollwire.proxy.http.names import ModelRef, model_id, parse_model
 from rollwire.proxy.servicer import ProxyState
+from rollwire.runtime.logs import get_logger
 from rollwire.v1 import generator_pb2 as pb
 
+log = get_logger(__name__)
 MAX_CONFIG_BYTES = 1 << 20
 CONFIG_FILE, WEIGHTS_FILE = "adapter_config.json", "adapter_model.safetensors"
 
@@ -89,8 +96,11 @@ class AdapterDoor:
         lora = _lora_shape(config)
         try:
             read_header(payload)
-        except HeaderError as exc:
-            raise _bad_folder(f"{WEIGHTS_FILE} is not a valid safetensors file: {exc}") from None
+        except HeaderError as exc:  # its text quotes the file's bytes: logged, never echoed (audit A11)
+            log.info("adapter_header_refused", lora_name=lora_name[:256], error=str(exc)[:300])
+            raise _bad_folder(
+                f"{WEIGHTS_FILE} is not a valid safetensors file (its header does not parse; the proxy's log says why)"
+            ) from None
         sha256 = await asyncio.to_thread(lambda: hashlib.sha256(payload).hexdigest())
         await self._model_folder_fingerprint()
         if ref.version:
@@ -175,13 +185,29 @@ class AdapterDoor:
         return folder
 
     def _read_folder(self, folder: Path) -> tuple[Any, bytes]:
-        """adapter_config.json (parsed) and the weights' bytes, each bounded before it is read."""
-        config_path, weights_path = folder / CONFIG_FILE, folder / WEIGHTS_FILE
-        for path in (config_path, weights_path):
-            if not path.is_file():
-                raise _bad_folder(f"{folder} has no {path.name}; point lora_path at a folder saved by PEFT")
-        config = _parse_config(_read_bounded(config_path, MAX_CONFIG_BYTES))
-        return config, _read_bounded(weights_path, self.max_bytes)
+        """adapter_config.json (parsed) and the weights' bytes, each bounded before it is read;
+        the folder and each file opened without following a symlink (audit A11)."""
+        try:
+            dir_fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        except OSError:
+            raise _bad_folder(f"{folder} is not a folder; point lora_path at a folder saved by PEFT") from None
+        try:
+            self._check_opened(dir_fd, folder)
+            config = _parse_config(_read_bounded(dir_fd, folder, CONFIG_FILE, MAX_CONFIG_BYTES))
+            return config, _read_bounded(dir_fd, folder, WEIGHTS_FILE, self.max_bytes)
+        finally:
+            os.close(dir_fd)
+
+    def _check_opened(self, dir_fd: int, folder: Path) -> None:
+        """The folder opened is still inside the root (it was not swapped after resolving)."""
+        try:
+            opened = Path(os.readlink(f"/proc/self/fd/{dir_fd}"))
+        except OSError:
+            return  # no /proc: the resolved path and O_NOFOLLOW are the check
+        if self.root is not None and not opened.is_relative_to(self.root):
+            raise PermissionDenied(
+                f"{folder} moved outside the folder this proxy reads adapters from", reason=Reason.PATH_OUTSIDE_ROOT
+            )
 
     async def read_upload(self, parts: Iterable[tuple[str, bytes]]) -> tuple[Any, bytes]:
         """The two files of an upload (by field name), checked like a folder's."""
@@ -194,13 +220,26 @@ class AdapterDoor:
         return _parse_config(files[CONFIG_FILE]), files[WEIGHTS_FILE]
 
 
-def _read_bounded(path: Path, limit: int) -> bytes:
-    with path.open("rb") as fh:
+def _read_bounded(dir_fd: int, folder: Path, name: str, limit: int) -> bytes:
+    """`name` in the folder `dir_fd`, a regular file and no symlink, at most `limit` bytes."""
+    try:  # O_NONBLOCK: a FIFO planted under the name does not block the open
+        fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, dir_fd=dir_fd)
+    except FileNotFoundError:
+        raise _bad_folder(f"{folder} has no {name}; point lora_path at a folder saved by PEFT") from None
+    except OSError as exc:
+        why = "a symbolic link" if exc.errno == errno.ELOOP else "unreadable"
+        raise PermissionDenied(
+            f"{folder}/{name} is {why}; adapter files under http.adapter_root must be regular files, not links",
+            reason=Reason.PATH_OUTSIDE_ROOT,
+        ) from None
+    with os.fdopen(fd, "rb") as fh:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise _bad_folder(f"{folder}/{name} is not a regular file")
         data = fh.read(limit + 1)
     if len(data) > limit:
         raise HttpError(
             grpc.StatusCode.INVALID_ARGUMENT,
-            f"{path.name} is larger than this proxy takes ({limit} bytes)",
+            f"{name} is larger than this proxy takes ({limit} bytes)",
             reason=Reason.BODY_TOO_LARGE,
         )
     return data

@@ -14,7 +14,6 @@ Invariants:
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import time
 import uuid
 from collections.abc import Awaitable
@@ -29,17 +28,20 @@ from pydantic import BaseModel
 from rollwire.common.errors import Internal, RollwireError, Unavailable
 from rollwire.common.reasons import Reason
 from rollwire.proxy.http import convert
-from rollwire.proxy.http.bodies import check_length, parse_body, read_body
+from rollwire.proxy.http.adapters import CONFIG_FILE, MAX_CONFIG_BYTES, WEIGHTS_FILE
+from rollwire.proxy.http.bodies import body_chunks, parse_body, read_body
 from rollwire.proxy.http.door import Door
 from rollwire.proxy.http.errors import HttpError, error_response, http_status
 from rollwire.proxy.http.openai import ChatBody, CompletionBody, LoadLoraBody, UnloadLoraBody, check_unhonoured
 from rollwire.proxy.http.stream import stream_group
+from rollwire.proxy.http.uploads import read_form
 from rollwire.proxy.metrics import HTTP_ROUTES
 from rollwire.proxy.passthrough import PassThrough
-from rollwire.runtime.logs import get_logger
+from rollwire.runtime.logs import Throttled, get_logger
 from rollwire.runtime.security import ADMIN, GENERATE, caller_identity
 
 log = get_logger(__name__)
+_health_log = Throttled(log, "http_health_no_replica")
 
 
 def create_app(door: Door) -> FastAPI:
@@ -62,8 +64,26 @@ def _authorize(door: Door, request: Request, role: str) -> str:
     return caller_identity([("authorization", header or "")], host, door.auth is not None)
 
 
+def _health(door: Door, request: Request) -> Response:
+    """Open for probes; what each replica is doing (addresses, errors) only for an admin (audit A12)."""
+    if door.servicer.replicas.routable():
+        return Response(status_code=200)
+    detail = door.servicer.replicas.describe()
+    _health_log(level="info", replicas=detail[:1000])
+    header = request.headers.get("authorization", "")
+    admin = door.auth is not None and door.auth.role([("authorization", header)]) == ADMIN
+    return error_response(
+        Unavailable(
+            f"no replica is routable ({detail})" if admin else "no replica is routable; retry later",
+            reason=Reason.NO_REPLICA,
+            retry_after_s=door.config.routing.retry_after_s,
+        )
+    )
+
+
 async def _body(door: Door, request: Request, kind: type[BaseModel]) -> Any:
-    return await parse_body(await read_body(request, door.config.http.max_body_bytes), kind)
+    http = door.config.http
+    return await parse_body(await read_body(request, http.max_body_bytes, http.body_timeout_s), kind)
 
 
 def _observe(app: FastAPI, door: Door) -> None:
@@ -108,16 +128,8 @@ def _vllm_routes(app: FastAPI, door: Door) -> None:
     """The vLLM server calls TRL makes besides sampling: health, server info, models, pause."""
 
     @app.get("/health")
-    async def health() -> Response:
-        if door.servicer.replicas.routable():
-            return Response(status_code=200)
-        return error_response(
-            Unavailable(
-                f"no replica is routable ({door.servicer.replicas.describe()})",
-                reason=Reason.NO_REPLICA,
-                retry_after_s=door.config.routing.retry_after_s,
-            )
-        )
+    async def health(request: Request) -> Response:
+        return _health(door, request)
 
     @app.get("/server_info")
     async def server_info(request: Request) -> JSONResponse:
@@ -169,32 +181,21 @@ def _adapter_routes(app: FastAPI, door: Door) -> None:
         """multipart/form-data: `lora_name`, and the files adapter_config.json and
         adapter_model.safetensors (the fields are named after them)."""
         _authorize(door, request, ADMIN)
-        limit = door.config.spool.max_adapter_bytes + (2 << 20)
-        check_length(request, limit)
-        try:
-            form = await request.form(max_files=2, max_fields=2, max_part_size=1 << 20)
-        except Exception as exc:  # the multipart parser's errors carry no common type
+        adapters, http = door.adapters, door.config.http
+        limits = {"lora_name": 1024, CONFIG_FILE: MAX_CONFIG_BYTES, WEIGHTS_FILE: adapters.max_bytes}
+        total = sum(limits.values()) + (64 << 10)  # the parts' headers and boundaries
+        chunks = body_chunks(request, total, http.body_timeout_s)
+        parts = await read_form(request.headers.get("content-type", ""), chunks, limits, total)
+        name = parts.pop("lora_name", b"").decode("utf-8", "replace")
+        if not name:
             raise HttpError(
                 grpc.StatusCode.INVALID_ARGUMENT,
-                f"the upload is not multipart/form-data with lora_name and the two adapter files ({exc})",
+                "lora_name is required",
                 reason=Reason.BAD_REQUEST_BODY,
-            ) from None
-        async with contextlib.AsyncExitStack() as stack:
-            stack.push_async_callback(form.close)
-            name = form.get("lora_name")
-            if not isinstance(name, str) or not name:
-                raise HttpError(
-                    grpc.StatusCode.INVALID_ARGUMENT,
-                    "lora_name is required",
-                    reason=Reason.BAD_REQUEST_BODY,
-                    param="lora_name",
-                )
-            parts = []
-            for key, value in form.multi_items():
-                if not isinstance(value, str):
-                    parts.append((key, await value.read()))
-            config, payload = await door.adapters.read_upload(parts)
-            return JSONResponse(await door.adapters.publish(name, config, payload, request.state.rid))
+                param="lora_name",
+            )
+        config, payload = await adapters.read_upload(parts.items())
+        return JSONResponse(await adapters.publish(name, config, payload, request.state.rid))
 
     @app.post("/v1/unload_lora_adapter")
     async def unload_lora(request: Request) -> JSONResponse:
@@ -249,7 +250,7 @@ def _openai_routes(app: FastAPI, door: Door) -> None:
         body: ChatBody = await _body(door, request, ChatBody)
         check_unhonoured(body)
         ref = door.resolve(body.model)
-        prompt = await door.chat_prompt(body)
+        prompt = await door.chat_prompt(body, client)
         rid = body.request_id or request.state.rid
         max_tokens = body.max_completion_tokens or body.max_tokens or door.default_max_tokens(len(prompt))
         req = convert.generate_request(body, prompt, ref, max_tokens, rid)

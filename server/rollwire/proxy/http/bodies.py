@@ -1,16 +1,19 @@
 """Request bodies, read within their limit and parsed into typed models.
 
 Limits before work: a body is refused (413) as soon as it is known to exceed its route's
-limit, by its Content-Length or while it arrives; large JSON is parsed on a worker thread."""
+limit, by its Content-Length or while it arrives (chunked too), and (400) when it has not
+arrived within http.body_timeout_s; large JSON is parsed on a worker thread."""
 
 from __future__ import annotations
 
 import asyncio
+from collections.abc import AsyncIterator
 from typing import Any
 
 import grpc
 from fastapi import Request
 from pydantic import BaseModel, ValidationError
+from starlette.requests import ClientDisconnect
 
 from rollwire.common.reasons import Reason
 from rollwire.proxy.http.errors import HttpError
@@ -31,11 +34,30 @@ def check_length(request: Request, limit: int) -> None:
         )
 
 
-async def read_body(request: Request, limit: int) -> bytes:
-    """The body, refused (413) as soon as it is known to exceed `limit` bytes."""
+async def body_chunks(request: Request, limit: int, timeout_s: float) -> AsyncIterator[bytes]:
+    """The body's chunks as they arrive, whatever its framing (Content-Length or chunked):
+    refused (413) as soon as it is known to exceed `limit` bytes, and (400) when it has not
+    arrived in full `timeout_s` after the first chunk was asked for."""
     check_length(request, limit)
-    chunks, size = [], 0
-    async for chunk in request.stream():
+    deadline = asyncio.get_running_loop().time() + timeout_s
+    stream = request.stream().__aiter__()
+    size = 0
+    while True:
+        try:
+            async with asyncio.timeout_at(deadline):
+                chunk = await stream.__anext__()
+        except StopAsyncIteration:
+            return
+        except TimeoutError:
+            raise HttpError(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"the request body did not arrive within {timeout_s:g} s (http.body_timeout_s); send it at once",
+                reason=Reason.BAD_REQUEST_BODY,
+            ) from None
+        except ClientDisconnect:
+            raise HttpError(
+                grpc.StatusCode.CANCELLED, "the caller closed the connection", reason=Reason.BAD_REQUEST_BODY
+            ) from None
         size += len(chunk)
         if size > limit:
             raise HttpError(
@@ -43,7 +65,13 @@ async def read_body(request: Request, limit: int) -> bytes:
                 f"the request body is over {limit} bytes, the most this endpoint takes",
                 reason=Reason.BODY_TOO_LARGE,
             )
-        chunks.append(chunk)
+        yield chunk
+
+
+async def read_body(request: Request, limit: int, timeout_s: float) -> bytes:
+    """The body, refused (413) as soon as it is known to exceed `limit` bytes, and (400)
+    when it has not arrived within `timeout_s`."""
+    chunks = [chunk async for chunk in body_chunks(request, limit, timeout_s)]
     return b"".join(chunks)
 
 

@@ -3,8 +3,8 @@ tokenizer (`Door`), and what the fleet is, told as vLLM tells it (/v1/models, /s
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
+import functools
 import json
 import time
 from dataclasses import dataclass
@@ -21,6 +21,7 @@ from rollwire.proxy.http.adapters import AdapterDoor
 from rollwire.proxy.http.errors import HttpError
 from rollwire.proxy.http.names import ModelRef, model_id, parse_model
 from rollwire.proxy.http.openai import ChatBody
+from rollwire.proxy.http.prompts import PromptGate
 from rollwire.proxy.http.tokenizer import ChatTokenizer
 from rollwire.proxy.servicer import ProxyServicer
 from rollwire.runtime.logs import get_logger
@@ -184,7 +185,12 @@ class Door:
             async for message in events:
                 group.apply(message)
 
-    async def chat_prompt(self, body: ChatBody) -> list[int]:
+    @functools.cached_property
+    def prompts(self) -> PromptGate:
+        return PromptGate(self.config.http, self.config.routing.retry_after_s)
+
+    async def chat_prompt(self, body: ChatBody, client: str = "") -> list[int]:
+        """The chat rendered and tokenized, its size bounded first (prompts.py: audit A2)."""
         if self.tokenizer is None:
             raise FailedPrecondition(
                 "chat completions need the base model's tokenizer at the proxy: set http.model_path to the model's "
@@ -192,6 +198,9 @@ class Door:
                 reason=Reason.NO_CHAT_TEMPLATE,
             )
         tokenizer = self.tokenizer
+        max_tokens = self.servicer.status().limits.max_prompt_tokens
+        chat = (body.messages, body.tools, body.chat_template_kwargs)
+        size = self.prompts.check_size(chat, max_tokens)
 
         def render() -> list[int]:
             text = tokenizer.render(
@@ -201,9 +210,9 @@ class Door:
                 continue_final_message=body.continue_final_message,
                 kwargs=body.chat_template_kwargs or {},
             )
-            return tokenizer.encode(text)
+            return tokenizer.encode(text, max_tokens)
 
-        return await asyncio.to_thread(render)
+        return await self.prompts.run(client, size, render)
 
     def token_text(self, token_id: int) -> str:
         return self.tokenizer.token_text(token_id) if self.tokenizer is not None else ""

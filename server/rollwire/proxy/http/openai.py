@@ -8,13 +8,31 @@ or a no-op said so in docs/http.md (`user`). A field no API defines is a 400 nam
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from rollwire.proxy.http.errors import unsupported
 
 MAX_SEED = (1 << 64) - 1
+UINT32, INT32, INT64 = (1 << 32) - 1, (1 << 31) - 1, (1 << 63) - 1
+"""Every integer field is bounded by the wire type it becomes (generator.proto), or by int64 when it reaches no
+wire: a value out of range is a 400 naming the field, never a 500 from the protobuf setter (audit A9)."""
+TokenId = Annotated[int, Field(ge=0, le=INT32)]
+"""A prompt token id (TokenIds.ids is int32)."""
+Int64 = Annotated[int, Field(ge=-INT64 - 1, le=INT64)]
+RESERVED_TEMPLATE_NAMES = frozenset(
+    {
+        "messages",
+        "tools",
+        "add_generation_prompt",
+        "continue_final_message",
+        "documents",
+        "raise_exception",
+        "strftime_now",
+    }
+)
+"""chat_template_kwargs names the door itself gives the template (or the template's helpers): a 400 if sent."""
 
 
 class _Body(BaseModel):
@@ -33,7 +51,7 @@ class _Sampling(_Body):
     n: int = Field(default=1, ge=1, le=1024)
     temperature: float | None = None
     top_p: float | None = None
-    top_k: int | None = Field(default=None, ge=-1)
+    top_k: int | None = Field(default=None, ge=-1, le=UINT32)
     """vLLM's convention: 0 or -1 = off."""
     seed: int | None = Field(default=None, ge=0, le=MAX_SEED)
     stop: str | list[str] | None = None
@@ -55,22 +73,22 @@ class _Sampling(_Body):
     frequency_penalty: float | None = None
     repetition_penalty: float | None = None
     min_p: float | None = None
-    min_tokens: int | None = None
+    min_tokens: Int64 | None = None
     logit_bias: dict[str, float] | None = None
     skip_special_tokens: bool | None = None
     spaces_between_special_tokens: bool | None = None
-    best_of: int | None = None
+    best_of: Int64 | None = None
     use_beam_search: bool | None = None
     length_penalty: float | None = None
-    stop_token_ids: list[int] | None = None
-    prompt_logprobs: int | None = None
-    truncate_prompt_tokens: int | None = None
+    stop_token_ids: list[Int64] | None = None
+    prompt_logprobs: Int64 | None = None
+    truncate_prompt_tokens: Int64 | None = None
     guided_json: Any = None
     guided_regex: str | None = None
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
     structured_outputs: Any = None
-    priority: int | None = None
+    priority: Int64 | None = None
     request_id: str | None = Field(default=None, max_length=256)
     """Becomes the request id in every log line the request crosses (as x-request-id does)."""
 
@@ -81,8 +99,8 @@ class _Sampling(_Body):
 class CompletionBody(_Sampling):
     """POST /v1/completions."""
 
-    prompt: str | list[int] | list[str] | list[list[int]]
-    max_tokens: int | None = Field(default=16, ge=1)
+    prompt: str | list[TokenId] | list[str] | list[list[TokenId]]
+    max_tokens: int | None = Field(default=16, ge=1, le=UINT32)
     logprobs: int | None = Field(default=None, ge=0, le=20)
     echo: bool = False
     suffix: str | None = None
@@ -101,8 +119,8 @@ class ChatBody(_Sampling):
     """POST /v1/chat/completions."""
 
     messages: list[dict[str, Any]] = Field(min_length=1)
-    max_tokens: int | None = Field(default=None, ge=1)
-    max_completion_tokens: int | None = Field(default=None, ge=1)
+    max_tokens: int | None = Field(default=None, ge=1, le=UINT32)
+    max_completion_tokens: int | None = Field(default=None, ge=1, le=UINT32)
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=20)
     tools: list[dict[str, Any]] | None = None
@@ -115,6 +133,17 @@ class ChatBody(_Sampling):
     chat_template_kwargs: dict[str, Any] | None = None
     chat_template: str | None = None
     echo: bool = False
+
+    @field_validator("chat_template_kwargs")
+    @classmethod
+    def _no_reserved_names(cls, kwargs: dict[str, Any] | None) -> dict[str, Any] | None:
+        taken = sorted(RESERVED_TEMPLATE_NAMES & set(kwargs or ()))
+        if taken:
+            raise ValueError(
+                f"{', '.join(taken)} cannot be set here: the door gives the template these itself (use the request's "
+                "own fields: messages, tools, add_generation_prompt, continue_final_message)"
+            )
+        return kwargs
 
 
 class LoadLoraBody(_Body):
@@ -129,7 +158,7 @@ class UnloadLoraBody(_Body):
     """POST /v1/unload_lora_adapter (vLLM)."""
 
     lora_name: str = Field(min_length=1, max_length=256)
-    lora_int_id: int | None = None
+    lora_int_id: Int64 | None = None
 
 
 NEUTRAL: dict[str, tuple[Any, ...]] = {

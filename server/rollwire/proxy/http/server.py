@@ -1,4 +1,8 @@
-"""uvicorn serving the door on the proxy's event loop, with the proxy's TLS."""
+"""uvicorn serving the door on the proxy's event loop, with the proxy's TLS.
+
+The door accepts its own connections (connections.Acceptor): uvicorn parses and answers
+them, but never listens, so the caps on connections (total and per peer) and the header
+deadline hold before any byte is parsed (connections.py states the invariants)."""
 
 from __future__ import annotations
 
@@ -11,6 +15,7 @@ import ssl
 from typing import Any
 
 from rollwire.proxy.http.app import create_app
+from rollwire.proxy.http.connections import Acceptor, DoorProtocol, Gate, Slot, connection_limit
 from rollwire.proxy.http.door import Door
 from rollwire.runtime.logs import get_logger
 
@@ -24,7 +29,7 @@ class HttpServer:
     def __init__(self, door: Door) -> None:
         import uvicorn
 
-        config = door.config
+        config = self.door_config = door.config
         tls = config.tls
         self.sock = socket.socket(socket.AF_INET6 if ":" in config.host else socket.AF_INET, socket.SOCK_STREAM)
         self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -47,6 +52,8 @@ class HttpServer:
             log_config=None,
             access_log=False,
             lifespan="off",
+            http="h11",  # connections.DoorProtocol extends uvicorn's h11 protocol
+            timeout_keep_alive=config.http.keep_alive_s,  # pyright: ignore[reportArgumentType]  # used as a delay
             timeout_graceful_shutdown=math.ceil(config.grace_seconds) or 1,
             **options,
         )
@@ -59,17 +66,52 @@ class HttpServer:
         self.server = _Server(self.config)
         logging.getLogger("uvicorn.error").setLevel(logging.WARNING)  # the door logs its own events (structlog)
         self._task: asyncio.Task | None = None
+        self._accepting: asyncio.Task | None = None
+        self.limit, nofile = connection_limit(config.http.max_connections)
+        log.info(
+            "http_connection_limits",
+            max_connections=self.limit,
+            configured=config.http.max_connections,
+            per_peer=config.http.max_connections_per_peer,
+            nofile_soft=nofile,
+            note=f"at most 1/4 of the soft file-descriptor limit ({nofile})" if nofile else "no descriptor limit",
+        )
 
     async def start(self) -> None:
         self.config.load()
         self.server.lifespan = self.config.lifespan_class(self.config)
-        await self.server.startup(sockets=[self.sock])
+        await self.server.startup(sockets=[])  # uvicorn listens on nothing: the Acceptor accepts
+        self.sock.listen(self.config.backlog)
+        http = self.door_config.http
+        acceptor = Acceptor(
+            self.sock,
+            Gate(self.limit, http.max_connections_per_peer),
+            self._protocol,
+            self.config.ssl,
+            http.header_timeout_s,
+        )
+        self.acceptor = acceptor
+        self._accepting = asyncio.create_task(acceptor.run())
         self._task = asyncio.create_task(self.server.main_loop())
+
+    def _protocol(self, slot: Slot) -> asyncio.Protocol:
+        return DoorProtocol(
+            config=self.config,
+            server_state=self.server.server_state,
+            app_state=self.server.lifespan.state,
+            slot=slot,
+            header_timeout_s=self.door_config.http.header_timeout_s,
+        )
 
     async def stop(self) -> None:
         if self._task is None:
             return
         self.server.should_exit = True
+        if self._accepting is not None:
+            self._accepting.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._accepting
+            await self.acceptor.stop()
         with contextlib.suppress(asyncio.CancelledError):
             await self._task
         await self.server.shutdown(sockets=[self.sock])

@@ -1,0 +1,111 @@
+"""multipart/form-data uploads, counted while they are read.
+
+Invariants (audit A5):
+- every byte is counted as it arrives, whatever the framing (Content-Length or chunked): the
+  upload is refused (413) as soon as its total passes `total`, or one part passes its field's
+  limit, before another byte of it is read;
+- only the fields named in `limits` are taken, each at most once; any other field is a 400
+  the moment its headers end; nothing is spooled to disk and no part is held beyond its limit;
+- the body must arrive within http.body_timeout_s (bodies.body_chunks).
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterable, Mapping
+
+import grpc
+from python_multipart.multipart import MultipartParseError, MultipartParser, parse_options_header
+
+from rollwire.common.reasons import Reason
+from rollwire.proxy.http.errors import HttpError
+
+
+class FormReader:
+    """The fields of one multipart body fed in chunks of any size, each bounded by its limit."""
+
+    def __init__(self, content_type: str, limits: Mapping[str, int], total: int) -> None:
+        kind, options = parse_options_header(content_type)
+        boundary = options.get(b"boundary")
+        if kind != b"multipart/form-data" or not boundary:
+            raise _bad("the upload must be multipart/form-data with a boundary")
+        self.limits, self.total = dict(limits), total
+        self.size = 0
+        self.parts: dict[str, bytearray] = {}
+        self._field: str | None = None
+        self._header: list[bytes] = [b"", b""]
+        self._disposition = b""
+        self._parser = MultipartParser(
+            boundary,
+            {
+                "on_header_field": lambda data, start, end: self._add_header(0, data[start:end]),
+                "on_header_value": lambda data, start, end: self._add_header(1, data[start:end]),
+                "on_header_end": self._header_end,
+                "on_headers_finished": self._headers_finished,
+                "on_part_data": self._part_data,
+            },
+        )
+
+    def feed(self, chunk: bytes) -> None:
+        self.size += len(chunk)
+        if self.size > self.total:
+            raise HttpError(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"the upload is over {self.total} bytes, the most this endpoint takes",
+                reason=Reason.BODY_TOO_LARGE,
+            )
+        try:
+            self._parser.write(chunk)
+        except MultipartParseError as exc:
+            raise _bad(f"the upload is not valid multipart/form-data ({str(exc)[:120]})") from None
+
+    def finish(self) -> dict[str, bytes]:
+        try:
+            self._parser.finalize()
+        except MultipartParseError as exc:
+            raise _bad(f"the upload is not valid multipart/form-data ({str(exc)[:120]})") from None
+        return {name: bytes(data) for name, data in self.parts.items()}
+
+    def _add_header(self, which: int, data: bytes) -> None:
+        self._header[which] += data
+
+    def _header_end(self) -> None:
+        name, value = self._header
+        if name.strip().lower() == b"content-disposition":
+            self._disposition = value
+        self._header = [b"", b""]
+
+    def _headers_finished(self) -> None:
+        _, options = parse_options_header(self._disposition)
+        self._disposition = b""
+        name = options.get(b"name", b"").decode("utf-8", "replace")
+        if name not in self.limits:
+            raise _bad(f"the upload has a field {name[:80]!r}; it takes only {', '.join(self.limits)}")
+        if name in self.parts:
+            raise _bad(f"the upload has the field {name!r} twice; send it once")
+        self._field = name
+        self.parts[name] = bytearray()
+
+    def _part_data(self, data: bytes, start: int, end: int) -> None:
+        assert self._field is not None  # the parser gives data only after a part's headers
+        part = self.parts[self._field]
+        part += data[start:end]
+        if len(part) > self.limits[self._field]:
+            raise HttpError(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"the upload's {self._field} is over {self.limits[self._field]} bytes, the most this proxy takes",
+                reason=Reason.BODY_TOO_LARGE,
+            )
+
+
+async def read_form(
+    content_type: str, chunks: AsyncIterable[bytes], limits: Mapping[str, int], total: int
+) -> dict[str, bytes]:
+    """The fields of a multipart body arriving as `chunks`, each within its limit."""
+    reader = FormReader(content_type, limits, total)
+    async for chunk in chunks:
+        reader.feed(chunk)
+    return reader.finish()
+
+
+def _bad(message: str) -> HttpError:
+    return HttpError(grpc.StatusCode.INVALID_ARGUMENT, message, reason=Reason.BAD_REQUEST_BODY)

@@ -1,0 +1,347 @@
+"""Hostile callers at the HTTP door (issue 32, item 2; audit A2, A4, A5, A9, A11, A12), each
+beside well-behaved gRPC and HTTP clients of the same real proxy, counting the collateral: no
+well-behaved call fails, the proxy's gRPC GetStatus stays prompt, and descriptors and memory
+come back. One replica and one proxy (short deadlines in its config) serve the whole module."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import socket
+import threading
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import grpc
+import pytest
+import requests
+from support.processes import start_generators, start_proxy, stop_all, wait_routable, wait_until
+from support.wire import make_adapter, request, run_group
+
+from rollwire.v1 import generator_pb2 as pb
+from rollwire.v1 import generator_pb2_grpc
+
+pytestmark = pytest.mark.integration
+
+TEMPLATE = "{% for m in messages %}{{ m['role'][0] }}:{{ m['content'] }}\n{% endfor %}{% if add_generation_prompt %}a:{% endif %}"
+HEADER_TIMEOUT_S, BODY_TIMEOUT_S, PER_PEER = 1.5, 2.0, 16
+HOSTILE_IP = "127.0.0.2"
+"""The hostile peer's own address (all of 127/8 is loopback): the per-peer cap is its, not the good clients'."""
+MAX_ADAPTER_BYTES = 1 << 20
+
+
+@pytest.fixture(scope="module")
+def fleet(tiny_model, tmp_path_factory):
+    work = tmp_path_factory.mktemp("door-hostile")
+    model = work / "tiny"
+    shutil.copytree(tiny_model, model)
+    config = json.loads((model / "tokenizer_config.json").read_text())
+    (model / "tokenizer_config.json").write_text(json.dumps({**config, "chat_template": TEMPLATE}))
+    root = work / "adapters"
+    root.mkdir()
+    gens = start_generators(model, work, ["d1"])
+    settings = {
+        "http.header_timeout_s": HEADER_TIMEOUT_S,
+        "http.body_timeout_s": BODY_TIMEOUT_S,
+        "http.keep_alive_s": 2,
+        "http.max_connections": 64,
+        "http.max_connections_per_peer": PER_PEER,
+        "spool.max_adapter_bytes": MAX_ADAPTER_BYTES,
+    }
+    sets = [a for k, v in settings.items() for a in ("--set", f"{k}={v}")]
+    door = ("--http-port", "0", "--http-model", str(model), "--http-adapter-root", str(root))
+    proxy = start_proxy(work, "dh", gens, *door, *sets)
+    try:
+        wait_routable(proxy, gens)
+        yield {"proxy": proxy, "gens": gens, "root": root, "model": model, "work": work}
+    finally:
+        stop_all([proxy, *gens])
+
+
+@dataclass
+class Good:
+    """Well-behaved clients while a hostile one acts: gRPC groups, HTTP completions, and a
+    GetStatus poller whose worst latency is the proxy's stall."""
+
+    proxy: object
+    failures: list[str] = field(default_factory=list)
+    calls: int = 0
+    worst_status_s: float = 0.0
+    stop: threading.Event = field(default_factory=threading.Event)
+
+    def grpc_loop(self) -> None:
+        with grpc.insecure_channel(self.proxy.target) as channel:
+            stub = generator_pb2_grpc.GeneratorServiceStub(channel)
+            while not self.stop.is_set():
+                self._call(lambda: run_group(stub, request("1+2=", n=1, max_new_tokens=3), timeout=20))
+
+    def http_loop(self) -> None:
+        body = {"model": "tiny", "prompt": [5, 6, 7], "max_tokens": 3}
+        with requests.Session() as session:
+            while not self.stop.is_set():
+                r = self._call(lambda: session.post(self.proxy.http_url + "/v1/completions", json=body, timeout=20))
+                if r is not None and r.status_code != 200:
+                    self.failures.append(f"http {r.status_code}: {r.text[:200]}")
+
+    def status_loop(self) -> None:
+        with grpc.insecure_channel(self.proxy.target) as channel:
+            stub = generator_pb2_grpc.GeneratorServiceStub(channel)
+            while not self.stop.is_set():
+                start = time.monotonic()
+                self._call(lambda: stub.GetStatus(pb.GetStatusRequest(), timeout=20))
+                self.worst_status_s = max(self.worst_status_s, time.monotonic() - start)
+                time.sleep(0.01)
+
+    def _call(self, call):
+        try:
+            result = call()
+            self.calls += 1
+            return result
+        except Exception as exc:  # every failure is collateral: count it
+            self.failures.append(repr(exc)[:300])
+            return None
+
+
+@contextmanager
+def good_clients(proxy):
+    good = Good(proxy)
+    threads = [threading.Thread(target=t, daemon=True) for t in (good.grpc_loop, good.http_loop, good.status_loop)]
+    for t in threads:
+        t.start()
+    time.sleep(0.5)
+    try:
+        yield good
+    finally:
+        good.stop.set()
+        for t in threads:
+            t.join(30)
+    assert good.calls > 0 and good.failures == [], good.failures[:5]
+
+
+def fds(proxy) -> int:
+    return len(os.listdir(f"/proc/{proxy.proc.pid}/fd"))
+
+
+def rss_bytes(proxy) -> int:
+    text = Path(f"/proc/{proxy.proc.pid}/status").read_text()
+    return int(next(line for line in text.splitlines() if line.startswith("VmRSS:")).split()[1]) * 1024
+
+
+def hostile_socket(proxy) -> socket.socket:
+    s = socket.socket()
+    s.bind((HOSTILE_IP, 0))
+    s.settimeout(10)
+    s.connect(("127.0.0.1", proxy.http_port))
+    return s
+
+
+def closed_by_server(s: socket.socket, within: float) -> bool:
+    s.settimeout(within)
+    try:
+        while s.recv(4096):
+            pass
+        return True
+    except (ConnectionResetError, BrokenPipeError):
+        return True
+    except TimeoutError:
+        return False
+
+
+# -- A4: slowloris -------------------------------------------------------------------------------
+def test_slowloris_harms_no_other_caller_and_leaves_no_descriptor(fleet):
+    proxy = fleet["proxy"]
+    baseline = fds(proxy)
+    log_size = proxy.log_path.stat().st_size
+    with good_clients(proxy) as good:
+        idle = [hostile_socket(proxy) for _ in range(3 * PER_PEER)]  # most are closed at accept
+        partial = []
+        for _ in range(PER_PEER):
+            try:
+                s = hostile_socket(proxy)
+                s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n")
+                partial.append(s)
+            except OSError:
+                pass
+        held = fds(proxy)
+        deadline = time.monotonic() + HEADER_TIMEOUT_S + 1.0
+        while time.monotonic() < deadline:  # trickle a header byte now and then
+            for s in partial:
+                try:
+                    s.sendall(b"X")
+                except OSError:
+                    pass
+            time.sleep(0.2)
+        assert all(closed_by_server(s, HEADER_TIMEOUT_S + 2) for s in idle + partial)
+        for s in idle + partial:
+            s.close()
+    print(f"\nfds: baseline {baseline}, during slowloris {held}; worst GetStatus {good.worst_status_s * 1000:.0f} ms")
+    assert held <= baseline + PER_PEER + 8  # the peer's share, never its 4x16 sockets
+    wait_until(lambda: fds(proxy) <= baseline + 2, 10, "the proxy's descriptors return to their baseline")
+    assert proxy.log_path.stat().st_size - log_size < 64 << 10  # refusals are logged at most once a second
+
+
+def test_a_trickled_body_is_refused_at_its_deadline(fleet):
+    proxy = fleet["proxy"]
+    s = hostile_socket(proxy)
+    s.sendall(
+        b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: 1000\r\n\r\n{"
+    )
+    start = time.monotonic()
+    answer = b""
+    s.settimeout(0.3)
+    while b"\r\n\r\n" not in answer and time.monotonic() - start < BODY_TIMEOUT_S + 5:
+        try:
+            s.sendall(b" ")
+            answer += s.recv(4096)
+        except TimeoutError:
+            pass
+    took = time.monotonic() - start
+    assert answer.startswith(b"HTTP/1.1 400") and b"body_timeout_s" in answer + s.recv(4096), answer[:300]
+    assert BODY_TIMEOUT_S - 0.5 < took < BODY_TIMEOUT_S + 2
+    assert closed_by_server(s, 5)
+    s.close()
+
+
+# -- A2: a chat's size is bounded before it is rendered; tokenizing stalls nobody ----------------
+def chat(proxy, content: str, **extra) -> requests.Response:
+    body = {"model": "tiny", "messages": [{"role": "user", "content": content}], "max_tokens": 1, **extra}
+    return requests.post(proxy.http_url + "/v1/chat/completions", json=body, timeout=60)
+
+
+def test_a_huge_chat_is_refused_at_once_and_stalls_nobody(fleet):
+    proxy = fleet["proxy"]
+    with good_clients(proxy) as calm:
+        time.sleep(1.5)
+    with good_clients(proxy) as good:
+        start = time.monotonic()
+        r = chat(proxy, "1" * ((8 << 20) - 300))
+        took = time.monotonic() - start
+        # At the cap: 4096 tokens x 32 bytes fit the size bound, are tokenized (1 token a character
+        # here) and refused by their token count, without building 131072 ids.
+        at_cap = [chat(proxy, "1" * (4096 * 32 - 200)) for _ in range(4)]
+    print(
+        f"\n8 MiB chat: {r.status_code} in {took:.2f} s; worst GetStatus {good.worst_status_s * 1000:.0f} ms "
+        f"(without the hostile client {calm.worst_status_s * 1000:.0f} ms)"
+    )
+    assert r.status_code == 400 and r.json()["error"]["reason"] == "PROMPT_TOO_LONG", r.text[:300]
+    assert "131072 bytes" in r.json()["error"]["message"]
+    assert took < 3
+    assert all(a.status_code == 400 and a.json()["error"]["reason"] == "PROMPT_TOO_LONG" for a in at_cap)
+    assert good.worst_status_s < max(1.0, 4 * calm.worst_status_s)
+
+
+# -- A5: uploads counted while read, chunked too --------------------------------------------------
+def test_a_chunked_upload_over_the_limit_is_refused_while_it_arrives(fleet):
+    proxy = fleet["proxy"]
+    before = rss_bytes(proxy)
+    s = socket.create_connection(("127.0.0.1", proxy.http_port), timeout=30)
+    s.sendall(
+        b"POST /v1/upload_lora_adapter HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n"
+        b"Content-Type: multipart/form-data; boundary=XyZ\r\n\r\n"
+    )
+    head = b'--XyZ\r\nContent-Disposition: form-data; name="adapter_model.safetensors"; filename="w"\r\n\r\n'
+    sent, stop = [0], threading.Event()
+
+    def send() -> None:  # up to 256 MiB, until the proxy stops taking it
+        block = b"w" * (1 << 20)
+        try:
+            s.sendall(b"%x\r\n%s\r\n" % (len(head), head))
+            while sent[0] < 256 << 20 and not stop.is_set():
+                s.sendall(b"%x\r\n%s\r\n" % (len(block), block))
+                sent[0] += len(block)
+        except OSError:
+            pass
+
+    sender = threading.Thread(target=send, daemon=True)
+    start = time.monotonic()
+    sender.start()
+    answer = b""
+    while b"\r\n\r\n" not in answer:
+        answer += s.recv(65536)
+    took = time.monotonic() - start
+    stop.set()
+    sender.join(10)
+    s.close()
+    grown = rss_bytes(proxy) - before
+    print(f"\nchunked upload: refused after {took:.2f} s; RSS grew {grown >> 20} MiB")
+    assert answer.startswith(b"HTTP/1.1 413"), answer[:300]
+    assert took < 3 and grown < 32 << 20
+
+
+# -- A9: caller values never make a 500 ------------------------------------------------------------
+@pytest.mark.parametrize(
+    ("path", "body", "field"),
+    [
+        ("/v1/completions", {"prompt": [5], "max_tokens": 1 << 32}, "max_tokens"),
+        ("/v1/completions", {"prompt": [5], "max_tokens": 2, "top_k": 1 << 32}, "top_k"),
+        ("/v1/completions", {"prompt": [5, 1 << 31], "max_tokens": 2}, "prompt"),
+        ("/v1/completions", {"prompt": [5], "max_tokens": 2, "min_tokens": 1 << 70}, "min_tokens"),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "1"}], "max_tokens": 1 << 32}, "max_tokens"),
+        (
+            "/v1/chat/completions",
+            {"messages": [{"role": "user", "content": "1"}], "chat_template_kwargs": {"messages": []}},
+            "chat_template_kwargs",
+        ),
+        (
+            "/v1/chat/completions",
+            {"messages": [{"role": "user", "content": "1"}], "chat_template_kwargs": {"add_generation_prompt": False}},
+            "chat_template_kwargs",
+        ),
+    ],
+)
+def test_out_of_range_values_and_reserved_template_names_are_400s(fleet, path, body, field):
+    r = requests.post(fleet["proxy"].http_url + path, json={"model": "tiny", **body}, timeout=30)
+    assert r.status_code == 400 and field in r.json()["error"]["message"], r.text[:300]
+
+
+# -- A11: no symlink under adapter_root is followed, nothing of a refused file is echoed -----------
+def test_a_symlinked_file_in_the_adapter_root_is_refused_unread(fleet, tmp_path):
+    root, model = fleet["root"], fleet["model"]
+    secret = tmp_path / "secret.bin"
+    secret.write_bytes(b"TOPSECRETBYTES..." * 4)
+    adapter = make_adapter(model, 1, r=2)
+    config = {"peft_type": "LORA", "r": adapter.r, "lora_alpha": adapter.lora_alpha,
+              "target_modules": list(adapter.targets)}  # fmt: skip
+    for name, weights in (("linked", None), ("garbage", secret.read_bytes())):
+        folder = root / name
+        folder.mkdir()
+        (folder / "adapter_config.json").write_text(json.dumps(config))
+        if weights is None:
+            (folder / "adapter_model.safetensors").symlink_to(secret)
+        else:
+            (folder / "adapter_model.safetensors").write_bytes(weights)
+    echoed = str(int.from_bytes(secret.read_bytes()[:8], "little"))
+    url = fleet["proxy"].http_url + "/v1/load_lora_adapter"
+    linked = requests.post(url, json={"lora_name": "evil-v1", "lora_path": str(root / "linked")}, timeout=30)
+    assert linked.status_code == 403 and "symbolic link" in linked.json()["error"]["message"], linked.text[:300]
+    garbage = requests.post(url, json={"lora_name": "evil-v1", "lora_path": str(root / "garbage")}, timeout=30)
+    assert garbage.status_code == 400, garbage.text[:300]
+    for r in (linked, garbage):
+        assert echoed not in r.text and "TOPSECRET" not in r.text
+
+
+# -- A12: no topology for callers who are not admins -----------------------------------------------
+def test_health_and_no_replica_reveal_no_address(fleet):
+    work = fleet["work"]
+    (work / "admin-token").write_text("admin-secret\n")
+    lost = start_proxy(
+        work, "dh-lost", [], "--generator", "127.0.0.1:9", "--http-port", "0",
+        "--set", f"auth.admin_tokens_file={work / 'admin-token'}", "--set", "routing.no_replica_wait_s=0.3",
+    )  # fmt: skip
+    try:
+        wait_until(lambda: requests.get(lost.http_url + "/health", timeout=5).status_code == 503, 15, "503")
+        anyone = requests.get(lost.http_url + "/health", timeout=5)
+        admin = requests.get(lost.http_url + "/health", headers={"Authorization": "Bearer admin-secret"}, timeout=5)
+        assert "127.0.0.1:9" not in anyone.text and anyone.json()["error"]["reason"] == "NO_REPLICA"
+        assert "127.0.0.1:9" in admin.text  # the admin reads the details
+        with grpc.insecure_channel(lost.target) as channel:
+            stub = generator_pb2_grpc.GeneratorServiceStub(channel)
+            with pytest.raises(grpc.RpcError) as caught:
+                run_group(stub, request("1+1=", n=1), timeout=10, metadata=[("authorization", "Bearer admin-secret")])
+        assert caught.value.code() == grpc.StatusCode.UNAVAILABLE and "127.0.0.1:9" not in caught.value.details()
+        assert "127.0.0.1:9" in lost.log_tail(20000)  # the operator's detail is in the log
+    finally:
+        lost.stop()
