@@ -218,6 +218,11 @@ class HttpSection(Section):
     """Prompts one /v1/completions request may batch (each becomes one group)."""
     request_timeout_s: float = Field(default=600.0, gt=0)
     """Deadline of one HTTP generation request (the proxy's routing.request_timeout_s still caps it)."""
+    load_answer: Literal["spooled", "committed"] = Field(default="spooled")
+    """When /v1/load_lora_adapter and /v1/upload_lora_adapter answer: "spooled", once the version is checked and
+    durable in the proxy's spool (the relay to the replicas finishes behind the answer, and a request naming the
+    version waits until a replica serves it: TRL's loop does not stand still for the fan-out); "committed", once every
+    healthy replica committed it (a gRPC PushAdapter's answer)."""
     max_connections: int = Field(default=1024, ge=1)
     """Connections the door holds at once, from all peers; at most a quarter of the process's soft file-descriptor
     limit (RLIMIT_NOFILE, read at start and logged), so the door never takes the descriptors the gRPC server needs.
@@ -257,29 +262,6 @@ class PeeringSection(DialSection):
     upstream.token_file."""
     server_name: str = Field(default="")
     """Name to check peer proxies' certificates against; empty = upstream.server_name."""
-    load_answer: Literal["spooled", "committed"] = Field(default="spooled")
-    """When /v1/load_lora_adapter and /v1/upload_lora_adapter answer: "spooled", once the version is checked and
-    durable in the proxy's spool (the relay to the replicas finishes behind the answer, and a request naming the
-    version waits until a replica serves it: TRL's loop does not stand still for the fan-out); "committed", once every
-    healthy replica committed it (a gRPC PushAdapter's answer)."""
-    max_connections: int = Field(default=1024, ge=1)
-    """Connections the door holds at once, from all peers; at most a quarter of the process's soft file-descriptor
-    limit (RLIMIT_NOFILE, read at start and logged), so the door never takes the descriptors the gRPC server needs.
-    Beyond it new connections wait in the kernel's backlog until one closes."""
-    max_connections_per_peer: int = Field(default=256, ge=1)
-    """Connections one peer IP address may hold at once; a connection beyond it is closed as soon as it is accepted."""
-    header_timeout_s: float = Field(default=10.0, gt=0)
-    """Seconds a connection has to send a request's complete headers (a TLS handshake included), from its opening or
-    from the end of its previous response; then it is closed."""
-    body_timeout_s: float = Field(default=60.0, gt=0)
-    """Seconds a request body (JSON or an upload) has to arrive in full once its headers did; then the request is
-    refused (400) and its connection closed."""
-    keep_alive_s: float = Field(default=5.0, gt=0)
-    """Seconds an idle connection is kept open between requests."""
-    max_tokenizing: int = Field(default=2, ge=1)
-    """Chat prompts rendered and tokenized at once (on worker threads, the tokenizer releasing the GIL); more wait."""
-    tokenizing_bytes_per_client: int = Field(default=4 * MiB, ge=1024)
-    """Bytes of chat text one client may have waiting for or in tokenization; a request beyond it is refused (429)."""
 
 
 class ProxyConfig(ServerConfig):
