@@ -124,7 +124,7 @@ class AdapterDoor:
         earlier = fanout.failed_after_answer.pop(name, "")
         reply = await fanout.push(_aiter(messages(manifest, payload, MAX_CHUNK)), rid, answer=answer)
         self.hidden.discard((name, version))
-        return {
+        out = {
             "object": "lora_adapter",
             "id": model_id(name, version),
             "name": name,

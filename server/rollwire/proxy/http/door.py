@@ -77,8 +77,12 @@ class Door:
             return self.config.http.max_model_len
         limits = (status or self.servicer.status()).limits
         fleet = limits.max_prompt_tokens + limits.max_new_tokens if limits.max_new_tokens else 0
-        known = [x for x in (fleet, self.context_len) if x]
+        known = [x for x in (fleet, limits.max_context, self.context_len) if x]  # what every replica can serve
         return min(known) if known else 0
+
+    def limits(self) -> pb.Limits:
+        """The strictest limits of any replica (what every replica serves)."""
+        return self.servicer.status().limits
 
     def default_max_tokens(self, prompt_len: int) -> int:
         """A chat request's max_tokens when it sends none: vLLM's (what the context leaves after
@@ -118,11 +122,6 @@ class Door:
                 )
         return {"object": "list", "data": data}
 
-    def server_info(self) -> dict[str, Any]:
-        """vLLM's /server_info as TRL reads it, true of the fleet: an adapter load reaches every
-        replica, so to the caller the fleet is one data-parallel rank."""
-        status = self.servicer.status()
-        engines = set(status.engine.split(",")) - {""}
     def model(self, model: str) -> dict[str, Any]:
         """GET /v1/models/{id}: the entry /v1/models lists under that id (the base also under
         its path); 404 in vLLM's words otherwise."""
@@ -139,6 +138,11 @@ class Door:
             )
         return entry
 
+    def server_info(self) -> dict[str, Any]:
+        """vLLM's /server_info as TRL reads it, true of the fleet: an adapter load reaches every
+        replica, so to the caller the fleet is one data-parallel rank."""
+        status = self.servicer.status()
+        engines = set(status.engine.split(",")) - {""}
         dtype = "float32" if engines <= {"transformers"} else self.config.http.dtype
         window = status.limits.adapter_keep or status.limits.adapter_window  # versions a caller may name
         return {
@@ -148,6 +152,7 @@ class Door:
                     "served_model_name": self.base_id,
                     "dtype": f"torch.{dtype}",
                     "max_model_len": self.max_model_len(),
+                    "logprobs_mode": "processed_logprobs",  # after temperature, top-k/top-p (docs/protocol.md)
                 },
                 "lora_config": {
                     "max_lora_rank": self.config.http.max_lora_rank,
