@@ -637,8 +637,11 @@ def wait_routable_with(proxy, replicas, token: str = ADMIN_TOKEN, timeout: float
 def test_a_register_token_registers_only_its_own_address_for_a_bounded_time(workdir, tiny_model, tokens):
     """A `register` token registers, drains and removes only its own address, with a ttl in
     1..registration.max_ttl_s (never for good), up to registration.max_members replicas, and
-    can do nothing else; a replica joins and leaves with one. The proxy's status shows its
+    can do nothing else; a new address only when what listens there proves it (MEMBER_UNPROVEN);
+    a replica holding the fleet key joins and leaves with one. The proxy's status shows its
     replicas to an admin only."""
+    key = workdir / "fleet.key"
+    key.write_text("fleet-key-of-the-doorman-test\n")
     proxy = start_proxy(
         workdir,
         "doorman",
@@ -656,6 +659,7 @@ def test_a_register_token_registers_only_its_own_address_for_a_bounded_time(work
             f"upstream.token_file={tokens['admin']}",
         ),
         *("--set", "registration.max_ttl_s=60", "--set", "registration.max_members=3"),
+        *("--set", f"upstream.member_key_file={key}"),
     )
     channel = grpc.insecure_channel(proxy.target)
     stub = admin_stub = admin_pb2_grpc.AdminServiceStub(channel)
@@ -676,9 +680,12 @@ def test_a_register_token_registers_only_its_own_address_for_a_bounded_time(work
         assert register("127.0.0.1:1234", 0)[:2] == (grpc.StatusCode.INVALID_ARGUMENT, Reason.BAD_TTL)
         assert register("127.0.0.1:1234", 61)[:2] == (grpc.StatusCode.INVALID_ARGUMENT, Reason.BAD_TTL)
         assert members() == set()
-        # its own address (by any of its names), bounded: accepted; an admin may register for good
-        assert register("127.0.0.1:1234", 30)[0] == grpc.StatusCode.OK
-        assert register("localhost:1235", 30)[0] == grpc.StatusCode.OK
+        # its own host but nothing there proves the address: refused; an admin may register anything
+        code, reason, message = register("127.0.0.1:1234", 30)
+        assert (code, reason) == (grpc.StatusCode.PERMISSION_DENIED, Reason.MEMBER_UNPROVEN), message
+        assert "did not prove" in message
+        assert register("127.0.0.1:1234", 30, ADMIN_TOKEN)[0] == grpc.StatusCode.OK
+        assert register("localhost:1235", 30, ADMIN_TOKEN)[0] == grpc.StatusCode.OK
         assert register("127.0.0.1:1236", 0, ADMIN_TOKEN)[0] == grpc.StatusCode.OK
         # the cap: a fourth is refused, a heartbeat of a member is not
         code, reason, message = register("127.0.0.1:1237", 30)
@@ -711,7 +718,7 @@ def test_a_register_token_registers_only_its_own_address_for_a_bounded_time(work
             workdir,
             ["joiner"],
             *("--register", proxy.target, "--set", f"registration.token_file={tokens['register']}"),
-            *("--set", f"auth.admin_tokens_file={tokens['admin']}"),
+            *("--set", f"auth.admin_tokens_file={tokens['admin']}", "--set", f"auth.member_key_file={key}"),
         )[0]
         wait_until(lambda: replica.target in members(), 30, "the replica registered itself")
         stop_all([replica])
