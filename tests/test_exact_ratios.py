@@ -110,14 +110,16 @@ def test_served_tokens_are_counted_by_how_stale_their_version_was(generator, tin
         adapter = make_adapter(tiny_model, seed=version, r=2)
         push(generator.target, adapter.manifest("served-staleness", version, fp), adapter.payload)
 
-    def served(behind: str) -> float:
+    def served(behind: str, **default: float) -> float:
         return metric_value(
             generator.metrics(),
             "rollwire_generator_served_tokens_total",
             f'adapter="served-staleness",behind="{behind}"',
+            **default,
         )
 
-    before = {b: served(b) for b in ("0", "1")}
+    # nothing of this adapter was served yet: its labelled series are created by their first token
+    before = {b: served(b, default=0.0) for b in ("0", "1")}
     old = generate(generator.target, [5, 6, 7], n=2, adapter=("served-staleness", 1), max_new_tokens=5, ignore_eos=True)
     new = generate(generator.target, [5, 6, 7], n=2, adapter=("served-staleness", 2), max_new_tokens=5, ignore_eos=True)
     assert old.versions == {0: {1}, 1: {1}} and new.versions == {0: {2}, 1: {2}}

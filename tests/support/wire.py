@@ -4,6 +4,7 @@ Generate stream while checking the protocol."""
 from __future__ import annotations
 
 import hashlib
+import re
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -156,13 +157,48 @@ def fingerprint(target: str) -> str:
     return stub(target).GetStatus(pb.GetStatusRequest(), timeout=10).model_fingerprint
 
 
-def metric_value(text: str, name: str, labels: str = "") -> float:
-    """The value of one sample line of a Prometheus text exposition (0 when absent)."""
-    want = f"{name}{{{labels}}}" if labels else name
+_SAMPLE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(?:\{(.*)\})? (\S+)(?: \S+)?$")
+_LABEL = r'([a-zA-Z_][a-zA-Z0-9_]*)="((?:[^"\\]|\\.)*)"'
+_LABELS = re.compile(rf"(?:{_LABEL}\s*,?\s*)*")
+_ABSENT = object()
+
+
+def _labels(written: str) -> frozenset[tuple[str, str]]:
+    written = written.strip()
+    assert _LABELS.fullmatch(written), f'labels must read name="value",...: {written!r}'
+    return frozenset(re.findall(_LABEL, written))
+
+
+def metric_value(text: str, name: str, labels: str = "", *, default: float | object = _ABSENT) -> float:
+    """The value of one series of a Prometheus text exposition.
+
+    `labels` ('code="OK",replica="..."', or written in `name` as `name{...}`) match as a set,
+    in whatever order they are written (prometheus_client writes them sorted). A series that
+    does not exist fails, naming the series the family has, so a misspelt name or label can
+    never read as a zero; pass `default=` only where absence is a legitimate value (a
+    labelled counter prometheus_client has not created because nothing incremented it yet).
+    """
+    if "{" in name:
+        assert not labels, f"labels given twice: {name} and {labels}"
+        name, _, labels = name.partition("{")
+        labels = labels.removesuffix("}")
+    want = _labels(labels)
+    family = []
     for line in text.splitlines():
-        if line.startswith(want + " "):
-            return float(line.split()[-1])
-    return 0.0
+        m = _SAMPLE.match(line)
+        if not m or m.group(1) != name:
+            continue
+        if _labels(m.group(2) or "") == want:
+            return float(m.group(3))
+        family.append(line)
+    if default is not _ABSENT:
+        return default  # type: ignore[return-value]
+    if family:
+        seen = "\n  ".join(family)
+        raise AssertionError(f"no series {name}{{{labels}}}; the family has:\n  {seen}")
+    prefix = "_".join(name.split("_")[:2]) + "_"
+    names = sorted({m.group(1) for m in map(_SAMPLE.match, text.splitlines()) if m and m.group(1).startswith(prefix)})
+    raise AssertionError(f"no series named {name}; names starting {prefix}: {', '.join(names) or 'none'}")
 
 
 # -- Generate streams through a proxy ----------------------------------------------------------
