@@ -87,7 +87,8 @@ def test_a_following_sample_switches_version_mid_generation_with_its_kv_cache(ge
             assert not isinstance(event, Restarted)
             if isinstance(event, Tokens):
                 first_tokens.set()
-                assert len(set([event.adapter_version])) == 1  # a chunk never mixes versions
+                # a chunk holds one version by the wire format (TokenChunk.adapter_version is one
+                # field); that versions only move forward, per token, is checked below
                 tokens.setdefault(event.index, []).extend(event.token_ids)
                 logprobs.setdefault(event.index, []).extend(event.logprobs)
                 versions.setdefault(event.index, []).extend([event.adapter_version] * len(event.token_ids))

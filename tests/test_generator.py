@@ -140,6 +140,8 @@ def test_stop_strings_and_finish_reasons(generator):
             assert g.text[i].endswith("e") and "e" not in g.text[i][:-1]
         else:
             assert reason in (pb.FINISH_REASON_LENGTH, pb.FINISH_REASON_EOS) and "e" not in g.text[i]
+    # the branch above is taken: a stop string ended a sample (seeded, so always the same ones)
+    assert any(f.finish_reason == pb.FINISH_REASON_STOP for f in g.finished.values()), g.text
 
 
 def test_cancel_mid_stream_frees_the_slot(generator):

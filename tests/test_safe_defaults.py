@@ -3,6 +3,7 @@ loopback learner metrics, checkpoints that load as data only and are fsynced."""
 
 from __future__ import annotations
 
+import json
 import os
 import pickle
 import time
@@ -119,6 +120,24 @@ def rotating(tiny_model, tmp_path):
     svc.stop()
 
 
+def refused_reloads(svc, path, poke: str, count: int) -> list[str]:
+    """Wait until the replica has logged `count` refused reloads of `path` (requests poke its
+    check, which runs at most every RELOAD_INTERVAL_S); their reasons, in order."""
+    reasons: list[str] = []
+
+    def logged() -> bool:
+        status_code(svc.target, poke)
+        lines = [json.loads(x) for x in svc.log_path.read_text().splitlines() if x.startswith("{")]
+        reasons[:] = [
+            e["reason"] for e in lines if e.get("event") == "token_file_reload_failed" and e.get("path") == str(path)
+        ]
+        return len(reasons) >= count
+
+    wait_for(logged, what=f"{count} refused reload(s) of {path.name} logged")
+    assert len(reasons) == count, reasons
+    return reasons
+
+
 def test_rotated_token_file_takes_effect_without_restart(rotating):
     svc, path = rotating
     ok, bad = grpc.StatusCode.OK, grpc.StatusCode.UNAUTHENTICATED
@@ -135,14 +154,13 @@ def test_rotated_token_file_takes_effect_without_restart(rotating):
     assert status_code(svc.target, "gen-new-111") == bad
 
     path.write_text("# nothing here yet\n")  # an empty file never opens or closes the server
-    time.sleep(2.5)  # > RELOAD_INTERVAL_S: the check has run
+    assert refused_reloads(svc, path, poke="gen-new-222", count=1) == ["it holds no token"]  # checked, refused
     assert status_code(svc.target, "gen-new-222") == ok
     assert status_code(svc.target, "") == bad
     path.unlink()  # a vanished file: same
-    time.sleep(2.5)
+    assert refused_reloads(svc, path, poke="gen-new-222", count=2)[-1] != "it holds no token"
     assert status_code(svc.target, "gen-new-222") == ok
     assert status_code(svc.target, "admin-000") == ok  # the other file is untouched
-    wait_for(lambda: "token_file_reload_failed" in svc.log_path.read_text(), what="the error is logged")
     log = svc.log_path.read_text()
     assert "gen-new-222" not in log and "gen-old-000" not in log  # tokens are never logged
 
