@@ -142,6 +142,7 @@ def learner(replica, chain_model, workdir):
         "ingest.port=0",
         "ingest.exclusive=true",
         "ingest.max_pending_groups=2",
+        "ingest.producer_share=1",  # both producers hold the one admin token: one producer to the learner
         "ingest.retry_after_s=0.2",
         f"ingest.auth.admin_tokens_file={workdir / 'admin.tokens'}",
     ]

@@ -91,7 +91,7 @@ def test_an_environment_token_may_carry_any_version_and_logprob():
     i = ingest()
     i.submit(traj(logprobs=[-0.5, -0.5, float("nan"), -0.5], token_versions=[3, 3, 99, 3], reward=1))
     sample = i.open["g"].samples[0]
-    assert sample.logprobs[2] == 0.0 and sample.token_versions[2] == 0 and sample.loss_mask == [True, True, False, True]
+    assert sample.logprobs[2] == 0.0 and sample.token_versions[2] == 0 and list(sample.loss_mask) == [1, 1, 0, 1]
 
 
 def test_groups_assemble_into_the_buffer_and_the_ledger():
@@ -110,7 +110,7 @@ def test_groups_assemble_into_the_buffer_and_the_ledger():
 
 
 def test_a_full_learner_pushes_back_with_a_hint_and_takes_the_open_groups_samples():
-    i = ingest(max_pending_groups=2, retry_after_s=0.25)
+    i = ingest(max_pending_groups=2, retry_after_s=0.25, producer_share=1)  # one producer: the learner-wide count
     i.submit(traj("a"))
     i.submit(traj("b"))
     from rollwire.common.errors import ResourceExhausted
@@ -203,12 +203,14 @@ def test_environment_tokens_never_reach_the_loss(tiny_model):
 
 # -- a real learner, the example producer, a real socket ------------------------------------
 ADMIN, GENERATE = "ingest-admin-secret", "ingest-generate-secret"
+OTHER = "ingest-other-producer-secret"
+"""A second producer's admin token: ingest.producer_share counts each token as one producer."""
 
 
 @pytest.fixture(scope="module")
 def learner(generator, tiny_model, tmp_path_factory):
     work = tmp_path_factory.mktemp("ingest")
-    (work / "admin.tokens").write_text(ADMIN + "\n")
+    (work / "admin.tokens").write_text(f"{ADMIN}\n{OTHER}\n")
     (work / "generate.tokens").write_text(GENERATE + "\n")
     run = work / "run"
     args = learner_args(generator.target, tiny_model, run, "policy-ingest", "max_steps=2", "seed=3")
@@ -222,7 +224,7 @@ def learner(generator, tiny_model, tmp_path_factory):
         "ingest.enabled=true",
         "ingest.port=0",
         "ingest.exclusive=true",
-        "ingest.max_pending_groups=2",
+        "ingest.max_pending_groups=2",  # and ingest.producer_share 0.5: one group per producer
         "ingest.retry_after_s=0.2",
         f"ingest.auth.admin_tokens_file={work / 'admin.tokens'}",
         f"ingest.auth.generate_tokens_file={work / 'generate.tokens'}",
@@ -237,6 +239,7 @@ def stub(svc) -> learner_pb2_grpc.LearnerServiceStub:
 
 
 AUTH = [("authorization", f"Bearer {ADMIN}")]
+AUTH_OTHER = [("authorization", f"Bearer {OTHER}")]
 
 
 def one(s, t: lpb.Trajectory, metadata=AUTH) -> lpb.SubmitTrajectoriesResponse:
@@ -285,14 +288,20 @@ def test_a_real_learner_ingests_refuses_and_trains_every_accepted_trajectory(lea
         bad(token_ids=[3, status.vocab_size]),
         bad(token_versions=[v + 1, 0]),
         lpb.SubmitTrajectoriesRequest(),
+        # numbers that would overflow the learner's float32 arithmetic (issue 32: A3)
+        bad(logprobs=[-1000.0, 0.0]),
+        bad(reward=1e39),
+        bad(reward=float("nan")),
     ]
-    answers = list(s.SubmitTrajectories(iter(requests), metadata=AUTH, timeout=30))
+    answers = list(s.SubmitTrajectories(iter(requests), metadata=AUTH_OTHER, timeout=30))
     assert [(a.index, a.status.code, a.status.reason) for a in answers] == [
         (0, C.INVALID_ARGUMENT.value[0], Reason.BAD_TRAJECTORY),
         (1, C.INVALID_ARGUMENT.value[0], Reason.BAD_TOKEN_ID),
         (2, C.INVALID_ARGUMENT.value[0], Reason.UNKNOWN_VERSION),
         (3, C.INVALID_ARGUMENT.value[0], Reason.BAD_TRAJECTORY),
+        *((i, C.INVALID_ARGUMENT.value[0], Reason.BAD_TRAJECTORY) for i in (4, 5, 6)),
     ]
+    assert "ingest.min_logprob" in answers[4].status.message and "ingest.max_abs_reward" in answers[5].status.message
 
     # real two-turn episodes from the example; a third group waits for room (pushback)
     from transformers import AutoTokenizer
@@ -305,10 +314,20 @@ def test_a_real_learner_ingests_refuses_and_trains_every_accepted_trajectory(lea
             ingest_producer.play(client, tokenizer, f"policy-ingest@{v}", 12, 30 + g, 4, 2, seed=g) for g in range(3)
         ]
     batches = [ingest_producer.trajectories(f"chain-{g}", *played[g]) for g in range(3)]
-    first = [batches[0][0], batches[1][0], batches[2][0]]  # opens two groups; the third is pushed back
-    answers = list(s.SubmitTrajectories((lpb.SubmitTrajectoriesRequest(trajectory=t) for t in first), metadata=AUTH))
-    assert [a.status.reason for a in answers] == ["", "", Reason.INGEST_FULL]
-    assert answers[2].status.code == C.RESOURCE_EXHAUSTED.value[0] and answers[2].status.retry_after_ms == 200
+
+    def submit(trajectories, metadata):
+        requests = (lpb.SubmitTrajectoriesRequest(trajectory=t) for t in trajectories)
+        return list(s.SubmitTrajectories(requests, metadata=metadata, timeout=30))
+
+    # one producer opens its share (one group) and is pushed back past it; the other is not locked
+    # out, and opens the learner's second group; a third group finds the learner full
+    answers = submit([batches[0][0], batches[1][0]], AUTH)
+    assert [a.status.reason for a in answers] == ["", Reason.INGEST_QUOTA]
+    assert answers[1].status.code == C.RESOURCE_EXHAUSTED.value[0] and answers[1].status.retry_after_ms == 200
+    assert "ingest.producer_share" in answers[1].status.message
+    answers = submit([batches[1][0], batches[2][0]], AUTH_OTHER)
+    assert [a.status.reason for a in answers] == ["", Reason.INGEST_FULL]
+    assert answers[1].status.code == C.RESOURCE_EXHAUSTED.value[0] and answers[1].status.retry_after_ms == 200
     environment = len(tokenizer.encode("+04=", add_special_tokens=False))
     for _, episodes in played:
         assert all(e.loss_mask.count(False) == environment for e in episodes)
@@ -321,13 +340,19 @@ def test_a_real_learner_ingests_refuses_and_trains_every_accepted_trajectory(lea
     assert [a.status.reason for a in late] == [Reason.STALE_TRAJECTORY] * 2
     assert late[0].status.code == C.FAILED_PRECONDITION.value[0] and late[0].oldest_version == v + 1
 
-    # two more groups from the example, at the newest version: the second step, then the run ends
-    produced = list(ingest_producer.produce(generator.target, svc.target, tiny_model, 2, n=2, token=ADMIN, seed=5))
-    assert all(a.status.code == 0 for _, answers in produced for a in answers)
+    # one more group from each producer, at the newest version: the second step, then the run ends
+    for token, seed in ((ADMIN, 5), (OTHER, 6)):
+        produced = list(
+            ingest_producer.produce(generator.target, svc.target, tiny_model, 1, n=2, token=token, seed=seed)
+        )
+        assert all(a.status.code == 0 for _, answers in produced for a in answers)
     assert svc.proc.wait(timeout=120) == 0, svc.log_path.read_text()[-3000:]
     summary = json.loads((run / "summary.json").read_text())
     counts = summary["ingest"]["trajectories"]
     assert counts["accepted"] == counts["trained"] == 8 and "expired" not in counts, summary  # 4 groups of 2
     assert summary["ingest"]["groups"] == {"completed": 4, "trained": 4}
     assert summary["groups"]["trained"] == 4 and summary["groups"]["requested"] == 4
-    assert counts[Reason.STALE_TRAJECTORY] == 2 and counts[Reason.INGEST_FULL] == 1
+    assert counts[Reason.STALE_TRAJECTORY] == 2 and counts[Reason.INGEST_FULL] == counts[Reason.INGEST_QUOTA] == 1
+    assert (
+        counts[Reason.BAD_TRAJECTORY] == 4 and summary["ingest"]["held_bytes"] == 0
+    )  # the empty request is not counted

@@ -297,7 +297,9 @@ class Reason(StrEnum):
     GROUP_CLOSED = "GROUP_CLOSED"
     """FAILED_PRECONDITION; do not retry: The group id was completed or expired already; use a new one."""
     INGEST_FULL = "INGEST_FULL"
-    """RESOURCE_EXHAUSTED; retry: The learner holds `ingest.max_pending_groups` groups; send it again after the hint."""
+    """RESOURCE_EXHAUSTED; retry: The learner holds `ingest.max_pending_groups` groups or `ingest.max_pending_bytes`; send it again after the hint."""
+    INGEST_QUOTA = "INGEST_QUOTA"
+    """RESOURCE_EXHAUSTED; retry: This producer holds its share (`ingest.producer_share`) of the learner's ingest groups or bytes; after the hint, once its groups train."""
     LEARNER_STOPPING = "LEARNER_STOPPING"
     """UNAVAILABLE; retry: The learner is shutting down and takes no more trajectories."""
 

@@ -122,7 +122,14 @@ def write_learner_config(run: Path, target: str, model: Path, args) -> Path:
         "eval": {"every_steps": args.eval_every},
         "checkpoint": {"every_steps": 0},
         "buffer": {"max_staleness": 2},
-        "ingest": {"enabled": True, "exclusive": True, "port": 0, "max_pending_groups": 12, "retry_after_s": 0.2},
+        "ingest": {
+            "enabled": True,
+            "exclusive": True,
+            "port": 0,
+            "max_pending_groups": 12,
+            "producer_share": 1.0,  # one producer, on this host: it may fill the learner
+            "retry_after_s": 0.2,
+        },
     }
     path = run / "learner.toml"
     path.write_text(tomli_w.dumps(config))

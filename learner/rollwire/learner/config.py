@@ -136,8 +136,9 @@ class TrainSection(Section):
     """Ratio below 1 - clip_low is clipped (for negative advantages)."""
     clip_high: float = Field(default=0.28, ge=0)
     """Ratio above 1 + clip_high is clipped (for positive advantages)."""
-    ratio_cap: float = Field(default=4.0, gt=1)
-    """Importance weights are truncated at this value (dual clip for negative advantages)."""
+    ratio_cap: float = Field(default=4.0, gt=1, le=1e6)
+    """Importance weights are truncated at this value (dual clip for negative advantages); at most 1e6, below the
+    ratio the loss clamps at (grpo.LOG_RATIO_BOUND)."""
     kl_coef: float = Field(default=0.0, ge=0)
     """Weight of the per-token KL to the base model (adapter disabled); 0 = off."""
     threads: int = Field(default=0, ge=0)
@@ -181,6 +182,26 @@ class IngestSection(Section):
     max_pending_groups: int = Field(default=64, ge=1, le=100_000)
     """Ingested groups being assembled or buffered at once; a trajectory opening one more is pushed back
     (RESOURCE_EXHAUSTED INGEST_FULL)."""
+    max_pending_bytes: int = Field(default=1 << 30, ge=1 << 16, le=1 << 40)
+    """Memory the ingested groups being assembled, buffered or trained may hold, in bytes (17 per token and 1024 per
+    sample, ingest_room.py): a group reserves group_size samples of ingest.max_tokens when it opens, so its later
+    samples always fit, and holds what its samples take once complete. A trajectory opening a group past it is pushed
+    back (RESOURCE_EXHAUSTED INGEST_FULL)."""
+    producer_share: float = Field(default=0.5, gt=0, le=1)
+    """Share of ingest.max_pending_groups and ingest.max_pending_bytes one producer may hold, so no producer can lock
+    the others out; past it, RESOURCE_EXHAUSTED INGEST_QUOTA. A producer is its bearer token with auth on (give each
+    producer its own), else its peer host. 1 lets a lone producer fill the learner."""
+    group_idle_s: float = Field(default=120.0, gt=0)
+    """An incomplete group that took no sample for this long is dropped (counted as expired), so a producer that
+    went away frees its room before ingest.group_timeout_s; raise it for producers whose samples of one group end
+    further apart."""
+    max_abs_reward: float = Field(default=1e6, gt=0, le=1e30)
+    """Largest |reward| a trajectory may carry (BAD_TRAJECTORY past it): group statistics stay finite in float32,
+    whose largest number is 3.4e38, however many samples a group has."""
+    min_logprob: float = Field(default=-50.0, ge=-80, lt=0)
+    """Lowest behaviour logprob a trained token may carry (BAD_TRAJECTORY below it). A sampled token's probability is
+    never e^-50 (~2e-22) in practice, and float32's exp overflows past 88.7: a floor far below that keeps the
+    importance ratio of the loss meaningful (the loss also clamps it, grpo.LOG_RATIO_BOUND)."""
     max_group_size: int = Field(default=64, ge=2, le=4096)
     """Largest group_size a trajectory may declare."""
     max_prompt_tokens: int = Field(default=8192, ge=1, le=1_000_000)
@@ -206,6 +227,15 @@ class IngestSection(Section):
             raise ValueError(
                 "ingest.max_message_bytes is too small for ingest.max_prompt_tokens and ingest.max_tokens "
                 "(about 4 bytes per prompt token and 12 per later token)"
+            )
+        from rollwire.learner.ingest_room import group_reservation
+
+        largest = group_reservation(self.max_group_size, self.max_prompt_tokens, self.max_tokens)
+        if largest > self.producer_share * self.max_pending_bytes:
+            raise ValueError(
+                f"a group of ingest.max_group_size samples of ingest.max_tokens reserves {largest} bytes, more than "
+                "ingest.producer_share of ingest.max_pending_bytes: such a group could never open; raise "
+                "max_pending_bytes or lower the sizes"
             )
         return self
 

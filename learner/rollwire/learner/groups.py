@@ -2,7 +2,8 @@
 and the loss read. A types module with no logic beyond derived properties, so the buffer, its
 admission rules, the trainer and the reports can all import it without importing each other.
 
-Invariants: a ScoredSample's token lists are parallel; a group's min_version is the oldest
+Invariants: a ScoredSample's token sequences are parallel (lists from the learner's producer,
+compact arrays from ingestion: ingest_room.compact_sample); a group's min_version is the oldest
 adapter version among its trained tokens (environment tokens carry none), else the version the
 request was served with.
 """
@@ -10,6 +11,7 @@ request was served with.
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from rollwire.learner.task import Example
@@ -17,12 +19,12 @@ from rollwire.learner.task import Example
 
 @dataclass
 class ScoredSample:
-    """One completion with what the loss needs; token lists are parallel."""
+    """One completion with what the loss needs; token sequences are parallel."""
 
-    token_ids: list[int]
-    logprobs: list[float]
+    token_ids: Sequence[int]
+    logprobs: Sequence[float]
     """Behaviour logprobs, as the generator sampled them."""
-    token_versions: list[int]
+    token_versions: Sequence[int]
     """Adapter version that produced each token."""
     text: str
     finish_reason: str
@@ -31,18 +33,18 @@ class ScoredSample:
     kept_tokens: list[list[int]] = field(default_factory=list)
     """When sampled with top-k/top-p and asked for: each token's kept set (empty: the whole
     vocabulary), so the loss computes its logprob over the same truncated distribution."""
-    loss_mask: list[bool] = field(default_factory=list)
-    """Parallel to token_ids: False for an environment or tool token of a multi-turn sample
+    loss_mask: Sequence[int] = field(default_factory=list)
+    """Parallel to token_ids, truthy where trained: False (0) for an environment or tool token of a multi-turn sample
     (ingested), which never reaches the loss and whose logprob and version mean nothing;
     empty: every token was sampled by the model and is trained."""
 
     @property
-    def trained_mask(self) -> list[bool]:
+    def trained_mask(self) -> Sequence[int]:
         """Which tokens the loss sees (loss_mask, or all of them)."""
         return self.loss_mask or [True] * len(self.token_ids)
 
     @property
-    def trained_versions(self) -> list[int]:
+    def trained_versions(self) -> Sequence[int]:
         """Versions of the tokens the model sampled (environment tokens have none)."""
         if not self.loss_mask:
             return self.token_versions
@@ -54,13 +56,15 @@ class ScoredGroup:
     """A complete, scored GRPO group."""
 
     example: Example
-    prompt_ids: list[int]
+    prompt_ids: Sequence[int]
     samples: list[ScoredSample]
     adapter_version: int
     """Version the request was served with ("latest" resolved); used when a sample has no tokens."""
     replica: str = ""
     source: str = "producer"
     """Who made it: "producer" (the learner's own) or "ingest" (an external producer, ingest.py)."""
+    producer: str = ""
+    """For an ingested group, the external producer that sent it (security.caller_identity); logs name it."""
     created_at: float = field(default_factory=time.monotonic)
 
     @property

@@ -15,6 +15,16 @@ No model, no I/O: tensors in, tensors out, so every formula is unit-tested by ha
   the batch's token count (`normaliser`), so micro-batches accumulate to the full-batch loss.
 
 `train.loss` selects the loss by name (losses.py); "clipped" is `clipped_loss`, the above.
+
+Invariants (float32 arithmetic, whatever a trajectory carried):
+- the log-ratio logp - mu is clamped to +-LOG_RATIO_BOUND before the exp, so rho is finite
+  and so is its gradient (an infinite rho times the zero gradient the clip gives it would be
+  NaN). The clamp changes nothing the surrogate uses: above log(ratio_cap) (<= 1e6 < e^20,
+  config.py) and above log(1 + clip_high) the surrogate is a constant either way, and below
+  -20 the gradient it drops is at most e^-20 |A| per token;
+- advantages are computed in float64 and are finite in float32 for any finite rewards that
+  float32 can hold: centred rewards, divided by the std when `normalize_std` (then each is
+  at most sqrt(n) in size).
 """
 
 from __future__ import annotations
@@ -23,14 +33,26 @@ import torch
 
 from rollwire.learner.losses import LossBatch, LossSettings, LossTerms
 
+LOG_RATIO_BOUND = 20.0
+"""|logp - mu| is clamped to this before the exp: e^20 ~ 4.9e8 is above any useful ratio (train.ratio_cap <= 1e6)
+and far inside float32 (whose exp overflows past ~88.7)."""
+
 
 def group_advantages(rewards: torch.Tensor, normalize_std: bool = True, eps: float = 1e-6) -> torch.Tensor:
-    """[groups, n] rewards -> [groups, n] advantages, centred per group."""
-    rewards = rewards.float()
+    """[groups, n] rewards -> [groups, n] float32 advantages, centred per group.
+
+    In float64, so neither the mean's sum nor the std's squares overflow for rewards float32
+    can hold; the result is cast back to float32 (the loss's dtype)."""
+    rewards = rewards.double()
     centred = rewards - rewards.mean(dim=1, keepdim=True)
-    if not normalize_std:
-        return centred
-    return centred / (rewards.std(dim=1, unbiased=False, keepdim=True) + eps)
+    if normalize_std:
+        centred = centred / (rewards.std(dim=1, unbiased=False, keepdim=True) + eps)
+    return centred.float()
+
+
+def importance_ratio(logp: torch.Tensor, behaviour_logp: torch.Tensor) -> torch.Tensor:
+    """rho = exp(logp - mu), the log-ratio clamped to +-LOG_RATIO_BOUND: finite, with a finite gradient."""
+    return torch.exp((logp - behaviour_logp.float()).clamp(-LOG_RATIO_BOUND, LOG_RATIO_BOUND))
 
 
 def token_logprobs(
@@ -70,7 +92,7 @@ def policy_loss(
     """
     mask = mask.float()
     advantages = advantages.float()
-    ratio = torch.exp(logp - behaviour_logp.float())
+    ratio = importance_ratio(logp, behaviour_logp)
     unclipped = ratio * advantages
     clipped = ratio.clamp(1 - clip_low, 1 + clip_high) * advantages
     surrogate = torch.min(unclipped, clipped)

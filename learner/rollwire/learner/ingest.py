@@ -6,20 +6,26 @@ the messages into `Trajectory` here). Each one is judged on its own, in this ord
 answered with one typed status:
 
 1. its shape, before any other work: sizes within `ingest.*` limits, loss mask, logprobs and
-   versions parallel to the tokens, at least one trained token, finite numbers, token ids
-   inside the vocabulary (INVALID_ARGUMENT);
+   versions parallel to the tokens, at least one trained token, numbers the learner's float32
+   arithmetic can take (|reward| <= `ingest.max_abs_reward`, trained tokens' logprobs in
+   [`ingest.min_logprob`, 0]), token ids inside the vocabulary (INVALID_ARGUMENT);
 2. its group: the same size and prompt as the group's earlier samples, a group still open
    (INVALID_ARGUMENT GROUP_MISMATCH, FAILED_PRECONDITION GROUP_CLOSED);
 3. its versions: every trained token's version is one the learner pushed (1..newest served;
    INVALID_ARGUMENT UNKNOWN_VERSION), and the oldest is at most `buffer.max_staleness` behind
    the version the next batch trains at (FAILED_PRECONDITION STALE_TRAJECTORY: resample);
 4. room: a sample that would open a new group while `ingest.max_pending_groups` groups are
-   being assembled or buffered is pushed back (RESOURCE_EXHAUSTED INGEST_FULL, retry hint).
+   being assembled or buffered, or past `ingest.max_pending_bytes`, is pushed back
+   (RESOURCE_EXHAUSTED INGEST_FULL, retry hint); one past its producer's share of either
+   (`ingest.producer_share`) too (INGEST_QUOTA). The byte budget, the shares and the compact
+   form samples are held in are ingest_room.py's.
 
 Invariants:
 - every accepted trajectory ends exactly once and is counted: trained, or dropped with its
-  group for a reason (zero_variance, stale, shutdown as the learner's own groups; expired when
-  its group did not complete within `ingest.group_timeout_s`). The counts are in `snapshot`;
+  group for a reason (zero_variance, stale, shutdown as the learner's own groups, or a step
+  skipped for a non-finite gradient; expired when its group did not complete within
+  `ingest.group_timeout_s`, or took no sample for `ingest.group_idle_s`). The counts are in
+  `snapshot`;
 - a completed group enters the buffer and the group ledger like one of the producer's groups,
   so it is trained exactly as they are (the buffer's staleness gate applies again at the step);
 - environment and tool tokens (loss mask false) never reach the loss: their logprobs and
@@ -30,6 +36,7 @@ from __future__ import annotations
 
 import math
 import time
+from array import array
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -46,6 +53,7 @@ from rollwire.common.reasons import Reason
 from rollwire.learner.buffer import Buffer
 from rollwire.learner.config import IngestSection
 from rollwire.learner.groups import ScoredGroup, ScoredSample
+from rollwire.learner.ingest_room import Room, compact_sample, group_reservation, sample_bytes
 from rollwire.learner.task import Example
 
 MAX_ID_CHARS = 256
@@ -69,10 +77,15 @@ class Trajectory:
 
 @dataclass
 class _OpenGroup:
+    key: int
+    """Its hold in the room (and, negated, its Example id once complete)."""
+    producer: str
     size: int
-    prompt: list[int]
+    prompt: array
+    opened_at: float
+    last_at: float
+    """When it took its last sample (ingest.group_idle_s)."""
     samples: list[ScoredSample] = field(default_factory=list)
-    opened_at: float = field(default_factory=time.monotonic)
 
 
 class Ingest:
@@ -98,7 +111,8 @@ class Ingest:
         """Trajectories by outcome: accepted, trained, expired, or the refusal's reason."""
         self.groups: Counter[str] = Counter()
         """Ingested groups by outcome: completed, trained, expired."""
-        self._ids = 0
+        self._keys = 0
+        self.room = Room(cfg.max_pending_bytes, cfg.max_pending_groups, cfg.producer_share, cfg.retry_after_s)
         buffer.drop_observers.append(self._dropped_from_buffer)
         self.on_outcome: Callable[[str, int | None], None] = lambda outcome, staleness: None
         """Told each trajectory's outcome ("accepted" or the refusal's reason) and, when accepted, its
@@ -116,20 +130,23 @@ class Ingest:
         """Ingested groups being assembled or waiting in the buffer."""
         return len(self.open) + self.buffer.count(lambda g: g.source == "ingest")
 
-    def submit(self, t: Trajectory) -> bool:
-        """Accept `t` (True when it completed its group) or raise the RollwireError to answer."""
+    def submit(self, t: Trajectory, producer: str = "") -> bool:
+        """Accept `t` from `producer` (True when it completed its group) or raise the RollwireError to answer."""
         try:
             self.expire()
             check_shape(t, self.cfg, self.vocab_size)
             group = self._group_for(t)
             self._check_versions(t)
             if group is None:
-                group = self._open(t)
+                group = self._open(t, producer)
         except RollwireError as err:
             self.counts[err.reason] += 1
             self.on_outcome(err.reason, None)
             raise
-        group.samples.append(_sample(t))
+        group.samples.append(
+            compact_sample(t.token_ids, t.logprobs, t.token_versions, t.loss_mask, t.reward, t.correct)
+        )
+        group.last_at = self.clock()
         self.counts["accepted"] += 1
         oldest = min(v for v, m in zip(t.token_versions, t.loss_mask, strict=True) if m)
         self.on_outcome("accepted", max(0, self.buffer.next_train_version - oldest))
@@ -139,39 +156,51 @@ class Ingest:
         return True
 
     def expire(self) -> int:
-        """Drop (and count) every group that stayed incomplete for `ingest.group_timeout_s`."""
-        now, expired = self.clock(), 0
+        """Drop (and count) every group that stayed incomplete for `ingest.group_timeout_s`, or took
+        no sample for `ingest.group_idle_s`."""
+        now, cfg, expired = self.clock(), self.cfg, 0
         for gid, group in list(self.open.items()):
-            if now - group.opened_at > self.cfg.group_timeout_s:
-                self._close(gid)
-                self.counts["expired"] += len(group.samples)
-                self.groups["expired"] += 1
+            if now - group.opened_at > cfg.group_timeout_s or now - group.last_at > cfg.group_idle_s:
+                self._expire(gid, group)
                 expired += 1
         return expired
 
-    def on_trained(self, batch: list[ScoredGroup]) -> None:
-        """A batch went into an optimiser step: count the ingested groups and samples in it."""
+    def on_trained(self, batch: list[ScoredGroup], applied: bool = True) -> None:
+        """A batch went into an optimiser step: count the ingested groups and samples in it, as
+        trained, or as dropped when the step was skipped (`applied` false), and free their room."""
         ingested = [g for g in batch if g.source == "ingest"]
-        self.groups["trained"] += len(ingested)
-        self.counts["trained"] += sum(len(g.samples) for g in ingested)
+        self.groups["trained" if applied else "skipped"] += len(ingested)
+        self.counts["trained" if applied else "dropped"] += sum(len(g.samples) for g in ingested)
+        self._release(ingested)
 
     def _dropped_from_buffer(self, reason: str, groups: list[ScoredGroup]) -> None:
         """Count the ingested samples of groups the buffer dropped after taking them (stale, shutdown)."""
-        self.counts["dropped"] += sum(len(g.samples) for g in groups if g.source == "ingest")
+        ingested = [g for g in groups if g.source == "ingest"]
+        self.counts["dropped"] += sum(len(g.samples) for g in ingested)
+        self._release(ingested)
+
+    def _release(self, groups: list[ScoredGroup]) -> None:
+        for g in groups:
+            self.room.release(-g.example.id)
 
     def stop(self) -> None:
         """Refuse what comes next; groups still incomplete are dropped as expired."""
         self.stopping = True
         for gid, group in list(self.open.items()):
-            self._close(gid)
-            self.counts["expired"] += len(group.samples)
-            self.groups["expired"] += 1
+            self._expire(gid, group)
+
+    def _expire(self, gid: str, group: _OpenGroup) -> None:
+        self._close(gid)
+        self.room.release(group.key)
+        self.counts["expired"] += len(group.samples)
+        self.groups["expired"] += 1
 
     def snapshot(self) -> dict:
         return {
             "trajectories": dict(self.counts),
             "groups": dict(self.groups),
             "open_groups": len(self.open),
+            "held_bytes": self.room.held,
         }
 
     # -- the steps ------------------------------------------------------------------------------
@@ -189,7 +218,7 @@ class Ingest:
                 f"group {t.group_id!r} was opened with group_size {group.size}, this trajectory says {t.group_size}",
                 reason=Reason.GROUP_MISMATCH,
             )
-        if group is not None and group.prompt != t.prompt_token_ids:
+        if group is not None and group.prompt != array("i", t.prompt_token_ids):
             raise InvalidArgument(
                 f"every sample of group {t.group_id!r} must have the same prompt_token_ids (a GRPO group shares its "
                 "prompt); this one differs",
@@ -215,7 +244,7 @@ class Ingest:
                 reason=Reason.STALE_TRAJECTORY,
             )
 
-    def _open(self, t: Trajectory) -> _OpenGroup:
+    def _open(self, t: Trajectory, producer: str) -> _OpenGroup:
         if self.pending() >= self.cfg.max_pending_groups:
             raise ResourceExhausted(
                 f"the learner holds {self.cfg.max_pending_groups} ingested groups (ingest.max_pending_groups) being "
@@ -223,21 +252,25 @@ class Ingest:
                 reason=Reason.INGEST_FULL,
                 retry_after_s=self.cfg.retry_after_s,
             )
-        group = _OpenGroup(t.group_size, list(t.prompt_token_ids), opened_at=self.clock())
+        key = self._keys + 1
+        self.room.reserve(key, producer, group_reservation(t.group_size, len(t.prompt_token_ids), self.cfg.max_tokens))
+        self._keys = key
+        now = self.clock()
+        group = _OpenGroup(key, producer, t.group_size, array("i", t.prompt_token_ids), now, now)
         self.open[t.group_id] = group
         return group
 
     def _complete(self, gid: str, group: _OpenGroup) -> None:
         self._close(gid)
-        self._ids += 1
-        versions = [v for s in group.samples for v, m in zip(s.token_versions, s.loss_mask, strict=True) if m]
+        self.room.settle(group.key, 4 * len(group.prompt) + sum(sample_bytes(len(s.token_ids)) for s in group.samples))
         scored = ScoredGroup(
-            Example(-self._ids, "", "", {"group_id": gid}),
+            Example(-group.key, "", "", {"group_id": gid}),
             group.prompt,
             group.samples,
-            adapter_version=min(versions),
+            adapter_version=min(v for s in group.samples for v in s.trained_versions),
             replica="ingest",
             source="ingest",
+            producer=group.producer,
         )
         self.groups["completed"] += 1
         self.on_group(scored)
@@ -246,28 +279,13 @@ class Ingest:
         ledger.generated()
         if not self.buffer.put(scored):
             self.counts["dropped"] += len(group.samples)
+            self.room.release(group.key)
 
     def _close(self, gid: str) -> None:
         del self.open[gid]
         self.closed[gid] = None
         if len(self.closed) > self.cfg.max_closed_ids:  # a bounded memory of used ids, oldest forgotten first
             del self.closed[next(iter(self.closed))]
-
-
-def _sample(t: Trajectory) -> ScoredSample:
-    """The sample as the trainer takes it; untrained tokens' logprobs and versions are zeroed
-    (ignored by the contract), so nothing a producer put there can reach the loss."""
-    mask = list(t.loss_mask)
-    return ScoredSample(
-        list(t.token_ids),
-        [lp if m else 0.0 for lp, m in zip(t.logprobs, mask, strict=True)],
-        [v if m else 0 for v, m in zip(t.token_versions, mask, strict=True)],
-        "",
-        "ingested",
-        float(t.reward),
-        bool(t.correct),
-        loss_mask=mask,
-    )
 
 
 def check_shape(t: Trajectory, cfg: IngestSection, vocab_size: int) -> None:
@@ -291,13 +309,17 @@ def check_shape(t: Trajectory, cfg: IngestSection, vocab_size: int) -> None:
         bad_trajectory(f"loss_mask, logprobs and token_versions must be parallel to token_ids ({n} tokens): {uneven}")
     if not any(t.loss_mask):
         bad_trajectory("no token has loss_mask true: a trajectory needs at least one token the model sampled")
-    if not math.isfinite(t.reward):
-        bad_trajectory(f"reward must be a finite number, got {t.reward}")
-    bad_lp = next(
-        (lp for lp, m in zip(t.logprobs, t.loss_mask, strict=True) if m and not (math.isfinite(lp) and lp <= 0)), None
-    )
+    if not (math.isfinite(t.reward) and abs(t.reward) <= cfg.max_abs_reward):
+        bad_trajectory(
+            f"reward must be a finite number within +-{cfg.max_abs_reward:g} (ingest.max_abs_reward), got {t.reward}"
+        )
+    floor = cfg.min_logprob
+    bad_lp = next((lp for lp, m in zip(t.logprobs, t.loss_mask, strict=True) if m and not floor <= lp <= 0), None)
     if bad_lp is not None:
-        bad_trajectory(f"a trained token's logprob must be finite and <= 0, got {bad_lp}")
+        bad_trajectory(
+            f"a trained token's logprob must be a number in [{floor:g}, 0] (ingest.min_logprob: the replica never "
+            f"samples a token that unlikely), got {bad_lp}"
+        )
     for name, ids in (("prompt_token_ids", t.prompt_token_ids), ("token_ids", t.token_ids)):
         outside = next((i for i in ids if not 0 <= i < vocab_size), None)
         if outside is not None:

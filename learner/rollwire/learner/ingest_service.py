@@ -5,10 +5,16 @@ answered, in order, with its own TrajectoryStatus, so one refusal never ends the
 server is a rollwire server like the others: bearer-token roles (security.METHOD_ROLES: the
 admin role, because a trajectory steers the weights the learner publishes), TLS and mutual
 TLS by configuration, keepalive, and a message size limit checked by gRPC before any work.
+
+Each trajectory is judged as its producer's: the caller's identity (security.caller_identity,
+the bearer token's hash with auth on, else the peer's host) is what ingest.producer_share
+counts. A stream yields to the event loop after each trajectory, so one producer's stream
+cannot hold the loop while others wait.
 """
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator
 
 import grpc
@@ -18,7 +24,7 @@ from rollwire.common.keepalive import DEFAULT as DEFAULT_KEEPALIVE
 from rollwire.learner.config import IngestSection
 from rollwire.learner.ingest import Ingest, Trajectory, bad_trajectory
 from rollwire.runtime.logs import get_logger
-from rollwire.runtime.security import TokenAuth, add_port, interceptors, warn_if_exposed
+from rollwire.runtime.security import TokenAuth, add_port, caller_identity, interceptors, warn_if_exposed
 from rollwire.v1 import learner_pb2 as lpb
 from rollwire.v1 import learner_pb2_grpc
 
@@ -59,16 +65,23 @@ class LearnerServicer(learner_pb2_grpc.LearnerServiceServicer):
         self, request_iterator: AsyncIterator[lpb.SubmitTrajectoriesRequest], context
     ) -> AsyncIterator[lpb.SubmitTrajectoriesResponse]:
         index = 0
+        producer = caller_identity(context.invocation_metadata(), context.peer(), self.ingest.cfg.auth.enabled())
         async for request in request_iterator:
             t = request.trajectory
             complete, result = False, OK
             try:
                 if not request.HasField("trajectory"):
                     bad_trajectory("the request carries no trajectory")
-                complete = self.ingest.submit(trajectory(t))
+                complete = self.ingest.submit(trajectory(t), producer)
             except RollwireError as err:
                 result = status(err)
-                log.info("trajectory_refused", group_id=t.group_id[:64], reason=result.reason, message=err.message)
+                log.info(
+                    "trajectory_refused",
+                    producer=producer,
+                    group_id=t.group_id[:64],
+                    reason=result.reason,
+                    message=err.message,
+                )
             yield lpb.SubmitTrajectoriesResponse(
                 index=index,
                 trajectory_id=t.trajectory_id,
@@ -79,6 +92,7 @@ class LearnerServicer(learner_pb2_grpc.LearnerServiceServicer):
                 oldest_version=self.ingest.oldest,
             )
             index += 1
+            await asyncio.sleep(0)  # the other producers' streams and the learner's loop get their turn
 
     async def GetIngestStatus(self, request: lpb.GetIngestStatusRequest, context) -> lpb.GetIngestStatusResponse:
         self.ingest.expire()

@@ -11,7 +11,7 @@ from prometheus_client import CollectorRegistry, start_http_server
 
 from rollwire.common.reasons import Reason
 from rollwire.learner.publisher import PushRecord
-from rollwire.learner.trainer import StepStats
+from rollwire.learner.trainer import SKIP_REASONS, StepStats
 from rollwire.runtime.metrics import MetricFactory
 
 SECONDS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
@@ -43,6 +43,7 @@ INGEST_OUTCOMES = (
             Reason.UNKNOWN_VERSION,
             Reason.STALE_TRAJECTORY,
             Reason.INGEST_FULL,
+            Reason.INGEST_QUOTA,
             Reason.LEARNER_STOPPING,
         )
     ),
@@ -66,6 +67,11 @@ class LearnerMetrics:
     def _training(self, m: MetricFactory) -> None:
         """The trainer's steps: versions, rewards, staleness, loss terms, phases, throughput."""
         self.steps = m.counter("steps_total", "Optimiser steps taken.")
+        self.skipped_steps = m.counter(
+            "skipped_steps_total", "Optimiser steps not applied, by reason (a non-finite gradient or loss).", ["reason"]
+        )
+        for reason in SKIP_REASONS:
+            self.skipped_steps.labels(reason)
         self.policy_version = m.gauge("policy_version", "Adapter version of the trainer's current weights.")
         self.served_version = m.gauge("served_version", "Newest adapter version the target confirmed serving.")
         self.reward_mean = m.gauge("reward_mean", "Mean reward of the last step's samples.")
@@ -136,6 +142,9 @@ class LearnerMetrics:
             self.ingested.labels(outcome)
         for state in INGEST_STATES:
             self.ingest_pending.labels(state)
+        self.ingest_held_bytes = m.gauge(
+            "ingest_held_bytes", "Bytes ingested groups hold (reserved while open, taken once complete)."
+        )
 
     def know_rewards(self, names: list[str]) -> None:
         """Create each reward function's error counter at 0 (the names come from the config)."""
@@ -164,8 +173,11 @@ class LearnerMetrics:
             self.push_seconds.observe(record.seconds)
 
     def on_step(self, stats: StepStats, staleness: list[int], version: int) -> None:
-        self.steps.inc()
         self.policy_version.set(version)
+        if stats.skipped:  # not applied: the last applied step's gauges stay
+            self.skipped_steps.labels(stats.skipped).inc()
+            return
+        self.steps.inc()
         self.reward_mean.set(stats.reward_mean)
         self.reward_std.set(stats.reward_std)
         self.accuracy.set(stats.accuracy)

@@ -131,7 +131,7 @@ class Session:
     async def train_step(self, batch: list[ScoredGroup]) -> StepStats:
         stats = await asyncio.to_thread(self.trainer.step, batch, self.version)
         if self.ingest is not None:
-            self.ingest.on_trained(batch)
+            self.ingest.on_trained(batch, applied=not stats.skipped)
         self.version += 1
         self.step += 1
         self.steps_this_run += 1

@@ -12,11 +12,17 @@ Invariants:
   second copy of the weights;
 - `adapter_payload()` is what replicas load: the PEFT LoRA state dict in safetensors bytes;
   it refuses (NonFiniteWeights) to build a payload holding a NaN or an infinity, so a
-  diverged run stops instead of publishing weights no replica may serve.
+  diverged run stops instead of publishing weights no replica may serve;
+- an optimiser step whose gradient (or loss) is not finite is never applied: no AdamW
+  update, its gradients dropped, the weights and the optimiser's state bit for bit as before.
+  It is reported (StepStats.skipped, rollwire_learner_skipped_steps_total) and logged
+  (`step_skipped`) with the groups behind it and the producers that sent them, and the run
+  goes on with the next batch.
 """
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -27,9 +33,14 @@ import torch
 from rollwire.common.lora import LoraShape
 from rollwire.learner.config import TrainSection
 from rollwire.learner.groups import ScoredGroup
-from rollwire.learner.grpo import group_advantages, token_logprobs
+from rollwire.learner.grpo import group_advantages, importance_ratio, token_logprobs
 from rollwire.learner.losses import LOSSES, LossBatch
 from rollwire.learner.publisher import NonFiniteWeights
+from rollwire.runtime.logs import get_logger
+
+log = get_logger(__name__)
+SKIP_REASONS = ("nonfinite_gradient", "nonfinite_loss")
+"""Why a step is skipped (StepStats.skipped, the skipped-steps metric's reason)."""
 
 
 @dataclass
@@ -58,6 +69,8 @@ class StepStats:
     token_staleness_max: int = 0
     stale_tokens_masked: int = 0
     """Tokens masked from the loss by buffer.max_token_staleness."""
+    skipped: str = ""
+    """Why the step was not applied (SKIP_REASONS), or empty: it was."""
 
 
 class Trainer:
@@ -126,10 +139,11 @@ class Trainer:
             raise ValueError(f"checkpoint adapter has tensors this model does not: {result.unexpected_keys[:3]}")
 
     def step(self, groups: list[ScoredGroup], version: int) -> StepStats:
-        """One optimiser step on a batch of groups, trained at `version` (gradient accumulation)."""
+        """One optimiser step on a batch of groups, trained at `version` (gradient accumulation);
+        skipped, not applied, when its gradient or loss is not finite."""
         started = time.monotonic()
         self.last_step = (getattr(self, "last_step", (0, 0))[0] + 1, version)
-        rewards = torch.tensor([g.rewards for g in groups])
+        rewards = torch.tensor([g.rewards for g in groups], dtype=torch.float64)
         advantages = group_advantages(rewards, self.cfg.normalize_std)
         total_tokens = sum(sum(s.trained_mask) for g in groups for s in g.samples)
         self.optimizer.zero_grad(set_to_none=True)
@@ -137,16 +151,25 @@ class Trainer:
         size = self.cfg.micro_batch_groups or len(groups)
         ages = [version - v for g in groups for s in g.samples for v in s.trained_versions]
         masked = sum(a > self.max_token_staleness for a in ages) if self.max_token_staleness >= 0 else 0
+        params = [p for p in self.model.parameters() if p.requires_grad]
+        suspects, grad_norm = groups, math.nan
         for start in range(0, len(groups), size):
-            rows = _rows(
-                groups[start : start + size], advantages[start : start + size], version, self.max_token_staleness
-            )
+            part = groups[start : start + size]
+            rows = _rows(part, advantages[start : start + size], version, self.max_token_staleness)
             terms, fresh_sum, fresh_count = self._loss(rows, normaliser=float(max(total_tokens - masked, 1)))
             terms.loss.backward()
             totals.add(terms, fresh_sum, fresh_count)
-        params = [p for p in self.model.parameters() if p.requires_grad]
-        grad_norm = float(torch.nn.utils.clip_grad_norm_(params, self.cfg.max_grad_norm))
-        self.optimizer.step()
+            if size < len(groups) and _skip_reason(norm := _grad_norm(params), totals.loss):
+                suspects, grad_norm = part, norm  # the first micro-batch to turn the step non-finite: its groups
+                break
+        else:
+            grad_norm = float(torch.nn.utils.clip_grad_norm_(params, self.cfg.max_grad_norm))
+        skipped = _skip_reason(grad_norm, totals.loss)
+        if skipped:
+            self.optimizer.zero_grad(set_to_none=True)
+            _log_skipped(skipped, suspects, groups, version, grad_norm, totals.loss)
+        else:
+            self.optimizer.step()
         correct = [s.correct for g in groups for s in g.samples]
         return StepStats(
             loss=totals.loss,
@@ -168,6 +191,7 @@ class Trainer:
             token_staleness_mean=sum(ages) / max(len(ages), 1),
             token_staleness_max=max(ages, default=0),
             stale_tokens_masked=masked,
+            skipped=skipped,
         )
 
     def _loss(self, rows: _Rows, normaliser: float):
@@ -189,7 +213,7 @@ class Trainer:
         terms = self.loss(batch, self.cfg)
         with torch.no_grad():
             fresh = rows.fresh.to(self.device)
-            fresh_sum = float((torch.exp(logp - behaviour) * fresh).sum())
+            fresh_sum = float((importance_ratio(logp, behaviour) * fresh).sum())
         return terms, fresh_sum, int(fresh.sum())
 
     def recompute_logprobs(self, groups: list[ScoredGroup]) -> list[list[float]]:
@@ -218,6 +242,40 @@ def _adapter_views(model, params: Sequence[torch.Tensor]) -> dict[str, torch.Ten
     if all(t.untyped_storage().data_ptr() in storages for t in state.values()):
         return state
     return None
+
+
+def _grad_norm(params: Sequence[torch.Tensor]) -> float:
+    """The accumulated gradient's global norm, as clip_grad_norm_ computes it (without clipping)."""
+    norms = [p.grad.detach().norm() for p in params if p.grad is not None]
+    return float(torch.stack(norms).norm()) if norms else 0.0
+
+
+def _skip_reason(grad_norm: float, loss: float) -> str:
+    """Why a step with this gradient norm and loss must not be applied, or "" (SKIP_REASONS)."""
+    if not math.isfinite(grad_norm):
+        return "nonfinite_gradient"
+    if not math.isfinite(loss):
+        return "nonfinite_loss"
+    return ""
+
+
+def _log_skipped(
+    reason: str, suspects: list[ScoredGroup], batch: list[ScoredGroup], version: int, grad_norm: float, loss: float
+) -> None:
+    """Name the groups behind a skipped step and who sent them (an ingest producer, or the learner's own)."""
+    named = [(g.producer or g.source, str(g.example.meta.get("group_id", g.example.id))) for g in suspects]
+    log.error(
+        "step_skipped",
+        reason=reason,
+        version=version,
+        grad_norm=grad_norm,
+        loss=loss,
+        producers=sorted({p for p, _ in named}),
+        groups=[f"{p}/{gid}" for p, gid in named[:32]],
+        suspects=len(suspects),
+        batch=len(batch),
+        hint="the step was not applied; its groups are dropped and training goes on",
+    )
 
 
 @dataclass

@@ -206,6 +206,7 @@ async def open_ingest(session: Session, fingerprint: str) -> None:
     ingest.on_group = lambda group: session.report.on_group(group, 0)  # its rewards reach steps.jsonl
     session.metrics.ingest_pending.labels("open").set_function(lambda: len(ingest.open))
     session.metrics.ingest_pending.labels("buffered").set_function(lambda: ingest.pending() - len(ingest.open))
+    session.metrics.ingest_held_bytes.set_function(lambda: ingest.room.held)
     servicer = LearnerServicer(session.ingest, cfg.adapter_name, fingerprint)
     session.ingest_server, session.ingest_port = await serve_ingest(cfg.ingest, servicer)
 
