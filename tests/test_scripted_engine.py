@@ -139,6 +139,7 @@ def lora_payload(shapes: dict[str, tuple[int, int]]) -> bytes:
     return save({k: rng.standard_normal(s).astype(np.float16) for k, s in shapes.items()})
 
 
+@pytest.mark.integration  # starts a replica process
 def test_push_and_generate_on_a_scripted_replica(tmp_path):
     from support.processes import start_generator
 

@@ -26,6 +26,7 @@ from rollwire.common.reasons import Reason
 from rollwire.v1 import generator_pb2 as pb
 from rollwire.v1 import generator_pb2_grpc
 
+pytestmark = pytest.mark.integration  # replicas and proxies: not for make test-fast
 GREEDY = {"max_new_tokens": 6, "temperature": 0.0, "ignore_eos": True, "seed": 7}
 VOCAB = 100  # the tiny model's
 
