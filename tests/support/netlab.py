@@ -130,6 +130,20 @@ def available() -> tuple[bool, str]:
     return _probed[0], _probed[1]
 
 
+def require() -> None:
+    """Skip the calling test where labs cannot be built here, or, under CI (CI=true), fail it,
+    as support.vllm.require_vllm does: an unprivileged CI runner must not pass by skipping."""
+    ok, why = available()
+    if ok:
+        return
+    import pytest
+
+    why = f"netlab cannot build namespaces here: {why}"
+    if os.environ.get("CI") == "true":
+        pytest.fail(f"{why}; under CI the runner must be root with iproute2, so this is a failure, not a skip")
+    pytest.skip(why)
+
+
 def netem_available() -> bool:
     """Whether this kernel has sch_netem (delay and random loss); False where netlab is unavailable."""
     available()
