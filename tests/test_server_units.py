@@ -50,6 +50,19 @@ def test_greedy_reports_untempered_logprob_and_draw_is_seeded():
     assert sample_seed(7, 0) != sample_seed(7, 1) != sample_seed(8, 0)
 
 
+def test_per_sample_seeds_are_the_documented_numbers():
+    """docs/protocol.md's literal examples of `(s * 1000003 + i) mod (2^63 - 1)` and of the
+    continuation seed, so neither the code nor the docs can drift alone (the engines' seed
+    tests compare against sample_seed itself)."""
+    from rollwire.generator.engines.served_follow import continuation_seed
+
+    assert sample_seed(42, 3) == 42000129
+    assert sample_seed(2**64 - 1, 0) == 1000003  # mod 2^63 would give 9223372036853775805
+    assert sample_seed(2**63, 5) == 1000008  # mod 2^63 would give 5
+    assert continuation_seed(42, 3, 10) == 42000255000398
+    assert random.Random(sample_seed(42, 3)).random() == sample_generator(42, 3).random()
+
+
 def test_coalesce_merges_per_sample_and_keeps_finish_last():
     events = [
         TokenDelta(0, [1], [-0.1], "a", 2),
