@@ -7,6 +7,7 @@ import subprocess
 from pathlib import Path
 
 import pytest
+from support.door_fleet import chat_model, door  # noqa: F401  # the HTTP door's session fleet
 from support.learner import TAUGHT_DIR
 from support.processes import FAST_STOP, start_generator, start_stack
 

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import random
-import shutil
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -19,58 +18,14 @@ from typing import Any
 
 import pytest
 import requests
+from support.door_fleet import GENERATE_TOKEN  # the `door` and `chat_model` fixtures: conftest.py
 from support.engines import forward_logprobs
-from support.processes import start_generator, start_generators, start_proxy, stop_all, wait_routable, wait_until
+from support.processes import start_generator, stop_all, wait_until
 from support.wire import generate, make_adapter, metric_value, peft_reference, status
 
 from rollwire.v1 import generator_pb2 as pb
 
 pytestmark = pytest.mark.integration
-
-TEMPLATE = "{% for m in messages %}{{ m['role'][0] }}:{{ m['content'] }}\n{% endfor %}{% if add_generation_prompt %}a:{% endif %}"
-"""A chat template for the tiny model (its tokenizer is one character per token)."""
-ADMIN_TOKEN, GENERATE_TOKEN = "admin-secret-1", "generate-secret-1"
-
-
-@pytest.fixture(scope="module")
-def chat_model(tiny_model, tmp_path_factory) -> Path:
-    """The tiny model with a chat template in its tokenizer config."""
-    folder = tmp_path_factory.mktemp("chat-model") / "tiny"
-    shutil.copytree(tiny_model, folder)
-    config = json.loads((folder / "tokenizer_config.json").read_text())
-    (folder / "tokenizer_config.json").write_text(json.dumps({**config, "chat_template": TEMPLATE}))
-    return folder
-
-
-@pytest.fixture(scope="module")
-def door(chat_model, tmp_path_factory):
-    """Two replicas, an open proxy with the door, and a second proxy over the same replicas
-    with tokens and a per-client limit of one request."""
-    work = tmp_path_factory.mktemp("http-door")
-    root = work / "adapters"
-    root.mkdir()
-    (work / "admin").write_text(ADMIN_TOKEN + "\n")
-    (work / "generate").write_text(GENERATE_TOKEN + "\n")
-    gens = start_generators(chat_model, work, ["h1", "h2"], "--set", "adapter_window=4")
-    door_args = ("--http-port", "0", "--http-model", str(chat_model), "--http-adapter-root", str(root))
-    proxy = start_proxy(work, "hp", gens, *door_args)
-    guarded = start_proxy(
-        work,
-        "hg",
-        gens,
-        *door_args,
-        "--set",
-        f"auth.admin_tokens_file={work / 'admin'}",
-        "--set",
-        f"auth.generate_tokens_file={work / 'generate'}",
-        "--set",
-        "fairness.max_in_flight_per_client=1",
-    )
-    try:
-        wait_routable(proxy, gens)
-        yield {"proxy": proxy, "guarded": guarded, "gens": gens, "root": root, "work": work, "model": chat_model}
-    finally:
-        stop_all([proxy, guarded, *gens])
 
 
 # The two doors run the same seeded samples in separate requests, which a replica may batch

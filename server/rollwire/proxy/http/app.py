@@ -24,21 +24,33 @@ import structlog
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from rollwire.common.errors import Internal, RollwireError, Unavailable
 from rollwire.common.reasons import Reason
-from rollwire.proxy.http import convert
+from rollwire.proxy.accounting import RequestRecord
+from rollwire.proxy.http import convert, tokens
 from rollwire.proxy.http.adapters import CONFIG_FILE, MAX_CONFIG_BYTES, WEIGHTS_FILE
 from rollwire.proxy.http.bodies import body_chunks, parse_body, read_body
 from rollwire.proxy.http.door import Door
 from rollwire.proxy.http.errors import HttpError, error_response, http_status
-from rollwire.proxy.http.openai import ChatBody, CompletionBody, LoadLoraBody, UnloadLoraBody, check_unhonoured
+from rollwire.proxy.http.openai import (
+    ChatBody,
+    CompletionBody,
+    LoadLoraBody,
+    UnloadLoraBody,
+    check_unhonoured,
+    flatten_content,
+    template_takes_parts,
+)
 from rollwire.proxy.http.stream import stream_group
 from rollwire.proxy.http.uploads import read_form
+from rollwire.proxy.http.vocabulary import Asked, http_terms
 from rollwire.proxy.metrics import HTTP_ROUTES
 from rollwire.proxy.passthrough import PassThrough
 from rollwire.runtime.logs import Throttled, get_logger
 from rollwire.runtime.security import ADMIN, GENERATE, caller_identity
+from rollwire.serving import __version__
 
 log = get_logger(__name__)
 _health_log = Throttled(log, "http_health_no_replica")
@@ -93,7 +105,7 @@ def _observe(app: FastAPI, door: Door) -> None:
     @app.middleware("http")
     async def observe(request: Request, call_next):
         start = time.monotonic()
-        route = request.url.path if request.url.path in HTTP_ROUTES else "other"
+        route = _route_label(request.url.path)
         rid = request.headers.get("x-request-id", "")[:128] or uuid.uuid4().hex
         request.state.rid = rid
         structlog.contextvars.bind_contextvars(request_id=rid)
@@ -118,6 +130,27 @@ def _observe(app: FastAPI, door: Door) -> None:
         _log_refusal(request, err)
         return error_response(err)
 
+    @app.exception_handler(StarletteHTTPException)
+    async def no_route(request: Request, exc: StarletteHTTPException):
+        """Routing's own answers (no such route, a method the route does not take) in the
+        documented error shape, not FastAPI's {"detail": ...}."""
+        method, path = request.method, request.url.path[:200]
+        if exc.status_code == 405:
+            err = HttpError(
+                grpc.StatusCode.UNIMPLEMENTED,
+                f"{path} does not take {method} (docs/http.md lists each route's method)",
+                reason="",
+                status=405,
+            )
+        else:
+            err = HttpError(
+                grpc.StatusCode.NOT_FOUND,
+                f"no route {method} {path} on rollwire's HTTP door; docs/http.md lists the routes it serves",
+                reason="",
+                status=exc.status_code if exc.status_code >= 400 else 404,
+            )
+        return error_response(err)
+
     @app.exception_handler(Exception)
     async def unexpected(request: Request, exc: Exception):
         log.error("http_request_failed", route=request.url.path, error=repr(exc)[:500], exc_info=exc)
@@ -140,6 +173,26 @@ def _vllm_routes(app: FastAPI, door: Door) -> None:
     async def models(request: Request) -> JSONResponse:
         _authorize(door, request, GENERATE)
         return JSONResponse(door.models())
+
+    @app.get("/v1/models/{model:path}")
+    async def model(request: Request, model: str) -> JSONResponse:
+        _authorize(door, request, GENERATE)
+        return JSONResponse(door.model(model))
+
+    @app.get("/version")
+    async def version() -> JSONResponse:
+        """rollwire's version (vLLM answers its own here); open, as vLLM's is."""
+        return JSONResponse({"version": __version__})
+
+    @app.post("/tokenize")
+    async def tokenize(request: Request) -> JSONResponse:
+        client = _authorize(door, request, GENERATE)
+        return JSONResponse(await tokens.tokenize(door, await _body(door, request, tokens.TokenizeBody), client))
+
+    @app.post("/detokenize")
+    async def detokenize(request: Request) -> JSONResponse:
+        _authorize(door, request, GENERATE)
+        return JSONResponse(tokens.detokenize(door, await _body(door, request, tokens.DetokenizeBody)))
 
     @app.post("/pause")
     async def pause(request: Request) -> JSONResponse:
@@ -205,60 +258,82 @@ def _adapter_routes(app: FastAPI, door: Door) -> None:
 
 
 def _openai_routes(app: FastAPI, door: Door) -> None:
-    """OpenAI's completions and chat completions, converted once into the core's groups."""
-    http = door.config.http
+    """OpenAI's completions and chat completions, converted once into the core's groups; each
+    request recorded in the core metrics as a gRPC Generate is (accounting.py), refusals at the
+    edge included."""
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
         client = _authorize(door, request, GENERATE)
-        body: CompletionBody = await _body(door, request, CompletionBody)
-        check_unhonoured(body)
-        ref = door.resolve(body.model)
-        prompts = body.prompts()
-        if not prompts or len(prompts) > http.max_prompts:
-            raise HttpError(
-                grpc.StatusCode.INVALID_ARGUMENT,
-                f"prompt holds {len(prompts)} prompts; send 1 to {http.max_prompts} per request",
-                reason=Reason.BAD_REQUEST_BODY,
-                param="prompt",
-            )
-        rid = body.request_id or request.state.rid
-        max_tokens = body.max_tokens or 16
-        requests = [
-            convert.generate_request(body, p, ref, max_tokens, rid if len(prompts) == 1 else f"{rid}-{i}")
-            for i, p in enumerate(prompts)
-        ]
-        if body.stream:
-            if len(requests) > 1:
-                raise HttpError(
-                    grpc.StatusCode.INVALID_ARGUMENT,
-                    "stream one prompt per request (or set stream to false for a batch of prompts)",
-                    reason=Reason.UNSUPPORTED_FIELD,
-                    param="stream",
-                )
-            return stream_group(door, body, requests[0], client, "text_completion", rid)
-        deadline = door.deadline()
-        groups = [convert.Group(body.n, body.stop_list()) for _ in requests]
-        await _all_or_first_error(
-            [door.run_group(r, client, g, deadline) for r, g in zip(requests, groups, strict=True)]
-        )
-        return JSONResponse(convert.completion_response(body, groups, body.model, rid, door.token_text))
+        with door.servicer.account(edge=True) as record:
+            body: CompletionBody = await _body(door, request, CompletionBody)
+            return await _completions(door, body, client, request.state.rid, record)
 
     @app.post("/v1/chat/completions")
     async def chat(request: Request) -> Response:
         client = _authorize(door, request, GENERATE)
-        body: ChatBody = await _body(door, request, ChatBody)
-        check_unhonoured(body)
-        ref = door.resolve(body.model)
-        prompt = await door.chat_prompt(body, client)
-        rid = body.request_id or request.state.rid
-        max_tokens = body.max_completion_tokens or body.max_tokens or door.default_max_tokens(len(prompt))
-        req = convert.generate_request(body, prompt, ref, max_tokens, rid)
+        with door.servicer.account(edge=True) as record:
+            body: ChatBody = await _body(door, request, ChatBody)
+            check_unhonoured(body)
+            ref = door.resolve(body.model)
+            prompt = await door.chat_prompt(_as_template_takes_it(door, body), client)
+            rid = body.request_id or request.state.rid
+            max_tokens = body.max_completion_tokens or body.max_tokens or door.default_max_tokens(len(prompt))
+            req = convert.generate_request(body, prompt, ref, max_tokens, rid)
+            record.edge = False  # the core decides from here
+            with http_terms(Asked(body, max_tokens, len(prompt), door.limits)):
+                if body.stream:
+                    return await stream_group(door, body, req, client, "chat.completion.chunk", rid, record)
+                group = convert.Group(body.n, body.stop_list())
+                await door.run_group(req, client, group, door.deadline())
+            return JSONResponse(convert.chat_response(body, group, body.model, rid, door.token_text))
+
+
+def _as_template_takes_it(door: Door, body: ChatBody) -> ChatBody:
+    """The chat as vLLM hands it to the template: content parts flattened to text (or kept, for
+    a template that loops over them), `reasoning_effort` among the template's variables."""
+    template = door.tokenizer.chat_template if door.tokenizer is not None else None
+    body.messages = flatten_content(body.messages, template_takes_parts(template))
+    if body.reasoning_effort is not None:
+        body.chat_template_kwargs = {"reasoning_effort": body.reasoning_effort, **(body.chat_template_kwargs or {})}
+    return body
+
+
+async def _completions(door: Door, body: CompletionBody, client: str, rid: str, record: RequestRecord) -> Response:
+    """POST /v1/completions: one group per prompt, all run together (the first failure is the answer)."""
+    check_unhonoured(body)
+    ref = door.resolve(body.model)
+    prompts, most = body.prompts(), door.config.http.max_prompts
+    if not prompts or len(prompts) > most:
+        raise HttpError(
+            grpc.StatusCode.INVALID_ARGUMENT,
+            f"prompt holds {len(prompts)} prompts; send 1 to {most} per request",
+            reason=Reason.BAD_REQUEST_BODY,
+            param="prompt",
+        )
+    if body.stream and len(prompts) > 1:
+        raise HttpError(
+            grpc.StatusCode.INVALID_ARGUMENT,
+            "stream one prompt per request (or set stream to false for a batch of prompts)",
+            reason=Reason.UNSUPPORTED_FIELD,
+            param="stream",
+        )
+    rid = body.request_id or rid
+    max_tokens = body.max_tokens or 16
+    requests = [
+        convert.generate_request(body, p, ref, max_tokens, rid if len(prompts) == 1 else f"{rid}-{i}")
+        for i, p in enumerate(prompts)
+    ]
+    record.edge = False  # the core decides from here
+    known = len(prompts[0]) if len(prompts) == 1 and not isinstance(prompts[0], str) else None
+    with http_terms(Asked(body, max_tokens, known, door.limits)):
         if body.stream:
-            return stream_group(door, body, req, client, "chat.completion.chunk", rid)
-        group = convert.Group(body.n, body.stop_list())
-        await door.run_group(req, client, group, door.deadline())
-        return JSONResponse(convert.chat_response(body, group, body.model, rid, door.token_text))
+            return await stream_group(door, body, requests[0], client, "text_completion", rid, record)
+        deadline = door.deadline()
+        groups = [convert.Group(body.n, body.stop_list()) for _ in requests]
+        runs = [door.run_group(r, client, g, deadline) for r, g in zip(requests, groups, strict=True)]
+        await _all_or_first_error(runs)
+    return JSONResponse(convert.completion_response(body, groups, body.model, rid, door.token_text))
 
 
 async def _all_or_first_error(runs: list[Awaitable[None]]) -> None:
@@ -272,6 +347,13 @@ async def _all_or_first_error(runs: list[Awaitable[None]]) -> None:
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
+
+
+def _route_label(path: str) -> str:
+    """The route's label in rollwire_proxy_http_requests_total (a fixed set: metrics.HTTP_ROUTES)."""
+    if path in HTTP_ROUTES:
+        return path
+    return "/v1/models/{id}" if path.startswith("/v1/models/") else "other"
 
 
 def _log_refusal(request: Request, err: RollwireError) -> None:

@@ -11,6 +11,7 @@ the 500 kind: a caller's mistake is always a 4xx.
 from __future__ import annotations
 
 import math
+import re
 
 import grpc
 from fastapi.responses import JSONResponse
@@ -45,6 +46,7 @@ TYPES = {
     401: "AuthenticationError",
     403: "PermissionDeniedError",
     404: "NotFoundError",
+    405: "MethodNotAllowedError",
     409: "ConflictError",
     413: "RequestTooLargeError",
     429: "RateLimitError",
@@ -57,11 +59,25 @@ TYPES = {
 
 
 class HttpError(RollwireError):
-    """A refusal decided at the door, with the request field it is about (`param`)."""
+    """A refusal in the door's words, with the request field it is about (`param`): decided
+    at the door, or the core's refusal reworded (vocabulary.py; `relayed` when a replica
+    decided it). `status` overrides the HTTP status the code maps to (405 for a method a
+    route does not take, which no gRPC code means)."""
 
-    def __init__(self, code: grpc.StatusCode, message: str, *, reason: str, param: str | None = None) -> None:
-        super().__init__(message, reason=reason, code=code)
+    def __init__(
+        self,
+        code: grpc.StatusCode,
+        message: str,
+        *,
+        reason: str,
+        param: str | None = None,
+        retry_after_s: float | None = None,
+        status: int | None = None,
+    ) -> None:
+        super().__init__(message, reason=reason, code=code, retry_after_s=retry_after_s)
         self.param = param
+        self.status = status
+        self.relayed = False
 
 
 def unsupported(field: str, why: str) -> HttpError:
@@ -75,17 +91,38 @@ def unsupported(field: str, why: str) -> HttpError:
 
 
 def http_status(err: RollwireError) -> int:
-    return BY_REASON.get(err.reason, HTTP_STATUS.get(err.code, 500))
+    return getattr(err, "status", None) or BY_REASON.get(err.reason, HTTP_STATUS.get(err.code, 500))
+
+
+_BRANCH = re.compile(r"(str|int|float|bool|dict|list|none|[a-z-]+\[.*\])")
+"""A pydantic location's segment that names a union's branch, not a field."""
+
+
+def field_name(loc: str) -> str:
+    """A pydantic location as the field a caller wrote: `messages.0.content` is
+    `messages[0].content`, and a union's branch names (`str`, `list[int]`,
+    `literal['none','auto']`) are no fields."""
+    out: list[str] = []
+    for part in re.split(r"\.(?![^\[]*\])", loc):
+        if part.isdigit() and out:
+            out[-1] += f"[{part}]"
+        elif not _BRANCH.fullmatch(part):
+            out.append(part)
+    return ".".join(out) or loc
 
 
 def error_response(err: RollwireError) -> JSONResponse:
     """The HTTP answer for `err`."""
     status = http_status(err)
+    param, message = getattr(err, "param", None), err.message
+    if param:
+        named = field_name(param)
+        message, param = (named + message[len(param) :] if message.startswith(param) else message), named
     body = {
         "error": {
-            "message": err.message,
+            "message": message,
             "type": TYPES.get(status, "Error"),
-            "param": getattr(err, "param", None),
+            "param": param,
             "code": status,
             "reason": err.reason or err.code.name,
         }

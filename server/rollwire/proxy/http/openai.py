@@ -1,16 +1,20 @@
 """The request bodies the door takes, as typed models, and the fields it cannot honour.
 
 Every field OpenAI's or vLLM's API defines for these endpoints is declared here: honoured,
-honoured only at its neutral value (`UNHONOURED`: anything else is a 400 naming the field),
-or a no-op said so in docs/http.md (`user`). A field no API defines is a 400 naming it too
-(extra="forbid"), so nothing a caller sends is silently dropped.
+honoured only at its neutral value (`NEUTRAL`: anything else is a 400 naming the field),
+or accepted with no effect because it has no sampling meaning (`user`, `store`, `metadata`,
+`service_tier`, ...; docs/http.md lists them). A field no API defines is a 400 naming it too
+(extra="forbid"), so nothing a caller sends is silently dropped. An explicit null is the
+field left out, as OpenAI's spec allows (`"n": null` is n=1).
 """
 
 from __future__ import annotations
 
+import re
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic.fields import FieldInfo
 
 from rollwire.proxy.http.errors import unsupported
 
@@ -33,10 +37,23 @@ RESERVED_TEMPLATE_NAMES = frozenset(
     }
 )
 """chat_template_kwargs names the door itself gives the template (or the template's helpers): a 400 if sent."""
+_NULLABLE = FieldInfo(default=None)
+"""What an unknown key is taken for when its value is null: kept, so extra="forbid" names it."""
 
 
 class _Body(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=False)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _nulls_are_absent(cls, data: Any) -> Any:
+        """`"field": null` reads as the field left out (its default), as OpenAI's and vLLM's
+        servers read it; a required field sent as null is then missing."""
+        if isinstance(data, dict):
+            return {
+                k: v for k, v in data.items() if v is not None or cls.model_fields.get(k, _NULLABLE).default is None
+            }
+        return data
 
 
 class StreamOptions(_Body):
@@ -66,8 +83,14 @@ class _Sampling(_Body):
     return_kept_tokens: bool = False
     """rollwire's extension: each choice's `kept_token_ids`, per token the ids top-k/top-p kept (docs/http.md)."""
     include_stop_str_in_output: bool = False
+    # Accepted and not used: no sampling meaning (docs/http.md, "Fields").
     user: str | None = Field(default=None, max_length=256)
-    """Accepted and not used (OpenAI's end-user tag)."""
+    """OpenAI's end-user tag."""
+    store: bool | None = None
+    metadata: dict[str, str] | None = Field(default=None, max_length=16)
+    service_tier: str | None = Field(default=None, max_length=64)
+    safety_identifier: str | None = Field(default=None, max_length=256)
+    prompt_cache_key: str | None = Field(default=None, max_length=256)
     # Honoured only at their neutral value (check_unhonoured):
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
@@ -124,7 +147,8 @@ class ChatBody(_Sampling):
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=20)
     tools: list[dict[str, Any]] | None = None
-    tool_choice: Literal["none", "auto"] | dict[str, Any] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    """"none" or "auto" (the template sees the tools); anything else is refused (check_unhonoured)."""
     parallel_tool_calls: bool | None = None
     """Accepted and not used: rollwire returns the model's text and does not parse tool calls."""
     response_format: dict[str, Any] | None = None
@@ -133,6 +157,8 @@ class ChatBody(_Sampling):
     chat_template_kwargs: dict[str, Any] | None = None
     chat_template: str | None = None
     echo: bool = False
+    reasoning_effort: Literal["low", "medium", "high"] | None = None
+    """Passed to the chat template as the variable `reasoning_effort`, as vLLM does."""
 
     @field_validator("chat_template_kwargs")
     @classmethod
@@ -204,10 +230,47 @@ def check_unhonoured(body: _Sampling) -> None:
         fmt = (body.response_format or {}).get("type", "text")
         if fmt != "text":
             raise unsupported("response_format", f"only {{'type': 'text'}} is served (got {fmt!r})")
-        if isinstance(body.tool_choice, dict) or body.tool_choice == "required":
-            raise unsupported("tool_choice", "tools reach the chat template, but rollwire does not force a tool call")
+        if body.tool_choice not in (None, "none", "auto"):
+            raise unsupported(
+                "tool_choice",
+                f"tools reach the chat template, but rollwire does not force a tool call (got {body.tool_choice!r:.80}); "
+                "send 'auto' or 'none'",
+            )
     if isinstance(body, CompletionBody) and body.logprobs:
         raise unsupported(
             "logprobs",
             "rollwire returns the sampled tokens' logprobs, not the top alternatives: send logprobs=0",
         )
+
+
+_PARTS_LOOP = re.compile(r"for\s+\w+\s+in\s+\w+(?:\[\s*['\"]content['\"]\s*\]|\.content)\b")
+
+
+def template_takes_parts(template: str | None) -> bool:
+    """True when a chat template loops over a message's content (vLLM's "openai" content
+    format: it is given the parts); otherwise it is given the text ("string" format)."""
+    return bool(template and _PARTS_LOOP.search(template))
+
+
+def flatten_content(messages: list[dict[str, Any]], keep_parts: bool) -> list[dict[str, Any]]:
+    """Messages whose list-style content (OpenAI's content parts) is text, as vLLM renders
+    them: the text parts joined by newlines for a template that takes a string, kept as text
+    parts for one that loops over them. A part of any other type is a 400 naming it."""
+    out = []
+    for i, message in enumerate(messages):
+        content = message.get("content")
+        if isinstance(content, list):
+            texts = []
+            for j, part in enumerate(content):
+                kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+                if kind != "text" or not isinstance(part.get("text"), str):  # pyright: ignore[reportAttributeAccessIssue]  # a dict here
+                    raise unsupported(
+                        "messages",
+                        f"messages[{i}].content[{j}] is a part of type {str(kind)[:40]!r}; rollwire's models read text, "
+                        "so send parts of type 'text' (with a 'text' string) or a string content",
+                    )
+                texts.append(part["text"])
+            parts = [{"type": "text", "text": t} for t in texts]
+            message = {**message, "content": parts if keep_parts else "\n".join(texts)}
+        out.append(message)
+    return out

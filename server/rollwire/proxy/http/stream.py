@@ -8,16 +8,17 @@ stream (tokens cannot be taken back), before that the failover is invisible."""
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 from typing import Any
 
 from fastapi.responses import StreamingResponse
+from starlette.requests import ClientDisconnect
 
-from rollwire.common.errors import RollwireError, Unavailable
+from rollwire.common.errors import ResourceExhausted, RollwireError, Unavailable
 from rollwire.common.reasons import Reason
+from rollwire.proxy.accounting import RequestRecord
 from rollwire.proxy.http import convert
 from rollwire.proxy.http.door import Door
 from rollwire.proxy.http.errors import error_response
@@ -31,11 +32,15 @@ log = get_logger(__name__)
 
 class BoundedStream(StreamingResponse):
     """Server-sent events whose every send must complete within `patience` seconds: a reader
-    that stops reading ends its response (and so its group) instead of holding it."""
+    that stops reading ends its response (and so its group) instead of holding it. However
+    the response ends (done, failed, its reader gone), `closing` runs once."""
 
-    def __init__(self, content: AsyncIterator[str], patience: float) -> None:
+    def __init__(
+        self, content: AsyncIterator[str], patience: float, closing: Callable[[BaseException | None], Awaitable[None]]
+    ) -> None:
         super().__init__(content, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
         self.patience = patience
+        self.closing = closing
 
     async def stream_response(self, send: Callable[[Any], Awaitable[None]]) -> None:  # pyright: ignore[reportIncompatibleMethodOverride]
         async def bounded(message: Any) -> None:
@@ -44,16 +49,43 @@ class BoundedStream(StreamingResponse):
 
         await super().stream_response(bounded)  # pyright: ignore[reportArgumentType]
 
+    async def __call__(self, scope, receive, send) -> None:
+        ended: BaseException | None = None
+        try:
+            await super().__call__(scope, receive, send)
+        except TimeoutError:  # a send the reader did not take within patience (stream_response)
+            ended = ResourceExhausted(
+                f"the client did not read this stream for {self.patience:g}s, so the proxy ended it",
+                reason=Reason.SLOW_READER,
+            )
+            log.warning("slow_reader_cut_off", seconds=self.patience)
+        except BaseException as exc:
+            ended = exc
+            raise
+        finally:
+            await self.closing(ended)
 
-def stream_group(
-    door: Door, body: CompletionBody | ChatBody, req: pb.GenerateRequest, client: str, kind: str, rid: str
+
+async def stream_group(
+    door: Door,
+    body: CompletionBody | ChatBody,
+    req: pb.GenerateRequest,
+    client: str,
+    kind: str,
+    rid: str,
+    record: RequestRecord,
 ) -> BoundedStream:
-    """A streamed group (see the module docstring). Chunks are shaped as vLLM's
-    (tests/test_http_vllm_parity.py): with `return_token_ids` the first chunk carries
-    `prompt_token_ids` (chat: in the frame; completions: in each choice's first delta), and a
-    sample's finish rides on its last tokens' delta."""
+    """A streamed group (see the module docstring), answered once the core has decided it:
+    the group is started and its first message awaited before the status line is sent, so
+    every refusal (unknown model, limits, ...) raises here and is answered with its own 4xx
+    like an unstreamed request's. Chunks are shaped as vLLM's (tests/test_http_vllm_parity.py):
+    one choice per chunk; with `return_token_ids` the first chunk of a sample carries
+    `prompt_token_ids` (chat: in the frame; completions: in the choice), and a sample's finish
+    rides on its last tokens' delta."""
     events = _Events(door, body, req, client, kind, rid)
-    return BoundedStream(events.run(), door.config.fairness.slow_reader_timeout_s)
+    await events.begin()
+    events.record = record.hand_over()
+    return BoundedStream(events.run(), door.config.fairness.slow_reader_timeout_s, events.close)
 
 
 class _Events:
@@ -68,7 +100,34 @@ class _Events:
         """Characters of text held back while they could still begin a stop string."""
         self.group = convert.Group(body.n, body.stop_list())
         self.sent_text = [0] * body.n
-        self.unprompted = set(range(body.n)) if body.return_token_ids and not self.chat else set()
+        self.unprompted = set(range(body.n)) if body.return_token_ids else set()
+        self.stream: AsyncGenerator[pb.GenerateResponse] | None = None
+        self.first: pb.GenerateResponse | None = None
+        self.record: RequestRecord | None = None
+        self.ended: tuple[BaseException | None] | None = None
+        """How the group ended, once it has (None inside: complete)."""
+
+    async def begin(self) -> None:
+        """Start the group and take its first message (the core holds `started` back until
+        the first tokens or finish, so every refusal comes before it)."""
+        self.stream = self.door.servicer.group_events(self.req, self.rid, self.client, self.door.deadline())  # pyright: ignore[reportAttributeAccessIssue]  # an async generator
+        try:
+            self.first = await anext(self.stream)
+        except BaseException:
+            await self.stream.aclose()
+            raise
+
+    async def close(self, ended: BaseException | None) -> None:
+        """The response is over: the group is closed (lease and client slot freed) and the
+        request recorded with how it ended (a response cut before the group ended: cancelled)."""
+        if self.stream is not None:
+            await self.stream.aclose()
+        if isinstance(ended, RollwireError) and ended.reason == Reason.SLOW_READER:
+            self.door.servicer.metrics.client_limited.labels("slow_reader").inc()
+        elif ended is None or isinstance(ended, ClientDisconnect):
+            ended = asyncio.CancelledError()
+        if self.record is not None:
+            self.record.close(self.ended[0] if self.ended is not None else ended)
 
     @staticmethod
     def event(payload: dict[str, Any]) -> str:
@@ -84,31 +143,40 @@ class _Events:
             "choices": choices,
         }
 
+    async def messages(self) -> AsyncIterator[pb.GenerateResponse]:
+        assert self.stream is not None and self.first is not None, "begin() first"
+        yield self.first
+        async for message in self.stream:
+            yield message
+
     async def run(self) -> AsyncIterator[str]:
-        shown = False
-        stream = self.door.servicer.group_events(self.req, self.rid, self.client, self.door.deadline())
+        shown, failure = False, None
         try:
-            async with contextlib.aclosing(stream):  # pyright: ignore[reportArgumentType]  # an async generator has aclose
-                async for message in stream:
-                    if message.HasField("restarted") and shown:
-                        raise Unavailable(
-                            "the replica serving this stream failed after sending tokens; send the request again",
-                            reason=Reason.ATTEMPTS_EXHAUSTED,
-                        )
-                    payload = self.payload(message)
-                    if payload is not None:
-                        shown = True
-                        yield self.event(payload)
+            async for message in self.messages():
+                if message.HasField("restarted") and shown:
+                    raise Unavailable(
+                        "the replica serving this stream failed after sending tokens; send the request again",
+                        reason=Reason.ATTEMPTS_EXHAUSTED,
+                    )
+                for payload in self.payloads(message):
+                    shown = True
+                    yield self.event(payload)
             if self.body.stream_options and self.body.stream_options.include_usage:
                 yield self.event({**self.frame([]), "usage": convert.usage([self.group])})
         except PassThrough as relay:
+            failure = relay
             yield self.event(_error_body(relay.error()))
         except RollwireError as err:
+            failure = err
             yield self.event(_error_body(err))
+        finally:
+            assert self.stream is not None
+            await self.stream.aclose()
+        self.ended = (failure,)
         yield "data: [DONE]\n\n"
 
-    def payload(self, message: pb.GenerateResponse) -> dict[str, Any] | None:
-        """The event one core message becomes (None: nothing to show yet)."""
+    def payloads(self, message: pb.GenerateResponse) -> list[dict[str, Any]]:
+        """The events one core message becomes, one choice each (none: nothing to show yet)."""
         body, group = self.body, self.group
         choices = []
         for index, chunk, finish in group.apply(message):
@@ -117,17 +185,21 @@ class _Events:
             upto = len(text) if finish else max(self.sent_text[index], len(text) - self.holdback)
             delta, self.sent_text[index] = text[self.sent_text[index] : upto], upto
             choices.append(_delta(body, self.chat, index, delta, chunk, finish, c, self.door.token_text))
-            if index in self.unprompted:
-                self.unprompted.discard(index)
-                choices[-1]["prompt_token_ids"] = list(group.prompt_ids)
         choices = _merge_finishes(choices, self.chat)
-        extra: dict[str, Any] = {}
         if self.chat and message.HasField("started"):
             role = {"delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
             choices = [{"index": i, **role} for i in range(body.n)] + choices
-            if body.return_token_ids:
-                extra["prompt_token_ids"] = list(group.prompt_ids)
-        return {**self.frame(choices), **extra} if choices else None
+        events = []
+        for choice in choices:
+            extra: dict[str, Any] = {}
+            if choice["index"] in self.unprompted:  # a sample's first chunk
+                self.unprompted.discard(choice["index"])
+                if self.chat:
+                    extra["prompt_token_ids"] = list(group.prompt_ids)
+                else:
+                    choice["prompt_token_ids"] = list(group.prompt_ids)
+            events.append({**self.frame([choice]), **extra})
+        return events
 
 
 def _delta(
