@@ -48,11 +48,17 @@ def test_on_policy_ratio_is_one_and_a_step_changes_the_adapter(tiny_model):
 def test_gradient_accumulation_matches_one_big_batch(tiny_model):
     whole, split = make(tiny_model, micro_batch_groups=2), make(tiny_model, micro_batch_groups=1)
     data = groups(whole)
+    start = {name: p.detach().clone() for name, p in whole.model.named_parameters() if p.requires_grad}
     whole.step(data, version=1)
     split.step(data, version=1)
-    for (name, a), (_, b) in zip(whole.model.named_parameters(), split.model.named_parameters(), strict=False):
+    moved = 0.0
+    for (name, a), (other, b) in zip(whole.model.named_parameters(), split.model.named_parameters(), strict=True):
+        assert name == other
         if a.requires_grad:
             assert torch.allclose(a, b, atol=1e-6), name
+            moved = max(moved, float((a.detach() - start[name]).abs().max()))
+    # the step moved the adapter by far more than the tolerance (a step that did nothing would pass above)
+    assert moved > 1e-3, moved
 
 
 def test_adapter_payload_has_peft_keys_and_round_trips(tiny_model):
