@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import re
+import time
 from typing import Any
 
 import grpc
@@ -245,3 +246,22 @@ def test_a_stream_refused_by_the_core_is_counted_as_its_status(door):
     r = requests.post(url + "/v1/completions", data=json.dumps(body), timeout=30)
     assert r.status_code == 404 and r.headers["content-type"].startswith("application/json")
     wait_until(lambda: refused() == start + 1, 10, "the 404 counted")
+
+
+# -- the CLI meets the door --------------------------------------------------------------------
+def test_the_cli_names_an_http_port_and_fits_its_default_to_the_context(door):
+    """`rollwire generate` refuses a URL at once, says what an HTTP port is when it meets one
+    (no five-minute retry), and its default max_new_tokens fits the server's context."""
+    from test_sdk_cli import run_cli
+
+    proxy = door["proxy"]
+    url = run_cli("generate", "--target", proxy.http_url, "12+34=")
+    assert url.returncode == 2 and "is a URL" in url.stderr and "gRPC port" in url.stderr, url.stderr
+    started = time.monotonic()
+    http = run_cli("generate", "--target", f"127.0.0.1:{proxy.http_port}", "--timeout", "60", "12+34=")
+    assert http.returncode == 1 and "this is an HTTP port" in http.stderr, http.stderr
+    assert time.monotonic() - started < 30  # not retried until the deadline
+    long = "1" * 200  # 200 tokens of a 256-token context: 128 would not fit
+    fits = run_cli("generate", "--target", proxy.target, "--json", long)
+    assert fits.returncode == 0, fits.stderr
+    assert "max_context=256" in run_cli("status", "--target", proxy.target).stdout

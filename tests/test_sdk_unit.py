@@ -544,6 +544,22 @@ def test_targets_are_one_address_several_or_a_grpc_name():
     for bad in ("", " , ", [], [b"a:1"], 5, None):
         with pytest.raises(RequestError, match="target"):
             parse_targets(bad)
+    for url in ("http://127.0.0.1:8000", "https://proxy:443", "grpc://a:1"):  # refused at once, never dialled
+        with pytest.raises(RequestError, match="is a URL; .* gRPC port"):
+            parse_targets(url)
+    assert parse_targets("unix:///run/rollwire.sock") == ("unix:///run/rollwire.sock",)
+
+
+def test_an_http_port_is_named_and_not_retried():
+    """grpc's own sentence for an address that answers HTTP/1 (the door, a metrics port)."""
+    error = RollwireError(
+        "failed to connect to all addresses; last error: UNKNOWN: ipv4:127.0.0.1:8000: Trying to connect an http1.x "
+        "server",
+        code=grpc.StatusCode.UNAVAILABLE,
+    )
+    assert is_retryable(error, received_response=False) is False
+    final = CallAttempts(Rotation(["127.0.0.1:8000"]), RetryPolicy(), Deadline(5)).final(error)
+    assert "this is an HTTP port" in final.message and "use the gRPC port" in final.message
 
 
 def test_rotation_takes_turns_and_puts_failed_addresses_last_for_a_doubling_while():
@@ -929,6 +945,23 @@ def test_status_table():
         assert needle in text, needle
     assert re.search(r"^queue depth +1$", text, re.M)
     assert "(none)" in cli.format_status(pb.GetStatusResponse(role="generator"))
+    assert "max_context=64" in cli.format_status(pb.GetStatusResponse(limits=pb.Limits(max_context=64)))
+
+
+def test_the_cli_default_max_new_tokens_fits_the_servers_context():
+    class Server:
+        def __init__(self, **limits: int) -> None:
+            self.limits = pb.Limits(**limits)
+
+        def get_status(self) -> pb.GetStatusResponse:
+            return pb.GetStatusResponse(limits=self.limits)
+
+    fit = cli.fitting_max_new_tokens
+    assert fit(Server(max_new_tokens=1024, max_context=64), "12+34=") == 64 - 6 - 2  # the demo model's context
+    assert fit(Server(max_new_tokens=1024, max_context=64), [5, 6, 7]) == 61
+    assert fit(Server(max_new_tokens=32, max_context=4096), "x") == 32
+    assert fit(Server(max_new_tokens=1024), "x") == DEFAULT_MAX_NEW_TOKENS  # no context reported
+    assert fit(Server(max_new_tokens=1024, max_context=8), "a long prompt") == 1  # the server will say why
 
 
 def test_one_message_may_carry_several_samples_and_their_finishes():

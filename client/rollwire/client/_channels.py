@@ -9,6 +9,7 @@ Invariants:
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -54,9 +55,20 @@ class TlsConfig:
         return cls(read(root), read(cert), read(key), server_name)
 
 
+_URL = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*)://")
+GRPC_SCHEMES = ("dns", "unix", "unix-abstract", "vsock", "xds")
+"""Target schemes gRPC resolves itself; any other `SCHEME://` is a URL, not a gRPC target."""
+
+
 def check_target(target: str) -> str:
     if not isinstance(target, str) or not target.strip():
         raise RequestError(f"target must be an address like host:port, got {target!r}")
+    url = _URL.match(target.strip())
+    if url and url[1].lower() not in GRPC_SCHEMES:
+        raise RequestError(
+            f"target {target!r} is a URL; rollwire's clients speak gRPC: give HOST:PORT of a proxy's or generator's "
+            f"gRPC port, without {url[1]}:// (an http:// address is the proxy's HTTP door, for HTTP clients)"
+        )
     return target
 
 

@@ -36,7 +36,7 @@ import grpc
 
 from rollwire.client._channels import check_target
 from rollwire.client._results import Restarted
-from rollwire.client._retries import Deadline, RetryPolicy, is_retryable
+from rollwire.client._retries import HTTP1_SERVER, Deadline, RetryPolicy, is_retryable
 from rollwire.common.errors import RequestError, RollwireError
 from rollwire.common.retries import FLEET_FAULTS
 
@@ -228,6 +228,8 @@ class CallAttempts:
         message = f"{error.message} — from {where}, after {self.attempt} attempt(s) in {spent:.1f}s"
         if error.code == grpc.StatusCode.DEADLINE_EXCEEDED:
             message += "; the call's deadline passed: give a longer timeout or check that the server is reachable"
+        elif error.code == grpc.StatusCode.UNAVAILABLE and HTTP1_SERVER in error.message:
+            message += "; this is an HTTP port (it answers HTTP/1): use the gRPC port (a proxy's or generator's `port`)"
         elif error.code == grpc.StatusCode.UNAVAILABLE:
             message += "; the server is down or unreachable: check the address and that it is running"
         return type(error)(message, code=error.code, retry_after_s=error.retry_after_s)

@@ -19,11 +19,16 @@ from rollwire.common.errors import RollwireError
 from rollwire.common.errors import whole_number as _int
 from rollwire.common.retries import SDK_RETRIES
 
+HTTP1_SERVER = "http1.x server"
+"""What gRPC reports when the address answers HTTP/1 (an HTTP port: the proxy's door, a
+metrics port): no retry mends it."""
+
 
 def is_retryable(error: RollwireError, received_response: bool) -> bool:
     """The SDK's one retry predicate: a code in retries.SDK_RETRIES (UNAVAILABLE), and nothing
-    received from the server yet (so no work can be duplicated); the why: rollwire.common.retries."""
-    return error.code in SDK_RETRIES and not received_response
+    received from the server yet (so no work can be duplicated), unless the address speaks
+    HTTP/1; the why: rollwire.common.retries."""
+    return error.code in SDK_RETRIES and not received_response and HTTP1_SERVER not in error.message
 
 
 @dataclass(frozen=True)

@@ -162,9 +162,9 @@ def _add_generate(commands: Any) -> None:
     p.add_argument(
         "--max-new-tokens",
         type=_positive(int),
-        default=DEFAULT_MAX_NEW_TOKENS,
         metavar="N",
-        help="most tokens per sample (default %(default)s)",
+        help=f"most tokens per sample (default {DEFAULT_MAX_NEW_TOKENS}, or what the server's limits leave for this "
+        "prompt when that is less: its max_new_tokens, and its context less the prompt)",
     )
     p.add_argument("--temperature", type=float, metavar="T", help="0 is greedy (server default 1.0)")
     p.add_argument("--top-p", type=float, metavar="P", help="nucleus mass in (0, 1]")
@@ -199,13 +199,30 @@ def _add_generate(commands: Any) -> None:
 def cmd_generate(args: argparse.Namespace) -> int:
     prompt = _prompt(args.prompt, args.token_ids)
     # every keyword option of generate has a flag of that name (_add_generate)
-    options: dict[str, Any] = {key: getattr(args, key) for key in GenerateOptions.__annotations__}
     with client_from_args(args) as client:
+        if args.max_new_tokens is None:
+            args.max_new_tokens = fitting_max_new_tokens(client, prompt)
+        options: dict[str, Any] = {key: getattr(args, key) for key in GenerateOptions.__annotations__}
         if args.json:
             print(json.dumps(result_to_json(client.generate(prompt, args.n, **options))))
         else:
             print_stream(client.generate_stream(prompt, args.n, **options), args.n, sys.stdout, sys.stderr)
     return 0
+
+
+def fitting_max_new_tokens(client: Client, prompt: str | list[int]) -> int:
+    """The default max_new_tokens, within what the server serves (GetStatus limits): its
+    per-sample limit, and its context less the prompt (a text's tokens counted as at most its
+    UTF-8 bytes, plus two for special tokens). DEFAULT_MAX_NEW_TOKENS when it does not say."""
+    try:
+        limits = client.get_status().limits
+    except RollwireError:
+        return DEFAULT_MAX_NEW_TOKENS
+    most = min(DEFAULT_MAX_NEW_TOKENS, limits.max_new_tokens or DEFAULT_MAX_NEW_TOKENS)
+    if limits.max_context:
+        length = len(prompt) if isinstance(prompt, list) else len(prompt.encode()) + 2
+        most = min(most, limits.max_context - length)
+    return max(1, most)
 
 
 def _prompt(text: str, as_ids: bool) -> str | list[int]:
@@ -370,6 +387,7 @@ def format_status(status: Any) -> str:
         [
             "limits",
             f"max_n={lim.max_n} max_new_tokens={lim.max_new_tokens} max_prompt_tokens={lim.max_prompt_tokens} "
+            f"max_context={lim.max_context or '?'} "
             f"max_adapter_bytes={lim.max_adapter_bytes} adapter_window={lim.adapter_window}",
         ],
     ]
