@@ -116,11 +116,12 @@ async def test_requests_are_seeded_by_data_position_and_bounded_in_flight():
     producer, ledger, _buffer, _ = producer_for({f"p{i}": ["1", "0"] for i in range(3)}, examples, in_flight=2)
     producer.start()
     await asyncio.wait_for(ledger.changed.wait_for(lambda: ledger.buffered == 2), 5)
-    await asyncio.sleep(0.05)
-    assert ledger.requested == 2  # nothing more until the trainer takes a group
+    # nothing more until the trainer takes a group: the producer's gate (what its loop waits on
+    # before each request) is shut while 2 groups wait, instead of a sleep that sees no request
+    assert ledger.requested == 2 and not producer._ready()
     await producer.stop()
     seeds = [options["seed"] for _, options in producer.client.requests]
-    assert len(set(seeds)) == 2 and all(
+    assert seeds == [0, 1] and all(  # data positions 0 and 1 under seed 0: (0 * 1000003 + cursor)
         options["adapter"] == "policy@latest" for _, options in producer.client.requests
     )
     assert all(options["temperature"] == 1.0 for _, options in producer.client.requests)
