@@ -102,6 +102,10 @@ def test_proxy_config_map_is_a_valid_proxy_config_that_can_reach_the_generators(
     ports = {p["name"]: p["containerPort"] for p in container["ports"]}
     assert (ports["grpc"], ports["metrics"], ports["health"]) == (proxy.port, proxy.metrics_port, proxy.tls.health_port)
     assert container["readinessProbe"]["grpc"]["port"] == proxy.tls.health_port
+    assert ports["http"] == proxy.http.port > 0  # the HTTP door, exposed by the Service
+    service = {p["name"]: p for p in by_kind("Service")["rollwire-proxy"]["spec"]["ports"]}
+    assert (service["http"]["port"], service["http"]["targetPort"]) == (proxy.http.port, "http")
+    assert any(proxy.http.model_path.startswith(m["mountPath"]) for m in container["volumeMounts"])
     assert proxy.discover.endswith(f"rollwire-generator.rollwire.svc.cluster.local:{generator.port}")
     if generator.auth.admin_tokens_file:  # the proxy pushes adapters: it needs an admin token
         assert proxy.upstream.token_file == generator.auth.admin_tokens_file
@@ -303,6 +307,7 @@ def test_the_shipped_configs_relay_a_push_between_replicas_over_tls(tmp_path, ti
                 [
                     *("proxy", "--config", config, "--port", "0", "--metrics-port", "0", *local),
                     *("--set", f"spool.dir={tmp_path / name}", "--set", "health.interval_s=0.2"),
+                    *("--set", "http.port=0", "--set", f"http.model_path={tiny_model}"),  # the door, on a free port
                     *("--proxy-id", name, *members),
                 ],
                 tmp_path,
