@@ -86,7 +86,9 @@ class ProxyMetrics:
         """Generate requests: outcomes, latency, queueing, refusals, per-client limits."""
         counter, gauge = make.counter, make.gauge
         self.requests = counter(
-            "requests_total", "Generate requests by routing policy and final gRPC code.", ["policy", "code"]
+            "requests_total",
+            "Generation requests (gRPC Generate, HTTP completions and chat) by routing policy and final gRPC code.",
+            ["policy", "code"],
         )
         self.latency = _latency(
             make, "request_duration_seconds", "From request arrival to its last message.", ["policy"]
@@ -96,7 +98,8 @@ class ProxyMetrics:
         self.refused = counter("refused_total", "Requests refused by backpressure (RESOURCE_EXHAUSTED).")
         self.client_errors = counter(
             "client_errors_total",
-            "Generate requests ended by a status the client caused (relayed refusals, per-client limits), by code.",
+            "Generation requests (either door) ended by a status the client caused (relayed refusals, per-client "
+            "limits, refusals at the HTTP door's edge), by code.",
             ["code"],
         )
         self.client_limited = counter(

@@ -13,7 +13,7 @@ from typing import Any
 
 import grpc
 
-from rollwire.common.errors import FailedPrecondition
+from rollwire.common.errors import FailedPrecondition, InvalidArgument
 from rollwire.common.reasons import Reason
 from rollwire.proxy.config import ProxyConfig
 from rollwire.proxy.http import convert
@@ -171,7 +171,10 @@ class Door:
 
     # -- generation ------------------------------------------------------------------------
     def resolve(self, model: str) -> ModelRef:
-        ref = parse_model(model, self.base_names)
+        try:
+            ref = parse_model(model, self.base_names)
+        except InvalidArgument as err:  # a name no adapter can have: about the request's `model`
+            raise HttpError(err.code, err.message, reason=err.reason, param="model") from None
         if not ref.is_base and self.adapters.is_hidden(ref):
             raise HttpError(
                 grpc.StatusCode.NOT_FOUND,
