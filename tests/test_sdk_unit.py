@@ -946,6 +946,12 @@ def test_status_table():
     assert re.search(r"^queue depth +1$", text, re.M)
     assert "(none)" in cli.format_status(pb.GetStatusResponse(role="generator"))
     assert "max_context=64" in cli.format_status(pb.GetStatusResponse(limits=pb.Limits(max_context=64)))
+    assert "replicas: (listed for an admin token only)" in cli.format_status(pb.GetStatusResponse(role="proxy"))
+    from google.protobuf import json_format
+
+    data = cli.numbers_as_numbers(status, json_format.MessageToDict(status, preserving_proto_field_name=True))
+    assert data["limits"]["max_adapter_bytes"] == MiB and data["adapters"][0]["versions"] == [4, 5]
+    assert data["replicas"][0]["adapters"][0]["versions"] == [5]
 
 
 def test_the_cli_default_max_new_tokens_fits_the_servers_context():

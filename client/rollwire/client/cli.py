@@ -367,19 +367,39 @@ def cmd_status(args: argparse.Namespace) -> int:
         from google.protobuf.json_format import MessageToDict
 
         data = MessageToDict(status, preserving_proto_field_name=True, always_print_fields_with_no_presence=True)
-        print(json.dumps(data, indent=2))
+        print(json.dumps(numbers_as_numbers(status, data), indent=2))
     else:
         print(format_status(status))
     return 0
 
 
+def numbers_as_numbers(message: Any, data: Any) -> Any:
+    """`data` (MessageToDict of `message`) with its 64-bit integers as JSON numbers, not the
+    strings protobuf's JSON mapping writes for them (versions, byte counts), for jq."""
+    from google.protobuf.descriptor import FieldDescriptor as F
+
+    wide = (F.CPPTYPE_INT64, F.CPPTYPE_UINT64)
+    for field in message.DESCRIPTOR.fields:
+        if field.name not in data:
+            continue
+        value, repeated = getattr(message, field.name), field.is_repeated
+        if field.cpp_type in wide:
+            data[field.name] = [int(v) for v in value] if repeated else int(value)
+        elif field.cpp_type == F.CPPTYPE_MESSAGE and not field.message_type.GetOptions().map_entry:
+            items = zip(value, data[field.name], strict=True) if repeated else [(value, data[field.name])]
+            for sub, sub_data in items:
+                numbers_as_numbers(sub, sub_data)
+    return data
+
+
 def format_status(status: Any) -> str:
     """A GetStatusResponse as a readable report."""
     lim = status.limits
+    proxy = status.role == "proxy"
     rows = [
         ["role", status.role],
-        ["replica", status.replica],
-        ["engine", status.engine],
+        ["proxy id" if proxy else "replica", status.replica],
+        ["engines" if proxy else "engine", status.engine],
         ["server version", status.server_version],
         ["model fingerprint", status.model_fingerprint],
         ["in flight", str(status.in_flight)],
@@ -394,6 +414,8 @@ def format_status(status: Any) -> str:
     parts = [_table(None, rows), "", "adapters:"]
     adapters = [[a.name, _versions(a.versions)] for a in status.adapters]
     parts.append(_indent(_table(["NAME", "VERSIONS"], adapters)) if adapters else "  (none)")
+    if proxy and not status.replicas:
+        parts += ["", "replicas: (listed for an admin token only)"]
     if status.replicas:
         header = ["ADDRESS", "REPLICA", "HEALTHY", "DRAINING", "IN FLIGHT", "ADAPTERS", "DETAIL"]
         replicas = [
