@@ -16,7 +16,7 @@ from __future__ import annotations
 import asyncio
 import time
 import uuid
-from collections.abc import Awaitable
+from collections.abc import Awaitable, Sequence
 from typing import Any
 
 import grpc
@@ -336,7 +336,7 @@ async def _completions(door: Door, body: CompletionBody, client: str, rid: str, 
     return JSONResponse(convert.completion_response(body, groups, body.model, rid, door.token_text))
 
 
-async def _all_or_first_error(runs: list[Awaitable[None]]) -> None:
+async def _all_or_first_error(runs: Sequence[Awaitable[None]]) -> None:
     """Run the groups of one request together; the first failure cancels the others and is
     the request's answer (raised as it is, so its status reaches the caller)."""
     tasks = [asyncio.ensure_future(r) for r in runs]

@@ -110,11 +110,12 @@ class _Events:
     async def begin(self) -> None:
         """Start the group and take its first message (the core holds `started` back until
         the first tokens or finish, so every refusal comes before it)."""
-        self.stream = self.door.servicer.group_events(self.req, self.rid, self.client, self.door.deadline())  # pyright: ignore[reportAttributeAccessIssue]  # an async generator
+        stream = self.door.servicer.group_events(self.req, self.rid, self.client, self.door.deadline())
+        self.stream = stream  # pyright: ignore[reportAttributeAccessIssue]  # group_events is an async generator
         try:
-            self.first = await anext(self.stream)
+            self.first = await anext(stream)
         except BaseException:
-            await self.stream.aclose()
+            await stream.aclose()  # pyright: ignore[reportAttributeAccessIssue]  # an async generator has aclose
             raise
 
     async def close(self, ended: BaseException | None) -> None:

@@ -14,7 +14,8 @@ from __future__ import annotations
 from collections.abc import AsyncIterable, Mapping
 
 import grpc
-from python_multipart.multipart import MultipartParseError, MultipartParser, parse_options_header
+from python_multipart.exceptions import MultipartParseError
+from python_multipart.multipart import MultipartParser, parse_options_header
 
 from rollwire.common.reasons import Reason
 from rollwire.proxy.http.errors import HttpError
