@@ -243,7 +243,7 @@ def check_unhonoured(body: _Sampling) -> None:
         )
 
 
-_PARTS_LOOP = re.compile(r"for\s+\w+\s+in\s+\w+(?:\[\s*['\"]content['\"]\s*\]|\.content)\b")
+_PARTS_LOOP = re.compile(r"for\s+\w+\s+in\s+\w+(?:\[\s*['\"]content['\"]\s*\]|\.content\b)")
 
 
 def template_takes_parts(template: str | None) -> bool:
