@@ -18,6 +18,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -55,6 +56,10 @@ def fleet(tiny_model, tmp_path_factory):
         "push.stall_timeout_s=3",
         "--set",
         "health.push_timeout_s=20",
+        "--set",
+        "routing.coalesce_window_ms=150",  # wide, so concurrent test requests surely meet
+        "--set",
+        "fairness.max_in_flight_per_client=3",
     )
     state = {"gens": gens, "root": root, "work": work, "args": args, "model": tiny_model}
     state["proxy"] = start_proxy(work, "dl", gens, *args)
@@ -100,6 +105,69 @@ def check_served_by(fleet, adapter, name: str, version: int) -> None:
     assert all(v == {version} for v in group.versions.values())  # every token of every sample
     for i, tokens in group.tokens.items():
         assert group.logprobs[i] == pytest.approx(forward_logprobs(reference, PROMPT, tokens).tolist(), abs=1e-4)
+
+
+def trl_body(seed: int | None, max_tokens: int = 8) -> dict:
+    """The request TRL's async rollout worker sends for one sample, field for field."""
+    body = {"model": "tiny", "prompt": PROMPT, "max_tokens": max_tokens, "temperature": 1.0, "top_p": 1.0}
+    body |= {"top_k": 0, "repetition_penalty": 1.0, "n": 1, "return_token_ids": True, "logprobs": 0}
+    return body | ({"seed": seed} if seed is not None else {})
+
+
+def post_all(fleet, bodies: list[dict]) -> list[requests.Response]:
+    url = fleet["proxy"].http_url + "/v1/completions"
+    with ThreadPoolExecutor(len(bodies)) as pool:
+        return list(pool.map(lambda b: requests.post(url, json=b, timeout=60), bodies))
+
+
+def test_single_sample_requests_for_one_prompt_share_a_group_and_keep_their_own_samples(fleet, reference_model):
+    """TRL's n = 1 requests of one group, sent together, are served as one group (one
+    prefill) and each is what it would be alone: the same tokens for its seed, logprobs
+    within a few ulps, and both equal to a teacher-forced forward of the model."""
+    before = metric_value(fleet["proxy"].metrics(), "rollwire_proxy_coalesced_requests_total")
+    seeds = [(1 << 62) + 1, 77, None]
+    together = post_all(fleet, [trl_body(s) for s in seeds])
+    merged = metric_value(fleet["proxy"].metrics(), "rollwire_proxy_coalesced_requests_total") - before
+    assert merged == 3, merged
+    for seed, reply in zip(seeds, together, strict=True):
+        assert reply.status_code == 200, reply.text
+        choice = reply.json()["choices"][0]
+        expected = forward_logprobs(reference_model, PROMPT, choice["token_ids"]).tolist()
+        assert choice["logprobs"]["token_logprobs"] == pytest.approx(expected, abs=1e-4)
+        if seed is not None:
+            alone = requests.post(fleet["proxy"].http_url + "/v1/completions", json=trl_body(seed), timeout=60)
+            assert alone.json()["choices"][0]["token_ids"] == choice["token_ids"]
+            assert alone.json()["choices"][0]["logprobs"]["token_logprobs"] == pytest.approx(
+                choice["logprobs"]["token_logprobs"], abs=1e-5
+            )
+    limited = post_all(fleet, [trl_body(None, 60) for _ in range(4)])  # one client, 3 requests open at most
+    assert sorted(r.status_code for r in limited) == [200, 200, 200, 429]  # each request counts, merged or not
+
+
+def test_a_merged_request_that_goes_away_ends_only_itself(fleet):
+    """Two gRPC callers' single-sample requests share a group; one cancels after its first
+    tokens; the other's sample runs to its end."""
+    import grpc
+
+    from rollwire.v1 import generator_pb2 as pb
+    from rollwire.v1 import generator_pb2_grpc
+
+    channel = grpc.insecure_channel(fleet["proxy"].target)
+    stub = generator_pb2_grpc.GeneratorServiceStub(channel)
+
+    def call(seed: int):
+        req = pb.GenerateRequest(n=1, sampling=pb.SamplingParams(max_new_tokens=120, ignore_eos=True, seed=seed))
+        req.token_ids.ids.extend(PROMPT)
+        return stub.Generate(req, timeout=60)
+
+    before = metric_value(fleet["proxy"].metrics(), "rollwire_proxy_coalesced_requests_total")
+    quitter, stayer = call(1), call(2)
+    assert next(quitter).HasField("started") and next(stayer).HasField("started")
+    assert metric_value(fleet["proxy"].metrics(), "rollwire_proxy_coalesced_requests_total") - before == 2
+    quitter.cancel()
+    tokens = sum(len(c.token_ids) for m in stayer for c in m.tokens)
+    assert tokens == 120
+    channel.close()
 
 
 def test_a_load_answers_once_spooled_and_its_version_is_waited_for(fleet):

@@ -269,6 +269,19 @@ async def test_a_seeded_sample_is_the_same_alone_and_in_a_mixed_batch(engine, ti
         await engine.unload_adapter("bt-a")
 
 
+async def test_per_sample_seeds_draw_each_sample_as_its_own_request_would(engine):
+    """A proxy's merged single-sample requests (sampling.sample_seeds): sample i of the merged
+    group equals sample 0 of a group seeded sample_seeds[i], tokens exactly and logprobs to a
+    few ulps (other rows in the batch), while the prompt is prefilled once."""
+    seeds = (7, 1 << 62, 12345678901, 0)
+    merged = await collect(engine, group(engine, "merge me", len(seeds), sample_seeds=seeds, temperature=1.2))
+    for i, seed in enumerate(seeds):
+        alone = await collect(engine, group(engine, "merge me", 1, seed=seed, temperature=1.2))
+        assert merged["tokens"][i] == alone["tokens"][0], seed
+        assert torch.allclose(torch.tensor(merged["logprobs"][i]), torch.tensor(alone["logprobs"][0]), atol=1e-5)
+    assert len({tuple(t) for t in merged["tokens"].values()}) > 1  # the seeds really differ
+
+
 async def test_text_is_the_decode_of_the_tokens(engine):
     out = await collect(engine, group(engine, "text", 4, seed=7, max_new_tokens=24, ignore_eos=False))
     for i, tokens in out["tokens"].items():

@@ -37,6 +37,8 @@ class Reason(StrEnum):
     """INVALID_ARGUMENT; do not retry: `top_p` is not a finite number in (0, 1]."""
     BAD_TOP_K = "BAD_TOP_K"
     """INVALID_ARGUMENT; do not retry: `top_k` is negative or above the vocabulary size."""
+    BAD_SEED = "BAD_SEED"
+    """INVALID_ARGUMENT; do not retry: `sample_seeds` does not hold one seed per sample, or `seed` is set beside it."""
     BAD_STOP = "BAD_STOP"
     """INVALID_ARGUMENT; do not retry: Too many stop strings, or one empty or too long."""
     PROMPT_TOO_LONG = "PROMPT_TOO_LONG"

@@ -25,7 +25,7 @@ class TokenIds(_message.Message):
     def __init__(self, ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class SamplingParams(_message.Message):
-    __slots__ = ("max_new_tokens", "temperature", "top_p", "top_k", "stop", "seed", "ignore_eos", "return_kept_tokens")
+    __slots__ = ("max_new_tokens", "temperature", "top_p", "top_k", "stop", "seed", "ignore_eos", "return_kept_tokens", "sample_seeds")
     MAX_NEW_TOKENS_FIELD_NUMBER: _ClassVar[int]
     TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
     TOP_P_FIELD_NUMBER: _ClassVar[int]
@@ -34,6 +34,7 @@ class SamplingParams(_message.Message):
     SEED_FIELD_NUMBER: _ClassVar[int]
     IGNORE_EOS_FIELD_NUMBER: _ClassVar[int]
     RETURN_KEPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    SAMPLE_SEEDS_FIELD_NUMBER: _ClassVar[int]
     max_new_tokens: int
     temperature: float
     top_p: float
@@ -42,7 +43,8 @@ class SamplingParams(_message.Message):
     seed: int
     ignore_eos: bool
     return_kept_tokens: bool
-    def __init__(self, max_new_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., seed: _Optional[int] = ..., ignore_eos: _Optional[bool] = ..., return_kept_tokens: _Optional[bool] = ...) -> None: ...
+    sample_seeds: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, max_new_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., seed: _Optional[int] = ..., ignore_eos: _Optional[bool] = ..., return_kept_tokens: _Optional[bool] = ..., sample_seeds: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class AdapterRef(_message.Message):
     __slots__ = ("name", "version", "follow")

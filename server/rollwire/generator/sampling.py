@@ -166,3 +166,12 @@ def draw(logprobs: torch.Tensor, params: Params, generators: Sequence[random.Ran
 def sample_seed(seed: int, index: int) -> int:
     """Seed of sample `index` in a group seeded with `seed` (stable, documented)."""
     return (seed * 1_000_003 + index) % (2**63 - 1)
+
+
+def sample_seeds(seed: int | None, per_sample: Sequence[int], n: int) -> list[int] | None:
+    """The seed of each of a group's n samples: sample_seed(seed, i), or with per-sample seeds
+    (SamplingParams.sample_seeds) sample_seed(per_sample[i], 0), so each draws as it would
+    alone; None when the group is unseeded."""
+    if per_sample:
+        return [sample_seed(s, 0) for s in per_sample]
+    return None if seed is None else [sample_seed(seed, i) for i in range(n)]

@@ -233,7 +233,7 @@ class GeneratorServicer(generator_pb2_grpc.GeneratorServiceServicer):
         lim = self.config.limits
         if not 1 <= req.n <= lim.max_n:
             raise InvalidArgument(f"n is {req.n}; it must be between 1 and {lim.max_n}", reason=Reason.BAD_N)
-        params = self._sampling(req.sampling)
+        params = self._sampling(req.sampling, req.n)
         if req.adapter.name:
             check_name(req.adapter.name)
         if len(req.group_key) > MAX_GROUP_KEY_CHARS:
@@ -297,7 +297,7 @@ class GeneratorServicer(generator_pb2_grpc.GeneratorServiceServicer):
             )
         return prompt
 
-    def _sampling(self, s: pb.SamplingParams) -> SamplingParams:
+    def _sampling(self, s: pb.SamplingParams, n: int) -> SamplingParams:
         """Sampling params within the documented bounds (types.SamplingParams), or a refusal."""
         lim = self.config.limits
         if not 1 <= s.max_new_tokens <= lim.max_new_tokens:
@@ -338,6 +338,7 @@ class GeneratorServicer(generator_pb2_grpc.GeneratorServiceServicer):
             top_k=top_k,
             stop=tuple(s.stop),
             seed=s.seed if s.HasField("seed") else None,
+            sample_seeds=self._sample_seeds(s, n),
             ignore_eos=s.ignore_eos,
             return_kept=self._kept_tokens(s.return_kept_tokens),
         )
@@ -366,6 +367,18 @@ class GeneratorServicer(generator_pb2_grpc.GeneratorServiceServicer):
                 reason=Reason.FOLLOW_UNSUPPORTED,
             )
         return True
+
+    @staticmethod
+    def _sample_seeds(s: pb.SamplingParams, n: int) -> tuple[int, ...]:
+        """sampling.sample_seeds: none, or exactly one per sample with `seed` unset."""
+        if s.sample_seeds and (len(s.sample_seeds) != n or s.HasField("seed")):
+            raise InvalidArgument(
+                f"sampling.sample_seeds holds {len(s.sample_seeds)} seeds for n = {n}"
+                + (" and sampling.seed is set" if s.HasField("seed") else "")
+                + "; give exactly one per sample and no seed (or only seed)",
+                reason=Reason.BAD_SEED,
+            )
+        return tuple(s.sample_seeds)
 
     def _kept_tokens(self, asked: bool) -> bool:
         """The request's `return_kept_tokens`, refused when this replica's engine cannot honour it."""

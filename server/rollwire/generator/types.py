@@ -28,6 +28,9 @@ class SamplingParams:
     top_k: int = 0
     stop: tuple[str, ...] = ()
     seed: int | None = None
+    sample_seeds: tuple[int, ...] = ()
+    """One seed per sample (then `seed` is None): sample i draws as sample 0 of a group seeded
+    sample_seeds[i] would (a proxy's merged single-sample requests)."""
     ignore_eos: bool = False
     return_kept: bool = False
     """Report each token's kept set (TokenDelta.kept; rollwire.common.kept)."""

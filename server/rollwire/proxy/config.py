@@ -49,6 +49,12 @@ class RoutingSection(Section):
     bytes of a text prompt)."""
     prefix_index_entries: int = Field(default=1 << 16, ge=1, le=1 << 24)
     """Prefix hashes the prefix policy remembers (about 40 bytes each), least recently used forgotten first."""
+    coalesce_window_ms: float = Field(default=3.0, ge=0, le=1000)
+    """Single-sample requests (n = 1) for the same prompt, adapter and sampling settings that arrive within this many
+    milliseconds of the first are served as one group: one prefill, one placement (TRL's worker sends a GRPO group as
+    n such requests). A seeded request still draws exactly its own tokens. 0 = off (coalesce.py)."""
+    coalesce_max_n: int = Field(default=64, ge=1)
+    """Most requests merged into one group (also capped by the replicas' max_n); a full group starts at once."""
 
 
 class HealthSection(Section):

@@ -125,6 +125,10 @@ class ProxyMetrics:
             "overloaded, draining, down, lacked the version, or failed the turn.",
             ["outcome"],
         )
+        self.coalesced = counter(
+            "coalesced_requests_total",
+            "Single-sample requests served as part of a group with others for the same prompt (routing.coalesce_window_ms).",
+        )
         self.prefix_routes = counter(
             "prefix_routes_total",
             "Groups placed by the prefix policy: hit (where their longest known prefix went), miss (no known prefix), "

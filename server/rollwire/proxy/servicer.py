@@ -20,6 +20,7 @@ import structlog
 from rollwire.common.errors import FailedPrecondition, ResourceExhausted, RollwireError, to_status
 from rollwire.common.reasons import Reason
 from rollwire.proxy.accounting import RequestRecord
+from rollwire.proxy.coalesce import Coalescer
 from rollwire.proxy.config import ProxyConfig
 from rollwire.proxy.dispatch import Dispatcher
 from rollwire.proxy.failover import GroupRun
@@ -71,6 +72,14 @@ class ProxyServicer(generator_pb2_grpc.GeneratorServiceServicer):
         self.config, self.dispatcher, self.fanout, self.proxy_id = config, dispatcher, state.fanout, state.proxy_id
         self.replicas, self.metrics, self.peers, self.auth = state.replicas, state.metrics, state.peers, state.auth
         self.sessions = SessionTurns(SessionStore(config.sessions, self.metrics.sessions), dispatcher)
+        routing = config.routing
+        self.coalescer = Coalescer(
+            routing.coalesce_window_ms / 1000,
+            lambda: min(routing.coalesce_max_n, self.status().limits.max_n or routing.coalesce_max_n),
+            lambda: {r.engine for r in self.replicas.routable()},
+            self.metrics.coalesced.inc,
+        )
+        """Single-sample requests for one prompt served as one group (coalesce.py)."""
         """Session turns: their histories and sticky routing (sessions.py)."""
 
     async def Generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext) -> None:
@@ -119,8 +128,15 @@ class ProxyServicer(generator_pb2_grpc.GeneratorServiceServicer):
         if self.peers is not None and request.adapter.name and not request.adapter.version:
             await self.peers.settled(request.adapter.name, max(0.0, deadline - time.monotonic()))
         with self.dispatcher.admit(client) as admitted:  # exits (frees the client's slot) before any abort
+            request.request_id = rid
             if request.HasField("session"):
                 source = self.sessions.events(request, rid, client, deadline, admitted)
+            elif self.coalescer.accepts(request):
+
+                def run(group: pb.GenerateRequest, until: float) -> AsyncIterator[pb.GenerateResponse]:
+                    return GroupRun(group, group.request_id, until, self.dispatcher, admitted).events()
+
+                source = self.coalescer.events(request, deadline, run)
             else:
                 source = GroupRun(request, rid, deadline, self.dispatcher, admitted).events()
             async with contextlib.aclosing(source) as events:  # closing it releases the lease  # pyright: ignore[reportArgumentType]  # the library's annotation is narrower than what it accepts

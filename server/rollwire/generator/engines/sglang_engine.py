@@ -110,7 +110,7 @@ class SGLangEngine(ServedEngine):
         return ServerCall("/generate", body, tracker, lambda: rids or sorted(tracker.rids))
 
     def _seeds(self, group: GroupRequest) -> list[int] | None:
-        if group.sampling.seed is None:
+        if group.sampling.seed is None and not group.sampling.sample_seeds:
             return None
         if not self.honours_seeds:
             raise FailedPrecondition(
@@ -118,9 +118,10 @@ class SGLangEngine(ServedEngine):
                 "request's seed; drop the seed or start the replica with sglang.deterministic=true",
                 reason=Reason.SEED_UNSUPPORTED,
             )
-        from rollwire.generator.sampling import sample_seed  # one definition of per-sample seeds
+        from rollwire.generator.sampling import sample_seeds  # one definition of per-sample seeds
 
-        return [sample_seed(group.sampling.seed, i) % (1 << 31) for i in range(group.n)]
+        seeds = sample_seeds(group.sampling.seed, group.sampling.sample_seeds, group.n) or []
+        return [s % (1 << 31) for s in seeds]
 
     async def _send_abort(self, ids: list[str]) -> None:
         """Ask SGLang to stop the given requests now (closing the stream stops them too, later)."""

@@ -47,6 +47,7 @@ batch's KV cache surgery), prefix_cache.py.
 from __future__ import annotations
 
 import asyncio
+import random
 import secrets
 import threading
 from collections import deque
@@ -81,7 +82,7 @@ from rollwire.generator.engines.transformers_groups import (
 )
 from rollwire.generator.engines.transformers_groups import Row as _Row
 from rollwire.generator.engines.transformers_sampling import sample, sample_by_group
-from rollwire.generator.sampling import row_uniforms, sample_generator
+from rollwire.generator.sampling import row_uniforms, sample_seeds
 from rollwire.generator.types import Event, GroupRequest, SampleDone, TokenDelta
 from rollwire.runtime.logs import get_logger
 
@@ -387,14 +388,16 @@ class TransformersEngine:
         return self._sample_and_emit(batch, out.logits[:, -1, :].repeat_interleave(samples, 0))
 
     def _new_rows(self, g: _Group, key: AdapterKey) -> list[_Row]:
-        """A group's n rows, each with its own seeded generator ((seed, i), see sampling.py)."""
-        seed = g.req.sampling.seed if g.req.sampling.seed is not None else secrets.randbits(62)
-        keep = _STOP_TAIL if g.req.sampling.stop else 0
+        """A group's n rows, each with its own seeded generator ((seed, i), or the sample's own
+        seed when a proxy merged single-sample requests: see sampling.py)."""
+        s, n = g.req.sampling, g.req.n
+        seeds = sample_seeds(s.seed, s.sample_seeds, n) or sample_seeds(secrets.randbits(62), (), n) or []
+        keep = _STOP_TAIL if s.stop else 0
         position = len(g.req.prompt_ids)
-        g.open_rows = g.req.n
+        g.open_rows = n
         return [
-            _Row(g, i, sample_generator(seed, i), position, key[2], key[1], TextStream(self._text_backend, keep), key)
-            for i in range(g.req.n)
+            _Row(g, i, random.Random(seeds[i]), position, key[2], key[1], TextStream(self._text_backend, keep), key)
+            for i in range(n)
         ]
 
     def _remember(self, key: AdapterKey, tokens: list[int], cache: Any, mask: torch.Tensor, row: int) -> None:

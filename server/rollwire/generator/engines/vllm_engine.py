@@ -140,10 +140,11 @@ def completions_body(group: GroupRequest, model: str, rid: str, kept_logprobs: i
     }
     if kept_logprobs:
         body["return_tokens_as_token_ids"] = True  # top logprobs keyed "token_id:N", never by text
-    if group.sampling.seed is not None:
-        from rollwire.generator.sampling import sample_seed  # one definition of per-sample seeds
+    if group.sampling.seed is not None or group.sampling.sample_seeds:
+        from rollwire.generator.sampling import sample_seeds  # one definition of per-sample seeds
 
-        body["seed"] = sample_seed(group.sampling.seed, 0)  # child i: seed + i == sample_seed(seed, i)
+        first = sample_seeds(group.sampling.seed, group.sampling.sample_seeds, group.n) or [0]
+        body["seed"] = first[0]  # child i: seed + i == sample_seed(seed, i) (one sample_seeds entry at most)
     return body
 
 
@@ -380,6 +381,12 @@ class VLLMEngine(ServedEngine):
     # -- serving ---------------------------------------------------------------------------
     def check(self, group: GroupRequest) -> None:
         kept_logprobs_for(group.sampling, self.vocab_size, self.settings.max_logprobs)
+        if len(group.sampling.sample_seeds) > 1:
+            raise FailedPrecondition(
+                "vLLM seeds the samples of one request from one seed, so it cannot draw each sample from its own "
+                "(sampling.sample_seeds); send one request per seed",
+                reason=Reason.SEED_UNSUPPORTED,
+            )
 
     def _call(self, segment: GroupRequest, lora: str | None, rid: str) -> ServerCall:
         k = kept_logprobs_for(segment.sampling, self.vocab_size, self.settings.max_logprobs)
