@@ -28,6 +28,11 @@ from rollwire.v1 import generator_pb2 as pb
 pytestmark = pytest.mark.integration
 
 
+def versions_of(replica, name: str) -> list[int]:
+    """The versions of `name` a replica serves, by its own GetStatus."""
+    return next((list(a.versions) for a in status(replica.target).adapters if a.name == name), [])
+
+
 # The two doors run the same seeded samples in separate requests, which a replica may batch
 # with different neighbours: the tokens and text are equal, the float32 logprobs agree to a few
 # ulps (a CI run saw 4.8e-7 apart at -4.78), never more than this.
@@ -176,11 +181,10 @@ def test_trl_vllm_client_loads_an_adapter_every_replica_serves(door, chat_model,
     folder = root / "out" / ".vllm_lora" / "trl-policy-v1"
     adapter = peft_folder(chat_model, folder, seed=3)
     client.pause()
-    client.load_lora_adapter("trl-policy-v1", str(folder))
+    client.load_lora_adapter("trl-policy-v1", str(folder))  # answered once spooled (http.load_answer)
     client.resume()
-    for g in gens:
-        held = {a.name: list(a.versions) for a in status(g.target).adapters}
-        assert held.get("trl-policy") == [1], f"{g.name} holds {held}"
+    for g in gens:  # the relay and commit finish behind the answer
+        wait_until(lambda g=g: 1 in versions_of(g, "trl-policy"), 30, f"{g.name} serves trl-policy v1")
     # The request TRL's async rollout worker sends, field for field.
     prompt = [5, 17, 33, 40, 12]
     body = {
@@ -238,7 +242,7 @@ def test_upload_needs_no_shared_filesystem(door, chat_model, tmp_path):
         versions.append(reply.json()["version"])
     assert versions == [1, 2]  # a plain name gets its next version
     for g in gens:
-        assert {a.name: list(a.versions) for a in status(g.target).adapters}["uploaded"] == [1, 2]
+        wait_until(lambda g=g: versions_of(g, "uploaded") == [1, 2], 30, f"{g.name} serves uploaded v1, v2")
     choice = post(proxy.http_url, "/v1/completions", {"model": "uploaded", "prompt": [5, 6], "max_tokens": 3}).json()
     assert choice["choices"][0]["adapter_version"] == 2  # a plain name serves its newest version
     same = post(
@@ -371,7 +375,7 @@ def test_trl_on_another_host_uploads_instead_of_naming_a_path(door, chat_model, 
     peft_folder(chat_model, folder, seed=9)
     VLLMClient(door["proxy"].http_url).load_lora_adapter("remote-policy-v1", str(folder))
     for g in door["gens"]:
-        assert {a.name: list(a.versions) for a in status(g.target).adapters}["remote-policy"] == [1]
+        wait_until(lambda g=g: versions_of(g, "remote-policy") == [1], 30, f"{g.name} serves remote-policy v1")
 
 
 def test_the_door_serves_tls_with_the_proxys_certificate(door, pki):

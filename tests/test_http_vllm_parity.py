@@ -184,7 +184,7 @@ def test_trl_vllm_client_and_its_workers_request(server, servers):
     client = VLLMClient(server.url, server_timeout=30)
     client.wait_for_server_ready(poll_interval_s=0.2)
     info = client.get_server_info()
-    assert info["lora_config"]["max_loras"] == 4 and info["lora_config"]["max_lora_rank"] >= 16
+    assert info["lora_config"]["max_loras"] >= 4 and info["lora_config"]["max_lora_rank"] >= 16
     assert info["parallel_config"]["data_parallel_size"] == 1
     assert client.get_dtype() == "torch.float32"
     assert client.get_max_model_len() == 256
