@@ -8,6 +8,11 @@
 - a version that left a replica's window (adapter_window 1) but not its adapter_keep is served,
   with logprobs within 1e-4 of a teacher-forced forward under that version; one beyond it is
   refused with a sentence naming adapter_keep; /server_info's max_loras is adapter_keep.
+- a second run that loads `trl-policy-v1`, `-v2` again with its own weights gets a new lineage
+  (no 409), is served by its own weights only by either door (logprobs against a PEFT forward),
+  and a restarted proxy keeps the map (issue 38, item 4);
+- an unload survives a proxy restart, refuses the bare name by either door, leaves /v1/models
+  and GetStatus, and unloading what never existed is vLLM's 404.
 
 A replica is held mid-publication with SIGSTOP (a peer that vanishes without closing its
 socket), so "not yet committed when the answer came" is a fact of the test, not a race.
@@ -21,6 +26,7 @@ import signal
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+import grpc
 import pytest
 import requests
 from support.engines import forward_logprobs
@@ -254,3 +260,83 @@ def test_the_answer_at_committed_is_kept_for_who_wants_it(tiny_model, fleet, tmp
         assert all(versions_of(g, "com") == [1] for g in fleet["gens"])
     finally:
         stop_all([proxy])
+
+
+# -- runs that restart their names (issue 38, item 4; docs/http.md "A new run, the same names") ----
+def load_from(fleet, name: str, folder: str, seed: int):
+    """Load `name` from a new folder of seed `seed` (a run's own weights)."""
+    adapter = peft_folder(fleet["model"], fleet["root"] / folder, seed)
+    reply = requests.post(
+        fleet["proxy"].http_url + "/v1/load_lora_adapter",
+        json={"lora_name": name, "lora_path": str(fleet["root"] / folder)},
+        timeout=60,
+    )
+    assert reply.status_code == 200, reply.text
+    return adapter, reply.json()
+
+
+def model_ids(fleet) -> list[str]:
+    return [m["id"] for m in requests.get(fleet["proxy"].http_url + "/v1/models", timeout=10).json()["data"]]
+
+
+def restart_proxy(fleet, name: str) -> None:
+    fleet["proxy"].kill()
+    fleet["proxy"] = start_proxy(fleet["work"], name, fleet["gens"], *fleet["args"])
+    wait_routable(fleet["proxy"], fleet["gens"], timeout=60)
+
+
+def test_a_second_run_that_restarts_its_names_gets_a_new_lineage(fleet):
+    for v in (1, 2):  # run 1
+        _, answer = load_from(fleet, f"trl-policy-v{v}", f"run1-v{v}", seed=40 + v)
+        assert answer["lineage"] == "trl-policy"
+    again = requests.post(  # the same bytes again: idempotent, no new lineage
+        fleet["proxy"].http_url + "/v1/load_lora_adapter",
+        json={"lora_name": "trl-policy-v2", "lora_path": str(fleet["root"] / "run1-v2")},
+        timeout=60,
+    ).json()
+    assert "new_lineage" not in again and again["lineage"] == "trl-policy"
+    run2 = {}
+    for v in (1, 2):  # run 2: TRL starts again at v1 with its own weights
+        run2[v], answer = load_from(fleet, f"trl-policy-v{v}", f"run2-v{v}", seed=50 + v)
+        assert answer["id"] == f"trl-policy-v{v}" and answer["lineage"] == "trl-policy.2"
+        assert answer.get("new_lineage", False) == (v == 1)
+    conflict = requests.post(  # within a run, v2 with other bytes is still a mistake
+        fleet["proxy"].http_url + "/v1/load_lora_adapter",
+        json={"lora_name": "trl-policy-v2", "lora_path": str(fleet["root"] / "run1-v2")},
+        timeout=60,
+    )
+    assert conflict.status_code == 409, conflict.text
+    for v in (1, 2):
+        check_served_by(fleet, run2[v], "trl-policy", v)  # by either door, run 2's weights only
+    assert completion(fleet, "trl-policy").json()["choices"][0]["adapter_version"] == 2
+    ids = model_ids(fleet)
+    assert {"trl-policy-v1", "trl-policy-v2"} <= set(ids) and not any(".2" in i for i in ids), ids
+    restart_proxy(fleet, "dl-lineage")  # the map is in the spool
+    check_served_by(fleet, run2[1], "trl-policy", 1)
+    assert "trl-policy.2" in {a.name for a in status(fleet["proxy"].target).adapters}  # operators see it
+
+
+def test_an_unload_is_durable_and_refuses_the_bare_name(fleet):
+    for v in (1, 2):
+        load_from(fleet, f"unl-v{v}", f"unl-v{v}", seed=60 + v)
+    gone = requests.post(fleet["proxy"].http_url + "/v1/unload_lora_adapter", json={"lora_name": "unl-v2"}, timeout=10)
+    assert gone.json()["unloaded"] == ["unl-v2"]
+    assert completion(fleet, "unl-v2").status_code == 404
+    assert completion(fleet, "unl").json()["choices"][0]["adapter_version"] == 1  # the newest not unloaded
+    assert generate(fleet["proxy"].target, PROMPT, adapter=("unl", 0), max_new_tokens=3).versions[0] == {1}
+    requests.post(fleet["proxy"].http_url + "/v1/unload_lora_adapter", json={"lora_name": "unl"}, timeout=10)
+    restart_proxy(fleet, "dl-unload")
+    for model in ("unl", "unl-v1", "unl-v2"):
+        refused = completion(fleet, model)
+        assert refused.status_code == 404 and refused.json()["error"]["reason"] == "ADAPTER_UNLOADED", refused.text
+    with pytest.raises(grpc.RpcError) as err:
+        generate(fleet["proxy"].target, PROMPT, adapter=("unl", 0), max_new_tokens=3)
+    assert err.value.code() == grpc.StatusCode.NOT_FOUND
+    assert not any(i.startswith("unl-") for i in model_ids(fleet))
+    assert "unl" not in {a.name for a in status(fleet["proxy"].target).adapters}
+    ghost = requests.post(
+        fleet["proxy"].http_url + "/v1/unload_lora_adapter", json={"lora_name": "ghost-v9"}, timeout=10
+    )
+    assert (
+        ghost.status_code == 404 and ghost.json()["error"]["message"] == "The lora adapter 'ghost-v9' cannot be found."
+    )

@@ -251,6 +251,7 @@ def shared_errors(model: str) -> list[tuple[str, int, str, Any]]:
         ("no prompts", 400, "/v1/completions", {**ok, "prompt": []}),
         ("empty messages", 400, "/v1/chat/completions", {**chat, "messages": []}),
         ("load without a name", 400, "/v1/load_lora_adapter", {"lora_path": "/x"}),
+        ("unload of a name never loaded", 404, "/v1/unload_lora_adapter", {"lora_name": "nobody-v9"}),
     ]
 
 
@@ -294,7 +295,6 @@ def deliberate_differences(model: str) -> list[tuple[str, int, int, str | None, 
         ("greedy n=2", 400, 200, None, "/v1/completions", {**ok, "temperature": 0, "n": 2}),
         ("a name no adapter can have", 404, 400, "BAD_ADAPTER_NAME", "/v1/completions", {**ok, "model": "../../etc"}),
         ("body over 8 MiB", 400, 413, "BODY_TOO_LARGE", "/v1/completions", {**ok, "prompt": [5] * (3 << 20)}),
-        ("unload of a name never loaded", 404, 200, None, "/v1/unload_lora_adapter", {"lora_name": "nobody-v9"}),
     ]
 
 

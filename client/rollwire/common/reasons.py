@@ -317,7 +317,7 @@ class Reason(StrEnum):
     BAD_ADAPTER_FOLDER = "BAD_ADAPTER_FOLDER"
     """INVALID_ARGUMENT; do not retry: An adapter folder or upload is not a PEFT LoRA adapter."""
     ADAPTER_UNLOADED = "ADAPTER_UNLOADED"
-    """NOT_FOUND; do not retry: The `model` names an adapter version unloaded through the HTTP door."""
+    """NOT_FOUND; do not retry: The request names an adapter version unloaded through the HTTP door, or a bare name whose every version was (either door)."""
     NO_CHAT_TEMPLATE = "NO_CHAT_TEMPLATE"
     """FAILED_PRECONDITION; do not retry: Chat needs `http.model_path` with a tokenizer that has a chat template."""
 

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 import grpc
 
-from rollwire.common.errors import DeadlineExceeded, Unavailable, from_rpc_error
+from rollwire.common.errors import DeadlineExceeded, NotFound, Unavailable, from_rpc_error
 from rollwire.common.reasons import Reason
 from rollwire.proxy import faults
 from rollwire.proxy.dispatch import Client, Dispatcher, Lease, Need
@@ -59,16 +59,41 @@ def resolve(request: pb.GenerateRequest, replicas: ReplicaSet) -> Need:
     that follows the newest version is never pinned: each attempt goes to a replica holding
     the newest version known now, and starts there on its newest (a restarted group starts
     on the newest version). A version the fleet is being given (a load answered at "spooled",
-    a catch-up) is waited for: never served by another version."""
-    name = request.adapter.name
-    if not name:
+    a catch-up) is waited for: never served by another version. A name means its current
+    lineage (lineages.py), rewritten in place; an unloaded version is NOT_FOUND, and "latest"
+    skips unloaded versions."""
+    if not request.adapter.name:
         return Need()
-    version = request.adapter.version or max(replicas.latest(name), replicas.promised(name))
+    name = request.adapter.name = replicas.spool.lineages.internal(request.adapter.name)  # its current lineage
+    if request.adapter.version in replicas.spool.lineages.unloaded(name):
+        raise NotFound(
+            f"adapter {name!r} v{request.adapter.version} was unloaded; load it again, or name another version",
+            reason=Reason.ADAPTER_UNLOADED,
+        )
+    version = request.adapter.version or _newest_shown(name, replicas)
     if version and (any(r.holds(name, version) for r in replicas.routable()) or replicas.coming(name, version)):
         if not request.adapter.follow:
             request.adapter.version = version
         return Need(name, version)
     return Need(any_replica=True)
+
+
+def _newest_shown(name: str, replicas: ReplicaSet) -> int:
+    """What "latest" of `name` means: its newest version a routable replica serves or a load
+    was answered for, less those unloaded; NOT_FOUND when every one was unloaded."""
+    unloaded = replicas.spool.lineages.unloaded(name)
+    if not unloaded:
+        return max(replicas.latest(name), replicas.promised(name))
+    held = {v for r in replicas.routable() for v in r.versions.get(name, ())} | {
+        v for n, v in replicas.answered if n == name
+    }
+    shown = held - unloaded
+    if held and not shown:
+        raise NotFound(
+            f"every version of adapter {name!r} was unloaded; load one again, or name another adapter",
+            reason=Reason.ADAPTER_UNLOADED,
+        )
+    return max(shown, default=0)
 
 
 class GroupRun:

@@ -156,6 +156,7 @@ class FanOut:
                     "stage_only and stripe (those are for replicas)",
                     reason=Reason.PROXY_PUBLISHES,
                 )
+            first.manifest.name = self.spool.lineages.internal(first.manifest.name)  # its current lineage
             fingerprint, base_shapes = self.replicas.push_basis(first.manifest.base_model_fingerprint)
             upload = self.spool.admit(first.manifest, fingerprint)
             name_lock = self._locks[first.manifest.name]

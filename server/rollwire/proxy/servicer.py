@@ -215,13 +215,15 @@ class ProxyServicer(generator_pb2_grpc.GeneratorServiceServicer):
         for replica in routable:
             for name, versions in replica.versions.items():
                 adapters.setdefault(name, set()).update(versions)
+        for name in adapters:  # unloaded versions are not served (lineages.py); internal names are shown
+            adapters[name] -= self.state.spool.lineages.unloaded(name)
         return pb.GetStatusResponse(
             role="proxy",
             replica=self.proxy_id,
             instance=self.peers.instance if self.peers is not None else "",
             model_fingerprint=self.replicas.fingerprint,
             engine=",".join(sorted({r.engine for r in members if r.engine})),
-            adapters=[pb.LoadedAdapter(name=n, versions=sorted(v)) for n, v in sorted(adapters.items())],
+            adapters=[pb.LoadedAdapter(name=n, versions=sorted(v)) for n, v in sorted(adapters.items()) if v],
             in_flight=sum(r.in_flight for r in members),
             queue_depth=self.dispatcher.queued(),
             limits=self._limits(self.replicas.fleet_limits()),

@@ -22,7 +22,8 @@ Invariants:
   every spooled version kept. Start, reload and quarantine never fail for a full disk;
 - a version every replica refuses is moved to `.quarantine/` (never retried, never deleted
   silently: an operator can look at it), see catchup.py;
-- a name whose last version is discarded or quarantined leaves no empty folder behind.
+- a name whose last version is discarded or quarantined leaves no empty folder behind;
+- the folder also keeps `.lineages.json`: what clients' names mean now, and unloads (lineages.py).
 """
 
 from __future__ import annotations
@@ -42,6 +43,7 @@ from google.protobuf import json_format
 from rollwire.common.errors import InvalidArgument, ResourceExhausted, RollwireError, Unavailable
 from rollwire.common.manifest import DEFAULT_MAX_VERSION_STEP, check_manifest, check_push_version, manifest_from_pb
 from rollwire.common.reasons import Reason
+from rollwire.proxy.lineages import Lineages
 from rollwire.push.checks import check_payload, check_tensors_async
 from rollwire.push.reader import PushReader
 from rollwire.runtime.durable import fsync_dir, storage_error, write_atomic
@@ -130,6 +132,8 @@ class Spool:
         except OSError as exc:  # a full disk: the proxy serves what it spooled; admit() tries again
             log.error("spool_unwritable", folder=str(self.folder), error=str(exc))
         self._by_name: dict[str, list[SpooledAdapter]] = {}
+        self.lineages = Lineages(folder)
+        """What clients' adapter names mean now, and the versions unloaded (lineages.py)."""
         self._clean_orphans()
         self._reload()
 

@@ -14,21 +14,25 @@ Invariants:
 - bytes are bounded before they are read: adapter_config.json by MAX_CONFIG_BYTES, the
   weights by the spool's max_adapter_bytes (file size, or the upload's length);
 - a version keeps its bytes: `NAME-vN` loaded again with the same bytes is an idempotent
-  success, with other bytes a 409 (VERSION_CONFLICT);
-- an unload hides that version from /v1/models and refuses requests naming it (404); the
-  replicas' windows move on by themselves as newer versions arrive, so nothing needs
-  unloading there (a request pinned to a version still in a window finishes on it).
+  success; `NAME-v1` with other bytes than the v1 of NAME's current lineage, once that
+  lineage has a version, starts a new lineage (a new run: lineages.py), published under an
+  internal name no replica has seen, to which NAME then maps for every caller; any other
+  version with other bytes is a 409 (VERSION_CONFLICT), as within one run it is a mistake;
+- an unload is durable and fleet-wide through this proxy (lineages.py, in the spool): the
+  version is never served again by name or as "latest", by either door, nor listed, until it
+  is loaded again; unloading what the fleet never had is a 404. The replicas' windows move
+  on by themselves as newer versions arrive, so nothing needs unloading there.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import errno
 import hashlib
 import json
 import os
 import stat
-from collections import defaultdict
 from collections.abc import AsyncIterator, Iterable
 from pathlib import Path
 from typing import Any
@@ -44,6 +48,7 @@ from rollwire.common.safetensors_header import HeaderError, read_header
 from rollwire.common.writer import MAX_CHUNK, messages
 from rollwire.proxy.http.errors import HttpError
 from rollwire.proxy.http.names import ModelRef, model_id, parse_model
+from rollwire.proxy.lineages import Lineages
 from rollwire.proxy.servicer import ProxyState
 from rollwire.runtime.logs import get_logger
 from rollwire.v1 import generator_pb2 as pb
@@ -54,15 +59,19 @@ CONFIG_FILE, WEIGHTS_FILE = "adapter_config.json", "adapter_model.safetensors"
 
 
 class AdapterDoor:
-    """Loads, uploads and unloads of adapters, with the door's memory of unloaded names."""
+    """Loads, uploads and unloads of adapters; names are mapped by the spool's lineages."""
 
     def __init__(self, state: ProxyState, adapter_root: str, max_adapter_bytes: int) -> None:
         self.state, self.max_bytes = state, max_adapter_bytes
         self.root = Path(adapter_root).resolve() if adapter_root else None
-        self.hidden: set[tuple[str, int]] = set()
         self._folder_fingerprint = ""
-        self._next_version = defaultdict(asyncio.Lock)
-        """Per name: a load under a plain name picks the next version and publishes it under this lock."""
+        self._locks: dict[str, tuple[asyncio.Lock, list[int]]] = {}
+        """Per external name while loads of it run (then dropped: audit A16): a load picks its
+        version and lineage and publishes under it."""
+
+    @property
+    def lineages(self) -> Lineages:
+        return self.state.spool.lineages
 
     # -- vLLM's calls ---------------------------------------------------------------------
     async def load_path(self, lora_name: str, lora_path: str, rid: str) -> dict[str, Any]:
@@ -71,28 +80,78 @@ class AdapterDoor:
         return await self.publish(lora_name, config, payload, rid)
 
     def unload(self, lora_name: str, base_names: frozenset[str]) -> dict[str, Any]:
+        """Unload one version, or every version of NAME's current lineage, for good (durable)."""
         ref = parse_model(lora_name, base_names)
         if ref.is_base:
             raise InvalidArgument("the base model cannot be unloaded", reason=Reason.BAD_ADAPTER_NAME)
-        versions = [ref.version] if ref.version else self.served(ref.name)
-        for v in versions:
-            self.hidden.add((ref.name, v))
+        name = self.lineages.internal(ref.name)
+        known = self._known(name)
+        if (ref.version and ref.version not in known) or not known:
+            raise HttpError(
+                grpc.StatusCode.NOT_FOUND,
+                f"The lora adapter '{lora_name[:256]}' cannot be found.",
+                reason=Reason.ADAPTER_NOT_FOUND,
+                param="lora_name",
+            )
+        versions = [ref.version] if ref.version else sorted(known)
+        self.lineages.prune(self._holds)
+        self.lineages.unload(name, versions)
+        log.info("adapter_unloaded", name=ref.name, internal=name, versions=versions)
         return {"object": "lora_adapter", "id": lora_name, "unloaded": [model_id(ref.name, v) for v in versions]}
 
     def is_hidden(self, ref: ModelRef) -> bool:
-        return (ref.name, ref.version) in self.hidden
+        """Was the version `ref` names unloaded (for a bare name: every version the fleet has)?"""
+        name = self.lineages.internal(ref.name)
+        unloaded = self.lineages.unloaded(name)
+        if ref.version or not unloaded:
+            return ref.version in unloaded
+        known = self._known(name)
+        return bool(known) and known <= unloaded
 
-    def served(self, name: str) -> list[int]:
-        """Versions of `name` some routable replica serves, newest last."""
-        held: set[int] = set()
-        for replica in self.state.replicas.routable():
+    def listed(self, name: str, version: int) -> str | None:
+        """The id /v1/models lists a replica's (name, version) under: its external name's, or
+        None for an earlier lineage or an unloaded version."""
+        external = self.lineages.external(name)
+        if external is None or version in self.lineages.unloaded(name):
+            return None
+        return model_id(external, version)
+
+    def _known(self, name: str) -> set[int]:
+        """Versions of internal `name` the fleet has: spooled, on a member, or answered."""
+        held = {a.version for a in self.state.spool.versions(name)}
+        for replica in self.state.replicas.all():
             held.update(replica.versions.get(name, ()))
-        return sorted(held)
+        return held | {v for n, v in self.state.replicas.answered if n == name}
+
+    def _holds(self, name: str, version: int) -> bool:
+        return version in self._known(name)
+
+    def _taken(self, name: str) -> bool:
+        """Has any replica, the spool or a client used `name`?"""
+        return bool(self._known(name)) or self.lineages.internal(name) != name
+
+    @contextlib.asynccontextmanager
+    async def _name_lock(self, name: str) -> AsyncIterator[None]:
+        lock, users = self._locks.setdefault(name, (asyncio.Lock(), [0]))
+        users[0] += 1
+        try:
+            async with lock:
+                yield
+        finally:
+            users[0] -= 1
+            if not users[0]:
+                self._locks.pop(name, None)
 
     # -- publishing -----------------------------------------------------------------------
     async def publish(self, lora_name: str, config: Any, payload: bytes, rid: str) -> dict[str, Any]:
-        """Push `payload` as the version `lora_name` names (or its name's next one) to every replica."""
+        """Push `payload` as the version `lora_name` names (or its name's next one) to every
+        replica, under the name's current lineage or, for a new run's v1, a new one."""
         ref = parse_model(lora_name, frozenset())
+        if self.lineages.reserved(ref.name):
+            raise InvalidArgument(
+                f"{ref.name!r} is the internal name of a lineage of another adapter name; load under another name",
+                reason=Reason.BAD_ADAPTER_NAME,
+            )
         lora = _lora_shape(config)
         try:
             read_header(payload)
@@ -103,13 +162,27 @@ class AdapterDoor:
             ) from None
         sha256 = await asyncio.to_thread(lambda: hashlib.sha256(payload).hexdigest())
         await self._model_folder_fingerprint()
-        if ref.version:
-            return await self._push(ref.name, ref.version, lora, payload, sha256, rid)
-        async with self._next_version[ref.name]:
-            return await self._push(ref.name, self._newest(ref.name) + 1, lora, payload, sha256, rid)
+        async with self._name_lock(ref.name):
+            name = self.lineages.internal(ref.name)
+            if not ref.version:
+                return await self._push(ref.name, name, self._newest(name) + 1, lora, payload, sha256, rid)
+            if ref.version > 1 or not self._restarts(name, sha256):
+                return await self._push(ref.name, name, ref.version, lora, payload, sha256, rid)
+            internal, generation = self.lineages.next_lineage(ref.name, self._taken)
+            out = await self._push(ref.name, internal, 1, lora, payload, sha256, rid)
+            self.lineages.switch(ref.name, generation)  # only once the new lineage's v1 is durable
+            return out | {"new_lineage": True}
+
+    def _restarts(self, name: str, sha256: str) -> bool:
+        """Does a v1 with `sha256` start a new run of internal `name`? Yes once the lineage has
+        a version and its v1 is not these bytes (or left the spool: the lineage moved on)."""
+        if not self._newest(name):
+            return False
+        first = self.state.spool.get(name, 1)
+        return first is None or first.manifest.sha256 != sha256
 
     async def _push(
-        self, name: str, version: int, lora: LoraShape, payload: bytes, sha256: str, rid: str
+        self, external: str, name: str, version: int, lora: LoraShape, payload: bytes, sha256: str, rid: str
     ) -> dict[str, Any]:
         fingerprint, _ = self.state.replicas.push_basis(self._fleet_model())
         manifest = pb.AdapterManifest(
@@ -123,11 +196,12 @@ class AdapterDoor:
         fanout, answer = self.state.fanout, self.state.config.http.load_answer
         earlier = fanout.failed_after_answer.pop(name, "")
         reply = await fanout.push(_aiter(messages(manifest, payload, MAX_CHUNK)), rid, answer=answer)
-        self.hidden.discard((name, version))
+        self.lineages.show(name, version)
         out = {
             "object": "lora_adapter",
-            "id": model_id(name, version),
-            "name": name,
+            "id": model_id(external, version),
+            "name": external,
+            "lineage": name,
             "version": version,
             "sha256": sha256,
             "state": "committed" if reply.replicas else "spooled",

@@ -19,7 +19,7 @@ from rollwire.proxy.config import ProxyConfig
 from rollwire.proxy.http import convert
 from rollwire.proxy.http.adapters import AdapterDoor
 from rollwire.proxy.http.errors import HttpError
-from rollwire.proxy.http.names import ModelRef, model_id, parse_model
+from rollwire.proxy.http.names import ModelRef, parse_model
 from rollwire.proxy.http.openai import ChatBody
 from rollwire.proxy.http.prompts import PromptGate
 from rollwire.proxy.http.tokenizer import ChatTokenizer
@@ -108,14 +108,15 @@ class Door:
         served = {(a.name, v) for a in status.adapters for v in a.versions}
         promised = self.adapters.state.replicas.answered  # loads answered at "spooled": served once committed
         for name, version in sorted(served | promised):
-            if (name, version) not in self.adapters.hidden:
+            listed = self.adapters.listed(name, version)  # its client's name, unless retired or unloaded
+            if listed is not None:
                 data.append(
                     {
-                        "id": model_id(name, version),
+                        "id": listed,
                         "object": "model",
                         "created": created,
                         "owned_by": "rollwire",
-                        "root": model_id(name, version),
+                        "root": listed,
                         "parent": self.base_id,
                         "max_model_len": max_len,
                     }
@@ -178,7 +179,7 @@ class Door:
         if not ref.is_base and self.adapters.is_hidden(ref):
             raise HttpError(
                 grpc.StatusCode.NOT_FOUND,
-                f"{model} was unloaded through this door; load it again or name another version (GET /v1/models)",
+                f"{model} was unloaded; load it again or name another version (GET /v1/models)",
                 reason=Reason.ADAPTER_UNLOADED,
                 param="model",
             )
