@@ -538,26 +538,34 @@ def vllm_vs_transformers(d: dict) -> str:
 
 
 def trl_vllm_vs_rollwire(d: dict) -> str:
-    w, a, ratio = d["workload"], d["per_arm"], d["rollwire_over_vllm"]
+    w, a, over = d["workload"], d["per_arm"], d.get("over_vllm", {})
     figures = [
         ("startup_s", "server side serving after (s)", 1, 0),
         ("steps", "optimiser steps in the budget", 1, 0),
         ("steps_per_s", "steps/s", 1, 2),
         ("weight_sync_s", "weight sync per step (ms)", 1e3, 0),
         ("generated_tokens_per_s", "generated tokens/s (TRL's rollout/generated_tok_s)", 1, 0),
+        ("dropped_stale_share", "samples dropped as stale (%)", 100, 1),
         ("reward_last10", "mean reward, last 10 steps", 1, 2),
         ("accuracy_after", "held-out accuracy after (greedy)", 100, 1),
     ]
-    rows = [
-        [label, s(a["vllm"][k], scale, digits), s(a["rollwire"][k], scale, digits), s(ratio[k], 1, 2)]
-        for k, label, scale, digits in figures
-        if k in a["vllm"]
-    ]
+    arms = list(a)
+    first = a[arms[0]]
+    rows = []
+    for k, label, scale, digits in figures:
+        if k not in first:
+            continue
+        row = [label] + [s(a[arm][k], scale, digits) for arm in arms]
+        row += [s(over[arm][k], 1, 2) if k in over.get(arm, {}) else "" for arm in over]
+        rows.append(row)
+    names = d.get("arms", {arm: arm for arm in arms})
+    header = ["figure"] + [names[arm] for arm in arms] + [f"{arm} / vllm" for arm in over]
     return "\n\n".join(
         [
             provenance(d) + f" Median (min–max) of {w['repeats']} alternating runs per arm, {w['budget_s']:.0f} s "
-            f"of TRL training each; held-out accuracy before: {100 * w['accuracy_before']:.1f}%.",
-            table(["figure", "TRL -> one vLLM server", "TRL -> rollwire (2 replicas)", "rollwire / vllm"], rows),
+            f"of TRL training each, TRL's max_staleness {w.get('max_staleness', 1)}; held-out accuracy before: "
+            f"{100 * w['accuracy_before']:.1f}%.",
+            table(header, rows),
         ]
     )
 

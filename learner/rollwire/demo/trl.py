@@ -34,7 +34,7 @@ import sys
 import threading
 import time
 import urllib.request
-from collections.abc import Callable, Collection
+from collections.abc import Callable, Collection, Sequence
 from pathlib import Path
 
 import grpc
@@ -135,18 +135,28 @@ def door_args(lora_root: Path, model: Path, *settings: str) -> tuple[str, ...]:
 
 
 def start_door_stack(
-    model: Path, workdir: Path, replicas: int, lora_root: Path, placement: Placement, *proxy_settings: str
+    model: Path,
+    workdir: Path,
+    replicas: int,
+    lora_root: Path,
+    placement: Placement,
+    *proxy_settings: str,
+    generator_args: Sequence[str] = (),
+    start_timeout: float = 120,
 ) -> Stack:
-    """`replicas` replicas behind a proxy serving its HTTP door (`door_args`), on the cores
-    `placement` gives them; returned once the proxy routes to every replica and the door
-    answers /health, the whole stack stopped if either does not come."""
+    """`replicas` replicas (with `generator_args`: e.g. vllm_replica_args) behind a proxy
+    serving its HTTP door (`door_args`), on the cores `placement` gives them; returned once the
+    proxy routes to every replica and the door answers /health, the whole stack stopped if
+    either does not come."""
     stack = start_stack(
         model,
         workdir,
         replicas,
+        generator_args=generator_args,
         proxy_args=door_args(lora_root, model, *proxy_settings),
         placement=placement,
         routable_timeout=60,
+        start_timeout=start_timeout,
     )
     try:
         wait_healthy(stack.proxy.http_url, timeout=30)

@@ -15,7 +15,9 @@ Invariants:
   (never a held-out prompt), in an order fixed by the seed, each a one-message chat the tiny
   tokenizer's chat template renders as the raw prompt; rewarded by the learner's exact_match;
 - the settings are the learner's defaults where both have one (n, groups per step, LoRA,
-  lr, tokens, temperature, clip, staleness), so the two trainers learn the same problem;
+  lr, tokens, temperature, clip), so the two trainers learn the same problem; staleness is
+  TRL's own default (max_staleness 4, so the server must serve 6 versions at once: what a
+  TRL user meets) unless --max-staleness sets it;
 - `out/steps.jsonl` gets one JSON line per optimiser step (TRL's logged metrics, the version
   being served, seconds since training began); `out/summary.json` is written only when
   training ended normally and names the last version TRL loaded (versions run 1..last).
@@ -35,7 +37,6 @@ from typing import Any
 
 from rollwire.learner.config import (
     LORA_TARGETS,
-    BufferSection,
     LearnerConfig,
     RolloutSection,
     TaskSection,
@@ -44,7 +45,7 @@ from rollwire.learner.config import (
 from rollwire.learner.rewards import exact_match
 from rollwire.learner.task import Example, addition_examples
 
-ROLLOUT, TRAIN, BUFFER, TASK = RolloutSection(), TrainSection(), BufferSection(), TaskSection()
+ROLLOUT, TRAIN, TASK = RolloutSection(), TrainSection(), TaskSection()
 """The learner's defaults, which this demo matches."""
 SEED: int = LearnerConfig.model_fields["seed"].default
 LOGGED = (
@@ -82,6 +83,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--max-steps", type=int, default=1000, help="optimiser steps at most")
     p.add_argument("--seed", type=int, default=SEED, help="data order and TRL's seed")
     p.add_argument("--threads", type=int, default=1, help="torch threads of the trainer")
+    p.add_argument(
+        "--max-staleness",
+        type=int,
+        default=None,
+        help="TRL's max_staleness (default: TRL's own, 4; the server must serve max_staleness + 2 versions)",
+    )
     return p.parse_args(argv)
 
 
@@ -133,7 +140,7 @@ def trainer_config(args: argparse.Namespace):
         max_grad_norm=TRAIN.max_grad_norm,
         epsilon=TRAIN.clip_low,
         epsilon_high=TRAIN.clip_high,
-        max_staleness=BUFFER.max_staleness,
+        **({} if args.max_staleness is None else {"max_staleness": args.max_staleness}),  # TRL's default otherwise
         max_steps=args.max_steps,
         seed=args.seed,
         use_cpu=True,
