@@ -239,8 +239,8 @@ class ProxyServicer(generator_pb2_grpc.GeneratorServiceServicer):
             max_n=min(x.max_n for x in limits),
             max_new_tokens=min(x.max_new_tokens for x in limits),
             max_prompt_tokens=min(x.max_prompt_tokens for x in limits),
-            adapter_keep=min(x.adapter_keep or x.adapter_window for x in limits),
             max_adapter_bytes=min([spool_max] + [x.max_adapter_bytes for x in limits]),
             adapter_window=min(x.adapter_window for x in limits),
+            adapter_keep=min(x.adapter_keep or x.adapter_window for x in limits),
             max_context=min((x.max_context for x in limits if x.max_context), default=0),
         )
