@@ -9,9 +9,13 @@ the first token's time is seen; aiohttp, one session per run); the modes alterna
 every repeat, so drift of this shared machine hits both alike.
   light  W=1: latency of a lone request
   busy   W=16: 16 groups in flight
-  trl    W=64, n=1, not streamed: TRL's worker shape (one request per sample, many in flight)
-Figures: tokens/s, p50/p99 latency and time to first token per door, and what HTTP adds
-(http - grpc, per repeat). The physical floor is the scripted engine's own time.
+  trl    TRL's worker shape over HTTP: 64 single-sample requests in flight, not streamed, in
+         groups of 8 with one prompt each and a random seed per request (the proxy may serve
+         a group's 8 as one: routing.coalesce_window_ms); over gRPC the same samples as
+         rollwire's own grouped requests (8 workers, n=8)
+Figures: tokens/s, p50/p99 latency and time to first token per door, the proxy's CPU time
+per sample (utime + stime of its process over the run), and what HTTP adds (http - grpc,
+per repeat). The physical floor is the scripted engine's own time.
 Run: .venv/bin/python bench/http_overhead.py [--repeats 3]
 """
 
@@ -20,12 +24,15 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import time
 
 from common import closed_loop, percentile, scripted_model, spread, start_proxy, start_scripted, stop_all, write_result
 
 TOKENS, RATE = 32, 100.0
 LOADS = {"light": (1, 16, 8), "busy": (16, 8, 8), "trl": (64, 4, 1)}  # name -> (workers, requests each, n)
+TRL_GROUP = 8
+"""TRL's num_generations: its worker sends a group as this many n=1 requests for one prompt."""
 
 
 async def http_loop(url: str, workers: int, requests_each: int, n: int, tokens: int, stream: bool = True) -> dict:
@@ -37,9 +44,10 @@ async def http_loop(url: str, workers: int, requests_each: int, n: int, tokens: 
 
     async def worker(w: int, session) -> None:
         for i in range(requests_each):
+            key = w // TRL_GROUP if n == 1 else w  # TRL's shape: a group's requests share their prompt
             body = {
                 "model": "base",
-                "prompt": [1 + w % 50, 2 + i % 50],
+                "prompt": [1 + key % 50, 2 + i % 50],
                 "n": n,
                 "max_tokens": tokens,
                 "seed": w * 1000 + i,
@@ -72,9 +80,17 @@ async def http_loop(url: str, workers: int, requests_each: int, n: int, tokens: 
     return {"latencies": latencies, "ttfts": ttfts, "tokens": counted[0], "wall_s": wall}
 
 
+def cpu_s(pid: int) -> float:
+    """utime + stime of a process so far (Linux /proc)."""
+    with open(f"/proc/{pid}/stat") as stat:
+        fields = stat.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def figures(run: dict) -> dict[str, float]:
     lat, ttft = run["latencies"], run["ttfts"]
     return {
+        "proxy_cpu_ms_per_sample": 1e3 * run["proxy_cpu_s"] / run["samples"],
         "tokens_per_s": run["tokens"] / run["wall_s"],
         "p50_s": percentile(lat, 50),
         "p99_s": percentile(lat, 99),
@@ -94,9 +110,14 @@ def main() -> None:
     runs: dict[str, dict[str, list[dict]]] = {load: {"grpc": [], "http": []} for load in LOADS}
 
     def run(mode: str, workers: int, each: int, n: int) -> dict:
+        before = cpu_s(proxy.proc.pid)
         if mode == "grpc":
-            return asyncio.run(closed_loop(proxy.target, workers, each, n, TOKENS))
-        return asyncio.run(http_loop(url, workers, each, n, TOKENS, stream=n > 1))
+            if n == 1:  # the same samples as rollwire's own grouped requests
+                workers, n = workers // TRL_GROUP, TRL_GROUP
+            out = asyncio.run(closed_loop(proxy.target, workers, each, n, TOKENS))
+        else:
+            out = asyncio.run(http_loop(url, workers, each, n, TOKENS, stream=n > 1))
+        return out | {"proxy_cpu_s": cpu_s(proxy.proc.pid) - before, "samples": workers * each * n}
 
     try:
         for mode in ("grpc", "http"):  # warm-up: connections, first-call paths

@@ -207,6 +207,7 @@ def proxy_overhead(d: dict) -> str:
                     s(m["p50_s"], 1e3, 1),
                     s(m["p99_s"], 1e3, 1),
                     s(m["ttft_p50_s"], 1e3, 1),
+                    s(m["proxy_cpu_ms_per_sample"], 1, 2) if "proxy_cpu_ms_per_sample" in m else "",
                 ]
             )
     added = table(
@@ -463,7 +464,15 @@ def http_overhead(d: dict) -> str:
             f"at {w['tokens_per_s_per_sample']:.0f} tokens/s per sample (a group takes {w['ideal_request_s'] * 1e3:.0f} ms "
             "with no overhead at all).",
             table(
-                ["load", "door", "tokens/s", "p50 latency (ms)", "p99 latency (ms)", "time to first token p50 (ms)"],
+                [
+                    "load",
+                    "door",
+                    "tokens/s",
+                    "p50 latency (ms)",
+                    "p99 latency (ms)",
+                    "time to first token p50 (ms)",
+                    "proxy CPU per sample (ms)",
+                ],
                 rows,
             ),
             table(

@@ -13,7 +13,7 @@ Invariants:
 - a seeded request draws exactly the tokens it draws alone: the merged group carries one
   seed per sample (`sampling.sample_seeds`; sample i draws as sample 0 of a request with that
   seed would). Seeded requests are merged only while every routable replica's engine honours
-  per-sample seeds (transformers, sglang); unseeded ones always;
+  per-sample seeds (transformers, sglang, scripted); unseeded ones always;
 - no request waits longer than the window for its group to start: the window opens with the
   group's first request, and a group that reaches `coalesce_max_n` starts at once;
 - each request keeps its own answer (its sample, re-indexed 0, its request id in `started`),
@@ -38,7 +38,7 @@ from rollwire.runtime.logs import get_logger
 from rollwire.v1 import generator_pb2 as pb
 
 log = get_logger(__name__)
-SEEDING_ENGINES = frozenset({"transformers", "sglang"})
+SEEDING_ENGINES = frozenset({"transformers", "sglang", "scripted"})
 """Engines that draw each sample of a group from its own seed (sampling.sample_seeds)."""
 _END = object()
 

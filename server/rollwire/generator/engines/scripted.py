@@ -80,6 +80,13 @@ class ScriptedEngine:
             async for events in self._steps(group):
                 yield events
 
+    @staticmethod
+    def _seed_of(group: GroupRequest, seed: int, index: int) -> tuple[int, int]:
+        """(seed, sample) sample `index` draws from: its own seed as sample 0 when a proxy merged
+        single-sample requests (sampling.sample_seeds), else the group's."""
+        own = group.sampling.sample_seeds
+        return (own[index], 0) if own else (seed, index)
+
     async def _steps(self, group: GroupRequest) -> AsyncIterator[list[Event]]:
         total, seed = group.sampling.max_new_tokens, group.sampling.seed or 0
         prompt_tokens, version = len(group.prompt_ids), group.adapter.version
@@ -91,7 +98,7 @@ class ScriptedEngine:
                 continue
             events: list[Event] = []
             for i in range(group.n):
-                ids = [self.token(seed, i, p) for p in range(sent, due)]
+                ids = [self.token(*self._seed_of(group, seed, i), p) for p in range(sent, due)]
                 text = "".join(chr(32 + t % _PRINTABLE) for t in ids)
                 events.append(TokenDelta(i, ids, [self.logprob] * len(ids), text, version))
             sent = due
