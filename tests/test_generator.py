@@ -47,6 +47,32 @@ def test_seed_makes_samples_reproducible(generator):
     assert a.tokens[0] != a.tokens[1]  # samples of one group differ from each other
 
 
+def test_a_caller_that_reads_whole_samples_gets_one_message_per_sample(generator, reference_model):
+    """GenerateRequest.stream_interval: 4096 gathers each sample's tokens into the message
+    that ends it (the HTTP door's unstreamed requests); the tokens and logprobs are those of
+    a token-per-message stream of the same seed; above 4096 it is refused."""
+
+    def messages(interval: int) -> list[pb.GenerateResponse]:
+        req = pb.GenerateRequest(n=2, stream_interval=interval, sampling=pb.SamplingParams(max_new_tokens=12, seed=5))
+        req.token_ids.ids.extend([5, 6, 7])
+        return list(stub(generator.target).Generate(req, timeout=60))
+
+    whole, each = messages(4096), messages(0)
+    chunks = [c for m in whole for c in m.tokens]
+    assert sorted(c.sample_index for c in chunks) == [0, 1]  # one chunk per sample, all its tokens
+    assert sum(1 for m in each for c in m.tokens) > 2
+    for i in (0, 1):
+        alone = [t for m in each for c in m.tokens if c.sample_index == i for t in c.token_ids]
+        chunk = next(c for c in chunks if c.sample_index == i)
+        assert list(chunk.token_ids) == alone
+        assert list(chunk.logprobs) == pytest.approx(
+            [lp for m in each for c in m.tokens if c.sample_index == i for lp in c.logprobs], abs=1e-5
+        )
+    with pytest.raises(grpc.RpcError) as err:
+        messages(4097)
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "stream_interval" in err.value.details()
+
+
 def test_greedy_equals_hf_generate(generator, reference_model):
     g = generate(generator.target, "greedy", n=2, max_new_tokens=20, temperature=0.0, ignore_eos=True)
     prompt = list(g.started.prompt_token_ids)

@@ -37,6 +37,8 @@ class Reason(StrEnum):
     """INVALID_ARGUMENT; do not retry: `top_p` is not a finite number in (0, 1]."""
     BAD_TOP_K = "BAD_TOP_K"
     """INVALID_ARGUMENT; do not retry: `top_k` is negative or above the vocabulary size."""
+    BAD_STREAM_INTERVAL = "BAD_STREAM_INTERVAL"
+    """INVALID_ARGUMENT; do not retry: `stream_interval` is above 4096."""
     BAD_SEED = "BAD_SEED"
     """INVALID_ARGUMENT; do not retry: `sample_seeds` does not hold one seed per sample, or `seed` is set beside it."""
     BAD_STOP = "BAD_STOP"

@@ -57,7 +57,7 @@ class AdapterRef(_message.Message):
     def __init__(self, name: _Optional[str] = ..., version: _Optional[int] = ..., follow: _Optional[bool] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("request_id", "text", "token_ids", "n", "sampling", "adapter", "group_key", "session")
+    __slots__ = ("request_id", "text", "token_ids", "n", "sampling", "adapter", "group_key", "session", "stream_interval")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TEXT_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -66,6 +66,7 @@ class GenerateRequest(_message.Message):
     ADAPTER_FIELD_NUMBER: _ClassVar[int]
     GROUP_KEY_FIELD_NUMBER: _ClassVar[int]
     SESSION_FIELD_NUMBER: _ClassVar[int]
+    STREAM_INTERVAL_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     text: str
     token_ids: TokenIds
@@ -74,7 +75,8 @@ class GenerateRequest(_message.Message):
     adapter: AdapterRef
     group_key: str
     session: SessionTurn
-    def __init__(self, request_id: _Optional[str] = ..., text: _Optional[str] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., n: _Optional[int] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., adapter: _Optional[_Union[AdapterRef, _Mapping]] = ..., group_key: _Optional[str] = ..., session: _Optional[_Union[SessionTurn, _Mapping]] = ...) -> None: ...
+    stream_interval: int
+    def __init__(self, request_id: _Optional[str] = ..., text: _Optional[str] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., n: _Optional[int] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., adapter: _Optional[_Union[AdapterRef, _Mapping]] = ..., group_key: _Optional[str] = ..., session: _Optional[_Union[SessionTurn, _Mapping]] = ..., stream_interval: _Optional[int] = ...) -> None: ...
 
 class SessionTurn(_message.Message):
     __slots__ = ("id", "end", "expect_tokens")

@@ -49,6 +49,8 @@ from rollwire.v1 import generator_pb2 as pb
 from rollwire.v1 import generator_pb2_grpc
 
 log = get_logger(__name__)
+MAX_STREAM_INTERVAL = 4096
+"""The largest GenerateRequest.stream_interval (generator.stream_interval's bound too)."""
 # Generate's bounds on client strings (docs/protocol.md lists them with the Limits section):
 INLINE_TOKENIZE_CHARS = 2048  # longer texts are tokenized on a worker thread, not the event loop
 MAX_STOP_CHARS = 64  # longest stop string
@@ -160,7 +162,7 @@ class GeneratorServicer(generator_pb2_grpc.GeneratorServiceServicer):
                 gathered.extend(events)
                 if turn is not None:
                     turn.output.extend(t for ev in events if isinstance(ev, TokenDelta) for t in ev.token_ids)
-                if worth_sending(gathered, self.config.stream_interval):
+                if worth_sending(gathered, group.stream_interval or self.config.stream_interval):
                     if first:  # the first token the client gets, gathered or not
                         first = False
                         self.metrics.ttft.observe(time.monotonic() - start)
@@ -249,7 +251,14 @@ class GeneratorServicer(generator_pb2_grpc.GeneratorServiceServicer):
                 f"context of {self.engine.max_context} tokens",
                 reason=Reason.CONTEXT_TOO_LONG,
             )
-        return GroupRequest(rid, prompt, req.n, params, follow=self._follows(req.adapter))
+        if req.stream_interval > MAX_STREAM_INTERVAL:
+            raise InvalidArgument(
+                f"stream_interval is {req.stream_interval}; it must be at most {MAX_STREAM_INTERVAL} (0: the server's)",
+                reason=Reason.BAD_STREAM_INTERVAL,
+            )
+        return GroupRequest(
+            rid, prompt, req.n, params, follow=self._follows(req.adapter), stream_interval=req.stream_interval
+        )
 
     async def _prompt(self, req: pb.GenerateRequest) -> list[int]:
         """The prompt's token ids; sizes are checked before any scan or tokenizing."""

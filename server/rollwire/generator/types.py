@@ -58,6 +58,8 @@ class GroupRequest:
     assignment, read once per decode step by the engine) with each newer committed version."""
     follow: bool = False
     """Switch running samples to each newly committed version of the adapter (AdapterRef.follow)."""
+    stream_interval: int = 0
+    """New tokens of a sample per message (GenerateRequest.stream_interval); 0: the replica's own."""
 
 
 @dataclass

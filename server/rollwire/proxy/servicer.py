@@ -75,7 +75,7 @@ class ProxyServicer(generator_pb2_grpc.GeneratorServiceServicer):
         routing = config.routing
         self.coalescer = Coalescer(
             routing.coalesce_window_ms / 1000,
-            lambda: min(routing.coalesce_max_n, self.status().limits.max_n or routing.coalesce_max_n),
+            lambda: min([routing.coalesce_max_n] + [r.limits.max_n for r in self.replicas.routable() if r.limits]),
             lambda: {r.engine for r in self.replicas.routable()},
             self.metrics.coalesced.inc,
         )

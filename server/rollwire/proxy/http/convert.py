@@ -26,6 +26,10 @@ from rollwire.v1 import generator_pb2 as pb
 FINISH = {pb.FINISH_REASON_EOS: "stop", pb.FINISH_REASON_STOP: "stop", pb.FINISH_REASON_LENGTH: "length"}
 
 
+WHOLE_SAMPLES = 4096
+"""stream_interval of an unstreamed request: its samples come whole (GenerateRequest.stream_interval)."""
+
+
 def generate_request(
     body: CompletionBody | ChatBody, prompt: str | list[int], ref: ModelRef, max_tokens: int, rid: str
 ) -> pb.GenerateRequest:
@@ -45,6 +49,8 @@ def generate_request(
     if body.seed is not None:
         sampling.seed = body.seed
     request = pb.GenerateRequest(request_id=rid, n=body.n, sampling=sampling)
+    if not body.stream:  # the caller reads whole samples: one message per sample, not per token
+        request.stream_interval = WHOLE_SAMPLES
     if isinstance(prompt, str):
         request.text = prompt
     else:

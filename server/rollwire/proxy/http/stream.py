@@ -159,9 +159,10 @@ class _Events:
                         "the replica serving this stream failed after sending tokens; send the request again",
                         reason=Reason.ATTEMPTS_EXHAUSTED,
                     )
-                for payload in self.payloads(message):
+                events = self.payloads(message)
+                if events:  # one write per core message, however many choices it moves
                     shown = True
-                    yield self.event(payload)
+                    yield "".join(self.event(payload) for payload in events)
             if self.body.stream_options and self.body.stream_options.include_usage:
                 yield self.event({**self.frame([]), "usage": convert.usage([self.group])})
         except PassThrough as relay:
