@@ -102,6 +102,8 @@ def main(argv=None) -> int:
         say(f"TRL trainer running (pid {trainer.pid}); its log: {run / 'trainer.log'}")
         timeout = args.timeout_s or args.budget_s + 180
         code = follow(trainer, out / "steps.jsonl", args.budget_s, timeout)
+        if code == 0:  # a load answers once spooled: the relay to the replicas may still be finishing
+            watcher.wait_for(json.loads((out / "summary.json").read_text())["last_version"], 30)
         watcher.stop()  # polls once more first: the last version TRL loaded
         if code != 0:
             reason = "was killed after its time limit" if code is None else f"exited with code {code}"
@@ -289,6 +291,12 @@ class ServedVersions:
 
     def start(self) -> None:
         self._thread.start()
+
+    def wait_for(self, version: int, timeout_s: float) -> None:
+        """Until every replica was seen holding `version`, or `timeout_s` passed."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline and not all(version in now for now in self.now.values()):
+            time.sleep(self.interval_s)
 
     def stop(self) -> None:
         """Stop polling (after one last poll); idempotent."""
