@@ -128,3 +128,50 @@ def test_follow_hands_each_new_step_to_on_step_once(tmp_path):
         "spool.keep_versions=9",
     )
     assert set(flags[::2]) == {"--set"}
+
+
+@pytest.mark.integration
+@pytest.mark.slow
+def test_a_second_trl_run_with_the_same_names_trains_on_its_own_weights(taught_model, tmp_path):
+    """Issue 38, item 4: TRL's AsyncGRPOTrainer twice, one run after the other, against one
+    long-lived proxy and replica: the second restarts at `trl-policy-v1` (TRL hard-codes the
+    name) and trains, with no 409; its versions are a new lineage on the replica
+    (`trl-policy.2`), and what the door serves under its last version's name is its own
+    weights (logprobs of a PEFT model loaded from its folder, within 1e-4), not the first run's."""
+    pytest.importorskip("trl")
+    import requests
+    from peft import PeftModel
+    from support.engines import forward_logprobs
+    from support.wire import status
+    from transformers import AutoModelForCausalLM
+
+    from rollwire.demo.stack import local_placement
+    from rollwire.demo.trl import follow as follow_trainer
+    from rollwire.demo.trl import start_door_stack, start_trainer, stop_trainer
+
+    stack = start_door_stack(taught_model, tmp_path / "fleet", 1, tmp_path, local_placement(1))
+    try:
+        lasts = []
+        for r in (1, 2):
+            out = tmp_path / f"run{r}" / "trl"
+            (out / ".vllm_lora").mkdir(parents=True)
+            trainer = start_trainer(out.parent, out, stack.proxy.http_url, taught_model, 30, 3, seed=r)
+            try:
+                code = follow_trainer(trainer, out / "steps.jsonl", 30, 240, progress=False)
+            finally:
+                stop_trainer(trainer)
+            assert code == 0, (out.parent / "trainer.log").read_text(errors="replace")[-3000:]
+            lasts.append(json.loads((out / "summary.json").read_text())["last_version"])
+        held = {a.name: list(a.versions) for a in status(stack.replicas[0].target).adapters}
+        assert "trl-policy.2" in held and lasts[1] in held["trl-policy.2"], held  # run 2: a lineage of its own
+        last = lasts[1]
+        folder = tmp_path / "run2" / "trl" / ".vllm_lora" / f"trl-policy-v{last}"
+        reference = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(taught_model), folder).eval()
+        prompt = [5, 17, 33, 40, 12]
+        body = {"model": f"trl-policy-v{last}", "prompt": prompt, "max_tokens": 6, "temperature": 1.0, "top_p": 1.0}
+        body |= {"n": 1, "return_token_ids": True, "logprobs": 0, "seed": 3}
+        choice = requests.post(stack.proxy.http_url + "/v1/completions", json=body, timeout=60).json()["choices"][0]
+        expected = forward_logprobs(reference, prompt, choice["token_ids"]).tolist()
+        assert choice["logprobs"]["token_logprobs"] == pytest.approx(expected, abs=1e-4)
+    finally:
+        stack.stop()

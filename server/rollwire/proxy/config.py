@@ -229,12 +229,16 @@ class HttpSection(Section):
     durable in the proxy's spool (the relay to the replicas finishes behind the answer, and a request naming the
     version waits until a replica serves it: TRL's loop does not stand still for the fan-out); "committed", once every
     healthy replica committed it (a gRPC PushAdapter's answer)."""
-    max_connections: int = Field(default=1024, ge=1)
+    max_connections: int = Field(default=4096, ge=1)
     """Connections the door holds at once, from all peers; at most a quarter of the process's soft file-descriptor
     limit (RLIMIT_NOFILE, read at start and logged), so the door never takes the descriptors the gRPC server needs.
-    Beyond it new connections wait in the kernel's backlog until one closes."""
-    max_connections_per_peer: int = Field(default=256, ge=1)
-    """Connections one peer IP address may hold at once; a connection beyond it is closed as soon as it is accepted."""
+    Beyond it new connections wait in the kernel's backlog until one closes. HTTP/1.1 carries one request at a time:
+    TRL's rollout worker holds one connection per request in flight (max_inflight_tasks, by default max_staleness x
+    samples per step: 256 at the demo's settings)."""
+    max_connections_per_peer: int = Field(default=4096, ge=1)
+    """Connections one peer IP address may hold at once; a connection beyond it is closed as soon as it is accepted.
+    The default lets one trainer use the whole door (a TRL worker is one peer with hundreds of connections); lower it
+    where many distinct callers share the door."""
     header_timeout_s: float = Field(default=10.0, gt=0)
     """Seconds a connection has to send a request's complete headers (a TLS handshake included), from its opening or
     from the end of its previous response; then it is closed."""
