@@ -74,7 +74,7 @@ system-deps:
 	  { $(SUDO) apt-get update -qq && $(SUDO) apt-get install -y -qq --no-install-recommends prometheus openssl; }
 
 test: install lint breaking system-deps $(VLLM_STAMP)
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q --durations=25
 
 # Tests marked `integration` start processes or listen on sockets; the rest are pure logic.
 test-fast: install
