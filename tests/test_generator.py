@@ -111,31 +111,34 @@ def test_pushed_adapter_matches_local_peft_model(generator, tiny_model):
 
 
 def test_idempotent_repush_and_version_window(generator, tiny_model):
+    """A replica at its defaults keeps the 3 newest versions loaded (adapter_window) and serves
+    the 8 newest (adapter_keep): an older one is loaded again when named; the 9th push lets
+    v1 go, with a sentence naming adapter_keep."""
     fp = fingerprint(generator.target)
-    adapters = {v: make_adapter(tiny_model, seed=100 + v, r=4) for v in range(1, 5)}
+    adapters = {v: make_adapter(tiny_model, seed=100 + v, r=4) for v in range(1, 10)}
     push(generator.target, adapters[1].manifest("win", 1, fp), adapters[1].payload)
     again = push(generator.target, adapters[1].manifest("win", 1, fp), adapters[1].payload)
     assert again.already_loaded and list(again.loaded_versions) == [1]
-    for v in (2, 3):
+    for v in range(2, 9):
         push(generator.target, adapters[v].manifest("win", v, fp), adapters[v].payload)
-    assert generate(generator.target, "p", adapter=("win", 1), max_new_tokens=4).versions[0] == {1}
-    push(generator.target, adapters[4].manifest("win", 4, fp), adapters[4].payload)  # window of 3: v1 leaves
+    assert generate(generator.target, "p", adapter=("win", 1), max_new_tokens=4).versions[0] == {1}  # kept
+    push(generator.target, adapters[9].manifest("win", 9, fp), adapters[9].payload)  # 8 kept: v1 leaves
     with pytest.raises(grpc.RpcError) as err:
         generate(generator.target, "p", adapter=("win", 1), max_new_tokens=4)
     assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
-    assert "left this replica's window" in err.value.details()
+    assert "adapter_keep" in err.value.details()
     with pytest.raises(grpc.RpcError) as err:
-        generate(generator.target, "p", adapter=("win", 9), max_new_tokens=4)
+        generate(generator.target, "p", adapter=("win", 19), max_new_tokens=4)
     assert err.value.code() == grpc.StatusCode.NOT_FOUND
     assert generate(generator.target, "p", adapter=("win", 2), max_new_tokens=4).versions[0] == {2}
-    assert generate(generator.target, "p", adapter=("win", 0), max_new_tokens=4).started.adapter.version == 4
+    assert generate(generator.target, "p", adapter=("win", 0), max_new_tokens=4).started.adapter.version == 9
     status = stub(generator.target).GetStatus(pb.GetStatusRequest(), timeout=10)
-    assert {a.name: list(a.versions) for a in status.adapters}["win"] == [2, 3, 4]
+    assert {a.name: list(a.versions) for a in status.adapters}["win"] == list(range(2, 10))
 
 
 def test_pinned_request_finishes_on_its_version_while_it_leaves_the_window(generator, tiny_model):
     fp = fingerprint(generator.target)
-    adapters = {v: make_adapter(tiny_model, seed=200 + v, r=4) for v in range(1, 5)}
+    adapters = {v: make_adapter(tiny_model, seed=200 + v, r=4) for v in range(1, 10)}
     push(generator.target, adapters[1].manifest("lease", 1, fp), adapters[1].payload)
     request = pb.GenerateRequest(
         text="long",
@@ -146,7 +149,7 @@ def test_pinned_request_finishes_on_its_version_while_it_leaves_the_window(gener
     stream = stub(generator.target).Generate(request, timeout=60)
     first = [next(stream), next(stream)]  # started + first tokens: the request holds v1
     assert first[0].started.adapter.version == 1
-    for v in (2, 3, 4):
+    for v in range(2, 10):  # past adapter_keep (8): v1 stops being servable while it runs
         push(generator.target, adapters[v].manifest("lease", v, fp), adapters[v].payload)
     rest = list(stream)
     chunks = [t for m in first[1:] + rest for t in m.tokens]
