@@ -12,7 +12,9 @@ fails; the replicas and the proxy here attach to it by URL.
 from __future__ import annotations
 
 import itertools
+import secrets
 import signal
+from pathlib import Path
 
 import grpc
 import httpx2 as httpx
@@ -69,10 +71,20 @@ def test_launch_flags_and_bodies():
 
 
 # -- against the real server -----------------------------------------------------------------
+@pytest.fixture(scope="module")
+def vllm_key(tmp_path_factory) -> Path:
+    """The API key the module's vLLM server is launched with (a launched server always has
+    one), so the replicas this module points at it, and the test's own calls, can use it."""
+    key = tmp_path_factory.mktemp("vllm-key") / "api.key"
+    key.write_text(secrets.token_urlsafe(16) + "\n")
+    return key
+
+
 @pytest_asyncio.fixture(scope="module")
-async def engine(tiny_model, tmp_path_factory):
+async def engine(tiny_model, tmp_path_factory, vllm_key):
     require_vllm()
-    eng = VLLMEngine(tiny_model, vllm_section(tmp_path_factory.mktemp("vllm-adapters")), adapter_window=2)
+    section = vllm_section(tmp_path_factory.mktemp("vllm-adapters"), api_key_file=str(vllm_key))
+    eng = VLLMEngine(tiny_model, section, adapter_window=2)
     try:
         await eng.start()
         yield eng
@@ -80,10 +92,11 @@ async def engine(tiny_model, tmp_path_factory):
         await eng.close()  # SIGTERM to the server's process group, SIGKILL after 20 s
 
 
-async def test_each_seeded_sample_is_vllms_sample_for_its_own_seed(engine):
+async def test_each_seeded_sample_is_vllms_sample_for_its_own_seed(engine, vllm_key):
     prompt = engine.tokenize("seeds")
     out = await collect(engine, group(prompt, n=3, seed=7, max_new_tokens=10, ignore_eos=True))
-    async with httpx.AsyncClient(base_url=engine.api.base_url, timeout=60) as http:
+    auth = {"Authorization": f"Bearer {vllm_key.read_text().strip()}"}
+    async with httpx.AsyncClient(base_url=engine.api.base_url, timeout=60, headers=auth) as http:
         for i in range(3):
             body = {
                 "model": engine.base_name,
@@ -156,7 +169,7 @@ async def test_the_window_moves_in_vllm(engine, tiny_model):
         await engine.unload_adapter(handle)
 
 
-def test_a_proxy_serves_one_version_from_a_transformers_and_a_vllm_replica(engine, tiny_model, tmp_path):
+def test_a_proxy_serves_one_version_from_a_transformers_and_a_vllm_replica(engine, tiny_model, tmp_path, vllm_key):
     tf = start_generator(tiny_model, tmp_path, "tf", *GENERATOR_ARGS, *FAST_STOP, "--replica-id", "tf")
     vl = proxy = None
     try:
@@ -172,6 +185,8 @@ def test_a_proxy_serves_one_version_from_a_transformers_and_a_vllm_replica(engin
             "vllm",
             "--set",
             f"vllm.url={engine.api.base_url}",
+            "--set",
+            f"vllm.api_key_file={vllm_key}",
             "--set",
             f"vllm.adapter_dir={tmp_path / 'vl-adapters'}",
         )
@@ -202,7 +217,7 @@ def test_a_proxy_serves_one_version_from_a_transformers_and_a_vllm_replica(engin
                 svc.stop()
 
 
-def test_a_following_group_continues_under_the_version_pushed_mid_generation(engine, tiny_model, tmp_path):
+def test_a_following_group_continues_under_the_version_pushed_mid_generation(engine, tiny_model, tmp_path, vllm_key):
     """Follow by continuation on a real vLLM: every sample has tokens of both versions, switching
     once at a token boundary, none aborted; each token's logprob is that of a teacher-forced
     pass of the version that produced it over prompt + every token before (the continuation
@@ -219,6 +234,8 @@ def test_a_following_group_continues_under_the_version_pushed_mid_generation(eng
         "vllm",
         "--set",
         f"vllm.url={engine.api.base_url}",
+        "--set",
+        f"vllm.api_key_file={vllm_key}",
         "--set",
         f"vllm.adapter_dir={tmp_path / 'vf-adapters'}",
     )
@@ -286,7 +303,7 @@ async def test_a_killed_server_is_reported_unhealthy_and_restarted(engine, tiny_
     await engine.unload_adapter("k-1")
 
 
-def test_a_replica_goes_not_serving_while_its_vllm_is_down(engine, tiny_model, tmp_path):
+def test_a_replica_goes_not_serving_while_its_vllm_is_down(engine, tiny_model, tmp_path, vllm_key):
     """gRPC health follows the server: the proxy's health checks see the outage at once."""
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
@@ -299,6 +316,8 @@ def test_a_replica_goes_not_serving_while_its_vllm_is_down(engine, tiny_model, t
         "vllm",
         "--set",
         f"vllm.url={engine.api.base_url}",
+        "--set",
+        f"vllm.api_key_file={vllm_key}",
         "--set",
         "vllm.health_interval_s=0.2",
         "--set",
