@@ -67,7 +67,6 @@ import async_vs_sync as avs
 from common import WORK, cpu_seconds, spread, stop_all, write_result
 
 from rollwire.demo.stack import LOCAL_REPLICAS, WHOLE_GROUPS, Placement, local_placement, pin
-from rollwire.demo.trl_trainer import BUFFER as TRL_ASYNC_BUFFER
 from rollwire.learner.config import LORA_TARGETS
 from rollwire.learner.rewards import exact_match
 from rollwire.learner.task import Example, addition_examples, eval_subset
@@ -420,7 +419,7 @@ TRL_ASYNC = "trl-async@rollwire"
 """`make demo-trl`'s trainer (TRL 1.16 AsyncGRPOTrainer, unmodified) through the proxy's HTTP door."""
 TRL_ASYNC_REPLICAS = 2  # make demo-trl's (rollwire.demo.trl.REPLICAS)
 TRL_ASYNC_WORK = WORK / "peer-trl-async"
-TRL_ASYNC_STALENESS = TRL_ASYNC_BUFFER.max_staleness  # the demo's, which is the learner's default
+TRL_ASYNC_STALENESS = 4  # the demo's: TRL's own default max_staleness (rollwire.demo.trl_trainer)
 
 
 def run_trl_async(model_dir: Path, name: str, budget_s: float, seed: int) -> tuple[dict, list[tuple[float, dict]]]:

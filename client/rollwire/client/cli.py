@@ -21,7 +21,7 @@ from typing import Any, TextIO
 
 from rollwire.client._channels import TlsConfig
 from rollwire.client._push import PeftAdapter, PushResult, read_peft_dir
-from rollwire.client._requests import DEFAULT_MAX_NEW_TOKENS, GenerateOptions, parse_adapter
+from rollwire.client._requests import DEFAULT_MAX_NEW_TOKENS, GenerateOptions, build_generate_request, parse_adapter
 from rollwire.client._results import GenerateResult, GroupAccumulator, Restarted, Started, StreamEvent, Tokens
 from rollwire.client.sync import Client
 from rollwire.common.errors import RequestError, RollwireError
@@ -199,10 +199,12 @@ def _add_generate(commands: Any) -> None:
 def cmd_generate(args: argparse.Namespace) -> int:
     prompt = _prompt(args.prompt, args.token_ids)
     # every keyword option of generate has a flag of that name (_add_generate)
+    options: dict[str, Any] = {key: getattr(args, key) for key in GenerateOptions.__annotations__}
+    if args.max_new_tokens is None:  # the caller's own mistakes first, before the server is asked anything
+        build_generate_request(prompt, args.n, **{**options, "max_new_tokens": 1})
     with client_from_args(args) as client:
         if args.max_new_tokens is None:
-            args.max_new_tokens = fitting_max_new_tokens(client, prompt)
-        options: dict[str, Any] = {key: getattr(args, key) for key in GenerateOptions.__annotations__}
+            options["max_new_tokens"] = fitting_max_new_tokens(client, prompt)
         if args.json:
             print(json.dumps(result_to_json(client.generate(prompt, args.n, **options))))
         else:
