@@ -1,4 +1,4 @@
-"""The proxy's coalescer in-process (proxy/coalesce.py): which requests merge, what the merged
+"""The proxy's coalescer in-process (proxy/routing/coalesce.py): which requests merge, what the merged
 group asks for, and that each request keeps its own answer, deadline and cancellation. The
 group runner is a stand-in that records what it was asked and plays a scripted stream (the
 logic under test is the coalescer's, not a replica's); tests/test_door_loads.py runs the
@@ -12,7 +12,7 @@ import time
 import pytest
 
 from rollwire.common.errors import DeadlineExceeded, Unavailable
-from rollwire.proxy.coalesce import Coalescer
+from rollwire.proxy.routing.coalesce import Coalescer
 from rollwire.v1 import generator_pb2 as pb
 
 

@@ -1,6 +1,6 @@
 """Client faults are never replica faults (issue 11, build item 2).
 
-The proxy's one classification (server/rollwire/proxy/faults.py) decides, for each
+The proxy's one classification (server/rollwire/proxy/routing/faults.py) decides, for each
 status a replica sends, whether to retry the group elsewhere and whether to count it
 towards the replica's ejection. Proven three ways:
 - property-based, over `classify`: a status counts only when it means the replica is sick;
@@ -26,12 +26,12 @@ from hypothesis import strategies as st
 
 from rollwire.common.errors import RollwireError, from_rpc_error, to_status
 from rollwire.common.reasons import Reason
-from rollwire.proxy import faults
 from rollwire.proxy.breaker import Breaker
 from rollwire.proxy.config import RoutingSection
-from rollwire.proxy.failover import GroupRun
 from rollwire.proxy.metrics import ProxyMetrics
-from rollwire.proxy.passthrough import PassThrough
+from rollwire.proxy.routing import faults
+from rollwire.proxy.routing.failover import GroupRun
+from rollwire.proxy.routing.passthrough import PassThrough
 from rollwire.v1 import generator_pb2 as pb
 from rollwire.v1 import generator_pb2_grpc
 

@@ -23,7 +23,7 @@ from rollwire.common.errors import RollwireError, error_class, from_rpc_error, s
 from rollwire.common.reasons import Reason
 from rollwire.common.retries import PUSH_TRANSIENT, TABLE
 from rollwire.learner.producer import BACK_OFF, drop_reason
-from rollwire.proxy import faults
+from rollwire.proxy.routing import faults
 from rollwire.v1 import generator_pb2 as pb
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -26,9 +26,9 @@ import pytest
 from rollwire.common.errors import ResourceExhausted, from_rpc_error
 from rollwire.common.reasons import Reason
 from rollwire.proxy.config import FairnessSection, ProxyConfig, RoutingSection
-from rollwire.proxy.dispatch import Client, Dispatcher, Need
 from rollwire.proxy.metrics import ProxyMetrics
 from rollwire.proxy.policies import make_policy
+from rollwire.proxy.routing.dispatch import Client, Dispatcher, Need
 from rollwire.runtime.security import caller_identity
 from rollwire.v1 import generator_pb2 as pb
 from rollwire.v1 import generator_pb2_grpc

@@ -17,7 +17,7 @@ row against the layers' real decisions, so the table and the code cannot drift a
   no server reason) is started again, announced with `Restarted` like a proxy's restart
   (client/_failover.py). RESOURCE_EXHAUSTED carries a hint too, but waiting out one's own
   overload is the caller's choice, so the SDK returns it.
-- **Proxy** (rollwire.proxy.faults.classify, per attempt of a group): a status that means
+- **Proxy** (rollwire.proxy.routing.faults.classify, per attempt of a group): a status that means
   the replica is sick (`REPLICA_SICK`, a stalled attempt, `REPLICA_SICK_REASONS`) moves the
   group to another replica and counts towards the replica's ejection; a busy replica
   (`REPLICA_BUSY`), a stale view of its versions (`STALE_VIEW`) or a cancellation by the

@@ -26,7 +26,7 @@ import grpc
 
 from rollwire.common.errors import RollwireError
 from rollwire.common.retries import CLIENT_BEHAVIOUR, CLIENT_CAUSED
-from rollwire.proxy.passthrough import PassThrough
+from rollwire.proxy.routing.passthrough import PassThrough
 
 if TYPE_CHECKING:
     from rollwire.proxy.metrics import ProxyMetrics

@@ -20,14 +20,14 @@ import structlog
 from rollwire.common.errors import FailedPrecondition, ResourceExhausted, RollwireError, to_status
 from rollwire.common.reasons import Reason
 from rollwire.proxy.accounting import RequestRecord
-from rollwire.proxy.coalesce import Coalescer
 from rollwire.proxy.config import ProxyConfig
-from rollwire.proxy.dispatch import Dispatcher
-from rollwire.proxy.failover import GroupRun
 from rollwire.proxy.fanout import FanOut
-from rollwire.proxy.passthrough import PassThrough
 from rollwire.proxy.peers import Peers
-from rollwire.proxy.sessions import SessionTurns
+from rollwire.proxy.routing.coalesce import Coalescer
+from rollwire.proxy.routing.dispatch import Dispatcher
+from rollwire.proxy.routing.failover import GroupRun
+from rollwire.proxy.routing.passthrough import PassThrough
+from rollwire.proxy.routing.sessions import SessionTurns
 from rollwire.proxy.spool import Spool
 from rollwire.runtime.logs import get_logger, request_id_from
 from rollwire.runtime.security import ADMIN, TokenAuth, caller_identity, caller_role, require_peer, require_stage_only

@@ -47,7 +47,7 @@ from rollwire.proxy.http.stream import stream_group
 from rollwire.proxy.http.uploads import read_form
 from rollwire.proxy.http.vocabulary import Asked, http_terms
 from rollwire.proxy.metrics import HTTP_ROUTES
-from rollwire.proxy.passthrough import PassThrough
+from rollwire.proxy.routing.passthrough import PassThrough
 from rollwire.runtime.logs import Throttled, get_logger
 from rollwire.runtime.security import ADMIN, GENERATE, caller_identity
 from rollwire.serving import __version__

@@ -23,7 +23,7 @@ from rollwire.proxy.http import convert
 from rollwire.proxy.http.door import Door
 from rollwire.proxy.http.errors import error_response
 from rollwire.proxy.http.openai import ChatBody, CompletionBody
-from rollwire.proxy.passthrough import PassThrough
+from rollwire.proxy.routing.passthrough import PassThrough
 from rollwire.runtime.logs import get_logger
 from rollwire.v1 import generator_pb2 as pb
 

@@ -20,7 +20,7 @@ from rollwire.common.errors import RollwireError
 from rollwire.common.reasons import Reason
 from rollwire.proxy.http.errors import HttpError
 from rollwire.proxy.http.openai import ChatBody, CompletionBody
-from rollwire.proxy.passthrough import PassThrough
+from rollwire.proxy.routing.passthrough import PassThrough
 from rollwire.v1 import generator_pb2 as pb
 
 PARAMS: dict[str, str] = {

@@ -27,11 +27,11 @@ import grpc
 
 from rollwire.common.errors import DeadlineExceeded, NotFound, Unavailable, from_rpc_error
 from rollwire.common.reasons import Reason
-from rollwire.proxy import faults
-from rollwire.proxy.dispatch import Client, Dispatcher, Lease, Need
-from rollwire.proxy.passthrough import PassThrough
 from rollwire.proxy.replica import Attempt, Replica
 from rollwire.proxy.replicas import ReplicaSet
+from rollwire.proxy.routing import faults
+from rollwire.proxy.routing.dispatch import Client, Dispatcher, Lease, Need
+from rollwire.proxy.routing.passthrough import PassThrough
 from rollwire.runtime.logs import REQUEST_ID_KEY, get_logger
 from rollwire.v1 import generator_pb2 as pb
 

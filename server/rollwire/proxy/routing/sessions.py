@@ -24,9 +24,9 @@ from collections.abc import AsyncIterator
 
 from rollwire.common.errors import InvalidArgument
 from rollwire.common.reasons import Reason
-from rollwire.proxy.dispatch import Client, Dispatcher
-from rollwire.proxy.failover import GroupRun
 from rollwire.proxy.replicas import ReplicaSet
+from rollwire.proxy.routing.dispatch import Client, Dispatcher
+from rollwire.proxy.routing.failover import GroupRun
 from rollwire.serving.sessions import SessionStore, Turn, check_turn
 from rollwire.v1 import generator_pb2 as pb
 
