@@ -26,8 +26,8 @@ from hypothesis import strategies as st
 
 from rollwire.common.errors import RollwireError, from_rpc_error, to_status
 from rollwire.common.reasons import Reason
-from rollwire.proxy.breaker import Breaker
 from rollwire.proxy.config import RoutingSection
+from rollwire.proxy.fleet.breaker import Breaker
 from rollwire.proxy.metrics import ProxyMetrics
 from rollwire.proxy.routing import faults
 from rollwire.proxy.routing.failover import GroupRun

@@ -228,7 +228,7 @@ def test_a_declared_base_model_quarantines_other_versions_and_refuses_a_wrong_re
 
 def test_a_spool_of_two_base_models_with_none_declared_refuses_the_start(tmp_path, adapter):
     from rollwire.common.errors import FailedPrecondition
-    from rollwire.proxy.basemodel import BaseModel
+    from rollwire.proxy.fleet.basemodel import BaseModel
     from rollwire.proxy.spool import Spool
 
     a, b = "sha256:" + "a" * 32, "sha256:" + "b" * 32

@@ -10,7 +10,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from support.processes import GENERATOR_ARGS, free_port, start_generator, start_service, wait_until
 from support.wire import all_methods, make_adapter, metric_value, push_messages, request, run_group
 
-from rollwire.proxy.replicas import SERVICE
+from rollwire.proxy.fleet.replicas import SERVICE
 from rollwire.runtime.members import CHALLENGE_KEY, PROOF_KEY, member_proof
 from rollwire.runtime.security import METHOD_ROLES
 from rollwire.v1 import admin_pb2 as apb

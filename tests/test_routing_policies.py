@@ -10,8 +10,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from rollwire.proxy.breaker import Breaker
 from rollwire.proxy.config import RoutingSection
+from rollwire.proxy.fleet.breaker import Breaker
 from rollwire.proxy.policies import POLICIES, Affinity, Candidate, LeastLoaded, RoundRobin, make_policy, routing_key
 
 ADDRESSES = [f"10.0.0.{i}:50051" for i in range(1, 6)]

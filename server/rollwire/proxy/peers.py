@@ -68,7 +68,7 @@ from rollwire.v1 import generator_pb2_grpc
 
 if TYPE_CHECKING:
     from rollwire.proxy.config import ProxyConfig
-    from rollwire.proxy.replicas import ReplicaSet
+    from rollwire.proxy.fleet.replicas import ReplicaSet
     from rollwire.proxy.spool import Spool, SpooledAdapter
     from rollwire.serving.dial import Dialer
 
@@ -141,7 +141,7 @@ class Peers:
 
     def start(self) -> None:
         """Open a link to every static peer, resolve the dns:/// ones; monitors start now."""
-        from rollwire.proxy.discovery import DnsDiscovery
+        from rollwire.proxy.fleet.discovery import DnsDiscovery
 
         for entry in self.entries:
             if entry.startswith("dns:"):

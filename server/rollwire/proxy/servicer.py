@@ -37,8 +37,8 @@ from rollwire.v1 import generator_pb2 as pb
 from rollwire.v1 import generator_pb2_grpc
 
 if TYPE_CHECKING:
+    from rollwire.proxy.fleet.replicas import ReplicaSet
     from rollwire.proxy.metrics import ProxyMetrics
-    from rollwire.proxy.replicas import ReplicaSet
 
 log = get_logger(__name__)
 

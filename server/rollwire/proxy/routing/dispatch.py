@@ -32,10 +32,10 @@ from dataclasses import dataclass, field
 from rollwire.common.errors import DeadlineExceeded, ResourceExhausted, Unavailable
 from rollwire.common.reasons import Reason
 from rollwire.proxy.config import FairnessSection, RoutingSection
+from rollwire.proxy.fleet.replica import Replica
+from rollwire.proxy.fleet.replicas import ReplicaSet
 from rollwire.proxy.metrics import ProxyMetrics
 from rollwire.proxy.policies import Policy, routing_key
-from rollwire.proxy.replica import Replica
-from rollwire.proxy.replicas import ReplicaSet
 from rollwire.runtime.logs import Throttled, get_logger
 from rollwire.runtime.waits import wait_at_most
 from rollwire.v1 import generator_pb2 as pb

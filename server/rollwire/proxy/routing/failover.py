@@ -27,8 +27,8 @@ import grpc
 
 from rollwire.common.errors import DeadlineExceeded, NotFound, Unavailable, from_rpc_error
 from rollwire.common.reasons import Reason
-from rollwire.proxy.replica import Attempt, Replica
-from rollwire.proxy.replicas import ReplicaSet
+from rollwire.proxy.fleet.replica import Attempt, Replica
+from rollwire.proxy.fleet.replicas import ReplicaSet
 from rollwire.proxy.routing import faults
 from rollwire.proxy.routing.dispatch import Client, Dispatcher, Lease, Need
 from rollwire.proxy.routing.passthrough import PassThrough

@@ -24,7 +24,7 @@ from collections.abc import AsyncIterator
 
 from rollwire.common.errors import InvalidArgument
 from rollwire.common.reasons import Reason
-from rollwire.proxy.replicas import ReplicaSet
+from rollwire.proxy.fleet.replicas import ReplicaSet
 from rollwire.proxy.routing.dispatch import Client, Dispatcher
 from rollwire.proxy.routing.failover import GroupRun
 from rollwire.serving.sessions import SessionStore, Turn, check_turn

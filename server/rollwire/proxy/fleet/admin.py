@@ -35,8 +35,8 @@ from rollwire.common.errors import (
 )
 from rollwire.common.reasons import Reason
 from rollwire.proxy.config import RegistrationSection
-from rollwire.proxy.replica import Replica
-from rollwire.proxy.replicas import ReplicaSet
+from rollwire.proxy.fleet.replica import Replica
+from rollwire.proxy.fleet.replicas import ReplicaSet
 from rollwire.runtime.dialing import bearer
 from rollwire.runtime.hosts import peer_ip, resolve_ips
 from rollwire.runtime.logs import get_logger

@@ -27,7 +27,7 @@ from grpc_health.v1 import health_pb2_grpc
 
 from rollwire.common import writer
 from rollwire.common.errors import RollwireError, from_rpc_error
-from rollwire.proxy.breaker import Breaker
+from rollwire.proxy.fleet.breaker import Breaker
 from rollwire.proxy.policies import Candidate
 from rollwire.proxy.spool import SpooledAdapter
 from rollwire.runtime.dialing import bearer

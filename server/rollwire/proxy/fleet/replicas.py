@@ -45,13 +45,13 @@ from collections.abc import Callable
 import grpc
 from grpc_health.v1 import health_pb2
 
-from rollwire.proxy.basemodel import BaseModel, Shapes
-from rollwire.proxy.breaker import Breaker
-from rollwire.proxy.canary import Canary
-from rollwire.proxy.catchup import CatchUp
 from rollwire.proxy.config import ProxyConfig
+from rollwire.proxy.fleet.basemodel import BaseModel, Shapes
+from rollwire.proxy.fleet.breaker import Breaker
+from rollwire.proxy.fleet.canary import Canary
+from rollwire.proxy.fleet.catchup import CatchUp
+from rollwire.proxy.fleet.replica import Replica
 from rollwire.proxy.metrics import ProxyMetrics
-from rollwire.proxy.replica import Replica
 from rollwire.proxy.spool import Spool
 from rollwire.runtime.logs import get_logger
 from rollwire.runtime.members import member_token, read_member_key

@@ -32,8 +32,8 @@ from rollwire.common.errors import Unavailable
 from rollwire.common.reasons import Reason
 from rollwire.common.retries import VERSION_TAKEN, push_refused_for_good
 from rollwire.proxy.config import ProxyConfig
+from rollwire.proxy.fleet.replica import Replica
 from rollwire.proxy.metrics import ProxyMetrics
-from rollwire.proxy.replica import Replica
 from rollwire.proxy.spool import Spool
 from rollwire.runtime.logs import get_logger, new_request_id
 

@@ -25,8 +25,8 @@ from rollwire.v1 import generator_pb2 as pb
 
 if TYPE_CHECKING:
     from rollwire.proxy.config import RegistrationSection
+    from rollwire.proxy.fleet.replica import Replica
     from rollwire.proxy.metrics import ProxyMetrics
-    from rollwire.proxy.replica import Replica
 
 log = get_logger(__name__)
 CANARY_PROMPT = "rollwire canary: 1+1=2, 2+2=4, 3+3="
