@@ -27,7 +27,7 @@ def modules() -> list[Path]:
 
 def test_the_walk_finds_the_packages():
     names = {path.relative_to(ROOT).as_posix() for path in modules()}
-    assert "client/rollwire/client/sync.py" in names and "server/rollwire/proxy/fanout.py" in names
+    assert "client/rollwire/client/sync.py" in names and "server/rollwire/proxy/publish/fanout.py" in names
     assert not any("_pb2" in name for name in names)
 
 

@@ -1,4 +1,4 @@
-"""Several proxies, one truth (server/rollwire/proxy/peers.py), with real processes: a push
+"""Several proxies, one truth (server/rollwire/proxy/publish/peers.py), with real processes: a push
 never waits for a peer that is down, a peer that starts late gets every version it lacks from
 the others, and a peer's copy is stored without a second fan-out and without a loop."""
 

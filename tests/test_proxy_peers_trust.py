@@ -19,7 +19,7 @@ from rollwire.client import Client
 from rollwire.common import writer
 from rollwire.common.errors import FailedPrecondition, from_rpc_error
 from rollwire.common.reasons import Reason
-from rollwire.proxy.peers import PEER_KEY
+from rollwire.proxy.publish.peers import PEER_KEY
 from rollwire.v1 import generator_pb2 as pb
 from rollwire.v1 import generator_pb2_grpc
 

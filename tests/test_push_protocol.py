@@ -324,7 +324,7 @@ async def test_a_staged_version_expires_and_a_newer_stage_replaces_it():
 
 # -- what the proxy relays, and when ----------------------------------------------------------
 async def test_the_gate_relays_nothing_before_a_good_header_and_holds_the_last_chunk():
-    from rollwire.proxy.header_gate import HeaderGate
+    from rollwire.proxy.publish.header_gate import HeaderGate
 
     payload = adapter_bytes()
     m = Manifest("a", 1, "fp", LORA, len(payload), hashlib.sha256(payload).hexdigest())

@@ -16,15 +16,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from rollwire.proxy.config import ProxyConfig
-from rollwire.proxy.fanout import FanOut
 from rollwire.proxy.fleet.admin import AdminServicer
 from rollwire.proxy.fleet.discovery import DnsDiscovery
 from rollwire.proxy.fleet.replicas import SERVICE, ReplicaSet
 from rollwire.proxy.http.door import Door
 from rollwire.proxy.http.server import HttpServer
 from rollwire.proxy.metrics import ProxyMetrics
-from rollwire.proxy.peers import Peers
 from rollwire.proxy.policies import make_policy
+from rollwire.proxy.publish.fanout import FanOut
+from rollwire.proxy.publish.peers import Peers
 from rollwire.proxy.routing.dispatch import Dispatcher
 from rollwire.proxy.servicer import ProxyServicer, ProxyState
 from rollwire.proxy.spool import Spool

@@ -21,8 +21,8 @@ from rollwire.common.errors import FailedPrecondition, ResourceExhausted, Rollwi
 from rollwire.common.reasons import Reason
 from rollwire.proxy.accounting import RequestRecord
 from rollwire.proxy.config import ProxyConfig
-from rollwire.proxy.fanout import FanOut
-from rollwire.proxy.peers import Peers
+from rollwire.proxy.publish.fanout import FanOut
+from rollwire.proxy.publish.peers import Peers
 from rollwire.proxy.routing.coalesce import Coalescer
 from rollwire.proxy.routing.dispatch import Dispatcher
 from rollwire.proxy.routing.failover import GroupRun

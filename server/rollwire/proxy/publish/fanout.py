@@ -56,9 +56,9 @@ from rollwire.common.writer import MIN_STRIPE_CHUNK
 from rollwire.proxy.config import ProxyConfig
 from rollwire.proxy.fleet.replica import Replica, ReplicaCall
 from rollwire.proxy.fleet.replicas import ReplicaSet
-from rollwire.proxy.header_gate import HeaderGate
 from rollwire.proxy.metrics import ProxyMetrics
-from rollwire.proxy.peers import Peers
+from rollwire.proxy.publish.header_gate import HeaderGate
+from rollwire.proxy.publish.peers import Peers
 from rollwire.proxy.spool import Spool, SpooledAdapter, Upload
 from rollwire.proxy.upstream import relay_credentials
 from rollwire.push.checks import PayloadInspector
