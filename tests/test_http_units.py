@@ -26,8 +26,8 @@ LIMITS = pb.Limits(max_n=16, max_new_tokens=1024, max_prompt_tokens=4096, max_co
 
 
 def door_without_a_model(limits: pb.Limits = LIMITS) -> Door:
-    servicer = SimpleNamespace(status=lambda: pb.GetStatusResponse(limits=limits))
-    return Door(ProxyConfig(), servicer, None, None, None, "base", frozenset({"base"}), 0)  # pyright: ignore[reportArgumentType]
+    core = SimpleNamespace(status=lambda: pb.GetStatusResponse(limits=limits))
+    return Door(ProxyConfig(), core, None, None, None, "base", frozenset({"base"}), 0)  # pyright: ignore[reportArgumentType]
 
 
 def test_without_a_model_folder_the_door_reports_what_the_replicas_serve():

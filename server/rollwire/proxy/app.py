@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from rollwire.proxy.config import ProxyConfig
+from rollwire.proxy.core import ProxyCore, ProxyState
 from rollwire.proxy.fleet.admin import AdminServicer
 from rollwire.proxy.fleet.discovery import DnsDiscovery
 from rollwire.proxy.fleet.replicas import SERVICE, ReplicaSet
@@ -26,7 +27,7 @@ from rollwire.proxy.policies import make_policy
 from rollwire.proxy.publish.fanout import FanOut
 from rollwire.proxy.publish.peers import Peers
 from rollwire.proxy.routing.dispatch import Dispatcher
-from rollwire.proxy.servicer import ProxyServicer, ProxyState
+from rollwire.proxy.servicer import ProxyServicer
 from rollwire.proxy.spool import Spool
 from rollwire.proxy.upstream import peer_dialer, upstream_dialer
 from rollwire.runtime.logs import get_logger
@@ -99,7 +100,8 @@ async def start_proxy(config: ProxyConfig) -> RunningProxy:
     peers = Peers(config, proxy_id, spool, replicas, peer_dialer(config.peering, config.upstream, keepalive))
     fanout = FanOut(spool, replicas, config, metrics, peers)
     await peers.refuse_shared_id()
-    servicer = ProxyServicer(ProxyState(config, proxy_id, replicas, metrics, dispatcher, fanout, peers, endpoint.auth))
+    core = ProxyCore(ProxyState(config, proxy_id, replicas, metrics, dispatcher, fanout, peers, endpoint.auth))
+    servicer = ProxyServicer(core)
     generator_pb2_grpc.add_GeneratorServiceServicer_to_server(servicer, endpoint.server)
     admin_pb2_grpc.add_AdminServiceServicer_to_server(
         AdminServicer(replicas, config.registration, endpoint.auth), endpoint.server
@@ -111,7 +113,7 @@ async def start_proxy(config: ProxyConfig) -> RunningProxy:
         replicas.add(address, "static")
     running = RunningProxy(endpoint, servicer, replicas, spool.folder, owns_spool, peers)
     if config.http.port >= 0:
-        running.http = HttpServer(Door.build(config, servicer))
+        running.http = HttpServer(Door.build(config, core))
         await running.http.start()
     peers.start()
     if config.discover:

@@ -4,7 +4,7 @@ completions and chat completions, in the proxy process (docs/http.md).
 Invariants:
 - a thin edge: every request is converted once (convert.py) into the gRPC core's own
   messages and handed to the same dispatch, limits, failover and push path a gRPC call
-  takes (ProxyServicer.group_events, FanOut.push); nothing behind the edge knows which door
+  takes (the core: ProxyCore.group_events in ../core.py; FanOut.push); nothing behind the edge knows which door
   a request came through;
 - a field the core cannot honour is refused here, by name, with a 400; nothing is silently
   ignored except the documented no-op fields (openai.py);

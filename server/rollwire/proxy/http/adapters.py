@@ -46,10 +46,10 @@ from rollwire.common.manifest import check_name
 from rollwire.common.reasons import Reason
 from rollwire.common.safetensors_header import HeaderError, read_header
 from rollwire.common.writer import MAX_CHUNK, messages
+from rollwire.proxy.core import ProxyState
 from rollwire.proxy.http.errors import HttpError
 from rollwire.proxy.http.names import ModelRef, model_id, parse_model
 from rollwire.proxy.lineages import Lineages
-from rollwire.proxy.servicer import ProxyState
 from rollwire.runtime.logs import get_logger
 from rollwire.v1 import generator_pb2 as pb
 

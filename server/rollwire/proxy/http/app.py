@@ -78,9 +78,9 @@ def _authorize(door: Door, request: Request, role: str) -> str:
 
 def _health(door: Door, request: Request) -> Response:
     """Open for probes; what each replica is doing (addresses, errors) only for an admin (audit A12)."""
-    if door.servicer.replicas.routable():
+    if door.core.state.replicas.routable():
         return Response(status_code=200)
-    detail = door.servicer.replicas.describe()
+    detail = door.core.state.replicas.describe()
     _health_log(level="info", replicas=detail[:1000])
     header = request.headers.get("authorization", "")
     admin = door.auth is not None and door.auth.role([("authorization", header)]) == ADMIN
@@ -133,7 +133,7 @@ class _Observe:
 
 def _observe(app: FastAPI, door: Door) -> None:
     """Per-route metrics and the request id of every request; errors as OpenAI bodies."""
-    app.add_middleware(_Observe, metrics=door.servicer.metrics)  # pyright: ignore[reportArgumentType]  # any ASGI middleware class
+    app.add_middleware(_Observe, metrics=door.core.state.metrics)  # pyright: ignore[reportArgumentType]  # any ASGI middleware class
 
     @app.exception_handler(RollwireError)
     async def rollwire_error(request: Request, err: RollwireError):
@@ -281,14 +281,14 @@ def _openai_routes(app: FastAPI, door: Door) -> None:
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
         client = _authorize(door, request, GENERATE)
-        with door.servicer.account(edge=True) as record:
+        with door.core.account(edge=True) as record:
             body: CompletionBody = await _body(door, request, CompletionBody)
             return await _completions(door, body, client, request.state.rid, record)
 
     @app.post("/v1/chat/completions")
     async def chat(request: Request) -> Response:
         client = _authorize(door, request, GENERATE)
-        with door.servicer.account(edge=True) as record:
+        with door.core.account(edge=True) as record:
             body: ChatBody = await _body(door, request, ChatBody)
             check_unhonoured(body)
             ref = door.resolve(body.model)

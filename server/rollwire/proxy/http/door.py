@@ -16,6 +16,7 @@ import grpc
 from rollwire.common.errors import FailedPrecondition, InvalidArgument
 from rollwire.common.reasons import Reason
 from rollwire.proxy.config import ProxyConfig
+from rollwire.proxy.core import ProxyCore
 from rollwire.proxy.http import convert
 from rollwire.proxy.http.adapters import AdapterDoor
 from rollwire.proxy.http.errors import HttpError
@@ -23,7 +24,6 @@ from rollwire.proxy.http.names import ModelRef, parse_model
 from rollwire.proxy.http.openai import ChatBody
 from rollwire.proxy.http.prompts import PromptGate
 from rollwire.proxy.http.tokenizer import ChatTokenizer
-from rollwire.proxy.servicer import ProxyServicer
 from rollwire.runtime.logs import get_logger
 from rollwire.runtime.security import TokenAuth
 from rollwire.v1 import generator_pb2 as pb
@@ -36,7 +36,7 @@ class Door:
     """What the routes answer from: the proxy's core, its config and the base model's tokenizer."""
 
     config: ProxyConfig
-    servicer: ProxyServicer
+    core: ProxyCore
     adapters: AdapterDoor
     auth: TokenAuth | None
     tokenizer: ChatTokenizer | None
@@ -46,7 +46,7 @@ class Door:
     """max_position_embeddings of the base model (0: unknown)."""
 
     @classmethod
-    def build(cls, config: ProxyConfig, servicer: ProxyServicer) -> Door:
+    def build(cls, config: ProxyConfig, core: ProxyCore) -> Door:
         http = config.http
         tokenizer, context_len, base_id = None, 0, http.served_model_name or "base"
         names = {base_id}
@@ -59,10 +59,10 @@ class Door:
             context_len = int(model_config.get("max_position_embeddings") or 0)
             base_id = http.served_model_name or folder.resolve().name
             names |= {base_id, http.model_path, str(folder.resolve())}
-        adapters = AdapterDoor(servicer.state, http.adapter_root, config.spool.max_adapter_bytes)
+        adapters = AdapterDoor(core.state, http.adapter_root, config.spool.max_adapter_bytes)
         return cls(
             config,
-            servicer,
+            core,
             adapters,
             TokenAuth.from_config(config.auth),
             tokenizer,
@@ -75,24 +75,24 @@ class Door:
     def max_model_len(self, status: pb.GetStatusResponse | None = None) -> int:
         if self.config.http.max_model_len:
             return self.config.http.max_model_len
-        limits = (status or self.servicer.status()).limits
+        limits = (status or self.core.status()).limits
         fleet = limits.max_prompt_tokens + limits.max_new_tokens if limits.max_new_tokens else 0
         known = [x for x in (fleet, limits.max_context, self.context_len) if x]  # what every replica can serve
         return min(known) if known else 0
 
     def limits(self) -> pb.Limits:
         """The strictest limits of any replica (what every replica serves)."""
-        return self.servicer.status().limits
+        return self.core.status().limits
 
     def default_max_tokens(self, prompt_len: int) -> int:
         """A chat request's max_tokens when it sends none: vLLM's (what the context leaves after
         the prompt), within what the replicas generate per sample."""
         room = max(1, self.max_model_len() - prompt_len)
-        fleet = self.servicer.status().limits.max_new_tokens
+        fleet = self.core.status().limits.max_new_tokens
         return min(room, fleet) if fleet else room
 
     def models(self) -> dict[str, Any]:
-        created, status = int(time.time()), self.servicer.status()  # one status: it walks every replica
+        created, status = int(time.time()), self.core.status()  # one status: it walks every replica
         max_len = self.max_model_len(status)
         data = [
             {
@@ -142,7 +142,7 @@ class Door:
     def server_info(self) -> dict[str, Any]:
         """vLLM's /server_info as TRL reads it, true of the fleet: an adapter load reaches every
         replica, so to the caller the fleet is one data-parallel rank."""
-        status = self.servicer.status()
+        status = self.core.status()
         engines = set(status.engine.split(",")) - {""}
         dtype = "float32" if engines <= {"transformers"} else self.config.http.dtype
         window = status.limits.adapter_keep or status.limits.adapter_window  # versions a caller may name
@@ -189,7 +189,7 @@ class Door:
         return time.monotonic() + min(self.config.http.request_timeout_s, self.config.routing.request_timeout_s)
 
     async def run_group(self, request: pb.GenerateRequest, client: str, group: convert.Group, deadline: float) -> None:
-        events = self.servicer.group_events(request, request.request_id, client, deadline)
+        events = self.core.group_events(request, request.request_id, client, deadline)
         async with contextlib.aclosing(events):  # pyright: ignore[reportArgumentType]  # an async generator has aclose
             async for message in events:
                 group.apply(message)
@@ -207,7 +207,7 @@ class Door:
                 reason=Reason.NO_CHAT_TEMPLATE,
             )
         tokenizer = self.tokenizer
-        max_tokens = self.servicer.status().limits.max_prompt_tokens
+        max_tokens = self.core.status().limits.max_prompt_tokens
         chat = (body.messages, body.tools, body.chat_template_kwargs)
         size = self.prompts.check_size(chat, max_tokens)
 

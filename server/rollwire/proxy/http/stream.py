@@ -110,7 +110,7 @@ class _Events:
     async def begin(self) -> None:
         """Start the group and take its first message (the core holds `started` back until
         the first tokens or finish, so every refusal comes before it)."""
-        stream = self.door.servicer.group_events(self.req, self.rid, self.client, self.door.deadline())
+        stream = self.door.core.group_events(self.req, self.rid, self.client, self.door.deadline())
         self.stream = stream  # pyright: ignore[reportAttributeAccessIssue]  # group_events is an async generator
         try:
             self.first = await anext(stream)
@@ -124,7 +124,7 @@ class _Events:
         if self.stream is not None:
             await self.stream.aclose()
         if isinstance(ended, RollwireError) and ended.reason == Reason.SLOW_READER:
-            self.door.servicer.metrics.client_limited.labels("slow_reader").inc()
+            self.door.core.state.metrics.client_limited.labels("slow_reader").inc()
         elif ended is None or isinstance(ended, ClientDisconnect):
             ended = asyncio.CancelledError()
         if self.record is not None:
