@@ -167,7 +167,7 @@ def _open_spool(config: ProxyConfig) -> tuple[Spool, bool]:
 def default_proxy_id(host: str, port: int) -> str:
     """proxy@HOST:PORT, where a wildcard bind (0.0.0.0, ::) names the machine instead: every
     pod of a Deployment binds 0.0.0.0 on the same port, and peers that share an id take each
-    other for themselves and stop peering (peers.py), so the default must differ per host."""
+    other for themselves and stop peering (publish/peers.py), so the default must differ per host."""
     import socket
 
     return f"proxy@{socket.gethostname() if host in ('0.0.0.0', '::', '') else host}:{port}"

@@ -52,7 +52,7 @@ class RoutingSection(Section):
     coalesce_window_ms: float = Field(default=3.0, ge=0, le=1000)
     """Single-sample requests (n = 1) for the same prompt, adapter and sampling settings that arrive within this many
     milliseconds of the first are served as one group: one prefill, one placement (TRL's worker sends a GRPO group as
-    n such requests). A seeded request still draws exactly its own tokens. 0 = off (coalesce.py)."""
+    n such requests). A seeded request still draws exactly its own tokens. 0 = off (routing/coalesce.py)."""
     coalesce_max_n: int = Field(default=64, ge=1)
     """Most requests merged into one group (also capped by the replicas' max_n); a full group starts at once."""
 
@@ -303,7 +303,7 @@ class ProxyConfig(ServerConfig):
     upstream: UpstreamSection = Field(default_factory=UpstreamSection)
     peers: list[str] = Field(default_factory=list)
     """Other proxies serving the same replicas, HOST:PORT or dns:///NAME:PORT: each pushed version is in their spools
-    before the push returns (peers.py); this proxy itself may be listed."""
+    before the push returns (publish/peers.py); this proxy itself may be listed."""
     peering: PeeringSection = Field(default_factory=PeeringSection)
     http: HttpSection = Field(default_factory=HttpSection)
     registration: RegistrationSection = Field(default_factory=RegistrationSection)

@@ -72,8 +72,8 @@ class ProxyCore:
             lambda: {r.engine for r in state.replicas.routable()},
             state.metrics.coalesced.inc,
         )
-        """Single-sample requests for one prompt served as one group (coalesce.py)."""
-        """Session turns: their histories and sticky routing (sessions.py)."""
+        """Single-sample requests for one prompt served as one group (routing/coalesce.py)."""
+        """Session turns: their histories and sticky routing (routing/sessions.py)."""
 
     def account(self, *, edge: bool = False) -> RequestRecord:
         """A generation request's record in the core metrics, whichever door it came by: the
@@ -84,7 +84,7 @@ class ProxyCore:
         self, request: pb.GenerateRequest, rid: str, client: str, deadline: float
     ) -> AsyncIterator[pb.GenerateResponse]:
         """One group through the core, whichever door it came by: admitted under `client`'s
-        limits (dispatch.py), "latest" settled with peer proxies, run by failover.py. Raises
+        limits (routing/dispatch.py), "latest" settled with peer proxies, run by routing/failover.py. Raises
         RollwireError or PassThrough; closing the iterator frees the client's slot and the lease."""
         if self.state.peers is not None and request.adapter.name and not request.adapter.version:
             await self.state.peers.settled(request.adapter.name, max(0.0, deadline - time.monotonic()))

@@ -33,7 +33,7 @@ class ProxyServicer(generator_pb2_grpc.GeneratorServiceServicer):
         self.core, self.state = core, core.state
 
     async def Generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext) -> None:
-        """Admitted under the client's limits (dispatch.py), run by failover.py; messages are
+        """Admitted under the client's limits (routing/dispatch.py), run by routing/failover.py; messages are
         written with `context.write` bounded by `fairness.slow_reader_timeout_s`, so a client
         that stops reading loses its request (RESOURCE_EXHAUSTED, SLOW_READER) and frees its
         slots instead of holding them until its deadline."""
@@ -91,13 +91,13 @@ class ProxyServicer(generator_pb2_grpc.GeneratorServiceServicer):
 
     async def PushAdapter(self, request_iterator, context: grpc.aio.ServicerContext) -> pb.PushAdapterResponse:
         """Receive (bounded, idle-timed, checked as a replica would), relay as it arrives, then
-        stage everywhere and commit (fanout.py). Until the upload is complete every exit,
+        stage everywhere and commit (publish/fanout.py). Until the upload is complete every exit,
         cancellation included, leaves nothing behind."""
         rid = request_id_from(context.invocation_metadata())
         structlog.contextvars.bind_contextvars(request_id=rid)
         try:
             origin = Peers.origin(context.invocation_metadata())
-            if origin and self.state.peers is not None:  # a peer proxy's copy: spool it, no fan-out (peers.py)
+            if origin and self.state.peers is not None:  # a peer proxy's copy: spool it, no fan-out (publish/peers.py)
                 require_peer(self.state.auth, context)
                 return await self.state.peers.receive(request_iterator, origin, rid)
             require_stage_only(caller_role(self.state.auth, context), False)  # a relay or peer token publishes nothing

@@ -21,7 +21,7 @@ Invariants:
   RESOURCE_EXHAUSTED (DISK_FULL) naming the spool's folder, its partial file removed and
   every spooled version kept. Start, reload and quarantine never fail for a full disk;
 - a version every replica refuses is moved to `.quarantine/` (never retried, never deleted
-  silently: an operator can look at it), see catchup.py;
+  silently: an operator can look at it), see fleet/catchup.py;
 - a name whose last version is discarded or quarantined leaves no empty folder behind;
 - the folder also keeps `.lineages.json`: what clients' names mean now, and unloads (lineages.py).
 """

@@ -3,7 +3,7 @@
 Invariants:
 - versions are pushed oldest first; the replica is caught up once it holds the newest
   spooled version of every name it is not exempt from; a transient failure ends the round;
-- a version a publication (fanout.py) is delivering now is left to that publication;
+- a version a publication (publish/fanout.py) is delivering now is left to that publication;
 - a replica refusing a spooled version permanently (INVALID_ARGUMENT, FAILED_PRECONDITION
   other than "already ahead") is not asked for that version again until it reconnects; when
   every healthy replica of the base model has refused a version and none holds it, the

@@ -11,7 +11,7 @@ Invariants:
   so version-aware routing never sends a group to a replica that lacks its version, and
   never one it holds with other bytes than the spool's (`conflicts`);
 - catch-up pushes to one replica hold `push_lock`, so they reach it one at a time, oldest
-  version first; a publication (fanout.py) does not wait for it: a catch-up version older
+  version first; a publication (publish/fanout.py) does not wait for it: a catch-up version older
   than one a publication committed is refused by the replica as already ahead, and skipped.
 """
 

@@ -27,7 +27,7 @@ Invariants:
   catch-up it is a fault, not "already held": the replica stays behind until it holds the
   spool's newest versions;
 - pushes are checked against the base model's fingerprint and a member's linear-layer
-  shapes before they are spooled (fanout.py);
+  shapes before they are spooled (publish/fanout.py);
 - a member a `register` token added is dialled with its member token (runtime/members.py) and
   passes its canary (canary.py) before it is caught up or routed;
 - a member reporting limits under the operator's floor (`floor`) is refused (`member_under_floor`);
@@ -81,7 +81,7 @@ class ReplicaSet:
         self.publishing: set[tuple[str, int]] = set()
         self.answered: set[tuple[str, int]] = set()
         """(name, version) of publications whose caller was answered at "spooled" and that still run."""
-        """(name, version) a publication (fanout.py) is delivering now, spooled but still on its
+        """(name, version) a publication (publish/fanout.py) is delivering now, spooled but still on its
         way to the replicas: catch-up leaves it to that publication, and a replica that lacks it
         yet is not behind. A second copy pushed over the same links would halve both (a thin
         link then took twice as long and closed connections mid-push); the publication hands
@@ -376,7 +376,7 @@ class ReplicaSet:
 
     async def refresh(self, replica: Replica) -> None:
         """Re-read what a replica serves (GetStatus), without catching it up: a peer proxy sent
-        a version another proxy is committing on the replicas now (peers.py). A failure
+        a version another proxy is committing on the replicas now (publish/peers.py). A failure
         changes nothing: the monitor's own checks judge the replica's health."""
         try:
             status = await replica.generator.GetStatus(

@@ -220,7 +220,7 @@ class AdapterDoor:
 
     def _fleet_model(self) -> str:
         """The base model a PEFT folder (which names none we can trust) is pushed for: the
-        fleet's own (basemodel.py: declared, or agreed by the spool), else the one of the model
+        fleet's own (fleet/basemodel.py: declared, or agreed by the spool), else the one of the model
         folder the operator gave the door (http.model_path); never one a member reports."""
         fingerprint = self.state.replicas.base.fingerprint or self._folder_fingerprint
         if fingerprint:

@@ -3,7 +3,7 @@
 Two separate decisions per status a replica sends for one attempt of a group:
 (1) `retry`: redo the group on another replica (invisibly before its first token, with
     `restarted` after); otherwise the status is relayed to the client unchanged;
-(2) `counts`: count the failure against the replica, towards its ejection (breaker.py).
+(2) `counts`: count the failure against the replica, towards its ejection (fleet/breaker.py).
 
 Rule: only a status that means the replica is sick counts; a status a client can cause
 never does, so no request, however malformed, can eject a replica. A relayed status is the
