@@ -11,6 +11,7 @@ the only difference, every arm's server side at its defaults:
   rollwire       one transformers replica (one torch thread) behind a proxy serving its HTTP
                  door: each version TRL loads is one push, answered once spooled
   rollwire-2     the same with two replicas on the same cores (is a second replica worth it?)
+  rollwire-p0    one replica on the server core, the proxy on TRL's core (where should the proxy run?)
   rollwire-vllm  one vLLM-backed replica behind the door: the door's and the push's costs
                  apart from the engine's, like for like with the vllm arm
 Cores as `make demo-trl` places them: TRL on the first, the server side on the rest. The arms
@@ -42,6 +43,7 @@ from rollwire.common.fingerprint import model_fingerprint
 from rollwire.demo.stack import (
     ONE_THREAD,
     VLLM_START_S,
+    Placement,
     VLLMServer,
     local_placement,
     start_generators,
@@ -59,6 +61,7 @@ ARMS = {
     "vllm": "TRL -> one vLLM server",
     "rollwire": "TRL -> rollwire (1 transformers replica)",
     "rollwire-2": "TRL -> rollwire (2 transformers replicas)",
+    "rollwire-p0": "TRL -> rollwire (1 replica; the proxy on TRL's core)",
     "rollwire-vllm": "TRL -> rollwire (1 vLLM-backed replica)",
 }
 """Each arm's server side, all on the same cores (placement.replicas); TRL on the first core."""
@@ -82,6 +85,8 @@ def start_server(arm: str, run: Path, model: Path, lora_root: Path, placement):
         return vllm.url, vllm
     replicas = 2 if arm == "rollwire-2" else 1
     extra = vllm_replica_args(ROOT / ".venv-vllm" / "bin" / "python") if arm == "rollwire-vllm" else ()
+    if arm == "rollwire-p0":  # the proxy beside TRL, whose trainer mostly waits, the replica alone
+        placement = Placement(learner=placement.learner, replicas=placement.replicas, proxy=placement.learner)
     stack = start_door_stack(
         model, run, replicas, lora_root, placement, generator_args=extra, start_timeout=VLLM_START_S
     )
