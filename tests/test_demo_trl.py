@@ -63,6 +63,7 @@ def test_a_short_demo_trains_through_the_door_and_both_replicas_serve_every_vers
     runs = tmp_path / "runs"
     cmd = [
         sys.executable, "-m", "rollwire.demo.trl", "--budget-s", "30", "--max-steps", "5", "--timeout-s", "120",
+        "--replicas", "2",
         "--runs-dir", str(runs), "--model-dir", str(taught_model),
     ]  # fmt: skip
     result = subprocess.run(cmd, capture_output=True, text=True, timeout=240)
