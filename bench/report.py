@@ -207,7 +207,6 @@ def proxy_overhead(d: dict) -> str:
                     s(m["p50_s"], 1e3, 1),
                     s(m["p99_s"], 1e3, 1),
                     s(m["ttft_p50_s"], 1e3, 1),
-                    s(m["proxy_cpu_ms_per_sample"], 1, 2) if "proxy_cpu_ms_per_sample" in m else "",
                 ]
             )
     added = table(
@@ -446,6 +445,7 @@ def http_overhead(d: dict) -> str:
                     s(m["p50_s"], 1e3, 1),
                     s(m["p99_s"], 1e3, 1),
                     s(m["ttft_p50_s"], 1e3, 1),
+                    s(m["proxy_cpu_ms_per_sample"], 1, 2) if "proxy_cpu_ms_per_sample" in m else "",
                 ]
             )
         added.append(
