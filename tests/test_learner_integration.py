@@ -28,7 +28,8 @@ def test_async_grpo_raises_held_out_accuracy(stack, taught_model, tmp_path):
         try:
             with urllib.request.urlopen(f"http://127.0.0.1:{learner.metrics_port}/metrics", timeout=5) as r:
                 text = r.read().decode()
-            if metric_value(text, "rollwire_learner_steps_total") >= 1:
+            # an empty scrape (the learner exiting mid-response) has no series: not a step yet
+            if metric_value(text, "rollwire_learner_steps_total", default=0.0) >= 1:
                 seen_metrics = text
         except (OSError, http.client.HTTPException):  # the learner may exit mid-response
             pass
