@@ -20,8 +20,9 @@ import pytest
 import requests
 from support.door_fleet import GENERATE_TOKEN  # the `door` and `chat_model` fixtures: conftest.py
 from support.engines import forward_logprobs
+from support.peft_folders import peft_folder
 from support.processes import start_generator, stop_all, wait_until
-from support.wire import generate, make_adapter, metric_value, peft_reference, status
+from support.wire import generate, metric_value, peft_reference, status
 
 from rollwire.v1 import generator_pb2 as pb
 
@@ -43,23 +44,6 @@ def openai_client(url: str, key: str = "unused"):
     import openai
 
     return openai.OpenAI(base_url=url + "/v1", api_key=key, max_retries=0, timeout=60)
-
-
-def peft_folder(model_dir: Path, dest: Path, seed: int):
-    """A PEFT adapter folder as TRL's `save_lora_adapter` writes it (save_pretrained), and its reference model."""
-    adapter = make_adapter(model_dir, seed, r=4)
-    dest.mkdir(parents=True)
-    (dest / "adapter_model.safetensors").write_bytes(adapter.payload)
-    config = {
-        "peft_type": "LORA",
-        "r": adapter.r,
-        "lora_alpha": adapter.lora_alpha,
-        "target_modules": list(adapter.targets),
-        "base_model_name_or_path": str(model_dir),
-        "task_type": "CAUSAL_LM",
-    }
-    (dest / "adapter_config.json").write_text(json.dumps(config))
-    return adapter
 
 
 def post(url: str, path: str, body, token: str | None = None, **kw) -> requests.Response:

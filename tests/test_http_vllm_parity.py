@@ -20,10 +20,11 @@ from typing import Any
 import pytest
 import requests
 from support.engines import forward_logprobs
+from support.peft_folders import peft_folder
 from support.processes import start_generators, start_proxy, stop_all, wait_routable
 from support.vllm import VLLM_PYTHON, VLLMServer, require_vllm
 from support.wire import peft_reference
-from test_http_door import openai_client, peft_folder, post
+from test_http_door import openai_client, post
 
 pytestmark = pytest.mark.integration  # starts a vLLM server: not in make test-fast
 
