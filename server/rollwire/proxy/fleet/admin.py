@@ -154,12 +154,7 @@ class AdminServicer(admin_pb2_grpc.AdminServiceServicer):
     async def DeregisterGenerator(
         self, request: apb.DeregisterGeneratorRequest, context
     ) -> apb.DeregisterGeneratorResponse:
-        try:
-            await self._own(request.address, context)
-        except RollwireError as err:
-            return await _abort(context, err)
-        if self._find(request.address) is None:
-            return await _abort(context, self._unknown(request.address))
+        await self._owned_member(request.address, context)
         restarted = await self.replicas.remove(request.address, "deregistered by an admin")
         return apb.DeregisterGeneratorResponse(restarted=restarted)
 
@@ -167,18 +162,23 @@ class AdminServicer(admin_pb2_grpc.AdminServiceServicer):
         return apb.ListGeneratorsResponse(replicas=[r.status() for r in self.replicas.all()])
 
     async def DrainGenerator(self, request: apb.DrainGeneratorRequest, context) -> apb.DrainGeneratorResponse:
-        try:
-            await self._own(request.address, context)
-        except RollwireError as err:
-            return await _abort(context, err)
-        if self._find(request.address) is None:
-            return await _abort(context, self._unknown(request.address))
+        await self._owned_member(request.address, context)
         replica = await self.replicas.drain(request.address)
         status = replica.status()
         if request.deregister:
             await self.replicas.remove(request.address, "drained and deregistered")
         log.info("replica_drained", replica=request.address, deregistered=request.deregister)
         return apb.DrainGeneratorResponse(replica=status)
+
+    async def _owned_member(self, address: str, context) -> None:
+        """Abort unless the caller may act on `address` (an admin, or its own member) and it is
+        registered here: the one preamble of Deregister and Drain, so both refuse alike."""
+        try:
+            await self._own(address, context)
+        except RollwireError as err:
+            await _abort(context, err)
+        if self._find(address) is None:
+            await _abort(context, self._unknown(address))
 
     def _find(self, address: str) -> Replica | None:
         return self.replicas.get(address)
