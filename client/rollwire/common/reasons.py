@@ -259,6 +259,8 @@ class Reason(StrEnum):
     """FAILED_PRECONDITION; do not retry: A peer proxy holds this version with another digest; it is fenced here."""
     PEER_BEHIND = "PEER_BEHIND"
     """UNAVAILABLE; retry: (a peer's push result) The peer proxy is being caught up; it was not sent this version now."""
+    BAD_LINEAGES = "BAD_LINEAGES"
+    """INVALID_ARGUMENT; do not retry: A peer proxy sent a lineage map that fails a check (a name, a bound, a stamp)."""
     SPOOL_FULL = "SPOOL_FULL"
     """RESOURCE_EXHAUSTED; retry when hinted: The spool is full (with uploads in flight when hinted)."""
     SPOOL_CHANGED = "SPOOL_CHANGED"
