@@ -20,8 +20,13 @@ same config (`--dry-run`). This module is the only reader of the environment for
 from __future__ import annotations
 
 import argparse
+import ast
+import functools
+import inspect
+import itertools
 import json
 import sys
+import textwrap
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -41,20 +46,75 @@ ENV_NESTING = "__"
 class Section(BaseModel):
     """Base for config sections: unknown keys are refused, assignment is validated.
 
-    A field's help is the docstring under it (`use_attribute_docstrings`), the same habit as
-    the dataclasses elsewhere; it becomes the field's description, with its line breaks
-    folded, which --help, the docs and error messages read."""
+    A field's help is the docstring under it, the same habit as the dataclasses elsewhere; it
+    becomes the field's description (unless `Field(description=...)` gives one), with its line
+    breaks folded, which --help, the docs and error messages read. `attribute_docstrings`
+    reads them once per module; pydantic's `use_attribute_docstrings` reads the same ones but
+    re-reads and re-parses the source for each class, which cost every rollwire process and
+    `rollwire --help` ~0.3 s of start-up (issue 33)."""
 
-    model_config = ConfigDict(extra="forbid", validate_assignment=True, use_attribute_docstrings=True)
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
     renamed_keys: ClassVar[dict[str, str]] = {}
     """Old key -> its new name in this section: a config that still sets the old key is refused with the new one."""
 
     @classmethod
     def __pydantic_init_subclass__(cls, **kwargs: Any) -> None:
         super().__pydantic_init_subclass__(**kwargs)
-        for info in cls.model_fields.values():
+        docs = attribute_docstrings(cls)
+        for name, info in cls.model_fields.items():
+            if info.description is None and name in docs:
+                info.description = docs[name]
             if info.description:
                 info.description = " ".join(info.description.split())
+
+
+def attribute_docstrings(cls: type) -> dict[str, str]:
+    """Attribute name -> the docstring under it in `cls`'s own body (an annotated assignment
+    followed by a string statement), cleaned as `inspect.cleandoc` does; {} without source."""
+    module = sys.modules.get(cls.__module__)
+    path = getattr(module, "__file__", None)
+    if path and "<locals>" not in cls.__qualname__:
+        return _module_docstrings(path).get(cls.__qualname__, {})
+    try:  # a class defined in a function: read its own source
+        tree = ast.parse(textwrap.dedent(inspect.getsource(cls)))
+    except (OSError, TypeError, SyntaxError):
+        return {}
+    node = tree.body[0] if tree.body else None
+    return _class_docstrings(node) if isinstance(node, ast.ClassDef) else {}
+
+
+@functools.cache
+def _module_docstrings(path: str) -> dict[str, dict[str, str]]:
+    """Every class of the module at `path` (nested ones by their qualified name) -> its
+    attribute docstrings; the file is parsed once, however many classes it defines."""
+    try:
+        tree = ast.parse(Path(path).read_text(encoding="utf-8"), path)
+    except (OSError, SyntaxError, UnicodeDecodeError):
+        return {}
+    found: dict[str, dict[str, str]] = {}
+
+    def visit(body: list[ast.stmt], prefix: str) -> None:
+        for node in body:
+            if isinstance(node, ast.ClassDef):
+                found[prefix + node.name] = _class_docstrings(node)
+                visit(node.body, f"{prefix}{node.name}.")
+
+    visit(tree.body, "")
+    return found
+
+
+def _class_docstrings(node: ast.ClassDef) -> dict[str, str]:
+    docs: dict[str, str] = {}
+    for before, after in itertools.pairwise(node.body):
+        if (
+            isinstance(before, ast.AnnAssign)
+            and isinstance(before.target, ast.Name)
+            and isinstance(after, ast.Expr)
+            and isinstance(after.value, ast.Constant)
+            and isinstance(after.value.value, str)
+        ):
+            docs[before.target.id] = inspect.cleandoc(after.value.value)
+    return docs
 
 
 class ConfigError(ValueError):
