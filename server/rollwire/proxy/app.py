@@ -14,14 +14,13 @@ import shutil
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from rollwire.proxy.config import ProxyConfig
 from rollwire.proxy.core import ProxyCore, ProxyState
 from rollwire.proxy.fleet.admin import AdminServicer
 from rollwire.proxy.fleet.discovery import DnsDiscovery
 from rollwire.proxy.fleet.replicas import SERVICE, ReplicaSet
-from rollwire.proxy.http.door import Door
-from rollwire.proxy.http.server import HttpServer
 from rollwire.proxy.metrics import ProxyMetrics
 from rollwire.proxy.policies import make_policy
 from rollwire.proxy.publish.fanout import FanOut
@@ -33,6 +32,9 @@ from rollwire.proxy.upstream import peer_dialer, upstream_dialer
 from rollwire.runtime.logs import get_logger
 from rollwire.serving.scaffold import Endpoint, Running, listen, serve
 from rollwire.v1 import admin_pb2, admin_pb2_grpc, generator_pb2_grpc
+
+if TYPE_CHECKING:
+    from rollwire.proxy.http.server import HttpServer
 
 log = get_logger(__name__)
 ADMIN_SERVICE = admin_pb2.DESCRIPTOR.services_by_name["AdminService"].full_name
@@ -112,7 +114,10 @@ async def start_proxy(config: ProxyConfig) -> RunningProxy:
     for address in config.generators:
         replicas.add(address, "static")
     running = RunningProxy(endpoint, servicer, replicas, spool.folder, owns_spool, peers)
-    if config.http.port >= 0:
+    if config.http.port >= 0:  # FastAPI and uvicorn (~0.4 s): imported only by a proxy that serves the door
+        from rollwire.proxy.http.door import Door
+        from rollwire.proxy.http.server import HttpServer
+
         running.http = HttpServer(Door.build(config, core))
         await running.http.start()
     peers.start()
