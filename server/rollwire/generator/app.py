@@ -3,8 +3,12 @@
 from __future__ import annotations
 
 import asyncio
+import threading
+from collections.abc import Callable
+from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any, TypeVar
 
 from rollwire.common.fingerprint import model_fingerprint
 from rollwire.generator.adapters import AdapterRegistry, base_linear_shapes
@@ -20,6 +24,7 @@ from rollwire.v1 import generator_pb2, generator_pb2_grpc
 
 log = get_logger(__name__)
 SERVICE = generator_pb2.DESCRIPTOR.services_by_name["GeneratorService"].full_name
+T = TypeVar("T")
 
 
 def make_engine(config: GeneratorConfig, metrics: GeneratorMetrics) -> Engine:
@@ -44,13 +49,14 @@ async def start_generator(config: GeneratorConfig) -> RunningGenerator:
         raise SystemExit(
             f"--model {config.model or '(missing)'} is not a local Hugging Face model folder with config.json"
         )
+    config_only = not ENGINES.entry(config.engine).traits.get("runs_model", True)  # may serve config.json alone
+    hashing = _in_background(model_fingerprint, config.model, config_only=config_only)  # while the engine loads
     metrics = GeneratorMetrics()
     engine = make_engine(config, metrics)
     await engine.start()
     metrics.queue_depth.set_function(lambda: engine.stats().queued)
     metrics.running.set_function(lambda: engine.stats().running)
-    config_only = not ENGINES.entry(config.engine).traits.get("runs_model", True)  # may serve config.json alone
-    fingerprint = await asyncio.to_thread(model_fingerprint, config.model, config_only=config_only)
+    fingerprint = await asyncio.wrap_future(hashing)
     registry = AdapterRegistry(
         engine.load_adapter,
         engine.unload_adapter,
@@ -90,6 +96,24 @@ async def start_generator(config: GeneratorConfig) -> RunningGenerator:
         fingerprint=fingerprint,
     )
     return RunningGenerator(endpoint, servicer)
+
+
+def _in_background(fn: Callable[..., T], *args: Any, **kwargs: Any) -> Future[T]:
+    """`fn(*args, **kwargs)` on a daemon thread of its own, its result in the future.
+
+    The fingerprint reads every weight byte (seconds for a model of a few GB; hashlib releases
+    the GIL), so it runs while the engine loads instead of after it. A daemon thread, unlike
+    the loop's executor, never holds up the exit of a replica whose engine failed to start."""
+    future: Future[T] = Future()
+
+    def run() -> None:
+        try:
+            future.set_result(fn(*args, **kwargs))
+        except BaseException as exc:  # handed to whoever awaits it
+            future.set_exception(exc)
+
+    threading.Thread(target=run, name=f"rollwire-{getattr(fn, '__name__', 'task')}", daemon=True).start()
+    return future
 
 
 def _follow_server_health(engine: Engine, endpoint) -> None:
