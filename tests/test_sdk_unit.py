@@ -915,7 +915,7 @@ def test_status_table():
         in_flight=3,
         queue_depth=1,
         server_version="0.1.0",
-        adapters=[pb.LoadedAdapter(name="lora", versions=[4, 5])],
+        adapters=[pb.LoadedAdapter(name="lora", versions=[4, 5], signers={5: "learner-2026"})],
         limits=pb.Limits(max_n=64, max_new_tokens=512, max_prompt_tokens=2048, max_adapter_bytes=MiB, adapter_window=2),
         replicas=[
             pb.ReplicaStatus(
@@ -941,6 +941,8 @@ def test_status_table():
         "gen-a",
         "lora@5",
         "ejected after errors",
+        "SIGNED BY",
+        "learner-2026",
     ):
         assert needle in text, needle
     assert re.search(r"^queue depth +1$", text, re.M)

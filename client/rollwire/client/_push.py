@@ -21,6 +21,7 @@ from rollwire.common.errors import RequestError
 from rollwire.common.errors import whole_number as _int
 from rollwire.common.lora import LoraShape
 from rollwire.common.safetensors_header import HeaderError, read_header
+from rollwire.common.signing import SigningKey, sign
 from rollwire.common.writer import MAX_CHUNK, messages
 from rollwire.v1 import generator_pb2 as pb
 
@@ -76,13 +77,15 @@ def build_manifest(
     payload: bytes,
     lora_config: LoraShape | Mapping[str, Any] | Any,
     base_model_fingerprint: str,
+    signing_key: SigningKey | None = None,
 ) -> pb.AdapterManifest:
-    """The manifest message that opens a push; checks what the server would refuse anyway."""
+    """The manifest message that opens a push, signed with `signing_key` when given
+    (rollwire.common.signing); checks what the server would refuse anyway."""
     if not isinstance(payload, (bytes, bytearray, memoryview)) or not len(payload):
         raise RequestError("the adapter payload must be non-empty bytes (a safetensors file)")
     if not isinstance(base_model_fingerprint, str) or not base_model_fingerprint:
         raise RequestError("base_model_fingerprint is required; take it from GetStatus or model_fingerprint()")
-    return pb.AdapterManifest(
+    manifest = pb.AdapterManifest(
         name=check_adapter_name(name),
         version=_int("version", version, 1, UINT64),
         base_model_fingerprint=base_model_fingerprint,
@@ -90,6 +93,7 @@ def build_manifest(
         byte_length=len(payload),
         sha256=hashlib.sha256(payload).hexdigest(),
     )
+    return sign(manifest, signing_key) if signing_key is not None else manifest
 
 
 def check_chunk_size(chunk_size: int) -> int:

@@ -23,6 +23,7 @@ from rollwire.client._results import GenerateResult, GroupAccumulator, StreamEve
 from rollwire.client._session import AsyncSession
 from rollwire.common.errors import from_rpc_error
 from rollwire.common.lora import LoraShape
+from rollwire.common.signing import SigningKey
 from rollwire.v1 import generator_pb2 as pb
 
 if TYPE_CHECKING:
@@ -88,9 +89,12 @@ class AsyncClient(ClientBase):
         *,
         chunk_size: int = MAX_CHUNK_BYTES,
         timeout: float | None = None,
+        signing_key: SigningKey | None = None,
     ) -> PushResult:
-        """Upload one adapter version (a PEFT safetensors payload); returns once it is served."""
-        manifest = build_manifest(name, version, payload, lora_config, base_model_fingerprint)
+        """Upload one adapter version (a PEFT safetensors payload); returns once it is served.
+        With `signing_key` (SigningKey.load(FILE)) the manifest is signed: required by receivers
+        that set trust.keys_file (docs/security.md)."""
+        manifest = build_manifest(name, version, payload, lora_config, base_model_fingerprint, signing_key)
         invoke = self._push_invoke(manifest, payload, chunk_size)
         return push_result_from_pb(await self._unary(invoke, timeout))
 
@@ -103,11 +107,19 @@ class AsyncClient(ClientBase):
         *,
         chunk_size: int = MAX_CHUNK_BYTES,
         timeout: float | None = None,
+        signing_key: SigningKey | None = None,
     ) -> PushResult:
         """Push a folder written by PEFT's save_pretrained; the folder is read off the loop."""
         adapter = await asyncio.to_thread(read_peft_dir, peft_dir)
         return await self.push_adapter(
-            name, version, adapter.payload, adapter.lora, base_model_fingerprint, chunk_size=chunk_size, timeout=timeout
+            name,
+            version,
+            adapter.payload,
+            adapter.lora,
+            base_model_fingerprint,
+            chunk_size=chunk_size,
+            timeout=timeout,
+            signing_key=signing_key,
         )
 
     async def get_status(self, *, timeout: float | None = None) -> pb.GetStatusResponse:

@@ -14,7 +14,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from importlib.metadata import EntryPoint, entry_points
 from pathlib import Path
 from typing import Any, TextIO
@@ -23,9 +23,11 @@ from rollwire.client._channels import TlsConfig
 from rollwire.client._push import PeftAdapter, PushResult, read_peft_dir
 from rollwire.client._requests import DEFAULT_MAX_NEW_TOKENS, GenerateOptions, build_generate_request, parse_adapter
 from rollwire.client._results import GenerateResult, GroupAccumulator, Restarted, Started, StreamEvent, Tokens
+from rollwire.client.keys_cli import add_keys
 from rollwire.client.sync import Client
 from rollwire.common.errors import RequestError, RollwireError
 from rollwire.common.secrets import SecretFileError, read_secret_file
+from rollwire.common.signing import KeyFileError, SigningKey
 
 COMMANDS_GROUP = "rollwire.commands"
 """Entry-point group whose `register(subparsers)` functions add the other packages' commands."""
@@ -62,6 +64,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_generate(commands)
     _add_push_adapter(commands)
     _add_status(commands)
+    add_keys(commands, UsageError, _positive)
     for entry_point in command_entry_points():
         entry_point.load()(commands)
     return parser
@@ -307,6 +310,7 @@ def _add_push_adapter(commands: Any) -> None:
     base = p.add_mutually_exclusive_group()
     base.add_argument("--base-model", metavar="DIR", help="local base model folder to fingerprint")
     base.add_argument("--base-fingerprint", metavar="FP", help="base model fingerprint, as GetStatus reports it")
+    p.add_argument("--signing-key", metavar="FILE", help="sign the version with this key (`rollwire keys generate`)")
     p.add_argument("peft_dir", metavar="PEFT_DIR", help="folder written by PEFT's save_pretrained")
     p.set_defaults(func=cmd_push_adapter)
 
@@ -314,8 +318,14 @@ def _add_push_adapter(commands: Any) -> None:
 def cmd_push_adapter(args: argparse.Namespace) -> int:
     adapter = read_peft_dir(args.peft_dir)
     fingerprint = base_fingerprint(adapter, args.base_model, args.base_fingerprint)
+    try:
+        key = SigningKey.load(args.signing_key) if args.signing_key else None
+    except KeyFileError as exc:
+        raise UsageError(str(exc)) from None
     with client_from_args(args) as client:
-        result = client.push_adapter(args.name, args.version, adapter.payload, adapter.lora, fingerprint)
+        result = client.push_adapter(
+            args.name, args.version, adapter.payload, adapter.lora, fingerprint, signing_key=key
+        )
     print(format_push(result))
     return 0
 
@@ -414,8 +424,8 @@ def format_status(status: Any) -> str:
         ],
     ]
     parts = [_table(None, rows), "", "adapters:"]
-    adapters = [[a.name, _versions(a.versions)] for a in status.adapters]
-    parts.append(_indent(_table(["NAME", "VERSIONS"], adapters)) if adapters else "  (none)")
+    adapters = [[a.name, _versions(a.versions), _signers(a.versions, a.signers)] for a in status.adapters]
+    parts.append(_indent(_table(["NAME", "VERSIONS", "SIGNED BY"], adapters)) if adapters else "  (none)")
     if proxy and not status.replicas:
         parts += ["", "replicas: (listed for an admin token only)"]
     if status.replicas:
@@ -438,6 +448,15 @@ def format_status(status: Any) -> str:
 
 def _versions(versions: Iterable[int]) -> str:
     return ",".join(map(str, versions)) or "-"
+
+
+def _signers(versions: Iterable[int], signers: Mapping[int, str]) -> str:
+    """Who signed which version (docs/security.md): the key when one key signed every version,
+    else "v:key" for each signed one; "-" when none is signed."""
+    keys = {signers.get(v, "") for v in versions}
+    if len(keys) == 1 and "" not in keys:
+        return keys.pop()
+    return ",".join(f"{v}:{k}" for v, k in sorted(signers.items())) or "-"
 
 
 def _yes(flag: bool) -> str:

@@ -23,6 +23,7 @@ from rollwire.client._results import GenerateResult, GroupAccumulator, StreamEve
 from rollwire.client._session import Session
 from rollwire.common.errors import from_rpc_error
 from rollwire.common.lora import LoraShape
+from rollwire.common.signing import SigningKey
 from rollwire.v1 import generator_pb2 as pb
 
 if TYPE_CHECKING:
@@ -85,9 +86,12 @@ class Client(ClientBase):
         *,
         chunk_size: int = MAX_CHUNK_BYTES,
         timeout: float | None = None,
+        signing_key: SigningKey | None = None,
     ) -> PushResult:
-        """Upload one adapter version (a PEFT safetensors payload); returns once it is served."""
-        manifest = build_manifest(name, version, payload, lora_config, base_model_fingerprint)
+        """Upload one adapter version (a PEFT safetensors payload); returns once it is served.
+        With `signing_key` (SigningKey.load(FILE)) the manifest is signed: required by receivers
+        that set trust.keys_file (docs/security.md)."""
+        manifest = build_manifest(name, version, payload, lora_config, base_model_fingerprint, signing_key)
         invoke = self._push_invoke(manifest, payload, chunk_size)
         return push_result_from_pb(self._unary(invoke, timeout))
 
@@ -100,11 +104,19 @@ class Client(ClientBase):
         *,
         chunk_size: int = MAX_CHUNK_BYTES,
         timeout: float | None = None,
+        signing_key: SigningKey | None = None,
     ) -> PushResult:
         """Push a folder written by PEFT's save_pretrained (safetensors)."""
         adapter = read_peft_dir(peft_dir)
         return self.push_adapter(
-            name, version, adapter.payload, adapter.lora, base_model_fingerprint, chunk_size=chunk_size, timeout=timeout
+            name,
+            version,
+            adapter.payload,
+            adapter.lora,
+            base_model_fingerprint,
+            chunk_size=chunk_size,
+            timeout=timeout,
+            signing_key=signing_key,
         )
 
     def get_status(self, *, timeout: float | None = None) -> pb.GetStatusResponse:

@@ -62,12 +62,20 @@ class Manifest:
     lora: LoraShape
     byte_length: int
     sha256: str
+    signer: str = ""
+    """The key id that signed it (rollwire.common.signing); empty when unsigned."""
 
 
 def manifest_from_pb(m: pb.AdapterManifest) -> Manifest:
     """The wire AdapterManifest as a Manifest (the digest as sent: only lowercase hex is valid)."""
     return Manifest(
-        m.name, m.version, m.base_model_fingerprint, LoraShape.from_pb(m.lora_config), m.byte_length, m.sha256
+        m.name,
+        m.version,
+        m.base_model_fingerprint,
+        LoraShape.from_pb(m.lora_config),
+        m.byte_length,
+        m.sha256,
+        m.signer if m.signature else "",
     )
 
 

@@ -161,20 +161,24 @@ class LoraConfig(_message.Message):
     def __init__(self, r: _Optional[int] = ..., lora_alpha: _Optional[float] = ..., target_modules: _Optional[_Iterable[str]] = ..., use_rslora: _Optional[bool] = ...) -> None: ...
 
 class AdapterManifest(_message.Message):
-    __slots__ = ("name", "version", "base_model_fingerprint", "lora_config", "byte_length", "sha256")
+    __slots__ = ("name", "version", "base_model_fingerprint", "lora_config", "byte_length", "sha256", "signature", "signer")
     NAME_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
     BASE_MODEL_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
     LORA_CONFIG_FIELD_NUMBER: _ClassVar[int]
     BYTE_LENGTH_FIELD_NUMBER: _ClassVar[int]
     SHA256_FIELD_NUMBER: _ClassVar[int]
+    SIGNATURE_FIELD_NUMBER: _ClassVar[int]
+    SIGNER_FIELD_NUMBER: _ClassVar[int]
     name: str
     version: int
     base_model_fingerprint: str
     lora_config: LoraConfig
     byte_length: int
     sha256: str
-    def __init__(self, name: _Optional[str] = ..., version: _Optional[int] = ..., base_model_fingerprint: _Optional[str] = ..., lora_config: _Optional[_Union[LoraConfig, _Mapping]] = ..., byte_length: _Optional[int] = ..., sha256: _Optional[str] = ...) -> None: ...
+    signature: bytes
+    signer: str
+    def __init__(self, name: _Optional[str] = ..., version: _Optional[int] = ..., base_model_fingerprint: _Optional[str] = ..., lora_config: _Optional[_Union[LoraConfig, _Mapping]] = ..., byte_length: _Optional[int] = ..., sha256: _Optional[str] = ..., signature: _Optional[bytes] = ..., signer: _Optional[str] = ...) -> None: ...
 
 class PushAdapterRequest(_message.Message):
     __slots__ = ("manifest", "chunk", "relay", "stage_only", "stripe", "granted")
@@ -297,8 +301,15 @@ class GetStatusRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class LoadedAdapter(_message.Message):
-    __slots__ = ("name", "versions", "digests")
+    __slots__ = ("name", "versions", "digests", "signers")
     class DigestsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: int
+        value: str
+        def __init__(self, key: _Optional[int] = ..., value: _Optional[str] = ...) -> None: ...
+    class SignersEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
         VALUE_FIELD_NUMBER: _ClassVar[int]
@@ -308,10 +319,12 @@ class LoadedAdapter(_message.Message):
     NAME_FIELD_NUMBER: _ClassVar[int]
     VERSIONS_FIELD_NUMBER: _ClassVar[int]
     DIGESTS_FIELD_NUMBER: _ClassVar[int]
+    SIGNERS_FIELD_NUMBER: _ClassVar[int]
     name: str
     versions: _containers.RepeatedScalarFieldContainer[int]
     digests: _containers.ScalarMap[int, str]
-    def __init__(self, name: _Optional[str] = ..., versions: _Optional[_Iterable[int]] = ..., digests: _Optional[_Mapping[int, str]] = ...) -> None: ...
+    signers: _containers.ScalarMap[int, str]
+    def __init__(self, name: _Optional[str] = ..., versions: _Optional[_Iterable[int]] = ..., digests: _Optional[_Mapping[int, str]] = ..., signers: _Optional[_Mapping[int, str]] = ...) -> None: ...
 
 class ReplicaStatus(_message.Message):
     __slots__ = ("address", "replica", "healthy", "draining", "in_flight", "adapters", "detail")

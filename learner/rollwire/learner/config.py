@@ -259,6 +259,9 @@ class LearnerConfig(Section):
     """Local folder of the base model the replicas serve (same files)."""
     adapter_name: str = Field(default="policy")
     """Name the adapter versions are pushed under."""
+    signing_key_file: str = Field(default="")
+    """A signing key (`rollwire keys generate`) every pushed version is signed with: required where the replicas and
+    proxies set trust.keys_file (docs/security.md). Empty: versions are pushed unsigned."""
     run_dir: str = Field(default="runs/learner")
     """Folder for checkpoints, steps.jsonl and summary.json."""
     seed: int = Field(default=0, ge=0)

@@ -25,6 +25,7 @@ from rollwire.common.errors import RollwireError
 from rollwire.common.lora import LoraShape
 from rollwire.common.retries import PUSH_TRANSIENT
 from rollwire.common.safetensors_header import HeaderError, header_length, nonfinite_tensor, read_entries
+from rollwire.common.signing import SigningKey
 from rollwire.learner.buffer import Signal
 from rollwire.runtime.logs import get_logger
 
@@ -69,8 +70,12 @@ class Publisher:
         changed: Signal,
         retry_backoff_s: float = 0.5,
         on_push: Callable[[PushRecord], None] = lambda record: None,
+        *,
+        signing_key: SigningKey | None = None,
     ) -> None:
         self.client, self.name, self.fingerprint, self.lora = client, name, fingerprint, lora
+        self.signing_key = signing_key
+        """Signs every version pushed (learner's signing_key_file); None: unsigned."""
         self.changed = changed
         self.retry_backoff_s = retry_backoff_s
         self.on_push = on_push
@@ -136,7 +141,9 @@ class Publisher:
         started = time.monotonic()
         while True:
             try:
-                result = await self.client.push_adapter(self.name, version, payload, self.lora, self.fingerprint)
+                result = await self.client.push_adapter(
+                    self.name, version, payload, self.lora, self.fingerprint, signing_key=self.signing_key
+                )
                 break
             except RollwireError as exc:
                 if exc.code not in PUSH_TRANSIENT:

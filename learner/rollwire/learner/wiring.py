@@ -17,6 +17,7 @@ from pathlib import Path
 
 from rollwire.client import AsyncClient, TlsConfig
 from rollwire.common.fingerprint import model_fingerprint
+from rollwire.common.signing import KeyFileError, SigningKey
 from rollwire.learner import checkpoint
 from rollwire.learner.admission import may_request
 from rollwire.learner.buffer import Buffer, GroupLedger
@@ -123,8 +124,19 @@ async def _check_base_model(cfg: LearnerConfig, client: AsyncClient) -> tuple[st
     return fingerprint, remote
 
 
+def _signing_key(cfg: LearnerConfig) -> SigningKey | None:
+    """The key of signing_key_file (read at start), or None; LearnerError naming the setting."""
+    if not cfg.signing_key_file:
+        return None
+    try:
+        return SigningKey.load(cfg.signing_key_file)
+    except KeyFileError as exc:
+        raise LearnerError(f"signing_key_file: {exc}") from None
+
+
 async def open_session(cfg: LearnerConfig, resume: bool) -> Session:
     """Build every part of the run; raises LearnerError when it cannot start as configured."""
+    signing_key = _signing_key(cfg)  # a bad key file fails before any work
     run_dir, checkpoint_dir, saved = _open_run_dir(cfg, resume)
     metrics = LearnerMetrics()
     ledger = GroupLedger()
@@ -154,6 +166,7 @@ async def open_session(cfg: LearnerConfig, resume: bool) -> Session:
         ledger.changed,
         cfg.rollout.retry_backoff_s,
         report.on_push,
+        signing_key=signing_key,
     )
     rewards = build_rewards(cfg.rewards)
     metrics.know_rewards([r.name for r in rewards])

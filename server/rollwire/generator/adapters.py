@@ -386,6 +386,16 @@ class AdapterRegistry:
             if any(v.servable for v in versions)
         }
 
+    def signers(self) -> dict[str, dict[int, str]]:
+        """The key id that signed each servable version, per name (unsigned ones left out):
+        what GetStatus reports beside the digests (rollwire.common.signing)."""
+        out: dict[str, dict[int, str]] = {}
+        for name, versions in self._versions.items():
+            signed = {v.version: v.manifest.signer for v in versions if v.servable and v.manifest and v.manifest.signer}
+            if signed:
+                out[name] = signed
+        return out
+
     def _maybe_unload(self, name: str, v: _Version) -> None:
         """Once no request holds it: forget a version that is no longer servable; unload a kept
         one that left the window (its bytes stay, to load it again)."""

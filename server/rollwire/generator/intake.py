@@ -7,6 +7,8 @@ this replica's own verified copy is then staged (`stage_only`) or served by the 
 
 Invariants:
 - nothing is served, or staged, before every check passed on this replica's own bytes;
+- with trust.keys_file set, a version is admitted only with a valid signature by a trusted key
+  (common.signing: checked at the opening, before a chunk is read or forwarded);
 - a push takes a slot (`PushSlots`, limits.max_concurrent_pushes) before its manifest is
   judged, and gives it back on every exit; a stripe of a version being assembled shares the
   assembly's slot;
@@ -96,6 +98,8 @@ class PushIntake:
         self._channels, self._relay_token = ChannelPool(dialer), dialer.metadata
         self.instance = secrets.token_hex(8)
         """This process's id in RELAY_PATH_KEY."""
+        self.trust = config.trust.trusted()
+        """The signing keys a version must be signed by (none: not required); checked at every opening."""
 
     async def push(self, messages, context: grpc.aio.ServicerContext) -> pb.PushAdapterResponse:
         """One PushAdapter call: admit, relay, receive, then stage or serve (or refuse)."""
@@ -141,6 +145,7 @@ class PushIntake:
             self.slots.admit()
             stream.admitted = True
         check_manifest(manifest, fingerprint=self.fingerprint, max_bytes=lim.max_adapter_bytes)
+        self.trust.check(first.manifest)  # every route (push, relay, heal, catch-up) opens here
         self.registry.check_version(manifest, lim.max_version_step)
         if first.stripe is not None:
             if joining is None:

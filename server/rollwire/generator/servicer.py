@@ -445,14 +445,14 @@ class GeneratorServicer(generator_pb2_grpc.GeneratorServiceServicer):
     def status(self) -> pb.GetStatusResponse:
         stats = self.engine.stats()
         lim = self.config.limits
-        digests = self.registry.digests()
+        digests, signers = self.registry.digests(), self.registry.signers()
         return pb.GetStatusResponse(
             role="generator",
             replica=self.replica,
             model_fingerprint=self.fingerprint,
             engine=self.engine.name,
             adapters=[
-                pb.LoadedAdapter(name=n, versions=v, digests=digests.get(n, {}))
+                pb.LoadedAdapter(name=n, versions=v, digests=digests.get(n, {}), signers=signers.get(n, {}))
                 for n, v in sorted(self.registry.loaded().items())
             ],
             in_flight=self.in_flight,

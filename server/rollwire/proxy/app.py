@@ -165,7 +165,13 @@ def _open_spool(config: ProxyConfig) -> tuple[Spool, bool]:
     s = config.spool
     root = Path(s.dir or tempfile.mkdtemp(prefix="rollwire-spool-"))
     root.mkdir(parents=True, exist_ok=True)
-    spool = Spool(root, max_bytes=s.max_bytes, keep_versions=s.keep_versions, max_adapter_bytes=s.max_adapter_bytes)
+    spool = Spool(
+        root,
+        max_bytes=s.max_bytes,
+        keep_versions=s.keep_versions,
+        max_adapter_bytes=s.max_adapter_bytes,
+        trust=config.trust.trusted(),
+    )
     return spool, not s.dir
 
 

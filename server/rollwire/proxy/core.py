@@ -122,12 +122,22 @@ class ProxyCore:
             instance=self.state.peers.instance if self.state.peers is not None else "",
             model_fingerprint=self.state.replicas.fingerprint,
             engine=",".join(sorted({r.engine for r in members if r.engine})),
-            adapters=[pb.LoadedAdapter(name=n, versions=sorted(v)) for n, v in sorted(adapters.items()) if v],
+            adapters=[self._loaded(n, v) for n, v in sorted(adapters.items()) if v],
             in_flight=sum(r.in_flight for r in members),
             queue_depth=self.state.dispatcher.queued(),
             limits=self._limits(self.state.replicas.fleet_limits()),
             replicas=[r.status() for r in members],
             server_version=__version__,
+        )
+
+    def _loaded(self, name: str, versions: set[int]) -> pb.LoadedAdapter:
+        """One name of the proxy's summary, with the digest and signer of each version it spooled."""
+        spooled = [a.manifest for v in sorted(versions) if (a := self.state.spool.get(name, v)) is not None]
+        return pb.LoadedAdapter(
+            name=name,
+            versions=sorted(versions),
+            digests={m.version: m.sha256 for m in spooled},
+            signers={m.version: m.signer for m in spooled if m.signature},
         )
 
     def _limits(self, limits: list[pb.Limits]) -> pb.Limits:

@@ -2,7 +2,8 @@
 
 Invariants:
 - a version is listed only once it is known good: its bytes are complete on disk and passed
-  the replicas' own checks (manifest.check_manifest, then push.checks.PayloadInspector and the
+  the replicas' own checks (manifest.check_manifest, the signature when trust.keys_file is set
+  (common.signing; a reloaded version that fails it is quarantined), then push.checks.PayloadInspector and the
   digest while the bytes arrived: length, sha256, a bounded header, tensor names and shapes
   against the base model, dtype, finiteness); a partial upload lives under `.incoming/` and
   is removed on every exit, cancellation included;
@@ -43,6 +44,7 @@ from google.protobuf import json_format
 from rollwire.common.errors import InvalidArgument, ResourceExhausted, RollwireError, Unavailable
 from rollwire.common.manifest import DEFAULT_MAX_VERSION_STEP, check_manifest, check_push_version, manifest_from_pb
 from rollwire.common.reasons import Reason
+from rollwire.common.signing import TrustedKeys
 from rollwire.proxy.lineages import Lineages
 from rollwire.push.checks import check_payload, check_tensors_async
 from rollwire.push.reader import PushReader
@@ -113,6 +115,7 @@ class Spool:
         keep_versions: int,
         max_adapter_bytes: int,
         max_version_step: int = DEFAULT_MAX_VERSION_STEP,
+        trust: TrustedKeys | None = None,
     ) -> None:
         self.folder, self.max_bytes, self.keep, self.max_adapter_bytes = (
             folder,
@@ -121,6 +124,8 @@ class Spool:
             max_adapter_bytes,
         )
         self.max_version_step = max_version_step
+        self.trust = trust or TrustedKeys.none()
+        """Keys a version must be signed by (trust.keys_file); none: a signature is carried, not required."""
         self.incoming = folder / ".incoming"
         self.quarantine_dir = folder / ".quarantine"
         self.reserved = 0
@@ -226,6 +231,7 @@ class Spool:
         check_manifest(manifest, fingerprint=None, max_bytes=self.max_adapter_bytes, holder="proxy")
         if fingerprint is not None:
             check_manifest(manifest, fingerprint=fingerprint, max_bytes=self.max_adapter_bytes, holder="proxy")
+        self.trust.check(m, "proxy")  # a publication, a peer's share and an HTTP load all open here
         self.check_version(m)
         room = self.max_bytes - self.reserved - sum(v[-1].size for n, v in self._by_name.items() if n != m.name)
         if m.byte_length > room:
@@ -395,6 +401,7 @@ class Spool:
                         f"manifest of {m.name!r} v{m.version} is filed as {meta}", reason=Reason.MISFILED
                     )
                 check_manifest(manifest_from_pb(m), fingerprint=None, max_bytes=self.max_adapter_bytes, holder="proxy")
+                self.trust.check(m, "proxy")  # spooled before trust.keys_file was set, or under another key
                 path = meta.with_suffix(".safetensors")
                 check_payload(manifest_from_pb(m), path.read_bytes(), None)
                 if self.get(m.name, m.version) is not None:

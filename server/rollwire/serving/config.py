@@ -8,7 +8,8 @@ from typing import Any
 
 from pydantic import Field
 
-from rollwire.runtime.config import Section
+from rollwire.common.signing import KeyFileError, TrustedKeys
+from rollwire.runtime.config import ConfigError, Section
 from rollwire.runtime.security import AuthSection, TlsSection
 from rollwire.serving.keepalive import KeepaliveSection
 from rollwire.serving.sessions import SessionSection
@@ -21,6 +22,23 @@ replica for a text prompt, by the proxy's HTTP door for a chat's messages before
 def port_field(default: int, what: str) -> Any:
     """A TCP port setting; each server gives its own default (GeneratorConfig, ProxyConfig)."""
     return Field(default=default, ge=0, le=65535, description=f"{what} port; 0 picks a free one.")
+
+
+class TrustSection(Section):
+    """Signed adapter versions (rollwire.common.signing): which publishers' keys a receiver trusts."""
+
+    keys_file: str = Field(default="")
+    """A JSON file of trusted Ed25519 public keys, each with an id ({"keys": [{"id": ..., "public_key": BASE64}]},
+    `rollwire keys generate` prints an entry). When set, every version that reaches this server (push, relay, heal,
+    catch-up, peer share, HTTP load) must be signed by one of them, or it is refused before its bytes are read. Several
+    keys may be listed at once to rotate. Empty: a signature is carried when present, never required."""
+
+    def trusted(self) -> TrustedKeys:
+        """The keys, read now (at start); ConfigError naming the setting and the file when they cannot be."""
+        try:
+            return TrustedKeys.from_file(self.keys_file)
+        except KeyFileError as exc:
+            raise ConfigError(f"trust.keys_file: {exc}") from None
 
 
 class ServerConfig(Section):
@@ -39,6 +57,8 @@ class ServerConfig(Section):
     keepalive: KeepaliveSection = Field(default_factory=KeepaliveSection)
     sessions: SessionSection = Field(default_factory=SessionSection)
     """Multi-turn sessions this server keeps the history of (GenerateRequest.session, docs/sessions.md)."""
+    trust: TrustSection = Field(default_factory=TrustSection)
+    """Signing keys whose adapter versions this server accepts (docs/security.md, signed versions)."""
 
 
 def push_idle_field() -> Any:

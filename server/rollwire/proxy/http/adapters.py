@@ -45,6 +45,7 @@ from rollwire.common.lora import LoraShape
 from rollwire.common.manifest import check_name
 from rollwire.common.reasons import Reason
 from rollwire.common.safetensors_header import HeaderError, read_header
+from rollwire.common.signing import MAX_SIGNATURE_FILE_BYTES, SIGNATURE_FILE, SignatureFile
 from rollwire.common.writer import MAX_CHUNK, messages
 from rollwire.proxy.core import ProxyState
 from rollwire.proxy.http.errors import HttpError
@@ -76,8 +77,8 @@ class AdapterDoor:
     # -- vLLM's calls ---------------------------------------------------------------------
     async def load_path(self, lora_name: str, lora_path: str, rid: str) -> dict[str, Any]:
         folder = self._inside_root(lora_path)
-        config, payload = await asyncio.to_thread(self._read_folder, folder)
-        return await self.publish(lora_name, config, payload, rid)
+        config, payload, signed = await asyncio.to_thread(self._read_folder, folder)
+        return await self.publish(lora_name, config, payload, rid, signed)
 
     def unload(self, lora_name: str, base_names: frozenset[str]) -> dict[str, Any]:
         """Unload one version, or every version of NAME's current lineage, for good (durable)."""
@@ -143,10 +144,16 @@ class AdapterDoor:
                 self._locks.pop(name, None)
 
     # -- publishing -----------------------------------------------------------------------
-    async def publish(self, lora_name: str, config: Any, payload: bytes, rid: str) -> dict[str, Any]:
-        """Push `payload` as the version `lora_name` names (or its name's next one) to every
-        replica, under the name's current lineage or, for a new run's v1, a new one."""
+    async def publish(
+        self, lora_name: str, config: Any, payload: bytes, rid: str, signed: SignatureFile | None = None
+    ) -> dict[str, Any]:
+        """Push `payload` as the version `lora_name` names (or its name's next one; with a
+        signature, the signed version) to every replica, under the name's current lineage or,
+        for a new run's v1, a new one. The signature rides in the manifest and the spool
+        verifies it (trust.keys_file), as for a gRPC push."""
         ref = parse_model(lora_name, frozenset())
+        if signed is not None and not ref.version:
+            ref = ModelRef(ref.name, signed.version)
         if self.lineages.reserved(ref.name):
             raise InvalidArgument(
                 f"{ref.name!r} is the internal name of a lineage of another adapter name; load under another name",
@@ -165,9 +172,11 @@ class AdapterDoor:
         async with self._name_lock(ref.name):
             name = self.lineages.internal(ref.name)
             if not ref.version:
-                return await self._push(ref.name, name, self._newest(name) + 1, lora, payload, sha256, rid)
+                return await self._push(ref.name, name, self._newest(name) + 1, lora, payload, sha256, rid, signed)
             if ref.version > 1 or not self._restarts(name, sha256):
-                return await self._push(ref.name, name, ref.version, lora, payload, sha256, rid)
+                return await self._push(ref.name, name, ref.version, lora, payload, sha256, rid, signed)
+            if signed is not None:
+                raise _signed_restart(ref.name)
             internal, generation = self.lineages.next_lineage(ref.name, self._taken)
             out = await self._push(ref.name, internal, 1, lora, payload, sha256, rid)
             self.lineages.switch(ref.name, generation)  # only once the new lineage's v1 is durable
@@ -182,7 +191,15 @@ class AdapterDoor:
         return first is None or first.manifest.sha256 != sha256
 
     async def _push(
-        self, external: str, name: str, version: int, lora: LoraShape, payload: bytes, sha256: str, rid: str
+        self,
+        external: str,
+        name: str,
+        version: int,
+        lora: LoraShape,
+        payload: bytes,
+        sha256: str,
+        rid: str,
+        signed: SignatureFile | None = None,
     ) -> dict[str, Any]:
         fingerprint, _ = self.state.replicas.push_basis(self._fleet_model())
         manifest = pb.AdapterManifest(
@@ -193,6 +210,8 @@ class AdapterDoor:
             byte_length=len(payload),
             sha256=sha256,
         )
+        if signed is not None:
+            signed.apply(manifest)
         fanout, answer = self.state.fanout, self.state.config.http.load_answer
         earlier = fanout.failed_after_answer.pop(name, "")
         reply = await fanout.push(_aiter(messages(manifest, payload, MAX_CHUNK)), rid, answer=answer)
@@ -204,6 +223,7 @@ class AdapterDoor:
             "lineage": name,
             "version": version,
             "sha256": sha256,
+            "signer": manifest.signer,
             "state": "committed" if reply.replicas else "spooled",
             "already_loaded": reply.already_loaded,
             "replicas": [{"replica": r.replica, "code": r.code, "message": r.message} for r in reply.replicas],
@@ -258,7 +278,7 @@ class AdapterDoor:
             )
         return folder
 
-    def _read_folder(self, folder: Path) -> tuple[Any, bytes]:
+    def _read_folder(self, folder: Path) -> tuple[Any, bytes, SignatureFile | None]:
         """adapter_config.json (parsed) and the weights' bytes, each bounded before it is read;
         the folder and each file opened without following a symlink (audit A11)."""
         try:
@@ -268,7 +288,9 @@ class AdapterDoor:
         try:
             self._check_opened(dir_fd, folder)
             config = _parse_config(_read_bounded(dir_fd, folder, CONFIG_FILE, MAX_CONFIG_BYTES))
-            return config, _read_bounded(dir_fd, folder, WEIGHTS_FILE, self.max_bytes)
+            payload = _read_bounded(dir_fd, folder, WEIGHTS_FILE, self.max_bytes)
+            signature = _read_optional(dir_fd, folder, SIGNATURE_FILE, MAX_SIGNATURE_FILE_BYTES)
+            return config, payload, SignatureFile.parse(signature) if signature is not None else None
         finally:
             os.close(dir_fd)
 
@@ -283,15 +305,25 @@ class AdapterDoor:
                 f"{folder} moved outside the folder this proxy reads adapters from", reason=Reason.PATH_OUTSIDE_ROOT
             )
 
-    async def read_upload(self, parts: Iterable[tuple[str, bytes]]) -> tuple[Any, bytes]:
-        """The two files of an upload (by field name), checked like a folder's."""
+    async def read_upload(self, parts: Iterable[tuple[str, bytes]]) -> tuple[Any, bytes, SignatureFile | None]:
+        """The two files of an upload (by field name), and its signature file if sent, checked like a folder's."""
         files = dict(parts)
         missing = [f for f in (CONFIG_FILE, WEIGHTS_FILE) if f not in files]
         if missing:
             raise _bad_folder(f"the upload lacks {', '.join(missing)}; send both files of the adapter folder")
         if len(files[CONFIG_FILE]) > MAX_CONFIG_BYTES:
             raise _bad_folder(f"{CONFIG_FILE} is over {MAX_CONFIG_BYTES} bytes")
-        return _parse_config(files[CONFIG_FILE]), files[WEIGHTS_FILE]
+        signed = SignatureFile.parse(files[SIGNATURE_FILE]) if SIGNATURE_FILE in files else None
+        return _parse_config(files[CONFIG_FILE]), files[WEIGHTS_FILE], signed
+
+
+def _read_optional(dir_fd: int, folder: Path, name: str, limit: int) -> bytes | None:
+    """`_read_bounded`, or None when the folder has no `name` (not even a link of that name)."""
+    try:
+        os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
+    except FileNotFoundError:
+        return None
+    return _read_bounded(dir_fd, folder, name, limit)
 
 
 def _read_bounded(dir_fd: int, folder: Path, name: str, limit: int) -> bytes:
@@ -336,6 +368,16 @@ def _lora_shape(config: dict[str, Any]) -> LoraShape:
         return LoraShape.from_peft(config)
     except InvalidArgument as exc:
         raise _bad_folder(f"{CONFIG_FILE}: {exc.message}") from None
+
+
+def _signed_restart(name: str) -> FailedPrecondition:
+    """A signed v1 with other bytes than NAME's v1 would start a new lineage, published under an
+    internal name the signature does not name (docs/security.md)."""
+    return FailedPrecondition(
+        f"{name}-v1 with other bytes than the v1 {name!r} already has would start a new lineage under another "
+        f"internal name, which its signature does not name; load the new run under a new name, signed for it",
+        reason=Reason.BAD_SIGNATURE,
+    )
 
 
 def _bad_folder(message: str) -> HttpError:

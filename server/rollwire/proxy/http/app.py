@@ -28,6 +28,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from rollwire.common.errors import Internal, RollwireError, Unavailable
 from rollwire.common.reasons import Reason
+from rollwire.common.signing import MAX_SIGNATURE_FILE_BYTES, SIGNATURE_FILE
 from rollwire.proxy.accounting import RequestRecord
 from rollwire.proxy.http import convert, tokens
 from rollwire.proxy.http.adapters import CONFIG_FILE, MAX_CONFIG_BYTES, WEIGHTS_FILE
@@ -248,10 +249,16 @@ def _adapter_routes(app: FastAPI, door: Door) -> None:
     @app.post("/v1/upload_lora_adapter")
     async def upload_lora(request: Request) -> JSONResponse:
         """multipart/form-data: `lora_name`, and the files adapter_config.json and
-        adapter_model.safetensors (the fields are named after them)."""
+        adapter_model.safetensors (the fields are named after them), and optionally
+        rollwire-signature.json (a signed version, docs/security.md)."""
         _authorize(door, request, ADMIN)
         adapters, http = door.adapters, door.config.http
-        limits = {"lora_name": 1024, CONFIG_FILE: MAX_CONFIG_BYTES, WEIGHTS_FILE: adapters.max_bytes}
+        limits = {
+            "lora_name": 1024,
+            CONFIG_FILE: MAX_CONFIG_BYTES,
+            WEIGHTS_FILE: adapters.max_bytes,
+            SIGNATURE_FILE: MAX_SIGNATURE_FILE_BYTES,
+        }
         total = sum(limits.values()) + (64 << 10)  # the parts' headers and boundaries
         chunks = body_chunks(request, total, http.body_timeout_s)
         parts = await read_form(request.headers.get("content-type", ""), chunks, limits, total)
@@ -263,8 +270,8 @@ def _adapter_routes(app: FastAPI, door: Door) -> None:
                 reason=Reason.BAD_REQUEST_BODY,
                 param="lora_name",
             )
-        config, payload = await adapters.read_upload(parts.items())
-        return JSONResponse(await adapters.publish(name, config, payload, request.state.rid))
+        config, payload, signed = await adapters.read_upload(parts.items())
+        return JSONResponse(await adapters.publish(name, config, payload, request.state.rid, signed))
 
     @app.post("/v1/unload_lora_adapter")
     async def unload_lora(request: Request) -> JSONResponse:
