@@ -42,7 +42,7 @@ class UsageError(Exception):
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Parse, dispatch to `args.func`, and map failures to exit codes."""
-    args = build_parser().parse_args(argv)
+    args = build_parser(_entry_point_named(sys.argv[1:] if argv is None else argv)).parse_args(argv)
     try:
         return int(args.func(args) or 0)
     except UsageError as exc:
@@ -58,7 +58,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 130
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(command: str | None = None) -> argparse.ArgumentParser:
+    """Every command, or with `command` (an entry point's name) the SDK's own and that one alone:
+    registering a command builds its config model, which the process that runs another command
+    never needs (`rollwire proxy` would build the generator's and the learner's)."""
     parser = argparse.ArgumentParser(prog="rollwire", description="rollout serving for asynchronous GRPO with LoRA")
     commands = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     _add_generate(commands)
@@ -66,8 +69,17 @@ def build_parser() -> argparse.ArgumentParser:
     _add_status(commands)
     add_keys(commands, UsageError, _positive)
     for entry_point in command_entry_points():
-        entry_point.load()(commands)
+        if command is None or entry_point.name == command:
+            entry_point.load()(commands)
     return parser
+
+
+def _entry_point_named(argv: Sequence[str]) -> str | None:
+    """The entry point's command that `argv` runs, if it names one first (else None: a typo,
+    an SDK command or a top-level --help is answered with every command registered)."""
+    if argv and argv[0] in {entry_point.name for entry_point in command_entry_points()}:
+        return argv[0]
+    return None
 
 
 def command_entry_points() -> list[EntryPoint]:
