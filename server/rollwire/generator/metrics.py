@@ -42,6 +42,15 @@ class GeneratorMetrics:
         self.queue_depth = m.gauge("queue_depth", "Groups accepted and waiting for a batch slot.")
         self.running = m.gauge("running_groups", "Groups being generated now.")
         self.forward_passes = m.counter("forward_passes_total", "Model forward passes (prefill or decode).")
+        self.kv_budget_tokens = m.gauge(
+            "kv_budget_tokens",
+            "KV-cache tokens the transformers engine's running groups may reserve together (transformers."
+            "max_batch_tokens, or derived from free memory at start).",
+        )
+        self.kv_reserved_tokens = m.gauge(
+            "kv_reserved_tokens",
+            "KV-cache tokens the transformers engine's running groups reserve now (n x (prompt + max_new_tokens) each).",
+        )
         self.batch_rows = m.histogram(
             "batch_rows",
             "Sequences in one forward pass (a prefill has one per group: its samples share the prompt).",

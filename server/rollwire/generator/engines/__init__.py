@@ -52,7 +52,8 @@ def _transformers(config: EngineConfig, metrics: GeneratorMetrics) -> Engine:
     return TransformersEngine(
         config.model,
         max_batch_rows=t.max_batch_rows,
-        max_batch_tokens=t.max_batch_tokens,
+        max_batch_tokens=None if t.max_batch_tokens == "auto" else t.max_batch_tokens,
+        kv_memory_fraction=t.kv_memory_fraction,
         threads=t.threads,
         device=t.device,
         on_forward=metrics.on_forward,

@@ -7,6 +7,8 @@ so this module imports nothing of the generator's and an engine never imports th
 
 from __future__ import annotations
 
+from typing import Annotated, Literal
+
 from pydantic import Field
 
 from rollwire.runtime.config import Section
@@ -32,11 +34,18 @@ class TransformersSection(Section):
 
     max_batch_rows: int = Field(default=64, ge=1)
     """Sequences decoded together in one forward pass."""
-    max_batch_tokens: int = Field(default=1 << 20, ge=1)
+    max_batch_tokens: Annotated[int, Field(ge=1)] | Literal["auto"] = Field(default="auto")
     """KV-cache tokens the running groups may reserve together: a group reserves n x (prompt + max_new_tokens) while
     it runs, and waits for room beyond it; one that could never fit alone is refused up front (INVALID_ARGUMENT,
-    KV_BUDGET). Size it from the accelerator's memory left after the weights, divided by the bytes of one token's
-    keys and values (2 x layers x kv_heads x head_dim x dtype bytes)."""
+    KV_BUDGET). "auto" derives it once at start: (free memory before the weights - the weights) x kv_memory_fraction,
+    less the prefix cache's max_tokens on CPU, divided by the bytes of one token's keys and values (2 x layers x
+    kv_heads x head_dim x dtype bytes); free memory is CUDA's mem_get_info, or on CPU MemAvailable (or the cgroup
+    limit's remainder when smaller). The replica logs it (engine_kv_budget, with its inputs) and exports it
+    (rollwire_generator_kv_budget_tokens). A number you set wins."""
+    kv_memory_fraction: float = Field(default=0.5, gt=0, le=0.95)
+    """With max_batch_tokens "auto": the share of the memory left after the weights that the groups' KV reservations
+    may take; the rest is headroom for activations, the per-layer copies a decode step makes of the cache, and the
+    process. 0.5 suits a CPU host shared with other processes; on an accelerator the replica has to itself, 0.8."""
     threads: int = Field(default=0, ge=0)
     """torch CPU threads; 0 keeps torch's default."""
     device: str = Field(default="cpu")

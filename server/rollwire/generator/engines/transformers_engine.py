@@ -27,9 +27,19 @@ have had; any exception while sampling or emitting a group ends that group with 
 reason ROW_FAILED (a bug tied to that request). Either way its rows leave the batch and
 every other row continues. The proxy must
 classify by reason: neither of these means the replica is sick. Only a failure of a forward
-pass itself (OOM, a device error), which no row can be blamed for, ends the groups in that
-pass with INTERNAL, reason ENGINE_FAILED: that one is a replica fault. A failed prefill
-ends only the groups being admitted; the running batch keeps decoding.
+pass itself (a device error), which no row can be blamed for, ends the groups in that pass
+with INTERNAL, reason ENGINE_FAILED: that one is a replica fault. A failed prefill ends only
+the groups being admitted; the running batch keeps decoding.
+
+Memory is load, never a fault. Groups are admitted while their KV-token reservations
+(n x (prompt + max_new_tokens)) fit the budget: `transformers.max_batch_tokens`, or derived
+from the device's free memory at start (kv_memory.py); one that could never fit is refused up
+front (KV_BUDGET). A failure to allocate memory anywhere in a step (transformers_groups.
+out_of_memory: torch's OOM, the CPU allocator's and the CUDA libraries' allocation failures)
+ends groups with RESOURCE_EXHAUSTED, reason ENGINE_OOM, which the proxy retries elsewhere and
+never counts against the replica: in a prefill, the groups being admitted; in a decode step,
+one group at a time by the largest reservation (transformers_groups.oom_victim), until the
+step fits.
 
 Prefix KV reuse (prefix_cache.py): before a prefill, each group looks up the longest prefix
 of its prompt whose keys and values were computed recently under the same adapter version;
@@ -47,6 +57,7 @@ batch's KV cache surgery), prefix_cache.py.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import random
 import secrets
 import threading
@@ -61,7 +72,7 @@ import torch
 from rollwire.common.errors import FailedPrecondition, Unavailable
 from rollwire.common.manifest import Manifest
 from rollwire.generator.detokenize import TextStream, backend
-from rollwire.generator.engines import kv_batch
+from rollwire.generator.engines import kv_batch, kv_memory
 from rollwire.generator.engines.base import EngineStats
 from rollwire.generator.engines.kv_batch import Batch
 from rollwire.generator.engines.lora import LoraSet
@@ -77,6 +88,7 @@ from rollwire.generator.engines.transformers_groups import (
     fail_engine,
     fail_out_of_memory,
     kv_tokens,
+    oom_victim,
     out_of_memory,
     row_error,
 )
@@ -110,7 +122,8 @@ class TransformersEngine:
         model_dir: str | Path,
         *,
         max_batch_rows: int = 64,
-        max_batch_tokens: int = 1 << 20,
+        max_batch_tokens: int | None = None,
+        kv_memory_fraction: float = 0.5,
         threads: int = 0,
         device: str = "cpu",
         on_forward: Callable[[int], None] = lambda rows: None,
@@ -120,7 +133,10 @@ class TransformersEngine:
         self.model_dir = Path(model_dir)
         self.on_forward = on_forward
         self.max_batch_rows = max_batch_rows
-        self.max_batch_tokens = max_batch_tokens
+        self.configured_tokens = max_batch_tokens  # None: derived from free memory at start (kv_memory.py)
+        self.kv_memory_fraction = kv_memory_fraction
+        self.max_batch_tokens = max_batch_tokens or 0  # the budget in force, set by _load
+        self.kv_budget: kv_memory.KvBudget | None = None
         self.threads = threads
         self.device = torch.device(device)
         self.metrics = metrics
@@ -147,6 +163,7 @@ class TransformersEngine:
             torch.set_num_threads(self.threads)
         if not (self.model_dir / "config.json").is_file():
             raise FailedPrecondition(f"{self.model_dir} is not a local Hugging Face model folder (no config.json)")
+        free = None if self.configured_tokens else kv_memory.free_memory(self.device)  # before the weights
         self.tokenizer = AutoTokenizer.from_pretrained(self.model_dir)
         model: Any = AutoModelForCausalLM.from_pretrained(self.model_dir, dtype=torch.float32)  # stubs lack .to()
         self.model = model.to(self.device).eval()
@@ -158,6 +175,7 @@ class TransformersEngine:
         if self.prefix_cache.enabled and not kv_batch.plain_layers(self.model.config):
             log.warning("prefix_cache_off", why="this model's cache has sliding-window or recurrent layers")
             self.prefix_cache = PrefixCache(PrefixCacheSettings(max_tokens=0), self.metrics)
+        self._set_budget(free)
         log.info(
             "engine_loaded",
             engine=self.name,
@@ -165,6 +183,25 @@ class TransformersEngine:
             vocab=self.vocab_size,
             prefix_cache_tokens=self.prefix_cache.settings.max_tokens,
         )
+
+    def _set_budget(self, free: kv_memory.Memory | None) -> None:
+        """The KV-token budget: the configured one, else derived from `free` (read before the
+        weights were loaded) minus the weights and, on CPU, the prefix cache's budget."""
+        if free is None:
+            budget = kv_memory.KvBudget(self.configured_tokens or 0, "config")
+            log.info("engine_kv_budget", tokens=budget.tokens, source=budget.source, device=str(self.device))
+        else:
+            per_token = kv_memory.kv_bytes_per_token(self.model.config, self.model.dtype)
+            on_cpu = self.device.type == "cpu"  # where the prefix cache is held
+            set_aside = self.prefix_cache.settings.max_tokens * per_token if on_cpu else 0
+            weights = kv_memory.weights_bytes(self.model)
+            budget = kv_memory.derive(free, weights, self.kv_memory_fraction, set_aside, per_token)
+            log.info("engine_kv_budget", device=str(self.device), **dataclasses.asdict(budget))
+            if budget.tokens < 1:
+                raise kv_memory.too_small(budget, self.device)
+        self.kv_budget, self.max_batch_tokens = budget, budget.tokens
+        if self.metrics is not None:
+            self.metrics.kv_budget_tokens.set(budget.tokens)
 
     async def close(self) -> None:
         with self._cv:
@@ -245,8 +282,11 @@ class TransformersEngine:
                     groups.update({id(g): g for g in admitted})
                     fail_engine(list(groups.values()), exc)
                     batch = None
+                running = {id(r.group): r.group for r in batch.rows} if batch else {}
                 with self._cv:
-                    self._running_groups = len({id(r.group) for r in batch.rows}) if batch else 0
+                    self._running_groups = len(running)
+                if self.metrics is not None:
+                    self.metrics.kv_reserved_tokens.set(sum(kv_tokens(g.req) for g in running.values()))
         self._fail_all("the generator is shutting down; retry on another replica")
 
     def _take_pending(self, batch: Batch | None) -> list[_Group]:
@@ -319,9 +359,18 @@ class TransformersEngine:
         return batch
 
     def _decode_within_memory(self, batch: Batch) -> Batch | None:
-        """A decode step; when it runs out of memory, the groups admitted last are ended with
-        RESOURCE_EXHAUSTED (they are what grew the batch), the cache is cut back to where it
-        was before the step, and the others step again (up to the last group standing)."""
+        """A decode step; when it runs out of memory, the cache is cut back to where it was
+        before the step, the group holding the largest KV reservation (ties: the one admitted
+        first) is ended with RESOURCE_EXHAUSTED ENGINE_OOM, and the others step again, one
+        eviction per failed try, up to the last group standing.
+
+        Why by reservation and not by admission: every group was admitted because its
+        reservation fitted the budget, so when memory still runs out it is the groups that
+        grew toward large reservations that hold it, and ending one of them frees the most.
+        Ending the newest instead let one long, large group admitted earlier end every group
+        admitted after it, each retried elsewhere as busy, while it went on holding the memory.
+        Among equals the oldest goes: its real keys and values reach furthest back, so the
+        batch's padding columns shrink with it."""
         while True:
             kv_len = batch.mask.shape[1]
             try:
@@ -330,10 +379,16 @@ class TransformersEngine:
                 if not out_of_memory(exc):
                     raise
                 kv_batch.cut_cache(batch.cache, kv_len)
-                newest = max(r.group.admitted_at for r in batch.rows)
-                victims = {id(r.group): r.group for r in batch.rows if r.group.admitted_at == newest}
-                fail_out_of_memory(list(victims.values()), "a decode step")
-                batch = self._drop_rows(batch, [i for i, r in enumerate(batch.rows) if id(r.group) in victims])
+                groups = list({id(r.group): r.group for r in batch.rows}.values())
+                victim = oom_victim(groups)
+                held = sum(kv_tokens(g.req) for g in groups)
+                fail_out_of_memory(
+                    [victim],
+                    "a decode step",
+                    f"it held the largest KV reservation of the {len(groups)} groups running "
+                    f"({kv_tokens(victim.req)} of {held} tokens reserved)",
+                )
+                batch = self._drop_rows(batch, [i for i, r in enumerate(batch.rows) if r.group is victim])
                 if not batch.rows:
                     return None
 

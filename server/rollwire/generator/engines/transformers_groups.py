@@ -10,7 +10,9 @@ loop that is gone marks its groups cancelled (nobody is listening).
 from __future__ import annotations
 
 import asyncio
+import errno
 import random
+import re
 import threading
 from dataclasses import dataclass, field
 
@@ -37,7 +39,7 @@ class Group:
     events: asyncio.Queue
     cancelled: bool = False
     open_rows: int = 0
-    admitted_at: int = 0  # the prefill that admitted it (later ones are the first to go when memory runs out)
+    admitted_at: int = 0  # the prefill that admitted it (among equal reservations, earlier ones go first on OOM)
 
     def send(self, items: list) -> None:
         try:
@@ -123,8 +125,12 @@ class NonFinite(Exception):
 
 
 def row_error(group: Group, exc: Exception):
-    """The status that ends one group whose sampling failed (see the module docstring)."""
+    """The status that ends one group whose sampling failed (see the module docstring); a
+    failure to allocate memory is the replica's load (ENGINE_OOM), not the request's fault."""
     rid = group.req.request_id
+    if out_of_memory(exc):
+        log.warning("engine_out_of_memory", where="sampling", groups=1, request_id=rid, error=clip_exc(exc))
+        return oom_status(group, "sampling")
     if isinstance(exc, NonFinite):
         log.warning("group_non_finite", request_id=rid, where=str(exc))
         return FailedPrecondition(
@@ -146,33 +152,66 @@ def kv_tokens(req: GroupRequest) -> int:
     return req.n * (len(req.prompt_ids) + req.sampling.max_new_tokens)
 
 
+def oom_victim(groups: list[Group]) -> Group:
+    """The group a decode step that ran out of memory ends: the largest KV reservation, ties
+    by the earliest admission (why: transformers_engine._decode_within_memory)."""
+    return max(groups, key=lambda g: (kv_tokens(g.req), -g.admitted_at))
+
+
+_ALLOCATION_FAILED = re.compile(
+    r"out of memory"  # CUDA/HIP/XPU/MPS "... out of memory", "CUDA error: out of memory", c10 "Out of Memory"
+    r"|not enough memory"  # DefaultCPUAllocator in some torch versions
+    r"|(?:can't|cannot|could not|unable to) allocate memory"  # DefaultCPUAllocator, ENOMEM's strerror, c10
+    r"|_ALLOC_FAILED\b",  # CUBLAS_/CUSOLVER_/CUSPARSE_/CUDNN_STATUS_ALLOC_FAILED, CUFFT_ALLOC_FAILED
+    re.IGNORECASE,
+)
+
+
 def out_of_memory(exc: BaseException) -> bool:
-    return isinstance(exc, (torch.OutOfMemoryError, MemoryError))
+    """Whether `exc` is a failure to allocate memory: the replica's load, never its fault.
+
+    The one place this is decided. torch raises torch.OutOfMemoryError from its CUDA caching
+    allocator, but a plain RuntimeError from the CPU allocator ("DefaultCPUAllocator: can't
+    allocate memory: you tried to allocate N bytes. Error code 12 (Cannot allocate memory)"),
+    from CUDA calls outside the allocator ("CUDA error: out of memory") and from the CUDA
+    libraries' own allocations ("CUBLAS_STATUS_ALLOC_FAILED when calling cublasCreate(handle)"),
+    so RuntimeErrors are matched by those messages. Every other error (a device fault, a bug,
+    CUBLAS_STATUS_EXECUTION_FAILED, an illegal memory access) is not."""
+    if isinstance(exc, (torch.OutOfMemoryError, MemoryError)):
+        return True
+    if isinstance(exc, OSError):
+        return exc.errno == errno.ENOMEM
+    return isinstance(exc, RuntimeError) and _ALLOCATION_FAILED.search(str(exc)) is not None
 
 
-def fail_out_of_memory(groups: list[Group], where: str) -> None:
+def oom_status(g: Group, where: str, why: str = "") -> ResourceExhausted:
+    """RESOURCE_EXHAUSTED ENGINE_OOM for one group, with a retry hint."""
+    because = f"; {why}" if why else ""
+    return ResourceExhausted(
+        f"this replica ran out of memory in {where} of this request ({g.req.n} samples, "
+        f"{len(g.req.prompt_ids)} prompt tokens, up to {g.req.sampling.max_new_tokens} new){because}; retry, or ask "
+        "for fewer samples or tokens",
+        reason=Reason.ENGINE_OOM,
+        retry_after_s=1.0,
+    )
+
+
+def fail_out_of_memory(groups: list[Group], where: str, why: str = "") -> None:
     """Groups ended because memory ran out in `where`: RESOURCE_EXHAUSTED with a retry hint,
     the replica's load, never its fault (faults.py: the proxy retries it elsewhere)."""
-    log.warning("engine_out_of_memory", where=where, groups=len(groups))
+    log.warning("engine_out_of_memory", where=where, groups=len(groups), why=why)
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
     for g in groups:
-        g.send(
-            [
-                ResourceExhausted(
-                    f"this replica ran out of memory in {where} of this request ({g.req.n} samples, "
-                    f"{len(g.req.prompt_ids)} prompt tokens, up to {g.req.sampling.max_new_tokens} new); retry, or ask "
-                    "for fewer samples or tokens",
-                    reason=Reason.ENGINE_OOM,
-                    retry_after_s=1.0,
-                ),
-                END,
-            ]
-        )
+        g.send([oom_status(g, where, why), END])
 
 
 def fail_engine(groups: list[Group], exc: Exception) -> None:
-    """A forward pass failed (no row to blame): end every group in it, a replica fault."""
+    """A step failed with no row to blame: end every group in it. A replica fault (INTERNAL
+    ENGINE_FAILED), unless memory ran out (ENGINE_OOM, the replica's load)."""
+    if out_of_memory(exc):
+        fail_out_of_memory(groups, "a batch step", clip_exc(exc))
+        return
     log.exception("engine_step_failed", groups=len(groups), exc_info=exc)
     for g in groups:
         g.send(
@@ -199,7 +238,9 @@ def check_fits(req: GroupRequest, max_rows: int, max_tokens: int) -> None:
         raise InvalidArgument(
             f"this group would hold {kv_tokens(req)} tokens of KV cache (n {req.n} x (prompt "
             f"{len(req.prompt_ids)} + max_new_tokens {req.sampling.max_new_tokens})), more than this replica's "
-            f"budget of {max_tokens}; ask for fewer samples or fewer new tokens per request",
+            f"budget of {max_tokens}; ask for fewer samples or fewer new tokens per request (the replica's operator "
+            "raises the budget with transformers.max_batch_tokens, or transformers.kv_memory_fraction when it is "
+            "derived from free memory)",
             reason=Reason.KV_BUDGET,
         )
 
