@@ -579,6 +579,25 @@ def trl_vllm_vs_rollwire(d: dict) -> str:
     )
 
 
+def signed_push(d: dict) -> str:
+    arms, crypto = d["arms"], d["crypto"]
+    rows = [
+        [arm, s(arms[arm]["served_s"], 1e3, 0, " ms"), s(arms[arm]["reply_s"], 1e3, 0, " ms")]
+        for arm in ("unsigned", "signed")
+    ]
+    n = arms["signed"]["served_s"]["n"]
+    return "\n\n".join(
+        [
+            provenance(d) + f" {d['payload_bytes'] / 1e6:.1f} MB through a proxy to {d['replicas']} scripted replicas, "
+            f"median (min–max) of {n} pushes per arm, the arms alternating.",
+            table(["arm", "push, until every replica serves", "the push call's reply"], rows),
+            f"Signed over unsigned, until every replica serves: **{d['signed_over_unsigned']:.2f}x**. One Ed25519 "
+            f"sign of a manifest: {crypto['sign_us']:.0f} µs; one verify (`TrustedKeys.check`): "
+            f"{crypto['verify_us']:.0f} µs, once per receiver.",
+        ]
+    )
+
+
 def prefix_cache(d: dict) -> str:
     rows = []
     for name, m in d["models"].items():
@@ -635,6 +654,7 @@ SECTIONS = {
     "vllm_vs_transformers": vllm_vs_transformers,
     "trl_vllm_vs_rollwire": trl_vllm_vs_rollwire,
     "prefix_cache": prefix_cache,
+    "signed_push": signed_push,
     "sessions": sessions,
 }
 
