@@ -223,3 +223,12 @@ def test_a_map_that_would_overflow_the_bounds_is_refused(tmp_path, monkeypatch):
         book.merge({"p": 2, "q": 2}, {})
     assert book.shared()[0] == {"x": 2, "y": 2}
     assert book.merge({"p": 2, "x": 5}, {}) == 2  # up to the bound it is taken
+    monkeypatch.setattr(lineages, "MAX_MARKS", 4)
+    book.unload("x.5", [1, 2, 3])
+    with pytest.raises(ResourceExhausted):
+        book.unload("y.2", [1, 2])
+    with pytest.raises(ResourceExhausted):
+        book.merge({}, {"p.2": {1: mark(), 2: mark()}})
+    assert book.unloaded("x.5") == {1, 2, 3} and not book.unloaded("y.2") and not book.unloaded("p.2")
+    book.unload("x.5", [3])  # marks it holds already: nothing more kept
+    assert book.merge({}, {"x.5": {1: mark(at_ns=time.time_ns() + 10**9, unloaded=False)}}) == 1

@@ -12,7 +12,7 @@ from support.wire import all_methods, make_adapter, metric_value, push_messages,
 
 from rollwire.proxy.fleet.replicas import SERVICE
 from rollwire.runtime.members import CHALLENGE_KEY, PROOF_KEY, member_proof
-from rollwire.runtime.security import METHOD_ROLES
+from rollwire.runtime.security import METHOD_ROLES, PEER_ONLY
 from rollwire.v1 import admin_pb2 as apb
 from rollwire.v1 import admin_pb2_grpc, generator_pb2_grpc
 from rollwire.v1 import generator_pb2 as pb
@@ -141,7 +141,11 @@ def test_the_proxy_enforces_roles_on_every_rpc(secured, method, desc):
         assert with_generate == grpc.StatusCode.PERMISSION_DENIED
     else:
         assert with_generate not in AUTH_ERRORS
-    assert code_of(channel, method, desc, "proxy-admin") not in AUTH_ERRORS
+    with_admin = code_of(channel, method, desc, "proxy-admin")
+    if method in PEER_ONLY:  # a peer proxy's lineage map: not even admin may send one
+        assert with_admin == grpc.StatusCode.PERMISSION_DENIED
+    else:
+        assert with_admin not in AUTH_ERRORS
 
 
 def test_generate_and_push_cross_tls_and_tokens_on_both_hops(secured, tiny_model):

@@ -58,3 +58,44 @@ class DrainGeneratorResponse(_message.Message):
     REPLICA_FIELD_NUMBER: _ClassVar[int]
     replica: _generator_pb2.ReplicaStatus
     def __init__(self, replica: _Optional[_Union[_generator_pb2.ReplicaStatus, _Mapping]] = ...) -> None: ...
+
+class ShareLineagesRequest(_message.Message):
+    __slots__ = ("generations", "marks")
+    class GenerationsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: int
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
+    GENERATIONS_FIELD_NUMBER: _ClassVar[int]
+    MARKS_FIELD_NUMBER: _ClassVar[int]
+    generations: _containers.ScalarMap[str, int]
+    marks: _containers.RepeatedCompositeFieldContainer[LineageMarks]
+    def __init__(self, generations: _Optional[_Mapping[str, int]] = ..., marks: _Optional[_Iterable[_Union[LineageMarks, _Mapping]]] = ...) -> None: ...
+
+class LineageMarks(_message.Message):
+    __slots__ = ("name", "versions")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    VERSIONS_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    versions: _containers.RepeatedCompositeFieldContainer[VersionMark]
+    def __init__(self, name: _Optional[str] = ..., versions: _Optional[_Iterable[_Union[VersionMark, _Mapping]]] = ...) -> None: ...
+
+class VersionMark(_message.Message):
+    __slots__ = ("version", "unloaded", "at_ns", "by")
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    UNLOADED_FIELD_NUMBER: _ClassVar[int]
+    AT_NS_FIELD_NUMBER: _ClassVar[int]
+    BY_FIELD_NUMBER: _ClassVar[int]
+    version: int
+    unloaded: bool
+    at_ns: int
+    by: str
+    def __init__(self, version: _Optional[int] = ..., unloaded: _Optional[bool] = ..., at_ns: _Optional[int] = ..., by: _Optional[str] = ...) -> None: ...
+
+class ShareLineagesResponse(_message.Message):
+    __slots__ = ("changed",)
+    CHANGED_FIELD_NUMBER: _ClassVar[int]
+    changed: int
+    def __init__(self, changed: _Optional[int] = ...) -> None: ...

@@ -27,7 +27,8 @@ if _version_not_supported:
 
 class AdminServiceStub:
     """AdminService manages the generator replicas behind a routing proxy. Every
-    RPC needs the `admin` role when auth is on.
+    RPC needs the `admin` role when auth is on, but ShareLineages, which only
+    a peer proxy (the `peer` role) may call.
     """
 
     def __init__(self, channel):
@@ -56,11 +57,17 @@ class AdminServiceStub:
                 request_serializer=rollwire_dot_v1_dot_admin__pb2.DrainGeneratorRequest.SerializeToString,
                 response_deserializer=rollwire_dot_v1_dot_admin__pb2.DrainGeneratorResponse.FromString,
                 _registered_method=True)
+        self.ShareLineages = channel.unary_unary(
+                '/rollwire.v1.AdminService/ShareLineages',
+                request_serializer=rollwire_dot_v1_dot_admin__pb2.ShareLineagesRequest.SerializeToString,
+                response_deserializer=rollwire_dot_v1_dot_admin__pb2.ShareLineagesResponse.FromString,
+                _registered_method=True)
 
 
 class AdminServiceServicer:
     """AdminService manages the generator replicas behind a routing proxy. Every
-    RPC needs the `admin` role when auth is on.
+    RPC needs the `admin` role when auth is on, but ShareLineages, which only
+    a peer proxy (the `peer` role) may call.
     """
 
     def RegisterGenerator(self, request, context):
@@ -94,6 +101,17 @@ class AdminServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ShareLineages(self, request, context):
+        """ShareLineages gives a peer proxy this proxy's lineage map and unloads
+        (docs/http.md, "A new run, the same names") to merge into its own:
+        per name the larger generation, per version the later mark. The receiver
+        checks all of it first (INVALID_ARGUMENT BAD_LINEAGES, nothing applied)
+        and answers once the merge is durable. Only the `peer` role may call it.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_AdminServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -117,6 +135,11 @@ def add_AdminServiceServicer_to_server(servicer, server):
                     request_deserializer=rollwire_dot_v1_dot_admin__pb2.DrainGeneratorRequest.FromString,
                     response_serializer=rollwire_dot_v1_dot_admin__pb2.DrainGeneratorResponse.SerializeToString,
             ),
+            'ShareLineages': grpc.unary_unary_rpc_method_handler(
+                    servicer.ShareLineages,
+                    request_deserializer=rollwire_dot_v1_dot_admin__pb2.ShareLineagesRequest.FromString,
+                    response_serializer=rollwire_dot_v1_dot_admin__pb2.ShareLineagesResponse.SerializeToString,
+            ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
             'rollwire.v1.AdminService', rpc_method_handlers)
@@ -127,7 +150,8 @@ def add_AdminServiceServicer_to_server(servicer, server):
  # This class is part of an EXPERIMENTAL API.
 class AdminService:
     """AdminService manages the generator replicas behind a routing proxy. Every
-    RPC needs the `admin` role when auth is on.
+    RPC needs the `admin` role when auth is on, but ShareLineages, which only
+    a peer proxy (the `peer` role) may call.
     """
 
     @staticmethod
@@ -228,6 +252,33 @@ class AdminService:
             '/rollwire.v1.AdminService/DrainGenerator',
             rollwire_dot_v1_dot_admin__pb2.DrainGeneratorRequest.SerializeToString,
             rollwire_dot_v1_dot_admin__pb2.DrainGeneratorResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ShareLineages(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/rollwire.v1.AdminService/ShareLineages',
+            rollwire_dot_v1_dot_admin__pb2.ShareLineagesRequest.SerializeToString,
+            rollwire_dot_v1_dot_admin__pb2.ShareLineagesResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -99,6 +99,7 @@ async def start_proxy(config: ProxyConfig) -> RunningProxy:
     policy = make_policy(config.policy, routing)
     dispatcher = Dispatcher(replicas, policy, routing, metrics, config.fairness)
     proxy_id = config.proxy_id or default_proxy_id(config.host, endpoint.port)
+    spool.lineages.origin = proxy_id  # in the stamps of its unloads, which peers merge
     peers = Peers(config, proxy_id, spool, replicas, peer_dialer(config.peering, config.upstream, keepalive))
     fanout = FanOut(spool, replicas, config, metrics, peers)
     await peers.refuse_shared_id()
@@ -106,7 +107,7 @@ async def start_proxy(config: ProxyConfig) -> RunningProxy:
     servicer = ProxyServicer(core)
     generator_pb2_grpc.add_GeneratorServiceServicer_to_server(servicer, endpoint.server)
     admin_pb2_grpc.add_AdminServiceServicer_to_server(
-        AdminServicer(replicas, config.registration, endpoint.auth), endpoint.server
+        AdminServicer(replicas, config.registration, endpoint.auth, peers.receive_lineages), endpoint.server
     )
     await endpoint.start([SERVICE, ADMIN_SERVICE], config.host, config.tls)
     await endpoint.set_health("", True)

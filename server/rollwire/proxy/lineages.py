@@ -17,7 +17,8 @@ Invariants:
   never fatal; a file written before stamps existed loads (its unloads get the lowest stamp);
 - both are bounded: lineages by MAX_NAMES external names, unloads by the versions the fleet
   still holds (`prune`), MAX_UNLOADED marks per internal name (the lowest versions are
-  forgotten first) and MAX_NAMES internal names with marks (audit A16).
+  forgotten first), MAX_NAMES internal names with marks and MAX_MARKS marks in all (an
+  unload or a merge past it is refused, RESOURCE_EXHAUSTED) (audit A16).
 
 Peer proxies share both (`shared` to send, `merge` to receive; peers.py carries them), and
 any two proxies that saw the same changes hold the same map, whatever the order they came in:
@@ -61,6 +62,9 @@ MAX_NAMES = 4096
 same), and internal names with unload marks."""
 MAX_UNLOADED = 256
 """Marks (unloads, and loads since) remembered per internal name (the lowest versions are forgotten first)."""
+MAX_MARKS = 32768
+"""Marks kept in all (a map sent to a peer stays under 2 MiB, gRPC's limit being 8 MiB); the fleet
+pruning marks of versions it no longer holds keeps real maps far below (a few per name)."""
 MAX_GENERATION = 999_999_999
 MAX_VERSION = (1 << 63) - 1
 MAX_ORIGIN = 256
@@ -165,7 +169,15 @@ class Lineages:
         return self._unloaded.get(internal, frozenset())
 
     def unload(self, internal: str, versions: Iterable[int]) -> None:
-        """Unload `versions` of `internal`, stamped now (durable before it returns)."""
+        """Unload `versions` of `internal`, stamped now (durable before it returns);
+        RESOURCE_EXHAUSTED past MAX_MARKS (nothing changed then)."""
+        versions = set(versions)
+        if self._count() + len(versions - set(self._marks.get(internal, {}))) > MAX_MARKS:
+            raise ResourceExhausted(
+                f"this proxy already keeps {MAX_MARKS} unloads; load some unloaded versions again, or unload fewer "
+                "(unloads of versions the fleet no longer holds are forgotten by themselves)",
+                reason=Reason.SPOOL_FULL,
+            )
         mark = Mark(self._tick(), self.origin, True)
         marks = self._marks.setdefault(internal, {})
         for version in versions:
@@ -196,6 +208,9 @@ class Lineages:
                 self._changed(internal)
         if changed:
             self._save()
+
+    def _count(self) -> int:
+        return sum(len(m) for m in self._marks.values())
 
     def _tick(self) -> int:
         """A stamp's time: now, or just after every stamp seen, whichever is later."""
@@ -237,10 +252,12 @@ class Lineages:
                 "remove .lineages.json's entries for names no longer used (with every peer proxy stopped)",
                 reason=Reason.SPOOL_FULL,
             )
-        if len(set(self._marks) | set(marks)) > MAX_NAMES:
+        names = set(self._marks) | set(marks)
+        total = sum(min(MAX_UNLOADED, len(set(self._marks.get(n, {})) | set(marks.get(n, {})))) for n in names)
+        if len(names) > MAX_NAMES or total > MAX_MARKS:
             raise ResourceExhausted(
-                f"a peer's unloads would take this proxy past {MAX_NAMES} adapter names with unloaded versions; "
-                "load the unloaded versions again, or let the fleet drop them",
+                f"a peer's unloads would take this proxy past {MAX_NAMES} adapter names with unloaded versions or "
+                f"{MAX_MARKS} unloads in all; load unloaded versions again, or let the fleet drop them",
                 reason=Reason.SPOOL_FULL,
             )
         changed = 0

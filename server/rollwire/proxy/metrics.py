@@ -245,6 +245,15 @@ class ProxyMetrics:
             "Versions a peer proxy holds with another digest than this proxy's (two truths: a page, not a retry).",
             ["peer"],
         )
+        self.peer_lineage_sends = counter(
+            "peer_lineage_sends_total",
+            "This proxy's lineage map and unloads sent to each peer proxy (on a change and in catch-up), by code.",
+            ["peer", "code"],
+        )
+        self.lineage_changes_received = counter(
+            "lineage_changes_received_total",
+            "Names and versions of this proxy's lineage map a peer proxy's map changed (new lineages, unloads, loads).",
+        )
 
     def know_replica(self, address: str) -> None:
         """Create a new replica's series at 0, so its first retry, restart, ejection or failed
@@ -267,6 +276,7 @@ class ProxyMetrics:
         """Create a peer proxy's series at 0 (see know_replica)."""
         for code in PEER_CODES:
             self.peer_pushes.labels(peer, code)
+            self.peer_lineage_sends.labels(peer, code)
         self.peer_synced.labels(peer).set(0)
         self.peer_conflicts.labels(peer)
 

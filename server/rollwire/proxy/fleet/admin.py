@@ -15,10 +15,15 @@ that it holds the fleet key and advertises that very HOST:PORT (runtime/members.
 PERMISSION_DENIED (MEMBER_UNPROVEN), counted in `member_refusals_total{why="unproven"}`. Such a
 member is dialled with its own member token, never the proxy's admin token, and serves only
 after its canary (canary.py).
+
+ShareLineages is not about replicas: a peer proxy's lineage map, from the `peer` role only
+(security.require_peer), merged by publish/peers.py (`Peers.receive_lineages`, handed in: the
+fleet imports no publishing).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import NoReturn
 
 import grpc
@@ -41,19 +46,26 @@ from rollwire.runtime.dialing import bearer
 from rollwire.runtime.hosts import peer_ip, resolve_ips
 from rollwire.runtime.logs import get_logger
 from rollwire.runtime.members import CHALLENGE_KEY, PROOF_KEY, member_token, new_challenge, proof_matches
-from rollwire.runtime.security import REGISTER, TokenAuth, caller_role
+from rollwire.runtime.security import REGISTER, TokenAuth, caller_role, require_peer
 from rollwire.v1 import admin_pb2 as apb
 from rollwire.v1 import admin_pb2_grpc, generator_pb2_grpc
 from rollwire.v1 import generator_pb2 as pb
 
 log = get_logger(__name__)
+LineagesReceiver = Callable[[apb.ShareLineagesRequest, object], apb.ShareLineagesResponse]
+"""Merges a peer's lineage map, given the call's metadata (publish/peers.py, Peers.receive_lineages)."""
 
 
 class AdminServicer(admin_pb2_grpc.AdminServiceServicer):
     def __init__(
-        self, replicas: ReplicaSet, limits: RegistrationSection | None = None, auth: TokenAuth | None = None
+        self,
+        replicas: ReplicaSet,
+        limits: RegistrationSection | None = None,
+        auth: TokenAuth | None = None,
+        lineages: LineagesReceiver | None = None,
     ) -> None:
         self.replicas, self.limits, self.auth = replicas, limits or RegistrationSection(), auth
+        self.lineages = lineages
 
     async def RegisterGenerator(self, request: apb.RegisterGeneratorRequest, context) -> apb.RegisterGeneratorResponse:
         try:
@@ -169,6 +181,18 @@ class AdminServicer(admin_pb2_grpc.AdminServiceServicer):
             await self.replicas.remove(request.address, "drained and deregistered")
         log.info("replica_drained", replica=request.address, deregistered=request.deregister)
         return apb.DrainGeneratorResponse(replica=status)
+
+    async def ShareLineages(self, request: apb.ShareLineagesRequest, context) -> apb.ShareLineagesResponse:
+        try:
+            require_peer(self.auth, context, "share a lineage map (ShareLineages); peer proxies send it by themselves")
+            if self.lineages is None:
+                raise PermissionDenied(
+                    "this server takes no lineage map from peers; ShareLineages is for routing proxies",
+                    reason=Reason.NO_ROLE,
+                )
+            return self.lineages(request, context.invocation_metadata())
+        except RollwireError as err:
+            return await _abort(context, err)
 
     async def _owned_member(self, address: str, context) -> None:
         """Abort unless the caller may act on `address` (an admin, or its own member) and it is

@@ -18,10 +18,14 @@ Invariants:
   lineage has a version, starts a new lineage (a new run: lineages.py), published under an
   internal name no replica has seen, to which NAME then maps for every caller; any other
   version with other bytes is a 409 (VERSION_CONFLICT), as within one run it is a mistake;
-- an unload is durable and fleet-wide through this proxy (lineages.py, in the spool): the
-  version is never served again by name or as "latest", by either door, nor listed, until it
-  is loaded again; unloading what the fleet never had is a 404. The replicas' windows move
-  on by themselves as newer versions arrive, so nothing needs unloading there.
+- an unload is durable and fleet-wide (lineages.py, in the spool, and shared with every peer
+  proxy before it answers: a peer that is down is marked behind and gets it when caught up):
+  the version is never served again by name or as "latest", by either door of any proxy, nor
+  listed, until it is loaded again; unloading what the fleet never had is a 404. The
+  replicas' windows move on by themselves as newer versions arrive, so nothing needs
+  unloading there;
+- a new lineage is told to peer proxies once its first version is in their spools (after
+  the publication's share), so no peer routes NAME to a lineage it cannot serve.
 """
 
 from __future__ import annotations
@@ -80,8 +84,9 @@ class AdapterDoor:
         config, payload, signed = await asyncio.to_thread(self._read_folder, folder)
         return await self.publish(lora_name, config, payload, rid, signed)
 
-    def unload(self, lora_name: str, base_names: frozenset[str]) -> dict[str, Any]:
-        """Unload one version, or every version of NAME's current lineage, for good (durable)."""
+    async def unload(self, lora_name: str, base_names: frozenset[str]) -> dict[str, Any]:
+        """Unload one version, or every version of NAME's current lineage, for good (durable,
+        and in every synced peer's map, each within `peering.timeout_s`, before it answers)."""
         ref = parse_model(lora_name, base_names)
         if ref.is_base:
             raise InvalidArgument("the base model cannot be unloaded", reason=Reason.BAD_ADAPTER_NAME)
@@ -98,6 +103,7 @@ class AdapterDoor:
         self.lineages.prune(self._holds)
         self.lineages.unload(name, versions)
         log.info("adapter_unloaded", name=ref.name, internal=name, versions=versions)
+        await self._share_lineages()
         return {"object": "lora_adapter", "id": lora_name, "unloaded": [model_id(ref.name, v) for v in versions]}
 
     def is_hidden(self, ref: ModelRef) -> bool:
@@ -179,8 +185,23 @@ class AdapterDoor:
                 raise _signed_restart(ref.name)
             internal, generation = self.lineages.next_lineage(ref.name, self._taken)
             out = await self._push(ref.name, internal, 1, lora, payload, sha256, rid)
-            self.lineages.switch(ref.name, generation)  # only once the new lineage's v1 is durable
+            self.lineages.switch(ref.name, generation, shared=False)  # only once the new lineage's v1 is durable
+            await self._share_switch(ref.name, generation, internal)
             return out | {"new_lineage": True}
+
+    async def _share_lineages(self) -> None:
+        if self.state.peers is not None:
+            await self.state.peers.share_lineages()
+
+    async def _share_switch(self, name: str, generation: int, internal: str) -> None:
+        """Tell the peers `name` means lineage `generation`: at once when its v1's publication
+        ended (a load answered at "committed"), else once it has (its v1 is then in their spools)."""
+        peers, publication = self.state.peers, self.state.fanout.publication(internal, 1)
+        if peers is not None and publication is not None:
+            peers.share_lineage_after(publication, name, generation)
+            return
+        self.lineages.release(name, generation)
+        await self._share_lineages()
 
     def _restarts(self, name: str, sha256: str) -> bool:
         """Does a v1 with `sha256` start a new run of internal `name`? Yes once the lineage has
@@ -215,7 +236,8 @@ class AdapterDoor:
         fanout, answer = self.state.fanout, self.state.config.http.load_answer
         earlier = fanout.failed_after_answer.pop(name, "")
         reply = await fanout.push(_aiter(messages(manifest, payload, MAX_CHUNK)), rid, answer=answer)
-        self.lineages.show(name, version)
+        if self.lineages.show(name, version):
+            await self._share_lineages()
         out = {
             "object": "lora_adapter",
             "id": model_id(external, version),

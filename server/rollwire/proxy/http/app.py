@@ -277,7 +277,7 @@ def _adapter_routes(app: FastAPI, door: Door) -> None:
     async def unload_lora(request: Request) -> JSONResponse:
         _authorize(door, request, ADMIN)
         body: UnloadLoraBody = await _body(door, request, UnloadLoraBody)
-        return JSONResponse(door.adapters.unload(body.lora_name, door.base_names))
+        return JSONResponse(await door.adapters.unload(body.lora_name, door.base_names))
 
 
 def _openai_routes(app: FastAPI, door: Door) -> None:

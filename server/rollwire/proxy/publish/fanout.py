@@ -133,6 +133,7 @@ class FanOut:
         self._credentials = relay_credentials(config.upstream)
         self.failed_after_answer: dict[str, str] = {}
         """Per name: why the last publication answered at "spooled" reached no replica (until the next load says so)."""
+        self._running: dict[tuple[str, int], asyncio.Task] = {}
 
     # -- receiving (the client's call) ----------------------------------------------------
     async def push(
@@ -184,6 +185,7 @@ class FanOut:
         spooled: asyncio.Future[SpooledAdapter] = asyncio.get_running_loop().create_future()
         task = asyncio.create_task(self._publish(pub, upload, payload, gate.held, forward, lock, spooled))
         self._tasks.add(task)
+        self._running[(pub.manifest.name, pub.manifest.version)] = task
         task.add_done_callback(self._finished)
         if answer == "spooled":
             await asyncio.wait({spooled, task}, return_when=asyncio.FIRST_COMPLETED)  # neither is cancelled by ours
@@ -210,8 +212,15 @@ class FanOut:
         pub.outcomes = {r.address: _Outcome(r) for r in targets}
         return pub
 
+    def publication(self, name: str, version: int) -> asyncio.Task | None:
+        """The publication of `name` v`version` while it runs (a load answered at "spooled":
+        its relay, peer share and commit go on); None once it ended, or if there is none."""
+        return self._running.get((name, version))
+
     def _finished(self, task: asyncio.Task) -> None:
         self._tasks.discard(task)
+        for key in [k for k, t in self._running.items() if t is task]:
+            del self._running[key]
         if not task.cancelled() and task.exception() is not None:
             log.info("adapter_publish_ended", error=str(task.exception())[:300])
 
