@@ -211,3 +211,24 @@ def test_the_spool_refuses_unsigned_manifests_and_quarantines_unsigned_versions_
         spool.admit(manifest_for(payload, "pol", 3, r=1), None)
     assert caught.value.reason == Reason.UNSIGNED_ADAPTER and spool.reserved == 0  # refused before reserving
     spool.admit(sign(manifest_for(payload, "pol", 3, r=1), KEY), None).discard()
+
+
+def test_the_keys_commands_generate_sign_and_verify_a_folder(tmp_path, capsys):
+    from rollwire.client import cli
+
+    folder = tmp_path / "adapter"
+    folder.mkdir()
+    (folder / "adapter_model.safetensors").write_bytes(_lora_bytes())
+    (folder / "adapter_config.json").write_text(json.dumps({"r": 1, "lora_alpha": 2, "target_modules": ["q_proj"]}))
+    key, trust = str(tmp_path / "a.key"), str(tmp_path / "trust.json")
+    assert cli.main(["keys", "generate", "--id", "key-a", "--out", key, "--trust-file", trust]) == 0
+    assert cli.main(["keys", "generate", "--id", "key-a", "--out", key]) == 2  # never overwritten
+    sign_args = ["--name", "pol", "--version", "3", "--base-fingerprint", "fp", str(folder)]
+    assert cli.main(["keys", "sign", "--signing-key", key, *sign_args]) == 0
+    verify = ["keys", "verify", "--trust-file", trust, "--base-fingerprint", "fp", str(folder)]
+    assert cli.main(verify) == 0 and "signed by 'key-a'" in capsys.readouterr().out
+    assert cli.main([*verify[:-2], "other-fp", str(folder)]) == 1  # the signature names another base model
+    assert "FAILED_PRECONDITION" in capsys.readouterr().err
+    (folder / "adapter_model.safetensors").write_bytes(_lora_bytes().replace(b"\x00\x00\x00?", b"\x00\x00\x80?"))
+    assert cli.main(verify) == 1  # other bytes under the same signature
+    assert "does not match its manifest" in capsys.readouterr().err
