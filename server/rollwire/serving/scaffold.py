@@ -21,12 +21,13 @@ import grpc
 from grpc_health.v1 import _async as health_aio  # pyright: ignore[reportAttributeAccessIssue]  # grpc's stubs lack it; it exists at run time
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
-from prometheus_client import CollectorRegistry, start_http_server
+from prometheus_client import CollectorRegistry
 
 from rollwire.common.keepalive import DEFAULT as DEFAULT_KEEPALIVE
 from rollwire.common.keepalive import Keepalive
 from rollwire.runtime.durable import write_ready_file
 from rollwire.runtime.logs import get_logger
+from rollwire.runtime.metrics import serve_metrics
 from rollwire.runtime.security import (
     TlsSection,
     TokenAuth,
@@ -94,7 +95,7 @@ def listen(role: str, config: ServerConfig, registry: CollectorRegistry) -> Endp
     non-loopback bind has neither auth nor TLS.
     """
     host, auth, tls = config.host, config.auth, config.tls
-    metrics_server, _ = start_http_server(config.metrics_port, addr=host, registry=registry)
+    metrics_server = serve_metrics(host, config.metrics_port, registry)
     options = server_options(config.keepalive.keepalive())
     token_auth = TokenAuth.from_config(auth)
     server = grpc.aio.server(options=options, interceptors=interceptors(token_auth))
