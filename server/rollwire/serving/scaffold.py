@@ -157,6 +157,9 @@ async def serve_until_signal(ready_file: str | None, ready: dict, on_stop: Calla
     """Write the ready file, wait for SIGINT/SIGTERM, then run `on_stop` (the graceful part)."""
     if ready_file:
         write_ready_file(ready_file, {**ready, "pid": os.getpid()})
+    if not gc.isenabled():  # paused for the start by serving/command.py: what exists now lives as long as we do
+        gc.freeze()  # the start's few thousand garbage cycles (~MBs) stay too, once
+        gc.enable()
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
