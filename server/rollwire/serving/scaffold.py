@@ -10,6 +10,7 @@ stop sending), then the server drains for `grace` seconds, then the probe and me
 from __future__ import annotations
 
 import asyncio
+import gc
 import os
 import signal
 from collections.abc import Awaitable, Callable, Iterable
