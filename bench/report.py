@@ -643,6 +643,36 @@ def sessions(d: dict) -> str:
     return "\n\n".join(lines)
 
 
+def startup(d: dict) -> str:
+    before, after = d["per_version"]["before"], d["per_version"]["after"]
+    labels = {
+        "help_s": "`rollwire --help`, spawn to exit",
+        "help_cpu_s": "… its CPU seconds",
+        "floor_cpu_s": "importing torch and transformers' Llama alone (CPU seconds)",
+        "generator_s": "`rollwire generator` (tiny model), spawn to serving",
+        "generator_cpu_s": "… its CPU seconds by then",
+        "proxy_s": "`rollwire proxy` (1 replica), spawn to serving",
+        "proxy_cpu_s": "… its CPU seconds by then",
+        "routable_s": "the proxy serving, until it routes to the replica",
+        "stop_s": "both stopped (SIGTERM to exit)",
+    }
+    unit = {"routable_s": (1e3, 1, " ms")}  # the rest in seconds
+    rows = [
+        [label, s(before[k], *unit.get(k, (1, 2, ""))), s(after[k], *unit.get(k, (1, 2, ""))),
+         f"{after[k]['median'] / before[k]['median']:.2f}"]
+        for k, label in labels.items()
+    ]  # fmt: skip
+    revs = d["revisions"]
+    n = before["help_s"]["n"]
+    return "\n\n".join(
+        [
+            provenance(d) + f" Seconds unless marked, median (min–max) of {n} alternating runs of each version "
+            f"(before: `{revs['before']}`, after: `{revs['after']}`).",
+            table(["from spawn", "before", "after", "after / before"], rows),
+        ]
+    )
+
+
 SECTIONS = {
     "weight_push": weight_push,
     "proxy_overhead": proxy_overhead,
@@ -656,6 +686,7 @@ SECTIONS = {
     "prefix_cache": prefix_cache,
     "signed_push": signed_push,
     "sessions": sessions,
+    "startup": startup,
 }
 
 
