@@ -11,6 +11,7 @@ from rollwire.client._requests import AdapterVersion
 from rollwire.client._results import GenerateResult, Sample
 from rollwire.common.errors import FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted, Unavailable
 from rollwire.common.reasons import Reason
+from rollwire.common.signing import SigningKey
 from rollwire.learner.buffer import Buffer, GroupLedger, Signal
 from rollwire.learner.config import RewardSpec, RolloutSection
 from rollwire.learner.producer import Producer
@@ -132,12 +133,14 @@ class FakeTarget:
 
     def __init__(self, failures: list[Exception] | None = None) -> None:
         self.pushed: list[int] = []
+        self.signed_by: list[str | None] = []
         self.in_flight = 0
         self.max_in_flight = 0
         self.release = asyncio.Event()
         self.failures = list(failures or [])
 
-    async def push_adapter(self, name, version, payload, lora, fingerprint):
+    async def push_adapter(self, name, version, payload, lora, fingerprint, *, signing_key=None):
+        self.signed_by.append(signing_key.key_id if signing_key is not None else None)
         self.in_flight += 1
         self.max_in_flight = max(self.max_in_flight, self.in_flight)
         try:
@@ -163,6 +166,15 @@ async def test_one_push_in_flight_and_a_newer_version_supersedes_the_pending_one
     assert target.pushed == [1, 4] and target.max_in_flight == 1
     assert pub.served == 4
     assert [(r.version, r.outcome) for r in records if r.outcome != "ok"] == [(2, "superseded"), (3, "superseded")]
+
+
+async def test_every_version_is_pushed_signed_with_the_learners_key():
+    target, key = FakeTarget(), SigningKey.generate("learner-key")
+    pub = Publisher(target, "policy", "fp", {}, Signal(), 0.01, signing_key=key)
+    target.release.set()
+    await pub.publish(1, b"x", wait=True)
+    await pub.publish(2, b"x", wait=True)
+    assert target.signed_by == ["learner-key", "learner-key"]
 
 
 async def test_sync_publish_waits_until_served_and_retries_unavailable():
