@@ -120,7 +120,7 @@ async def test_out_of_memory_among_equal_reservations_ends_only_the_oldest(engin
 
 
 @module_loop
-async def test_out_of_memory_in_a_prefill_ends_only_that_prefills_groups(engine, monkeypatch):
+async def test_out_of_memory_in_a_prefill_ends_the_newcomer_that_holds_the_most(engine, monkeypatch):
     real_forward = engine._forward
 
     def forward(adapters, **inputs):
@@ -128,12 +128,36 @@ async def test_out_of_memory_in_a_prefill_ends_only_that_prefills_groups(engine,
             raise torch.OutOfMemoryError("CUDA out of memory (injected)")
         return real_forward(adapters, **inputs)
 
-    running = await started(engine, group("running", seed=3, tokens=30))
+    running = await started(engine, group("running", n=1, seed=3, tokens=30))  # 33 tokens reserved
     monkeypatch.setattr(engine, "_forward", forward)
-    with pytest.raises(ResourceExhausted):
-        await collect(engine, group("doomed", seed=4))
+    with pytest.raises(ResourceExhausted) as err:
+        await collect(engine, group("doomed", n=2, seed=4, tokens=30))  # 66: the largest
+    assert err.value.reason == "ENGINE_OOM" and "a prefill" in str(err.value)
     monkeypatch.setattr(engine, "_forward", real_forward)
     assert all(len(t) == 30 for t in (await running).values())
+
+
+@module_loop
+async def test_out_of_memory_in_a_prefill_ends_a_larger_running_group_and_the_newcomer_starts(engine, monkeypatch):
+    """A small newcomer's prefill runs out of memory once while a larger group runs: the running
+    group ends, the prefill is redone, and the newcomer gets exactly its tokens."""
+    alone = (await collect(engine, group("alone", n=1, seed=8, tokens=12)))["tokens"]
+    real_forward = engine._forward
+    armed = {"prefills": 0}
+
+    def forward(adapters, **inputs):
+        if inputs["input_ids"].shape[1] > 1 and armed["prefills"] == 0:
+            armed["prefills"] += 1
+            raise cpu_allocation_failure()
+        return real_forward(adapters, **inputs)
+
+    running = await started(engine, group("large", n=2, seed=3, tokens=40))  # 86 tokens reserved
+    monkeypatch.setattr(engine, "_forward", forward)
+    newcomer = await collect(engine, group("small", n=1, seed=8, tokens=12))  # 15
+    assert newcomer["tokens"] == alone and armed["prefills"] == 1
+    with pytest.raises(ResourceExhausted) as err:
+        await running
+    assert err.value.reason == "ENGINE_OOM" and "largest KV reservation of the 2 groups" in str(err.value)
 
 
 # -- the budget: derived from memory at start, or configured ------------------------------------
@@ -316,6 +340,48 @@ async def test_an_allocation_failure_in_a_prefill_is_out_of_memory_not_a_replica
     with pytest.raises(ResourceExhausted) as err:
         await collect(engine, group("cpu-oom", seed=5))
     assert err.value.reason == "ENGINE_OOM"
+
+
+@module_loop
+@pytest.mark.parametrize("newcomer_tokens, ends", [(40, "newcomer"), (8, "running")])
+async def test_memory_running_out_while_newcomers_join_ends_the_largest(engine, monkeypatch, newcomer_tokens, ends):
+    """The running batch's cache grows layer by layer as a prefill's rows join it; when that
+    fails part-way (after the first layer), the batch is put back, the larger of the two groups
+    ends, and the other goes on with exactly its tokens."""
+    from rollwire.generator.engines import kv_batch
+
+    running_req, newcomer_req = group("running", seed=6, tokens=30), group("newcomer", seed=7, tokens=newcomer_tokens)
+    alone = {
+        "running": (await collect(engine, running_req))["tokens"],
+        "newcomer": (await collect(engine, newcomer_req))["tokens"],
+    }
+    real_pad_left = kv_batch.pad_left
+    calls = {"armed": False, "n": 0}
+    allocation_failure = cpu_allocation_failure()
+
+    def pad_left(t, width):
+        if calls["armed"]:
+            calls["n"] += 1
+            if calls["n"] == 5:  # layer 0 joined (keys, values), layer 1's keys not yet
+                calls["armed"] = False
+                raise allocation_failure
+        return real_pad_left(t, width)
+
+    monkeypatch.setattr(kv_batch, "pad_left", pad_left)
+    running = await started(engine, running_req)
+    calls["armed"] = True
+    newcomer = asyncio.create_task(collect(engine, newcomer_req))
+    outcomes = {}
+    for name, task in (("running", running), ("newcomer", newcomer)):
+        try:
+            result = await task
+            outcomes[name] = result if name == "running" else result["tokens"]
+        except ResourceExhausted as exc:
+            assert exc.reason == "ENGINE_OOM" and "joining the batch" in str(exc)
+            outcomes[name] = "ENGINE_OOM"
+    assert calls["n"] == 5
+    survivor = "running" if ends == "newcomer" else "newcomer"
+    assert outcomes == {ends: "ENGINE_OOM", survivor: alone[survivor]}
 
 
 # -- what counts as out of memory ---------------------------------------------------------------

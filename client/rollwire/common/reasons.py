@@ -285,7 +285,7 @@ class Reason(StrEnum):
     KV_BUDGET = "KV_BUDGET"
     """INVALID_ARGUMENT; do not retry: n x (prompt + max_new_tokens) is over the replica's KV-token budget."""
     ENGINE_OOM = "ENGINE_OOM"
-    """RESOURCE_EXHAUSTED; retry: The replica ran out of memory for this group (its prefill, or, in a decode step, the group holding the largest KV reservation)."""
+    """RESOURCE_EXHAUSTED; retry: The replica ran out of memory and ended this group: it held the largest KV reservation of the step that ran out."""
     BAD_FOLLOW = "BAD_FOLLOW"
     """INVALID_ARGUMENT; do not retry: `adapter.follow` without an adapter name, or with a pinned version."""
     FOLLOW_UNSUPPORTED = "FOLLOW_UNSUPPORTED"

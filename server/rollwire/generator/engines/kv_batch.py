@@ -109,16 +109,28 @@ def select_rows(batch: Batch, keep: list[int], device: torch.device) -> Batch:
 
 
 def merge(a: Batch, b: Batch | None) -> Batch:
-    """Concatenate two batches, left-padding the shorter KV cache with masked zeros."""
+    """Concatenate two batches, left-padding the shorter KV cache with masked zeros.
+
+    `a`'s cache is grown layer by layer (one layer's copy at a time, not the whole cache's).
+    If that fails part-way (memory runs out), every layer is put back to `a`'s rows and
+    columns before the error propagates (views of the grown tensors: nothing is allocated),
+    so `a` stays a valid batch and only `b`'s groups need to end."""
     if b is None or not b.rows:
         return a
     if not a.rows:
         return b
-    width = max(a.mask.shape[1], b.mask.shape[1])
-    for la, lb in zip(a.cache.layers, b.cache.layers, strict=False):
-        la.keys = torch.cat([pad_left(la.keys, width), pad_left(lb.keys, width)], 0)
-        la.values = torch.cat([pad_left(la.values, width), pad_left(lb.values, width)], 0)
-    mask = torch.cat([pad_left(a.mask, width), pad_left(b.mask, width)], 0)
+    rows, old_width = len(a.rows), a.mask.shape[1]
+    width = max(old_width, b.mask.shape[1])
+    try:
+        for la, lb in zip(a.cache.layers, b.cache.layers, strict=False):
+            la.keys = torch.cat([pad_left(la.keys, width), pad_left(lb.keys, width)], 0)
+            la.values = torch.cat([pad_left(la.values, width), pad_left(lb.values, width)], 0)
+        mask = torch.cat([pad_left(a.mask, width), pad_left(b.mask, width)], 0)
+    except BaseException:
+        for layer in a.cache.layers:
+            layer.keys = layer.keys[:rows, :, layer.keys.shape[-2] - old_width :]
+            layer.values = layer.values[:rows, :, layer.values.shape[-2] - old_width :]
+        raise
     return Batch(a.rows + b.rows, a.cache, mask)
 
 

@@ -37,9 +37,9 @@ from the device's free memory at start (kv_memory.py); one that could never fit 
 front (KV_BUDGET). A failure to allocate memory anywhere in a step (transformers_groups.
 out_of_memory: torch's OOM, the CPU allocator's and the CUDA libraries' allocation failures)
 ends groups with RESOURCE_EXHAUSTED, reason ENGINE_OOM, which the proxy retries elsewhere and
-never counts against the replica: in a prefill, the groups being admitted; in a decode step,
-one group at a time by the largest reservation (transformers_groups.oom_victim), until the
-step fits.
+never counts against the replica: whether it happens in a decode step, in a prefill or while
+new rows join the batch, one group at a time ends, the largest reservation among the groups
+involved (transformers_groups.oom_victim), and the rest try again until the step fits.
 
 Prefix KV reuse (prefix_cache.py): before a prefill, each group looks up the longest prefix
 of its prompt whose keys and values were computed recently under the same adapter version;
@@ -347,18 +347,10 @@ class TransformersEngine:
             self._admissions += 1
             for g in admitted:
                 g.admitted_at = self._admissions
-            try:
-                fresh = self._prefill(admitted)
-            except Exception as exc:  # the running batch's cache is untouched: it keeps decoding
-                if not out_of_memory(exc):
-                    fail_engine(admitted, exc)
-                    return batch
-                fail_out_of_memory(admitted, "its prefill")
-                return batch
-            batch = fresh if batch is None else kv_batch.merge(batch, fresh)
+            batch = self._admit_within_memory(batch, admitted)
         return batch
 
-    def _decode_within_memory(self, batch: Batch) -> Batch | None:
+    def _decode_within_memory(self, batch: Batch | None) -> Batch | None:
         """A decode step; when it runs out of memory, the cache is cut back to where it was
         before the step, the group holding the largest KV reservation (ties: the one admitted
         first) is ended with RESOURCE_EXHAUSTED ENGINE_OOM, and the others step again, one
@@ -371,7 +363,7 @@ class TransformersEngine:
         admitted after it, each retried elsewhere as busy, while it went on holding the memory.
         Among equals the oldest goes: its real keys and values reach furthest back, so the
         batch's padding columns shrink with it."""
-        while True:
+        while batch is not None:
             kv_len = batch.mask.shape[1]
             try:
                 return self._decode(batch)
@@ -379,18 +371,62 @@ class TransformersEngine:
                 if not out_of_memory(exc):
                     raise
                 kv_batch.cut_cache(batch.cache, kv_len)
-                groups = list({id(r.group): r.group for r in batch.rows}.values())
-                victim = oom_victim(groups)
-                held = sum(kv_tokens(g.req) for g in groups)
-                fail_out_of_memory(
-                    [victim],
-                    "a decode step",
-                    f"it held the largest KV reservation of the {len(groups)} groups running "
-                    f"({kv_tokens(victim.req)} of {held} tokens reserved)",
-                )
-                batch = self._drop_rows(batch, [i for i, r in enumerate(batch.rows) if r.group is victim])
-                if not batch.rows:
-                    return None
+                batch, _ = self._end_largest("a decode step", batch, [])
+        return None
+
+    def _admit_within_memory(self, batch: Batch | None, admitted: list[_Group]) -> Batch | None:
+        """Prefill the admitted groups and join their rows to the running batch, by the decode
+        step's rule when memory runs out: in the prefill's pass (before any token is sent, so
+        it can be redone) or while the rows join (kv_batch.merge puts the batch back), the
+        largest reservation among the running and the joining groups ends, and the rest try
+        again. A newcomer that holds more than the running groups goes first; a small one
+        does not pay for a large group that holds the memory. Any other failure of the pass
+        ends only the groups being admitted (the running batch's cache is untouched)."""
+        joining = list(admitted)
+        while joining:
+            try:
+                fresh, logits = self._prefill(joining)
+            except Exception as exc:
+                if not out_of_memory(exc):
+                    fail_engine(joining, exc)
+                    return batch
+                batch, victim = self._end_largest("a prefill", batch, joining)
+                joining = [g for g in joining if g is not victim]
+                continue
+            return self._join_within_memory(batch, self._sample_and_emit(fresh, logits))  # first tokens sent
+        return batch
+
+    def _join_within_memory(self, batch: Batch | None, fresh: Batch | None) -> Batch | None:
+        while batch is not None and fresh is not None:
+            try:
+                return kv_batch.merge(batch, fresh)
+            except Exception as exc:
+                if not out_of_memory(exc):
+                    raise
+                joining = list({id(r.group): r.group for r in fresh.rows}.values())
+                batch, victim = self._end_largest("new groups joining the batch", batch, joining)
+                fresh = self._without(fresh, victim)
+        return fresh if batch is None else batch
+
+    def _end_largest(self, where: str, batch: Batch | None, others: list[_Group]) -> tuple[Batch | None, _Group]:
+        """End the group with the largest KV reservation among the batch's and `others`
+        (transformers_groups.oom_victim) with ENGINE_OOM; the batch without its rows, and it."""
+        running = [r.group for r in batch.rows] if batch is not None else []
+        groups = list({id(g): g for g in [*running, *others]}.values())
+        victim = oom_victim(groups)
+        held = sum(kv_tokens(g.req) for g in groups)
+        fail_out_of_memory(
+            [victim],
+            where,
+            f"it held the largest KV reservation of the {len(groups)} groups involved "
+            f"({kv_tokens(victim.req)} of {held} tokens reserved)",
+        )
+        victim.cancelled = True  # nothing more is sent to it
+        return (self._without(batch, victim) if batch is not None else None), victim
+
+    def _without(self, batch: Batch, group: _Group) -> Batch | None:
+        batch = self._drop_rows(batch, [i for i, r in enumerate(batch.rows) if r.group is group])
+        return batch if batch.rows else None
 
     def _decode(self, batch: Batch) -> Batch | None:
         for r in batch.rows:
@@ -412,9 +448,11 @@ class TransformersEngine:
             r.position += 1
         return self._sample_and_emit(Batch(batch.rows, out.cache, mask), out.logits[:, -1, :])
 
-    def _prefill(self, groups: list[_Group]) -> Batch | None:
+    def _prefill(self, groups: list[_Group]) -> tuple[Batch, torch.Tensor]:
         """One forward pass for the admitted groups (one row each, its prefix reused from the
-        prefix cache when one is held), then each group's row copied for its n samples."""
+        prefix cache when one is held), then each group's row copied for its n samples: the
+        batch of their rows and its logits, to sample their first tokens from. Sends nothing,
+        so it can be redone."""
         selections = [g.req.adapter for g in groups]  # read once: a following group may switch meanwhile
         keys: list[AdapterKey] = [(s.name, s.version, s.handle) for s in selections]
         hits = [self.prefix_cache.lookup(k, g.req.prompt_ids) for k, g in zip(keys, groups, strict=True)]
@@ -440,7 +478,7 @@ class TransformersEngine:
         # once and copied n times (a row's values do not depend on the other rows of the pass).
         samples = torch.tensor([g.req.n for g in groups], device=self.device)
         batch = kv_batch.repeat_rows(Batch(rows, out.cache, inputs.mask), samples)
-        return self._sample_and_emit(batch, out.logits[:, -1, :].repeat_interleave(samples, 0))
+        return batch, out.logits[:, -1, :].repeat_interleave(samples, 0)
 
     def _new_rows(self, g: _Group, key: AdapterKey) -> list[_Row]:
         """A group's n rows, each with its own seeded generator ((seed, i), or the sample's own

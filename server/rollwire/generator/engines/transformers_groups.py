@@ -153,8 +153,8 @@ def kv_tokens(req: GroupRequest) -> int:
 
 
 def oom_victim(groups: list[Group]) -> Group:
-    """The group a decode step that ran out of memory ends: the largest KV reservation, ties
-    by the earliest admission (why: transformers_engine._decode_within_memory)."""
+    """The group a step that ran out of memory ends: the largest KV reservation, ties by the
+    earliest admission (why: transformers_engine._decode_within_memory)."""
     return max(groups, key=lambda g: (kv_tokens(g.req), -g.admitted_at))
 
 
@@ -188,7 +188,7 @@ def oom_status(g: Group, where: str, why: str = "") -> ResourceExhausted:
     """RESOURCE_EXHAUSTED ENGINE_OOM for one group, with a retry hint."""
     because = f"; {why}" if why else ""
     return ResourceExhausted(
-        f"this replica ran out of memory in {where} of this request ({g.req.n} samples, "
+        f"this replica ran out of memory in {where} while serving this request ({g.req.n} samples, "
         f"{len(g.req.prompt_ids)} prompt tokens, up to {g.req.sampling.max_new_tokens} new){because}; retry, or ask "
         "for fewer samples or tokens",
         reason=Reason.ENGINE_OOM,
