@@ -507,3 +507,34 @@ def test_real_allocation_failures_end_the_large_group_and_no_newcomer(tiny_model
         assert run["big"] in ("ok", "ENGINE_OOM"), (headroom_mib, run)
     if all(run["big"] == "ok" for run in runs.values()):
         pytest.skip(f"this host's allocator did not run out within these headrooms: {runs}")
+
+
+@module_loop
+async def test_the_engine_thread_lives_when_reporting_a_failed_step_runs_out_of_memory(engine, monkeypatch):
+    """Before: memory ran out, then again while the failure's traceback was formatted, the
+    engine thread died and every request waited forever. Now each group still gets a status
+    (within a deadline) and the next request is served."""
+    from rollwire.generator.engines import transformers_groups
+
+    class Starved:
+        def __getattr__(self, name):
+            def log(*args, **kwargs):
+                raise MemoryError
+
+            return log
+
+    real_forward = engine._forward
+
+    def forward(adapters, **inputs):
+        if inputs["input_ids"].shape[1] == 1:
+            raise RuntimeError("CUDA error: an illegal memory access was encountered")
+        return real_forward(adapters, **inputs)
+
+    monkeypatch.setattr(transformers_groups, "log", Starved())
+    monkeypatch.setattr(engine, "_forward", forward)
+    with pytest.raises(ResourceExhausted) as err:
+        await asyncio.wait_for(collect(engine, group("starved", seed=9)), 30)
+    assert err.value.reason == "ENGINE_OOM"
+    monkeypatch.undo()
+    after = await asyncio.wait_for(collect(engine, group("after-starved", seed=9, tokens=4)), 30)
+    assert all(len(t) == 4 for t in after["tokens"].values())

@@ -280,8 +280,8 @@ class TransformersEngine:
                 except Exception as exc:  # a bug or OOM must fail the requests, not hang them
                     groups = {id(r.group): r.group for r in (batch.rows if batch else [])}
                     groups.update({id(g): g for g in admitted})
+                    batch = None  # its memory goes with it
                     fail_engine(list(groups.values()), exc)
-                    batch = None
                 running = {id(r.group): r.group for r in batch.rows} if batch else {}
                 with self._cv:
                     self._running_groups = len(running)

@@ -208,7 +208,23 @@ def fail_out_of_memory(groups: list[Group], where: str, why: str = "") -> None:
 
 def fail_engine(groups: list[Group], exc: Exception) -> None:
     """A step failed with no row to blame: end every group in it. A replica fault (INTERNAL
-    ENGINE_FAILED), unless memory ran out (ENGINE_OOM, the replica's load)."""
+    ENGINE_FAILED), unless memory ran out (ENGINE_OOM, the replica's load).
+
+    Never raises into the worker loop: when reporting the failure fails too (memory can run
+    out while a traceback is formatted), each group still gets a status, so the engine thread
+    lives on and no caller waits on a group nobody will end."""
+    try:
+        _fail_engine(groups, exc)
+    except Exception as again:
+        memory = out_of_memory(exc) or out_of_memory(again)
+        for g in groups:
+            failed = Internal(
+                "generation failed on this replica; retry on another replica", reason=Reason.ENGINE_FAILED
+            )
+            g.send([oom_status(g, "a batch step") if memory else failed, END])
+
+
+def _fail_engine(groups: list[Group], exc: Exception) -> None:
     if out_of_memory(exc):
         fail_out_of_memory(groups, "a batch step", clip_exc(exc))
         return
