@@ -59,4 +59,6 @@ def _run(args: argparse.Namespace, *, model: type[ServerConfig], role: str, serv
     except ConfigError as exc:  # what only starting could find out (a peer proxy already has this id)
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    finally:
+        gc.enable()  # on already, unless the start failed before serving (a caller in this process goes on)
     return 0
