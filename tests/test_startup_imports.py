@@ -1,7 +1,8 @@
 """What a process imports before it serves (issue 33): a process starts as fast as its imports
 allow, so the proxy's start path stays free of the model libraries (torch, transformers, peft:
-seconds) and of the HTTP door's (FastAPI, uvicorn: ~0.4 s) when it serves no door. How long
-each start takes is measured by bench/startup.py, not here (timings on shared cores are noise).
+seconds) and of the HTTP door's (FastAPI, uvicorn: ~0.4 s) when it serves no door, and
+`rollwire --help` lists the commands without building their config models. How long each start
+takes is measured by bench/startup.py, not here (timings on shared cores are noise).
 """
 
 from __future__ import annotations
@@ -40,3 +41,20 @@ def test_the_http_door_still_imports_where_it_is_served():
     # the control of the test above: the door's modules do bring FastAPI, so its absence there
     # means the proxy did not import them
     assert imported_by("import rollwire.proxy.http.door", DOOR_LIBRARIES) != []
+
+
+def test_rollwire_help_lists_every_command_without_their_config_models():
+    code = (
+        "import contextlib, io, json, sys\n"
+        "from rollwire.client import cli\n"
+        "out = io.StringIO()\n"
+        "with contextlib.redirect_stdout(out), contextlib.suppress(SystemExit):\n"
+        "    cli.main(['--help'])\n"
+        "imported = [m for m in ('pydantic', 'torch') if m in sys.modules]\n"
+        "print(json.dumps([out.getvalue() == cli.build_parser().format_help(), imported]))\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    same_as_every_command_registered, imported = json.loads(proc.stdout.splitlines()[-1])
+    assert same_as_every_command_registered
+    assert imported == []

@@ -4,7 +4,8 @@ Startup imports grpc and the stubs only. The SDK's own commands (generate, push-
 status) are defined here; every other command comes from an entry point in the
 `rollwire.commands` group (pyproject.toml's `[project.entry-points."rollwire.commands"]`):
 a `register(subparsers)` function that imports nothing heavy, so `--help` answers fast and
-never imports torch, and the SDK names no server or learner module. Every subcommand is
+never imports torch, and the SDK names no server or learner module; its module may declare
+SUMMARY, its line in `rollwire --help`, which then lists it without registering it. Every subcommand is
 `func(args) -> int`. Exit codes: 0 done, 1 an error status (printed as
 `error: CODE: message`), 2 bad usage.
 """
@@ -15,6 +16,7 @@ import argparse
 import json
 import sys
 from collections.abc import Iterable, Mapping, Sequence
+from importlib import import_module
 from importlib.metadata import EntryPoint, entry_points
 from pathlib import Path
 from typing import Any, TextIO
@@ -42,7 +44,8 @@ class UsageError(Exception):
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Parse, dispatch to `args.func`, and map failures to exit codes."""
-    args = build_parser(_entry_point_named(sys.argv[1:] if argv is None else argv)).parse_args(argv)
+    words = sys.argv[1:] if argv is None else argv
+    args = build_parser(_entry_point_named(words), summaries=list(words[:1]) in (["-h"], ["--help"])).parse_args(argv)
     try:
         return int(args.func(args) or 0)
     except UsageError as exc:
@@ -58,10 +61,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 130
 
 
-def build_parser(command: str | None = None) -> argparse.ArgumentParser:
+def build_parser(command: str | None = None, *, summaries: bool = False) -> argparse.ArgumentParser:
     """Every command, or with `command` (an entry point's name) the SDK's own and that one alone:
     registering a command builds its config model, which the process that runs another command
-    never needs (`rollwire proxy` would build the generator's and the learner's)."""
+    never needs (`rollwire proxy` would build the generator's and the learner's). With
+    `summaries` (for `rollwire --help`, which runs no command), an entry point whose module
+    names its help line as SUMMARY is listed by it without being registered."""
     parser = argparse.ArgumentParser(prog="rollwire", description="rollout serving for asynchronous GRPO with LoRA")
     commands = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     _add_generate(commands)
@@ -69,9 +74,16 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     _add_status(commands)
     add_keys(commands, UsageError, _positive)
     for entry_point in command_entry_points():
-        if command is None or entry_point.name == command:
+        if summaries and isinstance(summary := _summary(entry_point), str):
+            commands.add_parser(entry_point.name, help=summary)
+        elif command is None or entry_point.name == command:
             entry_point.load()(commands)
     return parser
+
+
+def _summary(entry_point: EntryPoint) -> object:
+    """The SUMMARY its command module declares (None when it declares none)."""
+    return getattr(import_module(entry_point.module), "SUMMARY", None)
 
 
 def _entry_point_named(argv: Sequence[str]) -> str | None:

@@ -9,6 +9,9 @@ from __future__ import annotations
 import argparse
 import sys
 
+SUMMARY = "train a LoRA adapter with asynchronous GRPO"
+"""Its line in `rollwire --help`, which lists it without importing its config model."""
+
 
 def register(subparsers) -> None:
     """Add `rollwire learner` (imports the config model only: pydantic, no torch)."""
@@ -19,7 +22,7 @@ def register(subparsers) -> None:
         subparsers,
         "learner",
         LearnerConfig,
-        help="train a LoRA adapter with asynchronous GRPO",
+        help=SUMMARY,
         description="Train a LoRA adapter with GRPO on rollouts from a proxy or generator, pushing each new version.",
         example="train.lr=5e-4",
         file_help="TOML or YAML file (see rollwire.learner.config)",

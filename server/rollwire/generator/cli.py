@@ -9,9 +9,11 @@ from __future__ import annotations
 
 import argparse
 
-from rollwire.runtime.config import Flag
+from rollwire.runtime.flags import Flag
 from rollwire.serving.command import register_server
 
+SUMMARY = "run a generator replica"
+"""Its line in `rollwire --help`, which lists it without importing its config model."""
 FLAGS = (
     Flag("model", metavar="DIR"),
     Flag("engine"),
@@ -40,7 +42,7 @@ def register(subparsers) -> None:
         GeneratorConfig,
         FLAGS,
         _serve,
-        help="run a generator replica",
+        help=SUMMARY,
         example="limits.max_n=16",
     )
 

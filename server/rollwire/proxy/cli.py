@@ -9,9 +9,11 @@ from __future__ import annotations
 
 import argparse
 
-from rollwire.runtime.config import Flag
+from rollwire.runtime.flags import Flag
 from rollwire.serving.command import register_server
 
+SUMMARY = "run the routing proxy in front of generator replicas"
+"""Its line in `rollwire --help`, which lists it without importing its config model."""
 FLAGS = (
     Flag("host"),
     Flag("port", metavar="PORT"),
@@ -38,7 +40,7 @@ def register(subparsers) -> None:
         ProxyConfig,
         FLAGS,
         _serve,
-        help="run the routing proxy in front of generator replicas",
+        help=SUMMARY,
         example="routing.max_in_flight_per_replica=16",
     )
 

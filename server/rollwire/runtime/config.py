@@ -28,13 +28,13 @@ import json
 import sys
 import textwrap
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar, TypeVar, get_args, get_origin
 
 from pydantic import BaseModel, ConfigDict, ValidationError
 from pydantic.fields import FieldInfo
 
+from rollwire.runtime.flags import Flag
 from rollwire.runtime.registry import Registry
 
 T = TypeVar("T", bound=BaseModel)
@@ -275,25 +275,6 @@ def dump_config(config: BaseModel) -> str:
 
 
 # ---------------------------------------------------------------- command line
-
-
-@dataclass(frozen=True)
-class Flag:
-    """A command-line flag for one config key; its type, help, default and choices come from the field."""
-
-    key: str
-    """Dotted config key, e.g. "sglang.url"."""
-    name: str = ""
-    """The flag; default `--` + the key with dots and underscores as dashes (`--sglang-url`)."""
-    metavar: str | None = None
-
-    @property
-    def flag(self) -> str:
-        return self.name or "--" + self.key.replace(".", "-").replace("_", "-")
-
-    @property
-    def dest(self) -> str:
-        return "config_flag:" + self.key
 
 
 def add_config_arguments(

@@ -1,7 +1,8 @@
 """`rollwire generator` and `rollwire proxy`: a gRPC server process as a CLI subcommand.
 
-Registering one imports only its config model (pydantic): the server, and torch with it, is
-imported when the command runs, so `rollwire --help` and a bad flag answer at once.
+Importing a command module imports nothing heavy (its flags, its one-line SUMMARY); registering
+one imports its config model (pydantic); the server, and torch with it, is imported when the
+command runs, so `rollwire --help` and a bad flag answer at once.
 
 Python's cyclic garbage collector is off while a server starts: the start allocates some
 600,000 objects that live as long as the process (torch, transformers, the model), and every
@@ -13,15 +14,15 @@ later collections nor the interpreter's exit walk them (exit took ~3 s with torc
 from __future__ import annotations
 
 import argparse
-import asyncio
 import functools
 import gc
 import sys
 from collections.abc import Callable, Coroutine, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from rollwire.runtime.config import Flag, add_process_command, config_for_command
-from rollwire.serving.config import ServerConfig
+if TYPE_CHECKING:
+    from rollwire.runtime.flags import Flag
+    from rollwire.serving.config import ServerConfig
 
 Serve = Callable[[Any, argparse.Namespace], Coroutine[Any, Any, None]]
 """`serve(config, args)`: runs the server until it stops (imports the heavy parts itself)."""
@@ -40,13 +41,17 @@ def register_server(
     """Add `rollwire NAME` (`help` in the command list, `model`'s docstring as its description)
     with its config flags and --ready-file. Running it resolves the config (flags > --set > env
     > --config file), prints it for --dry-run, else logs as NAME and awaits `serve(config, args)`."""
+    from rollwire.runtime.config import add_process_command
+
     p = add_process_command(subparsers, name, model, flags, help=help, example=example)
     p.set_defaults(func=functools.partial(_run, model=model, role=name, serve=serve))
     return p
 
 
 def _run(args: argparse.Namespace, *, model: type[ServerConfig], role: str, serve: Serve) -> int:
-    from rollwire.runtime.config import ConfigError
+    import asyncio
+
+    from rollwire.runtime.config import ConfigError, config_for_command
     from rollwire.runtime.logs import setup_logging
 
     config = config_for_command(model, args)
