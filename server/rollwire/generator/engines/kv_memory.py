@@ -22,6 +22,7 @@ admission never depends on what other processes happen to hold at the moment; an
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -29,6 +30,9 @@ from typing import Any
 import torch
 
 from rollwire.common.errors import FailedPrecondition
+from rollwire.runtime.logs import get_logger
+
+log = get_logger("rollwire.generator.engines.transformers_engine")
 
 MEMINFO = Path("/proc/meminfo")
 CGROUP_V2 = (Path("/sys/fs/cgroup/memory.max"), Path("/sys/fs/cgroup/memory.current"))
@@ -136,6 +140,25 @@ def derive(memory: Memory, weights: int, fraction: float, set_aside: int, bytes_
     return KvBudget(tokens, memory.source, memory.free_bytes, weights, fraction, set_aside, bytes_per_token)
 
 
+def budget(
+    model: Any, device: torch.device, configured: int | None, fraction: float, free: Memory | None, prefix_tokens: int
+) -> KvBudget:
+    """The engine's budget, logged (`engine_kv_budget`): `configured` when set, else derived from
+    `free` (read before the weights were loaded), the model and, on CPU, the prefix cache's
+    `prefix_tokens`. Refuses (FailedPrecondition) a device left with no room for one token."""
+    if configured or free is None:
+        chosen = KvBudget(configured or 0, "config")
+        log.info("engine_kv_budget", tokens=chosen.tokens, source=chosen.source, device=str(device))
+        return chosen
+    per_token = kv_bytes_per_token(model.config, model.dtype)
+    set_aside = prefix_tokens * per_token if device.type == "cpu" else 0  # the prefix cache is held on CPU
+    chosen = derive(free, weights_bytes(model), fraction, set_aside, per_token)
+    log.info("engine_kv_budget", device=str(device), **dataclasses.asdict(chosen))
+    if chosen.tokens < 1:
+        raise too_small(chosen, device)
+    return chosen
+
+
 def too_small(budget: KvBudget, device: torch.device) -> FailedPrecondition:
     """The start-up refusal when memory leaves no room for even one token."""
     return FailedPrecondition(
@@ -145,4 +168,4 @@ def too_small(budget: KvBudget, device: torch.device) -> FailedPrecondition:
     )
 
 
-__all__ = ["KvBudget", "Memory", "derive", "free_memory", "kv_bytes_per_token", "too_small", "weights_bytes"]
+__all__ = ["KvBudget", "Memory", "budget", "derive", "free_memory", "kv_bytes_per_token", "too_small", "weights_bytes"]

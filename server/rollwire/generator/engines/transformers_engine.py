@@ -31,15 +31,8 @@ pass itself (a device error), which no row can be blamed for, ends the groups in
 with INTERNAL, reason ENGINE_FAILED: that one is a replica fault. A failed prefill ends only
 the groups being admitted; the running batch keeps decoding.
 
-Memory is load, never a fault. Groups are admitted while their KV-token reservations
-(n x (prompt + max_new_tokens)) fit the budget: `transformers.max_batch_tokens`, or derived
-from the device's free memory at start (kv_memory.py); one that could never fit is refused up
-front (KV_BUDGET). A failure to allocate memory anywhere in a step (transformers_groups.
-out_of_memory: torch's OOM, the CPU allocator's and the CUDA libraries' allocation failures)
-ends groups with RESOURCE_EXHAUSTED, reason ENGINE_OOM, which the proxy retries elsewhere and
-never counts against the replica: whether it happens in a decode step, in a prefill or while
-new rows join the batch, one group at a time ends, the largest reservation among the groups
-involved (transformers_groups.oom_victim), and the rest try again until the step fits.
+Memory is load, never a fault: admission by KV-token budget (kv_memory.py) and what ends
+when memory still runs out (transformers_memory.py).
 
 Prefix KV reuse (prefix_cache.py): before a prefill, each group looks up the longest prefix
 of its prompt whose keys and values were computed recently under the same adapter version;
@@ -57,7 +50,6 @@ batch's KV cache surgery), prefix_cache.py.
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import random
 import secrets
 import threading
@@ -86,13 +78,11 @@ from rollwire.generator.engines.transformers_groups import (
     deliver,
     eos_ids,
     fail_engine,
-    fail_out_of_memory,
     kv_tokens,
-    oom_victim,
-    out_of_memory,
     row_error,
 )
 from rollwire.generator.engines.transformers_groups import Row as _Row
+from rollwire.generator.engines.transformers_memory import MemoryRules
 from rollwire.generator.engines.transformers_sampling import sample, sample_by_group
 from rollwire.generator.sampling import row_uniforms, sample_seeds
 from rollwire.generator.types import Event, GroupRequest, SampleDone, TokenDelta
@@ -106,7 +96,7 @@ _STOP_TAIL = 64  # characters of a sample's text kept for stop strings (at most 
 __all__ = ["TransformersEngine", "_Mailbox"]
 
 
-class TransformersEngine:
+class TransformersEngine(MemoryRules):
     """Engine over transformers, LoRA adapters by forward hooks (lora.py); see the module
     docstring for the batching loop."""
 
@@ -175,7 +165,17 @@ class TransformersEngine:
         if self.prefix_cache.enabled and not kv_batch.plain_layers(self.model.config):
             log.warning("prefix_cache_off", why="this model's cache has sliding-window or recurrent layers")
             self.prefix_cache = PrefixCache(PrefixCacheSettings(max_tokens=0), self.metrics)
-        self._set_budget(free)
+        self.kv_budget = kv_memory.budget(
+            self.model,
+            self.device,
+            self.configured_tokens,
+            self.kv_memory_fraction,
+            free,
+            self.prefix_cache.settings.max_tokens,
+        )
+        self.max_batch_tokens = self.kv_budget.tokens
+        if self.metrics is not None:
+            self.metrics.kv_budget_tokens.set(self.max_batch_tokens)
         log.info(
             "engine_loaded",
             engine=self.name,
@@ -183,25 +183,6 @@ class TransformersEngine:
             vocab=self.vocab_size,
             prefix_cache_tokens=self.prefix_cache.settings.max_tokens,
         )
-
-    def _set_budget(self, free: kv_memory.Memory | None) -> None:
-        """The KV-token budget: the configured one, else derived from `free` (read before the
-        weights were loaded) minus the weights and, on CPU, the prefix cache's budget."""
-        if free is None:
-            budget = kv_memory.KvBudget(self.configured_tokens or 0, "config")
-            log.info("engine_kv_budget", tokens=budget.tokens, source=budget.source, device=str(self.device))
-        else:
-            per_token = kv_memory.kv_bytes_per_token(self.model.config, self.model.dtype)
-            on_cpu = self.device.type == "cpu"  # where the prefix cache is held
-            set_aside = self.prefix_cache.settings.max_tokens * per_token if on_cpu else 0
-            weights = kv_memory.weights_bytes(self.model)
-            budget = kv_memory.derive(free, weights, self.kv_memory_fraction, set_aside, per_token)
-            log.info("engine_kv_budget", device=str(self.device), **dataclasses.asdict(budget))
-            if budget.tokens < 1:
-                raise kv_memory.too_small(budget, self.device)
-        self.kv_budget, self.max_batch_tokens = budget, budget.tokens
-        if self.metrics is not None:
-            self.metrics.kv_budget_tokens.set(budget.tokens)
 
     async def close(self) -> None:
         with self._cv:
@@ -349,84 +330,6 @@ class TransformersEngine:
                 g.admitted_at = self._admissions
             batch = self._admit_within_memory(batch, admitted)
         return batch
-
-    def _decode_within_memory(self, batch: Batch | None) -> Batch | None:
-        """A decode step; when it runs out of memory, the cache is cut back to where it was
-        before the step, the group holding the largest KV reservation (ties: the one admitted
-        first) is ended with RESOURCE_EXHAUSTED ENGINE_OOM, and the others step again, one
-        eviction per failed try, up to the last group standing.
-
-        Why by reservation and not by admission: every group was admitted because its
-        reservation fitted the budget, so when memory still runs out it is the groups that
-        grew toward large reservations that hold it, and ending one of them frees the most.
-        Ending the newest instead let one long, large group admitted earlier end every group
-        admitted after it, each retried elsewhere as busy, while it went on holding the memory.
-        Among equals the oldest goes: its real keys and values reach furthest back, so the
-        batch's padding columns shrink with it."""
-        while batch is not None:
-            kv_len = batch.mask.shape[1]
-            try:
-                return self._decode(batch)
-            except Exception as exc:
-                if not out_of_memory(exc):
-                    raise
-                kv_batch.cut_cache(batch.cache, kv_len)
-                batch, _ = self._end_largest("a decode step", batch, [])
-        return None
-
-    def _admit_within_memory(self, batch: Batch | None, admitted: list[_Group]) -> Batch | None:
-        """Prefill the admitted groups and join their rows to the running batch, by the decode
-        step's rule when memory runs out: in the prefill's pass (before any token is sent, so
-        it can be redone) or while the rows join (kv_batch.merge puts the batch back), the
-        largest reservation among the running and the joining groups ends, and the rest try
-        again. A newcomer that holds more than the running groups goes first; a small one
-        does not pay for a large group that holds the memory. Any other failure of the pass
-        ends only the groups being admitted (the running batch's cache is untouched)."""
-        joining = list(admitted)
-        while joining:
-            try:
-                fresh, logits = self._prefill(joining)
-            except Exception as exc:
-                if not out_of_memory(exc):
-                    fail_engine(joining, exc)
-                    return batch
-                batch, victim = self._end_largest("a prefill", batch, joining)
-                joining = [g for g in joining if g is not victim]
-                continue
-            return self._join_within_memory(batch, self._sample_and_emit(fresh, logits))  # first tokens sent
-        return batch
-
-    def _join_within_memory(self, batch: Batch | None, fresh: Batch | None) -> Batch | None:
-        while batch is not None and fresh is not None:
-            try:
-                return kv_batch.merge(batch, fresh)
-            except Exception as exc:
-                if not out_of_memory(exc):
-                    raise
-                joining = list({id(r.group): r.group for r in fresh.rows}.values())
-                batch, victim = self._end_largest("new groups joining the batch", batch, joining)
-                fresh = self._without(fresh, victim)
-        return fresh if batch is None else batch
-
-    def _end_largest(self, where: str, batch: Batch | None, others: list[_Group]) -> tuple[Batch | None, _Group]:
-        """End the group with the largest KV reservation among the batch's and `others`
-        (transformers_groups.oom_victim) with ENGINE_OOM; the batch without its rows, and it."""
-        running = [r.group for r in batch.rows] if batch is not None else []
-        groups = list({id(g): g for g in [*running, *others]}.values())
-        victim = oom_victim(groups)
-        held = sum(kv_tokens(g.req) for g in groups)
-        fail_out_of_memory(
-            [victim],
-            where,
-            f"it held the largest KV reservation of the {len(groups)} groups involved "
-            f"({kv_tokens(victim.req)} of {held} tokens reserved)",
-        )
-        victim.cancelled = True  # nothing more is sent to it
-        return (self._without(batch, victim) if batch is not None else None), victim
-
-    def _without(self, batch: Batch, group: _Group) -> Batch | None:
-        batch = self._drop_rows(batch, [i for i, r in enumerate(batch.rows) if r.group is group])
-        return batch if batch.rows else None
 
     def _decode(self, batch: Batch) -> Batch | None:
         for r in batch.rows:
