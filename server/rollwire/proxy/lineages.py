@@ -20,7 +20,7 @@ Invariants:
   forgotten first), MAX_NAMES internal names with marks and MAX_MARKS marks in all (an
   unload or a merge past it is refused, RESOURCE_EXHAUSTED) (audit A16).
 
-Peer proxies share both (`shared` to send, `merge` to receive; peers.py carries them), and
+Peer proxies share both (`shared` to send, `merge` to receive; publish/lineage_share.py carries them), and
 any two proxies that saw the same changes hold the same map, whatever the order they came in:
 - a generation only grows: a merge keeps the larger, so no peer can take a name back to an
   earlier lineage;

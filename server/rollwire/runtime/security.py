@@ -4,10 +4,9 @@ Five roles: `generate` (Generate, GetStatus), `admin` (everything), two narrow o
 replica holds: `relay` (PushAdapter, and only a `stage_only` push: it can stage bytes that an
 admin commits, never serve them, commit or call anything else) and `register` (the proxy's
 RegisterGenerator, DrainGenerator and DeregisterGenerator, for the caller's own address only,
-checked by the handler), and one a peer proxy holds: `peer` (GetStatus, PushAdapter only
-carrying the peer marker: a version for the spool, never fanned out, and ShareLineages: the
-lineage map and unloads; the marker and ShareLineages are honoured from this role only, so no
-admin can make one proxy's spool or names diverge from its peers'), and one a replica
+checked by the handler), and one a peer proxy holds: `peer` (GetStatus, PushAdapter only with the
+peer marker: a version for the spool, never fanned out, and ShareLineages, the lineage map;
+both from this role only, so no admin can make a proxy's spool or names diverge), and one a replica
 gives its proxy: `member` (the GeneratorService methods, on that replica only: a token derived from
 the fleet key and the replica's own advertised address, runtime/members.py; never accepted by a
 proxy). `caller_role` tells a handler which role a call has, for the checks
@@ -271,11 +270,8 @@ class TokenAuth:
         also = ((PEER,) if method in PEER_METHODS else ()) + ((MEMBER,) if method in MEMBER_METHODS else ())
         self.require(needed, header, short, also=also)
         if method in PEER_ONLY and self.role(metadata) != PEER:
-            raise PermissionDenied(
-                f"{short} is sent by peer proxies only: it needs a token of the peer role (auth.peer_tokens_file "
-                "here, peering.token_file on the sending proxy); proxies share it by themselves",
-                reason=Reason.WRONG_ROLE,
-            )
+            why = f"{short} is sent by peer proxies only, with a peer token (auth.peer_tokens_file here)"
+            raise PermissionDenied(why, reason=Reason.WRONG_ROLE)
 
     def require(self, needed: str, header: str | bytes | None, what: str, also: tuple[str, ...] = ()) -> None:
         """Raise Unauthenticated or PermissionDenied unless the `authorization` header's bearer
@@ -329,17 +325,14 @@ def require_stage_only(role: str, stage_only: bool) -> None:
         )
 
 
-def require_peer(
-    auth: TokenAuth | None,
-    context,
-    what: str = "mark a push as a peer's copy; push without the x-rollwire-peer metadata to publish a version",
-) -> None:
-    """The peer marker (a proxy's spool copy, never fanned out) and a peer's lineage map are
-    honoured from the `peer` role only, so no admin can make one proxy's spool or names diverge
-    from the fleet's; from anyone where auth is off, as every call is."""
+def require_peer(auth: TokenAuth | None, context) -> None:
+    """The peer marker (a proxy's spool copy, never fanned out) is honoured from the `peer`
+    role only, so no admin can make one proxy's spool diverge from the fleet's; from anyone
+    where auth is off, as every call is."""
     if auth is not None and auth.role(context.invocation_metadata()) != PEER:
         raise PermissionDenied(
-            f"only a peer proxy's token (auth.peer_tokens_file here, peering.token_file there) may {what}",
+            "only a peer proxy's token (auth.peer_tokens_file here, peering.token_file there) may mark a push as a "
+            "peer's copy; push without the x-rollwire-peer metadata to publish a version",
             reason=Reason.WRONG_ROLE,
         )
 

@@ -17,7 +17,7 @@ member is dialled with its own member token, never the proxy's admin token, and 
 after its canary (canary.py).
 
 ShareLineages is not about replicas: a peer proxy's lineage map, from the `peer` role only
-(security.require_peer), merged by publish/peers.py (`Peers.receive_lineages`, handed in: the
+(security.PEER_ONLY, checked before the handler), merged by publish/peers.py (`Peers.receive_lineages`, handed in: the
 fleet imports no publishing).
 """
 
@@ -46,7 +46,7 @@ from rollwire.runtime.dialing import bearer
 from rollwire.runtime.hosts import peer_ip, resolve_ips
 from rollwire.runtime.logs import get_logger
 from rollwire.runtime.members import CHALLENGE_KEY, PROOF_KEY, member_token, new_challenge, proof_matches
-from rollwire.runtime.security import REGISTER, TokenAuth, caller_role, require_peer
+from rollwire.runtime.security import REGISTER, TokenAuth, caller_role
 from rollwire.v1 import admin_pb2 as apb
 from rollwire.v1 import admin_pb2_grpc, generator_pb2_grpc
 from rollwire.v1 import generator_pb2 as pb
@@ -184,8 +184,7 @@ class AdminServicer(admin_pb2_grpc.AdminServiceServicer):
 
     async def ShareLineages(self, request: apb.ShareLineagesRequest, context) -> apb.ShareLineagesResponse:
         try:
-            require_peer(self.auth, context, "share a lineage map (ShareLineages); peer proxies send it by themselves")
-            if self.lineages is None:
+            if self.lineages is None:  # the role was checked: security.PEER_ONLY
                 raise PermissionDenied(
                     "this server takes no lineage map from peers; ShareLineages is for routing proxies",
                     reason=Reason.NO_ROLE,

@@ -24,6 +24,7 @@ Invariants:
 
 from __future__ import annotations
 
+from collections.abc import Container
 from typing import Protocol
 
 import grpc
@@ -43,7 +44,8 @@ log = get_logger(__name__)
 class Fleet(Protocol):
     """What catch-up needs of the replica set (replicas.ReplicaSet)."""
 
-    publishing: set[tuple[str, int]]
+    @property
+    def publishing(self) -> Container[tuple[str, int]]: ...
 
     def all(self) -> list[Replica]: ...
 

@@ -78,10 +78,10 @@ class ReplicaSet:
         self._background: set[asyncio.Task] = set()
         self.base = BaseModel(config.base_model, spool)
         spool.max_version_step = config.spool.max_version_step
-        self.publishing: set[tuple[str, int]] = set()
+        self.publishing: dict[tuple[str, int], asyncio.Task | None] = {}
         self.answered: set[tuple[str, int]] = set()
         """(name, version) of publications whose caller was answered at "spooled" and that still run."""
-        """(name, version) a publication (publish/fanout.py) is delivering now, spooled but still on its
+        """(name, version) a publication (publish/fanout.py; its task) is delivering now, spooled but still on its
         way to the replicas: catch-up leaves it to that publication, and a replica that lacks it
         yet is not behind. A second copy pushed over the same links would halve both (a thin
         link then took twice as long and closed connections mid-push); the publication hands

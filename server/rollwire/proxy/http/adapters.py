@@ -196,7 +196,7 @@ class AdapterDoor:
     async def _share_switch(self, name: str, generation: int, internal: str) -> None:
         """Tell the peers `name` means lineage `generation`: at once when its v1's publication
         ended (a load answered at "committed"), else once it has (its v1 is then in their spools)."""
-        peers, publication = self.state.peers, self.state.fanout.publication(internal, 1)
+        peers, publication = self.state.peers, self.state.replicas.publishing.get((internal, 1))
         if peers is not None and publication is not None:
             peers.share_lineage_after(publication, name, generation)
             return

@@ -2,7 +2,8 @@
 
 Layout: fanout.py (one publication: relay trees while the bytes arrive, stage, heal, commit),
 header_gate.py (which chunks may go on to the replicas, and when), peers.py (every version in
-every peer proxy's spool before its push returns; a peer's copy received). The push itself is
+every peer proxy's spool before its push returns; a peer's copy received), lineage_share.py
+(the door's lineage map and unloads in every peer proxy's). The push itself is
 rollwire.push (push/README.md walks it); the versions at rest are the spool (../spool.py). It
 reads the fleet (rollwire.proxy.fleet) and never imports routing (rollwire.proxy.routing).
 Importing this package imports nothing.

@@ -133,7 +133,6 @@ class FanOut:
         self._credentials = relay_credentials(config.upstream)
         self.failed_after_answer: dict[str, str] = {}
         """Per name: why the last publication answered at "spooled" reached no replica (until the next load says so)."""
-        self._running: dict[tuple[str, int], asyncio.Task] = {}
 
     # -- receiving (the client's call) ----------------------------------------------------
     async def push(
@@ -185,7 +184,6 @@ class FanOut:
         spooled: asyncio.Future[SpooledAdapter] = asyncio.get_running_loop().create_future()
         task = asyncio.create_task(self._publish(pub, upload, payload, gate.held, forward, lock, spooled))
         self._tasks.add(task)
-        self._running[(pub.manifest.name, pub.manifest.version)] = task
         task.add_done_callback(self._finished)
         if answer == "spooled":
             await asyncio.wait({spooled, task}, return_when=asyncio.FIRST_COMPLETED)  # neither is cancelled by ours
@@ -212,15 +210,8 @@ class FanOut:
         pub.outcomes = {r.address: _Outcome(r) for r in targets}
         return pub
 
-    def publication(self, name: str, version: int) -> asyncio.Task | None:
-        """The publication of `name` v`version` while it runs (a load answered at "spooled":
-        its relay, peer share and commit go on); None once it ended, or if there is none."""
-        return self._running.get((name, version))
-
     def _finished(self, task: asyncio.Task) -> None:
         self._tasks.discard(task)
-        for key in [k for k, t in self._running.items() if t is task]:
-            del self._running[key]
         if not task.cancelled() and task.exception() is not None:
             log.info("adapter_publish_ended", error=str(task.exception())[:300])
 
@@ -360,7 +351,7 @@ class FanOut:
                 await forward.send(held)
             forward.end()
             key = (pub.manifest.name, pub.manifest.version)
-            self.replicas.publishing.add(key)  # before the spool holds it: catch-up leaves it to us
+            self.replicas.publishing[key] = asyncio.current_task()  # before the spool holds it: catch-up leaves it
             try:
                 try:  # the spool write becomes durable while the replicas verify and stage
                     await asyncio.to_thread(self.spool.sync, upload)
@@ -383,7 +374,7 @@ class FanOut:
                 self.metrics.fanout_latency.observe(time.monotonic() - pub.started)
                 return self._settle(pub, adapter, created, results, peers)
             finally:
-                self.replicas.publishing.discard(key)
+                self.replicas.publishing.pop(key, None)
         finally:
             lock.release()
 

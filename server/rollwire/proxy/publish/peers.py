@@ -41,19 +41,10 @@ Invariants:
   `rollwire_proxy_peer_version_conflicts_total`; the push reply lists every peer's outcome
   (`PushAdapterResponse.peers`), so a peer that is behind is named, not hidden behind OK.
 
-The lineage map and unloads (lineages.py) travel the same way, whole (a few KiB): an
-AdminService.ShareLineages call, `peer` role only, merged by the receiver (larger generation,
-later mark per version; durable before it answers; checked first, so a peer's bad map
-changes nothing) and never sent on. `share_lineages` sends it to every synced peer after each
-change made here (an unload, a load that undoes one: awaited by the door, within
-`peering.timeout_s`; a peer that fails is marked behind, never failing the caller); a new
-lineage is sent once its first version is in the peers' spools (`share_lineage_after`: after
-the publication's own share, so no peer routes NAME to a lineage it cannot serve); and every
-catch-up sends it after the versions, the map read before the spool (a lineage it names has
-its first version in that pass), and counts the peer synced only if neither changed meanwhile.
-A peer that was down or restarted therefore holds the same map within one check interval of
-answering again. A peer older than ShareLineages (UNIMPLEMENTED) or one that refuses the map
-for good is logged and left synced: its versions still flow.
+The lineage map and unloads (lineages.py) travel to peers too (lineage_share.py): after each
+change made here, and whole after the versions in every catch-up (the map read before the
+spool, so a lineage it names has its first version in that pass); a peer is synced only if
+neither changed meanwhile, so one that was down or restarted holds the same map once synced.
 """
 
 from __future__ import annotations
@@ -72,15 +63,15 @@ from rollwire.common import writer
 from rollwire.common.errors import FailedPrecondition, Unavailable, from_rpc_error
 from rollwire.common.reasons import Reason
 from rollwire.common.retries import VERSION_TAKEN, push_refused_for_good
-from rollwire.proxy.lineages import Mark
+from rollwire.proxy.publish.lineage_share import LineageShare
 from rollwire.push.reader import PushReader
 from rollwire.runtime.config import ConfigError
 from rollwire.runtime.logs import REQUEST_ID_KEY, get_logger, new_request_id
 from rollwire.runtime.waits import wait_at_most
 from rollwire.serving.dial import on_each_drop
 from rollwire.v1 import admin_pb2 as apb
-from rollwire.v1 import admin_pb2_grpc, generator_pb2_grpc
 from rollwire.v1 import generator_pb2 as pb
+from rollwire.v1 import generator_pb2_grpc
 
 if TYPE_CHECKING:
     from rollwire.proxy.config import ProxyConfig
@@ -93,17 +84,6 @@ PEER_KEY = "x-rollwire-peer"
 """Metadata of a push from a peer proxy; its value is the sender's proxy id."""
 REFRESH_EVERY_S = 0.05
 """While a received version is held, how often the replicas are asked what they serve."""
-REFUSED_FOR_GOOD = frozenset(
-    {
-        grpc.StatusCode.UNIMPLEMENTED,  # a peer older than ShareLineages
-        grpc.StatusCode.INVALID_ARGUMENT,
-        grpc.StatusCode.RESOURCE_EXHAUSTED,
-        grpc.StatusCode.FAILED_PRECONDITION,
-        grpc.StatusCode.PERMISSION_DENIED,
-        grpc.StatusCode.UNAUTHENTICATED,
-    }
-)
-"""Answers to a lineage map that sending it again would not change (logged as errors)."""
 
 
 @dataclass(eq=False)
@@ -141,10 +121,9 @@ class Peers:
         self._tasks: list[asyncio.Task] = []
         self._holds: dict[str, tuple[int, float]] = {}  # name -> (version a peer sent, hold until)
         self._refresher: asyncio.Task | None = None
-        self._later: set[asyncio.Task] = set()
-        """New lineages waiting for their first version's publication before peers are told."""
-        self.publication_wait_s = config.health.push_timeout_s + 2 * self.section.timeout_s
-        """Longest wait for a publication before its new lineage is told to peers all the same."""
+        marker = ((PEER_KEY, proxy_id), *self.metadata)
+        wait_s = config.health.push_timeout_s + 2 * self.section.timeout_s  # a publication's longest, roughly
+        self.lineages = LineageShare(spool.lineages, self.metrics, marker, self.section.timeout_s, wait_s, self._behind)
         self.instance = secrets.token_hex(8)
         """This process's draw (GetStatus.instance): one id with another instance is another proxy."""
 
@@ -223,7 +202,8 @@ class Peers:
             log.info("peer_removed", peer=peer.address)
 
     async def close(self) -> None:
-        tasks = [*self._tasks, *self._later, *(t for p in self.peers.values() for t in p.tasks)]
+        await self.lineages.close()
+        tasks = [*self._tasks, *(t for p in self.peers.values() for t in p.tasks)]
         if self._refresher is not None:
             tasks.append(self._refresher)
         for task in tasks:
@@ -305,82 +285,18 @@ class Peers:
                 said.warning("peer_send_failed", code=code.name, error=message)
         return pb.PeerPushResult(address=peer.address, code=code.name, message=message, reason=reason)
 
-    # -- the lineage map --------------------------------------------------------------------
+    # -- the lineage map (lineage_share.py) ------------------------------------------------
     async def share_lineages(self) -> None:
-        """Send the lineage map (as it is when each send starts) to every synced peer at once,
-        each within `peering.timeout_s`; a peer whose send fails is marked behind (its catch-up
-        sends the map). Never raises for a peer's failure."""
-        peers = [p for p in self.peers.values() if p.synced and not p.is_self]
-        await asyncio.gather(*(self._share_lineages_one(p) for p in peers))
-
-    async def _share_lineages_one(self, peer: _Peer) -> None:
-        async with peer.lock:
-            if not peer.synced:  # failed meanwhile: its catch-up sends the map
-                return
-            if not await self._send_lineages(peer, self.spool.lineages.shared()):
-                self._behind(peer, "sending the lineage map failed")
+        """Send the lineage map to every synced peer at once (the door awaits it after a change)."""
+        await self.lineages.share(self.peers.values())
 
     def share_lineage_after(self, publication: asyncio.Future | None, name: str, generation: int) -> None:
-        """Tell peers that `name` now means lineage `generation` once `publication` (of its
-        first version, which `share` puts in their spools) has ended, or after
-        `publication_wait_s` at most; in the background (the load answered already)."""
-
-        async def later() -> None:
-            if publication is not None and not await wait_at_most(asyncio.shield(publication), self.publication_wait_s):
-                log.warning("lineage_shared_before_publication_ended", adapter=name, generation=generation)
-            self.spool.lineages.release(name, generation)
-            await self.share_lineages()
-
-        task = asyncio.create_task(later())
-        self._later.add(task)
-        task.add_done_callback(self._later.discard)
-
-    async def _send_lineages(self, peer: _Peer, body: tuple[dict[str, int], dict[str, dict[int, Mark]]]) -> bool:
-        """The map to one peer; False when it may be worth sending again (the peer is behind)."""
-        generations, marks = body
-        request = apb.ShareLineagesRequest(
-            generations=generations,
-            marks=[
-                apb.LineageMarks(
-                    name=name,
-                    versions=[
-                        apb.VersionMark(version=v, unloaded=m.unloaded, at_ns=m.at_ns, by=m.by)
-                        for v, m in versions.items()
-                    ],
-                )
-                for name, versions in marks.items()
-            ],
-        )
-        metadata = ((PEER_KEY, self.proxy_id), (REQUEST_ID_KEY, new_request_id()), *self.metadata)
-        try:
-            reply = await admin_pb2_grpc.AdminServiceStub(peer.channel).ShareLineages(
-                request, timeout=self.section.timeout_s, metadata=metadata
-            )
-            code, message = grpc.StatusCode.OK, f"{reply.changed} changed"
-        except grpc.aio.AioRpcError as exc:
-            code, message = exc.code(), from_rpc_error(exc).message
-        self.metrics.peer_lineage_sends.labels(peer.address, code.name).inc()
-        said = log.bind(peer=peer.address, names=len(generations), marked=len(marks))
-        if code == grpc.StatusCode.OK:
-            said.info("lineages_shared_with_peer", result=message)
-        elif code in REFUSED_FOR_GOOD:
-            said.error("peer_refused_lineages", code=code.name, error=message)
-        else:
-            said.warning("peer_lineages_send_failed", code=code.name, error=message)
-        return code == grpc.StatusCode.OK or code in REFUSED_FOR_GOOD
+        """Tell peers `name` means lineage `generation` once `publication` (of its v1) ended."""
+        self.lineages.later(lambda: self.peers.values(), publication, name, generation)
 
     def receive_lineages(self, request: apb.ShareLineagesRequest, metadata) -> apb.ShareLineagesResponse:
-        """Merge a peer's lineage map into this proxy's (lineages.py checks all of it first;
-        durable before it returns); never sent on to other peers (each peer sends its own)."""
-        marks: dict[str, dict[int, Mark]] = {}
-        for entry in request.marks:
-            versions = marks.setdefault(entry.name, {})
-            for v in entry.versions:
-                mark = Mark(v.at_ns, v.by, v.unloaded)
-                versions[v.version] = max(mark, versions.get(v.version, mark))
-        changed = self.spool.lineages.merge(dict(request.generations), marks, peer=self.origin(metadata)[:256])
-        self.metrics.lineage_changes_received.inc(changed)
-        return apb.ShareLineagesResponse(changed=changed)
+        """Merge a peer's lineage map; never sent on to other peers (each sends its own)."""
+        return self.lineages.receive(request, self.origin(metadata))
 
     def _behind(self, peer: _Peer, why: str) -> None:
         if peer.synced:
@@ -443,7 +359,7 @@ class Peers:
                         continue
                     if not _delivered(await self._send(peer, adapter, payload, new_request_id())):
                         return  # still behind: the monitor tries again
-                if not await self._send_lineages(peer, names):
+                if not await self.lineages.send(peer, names):
                     return
                 if self._spooled() == spooled and lineages.revision == revision:
                     peer.synced = True
