@@ -9,7 +9,14 @@ import pytest
 
 from rollwire.client._requests import AdapterVersion
 from rollwire.client._results import GenerateResult, Sample
-from rollwire.common.errors import FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted, Unavailable
+from rollwire.common.errors import (
+    FailedPrecondition,
+    Internal,
+    InvalidArgument,
+    NotFound,
+    ResourceExhausted,
+    Unavailable,
+)
 from rollwire.common.reasons import Reason
 from rollwire.common.signing import SigningKey
 from rollwire.learner.buffer import Buffer, GroupLedger, Signal
@@ -195,6 +202,23 @@ async def test_a_refused_push_is_raised_to_the_trainer():
     with pytest.raises(FailedPrecondition, match="another base model"):
         await pub.publish(1, b"x", wait=True)
     with pytest.raises(FailedPrecondition):
+        await pub.publish(2, b"x")
+
+
+async def test_a_publisher_fault_wakes_the_waiter_with_internal_not_a_hang():
+    """A failure that is no refusal (here the client breaks its contract) ends the worker: the
+    waiting trainer gets INTERNAL naming it, within its own deadline, and later publishes raise it."""
+
+    class Broken:
+        async def push_adapter(self, *args, **kwargs):
+            raise TypeError("push_adapter() got an unexpected keyword argument 'signing_key'")
+
+    records = []
+    pub = Publisher(Broken(), "policy", "fp", {}, Signal(), 0.01, records.append)
+    with pytest.raises(Internal, match=r"version 1 failed inside the learner \(TypeError: .*signing_key"):
+        await asyncio.wait_for(pub.publish(1, b"x", wait=True), 5)
+    assert [(r.version, r.outcome) for r in records] == [(1, "failed")] and pub.served == 0
+    with pytest.raises(Internal):
         await pub.publish(2, b"x")
 
 

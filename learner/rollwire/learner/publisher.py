@@ -9,7 +9,9 @@ Invariants:
   version is served.
 Transient failures (UNAVAILABLE, DEADLINE_EXCEEDED, RESOURCE_EXHAUSTED, ABORTED) are
 retried until a newer version supersedes them; any other refusal is fatal and raised to
-the caller on its next publish or wait, with the target's own sentence.
+the caller on its next publish or wait, with the target's own sentence. Any other exception
+in the worker (a bug, a client that breaks its contract) is fatal the same way, as INTERNAL
+naming it: a caller waiting for a version is woken, never left waiting.
 A payload holding a NaN or an infinity is never pushed: `publish` raises NonFiniteWeights
 (the same torch-free check the replicas and the proxy run), which stops the run.
 """
@@ -21,7 +23,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from rollwire.common.errors import RollwireError
+from rollwire.common.errors import Internal, RollwireError
 from rollwire.common.lora import LoraShape
 from rollwire.common.retries import PUSH_TRANSIENT
 from rollwire.common.safetensors_header import HeaderError, header_length, nonfinite_tensor, read_entries
@@ -132,10 +134,20 @@ class Publisher:
             self._worker = asyncio.create_task(self._drain(), name="rollwire-publisher")
 
     async def _drain(self) -> None:
-        while self._pending is not None and self._fatal is None:
-            version, payload = self._pending
-            self._pending = None
-            await self._push(version, payload)
+        version = 0
+        try:
+            while self._pending is not None and self._fatal is None:
+                version, payload = self._pending
+                self._pending = None
+                await self._push(version, payload)
+        except Exception as exc:  # a fault of ours or the client's, not a refusal: never a silent hang
+            log.exception("publisher_failed", version=version, error=f"{type(exc).__name__}: {exc}"[:300])
+            self.on_push(PushRecord(version, 0.0, "failed"))
+            self._fatal = Internal(
+                f"publishing version {version} failed inside the learner ({type(exc).__name__}: {str(exc)[:200]}); "
+                "the learner's log has the traceback"
+            )
+            self.changed.notify()
 
     async def _push(self, version: int, payload: bytes) -> None:
         started = time.monotonic()
