@@ -74,16 +74,11 @@ def build_parser(command: str | None = None, *, summaries: bool = False) -> argp
     _add_status(commands)
     add_keys(commands, UsageError, _positive)
     for entry_point in command_entry_points():
-        if summaries and isinstance(summary := _summary(entry_point), str):
+        if summaries and isinstance(summary := getattr(import_module(entry_point.module), "SUMMARY", None), str):
             commands.add_parser(entry_point.name, help=summary)
         elif command is None or entry_point.name == command:
             entry_point.load()(commands)
     return parser
-
-
-def _summary(entry_point: EntryPoint) -> object:
-    """The SUMMARY its command module declares (None when it declares none)."""
-    return getattr(import_module(entry_point.module), "SUMMARY", None)
 
 
 def _entry_point_named(argv: Sequence[str]) -> str | None:
