@@ -36,6 +36,7 @@ def test_a_new_lineage_takes_the_name_and_retires_the_old_one(tmp_path):
     assert book.external("trl-policy") is None and book.external("trl-policy.2") is None
     assert book.reserved("trl-policy.7") and not book.reserved("other.2")
     assert book.external("other.2") == "other.2"  # a name of its own, no lineage
+    book.flush_now()
     assert Lineages(tmp_path).internal("trl-policy") == "trl-policy.3"  # durable
 
 
@@ -45,11 +46,45 @@ def test_unloads_are_durable_bounded_and_pruned(tmp_path, monkeypatch):
     book.unload("pol", [1, 2, 3, 4, 5])
     assert book.unloaded("pol") == {3, 4, 5}  # the oldest forgotten first
     book.show("pol", 4)
+    book.flush_now()
     assert Lineages(tmp_path).unloaded("pol") == {3, 5}
     book.prune(lambda name, version: version == 5)  # the fleet holds v5 only
+    book.flush_now()
     assert Lineages(tmp_path).unloaded("pol") == {5}
     book.prune(lambda name, version: False)
+    book.flush_now()
     assert Lineages(tmp_path).unloaded("pol") == frozenset()
+
+
+async def test_a_change_is_written_off_the_event_loop_one_write_at_a_time(tmp_path, monkeypatch):
+    """flush writes on a worker thread (the loop keeps serving meanwhile), one write at a time,
+    each of the state as it is when it starts: the file ends at the newest state, and a flush
+    whose change a running write already covers writes nothing more."""
+    import asyncio
+    import threading
+
+    book, loop_thread, writes = Lineages(tmp_path), threading.get_ident(), []
+    gate = threading.Event()
+    real = lineages.write_atomic
+
+    def slow_write(path, data):
+        writes.append((threading.get_ident(), json.loads(data)["marks"]))
+        gate.wait(5)
+        real(path, data)
+
+    monkeypatch.setattr(lineages, "write_atomic", slow_write)
+    book.unload("pol", [1])
+    first = asyncio.ensure_future(book.flush())
+    while not writes:
+        await asyncio.sleep(0.001)  # the write is under way on its thread; this loop still runs
+    book.unload("pol", [2])  # a change during the write: the next flush writes it
+    second = asyncio.ensure_future(book.flush())
+    third = asyncio.ensure_future(book.flush())
+    gate.set()
+    await asyncio.wait_for(asyncio.gather(first, second, third), 10)
+    assert all(thread != loop_thread for thread, _ in writes)
+    assert [sorted(marks["pol"]) for _, marks in writes] == [["1"], ["1", "2"]]  # two writes, not three
+    assert Lineages(tmp_path).unloaded("pol") == {1, 2}
 
 
 def test_a_damaged_file_is_moved_aside(tmp_path):
@@ -126,6 +161,7 @@ def test_merges_converge_whatever_the_order(tmp_path, monkeypatch, seed):
         send(sender, receiver)
     expected = state(a)
     assert all(state(x) == expected for x in (*books, *copies))
+    a.flush_now()
     assert state(Lineages(a.path.parent, "a")) == expected  # as written
     assert all(send(x, y) == 0 for x in books for y in books if x is not y)  # nothing left to take
 
@@ -144,7 +180,9 @@ def test_a_load_after_seeing_an_unload_wins_even_with_a_clock_behind(tmp_path, m
     send(a, b)
     send(b, a)
     assert a.unloaded("pol") == b.unloaded("pol") == {2, 3, 4}
-    assert b.show("pol", 9) is False and "9" not in json.loads(b.path.read_text())["marks"]["pol"]  # no mark: none
+    assert b.show("pol", 9) is False
+    b.flush_now()
+    assert "9" not in json.loads(b.path.read_text())["marks"]["pol"]  # no mark: none
 
 
 def test_a_peer_never_takes_a_generation_back_and_a_new_lineage_waits_for_release(tmp_path):
@@ -172,6 +210,7 @@ def test_a_file_from_before_stamps_loads_and_merges(tmp_path):
     assert peer.unloaded("pol.2") == {1, 3}
     assert peer.show("pol.2", 3)  # any stamp beats the lowest one, an old file's
     send(peer, old)
+    old.flush_now()
     assert old.unloaded("pol.2") == {1} and Lineages(folder).unloaded("pol.2") == {1}
 
 
@@ -207,10 +246,12 @@ def test_a_hostile_map_is_refused_and_changes_nothing(tmp_path, monkeypatch, pay
     book = book_of(tmp_path, "a")
     book.switch("pol", 2)
     book.unload("pol.2", [1])
+    book.flush_now()
     before, on_disk = state(book), book.path.read_bytes()
     with pytest.raises(InvalidArgument) as err:
         book.merge(*payload, peer="evil")
     assert err.value.reason == Reason.BAD_LINEAGES and err.value.message
+    book.flush_now()
     assert state(book) == before and book.path.read_bytes() == on_disk
 
 

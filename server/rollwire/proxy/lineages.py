@@ -12,8 +12,12 @@ Invariants:
   fanout.FanOut.push); an earlier lineage is never served under NAME again;
 - a version unloaded through the door is never served by name, by "latest" or a bare name,
   listed by /v1/models or GetStatus, until it is loaded again (the same bytes);
-- both maps are durable (written atomically before the call that changed them answers, a
-  peer's merge included) and reloaded at start; a damaged file is moved aside and logged,
+- both maps are durable before the call that changed them answers (a peer's merge included):
+  a change takes effect in memory at once (requests read it) and its caller then awaits
+  `flush`, which writes the file atomically on a worker thread, never on the event loop
+  (an fsync'd write takes 20-60 ms here, and TRL unloads a version on every weight sync);
+  writes happen one at a time, each of the state as it is when it starts, so the file never
+  goes back to an older state; the maps are reloaded at start; a damaged file is moved aside and logged,
   never fatal; a file written before stamps existed loads (its unloads get the lowest stamp);
 - both are bounded: lineages by MAX_NAMES external names, unloads by the versions the fleet
   still holds (`prune`), MAX_UNLOADED marks per internal name (the lowest versions are
@@ -41,6 +45,7 @@ any two proxies that saw the same changes hold the same map, whatever the order 
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import re
@@ -101,6 +106,9 @@ class Lineages:
         self._held: dict[str, int] = {}
         """External name -> the generation peers may be told while a newer one's v1 is not in theirs yet."""
         self._clock = 0
+        self._dirty = False
+        """Changed in memory since the last write began (flush writes it)."""
+        self._writing: asyncio.Lock | None = None
         self._load()
 
     # -- names --------------------------------------------------------------------------------
@@ -143,7 +151,7 @@ class Lineages:
         )
 
     def switch(self, name: str, generation: int, shared: bool = True) -> None:
-        """From now on `name` means its lineage `generation` (durable before it returns). With
+        """From now on `name` means its lineage `generation` (the caller awaits `flush`). With
         `shared` False peers are told the earlier generation until `release(name, generation)`."""
         before = self._generation.get(name, 1)
         if generation <= before:
@@ -169,7 +177,7 @@ class Lineages:
         return self._unloaded.get(internal, frozenset())
 
     def unload(self, internal: str, versions: Iterable[int]) -> None:
-        """Unload `versions` of `internal`, stamped now (durable before it returns);
+        """Unload `versions` of `internal`, stamped now (the caller awaits `flush`);
         RESOURCE_EXHAUSTED past MAX_MARKS (nothing changed then)."""
         versions = set(versions)
         if self._count() + len(versions - set(self._marks.get(internal, {}))) > MAX_MARKS:
@@ -186,8 +194,8 @@ class Lineages:
         self._save()
 
     def show(self, internal: str, version: int) -> bool:
-        """A version loaded again is served again (a mark stamped now, durable before it
-        returns); True when that changed something, so peers are told."""
+        """A version loaded again is served again (a mark stamped now; the caller awaits
+        `flush`); True when that changed something, so peers are told."""
         mark = self._marks.get(internal, {}).get(version)
         if mark is None or not mark.unloaded:
             return False
@@ -242,7 +250,7 @@ class Lineages:
     def merge(self, generations: Mapping[str, int], marks: Mapping[str, Mapping[int, Mark]], peer: str = "") -> int:
         """Take a peer's map in: the larger generation per name, the later mark per version.
         Everything is checked first (INVALID_ARGUMENT, RESOURCE_EXHAUSTED; nothing changed then);
-        durable before it returns. Returns how many names and versions changed here."""
+        the caller awaits `flush` before it answers. Returns how many names and versions changed here."""
         _check_generations(generations)
         newest = _check_marks(marks, self._clock_now() + MAX_SKEW_NS)
         added = {n for n in generations if n not in self._generation}
@@ -284,6 +292,31 @@ class Lineages:
 
     # -- the file -----------------------------------------------------------------------------
     def _save(self) -> None:
+        """Note a change: the caller awaits `flush` before it answers."""
+        self._dirty = True
+
+    async def flush(self) -> None:
+        """Return once every change made so far is on disk (written off the event loop). A
+        failed write raises (the change stays in memory and is written by the next flush)."""
+        if self._writing is None:
+            self._writing = asyncio.Lock()
+        async with self._writing:
+            if not self._dirty:
+                return  # a write that began after the caller's change has covered it
+            self._dirty, body = False, self._encode()
+            try:
+                await asyncio.to_thread(write_atomic, self.path, body)
+            except BaseException:
+                self._dirty = True
+                raise
+
+    def flush_now(self) -> None:
+        """The same, from code that runs no event loop (start-up tools and tests)."""
+        if self._dirty:
+            self._dirty = False
+            write_atomic(self.path, self._encode())
+
+    def _encode(self) -> bytes:
         body = {
             "lineages": dict(sorted(self._generation.items())),
             "unloaded": {n: sorted(v) for n, v in sorted(self._unloaded.items())},
@@ -292,7 +325,7 @@ class Lineages:
                 for n, ms in sorted(self._marks.items())
             },
         }
-        write_atomic(self.path, json.dumps(body, indent=1).encode())
+        return json.dumps(body, indent=1).encode()
 
     def _load(self) -> None:
         if not self.path.exists():

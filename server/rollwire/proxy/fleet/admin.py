@@ -23,7 +23,7 @@ fleet imports no publishing).
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import NoReturn
 
 import grpc
@@ -52,7 +52,7 @@ from rollwire.v1 import admin_pb2_grpc, generator_pb2_grpc
 from rollwire.v1 import generator_pb2 as pb
 
 log = get_logger(__name__)
-LineagesReceiver = Callable[[apb.ShareLineagesRequest, object], apb.ShareLineagesResponse]
+LineagesReceiver = Callable[[apb.ShareLineagesRequest, object], Awaitable[apb.ShareLineagesResponse]]
 """Merges a peer's lineage map, given the call's metadata (publish/peers.py, Peers.receive_lineages)."""
 
 
@@ -189,7 +189,7 @@ class AdminServicer(admin_pb2_grpc.AdminServiceServicer):
                     "this server takes no lineage map from peers; ShareLineages is for routing proxies",
                     reason=Reason.NO_ROLE,
                 )
-            return self.lineages(request, context.invocation_metadata())
+            return await self.lineages(request, context.invocation_metadata())
         except RollwireError as err:
             return await _abort(context, err)
 

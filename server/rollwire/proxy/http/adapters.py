@@ -102,6 +102,7 @@ class AdapterDoor:
         versions = [ref.version] if ref.version else sorted(known)
         self.lineages.prune(self._holds)
         self.lineages.unload(name, versions)
+        await self.lineages.flush()
         log.info("adapter_unloaded", name=ref.name, internal=name, versions=versions)
         await self._share_lineages()
         return {"object": "lora_adapter", "id": lora_name, "unloaded": [model_id(ref.name, v) for v in versions]}
@@ -186,6 +187,7 @@ class AdapterDoor:
             internal, generation = self.lineages.next_lineage(ref.name, self._taken)
             out = await self._push(ref.name, internal, 1, lora, payload, sha256, rid)
             self.lineages.switch(ref.name, generation, shared=False)  # only once the new lineage's v1 is durable
+            await self.lineages.flush()
             await self._share_switch(ref.name, generation, internal)
             return out | {"new_lineage": True}
 
@@ -237,6 +239,7 @@ class AdapterDoor:
         earlier = fanout.failed_after_answer.pop(name, "")
         reply = await fanout.push(_aiter(messages(manifest, payload, MAX_CHUNK)), rid, answer=answer)
         if self.lineages.show(name, version):
+            await self.lineages.flush()
             await self._share_lineages()
         out = {
             "object": "lora_adapter",

@@ -124,7 +124,7 @@ class LineageShare:
             said.warning("peer_lineages_send_failed", code=code.name, error=message)
         return code == grpc.StatusCode.OK or code in REFUSED_FOR_GOOD
 
-    def receive(self, request: apb.ShareLineagesRequest, origin: str) -> apb.ShareLineagesResponse:
+    async def receive(self, request: apb.ShareLineagesRequest, origin: str) -> apb.ShareLineagesResponse:
         """Merge a peer's map (checked first, durable before it returns; raises the refusal)."""
         marks: dict[str, dict[int, Mark]] = {}
         for entry in request.marks:
@@ -133,6 +133,7 @@ class LineageShare:
                 mark = Mark(v.at_ns, v.by, v.unloaded)
                 versions[v.version] = max(mark, versions.get(v.version, mark))
         changed = self.lineages.merge(dict(request.generations), marks, peer=origin[:256])
+        await self.lineages.flush()
         self.metrics.lineage_changes_received.inc(changed)
         return apb.ShareLineagesResponse(changed=changed)
 

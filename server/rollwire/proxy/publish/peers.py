@@ -294,9 +294,9 @@ class Peers:
         """Tell peers `name` means lineage `generation` once `publication` (of its v1) ended."""
         self.lineages.later(lambda: self.peers.values(), publication, name, generation)
 
-    def receive_lineages(self, request: apb.ShareLineagesRequest, metadata) -> apb.ShareLineagesResponse:
+    async def receive_lineages(self, request: apb.ShareLineagesRequest, metadata) -> apb.ShareLineagesResponse:
         """Merge a peer's lineage map; never sent on to other peers (each sends its own)."""
-        return self.lineages.receive(request, self.origin(metadata))
+        return await self.lineages.receive(request, self.origin(metadata))
 
     def _behind(self, peer: _Peer, why: str) -> None:
         if peer.synced:
