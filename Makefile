@@ -9,7 +9,7 @@ PROTOS := $(wildcard proto/rollwire/v1/*.proto)
 VLLM_VENV  := .venv-vllm
 VLLM_STAMP := $(VLLM_VENV)/.installed
 
-.PHONY: help install system-deps .venv-vllm test test-fast lint breaking proto demo demo-trl demo-agent bench clean
+.PHONY: help install system-deps .venv-vllm test test-fast test-integration test-e2e lint breaking proto demo demo-trl demo-agent bench clean
 
 help:
 	@echo "make demo     teach the tiny model, run a replica + proxy + learner, watch GRPO learn"
@@ -17,7 +17,9 @@ help:
 	@echo "make demo-trl the same task learned by TRL's AsyncGRPOTrainer through the proxy's HTTP door, 1 replica"
 	@echo "make demo-agent a multi-turn task learned from an external producer's scored episodes (ingestion), 2 replicas"
 	@echo "make test     lint (buf, ruff, pyright), check proto/ for breaking changes, run the whole suite"
-	@echo "make test-fast  the unit tests only (no processes, no sockets): the inner loop, under 90 s"
+	@echo "make test-fast  tests/unit only (no processes, no sockets): the inner loop, under 60 s"
+	@echo "make test-integration  tests/integration: real processes, one room's behaviour at a time"
+	@echo "make test-e2e  tests/e2e: the demos, TRL, vLLM-backed replicas, teaching runs"
 	@echo "make install  create .venv (CPU torch first, then rollwire with pinned dependencies)"
 	@echo "make .venv-vllm  create .venv-vllm: vLLM's CPU build (pinned) for the vllm engine's tests, ~2 min"
 	@echo "make proto    regenerate the Python stubs from proto/"
@@ -73,12 +75,19 @@ system-deps:
 	@command -v prometheus >/dev/null && command -v openssl >/dev/null || \
 	  { $(SUDO) apt-get update -qq && $(SUDO) apt-get install -y -qq --no-install-recommends prometheus openssl; }
 
+# The folder is the tier (docs/testing.md): tests/unit, tests/integration, tests/e2e.
 test: install lint breaking system-deps $(VLLM_STAMP)
-	$(BIN)/python -m pytest -q --durations=25
+	$(BIN)/python -m pytest -q --durations=25 tests/unit tests/integration tests/e2e
 
-# Tests marked `integration` start processes or listen on sockets; the rest are pure logic.
+# No processes, no sockets (tests/unit/conftest.py makes either fail the test).
 test-fast: install
-	$(BIN)/python -m pytest -q -m "not integration and not slow" -p no:cacheprovider
+	$(BIN)/python -m pytest -q -p no:cacheprovider tests/unit
+
+test-integration: install system-deps
+	$(BIN)/python -m pytest -q --durations=25 tests/integration
+
+test-e2e: install system-deps $(VLLM_STAMP)
+	$(BIN)/python -m pytest -q --durations=25 tests/e2e
 
 proto: install
 	$(BIN)/python -m grpc_tools.protoc -Iproto --python_out=client --pyi_out=client --grpc_python_out=client $(PROTOS)

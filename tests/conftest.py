@@ -1,5 +1,9 @@
 """Shared fixtures: what has a lifetime (the tiny and the taught model, generator processes,
-a learner stack), built once per session. Plain helpers live in the `support` package."""
+a learner stack), built once per session. Plain helpers live in the `support` package.
+
+The folder is the tier (docs/testing.md): tests/unit (no processes, no sockets:
+tests/unit/conftest.py enforces it), tests/integration (real processes; marked `integration`
+here) and tests/e2e (demos, TRL, vLLM-backed, teaching runs; marked `integration` and `slow`)."""
 
 from __future__ import annotations
 
@@ -10,6 +14,17 @@ import pytest
 from support.door_fleet import chat_model, door  # noqa: F401  # the HTTP door's session fleet
 from support.learner import TAUGHT_DIR
 from support.processes import FAST_STOP, start_generator, start_stack
+
+TIERS = {"integration": ("integration",), "e2e": ("integration", "slow")}
+"""The markers each tier's folder gives its tests: `-m "not slow"` leaves out tests/e2e."""
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    tests = Path(__file__).parent
+    for item in items:
+        tier = item.path.relative_to(tests).parts[0] if item.path.is_relative_to(tests) else ""
+        for marker in TIERS.get(tier, ()):
+            item.add_marker(marker)
 
 
 @pytest.fixture(scope="session")

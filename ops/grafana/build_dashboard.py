@@ -2,7 +2,7 @@
 
 The panels are listed once, here; the JSON is generated from them and committed. Every
 query names only metrics the services export (docs/metrics.md), and each one returns a
-series on a running stack — tests/test_dashboard.py checks both against a real Prometheus.
+series on a running stack — tests/e2e/test_dashboard.py checks both against a real Prometheus.
 Queries on counters that may not have moved yet end in `or vector(0)`.
 
 Run: .venv/bin/python ops/grafana/build_dashboard.py

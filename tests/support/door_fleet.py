@@ -10,6 +10,7 @@ import shutil
 from pathlib import Path
 
 import pytest
+import requests
 
 from .processes import start_generators, start_proxy, stop_all, wait_routable
 
@@ -57,3 +58,19 @@ def door(chat_model, tmp_path_factory):
         yield {"proxy": proxy, "guarded": guarded, "gens": gens, "root": root, "work": work, "model": chat_model}
     finally:
         stop_all([proxy, guarded, *gens])
+
+
+def openai_client(url: str, key: str = "unused"):
+    """The official `openai` client on the door at `url`: no retries, a 60 s timeout."""
+    import openai
+
+    return openai.OpenAI(base_url=url + "/v1", api_key=key, max_retries=0, timeout=60)
+
+
+def post(url: str, path: str, body, token: str | None = None, **kw) -> requests.Response:
+    """POST `body` (JSON unless bytes or str) to the door, with a bearer `token` if given."""
+    headers = {"Authorization": f"Bearer {token}"} if token else {}
+    data = body if isinstance(body, (bytes, str)) else json.dumps(body)
+    return requests.post(
+        url + path, data=data, headers={"Content-Type": "application/json", **headers}, timeout=60, **kw
+    )

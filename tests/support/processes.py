@@ -4,6 +4,7 @@ stack starter of the demo, the tests and the benchmarks), and bounded waits on t
 from __future__ import annotations
 
 import socket
+import subprocess
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -78,3 +79,8 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def run_cli(*args: str) -> subprocess.CompletedProcess:
+    """`rollwire ARGS` in a process of its own, its output captured, within 120 s."""
+    return subprocess.run(rollwire_cmd(*args), capture_output=True, text=True, timeout=120)

@@ -10,7 +10,7 @@ Each member's docstring reads `CODES; RETRY: MEANING`: the status code(s) it is 
 whether the caller may send the same request again ("retry": it may succeed later or
 elsewhere, unchanged; "do not retry": the request or the setup must change first; or when)
 and what happened. docs/protocol.md lists them all, generated from these docstrings and
-checked by tests/test_protocol_doc.py, which also fails when a source in client/, server/ or
+checked by tests/unit/repo/test_protocol_doc.py, which also fails when a source in client/, server/ or
 learner/ spells a reason as a string or raises it with a code its docstring does not list.
 Which layer retries what on its own is in retries.py.
 """

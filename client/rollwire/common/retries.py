@@ -1,7 +1,7 @@
 """Which failures each layer retries, and why: the one place that says so.
 
 Every layer that may redo work after an error status reads its sets here; `TABLE` states the
-whole policy row by row (docs/protocol.md shows it, and tests/test_protocol_doc.py checks each
+whole policy row by row (docs/protocol.md shows it, and tests/unit/repo/test_protocol_doc.py checks each
 row against the layers' real decisions, so the table and the code cannot drift apart).
 
 - **SDK** (rollwire.client, `is_retryable`): retries a call only on `SDK_RETRIES`
@@ -164,4 +164,4 @@ TABLE = (
     Row("ALREADY_EXISTS, PERMISSION_DENIED, UNAUTHENTICATED", (C.ALREADY_EXISTS, C.PERMISSION_DENIED,
         C.UNAUTHENTICATED), Reason.WRONG_ROLE, False, False, False, False, False, "the setup must change"),
 )  # fmt: skip
-"""The policy, one row per status; tests/test_protocol_doc.py checks every row against the layers."""
+"""The policy, one row per status; tests/unit/repo/test_protocol_doc.py checks every row against the layers."""

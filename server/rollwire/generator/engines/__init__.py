@@ -1,8 +1,8 @@
 """The engines, each a module behind the `Engine` protocol (base.py), named once in ENGINES.
 
 ENGINES is the only place an engine's name is written: the config's `engine` field, the
-`--engine` choices, `make_engine`, the contract tests (tests/test_engine_contract.py) and the
-docs check (tests/test_registries.py) all read it. An entry names a builder
+`--engine` choices, `make_engine`, the contract tests (tests/integration/generator/test_engine_contract.py) and the
+docs check (tests/unit/repo/test_registries.py) all read it. An entry names a builder
 `build(config: EngineConfig, metrics: GeneratorMetrics) -> Engine`; a builder imports its
 engine module (and torch) only when a replica builds that engine, so importing this package,
 listing the names or validating a config imports nothing heavy. `EngineConfig` is the part of

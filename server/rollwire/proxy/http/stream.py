@@ -78,7 +78,7 @@ async def stream_group(
     """A streamed group (see the module docstring), answered once the core has decided it:
     the group is started and its first message awaited before the status line is sent, so
     every refusal (unknown model, limits, ...) raises here and is answered with its own 4xx
-    like an unstreamed request's. Chunks are shaped as vLLM's (tests/test_http_vllm_parity.py):
+    like an unstreamed request's. Chunks are shaped as vLLM's (tests/e2e/test_http_vllm_parity.py):
     one choice per chunk; with `return_token_ids` the first chunk of a sample carries
     `prompt_token_ids` (chat: in the frame; completions: in the choice), and a sample's finish
     rides on its last tokens' delta."""

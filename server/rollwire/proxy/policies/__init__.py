@@ -1,8 +1,8 @@
 """Routing policies, one module each behind the `Policy` protocol (base.py), named once in POLICIES.
 
 POLICIES is the only place a policy's name is written: the proxy config's `policy` field,
-the `--policy` choices, `make_policy`, the policy contract tests (tests/test_routing_policies.py)
-and the docs check (tests/test_registries.py) read it. An entry names a factory
+the `--policy` choices, `make_policy`, the policy contract tests (tests/unit/proxy/test_routing_policies.py)
+and the docs check (tests/unit/repo/test_registries.py) read it. An entry names a factory
 `factory(routing: PolicyTuning) -> Policy` that takes its tuning from the proxy's
 `[routing]` section (the keys PolicyTuning names). Adding a policy: its module, with such a
 factory, and one `POLICIES.register(...)` line here. This package imports nothing of the
