@@ -14,6 +14,7 @@ import pytest
 from support.door_fleet import chat_model, door  # noqa: F401  # the HTTP door's session fleet
 from support.learner import TAUGHT_DIR
 from support.processes import FAST_STOP, start_generator, start_stack
+from support.vllm import vllm_server  # noqa: F401  # the one vLLM server of the run
 
 TIERS = {"integration": ("integration",), "e2e": ("integration", "slow")}
 """The markers each tier's folder gives its tests: `-m "not slow"` leaves out tests/e2e."""

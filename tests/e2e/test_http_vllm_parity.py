@@ -6,8 +6,8 @@ not against a reading of its docs. Where rollwire differs on purpose (docs/http.
 rollwire differs from vLLM"), the difference is asserted on both servers.
 
 Independent computations: vLLM itself, Hugging Face's `apply_chat_template`, and a
-teacher-forced PEFT forward for a loaded adapter's logprobs. One vLLM server for the module,
-stopped (its process group) whatever fails; the door runs over one transformers replica.
+teacher-forced PEFT forward for a loaded adapter's logprobs. The run's one vLLM server
+(support.vllm's `vllm_server`); the door runs over one transformers replica.
 """
 
 from __future__ import annotations
@@ -23,7 +23,6 @@ from support.door_fleet import openai_client, post
 from support.engines import forward_logprobs
 from support.peft_folders import peft_folder
 from support.processes import start_generators, start_proxy, stop_all, wait_routable
-from support.vllm import VLLM_PYTHON, VLLMServer, require_vllm
 from support.wire import peft_reference
 
 pytestmark = pytest.mark.integration  # starts a vLLM server: not in make test-fast
@@ -40,32 +39,26 @@ class Server:
 
 
 @pytest.fixture(scope="module")
-def servers(tiny_model, tmp_path_factory) -> Iterator[dict[str, Any]]:
-    """A real vLLM server and a rollwire proxy (door on) over one transformers replica, both
-    serving the tiny model as `tiny` (and by its path); adapters are loaded from `root`."""
-    require_vllm()
+def servers(tiny_model, vllm_server, tmp_path_factory) -> Iterator[dict[str, Any]]:
+    """The run's vLLM server (support.vllm) and a rollwire proxy (door on) over one transformers
+    replica, both serving the tiny model as `tiny` (and by its path); adapters are loaded from `root`."""
     work = tmp_path_factory.mktemp("http-vllm-parity")
     root = work / "adapters"
     root.mkdir()
-    vllm = VLLMServer(tiny_model, work / "vllm.log", names=(tiny_model.name, str(tiny_model)), python=VLLM_PYTHON)
+    gens = start_generators(tiny_model, work, ["pv1"], "--set", "adapter_window=4")
+    door_args = ("--http-port", "0", "--http-model", str(tiny_model), "--http-adapter-root", str(root))
+    proxy = start_proxy(work, "pvp", gens, *door_args)
     try:
-        gens = start_generators(tiny_model, work, ["pv1"], "--set", "adapter_window=4")  # while vLLM boots
-        door_args = ("--http-port", "0", "--http-model", str(tiny_model), "--http-adapter-root", str(root))
-        proxy = start_proxy(work, "pvp", gens, *door_args)
-        try:
-            wait_routable(proxy, gens)
-            vllm.wait_healthy()
-            model = tiny_model.name
-            yield {
-                "rollwire": Server("rollwire", proxy.http_url, model),
-                "vllm": Server("vllm", vllm.url, model),
-                "root": root,
-                "model_dir": tiny_model,
-            }
-        finally:
-            stop_all([proxy, *gens])
+        wait_routable(proxy, gens)
+        model = tiny_model.name
+        yield {
+            "rollwire": Server("rollwire", proxy.http_url, model),
+            "vllm": Server("vllm", vllm_server.url, model),
+            "root": root,
+            "model_dir": tiny_model,
+        }
     finally:
-        vllm.stop()
+        stop_all([proxy, *gens])
 
 
 @pytest.fixture(params=SIDES)

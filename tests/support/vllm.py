@@ -4,16 +4,22 @@ vLLM pins its own torch and transformers, so it lives in `.venv-vllm` beside rol
 and the tests reach it only over HTTP. Where that venv is missing the vLLM tests skip with
 the reason, except under CI=true (`make test` builds it), where they fail instead: CI must
 never pass by skipping the real server.
+
+One vLLM server per run serves every test that only talks to one (`vllm_server`, a session
+fixture conftest.py registers: ~30-100 s to start on 2 cores); the vllm engine's own tests
+(tests/e2e/test_vllm_engine.py) launch theirs, because launching, supervising and killing
+the server is what they check.
 """
 
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
-from rollwire.demo.stack import VLLM_CPU_ENV, VLLMServer  # noqa: F401 (re-exported for the tests)
+from rollwire.demo.stack import VLLM_CPU_ENV, VLLMServer
 from rollwire.generator.engines.settings import VLLMSection
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -47,3 +53,18 @@ def vllm_section(adapter_dir: Path, **changes) -> VLLMSection:
     )
     fields.update(changes)
     return VLLMSection(**fields)
+
+
+@pytest.fixture(scope="session")
+def vllm_server(tiny_model, tmp_path_factory) -> Iterator[VLLMServer]:
+    """A real vLLM server on the tiny model, healthy, serving it as its folder's name and its
+    path, LoRA loads at run time, no API key; stopped (its process group) at the session's end.
+    Tests share it: each loads adapters under names of its own."""
+    require_vllm()
+    work = tmp_path_factory.mktemp("vllm-server")
+    server = VLLMServer(tiny_model, work / "vllm.log", names=(tiny_model.name, str(tiny_model)), python=VLLM_PYTHON)
+    try:
+        server.wait_healthy()
+        yield server
+    finally:
+        server.stop()

@@ -50,11 +50,11 @@ async def engine(request, tiny_model, tmp_path_factory):
         )
         double = DoubleServer(options, DoubleModel(str(tiny_model))).start()
         config.sglang = SGLangSection(url=double.url, adapter_dir=str(tmp_path_factory.mktemp("sglang-adapters")))
-    if request.param == "vllm":  # a real vLLM server, launched by the engine, shared by the module's tests
-        from support.vllm import require_vllm, vllm_section
+    if request.param == "vllm":  # the run's one vLLM server (support.vllm), reached by url
+        from support.vllm import vllm_section
 
-        require_vllm()
-        config.vllm = vllm_section(tmp_path_factory.mktemp("vllm-adapters"))
+        server = request.getfixturevalue("vllm_server")
+        config.vllm = vllm_section(tmp_path_factory.mktemp("vllm-adapters"), url=server.url)
     eng = make_engine(config, GeneratorMetrics())
     assert eng.name == request.param
     try:
