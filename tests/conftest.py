@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 from support.door_fleet import chat_model, door  # noqa: F401  # the HTTP door's session fleet
+from support.fleets import fleets  # noqa: F401  # replica fleets shared by the tests that only read them
 from support.learner import TAUGHT_DIR
 from support.processes import FAST_STOP, start_generator, start_stack
 from support.vllm import vllm_server  # noqa: F401  # the one vLLM server of the run

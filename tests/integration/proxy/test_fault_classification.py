@@ -342,15 +342,17 @@ CLIENT_CODES = {C.INVALID_ARGUMENT, C.NOT_FOUND, C.FAILED_PRECONDITION, C.OUT_OF
 
 
 @pytest.fixture(scope="module")
-def fleet(tiny_model, tmp_path_factory):
-    from support.processes import start_generators, start_proxy, stop_all, wait_routable
+def fleet(tiny_model, fleets, tmp_path_factory):
+    """A proxy of this module's own (ejecting after one failure) over the session's shared two
+    replicas (support.fleets): the tests only send requests, so the replicas are only read."""
+    from support.processes import start_proxy, stop_all, wait_routable
 
     workdir = tmp_path_factory.mktemp("faults")
-    replicas = start_generators(tiny_model, workdir, ["f1", "f2"])
+    replicas = fleets.replicas(tiny_model, 2)
     proxy = start_proxy(workdir, "faults-proxy", replicas, "--set", "health.eject_after_failures=1")
     wait_routable(proxy, replicas)
     yield proxy, replicas
-    stop_all([proxy, *replicas])
+    stop_all([proxy])
 
 
 def test_no_hostile_request_ejects_a_replica_or_disturbs_other_clients(fleet):

@@ -22,7 +22,7 @@ import grpc
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from support.processes import routable, start_generators, start_proxy, stop_all, wait_routable
+from support.processes import routable, start_proxy, stop_all, wait_routable
 from support.wire import fingerprint, make_adapter, push_messages, request, run_group
 
 from rollwire.common.errors import from_rpc_error
@@ -42,13 +42,15 @@ PROBE_WITHIN_S = 2.0
 
 # -- the fleet and its well-behaved clients ------------------------------------------------
 @pytest.fixture(scope="module")
-def fleet(tiny_model, tmp_path_factory):
+def fleet(tiny_model, fleets, tmp_path_factory):
+    """A proxy of this module's own over the session's shared two replicas (support.fleets):
+    hostile calls only send requests, so the replicas are only read."""
     workdir = tmp_path_factory.mktemp("hostile")
-    replicas = start_generators(tiny_model, workdir, ["h1", "h2"])
+    replicas = fleets.replicas(tiny_model, 2)
     proxy = start_proxy(workdir, "hostile-proxy", replicas)
     wait_routable(proxy, replicas)
     yield proxy, replicas
-    stop_all([proxy, *replicas])
+    stop_all([proxy])
 
 
 @dataclass
