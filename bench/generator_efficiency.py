@@ -39,7 +39,7 @@ LORA_R = 8
 # What --baseline takes from REF: the embedded engine and its sampling. Modules the new code
 # added stay in the copy, unused by the old engine.
 ENGINE_FILES = (
-    "server/rollwire/generator/engines/transformers_engine.py",
+    "server/rollwire/generator/engines/embedded/transformers_engine.py",
     "server/rollwire/generator/sampling.py",
 )
 

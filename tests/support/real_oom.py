@@ -18,8 +18,8 @@ import resource
 import sys
 from pathlib import Path
 
-from rollwire.generator.engines import transformers_engine as te
-from rollwire.generator.engines.prefix_cache import PrefixCacheSettings
+from rollwire.generator.engines.embedded import transformers_engine as te
+from rollwire.generator.engines.embedded.prefix_cache import PrefixCacheSettings
 from rollwire.generator.types import GroupRequest, SamplingParams
 from support.engines import collect
 

@@ -216,7 +216,7 @@ async def test_transformers_engine_survives_a_push_whose_caller_went_away(tiny_m
     """A learner killed mid-push cancels the load's future; the worker must skip it and go on."""
     from concurrent.futures import Future
 
-    from rollwire.generator.engines.transformers_engine import TransformersEngine
+    from rollwire.generator.engines.embedded.transformers_engine import TransformersEngine
 
     engine = TransformersEngine(tiny_model, threads=1)
     await engine.start()

@@ -24,8 +24,8 @@ from rollwire.common.errors import InvalidArgument
 from rollwire.common.lora import LoraShape
 from rollwire.generator import detokenize
 from rollwire.generator.detokenize import TextStream, backend
-from rollwire.generator.engines import transformers_engine as te
-from rollwire.generator.engines.lora import LoraSet
+from rollwire.generator.engines.embedded import transformers_engine as te
+from rollwire.generator.engines.embedded.lora import LoraSet
 from rollwire.generator.sampling import (
     inverse_cdf,
     nonfinite_rows,

@@ -25,9 +25,9 @@ from hypothesis import strategies as st
 from support.engines import collect
 
 from rollwire.common.errors import FailedPrecondition, InvalidArgument, ResourceExhausted
-from rollwire.generator.engines import kv_memory
-from rollwire.generator.engines import transformers_engine as te
-from rollwire.generator.engines.transformers_groups import Group, oom_victim, out_of_memory
+from rollwire.generator.engines.embedded import kv_memory
+from rollwire.generator.engines.embedded import transformers_engine as te
+from rollwire.generator.engines.embedded.transformers_groups import Group, oom_victim, out_of_memory
 from rollwire.generator.metrics import GeneratorMetrics
 from rollwire.generator.types import GroupRequest, SamplingParams, TokenDelta
 
@@ -349,7 +349,7 @@ async def test_memory_running_out_while_newcomers_join_ends_the_largest(engine, 
     """The running batch's cache grows layer by layer as a prefill's rows join it; when that
     fails part-way (after the first layer), the batch is put back, the larger of the two groups
     ends, and the other goes on with exactly its tokens."""
-    from rollwire.generator.engines import kv_batch
+    from rollwire.generator.engines.embedded import kv_batch
 
     running_req, newcomer_req = group("running", seed=6, tokens=30), group("newcomer", seed=7, tokens=newcomer_tokens)
     alone = {
@@ -481,7 +481,7 @@ async def test_the_engine_thread_lives_when_reporting_a_failed_step_runs_out_of_
     """Before: memory ran out, then again while the failure's traceback was formatted, the
     engine thread died and every request waited forever. Now each group still gets a status
     (within a deadline) and the next request is served."""
-    from rollwire.generator.engines import transformers_groups
+    from rollwire.generator.engines.embedded import transformers_groups
 
     class Starved:
         def __getattr__(self, name):

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from rollwire.generator.engines.prefix_cache import PrefixCache, PrefixCacheSettings
+from rollwire.generator.engines.embedded.prefix_cache import PrefixCache, PrefixCacheSettings
 from rollwire.generator.metrics import GeneratorMetrics
 
 

@@ -18,8 +18,8 @@ import torch
 
 from rollwire.common.errors import FailedPrecondition, Internal, RollwireError, clip
 from rollwire.common.reasons import Reason
-from rollwire.generator.engines import transformers_engine as te
-from rollwire.generator.engines import transformers_sampling
+from rollwire.generator.engines.embedded import transformers_engine as te
+from rollwire.generator.engines.embedded import transformers_sampling
 from rollwire.generator.types import GroupRequest, SampleDone, SamplingParams, TokenDelta
 from rollwire.runtime.logs import request_id_from
 from rollwire.v1 import generator_pb2 as pb

@@ -44,8 +44,8 @@ EngineBuilder = Callable[[EngineConfig, "GeneratorMetrics"], "Engine"]
 
 
 def _transformers(config: EngineConfig, metrics: GeneratorMetrics) -> Engine:
-    from rollwire.generator.engines.prefix_cache import PrefixCacheSettings
-    from rollwire.generator.engines.transformers_engine import TransformersEngine
+    from rollwire.generator.engines.embedded.prefix_cache import PrefixCacheSettings
+    from rollwire.generator.engines.embedded.transformers_engine import TransformersEngine
 
     t = config.transformers
     p = t.prefix_cache
@@ -75,7 +75,7 @@ def _vllm(config: EngineConfig, metrics: GeneratorMetrics) -> Engine:
 
 
 def _scripted(config: EngineConfig, metrics: GeneratorMetrics) -> Engine:
-    from rollwire.generator.engines.scripted import ScriptedEngine
+    from rollwire.generator.engines.embedded.scripted import ScriptedEngine
 
     s = config.scripted
     return ScriptedEngine(

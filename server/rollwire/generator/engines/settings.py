@@ -142,7 +142,7 @@ class VLLMSection(ServedSection):
 
 
 class ScriptedSection(Section):
-    """Settings of the scripted benchmark engine: tokens at a set rate, no model (engines/scripted.py)."""
+    """Settings of the scripted benchmark engine: tokens at a set rate, no model (engines/embedded/scripted.py)."""
 
     tokens_per_s: float = Field(default=100.0, ge=0)
     """Tokens per second per sample, all n samples of a group together; 0 = as fast as the event loop runs."""

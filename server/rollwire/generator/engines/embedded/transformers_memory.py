@@ -19,9 +19,9 @@ from __future__ import annotations
 
 import torch
 
-from rollwire.generator.engines import kv_batch
-from rollwire.generator.engines.kv_batch import Batch
-from rollwire.generator.engines.transformers_groups import (
+from rollwire.generator.engines.embedded import kv_batch
+from rollwire.generator.engines.embedded.kv_batch import Batch
+from rollwire.generator.engines.embedded.transformers_groups import (
     Group,
     fail_engine,
     fail_out_of_memory,

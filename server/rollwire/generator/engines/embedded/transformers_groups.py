@@ -21,11 +21,11 @@ import torch
 from rollwire.common.errors import FailedPrecondition, Internal, InvalidArgument, ResourceExhausted
 from rollwire.common.reasons import Reason
 from rollwire.generator.detokenize import TextStream
-from rollwire.generator.engines.prefix_cache import AdapterKey
+from rollwire.generator.engines.embedded.prefix_cache import AdapterKey
 from rollwire.generator.types import GroupRequest
 from rollwire.runtime.logs import get_logger
 
-log = get_logger("rollwire.generator.engines.transformers_engine")
+log = get_logger("rollwire.generator.engines.embedded.transformers_engine")
 _MAX_ERROR_CHARS = 200  # an exception's text as a status message may echo it
 
 END = object()

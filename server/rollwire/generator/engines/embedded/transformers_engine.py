@@ -64,15 +64,15 @@ import torch
 from rollwire.common.errors import FailedPrecondition, Unavailable
 from rollwire.common.manifest import Manifest
 from rollwire.generator.detokenize import TextStream, backend
-from rollwire.generator.engines import kv_batch, kv_memory
 from rollwire.generator.engines.base import EngineStats
-from rollwire.generator.engines.kv_batch import Batch
-from rollwire.generator.engines.lora import LoraSet
-from rollwire.generator.engines.prefix_cache import AdapterKey, PrefixCache, PrefixCacheSettings
-from rollwire.generator.engines.transformers_groups import END as _END
-from rollwire.generator.engines.transformers_groups import Group as _Group
-from rollwire.generator.engines.transformers_groups import Mailbox as _Mailbox
-from rollwire.generator.engines.transformers_groups import (
+from rollwire.generator.engines.embedded import kv_batch, kv_memory
+from rollwire.generator.engines.embedded.kv_batch import Batch
+from rollwire.generator.engines.embedded.lora import LoraSet
+from rollwire.generator.engines.embedded.prefix_cache import AdapterKey, PrefixCache, PrefixCacheSettings
+from rollwire.generator.engines.embedded.transformers_groups import END as _END
+from rollwire.generator.engines.embedded.transformers_groups import Group as _Group
+from rollwire.generator.engines.embedded.transformers_groups import Mailbox as _Mailbox
+from rollwire.generator.engines.embedded.transformers_groups import (
     NonFinite,
     check_fits,
     deliver,
@@ -81,9 +81,9 @@ from rollwire.generator.engines.transformers_groups import (
     kv_tokens,
     row_error,
 )
-from rollwire.generator.engines.transformers_groups import Row as _Row
-from rollwire.generator.engines.transformers_memory import MemoryRules
-from rollwire.generator.engines.transformers_sampling import sample, sample_by_group
+from rollwire.generator.engines.embedded.transformers_groups import Row as _Row
+from rollwire.generator.engines.embedded.transformers_memory import MemoryRules
+from rollwire.generator.engines.embedded.transformers_sampling import sample, sample_by_group
 from rollwire.generator.sampling import row_uniforms, sample_seeds
 from rollwire.generator.types import Event, GroupRequest, SampleDone, TokenDelta
 from rollwire.runtime.logs import get_logger

@@ -32,7 +32,7 @@ import torch
 from rollwire.common.errors import FailedPrecondition
 from rollwire.runtime.logs import get_logger
 
-log = get_logger("rollwire.generator.engines.transformers_engine")
+log = get_logger("rollwire.generator.engines.embedded.transformers_engine")
 
 MEMINFO = Path("/proc/meminfo")
 CGROUP_V2 = (Path("/sys/fs/cgroup/memory.max"), Path("/sys/fs/cgroup/memory.current"))
