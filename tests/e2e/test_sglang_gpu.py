@@ -37,8 +37,8 @@ from support.engines import collect, forward_logprobs, manifest_for  # noqa: E40
 from support.wire import make_adapter, peft_reference  # noqa: E402
 
 from rollwire.generator.adapters import AdapterRegistry  # noqa: E402
+from rollwire.generator.engines.served.sglang_engine import SGLangEngine  # noqa: E402
 from rollwire.generator.engines.settings import SGLangSection  # noqa: E402
-from rollwire.generator.engines.sglang_engine import SGLangEngine  # noqa: E402
 from rollwire.generator.types import AdapterSelection, GroupRequest, SamplingParams  # noqa: E402
 
 ATOL = 2e-3

@@ -31,7 +31,7 @@ from rollwire.common import kept
 from rollwire.common.errors import FailedPrecondition, Unavailable
 from rollwire.common.reasons import Reason
 from rollwire.generator.adapters import AdapterRegistry
-from rollwire.generator.engines.vllm_engine import VLLMEngine, completions_body, kept_logprobs_for, launch_argv
+from rollwire.generator.engines.served.vllm_engine import VLLMEngine, completions_body, kept_logprobs_for, launch_argv
 from rollwire.generator.sampling import sample_seed
 from rollwire.generator.types import AdapterSelection, GroupRequest, SamplingParams, TokenDelta
 

@@ -327,8 +327,8 @@ class VLLMServer:
         python: Path = Path(".venv-vllm/bin/python"),
         cpus: Collection[int] = (),
     ) -> None:
-        from rollwire.generator.engines.served import free_port
-        from rollwire.generator.engines.vllm_engine import SERVER_MODULE, launch_argv
+        from rollwire.generator.engines.served.engine import free_port
+        from rollwire.generator.engines.served.vllm_engine import SERVER_MODULE, launch_argv
 
         self.port = free_port("127.0.0.1")
         self.url = f"http://127.0.0.1:{self.port}"

@@ -117,7 +117,7 @@ def _in_background(fn: Callable[..., T], *args: Any, **kwargs: Any) -> Future[T]
 
 
 def _follow_server_health(engine: Engine, endpoint) -> None:
-    """An engine whose model runs in a server beside the replica (served.py: sglang, vllm)
+    """An engine whose model runs in a server beside the replica (engines/served/: sglang, vllm)
     turns the replica's gRPC health NOT_SERVING while that server is down and SERVING when it
     is back, so a proxy stops routing to it at once instead of after failed requests."""
     supervisor = getattr(engine, "supervisor", None)

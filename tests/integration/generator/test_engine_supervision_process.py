@@ -1,4 +1,4 @@
-"""Supervision of a launched engine server (served_process.py) with real processes: a launched
+"""Supervision of a launched engine server (engines/served/process.py) with real processes: a launched
 server dies with its replica, however the replica ends."""
 
 from __future__ import annotations
@@ -15,8 +15,8 @@ import pytest
 PARENT = textwrap.dedent(
     """
     import asyncio, pathlib, sys
-    from rollwire.generator.engines.served_process import ServerProcess
-    from rollwire.generator.engines.sglang_protocol import SGLANG
+    from rollwire.generator.engines.served.process import ServerProcess
+    from rollwire.generator.engines.served.sglang_protocol import SGLANG
 
     async def main():
         process = ServerProcess(SGLANG, [sys.executable, "-c", "import time; time.sleep(60)"], pathlib.Path(sys.argv[1]))

@@ -1,4 +1,4 @@
-"""Following on engine servers, by continuation (served_follow.py): a replica over the SGLang
+"""Following on engine servers, by continuation (engines/served/follow.py): a replica over the SGLang
 protocol double (tests/support/sglang_double.py) with a push landing while the double holds
 the group mid-generation.
 
@@ -14,7 +14,7 @@ from support.processes import start_generator
 from support.sglang_double import DoubleModel, DoubleServer, Options
 from support.wire import fingerprint, make_adapter, peft_reference, push
 
-from rollwire.generator.engines.served_follow import continuation_seed
+from rollwire.generator.engines.served.follow import continuation_seed
 from rollwire.generator.sampling import sample_seed
 
 PROMPT = [5, 17, 33, 40, 12]

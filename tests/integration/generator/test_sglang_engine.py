@@ -35,15 +35,15 @@ from rollwire.common.errors import (
 from rollwire.common.lora import LoraShape
 from rollwire.common.manifest import Manifest
 from rollwire.generator.adapters import AdapterRegistry
-from rollwire.generator.engines.settings import SGLangSection
-from rollwire.generator.engines.sglang_engine import SGLangEngine, peft_config
-from rollwire.generator.engines.sglang_protocol import (
+from rollwire.generator.engines.served.sglang_engine import SGLangEngine, peft_config
+from rollwire.generator.engines.served.sglang_protocol import (
     DONE,
     StreamTracker,
     error_from_body,
     generate_body,
     parse_sse_line,
 )
+from rollwire.generator.engines.settings import SGLangSection
 from rollwire.generator.types import AdapterSelection, GroupRequest, SampleDone, SamplingParams, TokenDelta
 
 DOUBLE = [sys.executable, str(ROOT / "tests" / "support" / "sglang_double.py")]
@@ -405,7 +405,7 @@ def test_generator_launches_sglang_serves_and_survives_its_crash(tiny_model, tmp
     import urllib.error
     import urllib.request
 
-    from rollwire.generator.engines.sglang_process import free_port
+    from rollwire.generator.engines.served.sglang_process import free_port
 
     port = free_port("127.0.0.1")
     svc = start_generator(

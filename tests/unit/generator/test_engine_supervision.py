@@ -1,4 +1,4 @@
-"""Supervision of a launched engine server (served_process.py), with stand-ins for the process and
+"""Supervision of a launched engine server (engines/served/process.py), with stand-ins for the process and
 its HTTP API: the restart budget counts per time window, and anything unexpected marks the
 replica failed with the reason (never a silent end). That a launched server dies with its
 replica (real processes): tests/integration/generator/test_engine_supervision_process.py."""
@@ -10,8 +10,8 @@ import asyncio
 import pytest
 
 from rollwire.common.errors import Unavailable
-from rollwire.generator.engines.served_process import Supervisor
-from rollwire.generator.engines.sglang_protocol import SGLANG
+from rollwire.generator.engines.served.process import Supervisor
+from rollwire.generator.engines.served.sglang_protocol import SGLANG
 
 
 class FakeHTTP:

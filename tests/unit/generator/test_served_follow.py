@@ -1,4 +1,4 @@
-"""Following on engine servers, by continuation (served_follow.py): the bookkeeping on the
+"""Following on engine servers, by continuation (engines/served/follow.py): the bookkeeping on the
 tiny model's tokenizer. A replica over the SGLang double with a push landing mid-generation:
 tests/integration/generator/test_served_follow_sglang.py."""
 
@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from rollwire.generator.detokenize import TextStream, backend
-from rollwire.generator.engines.served_follow import FollowRun, continuation_seed
+from rollwire.generator.engines.served.follow import FollowRun, continuation_seed
 from rollwire.generator.sampling import sample_seed
 from rollwire.generator.types import AdapterSelection, GroupRequest, SampleDone, SamplingParams, TokenDelta
 

@@ -54,7 +54,7 @@ def test_per_sample_seeds_are_the_documented_numbers():
     """docs/protocol.md's literal examples of `(s * 1000003 + i) mod (2^63 - 1)` and of the
     continuation seed, so neither the code nor the docs can drift alone (the engines' seed
     tests compare against sample_seed itself)."""
-    from rollwire.generator.engines.served_follow import continuation_seed
+    from rollwire.generator.engines.served.follow import continuation_seed
 
     assert sample_seed(42, 3) == 42000129
     assert sample_seed(2**64 - 1, 0) == 1000003  # mod 2^63 would give 9223372036853775805

@@ -63,13 +63,13 @@ def _transformers(config: EngineConfig, metrics: GeneratorMetrics) -> Engine:
 
 
 def _sglang(config: EngineConfig, metrics: GeneratorMetrics) -> Engine:
-    from rollwire.generator.engines.sglang_engine import SGLangEngine
+    from rollwire.generator.engines.served.sglang_engine import SGLangEngine
 
     return SGLangEngine(config.model, config.sglang, adapter_window=config.adapter_window)
 
 
 def _vllm(config: EngineConfig, metrics: GeneratorMetrics) -> Engine:
-    from rollwire.generator.engines.vllm_engine import VLLMEngine
+    from rollwire.generator.engines.served.vllm_engine import VLLMEngine
 
     return VLLMEngine(config.model, config.vllm, adapter_window=config.adapter_window)
 

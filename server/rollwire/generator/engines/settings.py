@@ -57,7 +57,7 @@ class TransformersSection(Section):
 class ServedSection(Section):
     """What every served engine's section has ([sglang], [vllm]): where its server listens, how
     adapters reach it, and how long rollwire waits on it. Each engine's section adds its own
-    server's flags; engines/served.py reads only these."""
+    server's flags; engines/served/engine.py reads only these."""
 
     url: str = Field(default="")
     """Use the server at this URL (e.g. http://127.0.0.1:30000) instead of launching one; it must see adapter_dir

@@ -24,9 +24,9 @@ from dataclasses import dataclass, field
 from rollwire.common.errors import Internal, RollwireError
 from rollwire.common.reasons import Reason
 from rollwire.generator.detokenize import TextStream
-from rollwire.generator.engines import served_http as served
-from rollwire.generator.engines.served_http import DONE as DONE  # the `data: [DONE]` sentinel, re-exported
-from rollwire.generator.engines.served_http import ServerKind, ServerReasons
+from rollwire.generator.engines.served import http as served
+from rollwire.generator.engines.served.http import DONE as DONE  # the `data: [DONE]` sentinel, re-exported
+from rollwire.generator.engines.served.http import ServerKind, ServerReasons
 from rollwire.generator.types import Event, GroupRequest, SampleDone, SamplingParams, TokenDelta
 
 TARGET_VERSION = "0.5.23"

@@ -4,7 +4,7 @@ The replica keeps everything rollwire promises (versions, the window, leases, st
 SGLang does the batching on the accelerator. SGLang is launched as a child process with LoRA
 enabled (sglang_process.py) or reached by URL; this module speaks its native HTTP API
 (sglang_protocol.py holds the exact bodies and the stream parser). Supervision, adapter
-folders and the adapter bookkeeping are shared with the vllm engine (served.py).
+folders and the adapter bookkeeping are shared with the vllm engine (engine.py).
 
 Invariants:
 - an adapter version is written to this replica's disk in full (PEFT folder:
@@ -18,7 +18,7 @@ Invariants:
 - after SGLang restarts, every adapter the registry still holds is loaded again before the
   replica serves again;
 - closing a generate stream closes the HTTP stream and aborts its SGLang requests;
-- a following group switches by continuation (served_follow.py): SGLang fixes a request's
+- a following group switches by continuation (follow.py): SGLang fixes a request's
   LoRA at admission, so each unfinished sample goes on as a new request under the new one.
 """
 
@@ -28,11 +28,10 @@ from pathlib import Path
 
 from rollwire.common.errors import FailedPrecondition, RollwireError
 from rollwire.common.reasons import Reason
-from rollwire.generator.engines.served import NO_TEXT, ServedAdapter, ServedEngine, ServerCall
-from rollwire.generator.engines.served_files import find_key, peft_config, read_secret, write_peft_folder
-from rollwire.generator.engines.settings import SGLangSection
-from rollwire.generator.engines.sglang_process import launch_argv, write_key_config
-from rollwire.generator.engines.sglang_protocol import (
+from rollwire.generator.engines.served.engine import NO_TEXT, ServedAdapter, ServedEngine, ServerCall
+from rollwire.generator.engines.served.files import find_key, peft_config, read_secret, write_peft_folder
+from rollwire.generator.engines.served.sglang_process import launch_argv, write_key_config
+from rollwire.generator.engines.served.sglang_protocol import (
     SGLANG,
     TARGET_VERSION,
     StreamTracker,
@@ -41,6 +40,7 @@ from rollwire.generator.engines.sglang_protocol import (
     load_lora_body,
     unload_lora_body,
 )
+from rollwire.generator.engines.settings import SGLangSection
 from rollwire.generator.types import GroupRequest
 from rollwire.runtime.logs import get_logger
 

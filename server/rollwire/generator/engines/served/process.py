@@ -29,7 +29,7 @@ from collections.abc import Awaitable, Callable, Mapping
 from pathlib import Path
 
 from rollwire.common.errors import DeadlineExceeded, FailedPrecondition, RollwireError, Unavailable
-from rollwire.generator.engines.served_http import ServerHTTP, ServerKind
+from rollwire.generator.engines.served.http import ServerHTTP, ServerKind
 from rollwire.runtime.logs import get_logger
 from rollwire.runtime.waits import wait_at_most
 

@@ -1,7 +1,7 @@
 """Launching SGLang: its command line and its private key file.
 
 The transport, the process group, readiness, health and restart are shared with the vllm
-engine (served.py); this module holds what only SGLang's launch needs.
+engine (engine.py); this module holds what only SGLang's launch needs.
 
 Invariants:
 - API keys travel in headers and, for a launched server, in a private config file passed
@@ -15,7 +15,7 @@ import os
 import sys
 from pathlib import Path
 
-from rollwire.generator.engines.served_process import free_port
+from rollwire.generator.engines.served.process import free_port
 
 
 # -- launching -----------------------------------------------------------------------------

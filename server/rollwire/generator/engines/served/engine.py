@@ -1,10 +1,10 @@
 """The engine skeleton the engines that drive a model server beside the replica share (sglang, vllm).
 
 `ServedEngine` keeps the registry's adapter versions loaded in the server and runs every
-group as a chain of segments (served_follow.py): one request normally, continuations under
-the new version when a following group switches. The parts live beside it: served_http.py
-(who the server is, its errors, HTTP), served_process.py (launch and supervision),
-served_files.py (adapter folders and keys on disk). An engine module adds only its server's
+group as a chain of segments (follow.py): one request normally, continuations under
+the new version when a following group switches. The parts live beside it: http.py
+(who the server is, its errors, HTTP), process.py (launch and supervision),
+files.py (adapter folders and keys on disk). An engine module adds only its server's
 dialect: the generation call (`_call`), its abort, the load/unload bodies and its launch
 command line.
 
@@ -41,9 +41,9 @@ from rollwire.common.manifest import Manifest
 from rollwire.common.reasons import Reason
 from rollwire.generator.detokenize import TextStream, backend
 from rollwire.generator.engines.base import EngineStats, GroupSlots
-from rollwire.generator.engines.served_files import find_key, peft_config, read_secret, write_peft_folder
-from rollwire.generator.engines.served_follow import FollowRun, Segments
-from rollwire.generator.engines.served_http import (
+from rollwire.generator.engines.served.files import find_key, peft_config, read_secret, write_peft_folder
+from rollwire.generator.engines.served.follow import FollowRun, Segments
+from rollwire.generator.engines.served.http import (
     DONE,
     ServerHTTP,
     ServerKind,
@@ -54,7 +54,7 @@ from rollwire.generator.engines.served_http import (
     server_message,
     status_of,
 )
-from rollwire.generator.engines.served_process import ServerProcess, Supervisor, free_port
+from rollwire.generator.engines.served.process import ServerProcess, Supervisor, free_port
 from rollwire.generator.engines.settings import ServedSection
 from rollwire.generator.types import Event, GroupRequest
 from rollwire.runtime.logs import get_logger
@@ -116,7 +116,7 @@ class ServedEngine:
     name = "served"
     kind: ServerKind
     follows_versions = True
-    """Follows by continuation (served_follow.py): a switch costs a prefill of prompt + generated tokens."""
+    """Follows by continuation (follow.py): a switch costs a prefill of prompt + generated tokens."""
 
     def __init__(self, model_dir: str | Path, settings: ServedSection, *, adapter_window: int) -> None:
         self.model_dir = Path(model_dir)
@@ -265,7 +265,7 @@ class ServedEngine:
         raise NotImplementedError
 
     async def generate(self, group: GroupRequest) -> AsyncIterator[list[Event]]:
-        """The group's events: one segment, or a chain of them when it follows (served_follow.py)."""
+        """The group's events: one segment, or a chain of them when it follows (follow.py)."""
         self.check_up()
         self.check(group)
         run = FollowRun(group, self._text_stream, self.eos_ids)

