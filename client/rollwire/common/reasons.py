@@ -12,7 +12,8 @@ elsewhere, unchanged; "do not retry": the request or the setup must change first
 and what happened. docs/protocol.md lists them all, generated from these docstrings and
 checked by tests/unit/repo/test_protocol_doc.py, which also fails when a source in client/, server/ or
 learner/ spells a reason as a string or raises it with a code its docstring does not list.
-Which layer retries what on its own is in retries.py.
+Which layer retries what on its own is in retries.py. A renamed reason stays as an alias of
+the member it became, never sent (the last block of `Reason`).
 """
 
 from __future__ import annotations
@@ -156,51 +157,17 @@ class Reason(StrEnum):
     RELAY_ABORTED = "RELAY_ABORTED"
     """CANCELLED; retry: The upload above this replica failed; nothing was staged."""
 
-    # -- The SGLang engine ----------------------------------------------------------------
+    # -- Engines served by a model server beside the replica (sglang, vllm) ----------------
     SEED_UNSUPPORTED = "SEED_UNSUPPORTED"
     """FAILED_PRECONDITION; do not retry: SGLang runs non-deterministic; drop the seed."""
     LORA_RANK_TOO_LARGE = "LORA_RANK_TOO_LARGE"
     """FAILED_PRECONDITION; do not retry: `r` is above `sglang.max_lora_rank` (or `vllm.max_lora_rank`)."""
     ADAPTER_SLOTS_FULL = "ADAPTER_SLOTS_FULL"
     """RESOURCE_EXHAUSTED; retry: The engine server's adapter slots (SGLang's, vLLM's) all serve requests."""
-    SGLANG_UNREACHABLE = "SGLANG_UNREACHABLE"
-    """UNAVAILABLE; retry: SGLang is down or restarting."""
-    SGLANG_DOWN = "SGLANG_DOWN"
-    """UNAVAILABLE; retry: The replica's SGLang cannot serve right now."""
-    SGLANG_CONNECTION_LOST = "SGLANG_CONNECTION_LOST"
-    """UNAVAILABLE; retry: SGLang dropped the connection mid-call."""
-    SGLANG_STREAM_CUT = "SGLANG_STREAM_CUT"
-    """UNAVAILABLE; retry: SGLang ended a stream before every sample finished."""
-    SGLANG_TIMEOUT = "SGLANG_TIMEOUT"
-    """DEADLINE_EXCEEDED; retry: SGLang sent nothing within the request timeout."""
-    SGLANG_START_TIMEOUT = "SGLANG_START_TIMEOUT"
-    """DEADLINE_EXCEEDED; do not retry: SGLang did not become healthy at start."""
-    SGLANG_START_FAILED = "SGLANG_START_FAILED"
-    """FAILED_PRECONDITION; do not retry: SGLang exited while starting."""
-    SGLANG_BAD_REQUEST = "SGLANG_BAD_REQUEST"
-    """INVALID_ARGUMENT; do not retry: SGLang refused the request (HTTP 400/422)."""
-    SGLANG_UNAUTHENTICATED = "SGLANG_UNAUTHENTICATED"
-    """UNAUTHENTICATED; do not retry: SGLang refused the replica's API key."""
-    SGLANG_FORBIDDEN = "SGLANG_FORBIDDEN"
-    """PERMISSION_DENIED; do not retry: SGLang forbade the call (HTTP 403)."""
-    SGLANG_NO_ROUTE = "SGLANG_NO_ROUTE"
-    """FAILED_PRECONDITION; do not retry: SGLang lacks an endpoint; check its version."""
-    SGLANG_TOO_LARGE = "SGLANG_TOO_LARGE"
-    """INVALID_ARGUMENT; do not retry: SGLang refused the body as too large (HTTP 413)."""
-    SGLANG_OVERLOADED = "SGLANG_OVERLOADED"
-    """RESOURCE_EXHAUSTED; retry: SGLang is overloaded (HTTP 429)."""
-    SGLANG_INTERNAL = "SGLANG_INTERNAL"
-    """INTERNAL; do not retry: SGLang failed the request (HTTP 500)."""
-    SGLANG_UNAVAILABLE = "SGLANG_UNAVAILABLE"
-    """UNAVAILABLE; retry: SGLang is unavailable (HTTP 503)."""
-    SGLANG_ERROR = "SGLANG_ERROR"
-    """UNAVAILABLE or INVALID_ARGUMENT; retry when UNAVAILABLE: Any other HTTP error from SGLang (5xx: UNAVAILABLE)."""
-
-    # -- Engines over another model server (the vllm engine) ------------------------------
     ENGINE_SERVER_UNREACHABLE = "ENGINE_SERVER_UNREACHABLE"
-    """UNAVAILABLE; retry: The replica's engine server (vLLM) is down or restarting."""
+    """UNAVAILABLE; retry: The replica's engine server (SGLang, vLLM) is down or restarting."""
     ENGINE_SERVER_DOWN = "ENGINE_SERVER_DOWN"
-    """UNAVAILABLE; retry: The replica's engine server (vLLM) cannot serve right now."""
+    """UNAVAILABLE; retry: The replica's engine server (SGLang, vLLM) cannot serve right now."""
     ENGINE_SERVER_CONNECTION_LOST = "ENGINE_SERVER_CONNECTION_LOST"
     """UNAVAILABLE; retry: The engine server dropped the connection mid-call."""
     ENGINE_SERVER_STREAM_CUT = "ENGINE_SERVER_STREAM_CUT"
@@ -328,6 +295,28 @@ class Reason(StrEnum):
     """NOT_FOUND; do not retry: The request names an adapter version unloaded through the HTTP door, or a bare name whose every version was (either door)."""
     NO_CHAT_TEMPLATE = "NO_CHAT_TEMPLATE"
     """FAILED_PRECONDITION; do not retry: Chat needs `http.model_path` with a tokenizer that has a chat template."""
+
+    # -- Renamed reasons: aliases, never sent ----------------------------------------------
+    # Every engine served by a server (SGLang, vLLM) fails with the ENGINE_SERVER_* reasons.
+    # SGLang's former names stay as aliases where a client may match them: each is the member
+    # it became (`Reason.SGLANG_DOWN is Reason.ENGINE_SERVER_DOWN`), so code naming the member
+    # keeps working, while the wire carries the new name (docs/protocol.md, "Renamed reasons").
+    # SGLANG_START_TIMEOUT and SGLANG_START_FAILED stop a replica from starting and never reach
+    # a client: no alias.
+    SGLANG_UNREACHABLE = "ENGINE_SERVER_UNREACHABLE"
+    SGLANG_DOWN = "ENGINE_SERVER_DOWN"
+    SGLANG_CONNECTION_LOST = "ENGINE_SERVER_CONNECTION_LOST"
+    SGLANG_STREAM_CUT = "ENGINE_SERVER_STREAM_CUT"
+    SGLANG_TIMEOUT = "ENGINE_SERVER_TIMEOUT"
+    SGLANG_BAD_REQUEST = "ENGINE_SERVER_BAD_REQUEST"
+    SGLANG_UNAUTHENTICATED = "ENGINE_SERVER_UNAUTHENTICATED"
+    SGLANG_FORBIDDEN = "ENGINE_SERVER_FORBIDDEN"
+    SGLANG_NO_ROUTE = "ENGINE_SERVER_NO_ROUTE"
+    SGLANG_TOO_LARGE = "ENGINE_SERVER_BAD_REQUEST"
+    SGLANG_OVERLOADED = "ENGINE_SERVER_OVERLOADED"
+    SGLANG_INTERNAL = "ENGINE_SERVER_INTERNAL"
+    SGLANG_UNAVAILABLE = "ENGINE_SERVER_UNAVAILABLE"
+    SGLANG_ERROR = "ENGINE_SERVER_ERROR"
 
 
 __all__ = ["Reason"]

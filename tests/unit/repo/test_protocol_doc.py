@@ -1,9 +1,9 @@
 """One vocabulary of error reasons and one retry policy, and docs/protocol.md that match them.
 
-The reasons table and the retry table in docs/protocol.md are generated from
-rollwire.common.reasons and rollwire.common.retries; `python tests/unit/repo/test_protocol_doc.py`
-rewrites them. The tests below fail when the docs, the enum, the sources or the layers'
-real retry decisions drift apart.
+The reasons table, the renamed reasons (aliases) and the retry table in docs/protocol.md are
+generated from rollwire.common.reasons and rollwire.common.retries; `python
+tests/unit/repo/test_protocol_doc.py` rewrites them. The tests below fail when the docs, the
+enum, the sources or the layers' real retry decisions drift apart.
 """
 
 from __future__ import annotations
@@ -78,7 +78,17 @@ def retries_table() -> str:
     return "\n".join([*head, *rows])
 
 
-TABLES = {"reasons": reasons_table, "retries": retries_table}
+def aliases() -> dict[str, Reason]:
+    """The renamed reasons: each former name and the member it became (never sent)."""
+    return {old: member for old, member in Reason.__members__.items() if old != member.name}
+
+
+def aliases_table() -> str:
+    rows = [f"| `{old}` | `{member.name}` |" for old, member in aliases().items()]
+    return "\n".join(["| former reason | sent now |", "|---|---|", *rows])
+
+
+TABLES = {"reasons": reasons_table, "aliases": aliases_table, "retries": retries_table}
 
 
 def block(name: str) -> re.Pattern:
@@ -122,6 +132,19 @@ def test_no_reason_is_spelled_as_a_string_in_the_sources():
             if spelled or (literal_kw and node.value.value):  # type: ignore[union-attr]
                 loose.append(f"{path.relative_to(ROOT)}:{node.lineno}")  # type: ignore[union-attr]
     assert loose == [], "spell reasons as rollwire.common.reasons.Reason members"
+
+
+def test_a_renamed_reason_is_an_alias_that_no_source_sends():
+    assert aliases(), "the renamed SGLANG_* reasons are documented aliases"
+    for old, member in aliases().items():
+        assert Reason[old] is member and old not in {r.value for r in Reason}, old  # the wire carries the new name
+    named = [
+        f"{path.relative_to(ROOT)}:{node.lineno}"
+        for path, tree in source_files()
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Attribute) and getattr(node.value, "id", "") == "Reason" and node.attr in aliases()
+    ]
+    assert named == [], "the sources name the member a reason became, never its alias"
 
 
 def test_every_raise_site_sends_a_code_its_reason_lists():

@@ -47,7 +47,6 @@ from rollwire.generator.engines.served.http import (
     DONE,
     ServerHTTP,
     ServerKind,
-    ServerReasons,
     error_from_body,
     error_from_reply,
     parse_sse_line,
@@ -318,7 +317,7 @@ class ServedEngine:
                     raise Unavailable(
                         f"{label} ended the stream of {rid} before all {segment.n} samples finished; "
                         "the partial samples are void, retry the group",
-                        reason=self.kind.reasons.stream_cut,
+                        reason=Reason.ENGINE_SERVER_STREAM_CUT,
                         retry_after_s=1.0,
                     )
             finally:
@@ -453,7 +452,6 @@ __all__ = [
     "ServerHTTP",
     "ServerKind",
     "ServerProcess",
-    "ServerReasons",
     "Supervisor",
     "error_from_body",
     "error_from_reply",

@@ -1,9 +1,9 @@
 """How the replica talks to an engine server (sglang, vllm): who the server is, its errors, HTTP.
 
-`ServerKind` names the server in every sentence, log event and error reason, so an SGLang
-failure reads "SGLang ..." with SGLANG_* reasons and a vLLM failure "vLLM ..." with
-ENGINE_SERVER_* reasons. `ServerHTTP` makes the JSON and event-stream calls with every
-failure mapped to a RollwireError that keeps the server's own message.
+`ServerKind` names the server in every sentence and log event, so an SGLang failure reads
+"SGLang ..." and a vLLM failure "vLLM ..."; both carry the one set of ENGINE_SERVER_* reasons.
+`ServerHTTP` makes the JSON and event-stream calls with every failure mapped to a
+RollwireError that keeps the server's own message.
 
 Invariants:
 - every call and each stream gap has a deadline (`request_timeout_s`, 10 s to connect, 5 s for
@@ -38,28 +38,12 @@ from rollwire.common.reasons import Reason
 
 # -- who the server is -----------------------------------------------------------------------
 @dataclass(frozen=True)
-class ServerReasons:
-    """The error reasons an engine server's failures carry (stable wire vocabulary)."""
-
-    unreachable: Reason
-    down: Reason
-    connection_lost: Reason
-    stream_cut: Reason
-    timeout: Reason
-    start_timeout: Reason
-    start_failed: Reason
-    by_status: Mapping[int, Reason]  # HTTP status of a refused call -> reason
-    other: Reason  # any other HTTP error
-
-
-@dataclass(frozen=True)
 class ServerKind:
     """Names one kind of engine server in sentences (`label`), config keys and log events
-    (`key`), error reasons, and the action to suggest per HTTP status (`hints`)."""
+    (`key`), and the action to suggest per HTTP status (`hints`)."""
 
     label: str
     key: str
-    reasons: ServerReasons
     hints: Mapping[int, str] = field(default_factory=dict)
     health_path: str = "/health"
 
@@ -78,6 +62,20 @@ _CLASS_BY_STATUS: dict[int, type[RollwireError]] = {
     503: Unavailable,
     504: DeadlineExceeded,
 }
+_REASON_BY_STATUS: dict[int, Reason] = {
+    400: Reason.ENGINE_SERVER_BAD_REQUEST,
+    401: Reason.ENGINE_SERVER_UNAUTHENTICATED,
+    403: Reason.ENGINE_SERVER_FORBIDDEN,
+    404: Reason.ENGINE_SERVER_NO_ROUTE,
+    408: Reason.ENGINE_SERVER_TIMEOUT,
+    413: Reason.ENGINE_SERVER_BAD_REQUEST,
+    422: Reason.ENGINE_SERVER_BAD_REQUEST,
+    429: Reason.ENGINE_SERVER_OVERLOADED,
+    500: Reason.ENGINE_SERVER_INTERNAL,
+    503: Reason.ENGINE_SERVER_UNAVAILABLE,
+    504: Reason.ENGINE_SERVER_TIMEOUT,
+}
+"""The reason of a server's refusal by its HTTP status, whichever server; ENGINE_SERVER_ERROR otherwise."""
 
 
 def status_of(err) -> int:
@@ -100,7 +98,7 @@ def server_message(body) -> str:
 def error_from_body(kind: ServerKind, status: int, body, what: str) -> RollwireError:
     """A RollwireError for a server's error reply: the server's message, a status, an action."""
     cls = _CLASS_BY_STATUS.get(status, Unavailable if status >= 500 else InvalidArgument)
-    reason = kind.reasons.by_status.get(status, kind.reasons.other)
+    reason = _REASON_BY_STATUS.get(status, Reason.ENGINE_SERVER_ERROR)
     message = f"{kind.label} {what} failed (HTTP {status} {_phrase(status)}): {server_message(body)}"
     if status in kind.hints:
         message += f"; {kind.hints[status]}"
@@ -128,19 +126,19 @@ def transport_error(kind: ServerKind, exc: Exception, url: str, what: str, timeo
     if isinstance(exc, (httpx.ConnectError, httpx.ConnectTimeout)):
         return Unavailable(
             f"cannot reach {kind.label} at {url} for {what} ({exc}); it is down or restarting, retry shortly",
-            reason=kind.reasons.unreachable,
+            reason=Reason.ENGINE_SERVER_UNREACHABLE,
             retry_after_s=2.0,
         )
     if isinstance(exc, httpx.ReadTimeout):
         return DeadlineExceeded(
             f"{kind.label} at {url} sent nothing for {timeout_s:g}s during {what}; it may be overloaded or hung "
             f"(raise {kind.key}.request_timeout_s for very long generations)",
-            reason=kind.reasons.timeout,
+            reason=Reason.ENGINE_SERVER_TIMEOUT,
         )
     return Unavailable(
         f"{kind.label} at {url} dropped the connection during {what} ({type(exc).__name__}: {exc}); it probably "
         "crashed or restarted, so any partial samples are void: retry the whole group",
-        reason=kind.reasons.connection_lost,
+        reason=Reason.ENGINE_SERVER_CONNECTION_LOST,
         retry_after_s=2.0,
     )
 

@@ -29,6 +29,7 @@ from collections.abc import Awaitable, Callable, Mapping
 from pathlib import Path
 
 from rollwire.common.errors import DeadlineExceeded, FailedPrecondition, RollwireError, Unavailable
+from rollwire.common.reasons import Reason
 from rollwire.generator.engines.served.http import ServerHTTP, ServerKind
 from rollwire.runtime.logs import get_logger
 from rollwire.runtime.waits import wait_at_most
@@ -167,7 +168,7 @@ class Supervisor:
             raise Unavailable(
                 f"this replica's {self.kind.label} cannot serve right now: {self.down_reason}; retry shortly or on "
                 "another replica",
-                reason=self.kind.reasons.down,
+                reason=Reason.ENGINE_SERVER_DOWN,
                 retry_after_s=2.0,
             )
 
@@ -184,7 +185,7 @@ class Supervisor:
         raise DeadlineExceeded(
             f"{self.kind.label} at {self.http.base_url} did not become healthy within {self.startup_timeout_s:g}s "
             f"(last probe: {why}); raise {self.kind.key}.startup_timeout_s for big models{self._log_hint()}",
-            reason=self.kind.reasons.start_timeout,
+            reason=Reason.ENGINE_SERVER_START_TIMEOUT,
         )
 
     def _raise_if_exited(self) -> None:
@@ -192,7 +193,7 @@ class Supervisor:
             raise FailedPrecondition(
                 f"{self.kind.label} exited with code {self.process.returncode} while starting; its log "
                 f"({self.process.log_path}) ends with:\n{self.process.log_tail()}",
-                reason=self.kind.reasons.start_failed,
+                reason=Reason.ENGINE_SERVER_START_FAILED,
             )
 
     async def _pause(self, seconds: float) -> None:

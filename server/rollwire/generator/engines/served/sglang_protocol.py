@@ -22,11 +22,10 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from rollwire.common.errors import Internal, RollwireError
-from rollwire.common.reasons import Reason
 from rollwire.generator.detokenize import TextStream
 from rollwire.generator.engines.served import http as served
 from rollwire.generator.engines.served.http import DONE as DONE  # the `data: [DONE]` sentinel, re-exported
-from rollwire.generator.engines.served.http import ServerKind, ServerReasons
+from rollwire.generator.engines.served.http import ServerKind
 from rollwire.generator.types import Event, GroupRequest, SampleDone, SamplingParams, TokenDelta
 
 TARGET_VERSION = "0.5.23"
@@ -34,36 +33,13 @@ TARGET_VERSION = "0.5.23"
 SGLANG = ServerKind(
     label="SGLang",
     key="sglang",
-    reasons=ServerReasons(
-        unreachable=Reason.SGLANG_UNREACHABLE,
-        down=Reason.SGLANG_DOWN,
-        connection_lost=Reason.SGLANG_CONNECTION_LOST,
-        stream_cut=Reason.SGLANG_STREAM_CUT,
-        timeout=Reason.SGLANG_TIMEOUT,
-        start_timeout=Reason.SGLANG_START_TIMEOUT,
-        start_failed=Reason.SGLANG_START_FAILED,
-        by_status={
-            400: Reason.SGLANG_BAD_REQUEST,
-            401: Reason.SGLANG_UNAUTHENTICATED,
-            403: Reason.SGLANG_FORBIDDEN,
-            404: Reason.SGLANG_NO_ROUTE,
-            408: Reason.SGLANG_TIMEOUT,
-            413: Reason.SGLANG_TOO_LARGE,
-            422: Reason.SGLANG_BAD_REQUEST,
-            429: Reason.SGLANG_OVERLOADED,
-            500: Reason.SGLANG_INTERNAL,
-            503: Reason.SGLANG_UNAVAILABLE,
-            504: Reason.SGLANG_TIMEOUT,
-        },
-        other=Reason.SGLANG_ERROR,
-    ),
     hints={
         401: "check sglang.api_key_file / sglang.admin_api_key_file against the keys SGLang was started with",
         403: "SGLang refuses this call without an admin key; set sglang.admin_api_key_file",
         404: "the server does not have this route; is it SGLang 0.5 or newer?",
     },
 )
-"""SGLang in sentences, config keys, log events and error reasons (served.ServerKind)."""
+"""SGLang in sentences, config keys and log events (served.ServerKind)."""
 
 
 # -- requests ------------------------------------------------------------------------------

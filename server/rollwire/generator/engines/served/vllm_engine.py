@@ -48,7 +48,7 @@ from rollwire.common.reasons import Reason
 from rollwire.generator.detokenize import TextStream
 from rollwire.generator.engines.served.engine import NO_TEXT, ServedAdapter, ServedEngine, ServerCall
 from rollwire.generator.engines.served.files import read_secret
-from rollwire.generator.engines.served.http import ServerKind, ServerReasons, error_from_body, status_of
+from rollwire.generator.engines.served.http import ServerKind, error_from_body, status_of
 from rollwire.generator.engines.settings import VLLMSection
 from rollwire.generator.types import Event, GroupRequest, SampleDone, SamplingParams, TokenDelta
 from rollwire.runtime.logs import get_logger
@@ -60,36 +60,13 @@ SERVER_MODULE = "vllm.entrypoints.openai.api_server"  # `python -m` it: the `vll
 VLLM = ServerKind(
     label="vLLM",
     key="vllm",
-    reasons=ServerReasons(
-        unreachable=Reason.ENGINE_SERVER_UNREACHABLE,
-        down=Reason.ENGINE_SERVER_DOWN,
-        connection_lost=Reason.ENGINE_SERVER_CONNECTION_LOST,
-        stream_cut=Reason.ENGINE_SERVER_STREAM_CUT,
-        timeout=Reason.ENGINE_SERVER_TIMEOUT,
-        start_timeout=Reason.ENGINE_SERVER_START_TIMEOUT,
-        start_failed=Reason.ENGINE_SERVER_START_FAILED,
-        by_status={
-            400: Reason.ENGINE_SERVER_BAD_REQUEST,
-            401: Reason.ENGINE_SERVER_UNAUTHENTICATED,
-            403: Reason.ENGINE_SERVER_FORBIDDEN,
-            404: Reason.ENGINE_SERVER_NO_ROUTE,
-            408: Reason.ENGINE_SERVER_TIMEOUT,
-            413: Reason.ENGINE_SERVER_BAD_REQUEST,
-            422: Reason.ENGINE_SERVER_BAD_REQUEST,
-            429: Reason.ENGINE_SERVER_OVERLOADED,
-            500: Reason.ENGINE_SERVER_INTERNAL,
-            503: Reason.ENGINE_SERVER_UNAVAILABLE,
-            504: Reason.ENGINE_SERVER_TIMEOUT,
-        },
-        other=Reason.ENGINE_SERVER_ERROR,
-    ),
     hints={
         401: "check vllm.api_key_file against the key vLLM was started with",
         404: "the server lacks this route: is it vLLM 0.32 or newer, started with --enable-lora and "
         "VLLM_ALLOW_RUNTIME_LORA_UPDATING=1?",
     },
 )
-"""vLLM in sentences, config keys, log events and error reasons (served.ServerKind)."""
+"""vLLM in sentences, config keys and log events (served.ServerKind)."""
 
 
 # -- requests --------------------------------------------------------------------------------
