@@ -19,9 +19,10 @@ from __future__ import annotations
 import hashlib
 import hmac
 import secrets
-from pathlib import Path
 
 import grpc
+
+from rollwire.common.secrets import SecretFileError, read_secret_bytes
 
 TOKEN_PREFIX = "rwm1."
 CHALLENGE_KEY = "x-rollwire-member-challenge"
@@ -36,10 +37,11 @@ def read_member_key(path: str, setting: str) -> bytes | None:
     cannot be read or holds fewer than MIN_KEY_BYTES bytes stops the process with a sentence."""
     if not path:
         return None
+    hint = f"a fleet key needs at least {MIN_KEY_BYTES} bytes (e.g. `openssl rand -hex 32`)"
     try:
-        key = Path(path).read_bytes().strip()
-    except OSError as exc:
-        raise SystemExit(f"{setting} is {path!r}, which cannot be read: {exc.strerror}") from None
+        key = read_secret_bytes(path, setting, fill=hint)
+    except SecretFileError as exc:
+        raise SystemExit(str(exc)) from None
     if len(key) < MIN_KEY_BYTES:
         raise SystemExit(
             f"{setting} is {path!r}, which holds {len(key)} bytes; a fleet key needs at least {MIN_KEY_BYTES} "

@@ -37,6 +37,7 @@ from pydantic import Field
 
 from rollwire.common.errors import PermissionDenied, RollwireError, Unauthenticated, to_status
 from rollwire.common.reasons import Reason
+from rollwire.common.secrets import SecretFileError, read_secret_file
 from rollwire.runtime.config import Section
 from rollwire.runtime.hosts import parse_ip
 from rollwire.runtime.logs import get_logger
@@ -130,11 +131,9 @@ def read_tokens(path: str, setting: str = "the token file") -> set[str]:
     if not path:
         return set()
     try:
-        tokens = parse_tokens(Path(path).read_text())
-    except OSError as exc:
-        raise SystemExit(f"{setting} is {path!r}, which cannot be read: {exc.strerror}") from None
-    except UnicodeDecodeError:
-        raise SystemExit(f"{setting} is {path!r}, which is not UTF-8 text") from None
+        tokens = parse_tokens(read_secret_file(path, setting, fill="put a token in it, one per line"))
+    except SecretFileError as exc:
+        raise SystemExit(str(exc)) from None
     if not tokens:
         raise SystemExit(f"{setting} is {path!r}, which holds no token; put a token in it, one per line")
     return tokens

@@ -91,3 +91,30 @@ def test_a_server_s_bad_token_file_names_its_auth_key(tmp_path):
             with pytest.raises(SystemExit, match=f"auth.{role}_tokens_file is '{path}', which .*{problem}"):
                 TokenAuth.from_config(auth)
     assert TokenAuth.from_config(AuthSection(generate_tokens_file=str(good), admin_tokens_file=str(good)))
+
+
+def test_every_secret_file_is_read_by_one_rule(tmp_path):
+    """The SDK's token file, an engine server's API key, the servers' token files and the fleet key
+    go through one reader (rollwire.common.secrets): one sentence per problem, naming the setting."""
+    from rollwire.common.errors import FailedPrecondition
+    from rollwire.common.secrets import SecretFileError, read_secret_file
+    from rollwire.generator.engines.served.files import read_secret
+    from rollwire.runtime.members import read_member_key
+    from rollwire.runtime.security import read_tokens
+
+    missing, empty, binary, key = (tmp_path / n for n in ("missing", "empty", "binary", "key"))
+    empty.write_text("\n  \n")
+    binary.write_bytes(b"\xff\xfe\x00 a key of sixteen bytes or more")
+    key.write_text("  sk-the-api-key\n")
+    for path, problem in ((missing, "cannot be read"), (empty, "is empty"), (binary, "is not UTF-8 text")):
+        sentence = f"the_key_file is '{path}', which {problem}"
+        with pytest.raises(SecretFileError, match=sentence):
+            read_secret_file(path, "the_key_file")
+        with pytest.raises(FailedPrecondition, match=sentence):
+            read_secret(str(path), "the_key_file")
+        with pytest.raises(SystemExit, match=sentence):
+            read_tokens(str(path), "the_key_file")
+    assert read_secret_file(key, "the_key_file") == read_secret(str(key), "k") == "sk-the-api-key"
+    with pytest.raises(SystemExit, match="is empty; a fleet key needs at least 16 bytes"):
+        read_member_key(str(empty), "auth.member_key_file")
+    assert read_member_key(str(binary), "auth.member_key_file") == binary.read_bytes().strip()  # a fleet key is bytes
