@@ -1,15 +1,15 @@
 """GeneratorService on one replica: the wire edge of the engine.
 
-Invariants: every request is validated before the engine sees it; every accepted request
-ends with all its samples finished or with one status; the in-flight gauge and the
-adapter lease are released on every exit path (completion, error, cancellation).
+Invariants: every request is validated before the engine sees it (convert.py turns it into
+the group the engine runs, or refuses it); every accepted request ends with all its samples
+finished or with one status; the in-flight gauge and the adapter lease are released on every
+exit path (completion, error, cancellation).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import math
 import time
 from collections.abc import AsyncIterator
 
@@ -17,24 +17,19 @@ import grpc
 import structlog
 
 from rollwire.common.errors import (
-    FailedPrecondition,
-    InvalidArgument,
     ResourceExhausted,
     RollwireError,
     to_status,
 )
-from rollwire.common.manifest import check_name
 from rollwire.common.reasons import Reason
 from rollwire.generator.adapters import AdapterRegistry
 from rollwire.generator.config import GeneratorConfig
+from rollwire.generator.convert import RequestConverter
 from rollwire.generator.engines.base import Engine
 from rollwire.generator.intake import PushIntake
 from rollwire.generator.metrics import GeneratorMetrics
 from rollwire.generator.types import (
-    MAX_TEMPERATURE,
-    MIN_TEMPERATURE,
     GroupRequest,
-    SamplingParams,
     TokenDelta,
     coalesce,
     worth_sending,
@@ -43,18 +38,11 @@ from rollwire.runtime.logs import get_logger, request_id_from
 from rollwire.runtime.members import CHALLENGE_KEY, PROOF_KEY, member_proof
 from rollwire.runtime.security import TokenAuth, caller_identity
 from rollwire.serving import __version__
-from rollwire.serving.config import PROMPT_BYTES_PER_TOKEN  # checked before tokenizing
 from rollwire.serving.sessions import SessionStore, Turn, check_turn
 from rollwire.v1 import generator_pb2 as pb
 from rollwire.v1 import generator_pb2_grpc
 
 log = get_logger(__name__)
-MAX_STREAM_INTERVAL = 4096
-"""The largest GenerateRequest.stream_interval (generator.stream_interval's bound too)."""
-# Generate's bounds on client strings (docs/protocol.md lists them with the Limits section):
-INLINE_TOKENIZE_CHARS = 2048  # longer texts are tokenized on a worker thread, not the event loop
-MAX_STOP_CHARS = 64  # longest stop string
-MAX_GROUP_KEY_CHARS = 1024  # longest group_key (the replica ignores it; the proxy hashes it)
 FINISH = {"eos": pb.FINISH_REASON_EOS, "stop": pb.FINISH_REASON_STOP, "length": pb.FINISH_REASON_LENGTH}
 
 
@@ -89,6 +77,8 @@ class GeneratorServicer(generator_pb2_grpc.GeneratorServiceServicer):
         proxy's challenge with a proof for that address (runtime/members.py)."""
         self.sessions = SessionStore(config.sessions, metrics.sessions)
         """Histories of the sessions whose turns are sent to this replica directly (not through a proxy)."""
+        self.requests = RequestConverter(config, engine)
+        """GenerateRequest -> GroupRequest, validated (convert.py)."""
 
     # -- Generate ----------------------------------------------------------------------
     async def Generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext):
@@ -100,7 +90,7 @@ class GeneratorServicer(generator_pb2_grpc.GeneratorServiceServicer):
         self.metrics.in_flight.inc()
         try:
             check_turn(request)
-            group = await self._to_group(request, rid)
+            group = await self.requests.group(request, rid)
             turn = self._begin_turn(request, group, context)
             self._check(group, turn)
             self._admit()
@@ -226,132 +216,6 @@ class GeneratorServicer(generator_pb2_grpc.GeneratorServiceServicer):
                 retry_after_s=1.0,
             )
 
-    async def _to_group(self, req: pb.GenerateRequest, rid: str) -> GroupRequest:
-        """Validate a request and convert it; each problem gets its own sentence.
-
-        Limits before work: every cheap check (counts, sizes, sampling bounds, string
-        lengths) runs first; the prompt's size is checked before it is scanned or
-        tokenized, and a long text is tokenized off the event loop."""
-        lim = self.config.limits
-        if not 1 <= req.n <= lim.max_n:
-            raise InvalidArgument(f"n is {req.n}; it must be between 1 and {lim.max_n}", reason=Reason.BAD_N)
-        params = self._sampling(req.sampling, req.n)
-        if req.adapter.name:
-            check_name(req.adapter.name)
-        if len(req.group_key) > MAX_GROUP_KEY_CHARS:
-            raise InvalidArgument(
-                f"group_key has {len(req.group_key)} characters; use at most {MAX_GROUP_KEY_CHARS} "
-                "(a hash of a long key routes the same)",
-                reason=Reason.BAD_GROUP_KEY,
-            )
-        prompt = await self._prompt(req)
-        if len(prompt) + params.max_new_tokens > self.engine.max_context:
-            raise InvalidArgument(
-                f"prompt ({len(prompt)} tokens) plus max_new_tokens ({params.max_new_tokens}) exceeds the model's "
-                f"context of {self.engine.max_context} tokens",
-                reason=Reason.CONTEXT_TOO_LONG,
-            )
-        if req.stream_interval > MAX_STREAM_INTERVAL:
-            raise InvalidArgument(
-                f"stream_interval is {req.stream_interval}; it must be at most {MAX_STREAM_INTERVAL} (0: the server's)",
-                reason=Reason.BAD_STREAM_INTERVAL,
-            )
-        return GroupRequest(
-            rid, prompt, req.n, params, follow=self._follows(req.adapter), stream_interval=req.stream_interval
-        )
-
-    async def _prompt(self, req: pb.GenerateRequest) -> list[int]:
-        """The prompt's token ids; sizes are checked before any scan or tokenizing."""
-        lim = self.config.limits
-        kind = req.WhichOneof("prompt")
-        if kind == "text":
-            text = req.text
-            tokens = min(lim.max_prompt_tokens, self.engine.max_context)  # a longer prompt is refused anyway
-            cap = tokens * PROMPT_BYTES_PER_TOKEN
-            # chars <= UTF-8 bytes <= 4 * chars: the length alone settles most texts, no encode needed
-            if len(text) > cap or (4 * len(text) > cap and len(text.encode()) > cap):
-                raise InvalidArgument(
-                    f"the prompt text is longer than {cap} bytes ({PROMPT_BYTES_PER_TOKEN} bytes for each of the "
-                    f"{tokens} tokens a prompt may have here); shorten it, or send token_ids",
-                    reason=Reason.PROMPT_TOO_LONG,
-                )
-            if len(text) > INLINE_TOKENIZE_CHARS:
-                prompt = await asyncio.to_thread(self.engine.tokenize, text)
-            else:
-                prompt = self.engine.tokenize(text) if text else []
-        elif kind == "token_ids":
-            if len(req.token_ids.ids) > lim.max_prompt_tokens:
-                raise InvalidArgument(
-                    f"the prompt has {len(req.token_ids.ids)} tokens; this replica accepts at most "
-                    f"{lim.max_prompt_tokens}",
-                    reason=Reason.PROMPT_TOO_LONG,
-                )
-            prompt = list(req.token_ids.ids)
-            bad = [t for t in prompt if not 0 <= t < self.engine.vocab_size]
-            if bad:
-                raise InvalidArgument(
-                    f"prompt token ids {bad[:5]} are outside the vocabulary [0, {self.engine.vocab_size})",
-                    reason=Reason.BAD_TOKEN_ID,
-                )
-        else:
-            prompt = []
-        if not prompt:
-            raise InvalidArgument(
-                "the prompt is empty: set `text` or `token_ids` to at least one token", reason=Reason.EMPTY_PROMPT
-            )
-        if len(prompt) > lim.max_prompt_tokens:
-            raise InvalidArgument(
-                f"the prompt has {len(prompt)} tokens; this replica accepts at most {lim.max_prompt_tokens}",
-                reason=Reason.PROMPT_TOO_LONG,
-            )
-        return prompt
-
-    def _sampling(self, s: pb.SamplingParams, n: int) -> SamplingParams:
-        """Sampling params within the documented bounds (types.SamplingParams), or a refusal."""
-        lim = self.config.limits
-        if not 1 <= s.max_new_tokens <= lim.max_new_tokens:
-            raise InvalidArgument(
-                f"sampling.max_new_tokens is {s.max_new_tokens}; it must be between 1 and {lim.max_new_tokens}",
-                reason=Reason.BAD_MAX_NEW_TOKENS,
-            )
-        temperature = s.temperature if s.HasField("temperature") else 1.0
-        if not (temperature == 0 or MIN_TEMPERATURE <= temperature <= MAX_TEMPERATURE):  # NaN fails both
-            raise InvalidArgument(
-                f"sampling.temperature is {temperature}; use 0 for greedy decoding or a value from "
-                f"{MIN_TEMPERATURE} to {MAX_TEMPERATURE:g}",
-                reason=Reason.BAD_TEMPERATURE,
-            )
-        top_p = s.top_p if s.HasField("top_p") else 1.0
-        if not (math.isfinite(top_p) and 0 < top_p <= 1):
-            raise InvalidArgument(
-                f"sampling.top_p is {top_p}; it must be in (0, 1] (1 disables nucleus sampling)",
-                reason=Reason.BAD_TOP_P,
-            )
-        top_k = s.top_k if s.HasField("top_k") else 0
-        if top_k > self.engine.vocab_size:
-            raise InvalidArgument(
-                f"sampling.top_k is {top_k}; it must be at most the vocabulary size {self.engine.vocab_size} "
-                "(0 disables it)",
-                reason=Reason.BAD_TOP_K,
-            )
-        if len(s.stop) > lim.max_stop_strings or any(not 1 <= len(x) <= MAX_STOP_CHARS for x in s.stop):
-            raise InvalidArgument(
-                f"give at most {lim.max_stop_strings} stop strings of 1 to {MAX_STOP_CHARS} characters "
-                f"(got {len(s.stop)}" + (f", the longest {max(len(x) for x in s.stop)} characters)" if s.stop else ")"),
-                reason=Reason.BAD_STOP,
-            )
-        return SamplingParams(
-            max_new_tokens=s.max_new_tokens,
-            temperature=0.0 if temperature == 0 else temperature,  # -0.0 is greedy too
-            top_p=top_p,
-            top_k=top_k,
-            stop=tuple(s.stop),
-            seed=s.seed if s.HasField("seed") else None,
-            sample_seeds=self._sample_seeds(s, n),
-            ignore_eos=s.ignore_eos,
-            return_kept=self._kept_tokens(s.return_kept_tokens),
-        )
-
     def _count_served(self, adapter: str, version: int, tokens: int) -> None:
         """Tokens served per adapter and how stale their version was against the newest here."""
         newest = max(self.registry.newest(adapter), version) if adapter else 0  # per message: no list built
@@ -359,45 +223,6 @@ class GeneratorServicer(generator_pb2_grpc.GeneratorServiceServicer):
         label = adapter or "base"
         self.metrics.served_tokens.labels(label, str(behind) if behind < 3 else "3+").inc(tokens)
         self.metrics.served_version.labels(label).set(version)
-
-    def _follows(self, adapter: pb.AdapterRef) -> bool:
-        """AdapterRef.follow, refused where it cannot be honoured."""
-        if not adapter.follow:
-            return False
-        if not adapter.name or adapter.version:
-            raise InvalidArgument(
-                "adapter.follow needs an adapter name and version 0 (the newest): a pinned version cannot be followed",
-                reason=Reason.BAD_FOLLOW,
-            )
-        if not getattr(self.engine, "follows_versions", False):
-            raise FailedPrecondition(
-                f"this replica's engine ({self.config.engine}) cannot switch running samples to a new version; "
-                "send the request without adapter.follow",
-                reason=Reason.FOLLOW_UNSUPPORTED,
-            )
-        return True
-
-    @staticmethod
-    def _sample_seeds(s: pb.SamplingParams, n: int) -> tuple[int, ...]:
-        """sampling.sample_seeds: none, or exactly one per sample with `seed` unset."""
-        if s.sample_seeds and (len(s.sample_seeds) != n or s.HasField("seed")):
-            raise InvalidArgument(
-                f"sampling.sample_seeds holds {len(s.sample_seeds)} seeds for n = {n}"
-                + (" and sampling.seed is set" if s.HasField("seed") else "")
-                + "; give exactly one per sample and no seed (or only seed)",
-                reason=Reason.BAD_SEED,
-            )
-        return tuple(s.sample_seeds)
-
-    def _kept_tokens(self, asked: bool) -> bool:
-        """The request's `return_kept_tokens`, refused when this replica's engine cannot honour it."""
-        if asked and not getattr(self.engine, "returns_kept_tokens", False):
-            raise FailedPrecondition(
-                f"this replica's engine ({self.config.engine}) cannot return kept-token sets; send the request without "
-                "return_kept_tokens, or to a transformers or vllm replica",
-                reason=Reason.KEPT_TOKENS_UNSUPPORTED,
-            )
-        return asked
 
     def _to_response(self, events: list, adapter: str = "") -> pb.GenerateResponse:
         """One message for everything ready together: a chunk per sample, then finishes."""

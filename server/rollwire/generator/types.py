@@ -1,4 +1,4 @@
-"""Internal request and event types. Protos stay at the edge (servicer.py converts)."""
+"""Internal request and event types. Protos stay at the edge (convert.py converts requests)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ MAX_TEMPERATURE = 100.0  # a documented cap: hotter is close to uniform and buys
 
 @dataclass(frozen=True)
 class SamplingParams:
-    """How every sample of a group is drawn; validated by the servicer, which refuses
+    """How every sample of a group is drawn; validated at the edge (convert.py), which refuses
     anything outside these bounds with INVALID_ARGUMENT before an engine sees it:
 
     - temperature: 0 (greedy) or in [MIN_TEMPERATURE, MAX_TEMPERATURE] = [1e-3, 100];

@@ -1,0 +1,89 @@
+"""A replica's request conversion (rollwire.generator.convert), as plain functions: a GenerateRequest
+becomes the GroupRequest its engine runs, or a refusal naming the field and its reason.
+
+The engine is the real scripted engine over a config-only model folder (no model, no process);
+the servers' own validation tests (tests/integration/generator/test_generator*.py) send the same refusals over gRPC.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from rollwire.common.errors import FailedPrecondition, InvalidArgument
+from rollwire.common.reasons import Reason
+from rollwire.generator.config import GeneratorConfig
+from rollwire.generator.convert import INLINE_TOKENIZE_CHARS, MAX_STREAM_INTERVAL, RequestConverter
+from rollwire.generator.engines.embedded.scripted import ScriptedEngine
+from rollwire.generator.types import SamplingParams
+from rollwire.v1 import generator_pb2 as pb
+
+VOCAB, CONTEXT = 1000, 4096
+
+
+@pytest.fixture
+async def convert(tmp_path) -> RequestConverter:
+    (tmp_path / "config.json").write_text(json.dumps({"vocab_size": VOCAB, "max_position_embeddings": CONTEXT}))
+    engine = ScriptedEngine(tmp_path)
+    await engine.start()
+    return RequestConverter(GeneratorConfig(model=str(tmp_path), engine="scripted"), engine)
+
+
+def request(**kw) -> pb.GenerateRequest:
+    sampling = pb.SamplingParams(**{"max_new_tokens": 8, **kw.pop("sampling", {})})
+    return pb.GenerateRequest(**{"text": "1+1=", "n": 2, "sampling": sampling, **kw})
+
+
+async def test_a_request_becomes_the_group_its_engine_runs(convert):
+    group = await convert.group(
+        request(sampling={"temperature": -0.0, "top_p": 0.5, "top_k": 5, "stop": ["\n"], "sample_seeds": [7, 8]}),
+        "rid-1",
+    )
+    assert (group.request_id, group.n, group.follow, group.stream_interval) == ("rid-1", 2, False, 0)
+    assert group.prompt_ids == convert.engine.tokenize("1+1=")
+    assert group.sampling == SamplingParams(
+        max_new_tokens=8, temperature=0.0, top_p=0.5, top_k=5, stop=("\n",), seed=None, sample_seeds=(7, 8)
+    )
+    long = "x" * (INLINE_TOKENIZE_CHARS + 1)  # tokenized on a worker thread: the same ids
+    assert (await convert.group(request(text=long), "r")).prompt_ids == convert.engine.tokenize(long)
+    ids = await convert.group(request(token_ids=pb.TokenIds(ids=[1, 2, VOCAB - 1])), "r")
+    assert ids.prompt_ids == [1, 2, VOCAB - 1]
+
+
+@pytest.mark.parametrize(
+    ("kw", "reason"),
+    [
+        ({"n": 0}, Reason.BAD_N),
+        ({"sampling": {"max_new_tokens": 0}}, Reason.BAD_MAX_NEW_TOKENS),
+        ({"sampling": {"temperature": float("nan")}}, Reason.BAD_TEMPERATURE),
+        ({"sampling": {"top_p": 0.0}}, Reason.BAD_TOP_P),
+        ({"sampling": {"top_k": VOCAB + 1}}, Reason.BAD_TOP_K),
+        ({"sampling": {"stop": ["x" * 65]}}, Reason.BAD_STOP),
+        ({"sampling": {"seed": 1, "sample_seeds": [1, 2]}}, Reason.BAD_SEED),
+        ({"group_key": "k" * 1025}, Reason.BAD_GROUP_KEY),
+        ({"text": ""}, Reason.EMPTY_PROMPT),
+        ({"text": "x" * 5_000_000}, Reason.PROMPT_TOO_LONG),
+        ({"token_ids": pb.TokenIds(ids=[VOCAB])}, Reason.BAD_TOKEN_ID),
+        ({"token_ids": pb.TokenIds(ids=[1] * CONTEXT)}, Reason.CONTEXT_TOO_LONG),
+        ({"stream_interval": MAX_STREAM_INTERVAL + 1}, Reason.BAD_STREAM_INTERVAL),
+        ({"adapter": pb.AdapterRef(name="a", version=2, follow=True)}, Reason.BAD_FOLLOW),
+    ],
+)
+async def test_each_problem_is_refused_with_its_own_reason(convert, kw, reason):
+    with pytest.raises(InvalidArgument) as refused:
+        await convert.group(request(**kw), "r")
+    assert refused.value.reason == reason and refused.value.message
+
+
+@pytest.mark.parametrize(
+    ("req", "reason"),
+    [
+        (request(adapter=pb.AdapterRef(name="a", follow=True)), Reason.FOLLOW_UNSUPPORTED),
+        (request(sampling={"return_kept_tokens": True}), Reason.KEPT_TOKENS_UNSUPPORTED),
+    ],
+)
+async def test_what_the_engine_cannot_honour_is_a_failed_precondition(convert, req, reason):
+    with pytest.raises(FailedPrecondition, match="scripted") as refused:
+        await convert.group(req, "r")
+    assert refused.value.reason == reason
