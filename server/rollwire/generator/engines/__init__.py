@@ -9,9 +9,16 @@ listing the names or validating a config imports nothing heavy. `EngineConfig` i
 the generator's config an engine reads (GeneratorConfig has it), and each engine's own section
 is defined beside the engines (settings.py): the config imports this package, never the reverse.
 
-Adding an engine: its module, with a `build(config, metrics)` function, and one line here,
-`ENGINES.register("name", "rollwire.generator.engines.module:build", "summary")`; its settings
-section goes in settings.py, its field in GeneratorConfig and in EngineConfig.
+Layout: base.py (the Engine protocol), settings.py (each engine's config section), this registry,
+and two rooms by where the model runs: embedded/ (in the replica's own process: transformers,
+scripted) and served/ (by a model server beside the replica, over one shared skeleton: sglang,
+vllm). The rooms never import each other, and nothing of the replica outside this package imports
+an engine module: it reaches one through ENGINES and base.Engine (make lint's contracts).
+
+Adding an engine: its module in the room it belongs to, with a `build(config, metrics)`
+function, and one line here, `ENGINES.register("name", "rollwire.generator.engines.room.module:build",
+"summary")`; its settings section goes in settings.py, its field in GeneratorConfig and in
+EngineConfig.
 Trait `runs_model=False` marks an engine that serves a folder holding only config.json and
 emits scripted tokens, so the contract suite checks no model numbers against it.
 """

@@ -1,7 +1,8 @@
 """The engine interface: what a generator replica needs from a model backend.
 
-An engine owns the weights and the batching; the servicer owns the wire, validation,
-adapter bookkeeping (adapters.py) and metrics. Adding a backend is one module.
+An engine owns the weights and the batching; the servicer owns the wire, validation
+(convert.py), adapter bookkeeping (adapters.py) and metrics. Adding a backend is one module, in
+embedded/ or served/, and one line in the registry (engines/__init__.py).
 """
 
 from __future__ import annotations
