@@ -97,22 +97,28 @@ def test_conflicts_fence_the_version_and_the_reply_names_peers_behind(tiny_model
     r1, r2 = start_generators(tiny_model, tmp_path, ["r1", "r2"])
     a_port, b_port = free_port(), free_port()
     b_address = f"127.0.0.1:{b_port}"
-    a = start_service(proxy_args(tmp_path, "a", a_port, r1, [b_address]), tmp_path, "a")
-    services = [r1, r2, a]
+    services = [r1, r2]
     try:
-        wait_routable(a, [r1])
         fp = fingerprint(r1.target)
         x, y = make_adapter(tiny_model, seed=1), make_adapter(tiny_model, seed=2)
-        with Client(a.target, timeout=60) as to_a:
-            reply = to_a.push_adapter(NAME, 1, x.payload, x.shape, fp)  # b is down: named, not hidden behind OK
-        assert [(p.address, p.code, p.reason) for p in reply.peers] == [(b_address, "UNAVAILABLE", Reason.PEER_BEHIND)]
-
-        # b, peered with nobody, is given other bytes under v2 than a will be
+        # b, peered with nobody, is given other bytes under v2 than a will be; then it is down
         b = start_service(proxy_args(tmp_path, "b", b_port, r2, []), tmp_path, "b")
         services.append(b)
         wait_routable(b, [r2])
         with Client(b.target, timeout=60) as to_b:
             to_b.push_adapter(NAME, 2, x.payload, x.shape, fp)
+        b.stop()
+
+        a = start_service(proxy_args(tmp_path, "a", a_port, r1, [b_address]), tmp_path, "a")
+        services.append(a)
+        wait_routable(a, [r1])
+        with Client(a.target, timeout=60) as to_a:
+            reply = to_a.push_adapter(NAME, 1, x.payload, x.shape, fp)  # b is down: named, not hidden behind OK
+        assert [(p.address, p.code, p.reason) for p in reply.peers] == [(b_address, "UNAVAILABLE", Reason.PEER_BEHIND)]
+
+        b = start_service(proxy_args(tmp_path, "b", b_port, r2, []), tmp_path, "b")  # back, on its spool
+        services.append(b)
+        wait_routable(b, [r2])
         wait_until(
             lambda: metric_value(a.metrics(), "rollwire_proxy_peer_synced", f'peer="{b_address}"') == 1,
             30,
