@@ -5,7 +5,6 @@ listener that never answers) end with the status, the address and the deadline."
 from __future__ import annotations
 
 import asyncio
-import json
 import os
 import socket
 import subprocess
@@ -13,9 +12,8 @@ import sys
 import time
 from pathlib import Path
 
-import numpy as np
 import pytest
-from safetensors.numpy import save_file
+from support.peft_folders import write_peft_dir
 
 from rollwire.client import (
     AsyncClient,
@@ -34,26 +32,6 @@ def tokens(i, ids, text, version=3, logprobs=None):
     return pb.GenerateResponse(
         tokens=[pb.TokenChunk(sample_index=i, token_ids=ids, logprobs=lp, text=text, adapter_version=version)]
     )
-
-
-def write_peft_dir(path: Path, **config_overrides) -> Path:
-    path.mkdir(parents=True, exist_ok=True)
-    config = {
-        "peft_type": "LORA",
-        "r": 8,
-        "lora_alpha": 16,
-        "target_modules": ["v_proj", "q_proj"],
-        "use_rslora": True,
-        "base_model_name_or_path": "org/some-hub-model",
-    }
-    config.update(config_overrides)
-    (path / "adapter_config.json").write_text(json.dumps(config))
-    tensors = {
-        "base_model.model.layers.0.self_attn.q_proj.lora_A.weight": np.arange(8 * 16, dtype=np.float32).reshape(8, 16),
-        "base_model.model.layers.0.self_attn.q_proj.lora_B.weight": np.zeros((16, 8), dtype=np.float32),
-    }
-    save_file(tensors, str(path / "adapter_model.safetensors"))
-    return path
 
 
 def test_a_final_transport_error_names_the_address_and_the_attempts():

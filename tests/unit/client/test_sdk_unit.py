@@ -8,13 +8,13 @@ import json
 import os
 import re
 import time
-from pathlib import Path
 from types import SimpleNamespace
 
 import grpc
 import numpy as np
 import pytest
 from safetensors.numpy import save_file
+from support.peft_folders import write_peft_dir
 
 from rollwire.client import (
     AdapterVersion,
@@ -326,26 +326,6 @@ def test_manifest_refuses_what_the_server_would(args, needle):
 
 
 # ---------------------------------------------------------------- PEFT folders
-
-
-def write_peft_dir(path: Path, **config_overrides) -> Path:
-    path.mkdir(parents=True, exist_ok=True)
-    config = {
-        "peft_type": "LORA",
-        "r": 8,
-        "lora_alpha": 16,
-        "target_modules": ["v_proj", "q_proj"],
-        "use_rslora": True,
-        "base_model_name_or_path": "org/some-hub-model",
-    }
-    config.update(config_overrides)
-    (path / "adapter_config.json").write_text(json.dumps(config))
-    tensors = {
-        "base_model.model.layers.0.self_attn.q_proj.lora_A.weight": np.arange(8 * 16, dtype=np.float32).reshape(8, 16),
-        "base_model.model.layers.0.self_attn.q_proj.lora_B.weight": np.zeros((16, 8), dtype=np.float32),
-    }
-    save_file(tensors, str(path / "adapter_model.safetensors"))
-    return path
 
 
 def test_read_peft_dir(tmp_path):
