@@ -19,7 +19,7 @@ from typing import ClassVar
 from pydantic import Field
 
 from rollwire.runtime.config import Section
-from rollwire.runtime.security import read_tokens
+from rollwire.runtime.token_files import read_tokens
 
 TLS_KEYS = ("ca_file", "cert_file", "key_file")
 

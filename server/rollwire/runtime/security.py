@@ -11,9 +11,9 @@ gives its proxy: `member` (the GeneratorService methods, on that replica only: a
 the fleet key and the replica's own advertised address, runtime/members.py; never accepted by a
 proxy). `caller_role` tells a handler which role a call has, for the checks
 a method's role cannot express. Tokens come from files (Kubernetes Secrets mount as files),
-one per line, and are never logged; a token file is re-read when it changes (checked at most
-every RELOAD_INTERVAL_S, on the request path: one os.stat), so rotation needs no restart, and a
-file that turns unreadable or empty keeps the tokens it held (logged as an error). Every RPC
+one per line, and are never logged; a token file is re-read when it changes (token_files.py),
+so rotation needs no restart, and a file that turns unreadable or empty keeps the tokens it
+held (logged as an error). Every RPC
 of a rollwire.v1 service must appear in METHOD_ROLES: a method without an entry is refused
 (fail closed), and a test walks the proto descriptors so a new RPC cannot be forgotten.
 Health and reflection stay open so probes work. With TLS configured the server listens only
@@ -26,10 +26,8 @@ from __future__ import annotations
 
 import hashlib
 import hmac
-import os
 import socket
 import sys
-import time
 from pathlib import Path
 
 import grpc
@@ -37,17 +35,14 @@ from pydantic import Field
 
 from rollwire.common.errors import PermissionDenied, RollwireError, Unauthenticated, to_status
 from rollwire.common.reasons import Reason
-from rollwire.common.secrets import SecretFileError, read_secret_file
 from rollwire.runtime.config import Section
 from rollwire.runtime.hosts import parse_ip
 from rollwire.runtime.logs import get_logger
+from rollwire.runtime.token_files import TokenFile, digest
 
 log = get_logger(__name__)
 
 GENERATE, RELAY, REGISTER, PEER, MEMBER, ADMIN = "generate", "relay", "register", "peer", "member", "admin"
-RELOAD_INTERVAL_S = 1.0  # how often a token file's metadata is checked, at most
-REREAD_INTERVAL_S = 10.0  # a file is re-read this often even when its metadata looks unchanged
-MAX_TOKEN_FILE_BYTES = 1 << 20
 PROTECTED_PREFIX = "/rollwire.v1."
 METHOD_ROLES = {
     "/rollwire.v1.GeneratorService/Generate": GENERATE,
@@ -115,109 +110,6 @@ class TlsSection(Section):
     """PEM CA that signs client certificates; set to require mutual TLS."""
     health_port: int = Field(default=0, ge=0, le=65535)
     """Plaintext port serving only grpc.health.v1 (kubelet gRPC probes cannot speak TLS); 0 = off."""
-
-
-def parse_tokens(text: str) -> set[str]:
-    """Tokens in a file's text, one per line; blank lines and # comments are ignored."""
-    return {line.strip() for line in text.splitlines() if line.strip() and not line.lstrip().startswith("#")}
-
-
-def read_tokens(path: str, setting: str = "the token file") -> set[str]:
-    """Tokens in a file, one per line; blank lines and # comments are ignored.
-
-    A file that cannot be read, is not UTF-8 or holds no token stops the process with a
-    sentence naming `setting` (the config key that names the file) and the path.
-    """
-    if not path:
-        return set()
-    try:
-        tokens = parse_tokens(read_secret_file(path, setting, fill="put a token in it, one per line"))
-    except SecretFileError as exc:
-        raise SystemExit(str(exc)) from None
-    if not tokens:
-        raise SystemExit(f"{setting} is {path!r}, which holds no token; put a token in it, one per line")
-    return tokens
-
-
-def _digest(token: str) -> bytes:
-    return hashlib.sha256(token.encode("utf-8", "surrogatepass")).digest()
-
-
-class TokenFile:
-    """The tokens of one file, re-read when it changes; a bad new version keeps the old tokens.
-
-    `current()` costs one os.stat at most every `interval` seconds (and a read of the small file
-    when its inode, size or mtime changed, or `reread` seconds passed), so it may run on the
-    event loop. Kubernetes rotates a mounted Secret by swapping a symlink: stat follows it.
-    """
-
-    def __init__(
-        self,
-        path: str,
-        interval: float = RELOAD_INTERVAL_S,
-        reread: float = REREAD_INTERVAL_S,
-        setting: str = "the token file",
-    ) -> None:
-        self.path, self.interval, self.reread = path, interval, reread
-        self.digests: list[bytes] = []
-        self._signature: tuple | None = None
-        self._content: bytes | None = None
-        self._checked = self._read_at = 0.0
-        self._error = ""
-        if path:
-            self.digests = [_digest(t) for t in read_tokens(path, setting)]  # at start, a bad file is fatal
-            self._signature, self._content = self._stat(), Path(path).read_bytes()
-            self._checked = self._read_at = time.monotonic()
-
-    def _stat(self) -> tuple | None:
-        try:
-            st = os.stat(self.path)
-        except OSError:
-            return None
-        return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
-
-    def current(self) -> list[bytes]:
-        """sha256 digests of the valid tokens, reloading the file first when it is due."""
-        if self.path:
-            now = time.monotonic()
-            if now - self._checked >= self.interval:
-                self._checked = now
-                self.refresh(now)
-        return self.digests
-
-    def refresh(self, now: float | None = None) -> None:
-        now = time.monotonic() if now is None else now
-        signature = self._stat()
-        if signature == self._signature and signature is not None and now - self._read_at < self.reread:
-            return
-        try:
-            if signature is not None and signature[2] > MAX_TOKEN_FILE_BYTES:
-                raise ValueError(f"it is larger than {MAX_TOKEN_FILE_BYTES} bytes")
-            with open(self.path, "rb") as f:
-                content = f.read(MAX_TOKEN_FILE_BYTES + 1)
-            if len(content) > MAX_TOKEN_FILE_BYTES:
-                raise ValueError(f"it is larger than {MAX_TOKEN_FILE_BYTES} bytes")
-            self._read_at = now
-            if content == self._content and not self._error:
-                self._signature = signature
-                return
-            tokens = parse_tokens(content.decode("utf-8"))
-            if not tokens:
-                raise ValueError("it holds no token")
-        except (OSError, ValueError) as exc:  # UnicodeDecodeError is a ValueError
-            reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
-            if reason != self._error:
-                log.error(
-                    "token_file_reload_failed",
-                    path=self.path,
-                    reason=reason,
-                    action="kept the previous tokens; fix the file and they reload",
-                )
-            self._error = reason
-            return
-        self.digests = [_digest(t) for t in tokens]
-        self._signature, self._content, self._error = signature, content, ""
-        log.info("token_file_reloaded", path=self.path, tokens=len(tokens))
 
 
 class TokenAuth:
@@ -291,7 +183,7 @@ class TokenAuth:
             )
 
     def _role_of(self, token: str) -> str | None:
-        presented = _digest(token)  # equal-length digests: neither content nor length leaks
+        presented = digest(token)  # equal-length digests: neither content nor length leaks
         found = None
         for tokens, role in self._files:  # admin last: a token in several files has the widest role
             for known in tokens.current():  # compare every token in constant time, no early exit
@@ -340,7 +232,7 @@ def _as_file(tokens: TokenFile | set[str]) -> TokenFile:
     if isinstance(tokens, TokenFile):
         return tokens
     fixed = TokenFile("")
-    fixed.digests = [_digest(t) for t in tokens]
+    fixed.digests = [digest(t) for t in tokens]
     return fixed
 
 

@@ -13,8 +13,9 @@ import grpc
 import pytest
 from support.processes import start_generator
 
-from rollwire.runtime import security
-from rollwire.runtime.security import AuthSection, TlsSection, TokenAuth, TokenFile, is_loopback, warn_if_exposed
+from rollwire.runtime import security, token_files
+from rollwire.runtime.security import AuthSection, TlsSection, TokenAuth, is_loopback, warn_if_exposed
+from rollwire.runtime.token_files import MAX_TOKEN_FILE_BYTES, TokenFile
 from rollwire.v1 import generator_pb2
 
 GET_STATUS = "/rollwire.v1.GeneratorService/GetStatus"
@@ -154,11 +155,12 @@ def test_rotated_token_file_takes_effect_without_restart(rotating):
     assert status_code(svc.target, "gen-new-111") == bad
 
     path.write_text("# nothing here yet\n")  # an empty file never opens or closes the server
-    assert refused_reloads(svc, path, poke="gen-new-222", count=1) == ["it holds no token"]  # checked, refused
+    (reason,) = refused_reloads(svc, path, poke="gen-new-222", count=1)  # checked, refused
+    assert reason.endswith(f"is {str(path)!r}, which holds no token; put a token in it, one per line"), reason
     assert status_code(svc.target, "gen-new-222") == ok
     assert status_code(svc.target, "") == bad
     path.unlink()  # a vanished file: same
-    assert refused_reloads(svc, path, poke="gen-new-222", count=2)[-1] != "it holds no token"
+    assert "which cannot be read" in refused_reloads(svc, path, poke="gen-new-222", count=2)[-1]
     assert status_code(svc.target, "gen-new-222") == ok
     assert status_code(svc.target, "admin-000") == ok  # the other file is untouched
     log = svc.log_path.read_text()
@@ -179,11 +181,16 @@ def test_token_file_keeps_old_tokens_on_any_bad_version(tmp_path, caplog):
         return auth._role_of(token)
 
     assert role("one") == role("two") == "generate"
-    for bad in (b"", b"# only a comment\n\n", b"\xff\xfe not utf-8\n", b"x" * (security.MAX_TOKEN_FILE_BYTES + 1)):
-        path.write_bytes(bad)
-        assert role("one") == "generate", bad[:20]
-    path.unlink()
-    assert role("one") == "generate"
+    for bad, problem in (
+        (b"", "is empty"),
+        (b"# only a comment\n\n", "holds no token"),
+        (b"\xff\xfe not utf-8\n", "is not UTF-8 text"),
+        (b"x" * (MAX_TOKEN_FILE_BYTES + 1), f"is larger than {MAX_TOKEN_FILE_BYTES} bytes"),
+        (None, "cannot be read"),
+    ):
+        path.unlink() if bad is None else path.write_bytes(bad)
+        assert role("one") == "generate", problem
+        assert tokens._error.startswith(f"the token file is {str(path)!r}, which {problem}"), tokens._error
     path.write_text("three\n")
     assert role("three") == "generate" and role("one") is None
 
@@ -230,7 +237,7 @@ def test_metadata_check_costs_at_most_one_stat_per_interval(tmp_path, monkeypatc
     tokens = TokenFile(str(path), interval=60)
     calls = []
     real_stat = os.stat
-    monkeypatch.setattr(security.os, "stat", lambda *a, **k: calls.append(a) or real_stat(*a, **k))
+    monkeypatch.setattr(token_files.os, "stat", lambda *a, **k: calls.append(a) or real_stat(*a, **k))
     for _ in range(1000):
         tokens.current()
     assert calls == []

@@ -100,7 +100,7 @@ def test_every_secret_file_is_read_by_one_rule(tmp_path):
     from rollwire.common.secrets import SecretFileError, read_secret_file
     from rollwire.generator.engines.served.files import read_secret
     from rollwire.runtime.members import read_member_key
-    from rollwire.runtime.security import read_tokens
+    from rollwire.runtime.token_files import read_tokens
 
     missing, empty, binary, key = (tmp_path / n for n in ("missing", "empty", "binary", "key"))
     empty.write_text("\n  \n")
