@@ -12,12 +12,12 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from rollwire.proxy.http.bodies import parse_body
-from rollwire.proxy.http.connections import Gate, connection_limit
-from rollwire.proxy.http.errors import HttpError, http_status
-from rollwire.proxy.http.openai import RESERVED_TEMPLATE_NAMES, ChatBody, CompletionBody
-from rollwire.proxy.http.prompts import PromptGate, text_bytes
-from rollwire.proxy.http.uploads import FormReader
+from rollwire.proxy.http.dialect.errors import HttpError, http_status
+from rollwire.proxy.http.dialect.openai import RESERVED_TEMPLATE_NAMES, ChatBody, CompletionBody
+from rollwire.proxy.http.dialect.prompts import PromptGate, text_bytes
+from rollwire.proxy.http.edge.bodies import parse_body
+from rollwire.proxy.http.edge.connections import Gate, connection_limit
+from rollwire.proxy.http.edge.uploads import FormReader
 from rollwire.serving.config import PROMPT_BYTES_PER_TOKEN
 
 BOUNDARY = "b0undary"

@@ -14,10 +14,10 @@ from rollwire.common.errors import InvalidArgument, NotFound, ResourceExhausted
 from rollwire.common.reasons import Reason
 from rollwire.proxy.accounting import outcome
 from rollwire.proxy.config import ProxyConfig
+from rollwire.proxy.http.dialect.errors import HttpError, field_name
+from rollwire.proxy.http.dialect.openai import ChatBody, CompletionBody, flatten_content, template_takes_parts
+from rollwire.proxy.http.dialect.vocabulary import Asked, in_http_terms
 from rollwire.proxy.http.door import Door
-from rollwire.proxy.http.errors import HttpError, field_name
-from rollwire.proxy.http.openai import ChatBody, CompletionBody, flatten_content, template_takes_parts
-from rollwire.proxy.http.vocabulary import Asked, in_http_terms
 from rollwire.v1 import generator_pb2 as pb
 
 C = grpc.StatusCode

@@ -1,15 +1,19 @@
 """The proxy's HTTP front door: vLLM's server API (the calls TRL makes) and OpenAI's
 completions and chat completions, in the proxy process (docs/http.md).
 
+Three layers, each importing only those below: the routes (app.py, server.py, door.py,
+stream.py, tokens.py, adapters.py), edge/ (connections, bodies, uploads) and dialect/
+(OpenAI's and vLLM's shapes, conversion, errors).
+
 Invariants:
-- a thin edge: every request is converted once (convert.py) into the gRPC core's own
+- a thin edge: every request is converted once (dialect/convert.py) into the gRPC core's own
   messages and handed to the same dispatch, limits, failover and push path a gRPC call
   takes (the core: ProxyCore.group_events in ../core.py; FanOut.push); nothing behind the edge knows which door
   a request came through;
 - a field the core cannot honour is refused here, by name, with a 400; nothing is silently
-  ignored except the documented no-op fields (openai.py);
+  ignored except the documented no-op fields (dialect/openai.py);
 - an adapter load is one rollwire push: checked, spooled, relayed, healed, caught up and
   shared with peers, so it reaches every replica (adapters.py);
 - every error is an OpenAI-style JSON body with the status its gRPC code maps to
-  (errors.py); a caller's mistake is never a 500.
+  (dialect/errors.py); a caller's mistake is never a 500.
 """

@@ -52,8 +52,8 @@ from rollwire.common.safetensors_header import HeaderError, read_header
 from rollwire.common.signing import MAX_SIGNATURE_FILE_BYTES, SIGNATURE_FILE, SignatureFile
 from rollwire.common.writer import MAX_CHUNK, messages
 from rollwire.proxy.core import ProxyState
-from rollwire.proxy.http.errors import HttpError
-from rollwire.proxy.http.names import ModelRef, model_id, parse_model
+from rollwire.proxy.http.dialect.errors import HttpError
+from rollwire.proxy.http.dialect.names import ModelRef, model_id, parse_model
 from rollwire.proxy.lineages import Lineages
 from rollwire.runtime.logs import get_logger
 from rollwire.v1 import generator_pb2 as pb

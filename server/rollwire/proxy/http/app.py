@@ -30,12 +30,11 @@ from rollwire.common.errors import Internal, RollwireError, Unavailable
 from rollwire.common.reasons import Reason
 from rollwire.common.signing import MAX_SIGNATURE_FILE_BYTES, SIGNATURE_FILE
 from rollwire.proxy.accounting import RequestRecord
-from rollwire.proxy.http import convert, tokens
+from rollwire.proxy.http import tokens
 from rollwire.proxy.http.adapters import CONFIG_FILE, MAX_CONFIG_BYTES, WEIGHTS_FILE
-from rollwire.proxy.http.bodies import body_chunks, parse_body, read_body
-from rollwire.proxy.http.door import Door
-from rollwire.proxy.http.errors import HttpError, error_response, http_status
-from rollwire.proxy.http.openai import (
+from rollwire.proxy.http.dialect import convert
+from rollwire.proxy.http.dialect.errors import HttpError, error_response, http_status
+from rollwire.proxy.http.dialect.openai import (
     ChatBody,
     CompletionBody,
     LoadLoraBody,
@@ -44,9 +43,11 @@ from rollwire.proxy.http.openai import (
     flatten_content,
     template_takes_parts,
 )
+from rollwire.proxy.http.dialect.vocabulary import Asked, http_terms
+from rollwire.proxy.http.door import Door
+from rollwire.proxy.http.edge.bodies import body_chunks, parse_body, read_body
+from rollwire.proxy.http.edge.uploads import read_form
 from rollwire.proxy.http.stream import stream_group
-from rollwire.proxy.http.uploads import read_form
-from rollwire.proxy.http.vocabulary import Asked, http_terms
 from rollwire.proxy.metrics import HTTP_ROUTES
 from rollwire.proxy.routing.passthrough import PassThrough
 from rollwire.runtime.logs import Throttled, get_logger

@@ -17,13 +17,13 @@ from rollwire.common.errors import FailedPrecondition, InvalidArgument
 from rollwire.common.reasons import Reason
 from rollwire.proxy.config import ProxyConfig
 from rollwire.proxy.core import ProxyCore
-from rollwire.proxy.http import convert
 from rollwire.proxy.http.adapters import AdapterDoor
-from rollwire.proxy.http.errors import HttpError
-from rollwire.proxy.http.names import ModelRef, parse_model
-from rollwire.proxy.http.openai import ChatBody
-from rollwire.proxy.http.prompts import PromptGate
-from rollwire.proxy.http.tokenizer import ChatTokenizer
+from rollwire.proxy.http.dialect import convert
+from rollwire.proxy.http.dialect.errors import HttpError
+from rollwire.proxy.http.dialect.names import ModelRef, parse_model
+from rollwire.proxy.http.dialect.openai import ChatBody
+from rollwire.proxy.http.dialect.prompts import PromptGate
+from rollwire.proxy.http.dialect.tokenizer import ChatTokenizer
 from rollwire.runtime.logs import get_logger
 from rollwire.runtime.security import TokenAuth
 from rollwire.v1 import generator_pb2 as pb

@@ -15,8 +15,8 @@ import ssl
 from typing import Any
 
 from rollwire.proxy.http.app import create_app
-from rollwire.proxy.http.connections import Acceptor, DoorProtocol, Gate, Slot, connection_limit
 from rollwire.proxy.http.door import Door
+from rollwire.proxy.http.edge.connections import Acceptor, DoorProtocol, Gate, Slot, connection_limit
 from rollwire.runtime.logs import get_logger
 
 log = get_logger(__name__)

@@ -19,10 +19,10 @@ from starlette.requests import ClientDisconnect
 from rollwire.common.errors import ResourceExhausted, RollwireError, Unavailable
 from rollwire.common.reasons import Reason
 from rollwire.proxy.accounting import RequestRecord
-from rollwire.proxy.http import convert
+from rollwire.proxy.http.dialect import convert
+from rollwire.proxy.http.dialect.errors import error_response
+from rollwire.proxy.http.dialect.openai import ChatBody, CompletionBody
 from rollwire.proxy.http.door import Door
-from rollwire.proxy.http.errors import error_response
-from rollwire.proxy.http.openai import ChatBody, CompletionBody
 from rollwire.proxy.routing.passthrough import PassThrough
 from rollwire.runtime.logs import get_logger
 from rollwire.v1 import generator_pb2 as pb

@@ -16,9 +16,9 @@ import grpc
 from pydantic import Field
 
 from rollwire.common.reasons import Reason
+from rollwire.proxy.http.dialect.errors import HttpError, unsupported
+from rollwire.proxy.http.dialect.openai import ChatBody, _Body, flatten_content, template_takes_parts
 from rollwire.proxy.http.door import Door
-from rollwire.proxy.http.errors import HttpError, unsupported
-from rollwire.proxy.http.openai import ChatBody, _Body, flatten_content, template_takes_parts
 
 
 class TokenizeBody(_Body):

@@ -18,8 +18,8 @@ from dataclasses import dataclass
 
 from rollwire.common.errors import RollwireError
 from rollwire.common.reasons import Reason
-from rollwire.proxy.http.errors import HttpError
-from rollwire.proxy.http.openai import ChatBody, CompletionBody
+from rollwire.proxy.http.dialect.errors import HttpError
+from rollwire.proxy.http.dialect.openai import ChatBody, CompletionBody
 from rollwire.proxy.routing.passthrough import PassThrough
 from rollwire.v1 import generator_pb2 as pb
 

@@ -18,7 +18,7 @@ from python_multipart.exceptions import MultipartParseError
 from python_multipart.multipart import MultipartParser, parse_options_header
 
 from rollwire.common.reasons import Reason
-from rollwire.proxy.http.errors import HttpError
+from rollwire.proxy.http.dialect.errors import HttpError
 
 
 class FormReader:

@@ -16,7 +16,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 from pydantic.fields import FieldInfo
 
-from rollwire.proxy.http.errors import unsupported
+from rollwire.proxy.http.dialect.errors import unsupported
 
 MAX_SEED = (1 << 64) - 1
 UINT32, INT32, INT64 = (1 << 32) - 1, (1 << 31) - 1, (1 << 63) - 1

@@ -16,7 +16,7 @@ from pydantic import BaseModel, ValidationError
 from starlette.requests import ClientDisconnect
 
 from rollwire.common.reasons import Reason
-from rollwire.proxy.http.errors import HttpError
+from rollwire.proxy.http.dialect.errors import HttpError
 from rollwire.runtime.logs import get_logger
 
 log = get_logger(__name__)

@@ -19,8 +19,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from rollwire.common import kept
-from rollwire.proxy.http.names import ModelRef
-from rollwire.proxy.http.openai import ChatBody, CompletionBody
+from rollwire.proxy.http.dialect.names import ModelRef
+from rollwire.proxy.http.dialect.openai import ChatBody, CompletionBody
 from rollwire.v1 import generator_pb2 as pb
 
 FINISH = {pb.FINISH_REASON_EOS: "stop", pb.FINISH_REASON_STOP: "stop", pb.FINISH_REASON_LENGTH: "length"}
