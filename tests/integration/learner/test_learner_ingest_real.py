@@ -13,9 +13,6 @@ from support.learner import learner_args
 from support.processes import start, wait_until
 
 from rollwire.common.reasons import Reason
-from rollwire.learner.buffer import Buffer, GroupLedger
-from rollwire.learner.config import IngestSection
-from rollwire.learner.ingest import Ingest
 from rollwire.v1 import learner_pb2 as lpb
 from rollwire.v1 import learner_pb2_grpc
 
@@ -25,20 +22,10 @@ import ingest_producer  # examples/ is not a package
 C = grpc.StatusCode
 
 
-VOCAB = 100
-
-
-def ingest(newest=3, next_train=3, max_staleness=1, **cfg) -> Ingest:
-    buffer = Buffer(max_staleness, keep_zero_variance=False, ledger=GroupLedger())
-    buffer.next_train_version = next_train
-    return Ingest(IngestSection(enabled=True, **cfg), buffer, lambda: newest, VOCAB)
-
-
 # -- a real learner, the example producer, a real socket ------------------------------------
 ADMIN, GENERATE = "ingest-admin-secret", "ingest-generate-secret"
-
-
 OTHER = "ingest-other-producer-secret"
+"""A second producer's admin token: ingest.producer_share counts each token as one producer."""
 
 
 @pytest.fixture(scope="module")

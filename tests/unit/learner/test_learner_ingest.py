@@ -15,7 +15,6 @@ from rollwire.learner.groups import ScoredGroup, ScoredSample
 from rollwire.learner.ingest import Ingest, Trajectory
 from rollwire.learner.task import Example
 from rollwire.learner.trainer import Trainer
-from rollwire.v1 import learner_pb2 as lpb
 
 C = grpc.StatusCode
 VOCAB = 100
@@ -190,16 +189,3 @@ def test_environment_tokens_never_reach_the_loss(tiny_model):
         s.loss_mask = []
     unmasked.step(plain, version=1)
     assert any(not torch.allclose(a, b) for a, b in zip(reference, grads(unmasked), strict=True))
-
-
-# -- a real learner, the example producer, a real socket ------------------------------------
-ADMIN, GENERATE = "ingest-admin-secret", "ingest-generate-secret"
-"""A second producer's admin token: ingest.producer_share counts each token as one producer."""
-
-
-AUTH = [("authorization", f"Bearer {ADMIN}")]
-
-
-def one(s, t: lpb.Trajectory, metadata=AUTH) -> lpb.SubmitTrajectoriesResponse:
-    (answer,) = s.SubmitTrajectories(iter([lpb.SubmitTrajectoriesRequest(trajectory=t)]), metadata=metadata, timeout=30)
-    return answer
