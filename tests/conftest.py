@@ -16,6 +16,9 @@ from support.fleets import fleets  # noqa: F401  # replica fleets shared by the 
 from support.learner import TAUGHT_DIR
 from support.processes import FAST_STOP, start_generator, start_stack
 from support.vllm import vllm_server  # noqa: F401  # the one vLLM server of the run
+from support.zygote import ZYGOTE
+
+from rollwire.demo import stack as demo_stack
 
 TIERS = {"integration": ("integration",), "e2e": ("integration", "slow")}
 """The markers each tier's folder gives its tests: `-m "not slow"` leaves out tests/e2e."""
@@ -27,6 +30,17 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         tier = item.path.relative_to(tests).parts[0] if item.path.is_relative_to(tests) else ""
         for marker in TIERS.get(tier, ()):
             item.add_marker(marker)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def forked_replicas():
+    """Replicas start forked from one process that already imported torch (support/zygote.py:
+    a replica's start is mostly that import); it starts at the first replica, so the unit
+    tier never starts it. ROLLWIRE_TESTS_FORK=0 spawns them instead."""
+    demo_stack.LAUNCH = ZYGOTE.popen
+    yield
+    demo_stack.LAUNCH = subprocess.Popen
+    ZYGOTE.close()
 
 
 @pytest.fixture(scope="session")

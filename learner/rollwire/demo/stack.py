@@ -175,6 +175,12 @@ class Service:
         self.proc.wait()
 
 
+LAUNCH: Callable[..., subprocess.Popen] = subprocess.Popen
+"""How `start` runs a command when it is given no `popen`. The test suite sets it to fork
+replicas from a process that already imported torch (tests/support/zygote.py), the one
+thing that differs from a real start; the demo and the benchmarks spawn."""
+
+
 def start(
     args: Sequence[str],
     workdir: str | Path,
@@ -183,20 +189,21 @@ def start(
     *,
     probe: bool = False,
     host: str = "127.0.0.1",
-    popen: Callable[..., subprocess.Popen] = subprocess.Popen,
+    popen: Callable[..., subprocess.Popen] | None = None,
     cpus: Collection[int] = (),
 ) -> Service:
     """Run `rollwire <args> --ready-file ...`, logging to workdir/name.log, and wait until it
     serves. `probe`: also wait, within the same deadline, until a plaintext gRPC channel to it
     is ready (a server without TLS). `popen` and `host`: how to run it and where it listens,
-    for a process in another network namespace (netlab's `Host.popen` and address). `cpus`:
+    for a process in another network namespace (netlab's `Host.popen` and address; default
+    LAUNCH). `cpus`:
     the cores it runs on (`pin`; empty: anywhere)."""
     workdir = Path(workdir)
     workdir.mkdir(parents=True, exist_ok=True)
     ready, log_path = workdir / f"{name}.ready.json", workdir / f"{name}.log"
     ready.unlink(missing_ok=True)
     with log_path.open("ab") as log:
-        proc = popen(rollwire_cmd(*args, "--ready-file", str(ready)), stdout=log, stderr=subprocess.STDOUT)
+        proc = (popen or LAUNCH)(rollwire_cmd(*args, "--ready-file", str(ready)), stdout=log, stderr=subprocess.STDOUT)
     pin(proc.pid, cpus)
     deadline = time.monotonic() + timeout
     while not ready.exists():
