@@ -673,6 +673,42 @@ def startup(d: dict) -> str:
     )
 
 
+RESUME_HEADER = [
+    "arm",
+    "client-seen time to finish (s)",
+    "tokens generated twice",
+    "tokens the client discarded",
+    "continuation prefill tokens",
+    "from the kill to the group's end (s)",
+    "tokens equal the uninterrupted run's",
+]
+
+
+def resume_vs_restart(d: dict) -> str:
+    arms, n, new = d["arms"], d["n"], d["max_new_tokens"]
+    labels = {"none": "uninterrupted", "resume": "replica killed, resumed", "restart": "replica killed, restarted"}
+    rows = []
+    for arm in ("none", "resume", "restart"):
+        a = arms[arm]
+        if arm == "none":
+            rows.append([labels[arm], s(a["seconds"]), "—", "—", "—", "—", "—"])
+            continue
+        exact = f"{a['exact']} of {a['seconds']['n']}"
+        rows.append([labels[arm], s(a["seconds"]), s(a["generated_twice"], digits=0), s(a["discarded"], digits=0),
+                     s(a["survivor_prefill"], digits=0), s(a["after_kill_s"]), exact])  # fmt: skip
+    return "\n\n".join(
+        [
+            provenance(d) + f" One seeded group of {n} samples x {new} tokens over 2 replicas of the tiny model; "
+            f"median (min–max) of {arms['none']['seconds']['n']} repeats per arm, the arms alternating; the replica "
+            f"serving the group SIGKILLed once sample 0 held {new // 2} tokens "
+            f"({s(arms['resume']['sent_before_kill'], digits=0)} of the group's {n * new} sent by then).",
+            table(RESUME_HEADER, rows),
+            f"Restarts seen by the client: resume arm {arms['resume']['restarts']}, restart arm "
+            f"{arms['restart']['restarts']}.",
+        ]
+    )
+
+
 SECTIONS = {
     "weight_push": weight_push,
     "proxy_overhead": proxy_overhead,
@@ -687,6 +723,7 @@ SECTIONS = {
     "signed_push": signed_push,
     "sessions": sessions,
     "startup": startup,
+    "resume_vs_restart": resume_vs_restart,
 }
 
 

@@ -54,6 +54,8 @@ class Reason(StrEnum):
     """INVALID_ARGUMENT; do not retry: `group_key` is over 1024 characters."""
     BAD_ADAPTER_NAME = "BAD_ADAPTER_NAME"
     """INVALID_ARGUMENT; do not retry: An adapter name breaks the naming rule."""
+    BAD_RESUME = "BAD_RESUME"
+    """INVALID_ARGUMENT; do not retry: `resume` names a sample not below n or twice, an id outside the vocabulary, a sample with all its tokens, or a session turn."""
     BAD_SESSION = "BAD_SESSION"
     """INVALID_ARGUMENT; do not retry: A session turn's id breaks the rule, its `n` is not 1, or it cannot be continued."""
     SESSION_BUSY = "SESSION_BUSY"
@@ -257,6 +259,8 @@ class Reason(StrEnum):
     """INVALID_ARGUMENT; do not retry: `adapter.follow` without an adapter name, or with a pinned version."""
     FOLLOW_UNSUPPORTED = "FOLLOW_UNSUPPORTED"
     """FAILED_PRECONDITION; do not retry: The replica's engine cannot switch running samples to a new version."""
+    RESUME_UNSUPPORTED = "RESUME_UNSUPPORTED"
+    """FAILED_PRECONDITION; do not retry: The replica's engine cannot continue samples from their tokens (`resume`)."""
     KEPT_TOKENS_UNSUPPORTED = "KEPT_TOKENS_UNSUPPORTED"
     """FAILED_PRECONDITION; do not retry: The replica's engine cannot return kept-token sets (`return_kept_tokens`)."""
 

@@ -80,7 +80,8 @@ class AdminServiceServicer:
 
     def DeregisterGenerator(self, request, context):
         """DeregisterGenerator removes a replica at once; in-flight groups on it are
-        restarted elsewhere.
+        moved elsewhere (resumed from their tokens so far, or restarted where
+        they cannot be resumed).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -57,7 +57,7 @@ class AdapterRef(_message.Message):
     def __init__(self, name: _Optional[str] = ..., version: _Optional[int] = ..., follow: _Optional[bool] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("request_id", "text", "token_ids", "n", "sampling", "adapter", "group_key", "session", "stream_interval")
+    __slots__ = ("request_id", "text", "token_ids", "n", "sampling", "adapter", "group_key", "session", "stream_interval", "resume")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TEXT_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -67,6 +67,7 @@ class GenerateRequest(_message.Message):
     GROUP_KEY_FIELD_NUMBER: _ClassVar[int]
     SESSION_FIELD_NUMBER: _ClassVar[int]
     STREAM_INTERVAL_FIELD_NUMBER: _ClassVar[int]
+    RESUME_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     text: str
     token_ids: TokenIds
@@ -76,7 +77,16 @@ class GenerateRequest(_message.Message):
     group_key: str
     session: SessionTurn
     stream_interval: int
-    def __init__(self, request_id: _Optional[str] = ..., text: _Optional[str] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., n: _Optional[int] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., adapter: _Optional[_Union[AdapterRef, _Mapping]] = ..., group_key: _Optional[str] = ..., session: _Optional[_Union[SessionTurn, _Mapping]] = ..., stream_interval: _Optional[int] = ...) -> None: ...
+    resume: _containers.RepeatedCompositeFieldContainer[SampleResume]
+    def __init__(self, request_id: _Optional[str] = ..., text: _Optional[str] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., n: _Optional[int] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., adapter: _Optional[_Union[AdapterRef, _Mapping]] = ..., group_key: _Optional[str] = ..., session: _Optional[_Union[SessionTurn, _Mapping]] = ..., stream_interval: _Optional[int] = ..., resume: _Optional[_Iterable[_Union[SampleResume, _Mapping]]] = ...) -> None: ...
+
+class SampleResume(_message.Message):
+    __slots__ = ("sample_index", "token_ids")
+    SAMPLE_INDEX_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    sample_index: int
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, sample_index: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class SessionTurn(_message.Message):
     __slots__ = ("id", "end", "expect_tokens")
@@ -89,16 +99,18 @@ class SessionTurn(_message.Message):
     def __init__(self, id: _Optional[str] = ..., end: _Optional[bool] = ..., expect_tokens: _Optional[int] = ...) -> None: ...
 
 class GenerationStarted(_message.Message):
-    __slots__ = ("request_id", "adapter", "prompt_token_ids", "replica")
+    __slots__ = ("request_id", "adapter", "prompt_token_ids", "replica", "resumed")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     ADAPTER_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     REPLICA_FIELD_NUMBER: _ClassVar[int]
+    RESUMED_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     adapter: AdapterRef
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     replica: str
-    def __init__(self, request_id: _Optional[str] = ..., adapter: _Optional[_Union[AdapterRef, _Mapping]] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., replica: _Optional[str] = ...) -> None: ...
+    resumed: int
+    def __init__(self, request_id: _Optional[str] = ..., adapter: _Optional[_Union[AdapterRef, _Mapping]] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., replica: _Optional[str] = ..., resumed: _Optional[int] = ...) -> None: ...
 
 class TokenChunk(_message.Message):
     __slots__ = ("sample_index", "token_ids", "logprobs", "text", "adapter_version", "kept_tokens")

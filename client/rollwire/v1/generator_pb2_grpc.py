@@ -66,7 +66,10 @@ class GeneratorServiceServicer:
         token deltas with their logprobs and the adapter version that produced
         them. The first message carries `started`; each sample ends with one
         `finished` entry. A proxy may send `restarted`, after which every partial
-        sample received so far must be discarded.
+        sample received so far must be discarded. When the replica serving a
+        group fails mid-stream, a proxy normally resumes it on another replica
+        instead: the stream simply goes on with each unfinished sample's next
+        tokens (GenerateRequest.resume).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -53,6 +53,7 @@ class RequestConverter:
                 "(a hash of a long key routes the same)",
                 reason=Reason.BAD_GROUP_KEY,
             )
+        resume = self._resume(req, params.max_new_tokens)  # bounded by n x max_new_tokens: before tokenizing
         prompt = await self._prompt(req)
         if len(prompt) + params.max_new_tokens > self.engine.max_context:
             raise InvalidArgument(
@@ -66,8 +67,59 @@ class RequestConverter:
                 reason=Reason.BAD_STREAM_INTERVAL,
             )
         return GroupRequest(
-            rid, prompt, req.n, params, follow=self._follows(req.adapter), stream_interval=req.stream_interval
+            rid,
+            prompt,
+            req.n,
+            params,
+            follow=self._follows(req.adapter),
+            stream_interval=req.stream_interval,
+            resume=resume,
         )
+
+    def _resume(self, req: pb.GenerateRequest, max_new_tokens: int) -> dict[int, list[int]]:
+        """GenerateRequest.resume as sample index -> tokens so far, or a refusal: counts and
+        lengths first, then each id against the vocabulary (at most n x max_new_tokens ids)."""
+        if not req.resume:
+            return {}
+        if req.HasField("session"):
+            raise InvalidArgument(
+                "resume cannot continue a session turn: a proxy resumes a turn as the plain request it forwards; "
+                "send the turn without resume",
+                reason=Reason.BAD_RESUME,
+            )
+        if len(req.resume) > req.n:
+            raise InvalidArgument(
+                f"resume lists {len(req.resume)} samples for a group of n = {req.n}; list each sample at most once",
+                reason=Reason.BAD_RESUME,
+            )
+        out: dict[int, list[int]] = {}
+        for entry in req.resume:
+            i, have = entry.sample_index, len(entry.token_ids)
+            if i >= req.n or i in out:
+                why = f"is not below n = {req.n}" if i >= req.n else "is listed twice"
+                raise InvalidArgument(f"resume's sample_index {i} {why}", reason=Reason.BAD_RESUME)
+            if have >= max_new_tokens:
+                raise InvalidArgument(
+                    f"resume gives sample {i} {have} tokens, but a sample has at most max_new_tokens "
+                    f"({max_new_tokens}) and one that has them all is finished; list only unfinished samples",
+                    reason=Reason.BAD_RESUME,
+                )
+            out[i] = list(entry.token_ids)
+        vocab = self.engine.vocab_size
+        for i, ids in out.items():
+            bad = [t for t in ids if not 0 <= t < vocab]
+            if bad:
+                raise InvalidArgument(
+                    f"resume's token ids {bad[:5]} of sample {i} are outside the vocabulary [0, {vocab})",
+                    reason=Reason.BAD_RESUME,
+                )
+        if not getattr(self.engine, "resumes_samples", False):
+            raise FailedPrecondition(
+                f"this replica's engine ({self.config.engine}) cannot continue samples from their tokens; "
+                "send the request without resume",
+                reason=Reason.RESUME_UNSUPPORTED,
+            )
+        return out
 
     async def _prompt(self, req: pb.GenerateRequest) -> list[int]:
         """The prompt's token ids; sizes are checked before any scan or tokenizing."""

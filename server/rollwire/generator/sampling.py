@@ -14,12 +14,14 @@ all the rows of a batch (rows of different requests with different params) in on
 Rows never mix: each row's result is the same float operations on that row alone, so a
 row's logprobs and token do not depend on what else is in the call.
 
-Drawing (`draw`): a row with T > 0 takes one uniform u in [0, 1) per token from its own
+Drawing (`draw`): a row with T > 0 takes one uniform u in [0, 1) per token (and nothing
+else) from its own
 generator (`sample_generator`: Python's Mersenne Twister seeded with sample_seed(s, i) for
 sample i of a group seeded s) and
 picks the token whose interval of the cumulative distribution (float64) holds u·total, so
 a token of probability 0 is never drawn. Greedy rows draw nothing. Which token a seed gives
-depends only on the row's own distribution and generator, never on batching.
+depends only on the row's own distribution and generator, never on batching. So a sample
+continued after k tokens (`skip_draws`) draws on exactly as it would have unsplit.
 
 Bounds (checked at the edge by the servicer, documented in docs/protocol.md): temperature
 is 0 or in [MIN_TEMPERATURE, MAX_TEMPERATURE] (a tiny T overflows logits / T to inf in
@@ -131,6 +133,18 @@ def row_uniforms(params: Params, generators: Sequence[random.Random]) -> torch.T
     rows = _per_row(params, len(generators))
     values = [g.random() if p.temperature != 0 else 0.0 for p, g in zip(rows, generators, strict=True)]
     return torch.tensor(values, dtype=torch.float64)
+
+
+def skip_draws(params: SamplingParams, generator: random.Random, steps: int) -> random.Random:
+    """Advance a row's generator past `steps` sampling steps, as `row_uniforms` would have:
+    one uniform a step for a row with T > 0, none for a greedy one. A sample resumed after k
+    tokens (GenerateRequest.resume) then draws exactly the uniforms an uninterrupted row
+    draws from its (k+1)-th token on. Mersenne Twister has no jump for random(), so this is k
+    draws (~50 ns each: 4096 tokens cost ~0.2 ms, once per resumed sample)."""
+    if params.temperature != 0:
+        for _ in range(steps):
+            generator.random()
+    return generator
 
 
 def sample_generator(seed: int, index: int) -> random.Random:

@@ -104,6 +104,7 @@ class GeneratorServicer(generator_pb2_grpc.GeneratorServiceServicer):
                 prompt_tokens=len(group.prompt_ids),
                 adapter=selection.name,
                 version=selection.version,
+                resumed=len(group.resume),
             )
             yield pb.GenerateResponse(
                 started=pb.GenerationStarted(
@@ -111,9 +112,10 @@ class GeneratorServicer(generator_pb2_grpc.GeneratorServiceServicer):
                     adapter=pb.AdapterRef(name=selection.name, version=selection.version),
                     prompt_token_ids=group.prompt_ids,
                     replica=self.replica,
+                    resumed=len(group.resume),
                 )
             )
-            self.metrics.tokens.labels("prompt").inc(len(group.prompt_ids) * group.n)
+            self.metrics.tokens.labels("prompt").inc(len(group.prompt_ids) * group.rows)
             async with contextlib.aclosing(self._messages(group, turn, start)) as messages:  # pyright: ignore[reportArgumentType]  # the library's annotation is narrower than what it accepts
                 async for message in messages:
                     yield message

@@ -60,6 +60,20 @@ class GroupRequest:
     """Switch running samples to each newly committed version of the adapter (AdapterRef.follow)."""
     stream_interval: int = 0
     """New tokens of a sample per message (GenerateRequest.stream_interval); 0: the replica's own."""
+    resume: dict[int, list[int]] = field(default_factory=dict)
+    """GenerateRequest.resume, checked (convert.py): the samples to run, by index, each with the
+    tokens it already has; empty: all n from the start. A resumed sample keeps its index and
+    seed, runs for max_new_tokens less what it has, and its events carry only new tokens (its
+    SampleDone counts all of them). Engines that continue samples set `resumes_samples`."""
+
+    @property
+    def rows(self) -> int:
+        """Samples this request runs: n, or those it resumes."""
+        return len(self.resume) if self.resume else self.n
+
+    def indices(self) -> list[int]:
+        """The indices of the samples it runs, ascending."""
+        return sorted(self.resume) if self.resume else list(range(self.n))
 
 
 @dataclass

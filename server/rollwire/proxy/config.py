@@ -32,6 +32,10 @@ class RoutingSection(Section):
     """Requests that may wait for a replica slot; beyond it RESOURCE_EXHAUSTED with a retry hint."""
     max_attempts: int = Field(default=3, ge=1)
     """Attempts per group, the first included; then UNAVAILABLE naming what failed."""
+    resume: bool = True
+    """When a replica fails after its group's client saw tokens, continue each unfinished sample on another replica
+    from its tokens so far (GenerateRequest.resume; exact on the transformers engine) instead of restarting the group
+    (`restarted`). false: always restart (routing/failover.py, routing/resume.py)."""
     request_timeout_s: float = Field(default=600.0, gt=0)
     """Deadline of a request whose client set none (or a longer one), so nothing hangs."""
     no_replica_wait_s: float = Field(default=10.0, ge=0)

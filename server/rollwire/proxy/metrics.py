@@ -19,6 +19,13 @@ from rollwire.proxy.policies.prefix import OUTCOMES as PREFIX_OUTCOMES
 from rollwire.runtime.metrics import MetricFactory
 from rollwire.serving.sessions import SessionMetrics
 
+RESTART_CAUSES = ("off", "unsupported", "refused", "limits")
+"""Why a group was restarted instead of resumed (routing/failover.py, routing/resume.py):
+routing.resume is off; the replica's engine cannot continue samples (it refused with
+RESUME_UNSUPPORTED, or ignored `resume`: its `started` did not count them); the replica refused
+the continuation (BAD_RESUME); a sample was sent as many tokens as its max_new_tokens and did
+not end."""
+
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
 PREFIX = "rollwire_proxy_"
 CODES = tuple(code.name for code in grpc.StatusCode)
@@ -169,6 +176,20 @@ class ProxyMetrics:
         self.restarts = counter(
             "restarts_total", "Groups restarted elsewhere after failing mid-stream, by replica.", ["replica"]
         )
+        self.resumes = counter(
+            "resumes_total",
+            "Groups continued on another replica from their tokens so far after failing mid-stream, by the replica "
+            "that failed.",
+            ["replica"],
+        )
+        self.restart_causes = counter(
+            "restart_causes_total",
+            "Groups restarted instead of resumed, by cause: off (routing.resume), unsupported (an engine that cannot "
+            "continue samples), refused (a continuation the replica refused), limits.",
+            ["cause"],
+        )
+        for cause in RESTART_CAUSES:
+            self.restart_causes.labels(cause)
         self.ejections = counter("ejections_total", "Circuit-breaker ejections of each replica.", ["replica"])
         self.in_flight = gauge("in_flight_requests", "Groups the proxy runs on each replica now.", ["replica"])
         self.healthy = gauge("replica_healthy", "1 when the replica passes health checks.", ["replica"])
@@ -261,6 +282,7 @@ class ProxyMetrics:
         for metric in (
             self.retries,
             self.restarts,
+            self.resumes,
             self.ejections,
             self.catchup_pushes,
             self.catchup_gave_up,
@@ -286,6 +308,7 @@ class ProxyMetrics:
             self.attempts,
             self.retries,
             self.restarts,
+            self.resumes,
             self.ejections,
             self.in_flight,
             self.healthy,

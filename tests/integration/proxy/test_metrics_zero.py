@@ -52,8 +52,10 @@ def test_a_fresh_proxy_exports_its_rated_counters_at_zero(stack):
     replica, proxy, peer = stack
     m = samples(proxy.metrics())
     r = replica.target
-    for name in ("retries", "restarts", "ejections", "catchup_pushes", "push_heals"):
+    for name in ("retries", "restarts", "resumes", "ejections", "catchup_pushes", "push_heals"):
         assert value(m, f"rollwire_proxy_{name}_total", replica=r) == 0, name
+    for cause in ("off", "unsupported", "refused", "limits"):
+        assert value(m, "rollwire_proxy_restart_causes_total", cause=cause) == 0, cause
     for code in ("OK", "UNAVAILABLE", "DEADLINE_EXCEEDED", "INTERNAL"):
         assert value(m, "rollwire_proxy_replica_attempts_total", replica=r, code=code) == 0, code
     for code in ("OK", "UNAVAILABLE", "INVALID_ARGUMENT", "FAILED_PRECONDITION"):

@@ -37,6 +37,7 @@ PUSH_DEADLINE_S = 15
 KEEPALIVE_ARGS = ("--set", f"keepalive.time_s={FAST.time_s:g}", "--set", f"keepalive.timeout_s={FAST.timeout_s:g}")
 PROXY_ARGS = (
     *KEEPALIVE_ARGS,
+    "--set", "routing.resume=false",  # detection is timed by the `restarted` it sends (resume: test_proxy_resume.py)
     "--set", "health.interval_s=0.2",
     "--set", "health.timeout_s=0.5",
     "--set", "push.stall_timeout_s=1",

@@ -8,9 +8,9 @@ Invariants:
   a push never takes work before it holds the newest versions;
 - a dropped connection (a restart, even a quick one) marks the replica not caught up;
 - a replica that stops answering health checks has its live groups cut off (their runs
-  restart them elsewhere) instead of leaving them to hang until their deadline;
-- removing a replica cancels its tasks, abandons its live groups (their runs restart them
-  elsewhere) and forgets its metric series;
+  resume them elsewhere, or restart them) instead of leaving them to hang until their deadline;
+- removing a replica cancels its tasks, abandons its live groups (their runs resume them
+  elsewhere, or restart them) and forgets its metric series;
 - every state change calls `on_change`, which lets waiting requests re-check for a slot;
 - the base model is declared or agreed by the spool, never learned from a member
   (basemodel.py); a member serving another one is refused membership: it is never routed

@@ -7,7 +7,7 @@ groups. The coalescer gathers such requests that arrive within `routing.coalesce
 of the first and runs them as one group of n samples on one replica.
 
 Invariants:
-- only requests with n = 1, no session, no follow and the same everything else (prompt,
+- only requests with n = 1, no session, no follow, no resume and the same everything else (prompt,
   adapter selector, sampling settings, group key) are merged; the key is the request with
   its request id and seed cleared, so nothing a request asked for differs in the group;
 - a seeded request draws exactly the tokens it draws alone: the merged group carries one
@@ -78,8 +78,10 @@ class Coalescer:
         self._open: dict[bytes, _Batch] = {}
 
     def accepts(self, request: pb.GenerateRequest) -> bool:
-        """A request this coalescer may merge (n = 1, no session, no follow), when it is on."""
+        """A request this coalescer may merge (n = 1, no session, no follow, no resume), when it is on."""
         if self.window_s <= 0 or request.n != 1 or request.HasField("session") or request.adapter.follow:
+            return False
+        if request.resume:  # a caller's continuation of its own sample: its tokens are its own
             return False
         return not request.sampling.HasField("seed") or self.engines() <= SEEDING_ENGINES
 

@@ -1,12 +1,23 @@
-"""Running one GRPO group through the proxy: placement, relay, invisible retry, restart.
+"""Running one GRPO group through the proxy: placement, relay, invisible retry, resume, restart.
 
 Invariants (the proxy answers every accepted request exactly once, complete or with an error):
-- a group runs whole on one replica per attempt, so all samples the client keeps come from
-  one replica, one adapter version and one attempt;
-- nothing of an attempt reaches the client before its first token or `finished` event (the
-  `started` is held back), so an attempt that fails earlier is retried elsewhere invisibly;
-- once an attempt has shown anything, its failure is followed by `restarted` and then by a
-  fresh `started` from a later attempt, or by an error status;
+- a group runs on one replica per attempt; all samples the client keeps come from one adapter
+  version (the one the group resolved; for a group that follows, versions only rise);
+- nothing of a first attempt reaches the client before its first token or `finished` event
+  (the `started` is held back), so an attempt that fails earlier is retried elsewhere invisibly;
+- once the client has seen anything of the group, a failed attempt is RESUMED (resume.py): the
+  next attempt continues each unfinished sample from the tokens the client holds, under the
+  same version (a follower: the newest), and the client's stream simply goes on: no
+  `restarted`, and the continuation's `started` is not forwarded (the client keeps the first
+  one; each chunk names its version). Finished samples are never run again. On the
+  transformers engine a seeded sample's tokens and logprobs equal its uninterrupted run's;
+- the group is RESTARTED (`restarted`, then a fresh `started` from a later attempt, or an
+  error status) only where it cannot be resumed, each counted by cause (resume.CAUSES):
+  routing.resume off, a replica that cannot continue samples (refused RESUME_UNSUPPORTED, or
+  an older one whose `started` does not count the resumed samples: it would run them all
+  again, so it is cut off), a continuation refused (BAD_RESUME), or a sample over its limit.
+  A continuation needs the same version as a restart would (the request pins it), so a
+  version no replica can serve fails the group either way;
 - at most `max_attempts` attempts, all inside the request's deadline; then UNAVAILABLE naming
   each failure, or DEADLINE_EXCEEDED;
 - the lease is released and the upstream call cancelled on every exit path, the client
@@ -32,6 +43,7 @@ from rollwire.proxy.fleet.replicas import ReplicaSet
 from rollwire.proxy.routing import faults
 from rollwire.proxy.routing.dispatch import Client, Dispatcher, Lease, Need
 from rollwire.proxy.routing.passthrough import PassThrough
+from rollwire.proxy.routing.resume import Progress
 from rollwire.runtime.logs import REQUEST_ID_KEY, get_logger
 from rollwire.v1 import generator_pb2 as pb
 
@@ -51,6 +63,12 @@ class AttemptFailed(Exception):
     """A faults.Verdict kind ("replica", "busy", "stale", "cancelled", "suspect") or "abandoned"."""
     counts: bool = False
     """Counts towards the replica's ejection now (faults.classify)."""
+    cause: str = ""
+    """Set when the attempt was a continuation the replica could not take: the restart's cause (resume.CAUSES)."""
+
+
+RESUME_REFUSALS = {Reason.RESUME_UNSUPPORTED: "unsupported", Reason.BAD_RESUME: "refused"}
+"""A replica's refusal of a continuation the proxy made, and the cause of the restart it leads to."""
 
 
 def resolve(request: pb.GenerateRequest, replicas: ReplicaSet) -> Need:
@@ -122,6 +140,10 @@ class GroupRun:
         self.work = max(1, request.n) * max(1, request.sampling.max_new_tokens)
         self.suspects: list[AttemptFailed] = []
         """Attempts that failed unexplained (faults.SUSPECT): counted only if the group then succeeds elsewhere."""
+        self.progress = Progress(request)
+        """What the client was sent, per sample (resume.py)."""
+        self.resume_off = "" if self.routing.resume else "off"
+        """Why this group restarts instead of resuming ("" while it may resume)."""
 
     async def events(self) -> AsyncIterator[pb.GenerateResponse]:
         """The client's stream: one complete group, or an exception (RollwireError / PassThrough)."""
@@ -129,10 +151,11 @@ class GroupRun:
             await self.dispatcher.wait_for_replica(self.deadline)  # so "latest" resolves to a version
             self.need = resolve(self.request, self.replicas)
         failures: list[AttemptFailed] = []
+        sending = self.request  # the first attempt's request; later ones continue or redo the group
         for number in range(1, self.routing.max_attempts + 1):
-            tried = frozenset(f.replica.address for f in failures)
+            tried = frozenset(f.replica.address for f in failures if not f.cause)
             if number > 1 and self.request.adapter.follow:
-                self.need = resolve(self.request, self.replicas)  # a restart starts on the newest version
+                self.need = resolve(self.request, self.replicas)  # a resumed or restarted follower takes the newest
             lease = await self.dispatcher.acquire(
                 self.need,
                 self.key,
@@ -145,8 +168,9 @@ class GroupRun:
             )
             failure = None
             try:
-                async with contextlib.aclosing(self._attempt(lease)) as stream:  # pyright: ignore[reportArgumentType]  # the library's annotation is narrower than what it accepts
+                async with contextlib.aclosing(self._attempt(lease, sending)) as stream:  # pyright: ignore[reportArgumentType]  # the library's annotation is narrower than what it accepts
                     async for message in stream:
+                        self.progress.observe(message)
                         yield message
             except AttemptFailed as exc:
                 failure = exc
@@ -155,14 +179,21 @@ class GroupRun:
             if failure is None:
                 self._convict(lease.replica)
                 return
+            if self.progress.shown and not self.progress.unfinished():
+                return  # every sample ended before its replica failed: the group is complete
             failures.append(failure)
             self.failed.append(failure.replica.address)
-            self._count(failure)
+            self.resume_off = self.resume_off or failure.cause or ("limits" if self.progress.over_limit() else "")
+            resume = failure.visible and not self.resume_off
+            self._count(failure, resumed=resume)
             if number == self.routing.max_attempts:
                 break
             if time.monotonic() >= self.deadline:
                 raise self._deadline_error()
-            if failure.visible:
+            sending = self.progress.continuation(self.request) if resume else self.request
+            if failure.visible and not resume:
+                self.progress.reset()
+                self.metrics.restart_causes.labels(self.resume_off).inc()
                 yield pb.GenerateResponse(restarted=pb.GroupRestarted(attempt=number + 1, reason=_sentence(failure)))
         raise Unavailable(
             f"the group failed on {len(failures)} attempts and was not completed: "
@@ -171,18 +202,25 @@ class GroupRun:
             retry_after_s=self.routing.retry_after_s,
         )
 
-    async def _attempt(self, lease: Lease) -> AsyncIterator[pb.GenerateResponse]:
+    async def _attempt(self, lease: Lease, request: pb.GenerateRequest) -> AsyncIterator[pb.GenerateResponse]:
+        """One attempt's messages for the client. A continuation (`request.resume` set by the
+        proxy) shows nothing new of itself: its `started` is checked and dropped."""
         replica = self.current = lease.replica
         call = replica.generator.Generate(
-            self.request,
+            request,
             timeout=max(0.001, self.deadline - time.monotonic()),
             metadata=((REQUEST_ID_KEY, self.request_id), *replica.metadata),
         )
         attempt = Attempt(call)
         replica.attempts.add(attempt)
-        held, visible = None, False
+        continuing = request is not self.request
+        held, visible = None, self.progress.shown
         try:
             async for message in call:
+                if continuing and message.HasField("started"):
+                    message = self._continued(replica, request, message)
+                    if not (message.tokens or message.finished):
+                        continue
                 if not visible and message.HasField("started") and not (message.tokens or message.finished):
                     held = message
                     continue
@@ -196,7 +234,7 @@ class GroupRun:
             replica.breaker.record_success()
             self.metrics.attempts.labels(replica.address, "OK").inc()
         except grpc.aio.AioRpcError as exc:
-            raise self._classify(replica, exc, visible) from None
+            raise self._classify(replica, exc, visible, continuing) from None
         except asyncio.CancelledError:
             task = asyncio.current_task()
             if attempt.abandoned and not (task and task.cancelling()):
@@ -206,14 +244,37 @@ class GroupRun:
             replica.attempts.discard(attempt)
             call.cancel()
 
-    def _classify(self, replica: Replica, exc: grpc.aio.AioRpcError, visible: bool) -> Exception:
+    def _continued(self, replica: Replica, request: pb.GenerateRequest, message: pb.GenerateResponse):
+        """A continuation's first message without its `started` (the client keeps the first
+        attempt's), once the replica's `started` counts the samples it continues: an older
+        replica ignores `resume` and would run every sample again, so it is cut off."""
+        if message.started.resumed != len(request.resume):
+            raise AttemptFailed(
+                replica,
+                "RESUME_IGNORED",
+                f"it started {message.started.resumed} of the {len(request.resume)} samples the proxy asked it to "
+                "continue (a replica without resume); the group is restarted",
+                True,
+                "unresumable",
+                cause="unsupported",
+            )
+        out = pb.GenerateResponse()
+        out.CopyFrom(message)
+        out.ClearField("started")
+        return out
+
+    def _classify(self, replica: Replica, exc: grpc.aio.AioRpcError, visible: bool, continuing: bool) -> Exception:
         """What a replica's error means (faults.classify): redo the group elsewhere, or tell
         the client. A relayed refusal touches neither side of the replica's breaker: it says
         nothing about the replica's health, so a client cannot eject a replica with it, nor
-        keep a failing one in rotation by interleaving bad requests."""
+        keep a failing one in rotation by interleaving bad requests. A refusal of a
+        continuation the proxy made is not the client's: the group is restarted instead."""
         code = exc.code()
         self.metrics.attempts.labels(replica.address, code.name).inc()
         err = from_rpc_error(exc)
+        if continuing and err.reason in RESUME_REFUSALS:
+            cause = RESUME_REFUSALS[Reason(err.reason)]
+            return AttemptFailed(replica, code.name, err.message, True, "unresumable", cause=cause)
         verdict = faults.classify(
             code,
             err.reason,
@@ -227,15 +288,21 @@ class GroupRun:
             return AttemptFailed(replica, code.name, err.message, visible, verdict.kind, verdict.counts)
         return PassThrough(exc)
 
-    def _count(self, failure: AttemptFailed) -> None:
+    def _count(self, failure: AttemptFailed, resumed: bool) -> None:
         replica, now = failure.replica, time.monotonic()
-        (self.metrics.restarts if failure.visible else self.metrics.retries).labels(replica.address).inc()
+        metric = (
+            self.metrics.retries if not failure.visible else self.metrics.resumes if resumed else self.metrics.restarts
+        )
+        metric.labels(replica.address).inc()
         log.info(
             "attempt_failed",
             replica=replica.address,
             code=failure.code,
             kind=failure.kind,
             visible=failure.visible,
+            then="retry" if not failure.visible else "resume" if resumed else f"restart ({self.resume_off})",
+            samples_left=len(self.progress.unfinished()),
+            tokens_kept=self.progress.sent() if resumed else 0,
             error=failure.message,
         )
         if failure.kind == "stale":

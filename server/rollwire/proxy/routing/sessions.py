@@ -14,7 +14,8 @@ Invariants:
   this turn; each turn is counted once in rollwire_proxy_session_routes_total by where it ran;
 - the history grows only when the turn's one sample finished: what the client was sent,
   started.prompt_token_ids and the sample's tokens of the attempt that completed (tokens of
-  an attempt followed by `restarted` are dropped with it);
+  an attempt followed by `restarted` are dropped with it; a resumed turn's stream simply goes
+  on, its continuation being the plain request forwarded here: failover.py);
 - the proxy does not tokenize: a turn after the first must send token_ids (BAD_SESSION).
 """
 

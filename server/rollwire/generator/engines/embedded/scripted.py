@@ -4,7 +4,8 @@ It exists so that benchmarks of the proxy, the wire and adapter pushes measure r
 not a model's forward pass: every sample of a group gets `tokens_per_s` tokens per second,
 the n samples advancing together (one event list per step, as a batched engine yields
 them). Token ids are a deterministic function of (seed, sample, position), every logprob
-is the same constant, samples never stop early (finish reason "length"), and adapter
+is the same constant, samples never stop early (finish reason "length"), a resumed sample
+(GroupRequest.resume) goes on from its position (so a continuation is exact), and adapter
 load/unload is bookkeeping only: the payload was fully checked by the servicer and is
 dropped here. It needs only the model folder's config.json (vocab_size,
 max_position_embeddings); never use it to serve real rollouts.
@@ -34,6 +35,8 @@ class ScriptedEngine:
     """Tokens at a fixed rate per sample; see the module docstring."""
 
     name = "scripted"
+    resumes_samples = True
+    """Continues samples (GroupRequest.resume): a token is a function of its position, so exactly."""
 
     def __init__(
         self,
@@ -88,23 +91,31 @@ class ScriptedEngine:
         return (own[index], 0) if own else (seed, index)
 
     async def _steps(self, group: GroupRequest) -> AsyncIterator[list[Event]]:
+        """The samples advance together, one step a token; a resumed sample (GroupRequest.resume)
+        goes on from its position, so its tokens are those it would have had unsplit."""
         total, seed = group.sampling.max_new_tokens, group.sampling.seed or 0
         prompt_tokens, version = len(group.prompt_ids), group.adapter.version
+        have = {i: len(group.resume.get(i, ())) for i in group.indices()}
+        longest = total - min(have.values())
         start, sent = time.monotonic(), 0
-        while sent < total:
-            due = self._due(start, sent, total)
+        while sent < longest:
+            due = self._due(start, sent, longest)
             if due <= sent:
                 await asyncio.sleep(start + sent / self.tokens_per_s - time.monotonic())
                 continue
             events: list[Event] = []
-            for i in range(group.n):
-                ids = [self.token(*self._seed_of(group, seed, i), p) for p in range(sent, due)]
+            ended: list[Event] = []
+            for i, h in have.items():
+                first, last = min(total, h + sent), min(total, h + due)
+                if first >= last:
+                    continue
+                ids = [self.token(*self._seed_of(group, seed, i), p) for p in range(first, last)]
                 text = "".join(chr(32 + t % _PRINTABLE) for t in ids)
                 events.append(TokenDelta(i, ids, [self.logprob] * len(ids), text, version))
+                if last == total:
+                    ended.append(SampleDone(i, "length", prompt_tokens, total))
             sent = due
-            if sent == total:
-                events += [SampleDone(i, "length", prompt_tokens, total) for i in range(group.n)]
-            yield events
+            yield events + ended
             if self.tokens_per_s <= 0:
                 await asyncio.sleep(0)  # unthrottled: still one step per event-loop turn
 

@@ -50,8 +50,6 @@ batch's KV cache surgery), prefix_cache.py.
 from __future__ import annotations
 
 import asyncio
-import random
-import secrets
 import threading
 from collections import deque
 from collections.abc import AsyncIterator, Callable
@@ -63,7 +61,7 @@ import torch
 
 from rollwire.common.errors import FailedPrecondition, Unavailable
 from rollwire.common.manifest import Manifest
-from rollwire.generator.detokenize import TextStream, backend
+from rollwire.generator.detokenize import backend
 from rollwire.generator.engines.base import EngineStats
 from rollwire.generator.engines.embedded import kv_batch, kv_memory
 from rollwire.generator.engines.embedded.kv_batch import Batch
@@ -78,13 +76,16 @@ from rollwire.generator.engines.embedded.transformers_groups import (
     deliver,
     eos_ids,
     fail_engine,
+    group_seeds,
     kv_tokens,
+    new_rows,
+    prefill_units,
     row_error,
 )
 from rollwire.generator.engines.embedded.transformers_groups import Row as _Row
 from rollwire.generator.engines.embedded.transformers_memory import MemoryRules
 from rollwire.generator.engines.embedded.transformers_sampling import sample, sample_by_group
-from rollwire.generator.sampling import row_uniforms, sample_seeds
+from rollwire.generator.sampling import row_uniforms
 from rollwire.generator.types import Event, GroupRequest, SampleDone, TokenDelta
 from rollwire.runtime.logs import get_logger
 
@@ -92,7 +93,6 @@ if TYPE_CHECKING:
     from rollwire.generator.metrics import GeneratorMetrics
 
 log = get_logger(__name__)
-_STOP_TAIL = 64  # characters of a sample's text kept for stop strings (at most 64 characters each)
 __all__ = ["TransformersEngine", "_Mailbox"]
 
 
@@ -105,6 +105,8 @@ class TransformersEngine(MemoryRules):
     """Reports each token's kept set when a request asks (SamplingParams.return_kept)."""
     follows_versions = True
     """Switches a following group's rows to its new selection at their next decode step (GroupRequest.follow)."""
+    resumes_samples = True
+    """Continues samples from their tokens so far, exactly (GroupRequest.resume; transformers_groups.new_rows)."""
     _lora: LoraSet  # set by _load, with the model
 
     def __init__(
@@ -282,10 +284,10 @@ class TransformersEngine(MemoryRules):
             if g.cancelled:
                 self._pending.popleft()
                 continue
-            if used_rows + g.req.n > self.max_batch_rows or used_tokens + kv_tokens(g.req) > self.max_batch_tokens:
+            if used_rows + g.req.rows > self.max_batch_rows or used_tokens + kv_tokens(g.req) > self.max_batch_tokens:
                 break
             admitted.append(self._pending.popleft())
-            used_rows, used_tokens = used_rows + g.req.n, used_tokens + kv_tokens(g.req)
+            used_rows, used_tokens = used_rows + g.req.rows, used_tokens + kv_tokens(g.req)
         return admitted
 
     def _fail_all(self, message: str) -> None:
@@ -354,18 +356,20 @@ class TransformersEngine(MemoryRules):
     def _prefill(self, groups: list[_Group]) -> tuple[Batch, torch.Tensor]:
         """One forward pass for the admitted groups (one row each, its prefix reused from the
         prefix cache when one is held), then each group's row copied for its n samples: the
-        batch of their rows and its logits, to sample their first tokens from. Sends nothing,
-        so it can be redone."""
-        selections = [g.req.adapter for g in groups]  # read once: a following group may switch meanwhile
-        keys: list[AdapterKey] = [(s.name, s.version, s.handle) for s in selections]
-        hits = [self.prefix_cache.lookup(k, g.req.prompt_ids) for k, g in zip(keys, groups, strict=True)]
-        prompts = [g.req.prompt_ids for g in groups]
+        batch of their rows and its logits, to sample their first tokens from. A resumed
+        group (GroupRequest.resume) has one row per sample it continues instead, whose prompt
+        is the group's followed by the sample's tokens so far (transformers_groups.prefill_units,
+        new_rows: such a sample goes on exactly as unsplit). Sends nothing, so it can be redone."""
+        units = prefill_units(groups)  # each group's selection read once: a following group may switch meanwhile
+        keys: list[AdapterKey] = [u[1] for u in units]
+        prompts = [u[2] for u in units]
+        hits = [self.prefix_cache.lookup(k, p) for k, p in zip(keys, prompts, strict=True)]
         pad = self.tokenizer.pad_token_id or 0
         inputs = kv_batch.prefill_inputs(
             prompts, [h.layers() if h else None for h in hits], pad, self.model.config, self.device
         )
         out = self._forward(
-            [sel.handle for sel in selections],
+            [k[2] for k in keys],
             input_ids=inputs.ids,
             attention_mask=inputs.mask,
             position_ids=inputs.positions,
@@ -376,25 +380,15 @@ class TransformersEngine(MemoryRules):
             self.metrics.prefill_tokens.inc(inputs.computed)
         for k, (key, prompt) in enumerate(zip(keys, prompts, strict=True)):
             self._remember(key, prompt, out.cache, inputs.mask, k)
-        rows = [row for g, key in zip(groups, keys, strict=True) for row in self._new_rows(g, key)]
+        seeds = {id(g): group_seeds(g) for g in groups}
+        rows = [r for g, key, _, indices in units for r in new_rows(g, key, indices, seeds[id(g)], self._text_backend)]
+        for g in groups:
+            g.open_rows = g.req.rows
         # The n samples of a group share its prompt: its KV cache and first logits are computed
         # once and copied n times (a row's values do not depend on the other rows of the pass).
-        samples = torch.tensor([g.req.n for g in groups], device=self.device)
+        samples = torch.tensor([len(u[3]) for u in units], device=self.device)
         batch = kv_batch.repeat_rows(Batch(rows, out.cache, inputs.mask), samples)
         return batch, out.logits[:, -1, :].repeat_interleave(samples, 0)
-
-    def _new_rows(self, g: _Group, key: AdapterKey) -> list[_Row]:
-        """A group's n rows, each with its own seeded generator ((seed, i), or the sample's own
-        seed when a proxy merged single-sample requests: see sampling.py)."""
-        s, n = g.req.sampling, g.req.n
-        seeds = sample_seeds(s.seed, s.sample_seeds, n) or sample_seeds(secrets.randbits(62), (), n) or []
-        keep = _STOP_TAIL if s.stop else 0
-        position = len(g.req.prompt_ids)
-        g.open_rows = n
-        return [
-            _Row(g, i, random.Random(seeds[i]), position, key[2], key[1], TextStream(self._text_backend, keep), key)
-            for i in range(n)
-        ]
 
     def _remember(self, key: AdapterKey, tokens: list[int], cache: Any, mask: torch.Tensor, row: int) -> None:
         """Offer row `row`'s KV (exactly `tokens`' keys and values) to the prefix cache."""

@@ -13,6 +13,7 @@ import asyncio
 import errno
 import random
 import re
+import secrets
 import threading
 from dataclasses import dataclass, field
 
@@ -22,6 +23,7 @@ from rollwire.common.errors import FailedPrecondition, Internal, InvalidArgument
 from rollwire.common.reasons import Reason
 from rollwire.generator.detokenize import TextStream
 from rollwire.generator.engines.embedded.prefix_cache import AdapterKey
+from rollwire.generator.sampling import sample_seeds, skip_draws
 from rollwire.generator.types import GroupRequest
 from rollwire.runtime.logs import get_logger
 
@@ -63,6 +65,54 @@ class Row:
     generated: int = 0  # tokens sampled so far
     last_token: int = -1
     tokens: list[int] = field(default_factory=list)  # sampled so far
+
+
+_STOP_TAIL = 64  # characters of a sample's text kept for stop strings (at most 64 characters each)
+
+
+def prefill_units(groups: list[Group]) -> list[tuple[Group, AdapterKey, list[int], list[int]]]:
+    """A prefill's rows: (group, adapter key, tokens to prefill, the sample indices that share
+    them): a group's prompt for all its n samples, or, resumed (GroupRequest.resume), each
+    continued sample's prompt + tokens so far for it alone (the prefix cache may hold the
+    prompt). Each group's selection is read once (a following group may switch meanwhile)."""
+    units = []
+    for g in groups:
+        sel = g.req.adapter
+        key: AdapterKey = (sel.name, sel.version, sel.handle)
+        if not g.req.resume:
+            units.append((g, key, g.req.prompt_ids, list(range(g.req.n))))
+        for i in g.req.indices() if g.req.resume else ():
+            units.append((g, key, [*g.req.prompt_ids, *g.req.resume[i]], [i]))
+    return units
+
+
+def group_seeds(g: Group) -> list[int]:
+    """The seed of each of a group's n samples: (seed, i), the sample's own seed when a proxy
+    merged single-sample requests (see sampling.py), or fresh ones when unseeded."""
+    s, n = g.req.sampling, g.req.n
+    return sample_seeds(s.seed, s.sample_seeds, n) or sample_seeds(secrets.randbits(62), (), n) or []
+
+
+def new_rows(g: Group, key: AdapterKey, indices: list[int], seeds: list[int], text_backend) -> list[Row]:
+    """Rows for samples `indices` of a group, each with its own seeded generator. A resumed
+    sample (GroupRequest.resume) starts where it stopped: its tokens so far are its own
+    (counted, fed, spelled into its TextStream, so text deltas and a stop string that spans
+    the seam come out as unsplit), and its generator has skipped the draws they took
+    (sampling.skip_draws), so its next tokens are those of an uninterrupted run."""
+    s = g.req.sampling
+    keep = _STOP_TAIL if s.stop else 0
+    rows = []
+    for i in indices:
+        have = g.req.resume.get(i, [])
+        text = TextStream(text_backend, keep)
+        if have:
+            text.add(have)  # already sent, by the replica that spelled them
+        generator = skip_draws(s, random.Random(seeds[i]), len(have))
+        row = Row(g, i, generator, len(g.req.prompt_ids) + len(have), key[2], key[1], text, key)
+        row.generated, row.tokens = len(have), list(have)
+        row.last_token = have[-1] if have else -1
+        rows.append(row)
+    return rows
 
 
 def _put_all(queue: asyncio.Queue, items: list) -> None:
@@ -148,8 +198,9 @@ def row_error(group: Group, exc: Exception):
 
 
 def kv_tokens(req: GroupRequest) -> int:
-    """The KV-cache tokens a group may come to hold: n x (prompt + max_new_tokens)."""
-    return req.n * (len(req.prompt_ids) + req.sampling.max_new_tokens)
+    """The KV-cache tokens a group may come to hold: its rows (n, or the samples it resumes) x
+    (prompt + max_new_tokens); a resumed sample's tokens so far are part of its max_new_tokens."""
+    return req.rows * (len(req.prompt_ids) + req.sampling.max_new_tokens)
 
 
 def oom_victim(groups: list[Group]) -> Group:
@@ -248,11 +299,11 @@ def clip_exc(exc: Exception) -> str:
 
 def check_fits(req: GroupRequest, max_rows: int, max_tokens: int) -> None:
     """Refuse up front a group that could never be admitted (its rows or its KV-token reservation)."""
-    if req.n > max_rows:
-        raise InvalidArgument(f"n={req.n} exceeds this engine's batch of {max_rows} rows")
+    if req.rows > max_rows:
+        raise InvalidArgument(f"n={req.rows} exceeds this engine's batch of {max_rows} rows")
     if kv_tokens(req) > max_tokens:
         raise InvalidArgument(
-            f"this group would hold {kv_tokens(req)} tokens of KV cache (n {req.n} x (prompt "
+            f"this group would hold {kv_tokens(req)} tokens of KV cache (n {req.rows} x (prompt "
             f"{len(req.prompt_ids)} + max_new_tokens {req.sampling.max_new_tokens})), more than this replica's "
             f"budget of {max_tokens}; ask for fewer samples or fewer new tokens per request (the replica's operator "
             "raises the budget with transformers.max_batch_tokens, or transformers.kv_memory_fraction when it is "

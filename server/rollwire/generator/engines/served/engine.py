@@ -116,6 +116,8 @@ class ServedEngine:
     kind: ServerKind
     follows_versions = True
     """Follows by continuation (follow.py): a switch costs a prefill of prompt + generated tokens."""
+    resumes_samples = True
+    """Continues samples by continuation too (follow.py): same version and distribution, not token-exact."""
 
     def __init__(self, model_dir: str | Path, settings: ServedSection, *, adapter_window: int) -> None:
         self.model_dir = Path(model_dir)

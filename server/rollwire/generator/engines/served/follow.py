@@ -29,6 +29,13 @@ Invariants:
   the token that completes it;
 - the text of each sample comes from one TextStream over all its segments, so text deltas
   are the same whether or not it was split.
+
+A resumed group (GroupRequest.resume: a proxy continuing a group whose replica failed) is
+the same chain begun mid-way: each sample it lists starts as if a switch had just happened
+after its tokens so far (its TextStream spelled with them, the seam at their end), so it is
+continued by one request of prompt + those tokens under the group's version, and the samples
+it does not list are not run. Like a follow switch, that is the same version and
+distribution, not the same tokens: the server draws from its own seeded generator.
 """
 
 from __future__ import annotations
@@ -72,6 +79,18 @@ class FollowRun:
         self.eos_ids = eos_ids
         self.switches = 0
         self._stop_len = max((len(s) for s in group.sampling.stop), default=0)
+        for s in self.samples:  # a resumed group: its listed samples go on from their tokens, the rest are not run
+            have = group.resume.get(s.index)
+            if group.resume and have is None:
+                s.done = True
+            elif have:
+                s.tokens, s.out = list(have), s.text.add(have)
+                s.seam = len(s.out)
+
+    @property
+    def split(self) -> bool:
+        """Whether the samples run as continuations (after a switch, or resumed)."""
+        return self.switches > 0 or bool(self.group.resume)
 
     @property
     def complete(self) -> bool:
@@ -87,19 +106,22 @@ class FollowRun:
 
     def segments(self) -> list[tuple[Key, GroupRequest]]:
         """The requests to run now: the whole group at first, then one continuation per unfinished sample."""
-        if self.switches == 0:
+        if not self.split:
             return [(tuple(range(self.group.n)), replace(self.group, adapter=self.adapter))]
         return [((s.index,), self._continuation(s)) for s in self.samples if not s.done]
 
     def _continuation(self, s: _Sample) -> GroupRequest:
         g, sampling = self.group, self.group.sampling
-        seed = None if sampling.seed is None else continuation_seed(sampling.seed, s.index, len(s.tokens))
+        if sampling.sample_seeds:  # a proxy's merged single-sample requests: each its own seed, as sample 0
+            seed = continuation_seed(sampling.sample_seeds[s.index], 0, len(s.tokens))
+        else:
+            seed = None if sampling.seed is None else continuation_seed(sampling.seed, s.index, len(s.tokens))
         left = sampling.max_new_tokens - len(s.tokens)
         return GroupRequest(
             f"{g.request_id}/{s.index}",
             [*g.prompt_ids, *s.tokens],
             1,
-            replace(sampling, max_new_tokens=left, seed=seed),
+            replace(sampling, max_new_tokens=left, seed=seed, sample_seeds=()),
             self.adapter,
         )
 
@@ -135,7 +157,7 @@ class FollowRun:
             if s.done:
                 continue
             if isinstance(ev, SampleDone):
-                out.append(self._done(s, ev.reason, ev.prompt_tokens if self.switches == 0 else None))
+                out.append(self._done(s, ev.reason, None if self.split else ev.prompt_tokens))
             elif s.seam is not None and self._stop_len and len(s.out) - s.seam < self._stop_len:
                 out += self._across_seam(s, ev)
             else:
