@@ -8,6 +8,7 @@ fleet reported while generating those tokens at temperature 1 with no top-k or t
 
 from __future__ import annotations
 
+import json
 import urllib.request
 
 import grpc
@@ -17,6 +18,8 @@ from support.engines import forward_logprobs
 from support.processes import start_proxy, stop_all, wait_routable
 from support.wire import fingerprint, generate, make_adapter, metric_value, peft_reference, push, stub
 
+from rollwire.client import Client
+from rollwire.client.cli import main
 from rollwire.common.errors import from_rpc_error
 from rollwire.common.reasons import Reason
 from rollwire.v1 import generator_pb2 as pb
@@ -93,17 +96,15 @@ def test_score_equals_a_peft_forward_and_the_generating_replicas_logprobs(
 def test_score_is_routed_by_version_and_names_the_version_that_scored(fleet, adapters, tiny_model):
     proxy, _ = fleet
     prompt, continuation = [3, 9, 27], [81, 4, 12, 36]
-    s = stub(proxy.target)
-    seq = pb.ScoreSequence(prompt_token_ids=prompt, continuation_token_ids=continuation)
-    latest = s.Score(pb.ScoreRequest(adapter=pb.AdapterRef(name=NAME), sequences=[seq]), timeout=60)
-    first = s.Score(pb.ScoreRequest(adapter=pb.AdapterRef(name=NAME, version=1), sequences=[seq]), timeout=60)
-    assert (latest.adapter.version, latest.sha256) == (2, adapters[2].sha256)  # "latest" resolved once, at the proxy
-    assert (first.adapter.version, first.sha256) == (1, adapters[1].sha256)
-    got = {2: torch.tensor(list(latest.sequences[0].logprobs)), 1: torch.tensor(list(first.sequences[0].logprobs))}
-    assert not torch.allclose(got[1], got[2], atol=1e-3)
-    for version, logprobs in got.items():
+    with Client(proxy.target, timeout=60) as client:
+        latest = client.score([(prompt, continuation)], adapter=NAME)
+        first = client.score([(prompt, continuation)], adapter=f"{NAME}@1")
+    assert (latest.version, latest.sha256) == (2, adapters[2].sha256)  # "latest" resolved once, at the proxy
+    assert (first.version, first.sha256) == (1, adapters[1].sha256)
+    assert not torch.allclose(torch.tensor(latest.logprobs[0]), torch.tensor(first.logprobs[0]), atol=1e-3)
+    for result, version in ((latest, 2), (first, 1)):
         want = forward_logprobs(peft_reference(tiny_model, adapters[version]), prompt, continuation)
-        assert torch.allclose(logprobs, want, atol=EXACT)
+        assert type(result.logprobs[0]) is list and torch.allclose(torch.tensor(result.logprobs[0]), want, atol=EXACT)
 
 
 def outcome(call) -> tuple[grpc.StatusCode, str]:
@@ -139,3 +140,13 @@ def test_a_refusal_and_the_metrics_reach_the_caller_unchanged(fleet, adapters):
     assert metric_value(text, "rollwire_proxy_score_requests_total", 'code="OK"') >= 1
     assert metric_value(text, "rollwire_proxy_score_requests_total", 'code="INVALID_ARGUMENT"') >= 1
     assert metric_value(text, "rollwire_proxy_scored_tokens_total") >= 1
+
+
+def test_the_cli_prints_the_logprobs_and_the_version(fleet, adapters, tmp_path, capsys):
+    proxy, _ = fleet
+    seqs = tmp_path / "seqs.json"
+    seqs.write_text(json.dumps([{"prompt": [3, 9], "continuation": [27, 81]}]))
+    assert main(["score", "--target", proxy.target, "--adapter", f"{NAME}@2", "--top-k", "1", str(seqs)]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert (out["adapter"], out["version"], out["sha256"]) == (NAME, 2, adapters[2].sha256)
+    assert len(out["logprobs"]) == 1 and len(out["logprobs"][0]) == 2 and len(out["top_ids"][0]) == 2
