@@ -18,6 +18,7 @@ from rollwire.client._results import (
     Tokens,
 )
 from rollwire.client._retries import RetryPolicy, is_retryable
+from rollwire.client._score import ScoreResult, ScoreSequence
 from rollwire.client._session import AsyncSession, Session, TurnReply
 from rollwire.client.aio import AsyncClient
 from rollwire.client.sync import Client
@@ -35,6 +36,7 @@ from rollwire.common.errors import (
     RollwireError,
     Unauthenticated,
     Unavailable,
+    Unimplemented,
 )
 from rollwire.common.lora import LoraShape
 
@@ -67,6 +69,8 @@ __all__ = [
     "RetryPolicy",
     "RollwireError",
     "Sample",
+    "ScoreResult",
+    "ScoreSequence",
     "Session",
     "Started",
     "StreamEvent",
@@ -75,6 +79,7 @@ __all__ = [
     "TurnReply",
     "Unauthenticated",
     "Unavailable",
+    "Unimplemented",
     "is_retryable",
     "parse_adapter",
     "read_peft_dir",

@@ -85,6 +85,14 @@ class ClientBase:
 
         return invoke
 
+    def _score_invoke(self, request: pb.ScoreRequest) -> Invoke:
+        """A Score attempt (read-only, so any attempt may be redone)."""
+
+        def invoke(stub: GeneratorServiceStub, remaining: float) -> Any:
+            return stub.Score(request, timeout=remaining, metadata=self._metadata)
+
+        return invoke
+
     def _get_status(self, stub: GeneratorServiceStub, remaining: float) -> Any:
         """A GetStatus attempt (an `Invoke`)."""
         return stub.GetStatus(pb.GetStatusRequest(), timeout=remaining, metadata=self._metadata)

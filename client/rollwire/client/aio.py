@@ -18,8 +18,9 @@ import grpc.aio
 
 from rollwire.client._base import ClientBase, Invoke
 from rollwire.client._push import MAX_CHUNK_BYTES, PushResult, build_manifest, push_result_from_pb, read_peft_dir
-from rollwire.client._requests import build_generate_request
+from rollwire.client._requests import AdapterVersion, build_generate_request
 from rollwire.client._results import GenerateResult, GroupAccumulator, StreamEvent, events_from_pb
+from rollwire.client._score import ScoreResult, ScoreSequence, build_score_request, score_result_from_pb
 from rollwire.client._session import AsyncSession
 from rollwire.common.errors import from_rpc_error
 from rollwire.common.lora import LoraShape
@@ -121,6 +122,22 @@ class AsyncClient(ClientBase):
             timeout=timeout,
             signing_key=signing_key,
         )
+
+    async def score(
+        self,
+        sequences: Sequence[ScoreSequence],
+        *,
+        adapter: str | AdapterVersion | None = None,
+        top_k: int = 0,
+        request_id: str = "",
+        timeout: float | None = None,
+    ) -> ScoreResult:
+        """Teacher-forced logprobs of each (prompt ids, continuation ids) pair's continuation under
+        `adapter` ("name@3", "name" for the newest, None for the base model): the model's raw
+        log-softmax at temperature 1, untruncated, with the top_k most likely tokens per position
+        when asked, and the version (and its digest) that scored them. Plain Python lists."""
+        request = build_score_request(sequences, adapter=adapter, top_k=top_k, request_id=request_id)
+        return score_result_from_pb(await self._unary(self._score_invoke(request), timeout))
 
     async def get_status(self, *, timeout: float | None = None) -> pb.GetStatusResponse:
         """The service's GetStatusResponse message, as sent (a report for people and tools)."""

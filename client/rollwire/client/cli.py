@@ -1,7 +1,7 @@
 """The `rollwire` command: one console script, a subcommand per process.
 
 Startup imports grpc and the stubs only. The SDK's own commands (generate, push-adapter,
-status) are defined here; every other command comes from an entry point in the
+status) are here, `keys` and `score` in keys_cli.py and score_cli.py; every other command comes from an entry point in the
 `rollwire.commands` group (pyproject.toml's `[project.entry-points."rollwire.commands"]`):
 a `register(subparsers)` function that imports nothing heavy, so `--help` answers fast and
 never imports torch, and the SDK names no server or learner module; its module may declare
@@ -26,6 +26,7 @@ from rollwire.client._push import PeftAdapter, PushResult, read_peft_dir
 from rollwire.client._requests import DEFAULT_MAX_NEW_TOKENS, GenerateOptions, build_generate_request, parse_adapter
 from rollwire.client._results import GenerateResult, GroupAccumulator, Restarted, Started, StreamEvent, Tokens
 from rollwire.client.keys_cli import add_keys
+from rollwire.client.score_cli import add_score
 from rollwire.client.sync import Client
 from rollwire.common.errors import RequestError, RollwireError
 from rollwire.common.secrets import SecretFileError, read_secret_file
@@ -72,6 +73,7 @@ def build_parser(command: str | None = None, *, summaries: bool = False) -> argp
     _add_generate(commands)
     _add_push_adapter(commands)
     _add_status(commands)
+    add_score(commands, UsageError, add_connection_args, client_from_args, _adapter_arg)
     add_keys(commands, UsageError, _positive)
     for entry_point in command_entry_points():
         if summaries and isinstance(summary := getattr(import_module(entry_point.module), "SUMMARY", None), str):

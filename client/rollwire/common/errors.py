@@ -99,6 +99,10 @@ class Cancelled(RollwireError, code=grpc.StatusCode.CANCELLED):
     """The call was cancelled (by the caller, or by a server shutting down)."""
 
 
+class Unimplemented(RollwireError, code=grpc.StatusCode.UNIMPLEMENTED):
+    """The server (or its engine) does not offer this method."""
+
+
 class Internal(RollwireError, code=grpc.StatusCode.INTERNAL):
     """A server bug or an engine failure, named by its reason."""
 

@@ -31,7 +31,7 @@ class Reason(StrEnum):
     BAD_MAX_NEW_TOKENS = "BAD_MAX_NEW_TOKENS"
     """INVALID_ARGUMENT; do not retry: `max_new_tokens` is outside 1..the limit."""
     CONTEXT_TOO_LONG = "CONTEXT_TOO_LONG"
-    """INVALID_ARGUMENT; do not retry: Prompt plus `max_new_tokens` exceed the context."""
+    """INVALID_ARGUMENT; do not retry: Prompt plus `max_new_tokens` (a scored sequence: prompt plus continuation) exceed the context."""
     BAD_TEMPERATURE = "BAD_TEMPERATURE"
     """INVALID_ARGUMENT; do not retry: `temperature` is not 0 and not in [0.001, 100]."""
     BAD_TOP_P = "BAD_TOP_P"
@@ -47,7 +47,7 @@ class Reason(StrEnum):
     PROMPT_TOO_LONG = "PROMPT_TOO_LONG"
     """INVALID_ARGUMENT; do not retry: The prompt is over `limits.max_prompt_tokens`."""
     BAD_TOKEN_ID = "BAD_TOKEN_ID"
-    """INVALID_ARGUMENT; do not retry: A prompt token id (or an ingested trajectory's) is outside the vocabulary."""
+    """INVALID_ARGUMENT; do not retry: A prompt token id (or an ingested trajectory's, or a scored sequence's) is outside the vocabulary."""
     EMPTY_PROMPT = "EMPTY_PROMPT"
     """INVALID_ARGUMENT; do not retry: Neither `text` nor `token_ids` holds a token."""
     BAD_GROUP_KEY = "BAD_GROUP_KEY"
@@ -252,7 +252,7 @@ class Reason(StrEnum):
     """RESOURCE_EXHAUSTED; retry: The proxy has `registration.max_members` replicas; one must leave first."""
 
     KV_BUDGET = "KV_BUDGET"
-    """INVALID_ARGUMENT; do not retry: n x (prompt + max_new_tokens) is over the replica's KV-token budget."""
+    """INVALID_ARGUMENT; do not retry: n x (prompt + max_new_tokens), or one scored sequence, is over the replica's KV-token budget."""
     ENGINE_OOM = "ENGINE_OOM"
     """RESOURCE_EXHAUSTED; retry: The replica ran out of memory and ended this group: it held the largest KV reservation of the step that ran out."""
     BAD_FOLLOW = "BAD_FOLLOW"
@@ -264,6 +264,16 @@ class Reason(StrEnum):
     KEPT_TOKENS_UNSUPPORTED = "KEPT_TOKENS_UNSUPPORTED"
     """FAILED_PRECONDITION; do not retry: The replica's engine cannot return kept-token sets (`return_kept_tokens`)."""
 
+    # -- Score: teacher-forced logprobs (docs/protocol.md, "Score") -------------------------
+    BAD_SCORE_REQUEST = "BAD_SCORE_REQUEST"
+    """INVALID_ARGUMENT; do not retry: A Score names no sequence, a sequence has an empty prompt or continuation, or it sets `adapter.follow`."""
+    SCORE_TOO_LARGE = "SCORE_TOO_LARGE"
+    """INVALID_ARGUMENT; do not retry: A Score has more sequences than `limits.max_score_sequences` or more tokens than `limits.max_score_tokens`; split it."""
+    BAD_SCORE_TOP_K = "BAD_SCORE_TOP_K"
+    """INVALID_ARGUMENT; do not retry: A Score's `top_k` is above `limits.max_score_top_k` (or the vocabulary)."""
+    SCORE_UNSUPPORTED = "SCORE_UNSUPPORTED"
+    """UNIMPLEMENTED; do not retry: The replica's engine cannot score (only the transformers engine does); a proxy tries another replica."""
+
     # -- LearnerService: scored trajectories from external producers (docs/learner.md) ----
     BAD_TRAJECTORY = "BAD_TRAJECTORY"
     """INVALID_ARGUMENT; do not retry: A trajectory is malformed (a missing field, uneven per-token lists, no trained token, a non-finite number)."""
@@ -273,6 +283,8 @@ class Reason(StrEnum):
     """INVALID_ARGUMENT; do not retry: A trained token's version is 0 or above the newest version the learner pushed."""
     STALE_TRAJECTORY = "STALE_TRAJECTORY"
     """FAILED_PRECONDITION; do not retry: A trained token is more than `buffer.max_staleness` versions old; sample again at the newest."""
+    BEHAVIOUR_MISMATCH = "BEHAVIOUR_MISMATCH"
+    """INVALID_ARGUMENT; do not retry: A trained token's behaviour logprob is further than `ingest.max_logprob_gap` from what Score gives under the version it names."""
     GROUP_MISMATCH = "GROUP_MISMATCH"
     """INVALID_ARGUMENT; do not retry: A trajectory's `group_size` or prompt differs from its group's earlier samples."""
     GROUP_CLOSED = "GROUP_CLOSED"

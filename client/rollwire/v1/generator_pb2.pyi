@@ -411,3 +411,57 @@ class Limits(_message.Message):
     max_context: int
     adapter_keep: int
     def __init__(self, max_n: _Optional[int] = ..., max_new_tokens: _Optional[int] = ..., max_prompt_tokens: _Optional[int] = ..., max_adapter_bytes: _Optional[int] = ..., adapter_window: _Optional[int] = ..., max_context: _Optional[int] = ..., adapter_keep: _Optional[int] = ...) -> None: ...
+
+class ScoreSequence(_message.Message):
+    __slots__ = ("prompt_token_ids", "continuation_token_ids")
+    PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    CONTINUATION_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    continuation_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, prompt_token_ids: _Optional[_Iterable[int]] = ..., continuation_token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class ScoreRequest(_message.Message):
+    __slots__ = ("request_id", "adapter", "sequences", "top_k")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    ADAPTER_FIELD_NUMBER: _ClassVar[int]
+    SEQUENCES_FIELD_NUMBER: _ClassVar[int]
+    TOP_K_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    adapter: AdapterRef
+    sequences: _containers.RepeatedCompositeFieldContainer[ScoreSequence]
+    top_k: int
+    def __init__(self, request_id: _Optional[str] = ..., adapter: _Optional[_Union[AdapterRef, _Mapping]] = ..., sequences: _Optional[_Iterable[_Union[ScoreSequence, _Mapping]]] = ..., top_k: _Optional[int] = ...) -> None: ...
+
+class TopLogprobs(_message.Message):
+    __slots__ = ("token_ids", "logprobs")
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    logprobs: _containers.RepeatedScalarFieldContainer[float]
+    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[float]] = ...) -> None: ...
+
+class SequenceScore(_message.Message):
+    __slots__ = ("logprobs", "top")
+    LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    TOP_FIELD_NUMBER: _ClassVar[int]
+    logprobs: _containers.RepeatedScalarFieldContainer[float]
+    top: _containers.RepeatedCompositeFieldContainer[TopLogprobs]
+    def __init__(self, logprobs: _Optional[_Iterable[float]] = ..., top: _Optional[_Iterable[_Union[TopLogprobs, _Mapping]]] = ...) -> None: ...
+
+class ScoreResponse(_message.Message):
+    __slots__ = ("request_id", "adapter", "sha256", "signer", "model_fingerprint", "replica", "sequences")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    ADAPTER_FIELD_NUMBER: _ClassVar[int]
+    SHA256_FIELD_NUMBER: _ClassVar[int]
+    SIGNER_FIELD_NUMBER: _ClassVar[int]
+    MODEL_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
+    REPLICA_FIELD_NUMBER: _ClassVar[int]
+    SEQUENCES_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    adapter: AdapterRef
+    sha256: str
+    signer: str
+    model_fingerprint: str
+    replica: str
+    sequences: _containers.RepeatedCompositeFieldContainer[SequenceScore]
+    def __init__(self, request_id: _Optional[str] = ..., adapter: _Optional[_Union[AdapterRef, _Mapping]] = ..., sha256: _Optional[str] = ..., signer: _Optional[str] = ..., model_fingerprint: _Optional[str] = ..., replica: _Optional[str] = ..., sequences: _Optional[_Iterable[_Union[SequenceScore, _Mapping]]] = ...) -> None: ...

@@ -55,6 +55,11 @@ class GeneratorServiceStub:
                 request_serializer=rollwire_dot_v1_dot_generator__pb2.GetStatusRequest.SerializeToString,
                 response_deserializer=rollwire_dot_v1_dot_generator__pb2.GetStatusResponse.FromString,
                 _registered_method=True)
+        self.Score = channel.unary_unary(
+                '/rollwire.v1.GeneratorService/Score',
+                request_serializer=rollwire_dot_v1_dot_generator__pb2.ScoreRequest.SerializeToString,
+                response_deserializer=rollwire_dot_v1_dot_generator__pb2.ScoreResponse.FromString,
+                _registered_method=True)
 
 
 class GeneratorServiceServicer:
@@ -101,6 +106,19 @@ class GeneratorServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Score(self, request, context):
+        """Score returns the logprobs of given token sequences under a named base or
+        adapter version, teacher-forced (the given tokens are fed, nothing is
+        sampled): the model's raw log-softmax at temperature 1 with no top-k or
+        top-p truncation, with the k most likely tokens per position where asked.
+        Limits are checked before any work, as Generate's are; a proxy routes it by
+        version like Generate. Engines that cannot score refuse it with
+        UNIMPLEMENTED (SCORE_UNSUPPORTED).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_GeneratorServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -123,6 +141,11 @@ def add_GeneratorServiceServicer_to_server(servicer, server):
                     servicer.GetStatus,
                     request_deserializer=rollwire_dot_v1_dot_generator__pb2.GetStatusRequest.FromString,
                     response_serializer=rollwire_dot_v1_dot_generator__pb2.GetStatusResponse.SerializeToString,
+            ),
+            'Score': grpc.unary_unary_rpc_method_handler(
+                    servicer.Score,
+                    request_deserializer=rollwire_dot_v1_dot_generator__pb2.ScoreRequest.FromString,
+                    response_serializer=rollwire_dot_v1_dot_generator__pb2.ScoreResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -234,6 +257,33 @@ class GeneratorService:
             '/rollwire.v1.GeneratorService/GetStatus',
             rollwire_dot_v1_dot_generator__pb2.GetStatusRequest.SerializeToString,
             rollwire_dot_v1_dot_generator__pb2.GetStatusResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Score(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/rollwire.v1.GeneratorService/Score',
+            rollwire_dot_v1_dot_generator__pb2.ScoreRequest.SerializeToString,
+            rollwire_dot_v1_dot_generator__pb2.ScoreResponse.FromString,
             options,
             channel_credentials,
             insecure,

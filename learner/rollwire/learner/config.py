@@ -202,6 +202,11 @@ class IngestSection(Section):
     """Lowest behaviour logprob a trained token may carry (BAD_TRAJECTORY below it). A sampled token's probability is
     never e^-50 (~2e-22) in practice, and float32's exp overflows past 88.7: a floor far below that keeps the
     importance ratio of the loss meaningful (the loss also clamps it, grpo.LOG_RATIO_BOUND)."""
+    max_logprob_gap: float = Field(default=0.0, ge=0, le=100)
+    """0: off. Above 0, each trajectory's trained tokens are scored on the replicas (Score, under the version each
+    names) before it is taken, and one whose claimed behaviour logprob is further than this from the scored one is
+    refused (INVALID_ARGUMENT BEHAVIOUR_MISMATCH). Score's logprobs are temperature 1, untruncated: for producers that
+    sample so (ingest_check.py); 1e-3 leaves room for float rounding."""
     max_group_size: int = Field(default=64, ge=2, le=4096)
     """Largest group_size a trajectory may declare."""
     max_prompt_tokens: int = Field(default=8192, ge=1, le=1_000_000)

@@ -22,7 +22,8 @@ import grpc
 from rollwire.common.errors import RollwireError
 from rollwire.common.keepalive import DEFAULT as DEFAULT_KEEPALIVE
 from rollwire.learner.config import IngestSection
-from rollwire.learner.ingest import Ingest, Trajectory, bad_trajectory
+from rollwire.learner.ingest import Ingest, Trajectory, bad_trajectory, check_shape
+from rollwire.learner.ingest_check import BehaviourCheck
 from rollwire.runtime.logs import get_logger
 from rollwire.runtime.security import TokenAuth, add_port, caller_identity, interceptors, warn_if_exposed
 from rollwire.v1 import learner_pb2 as lpb
@@ -58,8 +59,12 @@ def status(err: RollwireError) -> lpb.TrajectoryStatus:
 class LearnerServicer(learner_pb2_grpc.LearnerServiceServicer):
     """Answers every trajectory with its status; the judging is Ingest's."""
 
-    def __init__(self, ingest: Ingest, adapter_name: str, fingerprint: str) -> None:
+    def __init__(
+        self, ingest: Ingest, adapter_name: str, fingerprint: str, check: BehaviourCheck | None = None
+    ) -> None:
         self.ingest, self.adapter_name, self.fingerprint = ingest, adapter_name, fingerprint
+        self.check = check
+        """ingest.max_logprob_gap's check (ingest_check.py), run after the shape check; None: off."""
 
     async def SubmitTrajectories(
         self, request_iterator: AsyncIterator[lpb.SubmitTrajectoriesRequest], context
@@ -72,7 +77,10 @@ class LearnerServicer(learner_pb2_grpc.LearnerServiceServicer):
             try:
                 if not request.HasField("trajectory"):
                     bad_trajectory("the request carries no trajectory")
-                complete = self.ingest.submit(trajectory(t), producer)
+                taken = trajectory(t)
+                if self.check is not None:
+                    await self._verify(taken)
+                complete = self.ingest.submit(taken, producer)
             except RollwireError as err:
                 result = status(err)
                 log.info(
@@ -93,6 +101,18 @@ class LearnerServicer(learner_pb2_grpc.LearnerServiceServicer):
             )
             index += 1
             await asyncio.sleep(0)  # the other producers' streams and the learner's loop get their turn
+
+    async def _verify(self, t: Trajectory) -> None:
+        """The behaviour check, on a well-formed trajectory only (limits before work); its refusal
+        is counted as Ingest counts its own."""
+        assert self.check is not None
+        try:
+            check_shape(t, self.ingest.cfg, self.ingest.vocab_size)
+            await self.check.verify(t.prompt_token_ids, t.token_ids, t.logprobs, t.token_versions, t.loss_mask)
+        except RollwireError as err:
+            self.ingest.counts[err.reason] += 1
+            self.ingest.on_outcome(err.reason, None)
+            raise
 
     async def GetIngestStatus(self, request: lpb.GetIngestStatusRequest, context) -> lpb.GetIngestStatusResponse:
         self.ingest.expire()

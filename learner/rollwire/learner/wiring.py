@@ -210,6 +210,7 @@ def _log_ready(session: Session, fingerprint: str, saved: checkpoint.Checkpoint 
 
 async def open_ingest(session: Session, fingerprint: str) -> None:
     """Serve LearnerService into the session's buffer (ingest.enabled)."""
+    from rollwire.learner.ingest_check import BehaviourCheck
     from rollwire.learner.ingest_service import LearnerServicer, serve_ingest
 
     cfg = session.cfg
@@ -220,7 +221,9 @@ async def open_ingest(session: Session, fingerprint: str) -> None:
     session.metrics.ingest_pending.labels("open").set_function(lambda: len(ingest.open))
     session.metrics.ingest_pending.labels("buffered").set_function(lambda: ingest.pending() - len(ingest.open))
     session.metrics.ingest_held_bytes.set_function(lambda: ingest.room.held)
-    servicer = LearnerServicer(session.ingest, cfg.adapter_name, fingerprint)
+    gap = cfg.ingest.max_logprob_gap
+    check = BehaviourCheck(gap, session.client.score, cfg.adapter_name) if gap else None
+    servicer = LearnerServicer(session.ingest, cfg.adapter_name, fingerprint, check)
     session.ingest_server, session.ingest_port = await serve_ingest(cfg.ingest, servicer)
 
 

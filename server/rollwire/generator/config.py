@@ -25,6 +25,12 @@ class Limits(PushLimits):
     """Groups that may wait for a batch slot; more get RESOURCE_EXHAUSTED."""
     max_stop_strings: int = Field(default=8, ge=0)
     """Most stop strings per request."""
+    max_score_sequences: int = Field(default=64, ge=1)
+    """Most sequences in one Score request."""
+    max_score_tokens: int = Field(default=32768, ge=1)
+    """Most tokens (prompts and continuations together) in one Score request."""
+    max_score_top_k: int = Field(default=20, ge=0)
+    """Largest top_k of a Score request (0: top-k logprobs are refused)."""
     max_concurrent_pushes: int = Field(default=2, ge=1)
     """PushAdapter streams received at once (each buffers its payload); more get RESOURCE_EXHAUSTED."""
     push_idle_timeout_s: float = push_idle_field()

@@ -56,8 +56,16 @@ class GeneratorMetrics:
             "Sequences in one forward pass (a prefill has one per group: its samples share the prompt).",
             buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256),
         )
+        self.score_requests = m.counter("score_requests_total", "Score requests by final gRPC status code.", ["code"])
+        self.scored_tokens = m.counter(
+            "scored_tokens_total", "Continuation tokens scored (Score), summed over sequences."
+        )
+        self.score_latency = m.histogram(
+            "score_duration_seconds", "From Score request arrival to its answer.", buckets=LATENCY_BUCKETS
+        )
         for code in grpc.StatusCode:
             self.requests.labels(code.name)
+            self.score_requests.labels(code.name)
         for kind in ("prompt", "completion"):
             self.tokens.labels(kind)
 

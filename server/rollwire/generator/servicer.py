@@ -28,6 +28,7 @@ from rollwire.generator.convert import RequestConverter
 from rollwire.generator.engines.base import Engine
 from rollwire.generator.intake import PushIntake
 from rollwire.generator.metrics import GeneratorMetrics
+from rollwire.generator.score import Scoring
 from rollwire.generator.types import (
     GroupRequest,
     TokenDelta,
@@ -79,6 +80,8 @@ class GeneratorServicer(generator_pb2_grpc.GeneratorServiceServicer):
         """Histories of the sessions whose turns are sent to this replica directly (not through a proxy)."""
         self.requests = RequestConverter(config, engine)
         """GenerateRequest -> GroupRequest, validated (convert.py)."""
+        self.scoring = Scoring(config, engine, registry, metrics, fingerprint=fingerprint, replica=replica)
+        """Score: teacher-forced logprobs under one version (score.py)."""
 
     # -- Generate ----------------------------------------------------------------------
     async def Generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext):
@@ -249,6 +252,10 @@ class GeneratorServicer(generator_pb2_grpc.GeneratorServiceServicer):
                     completion_tokens=ev.completion_tokens,
                 )
         return msg
+
+    # -- Score (score.py) ----------------------------------------------------------------
+    async def Score(self, request: pb.ScoreRequest, context: grpc.aio.ServicerContext) -> pb.ScoreResponse:
+        return await self.scoring.score(request, context)
 
     # -- PushAdapter, CommitAdapter: the push intake (intake.py) -----------------------
     async def PushAdapter(self, request_iterator, context: grpc.aio.ServicerContext) -> pb.PushAdapterResponse:

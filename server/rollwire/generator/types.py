@@ -142,3 +142,36 @@ def worth_sending(events: list[Event], interval: int) -> bool:
         if waiting[ev.sample_index] >= interval:
             return True
     return False
+
+
+@dataclass(frozen=True)
+class ScoreJob:
+    """One Score request as an engine runs it (validated at the edge, score.py): each sequence's
+    continuation is scored teacher-forced after its prompt, under `adapter`."""
+
+    request_id: str
+    sequences: tuple[tuple[tuple[int, ...], tuple[int, ...]], ...]
+    """(prompt ids, continuation ids) per sequence, each part at least one id."""
+    top_k: int = 0
+    """Also report the top_k most likely tokens at every scored position; 0: none."""
+    adapter: AdapterSelection = field(default_factory=AdapterSelection)
+
+    @property
+    def tokens(self) -> int:
+        """Tokens fed to the model, prompts and continuations together."""
+        return sum(len(p) + len(c) for p, c in self.sequences)
+
+    @property
+    def scored(self) -> int:
+        """Tokens scored (the continuations)."""
+        return sum(len(c) for _, c in self.sequences)
+
+
+@dataclass
+class SequenceScore:
+    """The logprob of each continuation token of one sequence (the model's raw log-softmax), and
+    its top-k ids and logprobs per position when asked (empty otherwise)."""
+
+    logprobs: list[float]
+    top_ids: list[list[int]] = field(default_factory=list)
+    top_logprobs: list[list[float]] = field(default_factory=list)

@@ -61,6 +61,18 @@ class RoutingSection(Section):
     """Most requests merged into one group (also capped by the replicas' max_n); a full group starts at once."""
 
 
+class ScoreSection(Section):
+    """Score requests (teacher-forced logprobs) at the proxy: refused beyond these before any routing; each replica
+    checks its own limits too (limits.max_score_*)."""
+
+    max_sequences: int = Field(default=256, ge=1)
+    """Most sequences in one Score request."""
+    max_tokens: int = Field(default=131072, ge=1)
+    """Most tokens (prompts and continuations together) in one Score request."""
+    max_top_k: int = Field(default=20, ge=0)
+    """Largest top_k of a Score request."""
+
+
 class HealthSection(Section):
     """Active health checks, ejection (circuit breaking) and recovery."""
 
@@ -300,6 +312,7 @@ class ProxyConfig(ServerConfig):
     serving another is refused membership. Empty = the one the spooled versions' manifests agree on, else the one the
     first push names; never learned from a replica."""
     routing: RoutingSection = Field(default_factory=RoutingSection)
+    score: ScoreSection = Field(default_factory=ScoreSection)
     health: HealthSection = Field(default_factory=HealthSection)
     spool: SpoolSection = Field(default_factory=SpoolSection)
     fairness: FairnessSection = Field(default_factory=FairnessSection)

@@ -23,6 +23,7 @@ from rollwire.proxy.publish.peers import Peers
 from rollwire.proxy.routing.coalesce import Coalescer
 from rollwire.proxy.routing.dispatch import Dispatcher
 from rollwire.proxy.routing.failover import GroupRun
+from rollwire.proxy.routing.score import ScoreRun, check_score
 from rollwire.proxy.routing.sessions import SessionTurns
 from rollwire.proxy.spool import Spool
 from rollwire.runtime.security import TokenAuth
@@ -103,6 +104,15 @@ class ProxyCore:
             async with contextlib.aclosing(source) as events:  # closing it releases the lease  # pyright: ignore[reportArgumentType]  # the library's annotation is narrower than what it accepts
                 async for message in events:
                     yield message
+
+    async def score(self, request: pb.ScoreRequest, rid: str, client: str, deadline: float) -> pb.ScoreResponse:
+        """One Score through the core: the proxy's limits, the client's slot, routed by version
+        (routing/score.py). Raises RollwireError or PassThrough."""
+        work = check_score(request, self.state.config.score)
+        if self.state.peers is not None and request.adapter.name and not request.adapter.version:
+            await self.state.peers.settled(request.adapter.name, max(0.0, deadline - time.monotonic()))
+        with self.state.dispatcher.admit(client) as admitted:
+            return await ScoreRun(request, rid, deadline, self.state.dispatcher, admitted, work).answer()
 
     def status(self) -> pb.GetStatusResponse:
         """The proxy as one big replica: what some routable replica serves, the strictest

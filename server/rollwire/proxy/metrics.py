@@ -115,8 +115,12 @@ class ProxyMetrics:
             ["limit"],
         )
         self.clients = gauge("clients", "Client identities with requests open or queued at the proxy.")
+        self.score_requests = counter("score_requests_total", "Score requests by final gRPC code.", ["code"])
+        self.scored_tokens = counter("scored_tokens_total", "Continuation tokens scored by Score requests answered OK.")
+        self.score_latency = _latency(make, "score_duration_seconds", "From Score request arrival to its answer.")
         for code in CODES:
             self.requests.labels(policy, code)
+            self.score_requests.labels(code)
         for code in CLIENT_CODES:
             self.client_errors.labels(code)
         for limit in CLIENT_LIMITS:

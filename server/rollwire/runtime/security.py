@@ -47,6 +47,7 @@ PROTECTED_PREFIX = "/rollwire.v1."
 METHOD_ROLES = {
     "/rollwire.v1.GeneratorService/Generate": GENERATE,
     "/rollwire.v1.GeneratorService/GetStatus": GENERATE,
+    "/rollwire.v1.GeneratorService/Score": GENERATE,  # logprobs only: what Generate reports for its own tokens
     "/rollwire.v1.GeneratorService/PushAdapter": RELAY,  # relay: stage_only only (the servicers check)
     "/rollwire.v1.GeneratorService/CommitAdapter": ADMIN,
     "/rollwire.v1.AdminService/RegisterGenerator": REGISTER,  # register: its own address only (admin.py)

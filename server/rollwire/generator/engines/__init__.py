@@ -66,6 +66,7 @@ def _transformers(config: EngineConfig, metrics: GeneratorMetrics) -> Engine:
         on_forward=metrics.on_forward,
         prefix_cache=PrefixCacheSettings(max_tokens=p.max_tokens, ttl_s=p.ttl_s, block_tokens=p.block_tokens),
         metrics=metrics,
+        score_batch_tokens=t.score_batch_tokens,
     )
 
 

@@ -11,10 +11,10 @@ import asyncio
 import contextlib
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Protocol, runtime_checkable
 
 from rollwire.common.manifest import Manifest
-from rollwire.generator.types import Event, GroupRequest
+from rollwire.generator.types import Event, GroupRequest, ScoreJob, SequenceScore
 
 
 @dataclass(frozen=True)
@@ -89,4 +89,18 @@ class Engine(Protocol):
 
     def stats(self) -> EngineStats:
         """Current load."""
+        ...
+
+
+@runtime_checkable
+class Scorer(Protocol):
+    """An engine that scores (Score): teacher-forced logprobs of given sequences under one version.
+    Engines without it refuse Score with UNIMPLEMENTED (the servicer decides, score.py)."""
+
+    def check_score(self, job: ScoreJob) -> None:
+        """Refuse, with a RollwireError, a job this engine can never run (a sequence over its
+        memory budget); called before the job takes an adapter lease or any slot."""
+
+    async def score(self, job: ScoreJob) -> list[SequenceScore]:
+        """The job's scores, in its sequences' order; the forward passes run off the event loop."""
         ...

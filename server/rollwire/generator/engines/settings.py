@@ -52,6 +52,10 @@ class TransformersSection(Section):
     """torch device, e.g. cpu or cuda:0."""
     prefix_cache: PrefixCacheSection = Field(default_factory=PrefixCacheSection)
     """Reuse of prompt-prefix keys and values across requests ([transformers.prefix_cache])."""
+    score_batch_tokens: int = Field(default=4096, ge=1)
+    """Tokens one Score forward pass takes at most (its sequences x the longest, padding included; never more than the
+    KV budget): a larger Score is split into several passes, with decode steps between them. A single sequence over
+    the KV budget is refused (INVALID_ARGUMENT, KV_BUDGET)."""
 
 
 class ServedSection(Section):

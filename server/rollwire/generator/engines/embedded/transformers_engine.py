@@ -32,7 +32,8 @@ with INTERNAL, reason ENGINE_FAILED: that one is a replica fault. A failed prefi
 the groups being admitted; the running batch keeps decoding.
 
 Memory is load, never a fault: admission by KV-token budget (kv_memory.py) and what ends
-when memory still runs out (transformers_memory.py).
+when memory still runs out (transformers_memory.py). A Score runs on the same thread, one forward
+pass between two iterations (transformers_score.py).
 
 Prefix KV reuse (prefix_cache.py): before a prefill, each group looks up the longest prefix
 of its prompt whose keys and values were computed recently under the same adapter version;
@@ -85,6 +86,7 @@ from rollwire.generator.engines.embedded.transformers_groups import (
 from rollwire.generator.engines.embedded.transformers_groups import Row as _Row
 from rollwire.generator.engines.embedded.transformers_memory import MemoryRules
 from rollwire.generator.engines.embedded.transformers_sampling import sample, sample_by_group
+from rollwire.generator.engines.embedded.transformers_score import ScoreRules, ScoreRun
 from rollwire.generator.sampling import row_uniforms
 from rollwire.generator.types import Event, GroupRequest, SampleDone, TokenDelta
 from rollwire.runtime.logs import get_logger
@@ -96,7 +98,7 @@ log = get_logger(__name__)
 __all__ = ["TransformersEngine", "_Mailbox"]
 
 
-class TransformersEngine(MemoryRules):
+class TransformersEngine(MemoryRules, ScoreRules):
     """Engine over transformers, LoRA adapters by forward hooks (lora.py); see the module
     docstring for the batching loop."""
 
@@ -121,10 +123,11 @@ class TransformersEngine(MemoryRules):
         on_forward: Callable[[int], None] = lambda rows: None,
         prefix_cache: PrefixCacheSettings | None = None,
         metrics: GeneratorMetrics | None = None,
+        score_batch_tokens: int = 4096,
     ):
         self.model_dir = Path(model_dir)
         self.on_forward = on_forward
-        self.max_batch_rows = max_batch_rows
+        self.max_batch_rows, self.score_batch_tokens = max_batch_rows, score_batch_tokens
         self.configured_tokens = max_batch_tokens  # None: derived from free memory at start (kv_memory.py)
         self.kv_memory_fraction = kv_memory_fraction
         self.max_batch_tokens = max_batch_tokens or 0  # the budget in force, set by _load
@@ -135,6 +138,7 @@ class TransformersEngine(MemoryRules):
         self.prefix_cache = PrefixCache(prefix_cache or PrefixCacheSettings(), metrics)
         self._cv = threading.Condition()
         self._pending: deque[_Group] = deque()
+        self._scores: deque[ScoreRun] = deque()  # Score requests, one pass per iteration (transformers_score.py)
         self._ops: list[tuple[Future, object]] = []
         self._running_groups = 0
         self._admissions = 0  # prefills so far: a group's admitted_at
@@ -251,13 +255,14 @@ class TransformersEngine(MemoryRules):
         with torch.inference_mode():
             while True:
                 with self._cv:
-                    while not self._stop and not self._ops and not self._pending and batch is None:
+                    while not (self._stop or self._ops or self._pending or self._scores or batch is not None):
                         self._cv.wait()
                     if self._stop:
                         break
                     ops, self._ops = self._ops, []
                     admitted = self._take_pending(batch)
                 self._apply_ops(ops)
+                self._score_step()
                 try:
                     batch = self._step(batch, admitted)
                 except Exception as exc:  # a bug or OOM must fail the requests, not hang them
@@ -293,7 +298,7 @@ class TransformersEngine(MemoryRules):
     def _fail_all(self, message: str) -> None:
         with self._cv:
             pending, self._pending = list(self._pending), deque()
-
+        self._fail_scores(message)
         for g in pending:
             g.send([Unavailable(message), _END])
 
