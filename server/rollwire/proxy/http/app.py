@@ -296,7 +296,8 @@ def _openai_routes(app: FastAPI, door: Door) -> None:
                 record.hand_over()
                 rid = body.request_id or request.state.rid
                 prompts = [await door.prompt_ids(p, client) for p in _prompt_list(door, body)]
-                return JSONResponse(await echo_scores(door, body, prompts, client, rid))
+                with http_terms(Asked(body, 0, None, door.limits)):
+                    return JSONResponse(await echo_scores(door, body, prompts, client, rid))
             return await _completions(door, body, client, request.state.rid, record)
 
     @app.post("/v1/chat/completions")
