@@ -84,3 +84,43 @@ def test_sync_mode_ratio_is_one_at_staleness_zero(stack, taught_model, tmp_path)
     s = summary(run)
     assert abs(s["ratio_mean_staleness0"] - 1) < 1e-3
     assert s["sync"] and s["groups"]["dropped"].get("stale", 0) == 0
+
+
+def test_a_kl_term_scored_by_the_replicas_still_reaches_the_gain(stack, taught_model, tmp_path):
+    """train.kl_reference = "replicas": the KL's base-model logprobs come from the replicas'
+    Score (one call per step's chunk, never the learner's own fallback), and the run still
+    reaches the demo's gain."""
+    run = tmp_path / "run"
+    before_scores = metric_value(stack.proxy.metrics(), 'rollwire_proxy_score_requests_total{code="OK"}', default=0.0)
+    learner = start(
+        learner_args(
+            stack.proxy.target,
+            taught_model,
+            run,
+            "policy-kl",
+            "max_steps=30",
+            "seed=1",
+            "train.kl_coef=0.02",
+            "train.kl_reference=replicas",
+        ),
+        tmp_path,
+        "learner",
+        timeout=120,
+    )
+    last = ""
+    while learner.proc.poll() is None:
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{learner.metrics_port}/metrics", timeout=5) as r:
+                text = r.read().decode()
+            if metric_value(text, "rollwire_learner_steps_total", default=0.0) >= 1:
+                last = text
+        except (OSError, http.client.HTTPException):  # the learner may exit mid-response
+            pass
+        time.sleep(0.5)
+    assert learner.proc.returncode == 0, learner.log_path.read_text()[-3000:]
+    s = summary(run)
+    assert s["steps"] == 30 and s["accuracy_before"] < 0.45 and s["accuracy_after"] - s["accuracy_before"] >= 0.25, s
+    assert metric_value(last, "rollwire_learner_kl_reference_local_total") == 0  # every step scored by the replicas
+    scored = metric_value(stack.proxy.metrics(), 'rollwire_proxy_score_requests_total{code="OK"}') - before_scores
+    assert scored >= 29, scored  # at least one Score per step (its last step may end before a scrape)
+    assert steps(run)[-1]["kl"] > 0  # the KL term was live

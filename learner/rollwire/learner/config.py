@@ -141,6 +141,11 @@ class TrainSection(Section):
     ratio the loss clamps at (grpo.LOG_RATIO_BOUND)."""
     kl_coef: float = Field(default=0.0, ge=0)
     """Weight of the per-token KL to the base model (adapter disabled); 0 = off."""
+    kl_reference: Literal["learner", "replicas"] = Field(default="learner")
+    """Where the KL term's base-model logprobs come from: "learner" runs a second forward pass here with the adapter
+    disabled; "replicas" asks the replicas (one Score call per step, base model) so the learner keeps no second
+    forward. "replicas" needs rollout.temperature 1 and no top_k/top_p: Score returns the untempered, untruncated
+    log-softmax."""
     threads: int = Field(default=0, ge=0)
     """torch CPU threads of the learner; 0 keeps torch's default."""
     device: str = Field(default="cpu")
@@ -310,6 +315,12 @@ class LearnerConfig(Section):
         if self.rollout.groups_in_flight < self.train.groups_per_step:
             raise ValueError(
                 "rollout.groups_in_flight must be >= train.groups_per_step, or a step could never fill its batch"
+            )
+        r = self.rollout
+        if self.train.kl_reference == "replicas" and (r.temperature != 1.0 or r.top_k or r.top_p < 1.0):
+            raise ValueError(
+                "train.kl_reference = 'replicas' needs rollout.temperature = 1 and no rollout.top_k/top_p (Score's "
+                "logprobs are the untempered, untruncated log-softmax); use train.kl_reference = 'learner'"
             )
         if self.task.kind == "jsonl" and not self.task.train_path:
             raise ValueError("task.kind = 'jsonl' needs task.train_path")

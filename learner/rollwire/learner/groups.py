@@ -37,6 +37,9 @@ class ScoredSample:
     """Parallel to token_ids, truthy where trained: False (0) for an environment or tool token of a multi-turn sample
     (ingested), which never reaches the loss and whose logprob and version mean nothing;
     empty: every token was sampled by the model and is trained."""
+    ref_logprobs: Sequence[float] = ()
+    """Parallel to token_ids when train.kl_reference is "replicas": the base model's logprob of each token, scored
+    by the replicas (Score) before the step; empty: the trainer computes it itself."""
 
     @property
     def trained_mask(self) -> Sequence[int]:

@@ -103,6 +103,10 @@ class LearnerMetrics:
         self.grad_norm = m.gauge("grad_norm", "Gradient norm before clipping, last step.")
         self.phase = m.histogram("step_phase_seconds", "Time per step phase.", ["phase"], buckets=SECONDS)
         self.tokens = m.counter("tokens_total", "Completion tokens trained on.")
+        self.kl_reference_local = m.counter(
+            "kl_reference_local_total",
+            'Steps with train.kl_reference = "replicas" whose Score failed, so the learner computed the reference.',
+        )
         self.tokens_per_second = m.gauge("tokens_per_second", "Completion tokens trained per second of the last step.")
 
     def _groups(self, m: MetricFactory) -> None:

@@ -34,6 +34,7 @@ from rollwire.learner.ingest import Ingest
 from rollwire.learner.metrics import LearnerMetrics
 from rollwire.learner.producer import Producer
 from rollwire.learner.publisher import Publisher
+from rollwire.learner.reference import score_reference
 from rollwire.learner.report import Report
 from rollwire.learner.task import DataStream, Example
 from rollwire.learner.trainer import StepStats, Trainer
@@ -129,6 +130,10 @@ class Session:
         return take.result()
 
     async def train_step(self, batch: list[ScoredGroup]) -> StepStats:
+        train = self.cfg.train
+        replicas = train.kl_coef > 0 and train.kl_reference == "replicas"
+        if replicas and not await score_reference(self.client, batch, self.cfg.client.timeout_s):
+            self.metrics.kl_reference_local.inc()
         stats = await asyncio.to_thread(self.trainer.step, batch, self.version)
         if self.ingest is not None:
             self.ingest.on_trained(batch, applied=not stats.skipped)

@@ -200,8 +200,8 @@ class Trainer:
         targets = ids[:, 1:]
         kept = rows.kept.to(self.device) if rows.kept is not None else None
         logp = token_logprobs(logits, targets, self.temperature, kept)
-        ref = None
-        if self.cfg.kl_coef > 0:
+        ref = rows.ref.to(self.device) if rows.ref is not None else None
+        if self.cfg.kl_coef > 0 and ref is None:
             with torch.no_grad(), self.model.disable_adapter():
                 ref = token_logprobs(
                     self.model(input_ids=ids, attention_mask=mask).logits[:, :-1], targets, self.temperature, kept
@@ -291,6 +291,8 @@ class _Rows:
     """Completion tokens sampled by exactly the version being trained."""
     kept: torch.Tensor | None = None
     """[rows, T, K] kept-set ids of truncated sampling (-1 padding), or None when no sample has any."""
+    ref: torch.Tensor | None = None
+    """Base-model logprobs the replicas scored (ScoredSample.ref_logprobs), or None when any sample lacks them."""
 
 
 def _rows(groups: list[ScoredGroup], advantages: torch.Tensor, version: int, max_token_staleness: int = -1) -> _Rows:
@@ -307,6 +309,8 @@ def _rows(groups: list[ScoredGroup], advantages: torch.Tensor, version: int, max
     behaviour = torch.zeros(len(seqs), width - 1)
     adv = torch.zeros(len(seqs), width - 1)
     fresh = torch.zeros(len(seqs), width - 1)
+    scored = all(len(s.ref_logprobs) == len(s.token_ids) for _, s, _ in seqs)
+    ref = torch.zeros(len(seqs), width - 1) if scored else None
     for i, (prompt, sample, a) in enumerate(seqs):
         seq = list(prompt) + list(sample.token_ids)
         ids[i, : len(seq)] = torch.tensor(seq)
@@ -322,7 +326,9 @@ def _rows(groups: list[ScoredGroup], advantages: torch.Tensor, version: int, max
         behaviour[i, first:last] = torch.where(trained > 0, torch.tensor(sample.logprobs), 0.0)
         adv[i, first:last] = a
         fresh[i, first:last] = trained * torch.tensor([float(v == version) for v in sample.token_versions])
-    return _Rows(ids, attention, completion, behaviour, adv, fresh, _kept(seqs, width))
+        if ref is not None:
+            ref[i, first:last] = torch.where(trained > 0, torch.tensor(sample.ref_logprobs, dtype=torch.float32), 0.0)
+    return _Rows(ids, attention, completion, behaviour, adv, fresh, _kept(seqs, width), ref)
 
 
 def _kept(seqs: list, width: int) -> torch.Tensor | None:

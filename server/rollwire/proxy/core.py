@@ -10,12 +10,16 @@ the client unchanged (routing/passthrough.py); every request is counted once (ac
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+import grpc
+
+from rollwire.common.errors import RollwireError
 from rollwire.proxy.accounting import RequestRecord
 from rollwire.proxy.config import ProxyConfig
 from rollwire.proxy.publish.fanout import FanOut
@@ -23,6 +27,7 @@ from rollwire.proxy.publish.peers import Peers
 from rollwire.proxy.routing.coalesce import Coalescer
 from rollwire.proxy.routing.dispatch import Dispatcher
 from rollwire.proxy.routing.failover import GroupRun
+from rollwire.proxy.routing.passthrough import PassThrough
 from rollwire.proxy.routing.score import ScoreRun, check_score
 from rollwire.proxy.routing.sessions import SessionTurns
 from rollwire.proxy.spool import Spool
@@ -106,13 +111,28 @@ class ProxyCore:
                     yield message
 
     async def score(self, request: pb.ScoreRequest, rid: str, client: str, deadline: float) -> pb.ScoreResponse:
-        """One Score through the core: the proxy's limits, the client's slot, routed by version
-        (routing/score.py). Raises RollwireError or PassThrough."""
-        work = check_score(request, self.state.config.score)
-        if self.state.peers is not None and request.adapter.name and not request.adapter.version:
-            await self.state.peers.settled(request.adapter.name, max(0.0, deadline - time.monotonic()))
-        with self.state.dispatcher.admit(client) as admitted:
-            return await ScoreRun(request, rid, deadline, self.state.dispatcher, admitted, work).answer()
+        """One Score through the core, whichever door it came by: the proxy's limits, the
+        client's slot, routed by version (routing/score.py), counted in the Score metrics with
+        its final code. Raises RollwireError or PassThrough."""
+        start, metrics, code = time.monotonic(), self.state.metrics, grpc.StatusCode.UNKNOWN
+        try:
+            work = check_score(request, self.state.config.score)
+            if self.state.peers is not None and request.adapter.name and not request.adapter.version:
+                await self.state.peers.settled(request.adapter.name, max(0.0, deadline - time.monotonic()))
+            with self.state.dispatcher.admit(client) as admitted:
+                reply = await ScoreRun(request, rid, deadline, self.state.dispatcher, admitted, work).answer()
+            code = grpc.StatusCode.OK
+            metrics.scored_tokens.inc(sum(len(s.continuation_token_ids) for s in request.sequences))
+            return reply
+        except (RollwireError, PassThrough) as exc:
+            code = exc.code
+            raise
+        except asyncio.CancelledError:
+            code = grpc.StatusCode.CANCELLED
+            raise
+        finally:
+            metrics.score_requests.labels(code.name).inc()
+            metrics.score_latency.observe(time.monotonic() - start)
 
     def status(self) -> pb.GetStatusResponse:
         """The proxy as one big replica: what some routable replica serves, the strictest

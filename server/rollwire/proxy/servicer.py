@@ -66,36 +66,25 @@ class ProxyServicer(generator_pb2_grpc.GeneratorServiceServicer):
             structlog.contextvars.unbind_contextvars("request_id")
 
     async def Score(self, request: pb.ScoreRequest, context: grpc.aio.ServicerContext) -> pb.ScoreResponse:
-        """Routed by version like Generate, under the client's slot and the proxy's limits (routing/score.py);
-        counted in the score metrics with its final code."""
+        """Routed by version like Generate, under the client's slot and the proxy's limits, and
+        counted in the Score metrics (ProxyCore.score)."""
         metadata = context.invocation_metadata()
         rid = request_id_from(metadata, request.request_id)
         structlog.contextvars.bind_contextvars(request_id=rid)
-        start, metrics, code = time.monotonic(), self.state.metrics, grpc.StatusCode.UNKNOWN
         remaining, limit = context.time_remaining(), self.state.config.routing.request_timeout_s
         client = caller_identity(metadata, context.peer(), self.state.config.auth.enabled())
         try:
-            deadline = start + (limit if remaining is None else min(remaining, limit))
-            reply = await self.core.score(request, rid, client, deadline)
-            code = grpc.StatusCode.OK
-            metrics.scored_tokens.inc(sum(len(s.continuation_token_ids) for s in request.sequences))
-            return reply
+            deadline = time.monotonic() + (limit if remaining is None else min(remaining, limit))
+            return await self.core.score(request, rid, client, deadline)
         except RollwireError as err:
-            code = err.code
             log.info("score_failed", code=err.code.name, reason=err.reason, error=err.message)
             await context.abort_with_status(to_status(err))  # pyright: ignore[reportAttributeAccessIssue]  # grpc's stubs lack it; it exists at run time
             raise AssertionError("unreachable: abort_with_status raises") from err
         except PassThrough as relay:
-            code = relay.code
             log.info("score_refused_by_replica", code=relay.code.name, error=relay.details)
             await relay.abort(context)
             raise AssertionError("unreachable: abort raises") from relay
-        except asyncio.CancelledError:
-            code = grpc.StatusCode.CANCELLED
-            raise
         finally:
-            metrics.score_requests.labels(code.name).inc()
-            metrics.score_latency.observe(time.monotonic() - start)
             structlog.contextvars.unbind_contextvars("request_id")
 
     async def _write(self, context: grpc.aio.ServicerContext, message: pb.GenerateResponse, client: str) -> None:

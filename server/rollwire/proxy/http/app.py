@@ -45,6 +45,7 @@ from rollwire.proxy.http.dialect.openai import (
 )
 from rollwire.proxy.http.dialect.vocabulary import Asked, http_terms
 from rollwire.proxy.http.door import Door
+from rollwire.proxy.http.echo import echo_scores, wants_scoring
 from rollwire.proxy.http.edge.bodies import body_chunks, parse_body, read_body
 from rollwire.proxy.http.edge.uploads import read_form
 from rollwire.proxy.http.stream import stream_group
@@ -291,6 +292,12 @@ def _openai_routes(app: FastAPI, door: Door) -> None:
         client = _authorize(door, request, GENERATE)
         with door.core.account(edge=True) as record:
             body: CompletionBody = await _body(door, request, CompletionBody)
+            if wants_scoring(body):  # a Score, counted as one by the core: not a generation
+                record.hand_over()
+                rid = body.request_id or request.state.rid
+                prompts = [await door.prompt_ids(p, client) for p in _prompt_list(door, body)]
+                with http_terms(Asked(body, 0, None, door.limits)):
+                    return JSONResponse(await echo_scores(door, body, prompts, client, rid))
             return await _completions(door, body, client, request.state.rid, record)
 
     @app.post("/v1/chat/completions")
@@ -327,14 +334,7 @@ async def _completions(door: Door, body: CompletionBody, client: str, rid: str, 
     """POST /v1/completions: one group per prompt, all run together (the first failure is the answer)."""
     check_unhonoured(body)
     ref = door.resolve(body.model)
-    prompts, most = body.prompts(), door.config.http.max_prompts
-    if not prompts or len(prompts) > most:
-        raise HttpError(
-            grpc.StatusCode.INVALID_ARGUMENT,
-            f"prompt holds {len(prompts)} prompts; send 1 to {most} per request",
-            reason=Reason.BAD_REQUEST_BODY,
-            param="prompt",
-        )
+    prompts = _prompt_list(door, body)
     if body.stream and len(prompts) > 1:
         raise HttpError(
             grpc.StatusCode.INVALID_ARGUMENT,
@@ -358,6 +358,19 @@ async def _completions(door: Door, body: CompletionBody, client: str, rid: str, 
         runs = [door.run_group(r, client, g, deadline) for r, g in zip(requests, groups, strict=True)]
         await _all_or_first_error(runs)
     return JSONResponse(convert.completion_response(body, groups, body.model, rid, door.token_text))
+
+
+def _prompt_list(door: Door, body: CompletionBody) -> list[str | list[int]]:
+    """The body's prompts, 1 to http.max_prompts of them."""
+    prompts, most = body.prompts(), door.config.http.max_prompts
+    if not prompts or len(prompts) > most:
+        raise HttpError(
+            grpc.StatusCode.INVALID_ARGUMENT,
+            f"prompt holds {len(prompts)} prompts; send 1 to {most} per request",
+            reason=Reason.BAD_REQUEST_BODY,
+            param="prompt",
+        )
+    return prompts
 
 
 async def _all_or_first_error(runs: Sequence[Awaitable[None]]) -> None:

@@ -223,5 +223,20 @@ class Door:
 
         return await self.prompts.run(client, size, render)
 
+    async def prompt_ids(self, prompt: str | list[int], client: str = "") -> list[int]:
+        """A completions prompt as token ids: ids as sent, text tokenized here, its size bounded
+        first as a chat's is (prompts.py)."""
+        if not isinstance(prompt, str):
+            return list(prompt)
+        if self.tokenizer is None:
+            raise FailedPrecondition(
+                "scoring a text prompt needs the base model's tokenizer at the proxy: set http.model_path to the "
+                "model's folder, or send the prompt as token ids",
+                reason=Reason.NO_CHAT_TEMPLATE,
+            )
+        tokenizer, max_tokens = self.tokenizer, self.core.status().limits.max_prompt_tokens
+        size = self.prompts.check_size(prompt, max_tokens)
+        return await self.prompts.run(client, size, lambda: tokenizer.encode(prompt, max_tokens))
+
     def token_text(self, token_id: int) -> str:
         return self.tokenizer.token_text(token_id) if self.tokenizer is not None else ""

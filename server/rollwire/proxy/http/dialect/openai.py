@@ -123,7 +123,8 @@ class CompletionBody(_Sampling):
     """POST /v1/completions."""
 
     prompt: str | list[TokenId] | list[str] | list[list[TokenId]]
-    max_tokens: int | None = Field(default=16, ge=1, le=UINT32)
+    max_tokens: int | None = Field(default=16, ge=0, le=UINT32)
+    """0 only with echo: the prompt's logprobs, no completion (http/echo.py)."""
     logprobs: int | None = Field(default=None, ge=0, le=20)
     echo: bool = False
     suffix: str | None = None
@@ -207,7 +208,6 @@ NEUTRAL: dict[str, tuple[Any, ...]] = {
     "guided_grammar": (None,),
     "structured_outputs": (None,),
     "priority": (None, 0),
-    "echo": (False,),
     "suffix": (None, ""),
     "chat_template": (None,),
 }

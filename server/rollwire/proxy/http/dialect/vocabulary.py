@@ -40,6 +40,9 @@ PARAMS: dict[str, str] = {
     Reason.ADAPTER_NOT_FOUND: "model",
     Reason.ADAPTER_VERSION_NOT_FOUND: "model",
     Reason.ADAPTER_VERSION_EVICTED: "model",
+    Reason.BAD_SCORE_REQUEST: "prompt",
+    Reason.SCORE_TOO_LARGE: "prompt",
+    Reason.BAD_SCORE_TOP_K: "logprobs",
 }
 """The OpenAI field each refusal of a generation request is about."""
 _PROMPT_TOKENS = re.compile(r"prompt \((\d+) tokens\)")
