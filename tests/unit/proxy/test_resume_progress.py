@@ -48,7 +48,7 @@ def test_the_continuation_lists_each_unfinished_sample_with_exactly_what_its_cli
 def test_a_callers_own_resume_is_where_the_group_starts_and_where_a_restart_returns():
     req = request(resume=[pb.SampleResume(sample_index=2, token_ids=[9, 9])])
     progress = Progress(req)
-    assert progress.runs == [2]
+    assert list(progress.runs()) == [2]
     progress.observe(message({2: [1, 2]}))
     assert [(e.sample_index, list(e.token_ids)) for e in progress.continuation(req).resume] == [(2, [9, 9, 1, 2])]
     assert progress.sent() == 2
@@ -62,3 +62,11 @@ def test_a_sample_at_its_limit_that_did_not_end_makes_the_group_unresumable():
     assert not progress.over_limit() and progress.unfinished() == [0]
     progress.observe(message({0: [3]}))
     assert progress.over_limit()
+
+
+def test_nothing_is_sized_by_n_before_a_replica_started_the_group():
+    """A hostile n (the replica refuses it) costs the proxy nothing: the bookkeeping holds no
+    per-sample state until a replica, which bounds n by its limits, has shown the group."""
+    progress = Progress(request(n=2**32 - 1))  # sized by n, this would build 2**32 entries
+    assert progress.unfinished() == [] and progress.tokens == {} and not progress.over_limit()
+    assert not progress.continuation(request(n=2**32 - 1)).resume

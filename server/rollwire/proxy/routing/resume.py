@@ -24,27 +24,35 @@ Invariants:
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 from rollwire.v1 import generator_pb2 as pb
 
 
 class Progress:
-    """One group's samples as its client holds them (see the module docstring)."""
+    """One group's samples as its client holds them (see the module docstring).
+
+    Nothing here is sized by the request's `n` until a replica has started the group (which
+    bounds n by its limits): a hostile n of 2**32 - 1 costs nothing before it is refused."""
 
     def __init__(self, request: pb.GenerateRequest) -> None:
         self.limit = request.sampling.max_new_tokens
+        self.n = request.n
         self._asked = {e.sample_index: list(e.token_ids) for e in request.resume}
         """A caller's own `resume` (it runs only those samples, from those tokens)."""
-        self.runs = sorted(self._asked) if self._asked else list(range(request.n))
-        """The samples this group runs."""
         self.tokens: dict[int, list[int]] = {}
         self.finished: set[int] = set()
         self.shown = False
         """Whether the client was sent anything of the group (a `started` included)."""
         self.reset()
 
+    def runs(self) -> Iterable[int]:
+        """The samples this group runs (only read once the group has started)."""
+        return sorted(self._asked) if self._asked else range(self.n)
+
     def reset(self) -> None:
         """Back to what the caller asked for: after a restart the client discards every partial sample."""
-        self.tokens = {i: list(self._asked.get(i, ())) for i in self.runs}
+        self.tokens = {i: list(t) for i, t in self._asked.items()}
         self.finished = set()
 
     def observe(self, message: pb.GenerateResponse) -> None:
@@ -56,7 +64,10 @@ class Progress:
             self.finished.add(done.sample_index)
 
     def unfinished(self) -> list[int]:
-        return [i for i in self.runs if i not in self.finished]
+        """The samples not yet finished; [] before the group was shown (nothing to continue)."""
+        if not self.shown:
+            return []
+        return [i for i in self.runs() if i not in self.finished]
 
     def over_limit(self) -> bool:
         """A sample holds as many tokens as its max_new_tokens, or more, yet did not finish."""
