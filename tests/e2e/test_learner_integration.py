@@ -14,6 +14,23 @@ from support.wire import metric_value
 pytestmark = pytest.mark.slow
 
 
+def last_metrics_until_exit(learner) -> str:
+    """The learner's last metrics scrape taken after its first step, polled until it exits with 0."""
+    seen = ""
+    while learner.proc.poll() is None:
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{learner.metrics_port}/metrics", timeout=5) as r:
+                text = r.read().decode()
+            # an empty scrape (the learner exiting mid-response) has no series: not a step yet
+            if metric_value(text, "rollwire_learner_steps_total", default=0.0) >= 1:
+                seen = text
+        except (OSError, http.client.HTTPException):  # the learner may exit mid-response
+            pass
+        time.sleep(0.5)
+    assert learner.proc.returncode == 0, learner.log_path.read_text()[-3000:]
+    return seen
+
+
 def test_async_grpo_raises_held_out_accuracy(stack, taught_model, tmp_path):
     """Asynchronous mode (staleness <= 1, non-blocking push) through the proxy, 30 steps."""
     run = tmp_path / "run"
@@ -23,18 +40,7 @@ def test_async_grpo_raises_held_out_accuracy(stack, taught_model, tmp_path):
         "learner",
         timeout=120,
     )
-    seen_metrics = ""
-    while learner.proc.poll() is None:
-        try:
-            with urllib.request.urlopen(f"http://127.0.0.1:{learner.metrics_port}/metrics", timeout=5) as r:
-                text = r.read().decode()
-            # an empty scrape (the learner exiting mid-response) has no series: not a step yet
-            if metric_value(text, "rollwire_learner_steps_total", default=0.0) >= 1:
-                seen_metrics = text
-        except (OSError, http.client.HTTPException):  # the learner may exit mid-response
-            pass
-        time.sleep(0.5)
-    assert learner.proc.returncode == 0, learner.log_path.read_text()[-3000:]
+    seen_metrics = last_metrics_until_exit(learner)
     s = summary(run)
     before, after = s["accuracy_before"], s["accuracy_after"]
     # the taught model is right on ~30% (carry-free problems); a few dozen steps take it near 90%:
@@ -107,17 +113,7 @@ def test_a_kl_term_scored_by_the_replicas_still_reaches_the_gain(stack, taught_m
         "learner",
         timeout=120,
     )
-    last = ""
-    while learner.proc.poll() is None:
-        try:
-            with urllib.request.urlopen(f"http://127.0.0.1:{learner.metrics_port}/metrics", timeout=5) as r:
-                text = r.read().decode()
-            if metric_value(text, "rollwire_learner_steps_total", default=0.0) >= 1:
-                last = text
-        except (OSError, http.client.HTTPException):  # the learner may exit mid-response
-            pass
-        time.sleep(0.5)
-    assert learner.proc.returncode == 0, learner.log_path.read_text()[-3000:]
+    last = last_metrics_until_exit(learner)
     s = summary(run)
     assert s["steps"] == 30 and s["accuracy_before"] < 0.45 and s["accuracy_after"] - s["accuracy_before"] >= 0.25, s
     assert metric_value(last, "rollwire_learner_kl_reference_local_total") == 0  # every step scored by the replicas

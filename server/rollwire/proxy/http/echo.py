@@ -82,9 +82,9 @@ async def echo_scores(door: Door, body: CompletionBody, prompts: list[list[int]]
     results = dict(zip(scored, reply.sequences, strict=True)) if reply is not None else {}
     choices = []
     for i, ids in enumerate(prompts):
-        text = "".join(door.token_text(t) for t in ids)
-        logprobs = _legacy_logprobs(ids, results.get(i), door) if body.logprobs is not None else None
-        choices.append({"index": i, "text": text, "logprobs": logprobs, "finish_reason": "length"})
+        tokens = [door.token_text(t) for t in ids]
+        logprobs = _legacy_logprobs(tokens, results.get(i), door) if body.logprobs is not None else None
+        choices.append({"index": i, "text": "".join(tokens), "logprobs": logprobs, "finish_reason": "length"})
     count = sum(len(ids) for ids in prompts)
     answer: dict[str, Any] = {
         "id": f"cmpl-{rid}",
@@ -99,8 +99,8 @@ async def echo_scores(door: Door, body: CompletionBody, prompts: list[list[int]]
     return answer
 
 
-def _legacy_logprobs(ids: list[int], scored: pb.SequenceScore | None, door: Door) -> dict:
-    tokens = [door.token_text(t) for t in ids]
+def _legacy_logprobs(tokens: list[str], scored: pb.SequenceScore | None, door: Door) -> dict:
+    """OpenAI's completions `logprobs` for an echoed prompt of `tokens` (their texts)."""
     offsets, at = [], 0
     for t in tokens:
         offsets.append(at)
