@@ -9,7 +9,7 @@ PROTOS := $(wildcard proto/rollwire/v1/*.proto)
 VLLM_VENV  := .venv-vllm
 VLLM_STAMP := $(VLLM_VENV)/.installed
 
-.PHONY: help install system-deps .venv-vllm test test-fast test-integration test-e2e lint breaking proto demo demo-trl demo-agent bench clean
+.PHONY: help install system-deps .venv-vllm test suite test-fast test-integration test-e2e lint breaking proto demo demo-trl demo-agent bench clean
 
 help:
 	@echo "make demo     teach the tiny model, run a replica + proxy + learner, watch GRPO learn"
@@ -76,7 +76,14 @@ system-deps:
 	  { $(SUDO) apt-get update -qq && $(SUDO) apt-get install -y -qq --no-install-recommends prometheus openssl; }
 
 # The folder is the tier (docs/testing.md): tests/unit, tests/integration, tests/e2e.
-test: install lint breaking system-deps $(VLLM_STAMP)
+# `make test` runs its independent parts beside each other (a sub-make with -j3): the two venvs and
+# npm install at once (pip and npm mostly wait on disk and the package index), then lint (pyright
+# is one core for about a minute) beside the suite, which leaves a core idle much of its time. Its
+# outcome is the same as running them in turn: any part that fails fails `make test`.
+test:
+	$(MAKE) --no-print-directory -j3 --output-sync=line lint breaking suite
+
+suite: install system-deps $(VLLM_STAMP)
 	$(BIN)/python -m pytest -q --durations=25 tests/unit tests/integration tests/e2e
 
 # No processes, no sockets (tests/unit/conftest.py makes either fail the test).

@@ -2,10 +2,10 @@
 
 Importing torch and transformers' model classes is most of a replica's start-up here (~5 CPU
 seconds of ~6, docs/benchmarks.md §16), and the suite starts dozens of replicas. The zygote
-imports them once, then forks one child per `rollwire generator` command; the child runs the
+imports them once, then forks one child per `rollwire generator`, `learner` or `proxy` command; the child runs the
 same `rollwire.client.cli.main` a spawned process would, with the caller's argv, environment,
 working directory and log file, so the replica under test is the real program, only started
-from warm memory. Everything else (proxies, learners, engine servers) is spawned as before.
+from warm memory. Everything else (engine servers, TRL, other commands) is spawned as before.
 
 Invariants:
 - the zygote never runs a torch operation and starts no thread of its own before forking, so
@@ -33,8 +33,10 @@ import traceback
 from collections.abc import Sequence
 from pathlib import Path
 
-FORKED_COMMANDS = frozenset({"generator"})
-"""`rollwire` commands started from the zygote: those whose start is importing torch."""
+FORKED_COMMANDS = frozenset({"generator", "learner", "proxy"})
+"""`rollwire` commands started from the zygote: replicas and learners, whose start is mostly
+importing torch, transformers and peft (~5 CPU seconds), and proxies (~1 s of imports each,
+but the suite starts more of them than of anything else)."""
 REAP_EVERY_S = 0.02
 
 
@@ -174,14 +176,22 @@ ZYGOTE = Zygote()
 
 # -- the zygote's side -----------------------------------------------------------------------
 def _preload() -> None:
-    """What a replica imports before it serves (the expensive part of its start)."""
+    """What a replica, a learner and a proxy import before they serve (the expensive part of
+    their start). Imports only: nothing here may run a torch operation or start a thread."""
+    import peft  # noqa: F401
     import torch  # noqa: F401
     import transformers.models.llama.modeling_llama  # noqa: F401
 
     import rollwire.client.cli
     import rollwire.generator.app
     import rollwire.generator.cli
-    import rollwire.generator.engines.embedded.transformers_engine  # noqa: F401
+    import rollwire.generator.engines.embedded.transformers_engine
+    import rollwire.learner.cli
+    import rollwire.learner.loop
+    import rollwire.learner.trainer
+    import rollwire.learner.wiring
+    import rollwire.proxy.app
+    import rollwire.proxy.cli  # noqa: F401
 
 
 def _child(request: dict, listener: socket.socket, clients: list[socket.socket]) -> None:
