@@ -18,9 +18,10 @@ import sys
 from pathlib import Path
 
 import pytest
-from support.learner import TAUGHT_DIR, learner_args
+from support.learner import learner_args, taught_dir
 from support.processes import start, start_generator
 
+from rollwire.demo.teach_chain import CHAIN_SPEC
 from rollwire.learner.chain import (
     TURNS,
     Play,
@@ -34,7 +35,7 @@ import agent_producer  # examples/ is not a package
 ROOT = Path(__file__).resolve().parents[2]
 
 
-CHAIN_DIR = TAUGHT_DIR.parent / "taught-chain"
+CHAIN_DIR = taught_dir(CHAIN_SPEC)
 
 
 QUESTION = re.compile(r"\|\d\d\+\d\d=")

@@ -3,15 +3,29 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import time
 from pathlib import Path
 
 from rollwire.demo.stack import rollwire_cmd
+from rollwire.demo.teach import TeachSpec
 
-TAUGHT_DIR = Path(__file__).resolve().parents[2] / ".cache" / "rollwire" / "taught"
-"""The taught model, cached by its content key: built once (about a minute) and reused by
-every later test session."""
+CACHE = Path(
+    os.environ.get("ROLLWIRE_TEST_CACHE")
+    or Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "rollwire-tests"
+)
+"""Where the suite keeps what it builds once per machine (ROLLWIRE_TEST_CACHE, else the user's
+cache folder), outside the checkout, so a fresh clone reuses it as pip reuses its wheels."""
+
+
+def taught_dir(spec: TeachSpec | None = None) -> Path:
+    """The folder of the model taught by `spec` (the addition task's by default), named by the
+    spec's content key (`teach.TeachSpec.key`: it changes with the spec and the teaching's
+    format), so checkouts of different specs never overwrite each other's: built once per
+    machine (about a minute) and reused by every later session; a build is written aside and
+    renamed into place whole."""
+    return CACHE / f"taught-{(spec or TeachSpec()).key()}"
 
 
 def learner_args(target: str, model: Path, run_dir: Path, adapter: str, *overrides: str) -> list[str]:
