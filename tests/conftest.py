@@ -30,6 +30,22 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         tier = item.path.relative_to(tests).parts[0] if item.path.is_relative_to(tests) else ""
         for marker in TIERS.get(tier, ()):
             item.add_marker(marker)
+        item.add_marker(pytest.mark.xdist_group(worker_group(item)))
+
+
+def worker_group(item: pytest.Item) -> str:
+    """Which tests one pytest-xdist worker runs together (`-n 2 --dist loadgroup`, `make test`):
+    a module's tests stay together, so its module-scoped processes start once; every test of
+    the run's vLLM server shares one worker, so the server (~70 s, several GiB) starts once;
+    the network-namespace labs share one, so two labs never shape the same host at once."""
+    if "vllm_server" in getattr(item, "fixturenames", ()):
+        return "vllm-server"
+    module = getattr(item, "module", None)
+    if module is not None and any(
+        getattr(v, "__module__", getattr(v, "__name__", "")) == "support.netlab" for v in vars(module).values()
+    ):
+        return "netlab"
+    return item.path.stem
 
 
 @pytest.fixture(scope="session", autouse=True)

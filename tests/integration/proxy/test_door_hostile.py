@@ -11,17 +11,15 @@ import shutil
 import socket
 import threading
 import time
-from contextlib import contextmanager
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import grpc
 import pytest
 import requests
+from support.bystanders import Bystanders, Record, calm_run, unharmed
 from support.processes import start_generators, start_proxy, stop_all, wait_routable, wait_until
 from support.wire import make_adapter, request, run_group
 
-from rollwire.v1 import generator_pb2 as pb
 from rollwire.v1 import generator_pb2_grpc
 
 pytestmark = pytest.mark.integration
@@ -31,6 +29,7 @@ HEADER_TIMEOUT_S, BODY_TIMEOUT_S, PER_PEER = 1.5, 2.0, 16
 HOSTILE_IP = "127.0.0.2"
 """The hostile peer's own address (all of 127/8 is loopback): the per-peer cap is its, not the good clients'."""
 MAX_ADAPTER_BYTES = 1 << 20
+CALM_S = 4.0
 
 
 @pytest.fixture(scope="module")
@@ -61,64 +60,14 @@ def fleet(tiny_model, tmp_path_factory):
         stop_all([proxy, *gens])
 
 
-@dataclass
-class Good:
-    """Well-behaved clients while a hostile one acts: gRPC groups, HTTP completions, and a
-    GetStatus poller whose worst latency is the proxy's stall."""
-
-    proxy: object
-    failures: list[str] = field(default_factory=list)
-    calls: int = 0
-    worst_status_s: float = 0.0
-    stop: threading.Event = field(default_factory=threading.Event)
-
-    def grpc_loop(self) -> None:
-        with grpc.insecure_channel(self.proxy.target) as channel:
-            stub = generator_pb2_grpc.GeneratorServiceStub(channel)
-            while not self.stop.is_set():
-                self._call(lambda: run_group(stub, request("1+2=", n=1, max_new_tokens=3), timeout=20))
-
-    def http_loop(self) -> None:
-        body = {"model": "tiny", "prompt": [5, 6, 7], "max_tokens": 3}
-        with requests.Session() as session:
-            while not self.stop.is_set():
-                r = self._call(lambda: session.post(self.proxy.http_url + "/v1/completions", json=body, timeout=20))
-                if r is not None and r.status_code != 200:
-                    self.failures.append(f"http {r.status_code}: {r.text[:200]}")
-
-    def status_loop(self) -> None:
-        with grpc.insecure_channel(self.proxy.target) as channel:
-            stub = generator_pb2_grpc.GeneratorServiceStub(channel)
-            while not self.stop.is_set():
-                start = time.monotonic()
-                self._call(lambda: stub.GetStatus(pb.GetStatusRequest(), timeout=20))
-                self.worst_status_s = max(self.worst_status_s, time.monotonic() - start)
-                time.sleep(0.01)
-
-    def _call(self, call):
-        try:
-            result = call()
-            self.calls += 1
-            return result
-        except Exception as exc:  # every failure is collateral: count it
-            self.failures.append(repr(exc)[:300])
-            return None
+@pytest.fixture(scope="module")
+def calm(fleet) -> Record:
+    """The bystanders' latencies with nothing hostile beside them: each case's bound is 2x these."""
+    return calm_run(fleet["proxy"], fleet["work"] / "calm.json", CALM_S)
 
 
-@contextmanager
-def good_clients(proxy):
-    good = Good(proxy)
-    threads = [threading.Thread(target=t, daemon=True) for t in (good.grpc_loop, good.http_loop, good.status_loop)]
-    for t in threads:
-        t.start()
-    time.sleep(0.5)
-    try:
-        yield good
-    finally:
-        good.stop.set()
-        for t in threads:
-            t.join(30)
-    assert good.calls > 0 and good.failures == [], good.failures[:5]
+def bystanders(fleet) -> Bystanders:
+    return Bystanders(fleet["proxy"], fleet["work"] / "bystanders.json")
 
 
 def fds(proxy) -> int:
@@ -151,11 +100,11 @@ def closed_by_server(s: socket.socket, within: float) -> bool:
 
 
 # -- A4: slowloris -------------------------------------------------------------------------------
-def test_slowloris_harms_no_other_caller_and_leaves_no_descriptor(fleet):
+def test_slowloris_harms_no_other_caller_and_leaves_no_descriptor(fleet, calm):
     proxy = fleet["proxy"]
     baseline = fds(proxy)
     log_size = proxy.log_path.stat().st_size
-    with good_clients(proxy) as good:
+    with bystanders(fleet) as good:
         idle = [hostile_socket(proxy) for _ in range(3 * PER_PEER)]  # most are closed at accept
         partial = []
         for _ in range(PER_PEER):
@@ -177,14 +126,20 @@ def test_slowloris_harms_no_other_caller_and_leaves_no_descriptor(fleet):
         assert all(closed_by_server(s, HEADER_TIMEOUT_S + 2) for s in idle + partial)
         for s in idle + partial:
             s.close()
-    print(f"\nfds: baseline {baseline}, during slowloris {held}; worst GetStatus {good.worst_status_s * 1000:.0f} ms")
+    print(f"\nfds: baseline {baseline}, during slowloris {held}; {good.record.summary()}; calm: {calm.summary()}")
+    unharmed(good.record, calm)
     assert held <= baseline + PER_PEER + 8  # the peer's share, never its 4x16 sockets
     wait_until(lambda: fds(proxy) <= baseline + 2, 10, "the proxy's descriptors return to their baseline")
     assert proxy.log_path.stat().st_size - log_size < 64 << 10  # refusals are logged at most once a second
 
 
-def test_a_trickled_body_is_refused_at_its_deadline(fleet):
-    proxy = fleet["proxy"]
+def test_a_trickled_body_is_refused_at_its_deadline(fleet, calm):
+    with bystanders(fleet) as good:
+        trickle_a_body(fleet["proxy"])
+    unharmed(good.record, calm)
+
+
+def trickle_a_body(proxy) -> None:
     s = hostile_socket(proxy)
     s.sendall(
         b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: 1000\r\n\r\n{"
@@ -220,31 +175,34 @@ def chat(proxy, content: str, **extra) -> requests.Response:
     return requests.post(proxy.http_url + "/v1/chat/completions", json=body, timeout=60)
 
 
-def test_a_huge_chat_is_refused_at_once_and_stalls_nobody(fleet):
+def test_a_huge_chat_is_refused_at_once_and_stalls_nobody(fleet, calm):
     proxy = fleet["proxy"]
-    with good_clients(proxy) as calm:
-        time.sleep(1.5)
-    with good_clients(proxy) as good:
+    with bystanders(fleet) as good:
         start = time.monotonic()
         r = chat(proxy, "1" * ((8 << 20) - 300))
         took = time.monotonic() - start
         # At the cap: 4096 tokens x 32 bytes fit the size bound, are tokenized (1 token a character
         # here) and refused by their token count, without building 131072 ids.
         at_cap = [chat(proxy, "1" * (4096 * 32 - 200)) for _ in range(4)]
-    print(
-        f"\n8 MiB chat: {r.status_code} in {took:.2f} s; worst GetStatus {good.worst_status_s * 1000:.0f} ms "
-        f"(without the hostile client {calm.worst_status_s * 1000:.0f} ms)"
-    )
+    print(f"\n8 MiB chat: {r.status_code} in {took:.2f} s; {good.record.summary()}; calm: {calm.summary()}")
     assert r.status_code == 400 and r.json()["error"]["reason"] == "PROMPT_TOO_LONG", r.text[:300]
     assert "131072 bytes" in r.json()["error"]["message"]
     assert took < 3
     assert all(a.status_code == 400 and a.json()["error"]["reason"] == "PROMPT_TOO_LONG" for a in at_cap)
-    assert good.worst_status_s < max(1.0, 4 * calm.worst_status_s)
+    unharmed(good.record, calm)
 
 
 # -- A5: uploads counted while read, chunked too --------------------------------------------------
-def test_a_chunked_upload_over_the_limit_is_refused_while_it_arrives(fleet):
-    proxy = fleet["proxy"]
+def test_a_chunked_upload_over_the_limit_is_refused_while_it_arrives(fleet, calm):
+    with bystanders(fleet) as good:
+        took, grown = upload_chunks_over_the_limit(fleet["proxy"])
+    print(f"\nchunked upload: refused after {took:.2f} s; RSS grew {grown >> 20} MiB; {good.record.summary()}")
+    assert took < 3 and grown < 32 << 20
+    unharmed(good.record, calm)
+
+
+def upload_chunks_over_the_limit(proxy) -> tuple[float, int]:
+    """Send a chunked upload of up to 256 MiB; (seconds until the 413, growth of the proxy's RSS)."""
     before = rss_bytes(proxy)
     s = socket.create_connection(("127.0.0.1", proxy.http_port), timeout=30)
     s.sendall(
@@ -274,10 +232,8 @@ def test_a_chunked_upload_over_the_limit_is_refused_while_it_arrives(fleet):
     stop.set()
     sender.join(10)
     s.close()
-    grown = rss_bytes(proxy) - before
-    print(f"\nchunked upload: refused after {took:.2f} s; RSS grew {grown >> 20} MiB")
     assert answer.startswith(b"HTTP/1.1 413"), answer[:300]
-    assert took < 3 and grown < 32 << 20
+    return took, rss_bytes(proxy) - before
 
 
 # -- A9: caller values never make a 500 ------------------------------------------------------------

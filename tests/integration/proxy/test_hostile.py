@@ -6,7 +6,10 @@ pushes and metadata. The suite asserts the blast-radius contract (issue 11):
 - every well-behaved request completes (counted, not sampled);
 - each hostile request is refused with a client-fault status (never INTERNAL/UNKNOWN),
   within 1 s, while a small request sent at the same moment completes within 2 s;
-- no replica is ejected and both stay routable (the proxy's own metrics and status say so).
+- no replica is ejected and both stay routable (the proxy's own metrics and status say so);
+- bystanders in a process of their own (support/bystanders.py: groups and GetStatus polls)
+  call beside the whole hostile run and their p99 latency stays within 2x of theirs beside the
+  same background load without the hostile client, measured first (issue 32).
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ import grpc
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from support.bystanders import Bystanders, calm_run, unharmed
 from support.processes import routable, start_proxy, stop_all, wait_routable
 from support.wire import fingerprint, make_adapter, push_messages, request, run_group
 
@@ -38,6 +42,7 @@ CLIENT_FAULTS = {
 }
 REFUSE_WITHIN_S = 1.0
 PROBE_WITHIN_S = 2.0
+CALM_S = 4.0
 
 
 # -- the fleet and its well-behaved clients ------------------------------------------------
@@ -90,6 +95,17 @@ def background(fleet):
     load.stop.set()
     for t in threads:
         t.join(60)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def bystanders(fleet, background, tmp_path_factory):
+    """Calm first (the background alone, CALM_S), then the same bystanders for the rest of the
+    module, from before its first hostile call: the verdict compares the two."""
+    proxy, _ = fleet
+    work = tmp_path_factory.mktemp("bystanders")
+    calm = calm_run(proxy, work / "calm.json", CALM_S)
+    with Bystanders(proxy, work / "during.json") as during:
+        yield calm, during
 
 
 @pytest.fixture(scope="module")
@@ -320,7 +336,7 @@ def test_random_requests_get_a_client_status_never_a_replica_fault(fleet, backgr
 
 
 # -- the verdict -----------------------------------------------------------------------------
-def test_zz_no_replica_was_ejected_and_every_good_request_completed(fleet, background):
+def test_zz_no_replica_was_ejected_and_every_good_request_completed(fleet, background, bystanders):
     proxy, replicas = fleet
     metrics = proxy.metrics()
     ejections = [
@@ -333,6 +349,9 @@ def test_zz_no_replica_was_ejected_and_every_good_request_completed(fleet, backg
     background.stop.set()
     assert background.done > 50, f"the background clients completed only {background.done} groups"
     assert not background.failures, background.failures[:5]
+    calm, during = bystanders
+    print(f"\nbystanders beside the hostile run: {during.stop().summary()}; calm: {calm.summary()}")
+    unharmed(during.record, calm)
 
 
 pytestmark = pytest.mark.integration  # starts processes or servers: not in make test-fast

@@ -1,0 +1,176 @@
+"""Well-behaved callers of a proxy in a process of their own, beside a hostile one (issue 32).
+
+A hostile case counts its collateral with callers that do what users do: gRPC groups, HTTP
+completions and GetStatus polls, each in a loop, each call timed. They run in a separate
+process so that what the test process does to play the hostile caller (build an 8 MiB body,
+hold sockets) never takes their interpreter: what their latencies show is the proxy's.
+
+`Bystanders(proxy)` starts the process and returns once every kind of call has succeeded
+once; leaving the block stops it (SIGTERM: each loop ends its call in flight) and reads its
+record: every failure (collateral: a hostile case may cause none) and every latency, by kind.
+`unharmed(during, calm)` is the issue's bound: no failure, every kind called, and each kind's
+p99 within 2x of the same callers' p99 without the hostile client (`calm`), where latencies
+under `NOISE_FLOOR_S` count as the floor: on 2 shared cores a scheduler tick or a collection
+moves a few-millisecond call by more than its own length.
+
+Run as a script by `Bystanders` only: `bystanders.py GRPC_TARGET HTTP_URL|- OUT_JSON`.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import signal
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+KINDS = ("grpc", "http", "status")
+"""The calls made: a gRPC group, an HTTP completion (where the proxy serves its door), a GetStatus."""
+NOISE_FLOOR_S = 0.05
+"""Below this a latency is the machine's noise, not the proxy's: a p99 is compared from here up."""
+READY_TIMEOUT_S = 60
+
+
+@dataclass
+class Record:
+    """What one run of the bystanders saw."""
+
+    latencies: dict[str, list[float]] = field(default_factory=lambda: {k: [] for k in KINDS})
+    failures: list[str] = field(default_factory=list)
+
+    @property
+    def kinds(self) -> list[str]:
+        """The kinds this run made (no `http` against a proxy without its door)."""
+        return [k for k in KINDS if k in self.latencies]
+
+    def p99(self, kind: str) -> float:
+        """The 99th percentile of `kind`'s latencies (nearest rank: an observed value)."""
+        values = sorted(self.latencies[kind])
+        assert values, f"no {kind} call finished"
+        return values[max(0, math.ceil(0.99 * len(values)) - 1)]
+
+    def summary(self) -> str:
+        return ", ".join(f"{k} p99 {self.p99(k) * 1000:.0f} ms of {len(self.latencies[k])}" for k in self.kinds)
+
+
+def unharmed(during: Record, calm: Record) -> None:
+    """Assert the hostile case's collateral bound: 0 failed calls, and each kind's p99 within 2x
+    of the calm run's (both floored at NOISE_FLOOR_S)."""
+    assert during.failures == [], during.failures[:5]
+    for kind in calm.kinds:
+        assert during.latencies.get(kind), f"no {kind} call finished beside the hostile client"
+        bound = 2 * max(calm.p99(kind), NOISE_FLOOR_S)
+        assert during.p99(kind) <= bound, (
+            f"{kind} p99 {during.p99(kind) * 1000:.0f} ms beside the hostile client, over 2x the calm run's "
+            f"({during.summary()}; calm: {calm.summary()})"
+        )
+
+
+class Bystanders:
+    """The bystanders' process, as a context manager; `.record` once the block has ended (or
+    `stop` was called)."""
+
+    def __init__(self, proxy, out: Path) -> None:
+        self.proxy, self.out = proxy, out
+        self.record = Record()
+        self.proc: subprocess.Popen | None = None
+
+    def __enter__(self) -> Bystanders:
+        http = self.proxy.http_url if self.proxy.http_port is not None else "-"
+        argv = [sys.executable, __file__, self.proxy.target, http, str(self.out)]
+        self.proc = subprocess.Popen(argv, stdout=subprocess.PIPE, text=True)
+        ready = threading.Event()
+        line: list[str] = []
+        reader = threading.Thread(target=lambda: (line.append(self.proc.stdout.readline()), ready.set()), daemon=True)  # type: ignore[union-attr]
+        reader.start()
+        if not ready.wait(READY_TIMEOUT_S) or line[0].strip() != "ready":
+            self.proc.kill()
+            raise AssertionError(f"the bystanders did not start within {READY_TIMEOUT_S} s: {line[:1]}")
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+    def stop(self) -> Record:
+        """End the run (once) and read its record."""
+        if self.proc is None or self.proc.returncode is not None:
+            return self.record
+        self.proc.send_signal(signal.SIGTERM)
+        try:
+            self.proc.wait(60)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            raise AssertionError("the bystanders did not stop within 60 s of SIGTERM") from None
+        body = json.loads(self.out.read_text())
+        self.record = Record(body["latencies"], body["failures"])
+        return self.record
+
+
+def calm_run(proxy, out: Path, seconds: float) -> Record:
+    """The same callers for `seconds` with nothing hostile beside them."""
+    with Bystanders(proxy, out) as calm:
+        time.sleep(seconds)  # a length of run, not a wait for an event
+    return calm.record
+
+
+# -- the bystanders' process ----------------------------------------------------------------------
+def _main(target: str, http_url: str, out: str) -> None:
+    import grpc
+    import requests
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    from rollwire.v1 import generator_pb2 as pb
+    from rollwire.v1 import generator_pb2_grpc
+    from support.wire import request, run_group
+
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    kinds = [k for k in KINDS if k != "http" or http_url != "-"]
+    record = Record({k: [] for k in kinds})
+    first = {k: threading.Event() for k in kinds}
+
+    def loop(kind: str, call) -> None:
+        while not stop.is_set():
+            start = time.monotonic()
+            try:
+                call()
+            except Exception as exc:  # every failure is collateral: count it
+                record.failures.append(f"{kind}: {exc!r}"[:300])
+                continue
+            record.latencies[kind].append(time.monotonic() - start)
+            first[kind].set()
+
+    with grpc.insecure_channel(target) as channel, requests.Session() as session:
+        stub = generator_pb2_grpc.GeneratorServiceStub(channel)
+        body = {"model": "tiny", "prompt": [5, 6, 7], "max_tokens": 3}
+
+        def http() -> None:
+            r = session.post(http_url + "/v1/completions", json=body, timeout=20)
+            if r.status_code != 200:
+                raise RuntimeError(f"http {r.status_code}: {r.text[:200]}")
+
+        calls = {
+            "grpc": lambda: run_group(stub, request("1+2=", n=1, max_new_tokens=3), timeout=20),
+            "http": http,
+            "status": lambda: stub.GetStatus(pb.GetStatusRequest(), timeout=20),
+        }
+        threads = [threading.Thread(target=loop, args=(k, calls[k]), daemon=True) for k in kinds]
+        for t in threads:
+            t.start()
+        deadline = time.monotonic() + READY_TIMEOUT_S
+        while not all(e.is_set() for e in first.values()) and time.monotonic() < deadline and not stop.is_set():
+            first["status"].wait(0.1)
+        waiting = [k for k in kinds if not first[k].is_set()]
+        print(f"not ready: {waiting} {record.failures[:3]}" if waiting else "ready", flush=True)
+        stop.wait()
+        for t in threads:
+            t.join(30)
+    Path(out).write_text(json.dumps({"latencies": record.latencies, "failures": record.failures}))
+
+
+if __name__ == "__main__":
+    _main(*sys.argv[1:4])

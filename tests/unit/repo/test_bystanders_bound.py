@@ -1,0 +1,46 @@
+"""The hostile suites' collateral bound (support/bystanders.py) can fail: each way a hostile
+case may harm its bystanders fails `unharmed`, checked here on records made by hand."""
+
+from __future__ import annotations
+
+import pytest
+from support.bystanders import KINDS, NOISE_FLOOR_S, Record, unharmed
+
+
+def record(seconds: dict[str, list[float]], failures: list[str] | None = None) -> Record:
+    return Record({k: list(seconds.get(k, [])) for k in KINDS}, failures or [])
+
+
+def steady(value: float, count: int = 100) -> dict[str, list[float]]:
+    return {k: [value] * count for k in KINDS}
+
+
+def test_p99_is_the_nearest_rank_of_what_was_seen():
+    assert record({"grpc": [i / 1000 for i in range(1, 101)]}).p99("grpc") == 0.099
+    assert record({"grpc": [0.3, 0.1, 0.2]}).p99("grpc") == 0.3  # few calls: the worst
+
+
+def test_within_twice_the_calm_p99_passes_and_beyond_it_fails():
+    calm = record(steady(0.2))
+    unharmed(record(steady(0.39)), calm)
+    slow = steady(0.2)
+    slow["http"] = [0.2] * 98 + [0.41, 0.41]  # the 99th of 100 calls
+    with pytest.raises(AssertionError, match="http p99 410 ms"):
+        unharmed(record(slow), calm)
+
+
+def test_a_failed_call_or_a_kind_never_called_fails():
+    calm = record(steady(0.2))
+    with pytest.raises(AssertionError, match="UNAVAILABLE"):
+        unharmed(record(steady(0.2), ["grpc: UNAVAILABLE"]), calm)
+    starved = steady(0.2)
+    starved["status"] = []
+    with pytest.raises(AssertionError, match="no status call"):
+        unharmed(record(starved), calm)
+
+
+def test_latencies_under_the_noise_floor_compare_from_the_floor():
+    calm = record(steady(0.001))
+    unharmed(record(steady(2 * NOISE_FLOOR_S - 0.001)), calm)
+    with pytest.raises(AssertionError):
+        unharmed(record(steady(2 * NOISE_FLOOR_S + 0.001)), calm)
