@@ -9,7 +9,7 @@ PROTOS := $(wildcard proto/rollwire/v1/*.proto)
 VLLM_VENV  := .venv-vllm
 VLLM_STAMP := $(VLLM_VENV)/.installed
 
-.PHONY: help install system-deps .venv-vllm test suite test-fast test-integration test-e2e lint breaking proto demo demo-trl demo-agent bench clean
+.PHONY: help install system-deps .venv-vllm test suite lint-quiet test-fast test-integration test-e2e lint breaking proto demo demo-trl demo-agent bench clean
 
 help:
 	@echo "make demo     teach the tiny model, run a replica + proxy + learner, watch GRPO learn"
@@ -79,22 +79,31 @@ system-deps:
 # `make test` runs its independent parts beside each other (a sub-make with -j3): the two venvs and
 # npm install at once (pip and npm mostly wait on disk and the package index), then lint (pyright
 # is one core for about a minute) beside the suite, which leaves a core idle much of its time. Its
-# outcome is the same as running them in turn: any part that fails fails `make test`.
+# outcome is the same as running them in turn: any part that fails fails `make test`. Lint's output
+# goes to .lint.log, printed whole only when it fails, so the suite's progress reads unbroken.
 test:
-	$(MAKE) --no-print-directory -j3 --output-sync=line lint breaking suite
+	$(MAKE) --no-print-directory -j3 lint-quiet breaking suite
 
+lint-quiet: install $(BUF)
+	@$(MAKE) --no-print-directory lint > .lint.log 2>&1 && echo "lint: passed (buf, ruff, pyright, import contracts; .lint.log)" \
+	  || { cat .lint.log; echo "lint: FAILED (above, and in .lint.log)"; exit 1; }
+
+# Two pytest-xdist workers (WORKERS=0: one process): a module's tests run together on one worker
+# (tests/conftest.py's worker_group), as do the vLLM server's and the network labs'.
+WORKERS ?= 2
+PARALLEL := -n $(WORKERS) --dist loadgroup
 suite: install system-deps $(VLLM_STAMP)
-	$(BIN)/python -m pytest -q --durations=25 tests/unit tests/integration tests/e2e
+	$(BIN)/python -m pytest -q $(PARALLEL) --durations=25 tests/unit tests/integration tests/e2e
 
 # No processes, no sockets (tests/unit/conftest.py makes either fail the test).
 test-fast: install
 	$(BIN)/python -m pytest -q -p no:cacheprovider tests/unit
 
 test-integration: install system-deps
-	$(BIN)/python -m pytest -q --durations=25 tests/integration
+	$(BIN)/python -m pytest -q $(PARALLEL) --durations=25 tests/integration
 
 test-e2e: install system-deps $(VLLM_STAMP)
-	$(BIN)/python -m pytest -q --durations=25 tests/e2e
+	$(BIN)/python -m pytest -q $(PARALLEL) --durations=25 tests/e2e
 
 proto: install
 	$(BIN)/python -m grpc_tools.protoc -Iproto --python_out=client --pyi_out=client --grpc_python_out=client $(PROTOS)
