@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 from support.door_fleet import chat_model, door  # noqa: F401  # the HTTP door's session fleet
 from support.fleets import fleets  # noqa: F401  # replica fleets shared by the tests that only read them
-from support.learner import taught_dir
+from support.learner import taught_model as build_taught
 from support.processes import FAST_STOP, start_generator, start_stack
 from support.vllm import vllm_server  # noqa: F401  # the one vLLM server of the run
 from support.zygote import ZYGOTE
@@ -101,18 +101,15 @@ def reference_model(tiny_model):
 @pytest.fixture(scope="session")
 def taught_model() -> Path:
     """The tiny model taught the addition task to a partial skill, cached across sessions."""
-    from rollwire.demo.teach import build_taught_model
-
-    return build_taught_model(taught_dir(), log=lambda line: None)
+    return build_taught()
 
 
 @pytest.fixture(scope="session")
 def chain_model() -> Path:
     """The tiny model taught chained addition (make demo-agent's), cached across sessions by its key."""
-    from rollwire.demo.teach import build_taught_model
     from rollwire.demo.teach_chain import CHAIN_SPEC
 
-    return build_taught_model(taught_dir(CHAIN_SPEC), CHAIN_SPEC, log=lambda line: None)
+    return build_taught(CHAIN_SPEC)
 
 
 @pytest.fixture(scope="session")

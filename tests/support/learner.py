@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import subprocess
@@ -26,6 +27,19 @@ def taught_dir(spec: TeachSpec | None = None) -> Path:
     machine (about a minute) and reused by every later session; a build is written aside and
     renamed into place whole."""
     return CACHE / f"taught-{(spec or TeachSpec()).key()}"
+
+
+def taught_model(spec: TeachSpec | None = None) -> Path:
+    """The model taught by `spec`, built here unless the cache holds it. Test processes that
+    run at once (pytest-xdist's workers, two checkouts) build it one at a time under a lock
+    file, so none replaces a folder another has started to read."""
+    from rollwire.demo.teach import build_taught_model
+
+    folder = taught_dir(spec)
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    with open(folder.with_name(folder.name + ".lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
+        return build_taught_model(folder, spec or TeachSpec(), log=lambda line: None)
 
 
 def learner_args(target: str, model: Path, run_dir: Path, adapter: str, *overrides: str) -> list[str]:
