@@ -82,9 +82,9 @@ async def start_proxy(config: ProxyConfig) -> RunningProxy:
     """Listen at once; replicas join as their health checks and catch-ups succeed."""
     check_peering(config)
     routing = config.routing
-    metrics = ProxyMetrics(config.policy)
+    metrics = ProxyMetrics(config.policy, tenants=[t.name for t in config.tenants])
     keepalive = config.keepalive.keepalive()
-    endpoint = listen("proxy", config, metrics.registry)
+    endpoint = listen("proxy", config, metrics.registry, [(t.name, t.token_files()) for t in config.tenants])
     spool, owns_spool = _open_spool(config)
     serving = _ServingFlag(endpoint)
     dispatcher: Dispatcher | None = None
