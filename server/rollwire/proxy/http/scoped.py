@@ -29,18 +29,22 @@ async def publication(door: Door, request: Request, action: str, lora_name: str)
     fleet holds it (a tenant's own: tenants.Scope.own) and a list the route appends its answer
     to; audited (tenants.audit) however it ends."""
     scope, role = scope_of(request), getattr(request.state, "role", ADMIN)
-    name, done = lora_name, []
+    name, adapter, done = lora_name, lora_name, []
+    metrics = door.core.state.metrics.tenant_publishes
     try:
         if scope.tenant and lora_name not in door.base_names:
             ref = parse_model(lora_name, frozenset())
-            name = model_id(scope.own(ref.name), ref.version) if ref.version else scope.own(ref.name)
+            adapter = scope.own(ref.name)
+            name = model_id(adapter, ref.version) if ref.version else adapter
+        else:  # the fleet's name goes on as given (the route's own checks come first, as without tenants)
+            adapter = _bare(lora_name)
         yield name, done
     except RollwireError as err:
-        audit(door.core.state.metrics.tenant_publishes, scope, role, action, name, 0, err)
+        audit(metrics, scope, role, action, adapter, 0, err)
         raise
     out = done[0] if done else {}
     version = out.get("version") or [int(v.rsplit("-v", 1)[1]) for v in out.get("unloaded", ())]
-    audit(door.core.state.metrics.tenant_publishes, scope, role, action, out.get("lineage") or name, version, None)
+    audit(metrics, scope, role, action, out.get("lineage") or adapter, version, None)
 
 
 def shown(request: Request, out: Any) -> Any:
@@ -55,3 +59,11 @@ def shown(request: Request, out: Any) -> Any:
     if isinstance(out, dict):
         return {k: shown(request, v) for k, v in out.items()}
     return out
+
+
+def _bare(lora_name: str) -> str:
+    """`NAME` of a `NAME-vN` the fleet gave, for its audit line (itself when it does not parse)."""
+    try:
+        return parse_model(lora_name, frozenset()).name
+    except RollwireError:
+        return lora_name
