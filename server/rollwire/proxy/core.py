@@ -112,7 +112,8 @@ class ProxyCore:
         The tokens it streams count towards `tenant` (a label: tenants.FLEET or a configured tenant)."""
         if self.state.peers is not None and request.adapter.name and not request.adapter.version:
             await self.state.peers.settled(request.adapter.name, max(0.0, deadline - time.monotonic()))
-        with self.state.dispatcher.admit(client) as admitted:  # exits (frees the client's slot) before any abort
+        work = max(1, request.n) * max(1, request.sampling.max_new_tokens)
+        with self.state.dispatcher.admit(client, tenant, work) as admitted:  # exits (frees the slots) before any abort
             request.request_id = rid
             if request.HasField("session"):
                 source = self.sessions.events(request, rid, client, deadline, admitted)
@@ -131,7 +132,9 @@ class ProxyCore:
                         tokens.inc(sum(len(chunk.token_ids) for chunk in message.tokens))
                     yield message
 
-    async def score(self, request: pb.ScoreRequest, rid: str, client: str, deadline: float) -> pb.ScoreResponse:
+    async def score(
+        self, request: pb.ScoreRequest, rid: str, client: str, deadline: float, tenant: str = FLEET
+    ) -> pb.ScoreResponse:
         """One Score through the core, whichever door it came by: the proxy's limits, the
         client's slot, routed by version (routing/score.py), counted in the Score metrics with
         its final code. Raises RollwireError or PassThrough."""
@@ -140,7 +143,7 @@ class ProxyCore:
             work = check_score(request, self.state.config.score)
             if self.state.peers is not None and request.adapter.name and not request.adapter.version:
                 await self.state.peers.settled(request.adapter.name, max(0.0, deadline - time.monotonic()))
-            with self.state.dispatcher.admit(client) as admitted:
+            with self.state.dispatcher.admit(client, tenant) as admitted:
                 reply = await ScoreRun(request, rid, deadline, self.state.dispatcher, admitted, work).answer()
             code = grpc.StatusCode.OK
             metrics.scored_tokens.inc(sum(len(s.continuation_token_ids) for s in request.sequences))

@@ -24,6 +24,7 @@ from rollwire.common.reasons import Reason
 from rollwire.proxy.core import ProxyCore
 from rollwire.proxy.publish.peers import Peers
 from rollwire.proxy.routing.passthrough import PassThrough
+from rollwire.proxy.routing.shares import check_spool_quota
 from rollwire.proxy.tenants import Scope, audit
 from rollwire.runtime.logs import get_logger, request_id_from
 from rollwire.runtime.security import ADMIN, caller_identity, require_peer, require_stage_only
@@ -88,7 +89,7 @@ class ProxyServicer(generator_pb2_grpc.GeneratorServiceServicer):
             deadline = time.monotonic() + (limit if remaining is None else min(remaining, limit))
             if request.adapter.name:
                 request.adapter.name = scope.read(request.adapter.name, self.core.has_adapter)
-            return await self.core.score(request, rid, client, deadline)
+            return await self.core.score(request, rid, client, deadline, scope.label)
         except RollwireError as err:
             err.message = scope.scrub(err.message)
             log.info("score_failed", code=err.code.name, reason=err.reason, error=err.message)
@@ -140,7 +141,7 @@ class ProxyServicer(generator_pb2_grpc.GeneratorServiceServicer):
                 return await self.state.peers.receive(request_iterator, origin, rid)
             role, scope = self.core.caller(context.invocation_metadata())
             require_stage_only(role, False)  # a relay or peer token publishes nothing
-            named = _Named(request_iterator, scope)
+            named = _Named(request_iterator, scope, self.core)
             try:
                 reply = await self.state.fanout.push(named.each(), rid)
             except RollwireError as err:
@@ -179,10 +180,11 @@ class ProxyServicer(generator_pb2_grpc.GeneratorServiceServicer):
 
 class _Named:
     """A push's messages, its manifest's name qualified for the caller's tenant (a name a
-    tenant may not give is refused by the reader's first read, before any byte is taken)."""
+    tenant may not give, or a version over its spool quotas, is refused by the reader's first
+    read, before any byte is taken)."""
 
-    def __init__(self, messages: AsyncIterator[pb.PushAdapterRequest], scope: Scope) -> None:
-        self.messages, self.scope = messages, scope
+    def __init__(self, messages: AsyncIterator[pb.PushAdapterRequest], scope: Scope, core: ProxyCore) -> None:
+        self.messages, self.scope, self.core = messages, scope, core
         self.name, self.version = "", 0
         """The fleet's name and the version of the push, once its manifest was read."""
 
@@ -192,6 +194,10 @@ class _Named:
             if first and message.WhichOneof("part") == "manifest":
                 message.manifest.name = self.scope.own(message.manifest.name)
                 self.name, self.version = message.manifest.name, message.manifest.version
+                state = self.core.state
+                check_spool_quota(
+                    state.dispatcher.shares, state.spool, state.config.spool.keep_versions, message.manifest
+                )
             first = False
             yield message
 

@@ -49,9 +49,19 @@ class QuotaSection(Section):
     """What one tenant may hold and use at once; refused beyond it (RESOURCE_EXHAUSTED, reason TENANT_QUOTA)."""
 
     max_spool_versions: int = Field(default=0, ge=0)
-    """Versions of the tenant's adapters the proxy's spool may hold; 0 = no limit but the spool's."""
+    """Versions of the tenant's adapters the proxy's spool may hold, all its names together (a push to a name already
+    at spool.keep_versions replaces its oldest); 0 = no limit but the spool's."""
     max_spool_bytes: int = Field(default=0, ge=0)
     """Bytes of the tenant's adapters the spool may hold; 0 = no limit but the spool's."""
+    max_in_flight: int = Field(default=0, ge=0)
+    """Generation and Score requests all the tenant's callers may have open at the proxy (queued or running), either
+    door; 0 = only the per-client limit ([fairness])."""
+    max_queued_tokens: int = Field(default=0, ge=0)
+    """Work (n x max_new_tokens) all the tenant's callers may have waiting in the proxy's queue (its first queued
+    request is always accepted); 0 = only the per-client limit."""
+    max_tokens_per_s: float = Field(default=0.0, ge=0)
+    """Work (n x max_new_tokens) the tenant may start per second, over a 10 s window (it may burst 10 s' worth);
+    0 = no limit."""
 
 
 class TenantSection(Section):

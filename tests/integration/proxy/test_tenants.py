@@ -43,7 +43,7 @@ def fleet(tiny_model, tmp_path_factory):
     root.mkdir()
     tenants = [
         {"name": "team-a", "publish_tokens_file": str(work / "a-pub.token"), "generate_tokens_file": str(work / "a-gen.token")},
-        {"name": "team-b", "publish_tokens_file": str(work / "b-pub.token"), "weight": 2},
+        {"name": "team-b", "publish_tokens_file": str(work / "b-pub.token"), "weight": 2, "quotas": {"max_spool_versions": 2}},
     ]  # fmt: skip
     gen = start_generator(tiny_model, work, "tn1", *GENERATOR_ARGS, "--replica-id", "tn1")
     proxy = start_proxy(
@@ -209,6 +209,17 @@ def test_over_http_trls_clients_carry_each_tenants_token_in_the_base_url(fleet):
     bad = requests.get(proxy.http_url.replace("http://", "http://team-a:wrong@") + "/v1/models", timeout=10)
     assert bad.status_code == 401
 
+    # team-b's spool quota: 2 versions (its policy v1, its trl-policy v1, unloaded but spooled), by either door
+    err = refused(lambda: push(fleet, "b-pub", "extra", 1, seed=20))
+    assert (err.code(), reason(err)) == (grpc.StatusCode.RESOURCE_EXHAUSTED, "TENANT_QUOTA")
+    assert "max_spool_versions" in (err.details() or "") and "team-b" in (err.details() or "")
+    folder = fleet["root"] / "team-b" / "extra-v1"
+    peft_folder(fleet["model"], folder, 21)
+    body = {"lora_name": "extra-v1", "lora_path": str(folder)}
+    over = requests.post(f"{base['team-b']}/v1/load_lora_adapter", json=body, timeout=30)
+    assert over.status_code == 429 and over.json()["error"]["reason"] == "TENANT_QUOTA", over.text
+    push(fleet, "a-pub", "extra", 1, seed=22)  # team-a has no such quota
+
     text = proxy.metrics()
     assert (
         metric_value(text, "rollwire_proxy_tenant_publishes_total", 'action="load",outcome="ok",tenant="team-a"') == 1
@@ -217,8 +228,10 @@ def test_over_http_trls_clients_carry_each_tenants_token_in_the_base_url(fleet):
         metric_value(text, "rollwire_proxy_tenant_publishes_total", 'action="unload",outcome="ok",tenant="team-b"') == 1
     )
     assert (
-        metric_value(text, "rollwire_proxy_tenant_publishes_total", 'action="push",outcome="ok",tenant="team-a"') == 2
+        metric_value(text, "rollwire_proxy_tenant_publishes_total", 'action="push",outcome="ok",tenant="team-a"') == 3
     )
+    refusals = 'action="load",outcome="refused",tenant="team-b"'
+    assert metric_value(text, "rollwire_proxy_tenant_publishes_total", refusals) == 1
     assert metric_value(text, "rollwire_proxy_tenant_tokens_total", 'tenant="team-a"') >= 12
     assert metric_value(text, "rollwire_proxy_tenant_tokens_total", 'tenant="_fleet"') == 0
 

@@ -55,6 +55,7 @@ from rollwire.proxy.core import ProxyState
 from rollwire.proxy.http.dialect.errors import HttpError
 from rollwire.proxy.http.dialect.names import ModelRef, model_id, parse_model
 from rollwire.proxy.lineages import Lineages
+from rollwire.proxy.routing.shares import check_spool_quota
 from rollwire.proxy.tenants import Scope
 from rollwire.runtime.logs import get_logger
 from rollwire.v1 import generator_pb2 as pb
@@ -237,6 +238,9 @@ class AdapterDoor:
         )
         if signed is not None:
             signed.apply(manifest)
+        check_spool_quota(
+            self.state.dispatcher.shares, self.state.spool, self.state.config.spool.keep_versions, manifest
+        )
         fanout, answer = self.state.fanout, self.state.config.http.load_answer
         earlier = fanout.failed_after_answer.pop(name, "")
         reply = await fanout.push(_aiter(messages(manifest, payload, MAX_CHUNK)), rid, answer=answer)

@@ -81,7 +81,7 @@ async def echo_scores(
     scored = [i for i, ids in enumerate(prompts) if len(ids) > 1]
     for i in scored:
         request.sequences.add(prompt_token_ids=prompts[i][:1], continuation_token_ids=prompts[i][1:])
-    reply = await door.core.score(request, rid, client, door.deadline()) if scored else None
+    reply = await door.core.score(request, rid, client, door.deadline(), scope.label) if scored else None
     results = dict(zip(scored, reply.sequences, strict=True)) if reply is not None else {}
     choices = []
     for i, ids in enumerate(prompts):
