@@ -206,6 +206,8 @@ def test_over_http_trls_clients_carry_each_tenants_token_in_the_base_url(fleet):
     assert spelled.status_code == 400 and spelled.json()["error"]["type"] == "BadRequestError", spelled.text
     assert seen(fleet, "b-pub")["policy"]  # B's gRPC-pushed policy is still there
 
+    info = requests.get(f"{base['team-a']}/server_info", timeout=10).json()
+    assert info["rollwire"]["replicas"] == [] and info["vllm_config"]["lora_config"]["max_loras"] >= 1  # no topology
     bad = requests.get(proxy.http_url.replace("http://", "http://team-a:wrong@") + "/v1/models", timeout=10)
     assert bad.status_code == 401
 

@@ -197,7 +197,10 @@ def _vllm_routes(app: FastAPI, door: Door) -> None:
     @app.get("/server_info")
     async def server_info(request: Request) -> JSONResponse:
         _authorize(door, request, GENERATE)
-        return JSONResponse(door.server_info())
+        info = door.server_info()
+        if request.state.scope.tenant:  # the fleet's topology is not a tenant's to read
+            info["rollwire"]["replicas"] = []
+        return JSONResponse(info)
 
     @app.get("/v1/models")
     async def models(request: Request) -> JSONResponse:
