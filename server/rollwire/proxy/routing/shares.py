@@ -4,9 +4,11 @@ work (proxy/tenants.py; the dispatcher, dispatch.py, asks these).
 Weighted fair share, as start-time fair queueing over tenants: each tenant keeps a virtual
 time that grows by `work / weight` with every slot it is granted (work = n x max_new_tokens,
 the tokens a group may generate); a free slot goes to the waiting tenant with the least
-virtual time (then, inside it, to its client served longest ago). A tenant that starts
-waiting takes the least virtual time among those already waiting if its own is behind, so
-time it spent idle is no credit it can spend later.
+virtual time (then, inside it, to its client served longest ago). The fleet's virtual time
+is where the last grant started (it never goes back); a tenant that starts waiting moves up
+to it if its own is behind, so time it spent idle (or with nothing queued) is no credit it
+can spend later, and a tenant granted the queue's tail while the others had nothing queued
+is not held back for it when they return.
 
 Invariants:
 - work-conserving: a free slot goes to some waiter whenever one can use it, so a tenant alone
@@ -66,6 +68,8 @@ class Shares:
         self.retry_after_s, self.clock = retry_after_s, clock
         self.shares = {t.name: Share(t.name, t.weight, t.quotas) for t in tenants}
         self.shares.setdefault(FLEET, Share(FLEET))
+        self.vnow = 0.0
+        """The fleet's virtual time: the virtual time at which the last grant started."""
 
     def get(self, tenant: str) -> Share:
         return self.shares.get(tenant) or self.shares[FLEET]
@@ -146,9 +150,7 @@ class Shares:
     # -- fair share --------------------------------------------------------------------------
     def enqueued(self, share: Share, work: int) -> None:
         if not share.waiting:  # starts waiting: idle time is no credit
-            behind = [s.vtime for s in self.shares.values() if s.waiting and s is not share]
-            if behind:
-                share.vtime = max(share.vtime, min(behind))
+            share.vtime = max(share.vtime, self.vnow)
         share.waiting += 1
         share.queued_work += work
 
@@ -157,6 +159,7 @@ class Shares:
         share.queued_work -= work
 
     def granted(self, share: Share, work: int) -> None:
+        self.vnow = max(self.vnow, share.vtime)
         share.vtime += work / share.weight
 
 
