@@ -33,7 +33,7 @@ from rollwire.v1 import generator_pb2_grpc
 SLOTS, N, TOKENS, RATE = 6, 4, 32, 100.0
 A_CLIENTS, WORKERS_EACH = 6, 8
 WARMUP_S, WINDOW_S = 2.0, 10.0
-TENANTS = ("team-a", "team-b", "team-c")
+TENANTS: tuple[str, ...] = ("team-a", "team-b", "team-c")
 
 
 def tokens_of() -> dict[str, list[str]]:

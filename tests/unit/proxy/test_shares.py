@@ -18,7 +18,7 @@ from rollwire.proxy.metrics import ProxyMetrics
 from rollwire.proxy.policies import Candidate, make_policy
 from rollwire.proxy.routing.dispatch import Dispatcher, Need
 from rollwire.proxy.routing.shares import RATE_WINDOW_S, Shares
-from rollwire.proxy.tenants import TenantSection
+from rollwire.proxy.tenants import QuotaSection, TenantSection
 
 
 @dataclass(eq=False)
@@ -50,7 +50,7 @@ class Members:
 
 
 def tenant(name: str, weight: float = 1.0, **quotas) -> TenantSection:
-    return TenantSection(name=name, publish_tokens_file="unused", weight=weight, quotas=quotas)
+    return TenantSection(name=name, publish_tokens_file="unused", weight=weight, quotas=QuotaSection(**quotas))
 
 
 def dispatcher(tenants, slots: int = 1, clock=time.monotonic) -> Dispatcher:
