@@ -129,6 +129,8 @@ bench: install
 	$(BIN)/python bench/proxy_overhead.py
 	$(BIN)/python bench/scaling.py
 	$(BIN)/python bench/async_vs_sync.py
+	$(BIN)/python bench/tenant_fairness.py
+	$(BIN)/python bench/tenant_fairness.py --weights 1,2,1
 	$(BIN)/python bench/report.py
 
 clean:

@@ -709,6 +709,38 @@ def resume_vs_restart(d: dict) -> str:
     )
 
 
+def tenant_fairness(d: dict) -> str:
+    """The equal-weights run, and the 1,2,1 one when its JSON is there (tenant_fairness-1-2-1)."""
+    parts = [_fairness_run(d)]
+    weighted = load("tenant_fairness-1-2-1")
+    if weighted is not None:
+        parts.append(_fairness_run(weighted))
+    return "\n\n".join(parts)
+
+
+def _fairness_run(d: dict) -> str:
+    w, summary = d["workload"], d["summary"]
+    tenants = list(w["weights"])
+    header = ["proxy", "total tokens/s", *(f"{t} / its weighted share" for t in tenants), "Jain's index"]
+    labels = {"flat": "flat (every token the fleet's)", "tenants": "tenants (weighted fair queueing)"}
+    rows = [
+        [labels[mode], s(m["total_tokens_per_s"], digits=0), *(s(m["ratio_to_share"][t]) for t in tenants),
+         s(m["jain"], digits=3)]
+        for mode, m in summary.items()
+    ]  # fmt: skip
+    weights = ", ".join(f"{t} {v:g}" for t, v in w["weights"].items())
+    return "\n\n".join(
+        [
+            f"**Weights {weights}.** " + provenance(d) + f" One scripted replica ({w['tokens_per_s_per_sample']:g} "
+            f"tokens/s per sample), {w['slots']} slots at the proxy; groups of n={w['n']} x {w['new_tokens']} tokens; "
+            f"tenant A floods from {w['a_clients']} tokens, B and C from one each, {w['groups_in_flight_per_token']} "
+            f"groups in flight per token; {w['window_s']:g} s windows after {w['warmup_s']:g} s of warm-up; median "
+            f"(min–max) of {summary['tenants']['jain']['n']} alternating repeats.",
+            table(header, rows),
+        ]
+    )
+
+
 SECTIONS = {
     "weight_push": weight_push,
     "proxy_overhead": proxy_overhead,
@@ -724,6 +756,7 @@ SECTIONS = {
     "sessions": sessions,
     "startup": startup,
     "resume_vs_restart": resume_vs_restart,
+    "tenant_fairness": tenant_fairness,
 }
 
 

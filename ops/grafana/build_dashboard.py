@@ -197,6 +197,29 @@ PANELS = [
         [(f"sum by (behind) (rate(rollwire_generator_served_tokens_total[{W}]))", "{{behind}} behind")],
     ),
     (
+        "Tenants",
+        "Tokens per second by tenant (docs/deploy.md, Tenants)",
+        "short",
+        [(f"sum by (tenant) (rate(rollwire_proxy_tenant_tokens_total[{W}]))", "{{tenant}}")],
+    ),
+    (
+        "Tenants",
+        "Requests by tenant and status code",
+        "reqps",
+        [(f"sum by (tenant, code) (rate(rollwire_proxy_tenant_requests_total[{W}]))", "{{tenant}} {{code}}")],
+    ),
+    (
+        "Tenants",
+        "Adapter publications by tenant (push, load, upload, unload)",
+        "short",
+        [
+            (
+                f"sum by (tenant, action, outcome) (increase(rollwire_proxy_tenant_publishes_total[{W}]))",
+                "{{tenant}} {{action}} {{outcome}}",
+            )
+        ],
+    ),
+    (
         "HTTP door",
         "HTTP requests by route and status (docs/http.md)",
         "reqps",

@@ -7,6 +7,9 @@ torch and no server code: it is part of the client-facing contract (with
 
 Invariants:
 - one adapter-name rule (`NAME_RE`, always fullmatch) for the SDK, the proxy and the replica;
+  a server also holds tenant-qualified names, `TENANT:NAME` (`QUALIFIED_RE`: both parts by
+  NAME_RE), which the proxy makes of a tenant's names (rollwire.proxy.tenants): ':' is in no
+  name a client gives, so no tenant's name can spell another tenant's;
 - versions are 1 to 2**53 (`MAX_VERSION`: exact in JSON and in a double) and at most
   `max_step` above the newest a holder accepted, so no push can use up a name's range;
 - versions are immutable: a held version re-pushed with its digest is an idempotent success,
@@ -28,6 +31,10 @@ from rollwire.v1 import generator_pb2 as pb
 NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
 """Adapter names: always used with fullmatch (a `$` would let a final newline through)."""
 NAME_RULE = "1-64 letters, digits, '.', '_' or '-', starting with a letter or digit"
+TENANT_SEPARATOR = ":"
+"""Between a tenant's name and its adapter's in a qualified name (`team-a:trl-policy`); NAME_RE forbids it."""
+QUALIFIED_RE = re.compile(rf"(?:{NAME_RE.pattern}{TENANT_SEPARATOR})?{NAME_RE.pattern}")
+"""The names servers hold (replicas, the proxy's spool and lineages): a name, or TENANT:NAME."""
 MAX_VERSION = 1 << 53
 """Largest adapter version: exact in JSON and in a double, so every tool reads it right."""
 DEFAULT_MAX_VERSION_STEP = 1_000_000
@@ -40,7 +47,8 @@ _DIGEST_RE = re.compile(r"[0-9a-f]{64}")
 
 
 def name_ok(name: object) -> bool:
-    return isinstance(name, str) and NAME_RE.fullmatch(name) is not None
+    """A name a server may hold: NAME, or TENANT:NAME as the proxy qualifies a tenant's (QUALIFIED_RE)."""
+    return isinstance(name, str) and QUALIFIED_RE.fullmatch(name) is not None
 
 
 def check_name(name: object) -> str:

@@ -214,6 +214,8 @@ class Reason(StrEnum):
     # -- The proxy --------------------------------------------------------------------------
     CLIENT_LIMIT = "CLIENT_LIMIT"
     """RESOURCE_EXHAUSTED; retry: This client is over its fair share; after the hint."""
+    TENANT_QUOTA = "TENANT_QUOTA"
+    """RESOURCE_EXHAUSTED; retry: The caller's tenant is over one of its quotas, which the sentence names; after the hint."""
     SLOW_READER = "SLOW_READER"
     """RESOURCE_EXHAUSTED; retry: The client left its stream unread; read as it comes."""
     PROXY_QUEUE_FULL = "PROXY_QUEUE_FULL"

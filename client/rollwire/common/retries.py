@@ -78,7 +78,7 @@ CLIENT_CAUSED = frozenset(
     }
 )
 """Codes a request can cause: relayed to the client, never counted against a replica."""
-CLIENT_BEHAVIOUR = frozenset({Reason.CLIENT_LIMIT, Reason.SLOW_READER})
+CLIENT_BEHAVIOUR = frozenset({Reason.CLIENT_LIMIT, Reason.TENANT_QUOTA, Reason.SLOW_READER})
 """The proxy's own refusals caused by how a client behaves: counted as client errors."""
 
 FLEET_FAULTS = frozenset({Reason.ATTEMPTS_EXHAUSTED, Reason.NO_REPLICA})

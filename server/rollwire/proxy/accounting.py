@@ -27,6 +27,7 @@ import grpc
 from rollwire.common.errors import RollwireError
 from rollwire.common.retries import CLIENT_BEHAVIOUR, CLIENT_CAUSED
 from rollwire.proxy.routing.passthrough import PassThrough
+from rollwire.proxy.tenants import FLEET
 
 if TYPE_CHECKING:
     from rollwire.proxy.metrics import ProxyMetrics
@@ -60,6 +61,8 @@ class RequestRecord:
         """True while the request is at the HTTP door's edge (see the module docstring);
         the door sets it False as it hands the request to the core."""
         self.code: grpc.StatusCode | None = None
+        self.tenant = FLEET
+        """The `tenant` label it counts under (the door sets it from the caller's token)."""
         self._owned = True
 
     def close(self, exc: BaseException | None = None) -> None:
@@ -69,6 +72,7 @@ class RequestRecord:
         self.code = code
         metrics = self.metrics
         metrics.requests.labels(metrics.policy, code.name).inc()
+        metrics.tenant_requests.labels(self.tenant, code.name).inc()
         metrics.latency.labels(metrics.policy).observe(time.monotonic() - self.start)
         if client:
             metrics.client_errors.labels(code.name).inc()

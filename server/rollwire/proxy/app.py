@@ -26,6 +26,7 @@ from rollwire.proxy.policies import make_policy
 from rollwire.proxy.publish.fanout import FanOut
 from rollwire.proxy.publish.peers import Peers
 from rollwire.proxy.routing.dispatch import Dispatcher
+from rollwire.proxy.routing.shares import Shares
 from rollwire.proxy.servicer import ProxyServicer
 from rollwire.proxy.spool import Spool
 from rollwire.proxy.upstream import peer_dialer, upstream_dialer
@@ -82,9 +83,9 @@ async def start_proxy(config: ProxyConfig) -> RunningProxy:
     """Listen at once; replicas join as their health checks and catch-ups succeed."""
     check_peering(config)
     routing = config.routing
-    metrics = ProxyMetrics(config.policy)
+    metrics = ProxyMetrics(config.policy, tenants=[t.name for t in config.tenants])
     keepalive = config.keepalive.keepalive()
-    endpoint = listen("proxy", config, metrics.registry)
+    endpoint = listen("proxy", config, metrics.registry, [(t.name, t.token_files()) for t in config.tenants])
     spool, owns_spool = _open_spool(config)
     serving = _ServingFlag(endpoint)
     dispatcher: Dispatcher | None = None
@@ -96,8 +97,8 @@ async def start_proxy(config: ProxyConfig) -> RunningProxy:
 
     upstream = upstream_dialer(config.upstream, keepalive)
     replicas = ReplicaSet(config, spool, metrics, on_change, upstream)
-    policy = make_policy(config.policy, routing)
-    dispatcher = Dispatcher(replicas, policy, routing, metrics, config.fairness)
+    shares = Shares(config.tenants, routing.retry_after_s)  # tenants' weights and quotas
+    dispatcher = Dispatcher(replicas, make_policy(config.policy, routing), routing, metrics, config.fairness, shares)
     proxy_id = config.proxy_id or default_proxy_id(config.host, endpoint.port)
     spool.lineages.origin = proxy_id  # in the stamps of its unloads, which peers merge
     peers = Peers(config, proxy_id, spool, replicas, peer_dialer(config.peering, config.upstream, keepalive))

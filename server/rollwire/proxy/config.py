@@ -1,7 +1,7 @@
 """Typed configuration of the routing proxy (`rollwire proxy --config FILE --set k=v`).
 
 Every section of the proxy's config is defined here but the dial settings' (upstream.py, which
-imports nothing of the proxy's); addresses are checked by the one rule of
+imports nothing of the proxy's) and the tenants' (tenants.py, likewise); addresses are checked by the one rule of
 rollwire.common.addresses, and policy names by the registry of rollwire.proxy.policies, which
 does not import the config: so any proxy module may import this one and none is imported back.
 """
@@ -10,11 +10,12 @@ from __future__ import annotations
 
 from typing import Annotated, Literal
 
-from pydantic import Field, field_validator
+from pydantic import Field, field_validator, model_validator
 
 from rollwire.common.addresses import check_address, check_target, parse_dns_target
 from rollwire.common.writer import MAX_STRIPES
 from rollwire.proxy.policies import POLICIES
+from rollwire.proxy.tenants import TenantSection, check_tenants
 from rollwire.proxy.upstream import UpstreamSection
 from rollwire.runtime.config import Section
 from rollwire.runtime.dialing import DialSection
@@ -325,6 +326,14 @@ class ProxyConfig(ServerConfig):
     http: HttpSection = Field(default_factory=HttpSection)
     registration: RegistrationSection = Field(default_factory=RegistrationSection)
     floor: FloorSection = Field(default_factory=FloorSection)
+    tenants: list[TenantSection] = Field(default_factory=list)
+    """Tenants sharing the fleet, each with its own adapter names, tokens, weight and quotas (proxy/tenants.py,
+    docs/deploy.md "Tenants"); empty = one flat namespace, every token the fleet's."""
+
+    @model_validator(mode="after")
+    def _tenants(self) -> ProxyConfig:
+        check_tenants(self.tenants, self.auth.enabled())
+        return self
 
     @field_validator("base_model")
     @classmethod

@@ -31,7 +31,8 @@ from rollwire.proxy.routing.passthrough import PassThrough
 from rollwire.proxy.routing.score import ScoreRun, check_score
 from rollwire.proxy.routing.sessions import SessionTurns
 from rollwire.proxy.spool import Spool
-from rollwire.runtime.security import TokenAuth
+from rollwire.proxy.tenants import FLEET, Scope
+from rollwire.runtime.security import ADMIN, GENERATE, TokenAuth
 from rollwire.serving import __version__
 from rollwire.serving.sessions import SessionStore
 from rollwire.v1 import generator_pb2 as pb
@@ -86,15 +87,33 @@ class ProxyCore:
         HTTP door opens one per request as gRPC's Generate does (accounting.py)."""
         return RequestRecord(self.state.metrics, edge=edge)
 
+    def caller(self, metadata) -> tuple[str, Scope]:
+        """The role of a call's token and the names it sees (tenants.py): admin and the fleet's
+        where auth is off, as every call is."""
+        auth = self.state.auth
+        grant = auth.grant(metadata) if auth is not None else None
+        if grant is None:
+            return (ADMIN if auth is None else GENERATE), Scope()
+        return grant.role, Scope(grant.tenant)
+
+    def has_adapter(self, name: str) -> bool:
+        """Does the fleet know adapter `name` (a lineage, a spooled version or one a member holds)?"""
+        internal = self.state.spool.lineages.internal(name)
+        if internal != name or self.state.spool.versions(internal):
+            return True
+        return any(internal in r.versions for r in self.state.replicas.all())
+
     async def group_events(
-        self, request: pb.GenerateRequest, rid: str, client: str, deadline: float
+        self, request: pb.GenerateRequest, rid: str, client: str, deadline: float, tenant: str = FLEET
     ) -> AsyncIterator[pb.GenerateResponse]:
         """One group through the core, whichever door it came by: admitted under `client`'s
         limits (routing/dispatch.py), "latest" settled with peer proxies, run by routing/failover.py. Raises
-        RollwireError or PassThrough; closing the iterator frees the client's slot and the lease."""
+        RollwireError or PassThrough; closing the iterator frees the client's slot and the lease.
+        The tokens it streams count towards `tenant` (a label: tenants.FLEET or a configured tenant)."""
         if self.state.peers is not None and request.adapter.name and not request.adapter.version:
             await self.state.peers.settled(request.adapter.name, max(0.0, deadline - time.monotonic()))
-        with self.state.dispatcher.admit(client) as admitted:  # exits (frees the client's slot) before any abort
+        work = max(1, request.n) * max(1, request.sampling.max_new_tokens)
+        with self.state.dispatcher.admit(client, tenant, work) as admitted:  # exits (frees the slots) before any abort
             request.request_id = rid
             if request.HasField("session"):
                 source = self.sessions.events(request, rid, client, deadline, admitted)
@@ -106,11 +125,16 @@ class ProxyCore:
                 source = self.coalescer.events(request, deadline, run)
             else:
                 source = GroupRun(request, rid, deadline, self.state.dispatcher, admitted).events()
+            tokens = self.state.metrics.tenant_tokens.labels(tenant)
             async with contextlib.aclosing(source) as events:  # closing it releases the lease  # pyright: ignore[reportArgumentType]  # the library's annotation is narrower than what it accepts
                 async for message in events:
+                    if message.tokens:
+                        tokens.inc(sum(len(chunk.token_ids) for chunk in message.tokens))
                     yield message
 
-    async def score(self, request: pb.ScoreRequest, rid: str, client: str, deadline: float) -> pb.ScoreResponse:
+    async def score(
+        self, request: pb.ScoreRequest, rid: str, client: str, deadline: float, tenant: str = FLEET
+    ) -> pb.ScoreResponse:
         """One Score through the core, whichever door it came by: the proxy's limits, the
         client's slot, routed by version (routing/score.py), counted in the Score metrics with
         its final code. Raises RollwireError or PassThrough."""
@@ -119,7 +143,7 @@ class ProxyCore:
             work = check_score(request, self.state.config.score)
             if self.state.peers is not None and request.adapter.name and not request.adapter.version:
                 await self.state.peers.settled(request.adapter.name, max(0.0, deadline - time.monotonic()))
-            with self.state.dispatcher.admit(client) as admitted:
+            with self.state.dispatcher.admit(client, tenant) as admitted:
                 reply = await ScoreRun(request, rid, deadline, self.state.dispatcher, admitted, work).answer()
             code = grpc.StatusCode.OK
             metrics.scored_tokens.inc(sum(len(s.continuation_token_ids) for s in request.sequences))
@@ -134,10 +158,11 @@ class ProxyCore:
             metrics.score_requests.labels(code.name).inc()
             metrics.score_latency.observe(time.monotonic() - start)
 
-    def status(self) -> pb.GetStatusResponse:
+    def status(self, scope: Scope | None = None) -> pb.GetStatusResponse:
         """The proxy as one big replica: what some routable replica serves, the strictest
         limits of the routable replicas that serve the fleet's base model (a client keeping to
-        them is served by every one; replicas.fleet_limits), and each replica's own state."""
+        them is served by every one; replicas.fleet_limits), and each replica's own state; a
+        tenant's `scope` sees its own adapters (unqualified) and the shared ones only."""
         members = self.state.replicas.all()
         routable = self.state.replicas.routable()
         adapters: dict[str, set[int]] = {}
@@ -146,13 +171,14 @@ class ProxyCore:
                 adapters.setdefault(name, set()).update(versions)
         for name in adapters:  # unloaded versions are not served (lineages.py); internal names are shown
             adapters[name] -= self.state.spool.lineages.unloaded(name)
+        shown = [(n, v, (scope or Scope()).shown(n)) for n, v in sorted(adapters.items()) if v]
         return pb.GetStatusResponse(
             role="proxy",
             replica=self.state.proxy_id,
             instance=self.state.peers.instance if self.state.peers is not None else "",
             model_fingerprint=self.state.replicas.fingerprint,
             engine=",".join(sorted({r.engine for r in members if r.engine})),
-            adapters=[self._loaded(n, v) for n, v in sorted(adapters.items()) if v],
+            adapters=[self._loaded(n, v, seen) for n, v, seen in shown if seen is not None],
             in_flight=sum(r.in_flight for r in members),
             queue_depth=self.state.dispatcher.queued(),
             limits=self._limits(self.state.replicas.fleet_limits()),
@@ -160,11 +186,12 @@ class ProxyCore:
             server_version=__version__,
         )
 
-    def _loaded(self, name: str, versions: set[int]) -> pb.LoadedAdapter:
-        """One name of the proxy's summary, with the digest and signer of each version it spooled."""
+    def _loaded(self, name: str, versions: set[int], shown: str) -> pb.LoadedAdapter:
+        """One name of the proxy's summary (as the caller sees it: `shown`), with the digest and
+        signer of each version it spooled."""
         spooled = [a.manifest for v in sorted(versions) if (a := self.state.spool.get(name, v)) is not None]
         return pb.LoadedAdapter(
-            name=name,
+            name=shown,
             versions=sorted(versions),
             digests={m.version: m.sha256 for m in spooled},
             signers={m.version: m.signer for m in spooled if m.signature},

@@ -55,7 +55,7 @@ from pathlib import Path
 from typing import NamedTuple
 
 from rollwire.common.errors import InvalidArgument, ResourceExhausted
-from rollwire.common.manifest import NAME_RE
+from rollwire.common.manifest import QUALIFIED_RE
 from rollwire.common.reasons import Reason
 from rollwire.runtime.durable import write_atomic
 from rollwire.runtime.logs import get_logger
@@ -142,7 +142,7 @@ class Lineages:
             )
         for generation in range(self._generation.get(name, 1) + 1, self._generation.get(name, 1) + 1000):
             candidate = internal_name(name, generation)
-            if NAME_RE.fullmatch(candidate) and not taken(candidate):
+            if QUALIFIED_RE.fullmatch(candidate) and not taken(candidate):
                 return candidate, generation
         raise InvalidArgument(
             f"adapter name {name!r} is too long to start a new lineage under (NAME.N must fit 64 characters); "
@@ -364,7 +364,7 @@ def _check_generations(generations: Mapping[str, int]) -> None:
             reason=Reason.BAD_LINEAGES,
         )
     for name, generation in generations.items():
-        if not isinstance(name, str) or not NAME_RE.fullmatch(name):
+        if not isinstance(name, str) or not QUALIFIED_RE.fullmatch(name):
             raise InvalidArgument(
                 f"a peer sent the lineage of an invalid name {str(name)[:80]!r}", reason=Reason.BAD_LINEAGES
             )
@@ -373,7 +373,7 @@ def _check_generations(generations: Mapping[str, int]) -> None:
                 f"a peer sent generation {generation!r} for {name!r}; generations are 2 to {MAX_GENERATION}",
                 reason=Reason.BAD_LINEAGES,
             )
-        if not NAME_RE.fullmatch(internal_name(name, generation)):
+        if not QUALIFIED_RE.fullmatch(internal_name(name, generation)):
             raise InvalidArgument(
                 f"a peer sent generation {generation} for {name!r}, whose internal name does not fit a name",
                 reason=Reason.BAD_LINEAGES,
@@ -388,7 +388,7 @@ def _check_marks(marks: Mapping[str, Mapping[int, Mark]], latest_ns: int) -> int
         )
     newest = 0
     for name, versions in marks.items():
-        if not isinstance(name, str) or not NAME_RE.fullmatch(name):
+        if not isinstance(name, str) or not QUALIFIED_RE.fullmatch(name):
             raise InvalidArgument(
                 f"a peer sent unloads of an invalid name {str(name)[:80]!r}", reason=Reason.BAD_LINEAGES
             )

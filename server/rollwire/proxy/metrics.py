@@ -2,7 +2,8 @@
 
 Labels come from fixed sets only: the replica address (members of the replica set; their
 series are removed when a replica leaves), peer proxy addresses (from the config), the policy
-name, gRPC code names, adapter names, per-client limit names. Never request ids or client
+name, gRPC code names, adapter names, per-client limit names, tenant names (the config's
+tenants plus tenants.FLEET for the fleet's own tokens: `tenant_*` families). Never request ids or client
 identities (unbounded). Counters that dashboards rate start at 0 for every label value known
 in advance (codes, limits, each replica as it joins, each peer).
 """
@@ -16,6 +17,7 @@ from prometheus_client import CollectorRegistry, Histogram
 
 from rollwire.common.retries import CLIENT_CAUSED
 from rollwire.proxy.policies.prefix import OUTCOMES as PREFIX_OUTCOMES
+from rollwire.proxy.tenants import FLEET
 from rollwire.runtime.metrics import MetricFactory
 from rollwire.serving.sessions import SessionMetrics
 
@@ -33,6 +35,8 @@ CODES = tuple(code.name for code in grpc.StatusCode)
 CLIENT_CODES = tuple(sorted(code.name for code in CLIENT_CAUSED))
 """The codes a client can cause (retries.CLIENT_CAUSED): client_errors_total starts with each."""
 CLIENT_LIMITS = ("in_flight", "queued_tokens", "slow_reader")
+PUBLISH_ACTIONS = ("push", "load", "upload", "unload")
+"""What a publication did (tenant_publishes_total): a gRPC push, an HTTP load by path, an upload, an unload."""
 MEMBER_REFUSALS = ("unproven", "canary", "floor")
 """Why a would-be member was kept out: its address unproven at registration, a failed canary, limits under the floor."""
 SESSION_ROUTES = ("first", "sticky", "overloaded", "draining", "down", "version", "failed")
@@ -77,7 +81,7 @@ def _latency(make: MetricFactory, name: str, text: str, labels: Sequence[str] = 
 
 
 class ProxyMetrics:
-    def __init__(self, policy: str, registry: CollectorRegistry | None = None) -> None:
+    def __init__(self, policy: str, registry: CollectorRegistry | None = None, tenants: Sequence[str] = ()) -> None:
         self.registry = registry or CollectorRegistry()
         self.policy = policy
         make = MetricFactory(PREFIX, self.registry)
@@ -88,6 +92,30 @@ class ProxyMetrics:
         self._replica_families(make)
         self._push_families(make)
         self._peer_families(make)
+        self._tenant_families(make, (FLEET, *tenants))
+
+    def _tenant_families(self, make: MetricFactory, tenants: Sequence[str]) -> None:
+        """Per tenant (proxy/tenants.py): its requests, tokens and publications."""
+        counter = make.counter
+        self.tenant_requests = counter(
+            "tenant_requests_total",
+            "Generation requests (either door) by tenant (_fleet: the fleet's own tokens) and final gRPC code.",
+            ["tenant", "code"],
+        )
+        self.tenant_tokens = counter(
+            "tenant_tokens_total", "Tokens generated for each tenant's requests (either door).", ["tenant"]
+        )
+        self.tenant_publishes = counter(
+            "tenant_publishes_total",
+            "Adapter publications by tenant, action (push, load, upload, unload) and outcome (ok, refused).",
+            ["tenant", "action", "outcome"],
+        )
+        for tenant in tenants:
+            self.tenant_tokens.labels(tenant)
+            for code in ("OK", "RESOURCE_EXHAUSTED"):
+                self.tenant_requests.labels(tenant, code)
+            for action in PUBLISH_ACTIONS:
+                self.tenant_publishes.labels(tenant, action, "ok")
 
     def _requests(self, make: MetricFactory, policy: str) -> None:
         """Generate requests: outcomes, latency, queueing, refusals, per-client limits."""

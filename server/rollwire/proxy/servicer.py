@@ -4,7 +4,9 @@ door, a thin edge over the proxy's core (core.py), as the HTTP door (http/) is a
 Invariants: the proxy answers every accepted request exactly once, complete or with an
 error status, within its deadline (routing/failover.py); a refusal decided by a replica reaches
 the client unchanged (routing/passthrough.py); the request id travels to the replicas as
-`x-request-id`.
+`x-request-id`; a tenant's call (proxy/tenants.py) names its own adapters, qualified here
+before the core sees them, and reads its own names back (`started`, GetStatus, push replies,
+error sentences).
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
+from collections.abc import AsyncIterator
 
 import grpc
 import structlog
@@ -21,8 +24,10 @@ from rollwire.common.reasons import Reason
 from rollwire.proxy.core import ProxyCore
 from rollwire.proxy.publish.peers import Peers
 from rollwire.proxy.routing.passthrough import PassThrough
+from rollwire.proxy.routing.shares import check_spool_quota
+from rollwire.proxy.tenants import Scope, audit
 from rollwire.runtime.logs import get_logger, request_id_from
-from rollwire.runtime.security import ADMIN, caller_identity, caller_role, require_peer, require_stage_only
+from rollwire.runtime.security import ADMIN, caller_identity, require_peer, require_stage_only
 from rollwire.v1 import generator_pb2 as pb
 from rollwire.v1 import generator_pb2_grpc
 
@@ -46,20 +51,26 @@ class ProxyServicer(generator_pb2_grpc.GeneratorServiceServicer):
         timeout = limit if remaining is None else min(remaining, limit)
         auth = self.state.config.auth
         name = caller_identity(metadata, context.peer(), auth.enabled())
+        _role, scope = self.core.caller(metadata)
         try:
             with self.core.account() as record:  # counted, timed and classified (accounting.py)
+                record.tenant = scope.label
                 try:
-                    events = self.core.group_events(request, rid, name, record.start + timeout)
+                    if request.adapter.name:
+                        request.adapter.name = scope.read(request.adapter.name, self.core.has_adapter)
+                    events = self.core.group_events(request, rid, name, record.start + timeout, scope.label)
                     async with contextlib.aclosing(events):  # pyright: ignore[reportArgumentType]  # the library's annotation is narrower than what it accepts
                         async for message in events:
-                            await self._write(context, message, name)
+                            await self._write(context, _shown(message, scope), name)
                 except RollwireError as err:
                     record.close(err)
+                    err.message = scope.scrub(err.message)
                     log.info("generate_failed", code=err.code.name, reason=err.reason, error=err.message)
                     aborting = context.abort_with_status(to_status(err))  # pyright: ignore[reportAttributeAccessIssue]  # grpc's stubs lack it; it exists at run time
                     await self._finish(context, aborting, err.reason == Reason.SLOW_READER)
                 except PassThrough as relay:
                     record.close(relay)
+                    relay.details = scope.scrub(relay.details)
                     log.info("generate_refused_by_replica", code=relay.code.name, error=relay.details)
                     await self._finish(context, relay.abort(context))
         finally:
@@ -73,14 +84,19 @@ class ProxyServicer(generator_pb2_grpc.GeneratorServiceServicer):
         structlog.contextvars.bind_contextvars(request_id=rid)
         remaining, limit = context.time_remaining(), self.state.config.routing.request_timeout_s
         client = caller_identity(metadata, context.peer(), self.state.config.auth.enabled())
+        _role, scope = self.core.caller(metadata)
         try:
             deadline = time.monotonic() + (limit if remaining is None else min(remaining, limit))
-            return await self.core.score(request, rid, client, deadline)
+            if request.adapter.name:
+                request.adapter.name = scope.read(request.adapter.name, self.core.has_adapter)
+            return await self.core.score(request, rid, client, deadline, scope.label)
         except RollwireError as err:
+            err.message = scope.scrub(err.message)
             log.info("score_failed", code=err.code.name, reason=err.reason, error=err.message)
             await context.abort_with_status(to_status(err))  # pyright: ignore[reportAttributeAccessIssue]  # grpc's stubs lack it; it exists at run time
             raise AssertionError("unreachable: abort_with_status raises") from err
         except PassThrough as relay:
+            relay.details = scope.scrub(relay.details)
             log.info("score_refused_by_replica", code=relay.code.name, error=relay.details)
             await relay.abort(context)
             raise AssertionError("unreachable: abort raises") from relay
@@ -123,8 +139,18 @@ class ProxyServicer(generator_pb2_grpc.GeneratorServiceServicer):
             if origin and self.state.peers is not None:  # a peer proxy's copy: spool it, no fan-out (publish/peers.py)
                 require_peer(self.state.auth, context)
                 return await self.state.peers.receive(request_iterator, origin, rid)
-            require_stage_only(caller_role(self.state.auth, context), False)  # a relay or peer token publishes nothing
-            return await self.state.fanout.push(request_iterator, rid)
+            role, scope = self.core.caller(context.invocation_metadata())
+            require_stage_only(role, False)  # a relay or peer token publishes nothing
+            named = _Named(request_iterator, scope, self.core)
+            try:
+                reply = await self.state.fanout.push(named.each(), rid)
+            except RollwireError as err:
+                if named.name:  # refused once its name was known: audited
+                    audit(self.state.metrics.tenant_publishes, scope, role, "push", named.name, named.version, err)
+                err.message = scope.scrub(err.message)
+                raise
+            audit(self.state.metrics.tenant_publishes, scope, role, "push", reply.name, reply.version, None)
+            return _reply_shown(reply, scope)
         except RollwireError as err:
             log.info("adapter_push_refused", code=err.code.name, reason=err.reason, error=err.message)
             await context.abort_with_status(to_status(err))  # pyright: ignore[reportAttributeAccessIssue]  # grpc's stubs lack it; it exists at run time
@@ -143,8 +169,53 @@ class ProxyServicer(generator_pb2_grpc.GeneratorServiceServicer):
         raise AssertionError("abort_with_status returned")  # pragma: no cover
 
     async def GetStatus(self, request: pb.GetStatusRequest, context) -> pb.GetStatusResponse:
-        """Each replica's address and state (the fleet's topology) only for an admin token."""
-        full = self.core.status()
-        if caller_role(self.state.auth, context) != ADMIN:
+        """Each replica's address and state (the fleet's topology) only for an admin token; a
+        tenant's token sees its own adapters and the shared ones (tenants.py)."""
+        role, scope = self.core.caller(context.invocation_metadata())
+        full = self.core.status(scope)
+        if role != ADMIN:
             del full.replicas[:]
         return full
+
+
+class _Named:
+    """A push's messages, its manifest's name qualified for the caller's tenant (a name a
+    tenant may not give, or a version over its spool quotas, is refused by the reader's first
+    read, before any byte is taken)."""
+
+    def __init__(self, messages: AsyncIterator[pb.PushAdapterRequest], scope: Scope, core: ProxyCore) -> None:
+        self.messages, self.scope, self.core = messages, scope, core
+        self.name, self.version = "", 0
+        """The fleet's name and the version of the push, once its manifest was read."""
+
+    async def each(self) -> AsyncIterator[pb.PushAdapterRequest]:
+        first = True
+        async for message in self.messages:
+            if first and message.WhichOneof("part") == "manifest":
+                message.manifest.name = self.scope.own(message.manifest.name)
+                self.name, self.version = message.manifest.name, message.manifest.version
+                state = self.core.state
+                check_spool_quota(
+                    state.dispatcher.shares, state.spool, state.config.spool.keep_versions, message.manifest
+                )
+            first = False
+            yield message
+
+
+def _shown(message: pb.GenerateResponse, scope: Scope) -> pb.GenerateResponse:
+    """`message` as the caller sees it: its `started` names the adapter by the caller's name
+    (a copy: a coalesced group's messages are shared by its requests)."""
+    if not scope.tenant or not message.HasField("started") or not message.started.adapter.name:
+        return message
+    shown = pb.GenerateResponse()
+    shown.CopyFrom(message)
+    shown.started.adapter.name = scope.shown(message.started.adapter.name) or ""
+    return shown
+
+
+def _reply_shown(reply: pb.PushAdapterResponse, scope: Scope) -> pb.PushAdapterResponse:
+    if scope.tenant:
+        reply.name = scope.shown(reply.name) or ""
+        for result in reply.replicas:
+            result.message = scope.scrub(result.message)
+    return reply

@@ -20,6 +20,14 @@ Health and reflection stay open so probes work. With TLS configured the server l
 on a TLS port: plaintext is refused.
 A server that binds a non-loopback address without auth or without TLS says so at start, in
 its log and on stderr (`warn_if_exposed`).
+
+Tenants (a proxy's; rollwire.proxy.tenants): a token may belong to one tenant, with the
+`generate` role or `publish` (all that generate may, and PushAdapter, of its own tenant's
+adapters only: the proxy qualifies the names; never a fleet operation). `grant` says a call's
+role and tenant; a token listed for two tenants, or for a tenant and the fleet, is refused as
+not valid (logged, never the token), so a token maps to at most one tenant. A token in no
+tenant is the fleet's, with the role its file gives, as without tenants. A header may present
+its token as `Bearer TOKEN` or as HTTP Basic's password (token_files.presented_token).
 """
 
 from __future__ import annotations
@@ -28,7 +36,9 @@ import hashlib
 import hmac
 import socket
 import sys
+from collections.abc import Iterable, Mapping
 from pathlib import Path
+from typing import NamedTuple
 
 import grpc
 from pydantic import Field
@@ -38,11 +48,13 @@ from rollwire.common.reasons import Reason
 from rollwire.runtime.config import Section
 from rollwire.runtime.hosts import parse_ip
 from rollwire.runtime.logs import get_logger
-from rollwire.runtime.token_files import TokenFile, digest
+from rollwire.runtime.token_files import TokenFile, digest, presented_token
 
 log = get_logger(__name__)
 
 GENERATE, RELAY, REGISTER, PEER, MEMBER, ADMIN = "generate", "relay", "register", "peer", "member", "admin"
+PUBLISH = "publish"
+"""A tenant's trainer, at a proxy: what `generate` may, and its own tenant's pushes (PUBLISH_METHODS)."""
 PROTECTED_PREFIX = "/rollwire.v1."
 METHOD_ROLES = {
     "/rollwire.v1.GeneratorService/Generate": GENERATE,
@@ -63,6 +75,8 @@ PEER_METHODS = frozenset({"/rollwire.v1.GeneratorService/PushAdapter", "/rollwir
 """What the `peer` role may call besides: a peer proxy asks who a proxy is and shares versions."""
 PEER_ONLY = frozenset({"/rollwire.v1.AdminService/ShareLineages"})
 """What only the `peer` role may call, not even `admin`: a peer proxy's lineage map."""
+PUBLISH_METHODS = frozenset({"/rollwire.v1.GeneratorService/PushAdapter"})
+"""What the `publish` role may call besides generate's methods (the proxy's servicer qualifies the name)."""
 MEMBER_METHODS = frozenset(m for m in METHOD_ROLES if m.startswith("/rollwire.v1.GeneratorService/"))
 """What the `member` role may call on its own replica: what a proxy does to a member."""
 
@@ -127,13 +141,29 @@ class TokenAuth:
         roles = ((generate, GENERATE), (relay or set(), RELAY), (register or set(), REGISTER), (peer or set(), PEER))
         self._files = [(_as_file(t), role) for t, role in roles]
         self._files.append((_as_file(admin), ADMIN))
+        self._tenants: list[tuple[TokenFile, str, str]] = []
+        """(tokens, role, tenant) of every tenant's token files (add_tenant)."""
+        self._ambiguous: set[bytes] = set()
 
     @classmethod
-    def from_config(cls, auth: AuthSection) -> TokenAuth | None:
+    def from_config(cls, auth: AuthSection, tenants: Iterable[tuple[str, Mapping[str, str]]] = ()) -> TokenAuth | None:
+        """The server's token check; `tenants` (a proxy's) are (name, {role: token file}) pairs."""
         if not auth.enabled():
             return None
         files = {role: TokenFile(path, setting=f"auth.{role}_tokens_file") for role, path in auth.files().items()}
-        return cls(files[GENERATE], files[ADMIN], files[RELAY], files[REGISTER], files[PEER])
+        token_auth = cls(files[GENERATE], files[ADMIN], files[RELAY], files[REGISTER], files[PEER])
+        for index, (tenant, by_role) in enumerate(tenants):
+            for role, path in by_role.items():
+                if path:
+                    setting = f"tenants[{index}].{role}_tokens_file"
+                    token_auth.add_tenant(tenant, role, TokenFile(path, setting=setting))
+        return token_auth
+
+    def add_tenant(self, tenant: str, role: str, tokens: TokenFile | set[str]) -> None:
+        """Accept `tokens` with `role` (GENERATE or PUBLISH) for `tenant` only."""
+        if role not in (GENERATE, PUBLISH):
+            raise ValueError(f"a tenant's tokens have the generate or publish role, not {role}")
+        self._tenants.append((_as_file(tokens), role, tenant))
 
     def accept_member(self, token: str) -> None:
         """Accept `token` (this replica's own member token) with the `member` role."""
@@ -146,9 +176,14 @@ class TokenAuth:
     def role(self, metadata) -> str | None:
         """The role of a call's bearer token (None without a valid one); checked already by the
         interceptor, so a handler asks this only for what a method's role cannot express."""
+        grant = self.grant(metadata)
+        return grant.role if grant is not None else None
+
+    def grant(self, metadata) -> Grant | None:
+        """The role and tenant of a call's token (None without a valid one)."""
         header = next((v for k, v in metadata or () if k == "authorization"), None)
-        scheme, _, token = str(header or "").partition(" ")
-        return self._role_of(token.strip()) if header and scheme.lower() == "bearer" else None
+        token = presented_token(header)
+        return self._grant_of(token) if token else None
 
     def check(self, method: str, metadata) -> None:
         """Raise Unauthenticated or PermissionDenied; return when the call may proceed."""
@@ -160,6 +195,7 @@ class TokenAuth:
             raise PermissionDenied(f"{short} has no role assigned on this server; refusing it", reason=Reason.NO_ROLE)
         header = next((v for k, v in metadata or () if k == "authorization"), None)
         also = ((PEER,) if method in PEER_METHODS else ()) + ((MEMBER,) if method in MEMBER_METHODS else ())
+        also += (PUBLISH,) if method in PUBLISH_METHODS else ()
         self.require(needed, header, short, also=also)
         if method in PEER_ONLY and self.role(metadata) != PEER:
             why = f"{short} is sent by peer proxies only, with a peer token (auth.peer_tokens_file here)"
@@ -173,24 +209,48 @@ class TokenAuth:
                 f"{what} needs a bearer token: send `authorization: Bearer <token>` (the CLI's --token-file)",
                 reason=Reason.NO_TOKEN,
             )
-        scheme, _, token = str(header).partition(" ")
-        role = self._role_of(token.strip()) if scheme.lower() == "bearer" else None
-        if role is None:
+        token = presented_token(header)
+        grant = self._grant_of(token) if token else None
+        if grant is None:
             raise Unauthenticated("the bearer token is not valid on this server", reason=Reason.BAD_TOKEN)
+        role = grant.role
+        if role == PUBLISH and needed == GENERATE:
+            return  # publish: all that generate may
         if role not in (needed, ADMIN, *also):
             raise PermissionDenied(
                 f"{what} needs the admin role{'' if needed == ADMIN else f' (or {needed})'}; this token has the {role} role",
                 reason=Reason.WRONG_ROLE,
             )
 
-    def _role_of(self, token: str) -> str | None:
+    def _grant_of(self, token: str) -> Grant | None:
         presented = digest(token)  # equal-length digests: neither content nor length leaks
         found = None
         for tokens, role in self._files:  # admin last: a token in several files has the widest role
             for known in tokens.current():  # compare every token in constant time, no early exit
                 if hmac.compare_digest(known, presented):
                     found = role if found != ADMIN else ADMIN
-        return found
+        tenants: dict[str, str] = {}
+        for tokens, role, tenant in self._tenants:
+            for known in tokens.current():
+                if hmac.compare_digest(known, presented):
+                    tenants[tenant] = PUBLISH if PUBLISH in (role, tenants.get(tenant)) else role
+        if not tenants:
+            return Grant(found) if found else None
+        if len(tenants) > 1 or found:  # a token maps to at most one tenant: refused, never guessed
+            if presented not in self._ambiguous and len(self._ambiguous) < 1024:
+                self._ambiguous.add(presented)
+                why = "refused this token; list it in one tenant's files only, or in the fleet's"
+                log.error("token_in_several_tenants", tenants=sorted(tenants), fleet_role=found or "", action=why)
+            return None
+        ((tenant, role),) = tenants.items()
+        return Grant(role, tenant)
+
+
+class Grant(NamedTuple):
+    """What a valid token may do: its role, and its tenant ("" = the fleet's, as without tenants)."""
+
+    role: str
+    tenant: str = ""
 
 
 def caller_role(auth: TokenAuth | None, context) -> str:
@@ -212,7 +272,7 @@ def require_stage_only(role: str, stage_only: bool) -> None:
     if role == PEER:
         raise PermissionDenied(
             "a peer token only shares versions between peer proxies (with the x-rollwire-peer marker); "
-            "publishing a version needs an admin token",
+            "publishing a version needs an admin token (or a tenant's publish token, at a proxy)",
             reason=Reason.WRONG_ROLE,
         )
 
@@ -378,8 +438,7 @@ def caller_identity(metadata, peer: str, auth: bool) -> str:
     token's (a hash prefix, never the token); otherwise the peer's host without its port
     ("ipv4:10.0.0.5:41234" -> "ipv4:10.0.0.5")."""
     if auth:
-        header = next((str(v) for k, v in metadata or () if k == "authorization"), "")
-        token = header.partition(" ")[2].strip()
+        token = presented_token(next((v for k, v in metadata or () if k == "authorization"), None))
         if token:
             return "token:" + hashlib.sha256(token.encode("utf-8", "surrogatepass")).hexdigest()[:16]
     peer = peer or "unknown"

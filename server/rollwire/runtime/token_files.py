@@ -12,6 +12,8 @@ sha256 digests of the tokens are kept.
 
 from __future__ import annotations
 
+import base64
+import binascii
 import hashlib
 import os
 import time
@@ -43,6 +45,27 @@ def read_tokens(path: str, setting: str = "the token file") -> set[str]:
         return parse_tokens(_read_token_text(path, setting))
     except SecretFileError as exc:
         raise SystemExit(str(exc)) from None
+
+
+def presented_token(header: str | bytes | None) -> str | None:
+    """The token an `authorization` header presents: `Bearer TOKEN`, or `Basic` whose password
+    is the token (what `requests` and `aiohttp` send for a URL `http://USER:TOKEN@host`, so a
+    client that sends no header of its own, TRL's, carries it in its base URL); the user part
+    is ignored. None for no header, another scheme or a Basic value that does not decode."""
+    if not header:
+        return None
+    text = header.decode("latin-1") if isinstance(header, bytes) else str(header)
+    scheme, _, value = text.strip().partition(" ")
+    if scheme.lower() == "bearer":
+        return value.strip() or None
+    if scheme.lower() != "basic":
+        return None
+    try:
+        pair = base64.b64decode(value.strip(), validate=True).decode("utf-8")
+    except (binascii.Error, UnicodeDecodeError):
+        return None
+    _user, colon, password = pair.partition(":")
+    return password if colon and password else None
 
 
 def digest(token: str) -> bytes:

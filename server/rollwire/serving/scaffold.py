@@ -13,7 +13,7 @@ import asyncio
 import gc
 import os
 import signal
-from collections.abc import Awaitable, Callable, Iterable
+from collections.abc import Awaitable, Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from http.server import HTTPServer
 from typing import TypeVar
@@ -88,17 +88,20 @@ class Endpoint:
         self.metrics_server.shutdown()
 
 
-def listen(role: str, config: ServerConfig, registry: CollectorRegistry) -> Endpoint:
+def listen(
+    role: str, config: ServerConfig, registry: CollectorRegistry, tenants: Iterable[tuple[str, Mapping[str, str]]] = ()
+) -> Endpoint:
     """Serve metrics, create the gRPC server with the config's auth, TLS and keepalive, and bind
     it to host:port (not started yet).
 
     Refuses to run, with a sentence, when the port cannot be bound; warns loudly when a
-    non-loopback bind has neither auth nor TLS.
+    non-loopback bind has neither auth nor TLS. `tenants` (a proxy's) are (name, {role: token
+    file}) pairs whose tokens are accepted for that tenant only.
     """
     host, auth, tls = config.host, config.auth, config.tls
     metrics_server = serve_metrics(host, config.metrics_port, registry)
     options = server_options(config.keepalive.keepalive())
-    token_auth = TokenAuth.from_config(auth)
+    token_auth = TokenAuth.from_config(auth, tenants)
     server = grpc.aio.server(options=options, interceptors=interceptors(token_auth))
     bound = add_port(server, f"{host}:{config.port}", tls)
     if bound == 0:

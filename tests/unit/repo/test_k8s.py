@@ -102,6 +102,10 @@ def test_proxy_config_map_is_a_valid_proxy_config_that_can_reach_the_generators(
     mounts = [m["mountPath"] for m in container["volumeMounts"]]
     assert any(proxy.spool.dir.startswith(m) for m in mounts)
     assert proxy.spool.keep_versions >= generator.adapter_keep
+    tokens = by_kind("Secret")["rollwire-tokens"]["stringData"]
+    files = [f for t in proxy.tenants for f in t.token_files().values() if f]
+    assert len(proxy.tenants) >= 2 and all(f.rsplit("/", 1)[0] == "/etc/rollwire/tokens" for f in files)
+    assert {f.rsplit("/", 1)[1] for f in files} <= set(tokens)  # every tenant's token file is a key of the Secret
 
 
 def test_learner_config_map_is_a_valid_learner_config(tmp_path):

@@ -55,6 +55,8 @@ from rollwire.proxy.core import ProxyState
 from rollwire.proxy.http.dialect.errors import HttpError
 from rollwire.proxy.http.dialect.names import ModelRef, model_id, parse_model
 from rollwire.proxy.lineages import Lineages
+from rollwire.proxy.routing.shares import check_spool_quota
+from rollwire.proxy.tenants import Scope
 from rollwire.runtime.logs import get_logger
 from rollwire.v1 import generator_pb2 as pb
 
@@ -116,13 +118,14 @@ class AdapterDoor:
         known = self._known(name)
         return bool(known) and known <= unloaded
 
-    def listed(self, name: str, version: int) -> str | None:
-        """The id /v1/models lists a replica's (name, version) under: its external name's, or
-        None for an earlier lineage or an unloaded version."""
+    def listed(self, name: str, version: int, scope: Scope) -> str | None:
+        """The id /v1/models lists a replica's (name, version) under for `scope`: its external
+        name's, or None for an earlier lineage, an unloaded version or another tenant's."""
         external = self.lineages.external(name)
         if external is None or version in self.lineages.unloaded(name):
             return None
-        return model_id(external, version)
+        shown = scope.shown(external)
+        return model_id(shown, version) if shown is not None else None
 
     def _known(self, name: str) -> set[int]:
         """Versions of internal `name` the fleet has: spooled, on a member, or answered."""
@@ -235,6 +238,9 @@ class AdapterDoor:
         )
         if signed is not None:
             signed.apply(manifest)
+        check_spool_quota(
+            self.state.dispatcher.shares, self.state.spool, self.state.config.spool.keep_versions, manifest
+        )
         fanout, answer = self.state.fanout, self.state.config.http.load_answer
         earlier = fanout.failed_after_answer.pop(name, "")
         reply = await fanout.push(_aiter(messages(manifest, payload, MAX_CHUNK)), rid, answer=answer)

@@ -8,7 +8,11 @@ Invariants:
 - a streamed response whose reader stops reading for `fairness.slow_reader_timeout_s` is
   ended, which closes its group (lease and client slot freed);
 - one request's failure ends that request only: every exception becomes that request's
-  error response (errors.py), an unexpected one a logged 500.
+  error response (errors.py), an unexpected one a logged 500;
+- a tenant's caller (proxy/tenants.py; its token as Bearer, or as Basic's password from a base
+  URL `http://TENANT:TOKEN@host`) names its own adapters, qualified here before the core sees
+  them, and reads its own names back (/v1/models, load and unload answers, error sentences);
+  the token is never logged (the access log has the path only).
 """
 
 from __future__ import annotations
@@ -48,11 +52,13 @@ from rollwire.proxy.http.door import Door
 from rollwire.proxy.http.echo import echo_scores, wants_scoring
 from rollwire.proxy.http.edge.bodies import body_chunks, parse_body, read_body
 from rollwire.proxy.http.edge.uploads import read_form
+from rollwire.proxy.http.scoped import publication, scope_of, shown
 from rollwire.proxy.http.stream import stream_group
 from rollwire.proxy.metrics import HTTP_ROUTES
 from rollwire.proxy.routing.passthrough import PassThrough
+from rollwire.proxy.tenants import Scope
 from rollwire.runtime.logs import Throttled, get_logger
-from rollwire.runtime.security import ADMIN, GENERATE, caller_identity
+from rollwire.runtime.security import ADMIN, GENERATE, PUBLISH, caller_identity
 from rollwire.serving import __version__
 
 log = get_logger(__name__)
@@ -70,10 +76,13 @@ def create_app(door: Door) -> FastAPI:
 
 
 def _authorize(door: Door, request: Request, role: str) -> str:
-    """The caller's identity for the per-client limits, once its token grants `role`."""
+    """The caller's identity for the per-client limits, once its token grants `role` (ADMIN:
+    or `publish`, for the adapter routes: its own tenant's adapters); its role and names' scope
+    go in request.state (`role`, `scope`)."""
     header = request.headers.get("authorization")
     if door.auth is not None:
-        door.auth.require(role, header, request.url.path)
+        door.auth.require(role, header, request.url.path, also=(PUBLISH,) if role == ADMIN else ())
+    request.state.role, request.state.scope = door.core.caller([("authorization", header or "")])
     peer = request.client
     host = f"ipv4:{peer.host}:{peer.port}" if peer else "unknown"
     return caller_identity([("authorization", header or "")], host, door.auth is not None)
@@ -140,12 +149,14 @@ def _observe(app: FastAPI, door: Door) -> None:
 
     @app.exception_handler(RollwireError)
     async def rollwire_error(request: Request, err: RollwireError):
+        err.message = scope_of(request).scrub(err.message)
         _log_refusal(request, err)
         return error_response(err)
 
     @app.exception_handler(PassThrough)
     async def relayed(request: Request, relay: PassThrough):
         err = relay.error()
+        err.message = scope_of(request).scrub(err.message)
         _log_refusal(request, err)
         return error_response(err)
 
@@ -186,17 +197,20 @@ def _vllm_routes(app: FastAPI, door: Door) -> None:
     @app.get("/server_info")
     async def server_info(request: Request) -> JSONResponse:
         _authorize(door, request, GENERATE)
-        return JSONResponse(door.server_info())
+        info = door.server_info()
+        if request.state.scope.tenant:  # the fleet's topology is not a tenant's to read
+            info["rollwire"]["replicas"] = []
+        return JSONResponse(info)
 
     @app.get("/v1/models")
     async def models(request: Request) -> JSONResponse:
         _authorize(door, request, GENERATE)
-        return JSONResponse(door.models())
+        return JSONResponse(door.models(request.state.scope))
 
     @app.get("/v1/models/{model:path}")
     async def model(request: Request, model: str) -> JSONResponse:
         _authorize(door, request, GENERATE)
-        return JSONResponse(door.model(model))
+        return JSONResponse(door.model(model, request.state.scope))
 
     @app.get("/version")
     async def version() -> JSONResponse:
@@ -206,12 +220,14 @@ def _vllm_routes(app: FastAPI, door: Door) -> None:
     @app.post("/tokenize")
     async def tokenize(request: Request) -> JSONResponse:
         client = _authorize(door, request, GENERATE)
-        return JSONResponse(await tokens.tokenize(door, await _body(door, request, tokens.TokenizeBody), client))
+        body = await _body(door, request, tokens.TokenizeBody)
+        return JSONResponse(await tokens.tokenize(door, body, client, request.state.scope))
 
     @app.post("/detokenize")
     async def detokenize(request: Request) -> JSONResponse:
         _authorize(door, request, GENERATE)
-        return JSONResponse(tokens.detokenize(door, await _body(door, request, tokens.DetokenizeBody)))
+        body = await _body(door, request, tokens.DetokenizeBody)
+        return JSONResponse(tokens.detokenize(door, body, request.state.scope))
 
     @app.post("/pause")
     async def pause(request: Request) -> JSONResponse:
@@ -246,7 +262,9 @@ def _adapter_routes(app: FastAPI, door: Door) -> None:
                 reason=Reason.UNSUPPORTED_FIELD,
                 param="load_inplace",
             )
-        return JSONResponse(await door.adapters.load_path(body.lora_name, body.lora_path, request.state.rid))
+        async with publication(door, request, "load", body.lora_name) as (name, done):
+            done.append(await door.adapters.load_path(name, body.lora_path, request.state.rid))
+        return JSONResponse(shown(request, done[0]))
 
     @app.post("/v1/upload_lora_adapter")
     async def upload_lora(request: Request) -> JSONResponse:
@@ -273,13 +291,17 @@ def _adapter_routes(app: FastAPI, door: Door) -> None:
                 param="lora_name",
             )
         config, payload, signed = await adapters.read_upload(parts.items())
-        return JSONResponse(await adapters.publish(name, config, payload, request.state.rid, signed))
+        async with publication(door, request, "upload", name) as (qualified, done):
+            done.append(await adapters.publish(qualified, config, payload, request.state.rid, signed))
+        return JSONResponse(shown(request, done[0]))
 
     @app.post("/v1/unload_lora_adapter")
     async def unload_lora(request: Request) -> JSONResponse:
         _authorize(door, request, ADMIN)
         body: UnloadLoraBody = await _body(door, request, UnloadLoraBody)
-        return JSONResponse(await door.adapters.unload(body.lora_name, door.base_names))
+        async with publication(door, request, "unload", body.lora_name) as (name, done):
+            done.append(await door.adapters.unload(name, door.base_names))
+        return JSONResponse(shown(request, done[0]))
 
 
 def _openai_routes(app: FastAPI, door: Door) -> None:
@@ -291,22 +313,24 @@ def _openai_routes(app: FastAPI, door: Door) -> None:
     async def completions(request: Request) -> Response:
         client = _authorize(door, request, GENERATE)
         with door.core.account(edge=True) as record:
+            record.tenant = request.state.scope.label
             body: CompletionBody = await _body(door, request, CompletionBody)
             if wants_scoring(body):  # a Score, counted as one by the core: not a generation
                 record.hand_over()
                 rid = body.request_id or request.state.rid
                 prompts = [await door.prompt_ids(p, client) for p in _prompt_list(door, body)]
                 with http_terms(Asked(body, 0, None, door.limits)):
-                    return JSONResponse(await echo_scores(door, body, prompts, client, rid))
-            return await _completions(door, body, client, request.state.rid, record)
+                    return JSONResponse(await echo_scores(door, body, prompts, client, rid, request.state.scope))
+            return await _completions(door, body, client, request.state.rid, record, request.state.scope)
 
     @app.post("/v1/chat/completions")
     async def chat(request: Request) -> Response:
         client = _authorize(door, request, GENERATE)
         with door.core.account(edge=True) as record:
+            record.tenant = request.state.scope.label
             body: ChatBody = await _body(door, request, ChatBody)
             check_unhonoured(body)
-            ref = door.resolve(body.model)
+            ref = door.resolve(body.model, request.state.scope)
             prompt = await door.chat_prompt(_as_template_takes_it(door, body), client)
             rid = body.request_id or request.state.rid
             max_tokens = body.max_completion_tokens or body.max_tokens or door.default_max_tokens(len(prompt))
@@ -316,7 +340,7 @@ def _openai_routes(app: FastAPI, door: Door) -> None:
                 if body.stream:
                     return await stream_group(door, body, req, client, "chat.completion.chunk", rid, record)
                 group = convert.Group(body.n, body.stop_list())
-                await door.run_group(req, client, group, door.deadline())
+                await door.run_group(req, client, group, door.deadline(), record.tenant)
             return JSONResponse(convert.chat_response(body, group, body.model, rid, door.token_text))
 
 
@@ -330,10 +354,12 @@ def _as_template_takes_it(door: Door, body: ChatBody) -> ChatBody:
     return body
 
 
-async def _completions(door: Door, body: CompletionBody, client: str, rid: str, record: RequestRecord) -> Response:
+async def _completions(
+    door: Door, body: CompletionBody, client: str, rid: str, record: RequestRecord, scope: Scope
+) -> Response:
     """POST /v1/completions: one group per prompt, all run together (the first failure is the answer)."""
     check_unhonoured(body)
-    ref = door.resolve(body.model)
+    ref = door.resolve(body.model, scope)
     prompts = _prompt_list(door, body)
     if body.stream and len(prompts) > 1:
         raise HttpError(
@@ -355,7 +381,7 @@ async def _completions(door: Door, body: CompletionBody, client: str, rid: str, 
             return await stream_group(door, body, requests[0], client, "text_completion", rid, record)
         deadline = door.deadline()
         groups = [convert.Group(body.n, body.stop_list()) for _ in requests]
-        runs = [door.run_group(r, client, g, deadline) for r, g in zip(requests, groups, strict=True)]
+        runs = [door.run_group(r, client, g, deadline, record.tenant) for r, g in zip(requests, groups, strict=True)]
         await _all_or_first_error(runs)
     return JSONResponse(convert.completion_response(body, groups, body.model, rid, door.token_text))
 

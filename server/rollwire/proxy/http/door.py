@@ -24,6 +24,7 @@ from rollwire.proxy.http.dialect.names import ModelRef, parse_model
 from rollwire.proxy.http.dialect.openai import ChatBody
 from rollwire.proxy.http.dialect.prompts import PromptGate
 from rollwire.proxy.http.dialect.tokenizer import ChatTokenizer
+from rollwire.proxy.tenants import FLEET, Scope
 from rollwire.runtime.logs import get_logger
 from rollwire.runtime.security import TokenAuth
 from rollwire.v1 import generator_pb2 as pb
@@ -64,7 +65,7 @@ class Door:
             config,
             core,
             adapters,
-            TokenAuth.from_config(config.auth),
+            core.state.auth,
             tokenizer,
             base_id,
             frozenset(names),
@@ -91,7 +92,8 @@ class Door:
         fleet = self.core.status().limits.max_new_tokens
         return min(room, fleet) if fleet else room
 
-    def models(self) -> dict[str, Any]:
+    def models(self, scope: Scope) -> dict[str, Any]:
+        """vLLM's /v1/models: the base model, and every version served that `scope` sees, by its caller's name."""
         created, status = int(time.time()), self.core.status()  # one status: it walks every replica
         max_len = self.max_model_len(status)
         data = [
@@ -108,7 +110,9 @@ class Door:
         served = {(a.name, v) for a in status.adapters for v in a.versions}
         promised = self.adapters.state.replicas.answered  # loads answered at "spooled": served once committed
         for name, version in sorted(served | promised):
-            listed = self.adapters.listed(name, version)  # its client's name, unless retired or unloaded
+            listed = self.adapters.listed(
+                name, version, scope
+            )  # its client's name, unless retired, unloaded or not theirs
             if listed is not None:
                 data.append(
                     {
@@ -123,10 +127,10 @@ class Door:
                 )
         return {"object": "list", "data": data}
 
-    def model(self, model: str) -> dict[str, Any]:
+    def model(self, model: str, scope: Scope) -> dict[str, Any]:
         """GET /v1/models/{id}: the entry /v1/models lists under that id (the base also under
         its path); 404 in vLLM's words otherwise."""
-        data = self.models()["data"]
+        data = self.models(scope)["data"]
         if model in self.base_names:
             return data[0]
         entry = next((m for m in data if m["id"] == model), None)
@@ -171,9 +175,13 @@ class Door:
         }
 
     # -- generation ------------------------------------------------------------------------
-    def resolve(self, model: str) -> ModelRef:
+    def resolve(self, model: str, scope: Scope) -> ModelRef:
+        """What a request's `model` selects, its adapter's name as the fleet holds it (a tenant's
+        own, else a shared one: tenants.Scope.read)."""
         try:
             ref = parse_model(model, self.base_names)
+            if not ref.is_base:
+                ref = ModelRef(scope.read(ref.name, self.core.has_adapter), ref.version)
         except InvalidArgument as err:  # a name no adapter can have: about the request's `model`
             raise HttpError(err.code, err.message, reason=err.reason, param="model") from None
         if not ref.is_base and self.adapters.is_hidden(ref):
@@ -188,8 +196,10 @@ class Door:
     def deadline(self) -> float:
         return time.monotonic() + min(self.config.http.request_timeout_s, self.config.routing.request_timeout_s)
 
-    async def run_group(self, request: pb.GenerateRequest, client: str, group: convert.Group, deadline: float) -> None:
-        events = self.core.group_events(request, request.request_id, client, deadline)
+    async def run_group(
+        self, request: pb.GenerateRequest, client: str, group: convert.Group, deadline: float, tenant: str = FLEET
+    ) -> None:
+        events = self.core.group_events(request, request.request_id, client, deadline, tenant)
         async with contextlib.aclosing(events):  # pyright: ignore[reportArgumentType]  # an async generator has aclose
             async for message in events:
                 group.apply(message)

@@ -30,6 +30,7 @@ from rollwire.common.reasons import Reason
 from rollwire.proxy.http.dialect.errors import HttpError, unsupported
 from rollwire.proxy.http.dialect.openai import CompletionBody
 from rollwire.proxy.http.door import Door
+from rollwire.proxy.tenants import Scope
 from rollwire.v1 import generator_pb2 as pb
 
 
@@ -62,7 +63,9 @@ def check_scoring(body: CompletionBody, max_top_k: int) -> None:
         )
 
 
-async def echo_scores(door: Door, body: CompletionBody, prompts: list[list[int]], client: str, rid: str) -> dict:
+async def echo_scores(
+    door: Door, body: CompletionBody, prompts: list[list[int]], client: str, rid: str, scope: Scope
+) -> dict:
     """The completions answer with every prompt echoed and scored (see the module docstring)."""
     check_scoring(body, door.config.score.max_top_k)
     for ids in prompts:
@@ -70,7 +73,7 @@ async def echo_scores(door: Door, body: CompletionBody, prompts: list[list[int]]
             raise HttpError(
                 grpc.StatusCode.INVALID_ARGUMENT, "a prompt is empty", reason=Reason.EMPTY_PROMPT, param="prompt"
             )
-    ref = door.resolve(body.model)
+    ref = door.resolve(body.model, scope)
     top_k = body.logprobs or 0
     request = pb.ScoreRequest(request_id=rid, top_k=top_k)
     if not ref.is_base:
@@ -78,7 +81,7 @@ async def echo_scores(door: Door, body: CompletionBody, prompts: list[list[int]]
     scored = [i for i, ids in enumerate(prompts) if len(ids) > 1]
     for i in scored:
         request.sequences.add(prompt_token_ids=prompts[i][:1], continuation_token_ids=prompts[i][1:])
-    reply = await door.core.score(request, rid, client, door.deadline()) if scored else None
+    reply = await door.core.score(request, rid, client, door.deadline(), scope.label) if scored else None
     results = dict(zip(scored, reply.sequences, strict=True)) if reply is not None else {}
     choices = []
     for i, ids in enumerate(prompts):

@@ -82,7 +82,7 @@ async def stream_group(
     one choice per chunk; with `return_token_ids` the first chunk of a sample carries
     `prompt_token_ids` (chat: in the frame; completions: in the choice), and a sample's finish
     rides on its last tokens' delta."""
-    events = _Events(door, body, req, client, kind, rid)
+    events = _Events(door, body, req, client, kind, rid, record.tenant)
     await events.begin()
     events.record = record.hand_over()
     return BoundedStream(events.run(), door.config.fairness.slow_reader_timeout_s, events.close)
@@ -92,9 +92,18 @@ class _Events:
     """The SSE events of one streamed group, from the core's messages."""
 
     def __init__(
-        self, door: Door, body: CompletionBody | ChatBody, req: pb.GenerateRequest, client: str, kind: str, rid: str
+        self,
+        door: Door,
+        body: CompletionBody | ChatBody,
+        req: pb.GenerateRequest,
+        client: str,
+        kind: str,
+        rid: str,
+        tenant: str,
     ) -> None:
         self.door, self.body, self.req, self.client, self.kind, self.rid = door, body, req, client, kind, rid
+        self.tenant = tenant
+        """The `tenant` label its tokens count under."""
         self.chat = kind == "chat.completion.chunk"
         self.holdback = max((len(s) for s in body.stop_list()), default=1) - 1
         """Characters of text held back while they could still begin a stop string."""
@@ -110,7 +119,7 @@ class _Events:
     async def begin(self) -> None:
         """Start the group and take its first message (the core holds `started` back until
         the first tokens or finish, so every refusal comes before it)."""
-        stream = self.door.core.group_events(self.req, self.rid, self.client, self.door.deadline())
+        stream = self.door.core.group_events(self.req, self.rid, self.client, self.door.deadline(), self.tenant)
         self.stream = stream  # pyright: ignore[reportAttributeAccessIssue]  # group_events is an async generator
         try:
             self.first = await anext(stream)

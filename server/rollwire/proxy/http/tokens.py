@@ -19,6 +19,7 @@ from rollwire.common.reasons import Reason
 from rollwire.proxy.http.dialect.errors import HttpError, unsupported
 from rollwire.proxy.http.dialect.openai import ChatBody, _Body, flatten_content, template_takes_parts
 from rollwire.proxy.http.door import Door
+from rollwire.proxy.tenants import Scope
 
 
 class TokenizeBody(_Body):
@@ -55,11 +56,11 @@ def _tokenizer(door: Door, route: str):
     return door.tokenizer
 
 
-async def tokenize(door: Door, body: TokenizeBody, client: str) -> dict[str, Any]:
+async def tokenize(door: Door, body: TokenizeBody, client: str, scope: Scope) -> dict[str, Any]:
     """vLLM's answer: `count`, `max_model_len`, `tokens` and (with `return_token_strs`) `token_strs`."""
     chat = _tokenizer(door, "/tokenize")
     model = body.model or door.base_id
-    door.resolve(model)  # an adapter shares the base's tokenizer; an unknown name is refused as elsewhere
+    door.resolve(model, scope)  # an adapter shares the base's tokenizer; an unknown name is refused as elsewhere
     if body.chat_template is not None:
         raise unsupported("chat_template", "the model's own template renders every chat; leave it unset")
     if (body.prompt is None) == (body.messages is None):
@@ -89,10 +90,10 @@ async def tokenize(door: Door, body: TokenizeBody, client: str) -> dict[str, Any
     return {"count": len(ids), "max_model_len": door.max_model_len(), "tokens": ids, "token_strs": strs}
 
 
-def detokenize(door: Door, body: DetokenizeBody) -> dict[str, Any]:
+def detokenize(door: Door, body: DetokenizeBody, scope: Scope) -> dict[str, Any]:
     """vLLM's answer: `prompt`, the ids' text (special tokens kept)."""
     chat = _tokenizer(door, "/detokenize")
-    door.resolve(body.model or door.base_id)
+    door.resolve(body.model or door.base_id, scope)
     vocab = chat.tokenizer.get_vocab_size(with_added_tokens=True)
     bad = [t for t in body.tokens if not 0 <= t < vocab]
     if bad:

@@ -9,9 +9,11 @@ Invariants:
   `fairness.max_in_flight_per_client` requests open and at most
   `fairness.max_queued_tokens_per_client` of work (n x max_new_tokens) queued; beyond
   either it is refused with RESOURCE_EXHAUSTED, reason CLIENT_LIMIT, and a retry hint,
-  before any work (a client's first queued request is always accepted);
+  before any work (a client's first queued request is always accepted); a tenant's quotas
+  (in-flight requests, queued tokens, tokens/s) likewise, reason TENANT_QUOTA (shares.py);
 - each client waits in its own FIFO queue; when a slot frees or a replica changes state,
-  the client served longest ago goes first (round robin between clients), each waiter by a
+  the waiting tenant furthest behind its weighted share goes first (shares.py), and inside
+  it the client served longest ago (round robin between clients), each waiter by a
   replica that can serve it (a waiter needing a version nobody free holds does not block
   those behind it), so one client's thousand queued groups do not starve another's one;
 - a waiter gives up with UNAVAILABLE when no replica could serve it for `no_replica_wait_s`,
@@ -36,6 +38,8 @@ from rollwire.proxy.fleet.replica import Replica
 from rollwire.proxy.fleet.replicas import ReplicaSet
 from rollwire.proxy.metrics import ProxyMetrics
 from rollwire.proxy.policies import Policy, routing_key
+from rollwire.proxy.routing.shares import Share, Shares
+from rollwire.proxy.tenants import FLEET
 from rollwire.runtime.logs import Throttled, get_logger
 from rollwire.runtime.waits import wait_at_most
 from rollwire.v1 import generator_pb2 as pb
@@ -88,6 +92,9 @@ class Client:
     waiters: deque = field(default_factory=deque)
     served: int = 0
     """The dispatcher's turn when it was last given a slot (0: never)."""
+    share: Share | None = None
+    """Its tenant's share (a client's token belongs to one tenant); None until the dispatcher
+    first sees it: the fleet's."""
 
 
 @dataclass(eq=False)
@@ -111,6 +118,8 @@ class Dispatcher:
     routing: RoutingSection
     metrics: ProxyMetrics
     fairness: FairnessSection = field(default_factory=FairnessSection)
+    shares: Shares = field(default_factory=Shares)
+    """Tenants' weights and quotas (shares.py)."""
     clients: dict[str, Client] = field(default_factory=dict, init=False)
     """Admitted clients by name (those with requests open)."""
     _queued: dict[Client, None] = field(default_factory=dict, init=False)
@@ -136,10 +145,11 @@ class Dispatcher:
         return routing_key(request.group_key, text, ids, self.routing.affinity_prefix)
 
     @contextlib.contextmanager
-    def admit(self, name: str):
-        """Hold one of the client's `max_in_flight_per_client` request slots for a request's
-        whole life; RESOURCE_EXHAUSTED (CLIENT_LIMIT) when none is free."""
-        client = self.clients.get(name) or Client(name)
+    def admit(self, name: str, tenant: str = FLEET, work: int = 0):
+        """Hold one of the client's `max_in_flight_per_client` request slots, and one of its
+        tenant's (a request of `work` tokens), for a request's whole life; RESOURCE_EXHAUSTED
+        (CLIENT_LIMIT, or TENANT_QUOTA naming the quota) when none is free."""
+        client = self.clients.get(name) or Client(name, share=self.shares.get(tenant))
         limit = self.fairness.max_in_flight_per_client
         if client.in_flight >= limit:
             self.metrics.client_limited.labels("in_flight").inc()
@@ -149,12 +159,15 @@ class Dispatcher:
                 reason=Reason.CLIENT_LIMIT,
                 retry_after_s=self.routing.retry_after_s,
             )
+        share = client.share = client.share or self.shares.get(tenant)
+        self.shares.open(share, work)
         self.clients[name] = client
         client.in_flight += 1
         self.metrics.clients.set(len(self.clients))
         try:
             yield client
         finally:
+            self.shares.close(share)
             client.in_flight -= 1
             if client.in_flight <= 0 and self.clients.get(name) is client:
                 del self.clients[name]
@@ -176,10 +189,13 @@ class Dispatcher:
         queued work: it was admitted already). `prefer`: a session's sticky replica, taken
         whenever it has a free slot and is not overloaded (`_sticky`)."""
         client = client or self._anonymous
+        share = self._share(client)
         lease = self._place(need, key, work, exclude, prefer)
         if lease is not None:
-            self._served(client)
+            self._served(client, work)
             return lease
+        if first:
+            self.shares.check_queue(share, work)
         limit = self.fairness.max_queued_tokens_per_client
         if first and client.queued_work and client.queued_work + work > limit:
             self.metrics.client_limited.labels("queued_tokens").inc()
@@ -215,6 +231,7 @@ class Dispatcher:
         client = waiter.client
         client.waiters.append(waiter)
         client.queued_work += waiter.work
+        self.shares.enqueued(self._share(client), waiter.work)
         self._waiting += 1
         self._queued.setdefault(client, None)
         self.metrics.queue_depth.set(self._waiting)
@@ -225,14 +242,22 @@ class Dispatcher:
         if waiter in client.waiters:
             client.waiters.remove(waiter)
             client.queued_work -= waiter.work
+            self.shares.dequeued(self._share(client), waiter.work)
             self._waiting -= 1
             if not client.waiters:
                 self._queued.pop(client, None)
         self.metrics.queue_depth.set(self._waiting)
 
-    def _served(self, client: Client) -> None:
+    def _share(self, client: Client) -> Share:
+        """The client's tenant's share (the fleet's for a client the dispatcher never admitted)."""
+        if client.share is None:
+            client.share = self.shares.get(FLEET)
+        return client.share
+
+    def _served(self, client: Client, work: int) -> None:
         self._turn += 1
         client.served = self._turn
+        self.shares.granted(self._share(client), work)
 
     async def _wait(self, waiter: _Waiter, start: float, deadline: float) -> Lease:
         while True:
@@ -272,8 +297,9 @@ class Dispatcher:
         )
 
     def wake(self) -> None:
-        """Offer freed slots to the waiters: one at a time to the client served longest ago
-        that has a waiter some free replica can serve (its oldest such waiter)."""
+        """Offer freed slots to the waiters: one at a time to the client of the tenant furthest
+        behind its share (then served longest ago) that has a waiter some free replica can
+        serve (its oldest such waiter)."""
         self._changed.set()
         self._changed = asyncio.Event()
         if not self._waiting:
@@ -282,14 +308,15 @@ class Dispatcher:
         blocked: set[int] = set()
         while True:
             granted = False
-            for client in sorted((c for c in clients if id(c) not in blocked), key=lambda c: c.served):
+            waiting = (c for c in clients if id(c) not in blocked)
+            for client in sorted(waiting, key=lambda c: (self._share(c).vtime, c.served)):
                 for waiter in list(client.waiters):
                     if waiter.future.done():
                         continue
                     lease = self._place(waiter.need, waiter.key, waiter.work, waiter.exclude, waiter.prefer)
                     if lease is not None:
                         self._dequeue(waiter)
-                        self._served(client)
+                        self._served(client, waiter.work)
                         waiter.future.set_result(lease)
                         granted = True
                         break
