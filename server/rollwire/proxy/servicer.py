@@ -124,7 +124,7 @@ class ProxyServicer(generator_pb2_grpc.GeneratorServiceServicer):
                 require_peer(self.state.auth, context)
                 return await self.state.peers.receive(request_iterator, origin, rid)
             require_stage_only(caller_role(self.state.auth, context), False)  # a relay or peer token publishes nothing
-            return await self.state.fanout.push(request_iterator, rid)
+            return await self.state.fanout.push(request_iterator, rid, send_metadata=context.send_initial_metadata)
         except RollwireError as err:
             log.info("adapter_push_refused", code=err.code.name, reason=err.reason, error=err.message)
             await context.abort_with_status(to_status(err))  # pyright: ignore[reportAttributeAccessIssue]  # grpc's stubs lack it; it exists at run time
