@@ -104,7 +104,8 @@ class BulkListener:
         self._expected: dict[bytes, Expected] = {}
         self._lock = threading.Lock()
         self._open = threading.BoundedSemaphore(section.max_connections)
-        self._hellos = ThreadPoolExecutor(max_workers=8, thread_name_prefix="bulk-hello")
+        # one thread per connection it may hold: a slow hello never delays another push's
+        self._hellos = ThreadPoolExecutor(max_workers=section.max_connections, thread_name_prefix="bulk-hello")
         self.closed = False
         threading.Thread(target=self._accept, name=f"bulk-accept-{self.port}", daemon=True).start()
 

@@ -80,7 +80,7 @@ class ServerConfig(Section):
     trust: TrustSection = Field(default_factory=TrustSection)
     """Signing keys whose adapter versions this server accepts (docs/security.md, signed versions)."""
     bulk: BulkSection = Field(default_factory=BulkSection)
-    """The bulk path of pushes this server receives and sends (docs/push.md)."""
+    """The bulk path of pushes this server receives and sends (docs/protocol.md, "The bulk path")."""
 
 
 def push_idle_field() -> Any:
