@@ -49,6 +49,10 @@ REPLY_MARGIN = 0.1
 """Share of the time left that a child's deadline leaves for its reply to travel back (at most 1 s)."""
 
 
+REFUSAL_GRACE_S = 1.0
+"""How long a sender whose bulk connection broke waits for the child's answer: a child that refused
+the bytes (and so closed it) reports its own verdict; one that does not answer is cut off."""
+
 FAIR_TURNS = 4
 """Chunks each sibling takes while a child takes none, before that child counts as stalled
 (at most the queue's length: that is all a sibling can take while the sender waits). A chunk
@@ -168,9 +172,12 @@ class ChildLink:
                     continue
                 try:
                     await lane.send(chunk)
-                except OSError as exc:  # the child stopped taking bytes: this hop fails, as a stalled one does
-                    why = f"its bulk connection failed ({type(exc).__name__}: {exc})"[:300]
-                    self.cut(why, grpc.StatusCode.UNAVAILABLE, Reason.RELAY_STALLED)
+                except OSError as exc:  # the child stopped taking bytes: its own refusal, else a broken hop
+                    await asyncio.wait({self.task}, timeout=REFUSAL_GRACE_S)
+                    if not self.task.done():  # no verdict of its own: this hop fails, as a stalled one does
+                        why = f"its bulk connection failed ({type(exc).__name__}: {exc})"[:300]
+                        self.cut(why, grpc.StatusCode.UNAVAILABLE, Reason.RELAY_STALLED)
+                    lane.abort()
                     return
         except BaseException:
             if lane is not None:
