@@ -24,8 +24,10 @@ push_netlab_quick.json, N = 1, 2, one repeat; another --rate R: push_netlab_Rmbi
 Each push also records the CPU seconds of the proxy and replicas and how busy the machine
 was (`machine_busy`): every emulated host shares this machine's cores, so past some rate a
 push measures the cores, not the links.
+With --path grpc bulk, every server listens for bulk bytes (bulk.enabled) and each proxy takes
+one push per path in turn (the bulk path's figures under "MODE+bulk"; rollwire.push.bulk).
 Needs root (network namespaces): run .venv/bin/python bench/push_netlab.py [--mode star relay striped]
-[--replicas 1 2 4 8] [--repeats 2] [--rate 200] [--fanout auto] [--quick]
+[--replicas 1 2 4 8] [--repeats 2] [--rate 200] [--fanout auto] [--path grpc bulk] [--quick]
 """
 
 from __future__ import annotations
@@ -80,9 +82,9 @@ def start_on(host: netlab.Host, name: str, args: list[str]) -> Service:
     return start(args, LOGS, name, popen=host.popen, host=host.ip)
 
 
-def start_replicas(hosts: list[netlab.Host], model: Path) -> list[Service]:
-    """One scripted replica per host, started at once."""
-    settings = [a for s in REPLICA_SETTINGS for a in ("--set", s)]
+def start_replicas(hosts: list[netlab.Host], model: Path, bulk: bool = False) -> list[Service]:
+    """One scripted replica per host, started at once (listening for bulk bytes too when `bulk`)."""
+    settings = [a for s in (*REPLICA_SETTINGS, *(("bulk.enabled=true",) if bulk else ())) for a in ("--set", s)]
     with ThreadPoolExecutor(len(hosts)) as pool:
         args = ["generator", "--model", str(model), *settings]
         return list(pool.map(lambda h: start_on(h, f"replica-{h.name}", args), hosts))
@@ -112,7 +114,7 @@ def machine_ticks() -> tuple[int, int]:
     return sum(values[:8]) - idle, sum(values[:8])
 
 
-def timed_push(pusher: Pusher, services: list[Service], payload: bytes, version: int) -> dict:
+def timed_push(pusher: Pusher, services: list[Service], payload: bytes, version: int, rank: int = RANK) -> dict:
     """`pusher.push` plus what it cost: CPU seconds of the proxy (`services[0]`) and the
     replicas (the rest), and how busy
     the whole machine was. A push whose machine_busy is near 1.0 is bound by this machine's
@@ -120,7 +122,7 @@ def timed_push(pusher: Pusher, services: list[Service], payload: bytes, version:
     hz = os.sysconf("SC_CLK_TCK")
     proxy, replicas = [services[0].proc.pid], [s.proc.pid for s in services[1:]]
     p0, r0, (busy0, all0) = cpu_ticks(proxy), cpu_ticks(replicas), machine_ticks()
-    times = pusher.push("lora", version, payload, RANK)
+    times = pusher.push("lora", version, payload, rank)
     p1, r1, (busy1, all1) = cpu_ticks(proxy), cpu_ticks(replicas), machine_ticks()
     return {
         **times,
@@ -140,7 +142,7 @@ def link_time(lab: netlab.Netlab, host: netlab.Host, size: int, repeats: int) ->
 def run(args: argparse.Namespace) -> dict:
     model = config_only_model(f"qwen2.5-{MODEL.lower()}", QWEN25[MODEL])
     config = json.loads((model / "config.json").read_text())
-    payload = safetensors_bytes(lora_shapes(config, RANK))
+    payload = safetensors_bytes(lora_shapes(config, args.rank))
     warm = safetensors_bytes(lora_shapes(config, 1))
     fingerprint = model_fingerprint(model, config_only=True)
     version = {"lora": 0, "warmup": 0}  # newest per name: the replicas outlive every proxy
@@ -150,37 +152,49 @@ def run(args: argparse.Namespace) -> dict:
         hosts = [lab.add_host(f"r{i}") for i in range(max(args.replicas))]
         link = link_time(lab, proxy_host, len(payload), 3)
         print(f"link: {len(payload) / 1e6:.1f} MB in {link['median']:.3f} s over {args.rate:g} Mbit/s", flush=True)
-        replicas = start_replicas(hosts, model)
+        bulk = "bulk" in args.path
+        replicas = start_replicas(hosts, model, bulk)
         for rep in range(args.repeats):
             for n in args.replicas if rep % 2 == 0 else args.replicas[::-1]:
                 for mode in args.mode:
-                    proxy = start_proxy(proxy_host, replicas[:n], mode_settings(mode, args))
-                    pusher = Pusher(proxy, replicas[:n], fingerprint)
+                    settings = [*mode_settings(mode, args), *(["bulk.enabled=true"] if bulk else [])]
+                    proxy = start_proxy(proxy_host, replicas[:n], settings)
+                    pushers = {path: Pusher(proxy, replicas[:n], fingerprint, path == "bulk") for path in args.path}
                     try:
-                        version["warmup"] += 1
-                        pusher.push("warmup", version["warmup"], warm, 1)
-                        version["lora"] += 1
-                        times = timed_push(pusher, [proxy, *replicas[:n]], payload, version["lora"])
+                        for path in args.path if rep % 2 == 0 else args.path[::-1]:
+                            version["warmup"] += 1
+                            pushers[path].push("warmup", version["warmup"], warm, 1)
+                            version["lora"] += 1
+                            services = [proxy, *replicas[:n]]
+                            times = timed_push(pushers[path], services, payload, version["lora"], args.rank)
+                            label = mode if path == "grpc" else f"{mode}+bulk"
+                            runs.append({"mode": label, "n": n, "repeat": rep, **times})
                     finally:
-                        pusher.close()
+                        for pusher in pushers.values():
+                            pusher.close()
                         proxy.stop()
-                    runs.append({"mode": mode, "n": n, "repeat": rep, **times})
-                    print(
-                        f"repeat {rep} {mode:5s} N={n}: served {times['served_s']:.3f} s "
-                        f"(reply {times['reply_s']:.3f} s) = {times['served_s'] / link['median']:.2f} x link; "
-                        f"CPU s: proxy {times['proxy_cpu_s']:.2f}, replicas {times['replicas_cpu_s']:.2f}; machine {times['machine_busy']:.0%} busy",
-                        flush=True,
-                    )
+                    for times in runs[-len(args.path) :]:
+                        print(
+                            f"repeat {rep} {times['mode']:5s} N={n}: served {times['served_s']:.3f} s "
+                            f"(reply {times['reply_s']:.3f} s) = {times['served_s'] / link['median']:.2f} x link; "
+                            f"CPU s: proxy {times['proxy_cpu_s']:.2f}, replicas {times['replicas_cpu_s']:.2f}; machine {times['machine_busy']:.0%} busy",
+                            flush=True,
+                        )
     return summarise(args, runs, link, len(payload))
+
+
+def labels(args: argparse.Namespace) -> list[str]:
+    """Each mode, and "MODE+bulk" for its pushes by the bulk path."""
+    return [mode if path == "grpc" else f"{mode}+bulk" for mode in args.mode for path in args.path]
 
 
 def summarise(args: argparse.Namespace, runs: list[dict], link: dict, size: int) -> dict:
     modes: dict = {}
-    for mode in args.mode:
+    for mode in labels(args):
         mine = [r for r in runs if r["mode"] == mode]
         per_n = {str(n): [r for r in mine if r["n"] == n] for n in args.replicas}
         modes[mode] = {
-            "settings": mode_settings(mode, args),
+            "settings": mode_settings(mode.removesuffix("+bulk"), args),
             "push_s": {n: spread([r["served_s"] for r in rs]) for n, rs in per_n.items()},
             "reply_s": {n: spread([r["reply_s"] for r in rs]) for n, rs in per_n.items()},
             "services_cpu_s": {n: statistics.median(r["services_cpu_s"] for r in rs) for n, rs in per_n.items()},
@@ -189,7 +203,7 @@ def summarise(args: argparse.Namespace, runs: list[dict], link: dict, size: int)
         }
     out: dict = {
         "model": f"Qwen2.5-{MODEL} (config only, scripted replicas)",
-        "rank": RANK,
+        "rank": args.rank,
         "payload_bytes": size,
         "chunk_bytes": MAX_CHUNK,
         "rate_mbit": args.rate,
@@ -211,7 +225,7 @@ def summarise(args: argparse.Namespace, runs: list[dict], link: dict, size: int)
         out["stripes"] = args.stripes
     if 1 in args.replicas:  # the acceptance's figure is at 8 (relay_8_over_1); the largest N beside it
         for n in {n for n in (8, max(args.replicas)) if n > 1 and n in args.replicas}:
-            for mode in args.mode:
+            for mode in labels(args):
                 push = modes[mode]["push_s"]
                 out[f"{mode}_{n}_over_1"] = push[str(n)]["median"] / push["1"]["median"]
     return out
@@ -226,6 +240,8 @@ def main() -> None:
     ap.add_argument("--delay", type=float, default=0, help="every link's added delay, ms each direction (sch_netem)")
     ap.add_argument("--fanout", default="auto", help="relay mode: children per node (1 = chain) or auto")
     ap.add_argument("--stripes", type=int, default=2, help="striped mode: trees the push is dealt over")
+    ap.add_argument("--rank", type=int, default=RANK, help="the adapter's rank (16: 37 MB; 128: 296 MB)")
+    ap.add_argument("--path", nargs="+", default=["grpc"], choices=["grpc", "bulk"], help="how the bytes travel")
     ap.add_argument("--quick", action="store_true", help="smoke: N = 1, 2 and one repeat")
     args = ap.parse_args()
     if args.quick:
@@ -242,6 +258,10 @@ def main() -> None:
     name = "push_netlab_quick" if args.quick else "push_netlab"
     if args.rate != 200:
         name += f"_{args.rate:g}mbit"  # the acceptance's figures are at 200 Mbit/s; others beside them
+    if "bulk" in args.path:
+        name += "_bulk"
+    if args.rank != RANK:
+        name += f"_r{args.rank}"
     write_result(name, " ".join([".venv/bin/python bench/push_netlab.py", *sys.argv[1:]]), data)
 
 

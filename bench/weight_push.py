@@ -69,10 +69,11 @@ def safetensors_bytes(shapes: dict[str, tuple[int, int]]) -> bytes:
 class Pusher:
     """Pushes versions of one adapter name through a proxy and confirms them on each replica."""
 
-    def __init__(self, proxy, replicas, fingerprint: str) -> None:
+    def __init__(self, proxy, replicas, fingerprint: str, bulk: bool = False) -> None:
         self.proxy = Client(proxy.target, timeout=600)
         self.direct = [Client(r.target, timeout=60) for r in replicas]
-        self.fingerprint = fingerprint
+        self.fingerprint, self.bulk = fingerprint, bulk
+        """`bulk`: ask for the bulk path (servers with bulk.enabled), every hop then takes it."""
 
     def push(self, name: str, version: int, payload: bytes, r: int, direct: bool = False) -> dict[str, float]:
         """Seconds until the push call returned and until every replica served the version;
@@ -80,7 +81,7 @@ class Pusher:
         lora = LoraShape(r, 2 * r, tuple(sorted(TARGETS)))
         client, replicas = (self.direct[0], self.direct[:1]) if direct else (self.proxy, self.direct)
         start = time.perf_counter()
-        client.push_adapter(name, version, payload, lora, self.fingerprint)
+        client.push_adapter(name, version, payload, lora, self.fingerprint, bulk=self.bulk)
         replied = time.perf_counter() - start
         for c in replicas:
             result = c.generate([1], n=1, max_new_tokens=1, adapter=f"{name}@{version}")

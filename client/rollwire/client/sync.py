@@ -9,6 +9,7 @@ death (_failover.py). Safe to share between threads.
 from __future__ import annotations
 
 import contextlib
+import ssl
 import time
 from collections.abc import Generator, Iterator, Mapping, Sequence
 from pathlib import Path
@@ -17,11 +18,14 @@ from typing import TYPE_CHECKING, Any
 import grpc
 
 from rollwire.client._base import ClientBase, Invoke
+from rollwire.client._channels import TlsConfig
 from rollwire.client._push import MAX_CHUNK_BYTES, PushResult, build_manifest, push_result_from_pb, read_peft_dir
 from rollwire.client._requests import AdapterVersion, build_generate_request
 from rollwire.client._results import GenerateResult, GroupAccumulator, StreamEvent, events_from_pb
 from rollwire.client._score import ScoreResult, ScoreSequence, build_score_request, score_result_from_pb
 from rollwire.client._session import Session
+from rollwire.common.addresses import split_address
+from rollwire.common.bulk import BlockingPush
 from rollwire.common.errors import from_rpc_error
 from rollwire.common.lora import LoraShape
 from rollwire.common.signing import SigningKey
@@ -88,13 +92,37 @@ class Client(ClientBase):
         chunk_size: int = MAX_CHUNK_BYTES,
         timeout: float | None = None,
         signing_key: SigningKey | None = None,
+        bulk: bool = False,
     ) -> PushResult:
         """Upload one adapter version (a PEFT safetensors payload); returns once it is served.
         With `signing_key` (SigningKey.load(FILE)) the manifest is signed: required by receivers
-        that set trust.keys_file (docs/security.md)."""
+        that set trust.keys_file (docs/security.md). With `bulk`, the bytes go over the
+        receiver's bulk endpoint when it offers one (and so do its relay hops'), else as chunks
+        (rollwire.common.bulk); a client with mutual TLS always sends chunks."""
         manifest = build_manifest(name, version, payload, lora_config, base_model_fingerprint, signing_key)
         invoke = self._push_invoke(manifest, payload, chunk_size)
+        if bulk and not (isinstance(self._tls, TlsConfig) and self._tls.certificate_chain):
+            invoke = self._bulk_push_invoke(manifest, payload, chunk_size)
         return push_result_from_pb(self._unary(invoke, timeout))
+
+    def _bulk_push_invoke(self, manifest: pb.AdapterManifest, payload: bytes, chunk_size: int) -> Invoke:
+        def invoke(stub: Any, remaining: float) -> Any:
+            target = self._rotation.targets[self._stubs.index(stub)]
+            host = split_address(target.removeprefix("dns:///"))[0]
+            tls = self._tls if isinstance(self._tls, TlsConfig) else TlsConfig() if self._tls else None
+            context = None
+            if tls is not None:
+                context = ssl.create_default_context()
+                if tls.root_certificates:
+                    context.load_verify_locations(cadata=tls.root_certificates.decode())
+            push = BlockingPush(
+                manifest, payload, chunk_size, host, min(3.0, remaining), context, tls.server_name if tls else None
+            )
+            call = stub.PushAdapter.future(push.requests(), timeout=remaining, metadata=self._metadata)
+            push.attach(call)
+            return call.result()
+
+        return invoke
 
     def push_adapter_dir(
         self,

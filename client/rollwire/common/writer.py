@@ -40,10 +40,12 @@ def opening(
     stage_only: bool = False,
     stripe: pb.Stripe | None = None,
     granted: pb.RelayNode | None = None,
+    bulk: bool = False,
 ) -> pb.PushAdapterRequest:
     """The first message of a push. `granted`: the receiver's own node of a relay plan (set by
-    whoever dials it inside a relay tree), which a replica with auth on needs from a relay token."""
-    message = pb.PushAdapterRequest(manifest=manifest, stage_only=stage_only)
+    whoever dials it inside a relay tree), which a replica with auth on needs from a relay token;
+    `bulk`: the sender can send the bytes over the receiver's bulk endpoint (common.bulk)."""
+    message = pb.PushAdapterRequest(manifest=manifest, stage_only=stage_only, bulk=bulk)
     if relay is not None and relay.nodes:
         message.relay.CopyFrom(relay)
     if stripe is not None:

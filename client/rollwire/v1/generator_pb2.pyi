@@ -193,20 +193,22 @@ class AdapterManifest(_message.Message):
     def __init__(self, name: _Optional[str] = ..., version: _Optional[int] = ..., base_model_fingerprint: _Optional[str] = ..., lora_config: _Optional[_Union[LoraConfig, _Mapping]] = ..., byte_length: _Optional[int] = ..., sha256: _Optional[str] = ..., signature: _Optional[bytes] = ..., signer: _Optional[str] = ...) -> None: ...
 
 class PushAdapterRequest(_message.Message):
-    __slots__ = ("manifest", "chunk", "relay", "stage_only", "stripe", "granted")
+    __slots__ = ("manifest", "chunk", "relay", "stage_only", "stripe", "granted", "bulk")
     MANIFEST_FIELD_NUMBER: _ClassVar[int]
     CHUNK_FIELD_NUMBER: _ClassVar[int]
     RELAY_FIELD_NUMBER: _ClassVar[int]
     STAGE_ONLY_FIELD_NUMBER: _ClassVar[int]
     STRIPE_FIELD_NUMBER: _ClassVar[int]
     GRANTED_FIELD_NUMBER: _ClassVar[int]
+    BULK_FIELD_NUMBER: _ClassVar[int]
     manifest: AdapterManifest
     chunk: bytes
     relay: RelayPlan
     stage_only: bool
     stripe: Stripe
     granted: RelayNode
-    def __init__(self, manifest: _Optional[_Union[AdapterManifest, _Mapping]] = ..., chunk: _Optional[bytes] = ..., relay: _Optional[_Union[RelayPlan, _Mapping]] = ..., stage_only: _Optional[bool] = ..., stripe: _Optional[_Union[Stripe, _Mapping]] = ..., granted: _Optional[_Union[RelayNode, _Mapping]] = ...) -> None: ...
+    bulk: bool
+    def __init__(self, manifest: _Optional[_Union[AdapterManifest, _Mapping]] = ..., chunk: _Optional[bytes] = ..., relay: _Optional[_Union[RelayPlan, _Mapping]] = ..., stage_only: _Optional[bool] = ..., stripe: _Optional[_Union[Stripe, _Mapping]] = ..., granted: _Optional[_Union[RelayNode, _Mapping]] = ..., bulk: _Optional[bool] = ...) -> None: ...
 
 class Stripe(_message.Message):
     __slots__ = ("index", "count", "chunk_bytes")

@@ -40,8 +40,10 @@ from rollwire.generator.adapters import AdapterRegistry
 from rollwire.generator.config import GeneratorConfig
 from rollwire.generator.metrics import GeneratorMetrics
 from rollwire.push.assembly import Assembly, PushSlots, check_stripe
+from rollwire.push.bulk import BulkDial, BulkListener
+from rollwire.push.channels import ChannelPool
 from rollwire.push.checks import PayloadInspector
-from rollwire.push.forward import ChannelPool, Forwarder
+from rollwire.push.forward import Forwarder
 from rollwire.push.plan import grant_key, is_granted, split_plan, unplanned
 from rollwire.push.reader import Opening, PushReader
 from rollwire.push.results import status_with_results
@@ -100,6 +102,10 @@ class PushIntake:
         """This process's id in RELAY_PATH_KEY."""
         self.trust = config.trust.trusted()
         """The signing keys a version must be signed by (none: not required); checked at every opening."""
+        self.bulk = BulkListener(config.host, config.bulk, config.tls) if config.bulk.enabled else None
+        """This replica's bulk endpoint (push bytes over a connection of their own), when enabled."""
+        self.bulk_dial = BulkDial.from_config(config.bulk, config.relay, self._count_path)
+        """How it sends its relay children their bytes over theirs (None: gRPC chunks only)."""
 
     async def push(self, messages, context: grpc.aio.ServicerContext) -> pb.PushAdapterResponse:
         """One PushAdapter call: admit, relay, receive, then stage or serve (or refuse)."""
@@ -109,6 +115,7 @@ class PushIntake:
             first, manifest = await self._admit(stream, context)
             if first.relay.nodes:
                 stream.forward = await self._relay(first, context, stream.role)
+            await stream.reader.agree(first, self.bulk, context.send_initial_metadata)
             await self._receive(stream, first, manifest)
             if stream.assembly is not None and first.stripe is not None and not stream.assembly.end(first.stripe.index):
                 stream.assembly = None  # its stripe is in: what happens to this call now spoils nothing
@@ -197,6 +204,7 @@ class PushIntake:
             adapter=manifest.name,
             version=manifest.version,
             bytes=manifest.byte_length if assembly is not None else stream.reader.received,
+            path=stream.reader.path,
             stripes=assembly.count if assembly is not None else 1,
             already_loaded=outcome.already_loaded,
             relayed_to=len(stream.subtree),
@@ -233,7 +241,9 @@ class PushIntake:
         self._give_up(stream)
         if stream.forward is not None and not stream.subtree:
             stream.subtree = await stream.forward.results()
-        log.info("adapter_push_refused", code=err.code.name, reason=err.reason, error=err.message)
+        log.info(
+            "adapter_push_refused", code=err.code.name, reason=err.reason, error=err.message, path=stream.reader.path
+        )
         await context.abort_with_status(status_with_results(err, stream.subtree))  # pyright: ignore[reportAttributeAccessIssue]  # grpc's stubs lack it; it exists at run time
 
     def _give_up(self, stream: _Stream) -> None:
@@ -286,7 +296,11 @@ class PushIntake:
             stall_s=relay.stall_timeout_s,
             settle_s=relay.settle_timeout_s,
             stripe=first.stripe,
+            bulk=self.bulk_dial if first.bulk else None,  # a hop asks only when its own sender asked
         )
+
+    def _count_path(self, path: str, reason: str) -> None:
+        self.metrics.push_paths.labels(path, reason).inc()
 
     def _grant_keys(self) -> list[bytes]:
         assert self.auth is not None
@@ -367,5 +381,7 @@ class PushIntake:
         )
 
     async def close(self) -> None:
-        """Close the relay channels (at shutdown)."""
+        """Close the relay channels and the bulk listener (at shutdown)."""
+        if self.bulk is not None:
+            self.bulk.close()
         await self._channels.close()

@@ -90,6 +90,12 @@ class GeneratorMetrics:
         )
         self.pushes = m.counter("adapter_pushes_total", "Adapter pushes by final gRPC status code.", ["code"])
         self.push_bytes = m.counter("adapter_push_bytes_total", "Adapter payload bytes received.")
+        self.push_paths = m.counter(
+            "adapter_push_path_total",
+            "Relay hops this replica sent, by the path their bytes took (bulk or grpc) and why (connected, no_offer, "
+            "refused, timeout, tls, unreachable).",
+            ["path", "reason"],
+        )
         self.push_slots = m.gauge(
             "push_slots_used",
             "Push slots held now, of limits.max_concurrent_pushes: plain push streams and striped versions being assembled.",

@@ -72,6 +72,7 @@ class RunningProxy(Running):
     async def close(self) -> None:
         for task in self.tasks:
             task.cancel()
+        self.servicer.state.fanout.close()
         if self.peers is not None:
             await self.peers.close()
         await self.replicas.close()

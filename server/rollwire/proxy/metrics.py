@@ -281,6 +281,12 @@ class ProxyMetrics:
             "Replicas that got a pushed version again from the proxy because the relay tree did not deliver it.",
             ["replica"],
         )
+        self.push_paths = counter(
+            "push_path_total",
+            "Push streams the proxy sent to replicas, by the path their bytes took (bulk or grpc) and why (connected, "
+            "no_offer, refused, timeout, tls, unreachable).",
+            ["path", "reason"],
+        )
 
     def _peer_families(self, make: MetricFactory) -> None:
         """Peer proxies' spools."""

@@ -143,7 +143,7 @@ class ProxyServicer(generator_pb2_grpc.GeneratorServiceServicer):
             require_stage_only(role, False)  # a relay or peer token publishes nothing
             named = _Named(request_iterator, scope, self.core)
             try:
-                reply = await self.state.fanout.push(named.each(), rid)
+                reply = await self.state.fanout.push(named.each(), rid, send_metadata=context.send_initial_metadata)
             except RollwireError as err:
                 if named.name:  # refused once its name was known: audited
                     audit(self.state.metrics.tenant_publishes, scope, role, "push", named.name, named.version, err)

@@ -37,10 +37,10 @@ import grpc
 from rollwire.common.errors import ERROR_DOMAIN, Unavailable, from_rpc_error, status_detail
 from rollwire.common.reasons import Reason
 from rollwire.common.writer import opening
+from rollwire.push.bulk import BulkDial, BulkLane
 from rollwire.push.plan import Child
 from rollwire.push.results import result, results_from_error
 from rollwire.runtime.logs import get_logger
-from rollwire.serving.dial import Dialer
 from rollwire.v1 import generator_pb2 as pb
 from rollwire.v1 import generator_pb2_grpc
 
@@ -48,6 +48,10 @@ log = get_logger(__name__)
 REPLY_MARGIN = 0.1
 """Share of the time left that a child's deadline leaves for its reply to travel back (at most 1 s)."""
 
+
+REFUSAL_GRACE_S = 1.0
+"""How long a sender whose bulk connection broke waits for the child's answer: a child that refused
+the bytes (and so closed it) reports its own verdict; one that does not answer is cut off."""
 
 FAIR_TURNS = 4
 """Chunks each sibling takes while a child takes none, before that child counts as stalled
@@ -116,15 +120,22 @@ class ChildLink:
         queue_chunks: int,
         turns: list[int],
         stripe: pb.Stripe | None = None,
+        bulk: tuple[BulkDial, float] | None = None,
     ) -> None:
         self.child, self.pipe = child, _Pipe(queue_chunks)
+        self.manifest, self.stripe, self.bulk = manifest, stripe, bulk
+        """`bulk`: how to reach the child's bulk endpoint and each send's deadline (None: gRPC chunks only)."""
+        self.path = "grpc"
+        """How its bytes went: "bulk" once its bulk connection is up."""
         self.turns = turns
         """Chunks taken by all the sender's children together, one shared counter."""
         self.mark = 0
         """`turns` when this child last took a chunk."""
         self.height = child.height()
         granted = pb.RelayNode(address=child.address, name=child.name, grant=child.grant)
-        self.first = opening(manifest, relay=child.plan, stage_only=stage_only, stripe=stripe, granted=granted)
+        self.first = opening(
+            manifest, relay=child.plan, stage_only=stage_only, stripe=stripe, granted=granted, bulk=bulk is not None
+        )
         self.cut_reason, self.cut_code, self.cut_tag = "", grpc.StatusCode.OK, ""
         self.sent = 0
         self.took_at = time.monotonic()
@@ -142,15 +153,38 @@ class ChildLink:
 
     async def _requests(self):
         yield self.first
-        while (chunk := await self.pipe.pop()) is not None:
-            now = time.monotonic()
-            if self.sent:
-                self.pace_s = max(self.pace_s, now - self.took_at)
-            self.sent += len(chunk)
-            self.took_at = now
-            self.turns[0] += 1
-            self.mark = self.turns[0]
-            yield pb.PushAdapterRequest(chunk=chunk)
+        lane = None
+        if self.bulk is not None:
+            dial, send_timeout = self.bulk
+            lane = await BulkLane.open(dial, self.call, self.child.address, self.manifest, self.stripe, send_timeout)
+            self.path = "grpc" if lane is None else "bulk"
+        try:
+            while (chunk := await self.pipe.pop()) is not None:
+                now = time.monotonic()
+                if self.sent:
+                    self.pace_s = max(self.pace_s, now - self.took_at)
+                self.sent += len(chunk)
+                self.took_at = now
+                self.turns[0] += 1
+                self.mark = self.turns[0]
+                if lane is None:
+                    yield pb.PushAdapterRequest(chunk=chunk if isinstance(chunk, bytes) else bytes(chunk))
+                    continue
+                try:
+                    await lane.send(chunk)
+                except OSError as exc:  # the child stopped taking bytes: its own refusal, else a broken hop
+                    await asyncio.wait({self.task}, timeout=REFUSAL_GRACE_S)
+                    if not self.task.done():  # no verdict of its own: this hop fails, as a stalled one does
+                        why = f"its bulk connection failed ({type(exc).__name__}: {exc})"[:300]
+                        self.cut(why, grpc.StatusCode.UNAVAILABLE, Reason.RELAY_STALLED)
+                    lane.abort()
+                    return
+        except BaseException:
+            if lane is not None:
+                lane.abort()
+            raise
+        if lane is not None:
+            lane.close()
         self.drained_at = time.monotonic()
 
     async def _wait(self):
@@ -254,14 +288,20 @@ class Forwarder:
         stall_s: float,
         settle_s: float,
         stripe: pb.Stripe | None = None,
+        bulk: BulkDial | None = None,
     ) -> None:
         self.stall_s, self.settle_s = stall_s, settle_s
+        lane = (
+            (bulk, max(stall_s, settle_s)) if bulk is not None else None
+        )  # a send's deadline: as long as a child may pause
         self.ended_at: float | None = None
         self.turns = [0]
         self.fair_turns = min(FAIR_TURNS, queue_chunks)  # a sibling can take no more while the sender waits
         timeout = child_timeout(deadline - time.monotonic())
         self.links = [
-            ChildLink(c, manifest, stage_only, stub_for(c.address), metadata, timeout, queue_chunks, self.turns, stripe)
+            ChildLink(
+                c, manifest, stage_only, stub_for(c.address), metadata, timeout, queue_chunks, self.turns, stripe, lane
+            )
             for c in children
         ]
 
@@ -372,109 +412,3 @@ class Forwarder:
         for link in self.links:
             out += link.outcome()
         return out
-
-
-class StripedForwarder:
-    """Deals a push over one Forwarder per stripe: the payload is cut into chunks of exactly
-    `chunk_bytes` (received pieces of that size pass through as they are, others are cut and
-    joined) and chunk j goes down stripe j mod S's tree. Same calls as a Forwarder.
-
-    `results()` merges the stripes' reports into one outcome per replica: its verdict (from
-    the stream that completed its payload) when one came, else its own failure in any stripe,
-    else, when a stripe never reached it, "not reached" naming the stripes it missed and why
-    (so the caller heals it as any replica the relay missed)."""
-
-    def __init__(self, forwarders: Sequence[Forwarder], byte_length: int, chunk_bytes: int) -> None:
-        self.stripes, self.byte_length, self.chunk_bytes = list(forwarders), byte_length, chunk_bytes
-        self.seen = 0
-        self.dealt = 0
-        self.partial = bytearray()
-
-    async def send(self, piece: bytes) -> None:
-        self.seen += len(piece)
-        if not self.partial and len(piece) == self.chunk_bytes:
-            await self._deal(piece)
-        else:
-            self.partial += piece
-            while len(self.partial) >= self.chunk_bytes:
-                chunk = bytes(self.partial[: self.chunk_bytes])
-                del self.partial[: self.chunk_bytes]
-                await self._deal(chunk)
-        if self.seen >= self.byte_length and self.partial:  # the payload's last, shorter chunk
-            chunk, self.partial = bytes(self.partial), bytearray()
-            await self._deal(chunk)
-
-    async def _deal(self, chunk: bytes) -> None:
-        stripe = self.stripes[self.dealt % len(self.stripes)]
-        self.dealt += 1
-        await stripe.send(chunk)
-
-    def end(self) -> None:
-        for f in self.stripes:
-            f.end()
-
-    def abort(self, why: str) -> None:
-        for f in self.stripes:
-            f.abort(why)
-
-    async def results(self) -> list[pb.ReplicaPushResult]:
-        reports = await asyncio.gather(*(f.results() for f in self.stripes))
-        by_address: dict[str, list[tuple[int, pb.ReplicaPushResult]]] = {}
-        for s, report in enumerate(reports):
-            for r in report:
-                by_address.setdefault(r.address, []).append((s, r))
-        return [merge_stripes(rows, len(self.stripes)) for rows in by_address.values()]
-
-
-def merge_stripes(rows: Sequence[tuple[int, pb.ReplicaPushResult]], count: int) -> pb.ReplicaPushResult:
-    """One replica's outcome from its (stripe, report) rows (see StripedForwarder)."""
-
-    def rank(r: pb.ReplicaPushResult) -> int:
-        if r.code == "OK":
-            return 0 if r.stripe_pending else 3
-        return 1 if r.reason in (Reason.RELAY_NOT_REACHED, Reason.RELAY_ABORTED) else 2
-
-    best = max((r for _, r in rows), key=rank)
-    if rank(best) >= 2:
-        return best
-    took = sorted(s for s, r in rows if r.code == "OK")
-    missed = [f"stripe {s}: {r.message[:160]}" for s, r in rows if r.code != "OK"]
-    missed += [f"stripe {s}: no report" for s in range(count) if s not in {s for s, _ in rows}]
-    return result(
-        best.address,
-        best.replica,
-        grpc.StatusCode.UNAVAILABLE,
-        f"not reached: it took stripes {took} of {count}; " + "; ".join(missed),
-        Reason.RELAY_NOT_REACHED,
-    )
-
-
-class ChannelPool:
-    """Channels a relaying replica dials its children on, kept for the next push (relay trees
-    are planned from the same replicas each time); at most `size`, the oldest closed first.
-    Its dialer's keepalive ends the stream of a child that goes silent mid-relay."""
-
-    def __init__(self, dialer: Dialer, size: int = 64) -> None:
-        self.dialer, self.size = dialer, size
-        self.channels: dict[str, grpc.aio.Channel] = {}
-        self._closing: set[asyncio.Task] = set()
-
-    def stub(self, address: str) -> generator_pb2_grpc.GeneratorServiceStub:
-        channel = self.channels.pop(address, None) or self.dialer.channel(address)
-        self.channels[address] = channel  # most recently used last
-        while len(self.channels) > self.size:
-            oldest = next(iter(self.channels))
-            self._close(self.channels.pop(oldest))
-        return generator_pb2_grpc.GeneratorServiceStub(channel)
-
-    def _close(self, channel: grpc.aio.Channel) -> None:
-        task = asyncio.ensure_future(channel.close(grace=5.0))
-        self._closing.add(task)
-        task.add_done_callback(self._closing.discard)
-
-    async def close(self) -> None:
-        for channel in self.channels.values():
-            self._close(channel)
-        self.channels.clear()
-        if self._closing:
-            await asyncio.gather(*self._closing, return_exceptions=True)

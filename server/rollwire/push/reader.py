@@ -19,13 +19,14 @@ Invariants:
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterable, AsyncIterator
+from collections.abc import AsyncIterable, AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from rollwire.common.errors import DeadlineExceeded, InvalidArgument
 from rollwire.common.reasons import Reason
 from rollwire.common.writer import MAX_CHUNK, stripe_layout
+from rollwire.push.bulk import BulkListener, BulkSource
 from rollwire.push.sink import Inspector, Sink, verdict
 from rollwire.v1 import generator_pb2 as pb
 
@@ -41,6 +42,8 @@ class Opening:
     stripe: pb.Stripe | None = None
     granted: pb.RelayNode | None = None
     """The receiver's own node as its proxy planned it (sent inside relay trees)."""
+    bulk: bool = False
+    """The sender can send the bytes over this receiver's bulk endpoint (`PushReader.agree`)."""
 
 
 async def idle_bounded(messages: AsyncIterable, idle_s: float, holder: str):
@@ -77,11 +80,71 @@ class PushReader:
     backlog_bytes: int = 8 * MAX_CHUNK
     received: int = 0
     manifest: pb.AdapterManifest | None = None
+    path: str = "grpc"
+    """How the bytes came: "grpc" (chunks on the stream) or "bulk" (`agree`)."""
+    _raw: AsyncIterator | None = field(default=None, repr=False)
     _stream: AsyncIterator | None = field(default=None, repr=False)
     _sink: Sink | None = field(default=None, repr=False)
+    _bulk: BulkSource | None = field(default=None, repr=False)
+    _tail: asyncio.Future | None = field(default=None, repr=False)
+    """Over the bulk path: the stream's next message, which must be its end."""
+
+    async def agree(
+        self, opening: Opening, listener: BulkListener | None, send_metadata: Callable[[tuple], Awaitable[None]]
+    ) -> bool:
+        """Once the opening was admitted: when the sender asked for the bulk path, answer it
+        (`send_metadata`: the call's initial metadata, with this push's offer when `listener`),
+        and take the bytes from whichever comes first: the connection that proves the offer's
+        token, or a chunk on the stream (the sender fell back). Without an ask, nothing.
+        Returns whether the sender asked (a relaying receiver asks its own children then)."""
+        if not opening.bulk:
+            return False
+        if listener is None:
+            await send_metadata(())
+            return True
+        assert self._raw is not None, "open() first"
+        offer, expected = listener.expect(opening.manifest, opening.stripe)
+        await send_metadata(offer.metadata())
+        came = asyncio.ensure_future(listener.connection(expected, listener.section.connect_timeout_s))
+        first = asyncio.ensure_future(anext(self._raw))
+        await asyncio.wait({came, first}, return_when=asyncio.FIRST_COMPLETED)
+        if not first.done() or isinstance(first.exception(), StopAsyncIteration):
+            accepted = await came  # the stream ended with no chunk: the bytes may still be on their way
+        else:
+            came.cancel()  # a chunk came first: the sender fell back to the stream
+            listener.withdraw(expected)
+            accepted = None
+        if accepted is not None:
+            self.path, self._bulk, self._tail = "bulk", BulkSource(accepted, self.idle_s), first
+        else:
+            self._stream = aiter(idle_bounded(_resumed(first, self._raw), self.idle_s, self.holder))
+        return True
+
+    async def _pieces(self, sizes: list[int]) -> AsyncIterator[bytes]:
+        """The bulk path's pieces of `sizes`, then the stream's end (a chunk there is one too many)."""
+        assert self._bulk is not None and self._tail is not None and self.manifest is not None
+        async for piece in self._bulk.pieces(sizes, sum(sizes)):
+            yield piece  # pyright: ignore[reportReturnType]  # a bytearray: hashed, kept and sent as bytes are
+        self._bulk.close()  # every byte is in: the sender may close now
+        try:
+            async with asyncio.timeout(self.idle_s):
+                await self._tail
+        except StopAsyncIteration:
+            return
+        except TimeoutError:
+            raise DeadlineExceeded(
+                f"the push's stream did not end within {self.idle_s:g} s of its bulk bytes; end it after them",
+                reason=Reason.PUSH_IDLE,
+            ) from None
+        raise InvalidArgument(
+            f"received more than the {self.manifest.byte_length} bytes the manifest declared: a chunk on the stream "
+            "after the bulk connection's bytes",
+            reason=Reason.LENGTH_MISMATCH,
+        )
 
     async def open(self) -> Opening:
-        self._stream = aiter(idle_bounded(self.messages, self.idle_s, self.holder))
+        self._raw = aiter(self.messages)
+        self._stream = aiter(idle_bounded(self._raw, self.idle_s, self.holder))
         try:
             first = await anext(self._stream)
         except StopAsyncIteration:
@@ -97,6 +160,7 @@ class PushReader:
             first.stage_only,
             first.stripe if first.HasField("stripe") else None,
             first.granted if first.HasField("granted") else None,
+            first.bulk,
         )
 
     async def chunks(self, store: Path | None = None, inspector: Inspector | None = None) -> AsyncIterator[bytes]:
@@ -106,8 +170,7 @@ class PushReader:
         assert self._stream is not None and self.manifest is not None, "open() first"
         declared = self.manifest.byte_length
         self._sink = Sink(declared, store, self.backlog_bytes, inspector, self.keep_chunks)
-        async for msg in self._stream:
-            chunk = _chunk_of(msg)
+        async for chunk in self._chunks(declared):
             self.received += len(chunk)
             if self.received > declared:
                 raise InvalidArgument(
@@ -117,15 +180,22 @@ class PushReader:
             self._sink.raise_inspection()
             yield chunk
 
+    def _chunks(self, declared: int) -> AsyncIterator[bytes]:
+        if self._bulk is not None:
+            return self._pieces([min(MAX_CHUNK, declared - start) for start in range(0, declared, MAX_CHUNK)])
+        assert self._stream is not None
+        return (_chunk_of(msg) async for msg in self._stream)
+
     async def stripe_chunks(self, stripe: pb.Stripe) -> AsyncIterator[tuple[int, bytes]]:
         """(j, chunk j of the payload) for each chunk of a striped stream (`check_stripe`
         first), each of exactly the size its place in the payload gives it; the stream must
         end after the stripe's last chunk. Nothing is hashed or kept here: an `Assembly`
         puts the stripes back together."""
         assert self._stream is not None and self.manifest is not None, "open() first"
-        expected = iter(stripe_layout(self.manifest.byte_length, stripe))
-        async for msg in self._stream:
-            chunk = _chunk_of(msg)
+        layout = stripe_layout(self.manifest.byte_length, stripe)
+        expected = iter(layout)
+        pieces = self._pieces([size for _, size in layout]) if self._bulk is not None else None
+        async for chunk in pieces or (_chunk_of(msg) async for msg in self._stream):
             j, size = next(expected, (-1, 0))
             if len(chunk) != size:
                 raise InvalidArgument(
@@ -170,9 +240,23 @@ class PushReader:
         return await verdict(m, self._sink, sync)
 
     def close(self) -> None:
-        """Stop the worker and close the store; idempotent, safe on every exit."""
+        """Stop the worker and close the store (and a bulk connection); idempotent, safe on every exit."""
         if self._sink is not None:
             self._sink.close()
+        if self._bulk is not None:
+            self._bulk.close()
+        if self._tail is not None and not self._tail.done():
+            self._tail.cancel()
+
+
+async def _resumed(first: asyncio.Future, rest: AsyncIterator):
+    """The stream again from its message `first` was reading (the race of `PushReader.agree`)."""
+    try:
+        yield await first
+    except StopAsyncIteration:
+        return
+    async for msg in rest:
+        yield msg
 
 
 def _chunk_of(msg: pb.PushAdapterRequest) -> bytes:

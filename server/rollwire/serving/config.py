@@ -41,6 +41,26 @@ class TrustSection(Section):
             raise ConfigError(f"trust.keys_file: {exc}") from None
 
 
+class BulkSection(Section):
+    """The bulk path of pushes (rollwire.push.bulk, rollwire.common.bulk): push bytes over a TCP
+    connection of their own per hop, the gRPC stream staying the control plane. A server is a
+    receiver (it listens, when `enabled`) and, on a relay tree or the proxy, a sender (it asks a
+    receiver for its endpoint only when its own sender asked). A sender whose bulk connection
+    fails sends the same bytes as gRPC chunks (rollwire_push_path_total{path="grpc"})."""
+
+    enabled: bool = Field(default=False)
+    """Listen for push bytes on `port` (TLS with the server's [tls] certificates when set), and offer it to senders."""
+    port: int = Field(default=0, ge=0, le=65535)
+    """TCP port of the bulk listener, on the server's host; 0 picks a free one."""
+    send: bool = Field(default=True)
+    """As a sender, ask receivers for their bulk endpoint (false: always gRPC chunks)."""
+    connect_timeout_s: float = Field(default=3.0, gt=0)
+    """How long a sender waits for a bulk connection before it falls back to gRPC chunks; also how long a receiver's
+    offer stays open."""
+    max_connections: int = Field(default=64, ge=1, le=4096)
+    """Bulk connections a receiver holds at once (open, or in their hello); more are closed at once."""
+
+
 class ServerConfig(Section):
     """A gRPC server process."""
 
@@ -59,6 +79,8 @@ class ServerConfig(Section):
     """Multi-turn sessions this server keeps the history of (GenerateRequest.session, docs/sessions.md)."""
     trust: TrustSection = Field(default_factory=TrustSection)
     """Signing keys whose adapter versions this server accepts (docs/security.md, signed versions)."""
+    bulk: BulkSection = Field(default_factory=BulkSection)
+    """The bulk path of pushes this server receives and sends (docs/protocol.md, "The bulk path")."""
 
 
 def push_idle_field() -> Any:

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import secrets
 import socket
 import struct
 import threading
@@ -30,6 +31,7 @@ import pytest
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from support.processes import (
     GENERATOR_ARGS,
+    Service,
     start_generator,
     start_generators,
     start_proxy,
@@ -40,18 +42,26 @@ from support.processes import (
 from support.wire import generate, make_adapter, metric_value, status
 
 from rollwire.common import writer
+from rollwire.common.bulk import BlockingPush, Offer
 from rollwire.common.errors import from_rpc_error
 from rollwire.common.writer import chunks, opening, stripe_messages
+from rollwire.push.bulk import BulkDial, BulkListener
 from rollwire.push.forward import Forwarder
 from rollwire.push.plan import Child, plan_from_parents, split_plan
 from rollwire.push.reader import PushReader
+from rollwire.runtime.security import TlsSection
+from rollwire.serving.config import BulkSection
 from rollwire.v1 import generator_pb2 as pb
 from rollwire.v1 import generator_pb2_grpc
 
 pytestmark = pytest.mark.integration  # starts processes or servers: not in make test-fast
 
 PUSH_DEADLINE_S = 30
-PROXY_ARGS = ("--set", f"health.push_timeout_s={PUSH_DEADLINE_S}", "--set", "push.stall_timeout_s=10")
+BULK_ON = ("--set", "bulk.enabled=true")
+"""Every server of this module listens for bulk bytes too: a push takes the path its client asks for."""
+PROXY_ARGS = ("--set", f"health.push_timeout_s={PUSH_DEADLINE_S}", "--set", "push.stall_timeout_s=10", *BULK_ON)
+PATHS = ["grpc", "bulk"]
+"""The two paths of a push's bytes (rollwire.push.bulk): the push contract holds on both."""
 SERVICE = pb.DESCRIPTOR.services_by_name["GeneratorService"].full_name
 
 
@@ -62,7 +72,7 @@ def workdir(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def replicas(tiny_model, workdir):
-    services = start_generators(tiny_model, workdir, ["q1", "q2", "q3"])
+    services = start_generators(tiny_model, workdir, ["q1", "q2", "q3"], *BULK_ON)
     yield services
     stop_all(services)
 
@@ -105,10 +115,24 @@ def pinned_refusal(target: str, name: str, version: int) -> grpc.StatusCode:
     return grpc.StatusCode.OK
 
 
-def push_via(target: str, manifest: pb.AdapterManifest, payload: bytes) -> pb.PushAdapterResponse:
+def push_via(target: str, manifest: pb.AdapterManifest, payload: bytes, path: str = "grpc") -> pb.PushAdapterResponse:
+    """A push by the given path: "bulk" asks the receiver (and so every hop) for the bulk path and
+    checks the bytes took it."""
     with grpc.insecure_channel(target) as channel:
         stub = generator_pb2_grpc.GeneratorServiceStub(channel)
-        return stub.PushAdapter(writer.messages(manifest, payload), timeout=PUSH_DEADLINE_S + 10)
+        if path == "grpc":
+            return stub.PushAdapter(writer.messages(manifest, payload), timeout=PUSH_DEADLINE_S + 10)
+        push = BlockingPush(manifest, payload, writer.MAX_CHUNK, "127.0.0.1", 3.0)
+        call = stub.PushAdapter.future(push.requests(), timeout=PUSH_DEADLINE_S + 10)
+        push.attach(call)
+        reply = call.result()
+        assert (push.path, push.reason) == ("bulk", "connected")
+        return reply
+
+
+def hops_by_path(service, name: str) -> list[str]:
+    """The path of every push of `name` a replica received and kept (its log)."""
+    return [e["path"] for e in log_events(service.log_path, "adapter_staged") if e["adapter"] == name]
 
 
 def low_port() -> int:
@@ -124,6 +148,13 @@ def low_port() -> int:
     raise RuntimeError("no free port between 21000 and 29000")
 
 
+def closed_port() -> int:
+    """A port where nothing listens (a connection to it is refused)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 # -- a protocol-level hostile peer ----------------------------------------------------------
 class HostilePeer(generator_pb2_grpc.GeneratorServiceServicer):
     """A GeneratorService that joins a proxy as a replica (its GetStatus is a real replica's,
@@ -133,11 +164,13 @@ class HostilePeer(generator_pb2_grpc.GeneratorServiceServicer):
     chunk), `lie` reports every replica below it as staged
     whatever they said, `hold` keeps its reply until `release` is set, `stall` reads nothing
     after the first message until then, `refuse` fails every push at once (UNAVAILABLE). It stages nothing itself and answers every commit
-    with OK."""
+    with OK. It takes a push's bytes by the path its sender asks for, with a real bulk listener;
+    `blocked` offers instead a port where nothing listens (a firewalled bulk port)."""
 
-    def __init__(self, real: str, *, corrupt=False, lie=False, hold=False, stall=False, refuse=False) -> None:
+    def __init__(self, real: str, *, corrupt=False, lie=False, hold=False, stall=False, refuse=False, blocked=False):
         self.real, self.corrupt, self.lie, self.hold, self.stall = real, corrupt, lie, hold, stall
-        self.refuse = refuse
+        self.refuse, self.blocked = refuse, blocked
+        self.bulk: BulkListener | None = None
         self.release = threading.Event()
         self.ended = threading.Event()
         """Set once a push's stream ended here (its parent had sent everything)."""
@@ -166,6 +199,10 @@ class HostilePeer(generator_pb2_grpc.GeneratorServiceServicer):
             await context.abort(grpc.StatusCode.UNAVAILABLE, "the hostile peer takes no push")
         if self.stall:
             await asyncio.to_thread(self.release.wait, 60)
+        if self.blocked and first.bulk:
+            await context.send_initial_metadata(Offer(closed_port(), secrets.token_bytes(32)).metadata())
+        else:
+            await reader.agree(first, self.bulk, context.send_initial_metadata)
         children = split_plan(first.relay, max_children=64) if first.relay.nodes else []
         forward = Forwarder(
             children,
@@ -178,6 +215,7 @@ class HostilePeer(generator_pb2_grpc.GeneratorServiceServicer):
             stall_s=5,
             settle_s=5,
             stripe=first.stripe,
+            bulk=BulkDial(3.0) if first.bulk else None,
         )
         flipped = not self.corrupt
         if first.stripe is not None:  # a stripe: the chunks it carries, by their place in the payload
@@ -230,6 +268,7 @@ class PeerServer:
         asyncio.run_coroutine_threadsafe(self._start(), self.loop).result(10)
 
     async def _start(self) -> None:
+        self.peer.bulk = BulkListener("127.0.0.1", BulkSection(enabled=True), TlsSection())
         self.server = grpc.aio.server()
         generator_pb2_grpc.add_GeneratorServiceServicer_to_server(self.peer, self.server)
         checks = health.aio.HealthServicer()
@@ -245,6 +284,8 @@ class PeerServer:
     def stop(self) -> None:
         self.peer.release.set()
         asyncio.run_coroutine_threadsafe(self.server.stop(0), self.loop).result(10)
+        if self.peer.bulk is not None:
+            self.peer.bulk.close()
         self.loop.call_soon_threadsafe(self.loop.stop)
         self.thread.join(10)
 
@@ -263,71 +304,82 @@ def peer_proxy(replicas, workdir, request):
     peer.stop()
 
 
+@pytest.fixture(scope="module")
+def proxies(replicas, workdir):
+    """Proxies over the module's replicas, one per setting, started when first asked for and kept
+    for the module: the tests run over both paths (PATHS) through the same proxy."""
+    started: dict[str, Service] = {}
+
+    def get(name: str, *args: str) -> Service:
+        if name not in started:
+            started[name] = start_proxy(workdir, name, replicas, *args, *PROXY_ARGS)
+            wait_routable(started[name], replicas)
+        return started[name]
+
+    yield get
+    stop_all(list(started.values()))
+
+
 # -- the tests --------------------------------------------------------------------------------
+@pytest.mark.parametrize("path", PATHS)
 @pytest.mark.parametrize("fanout", [1, 2])
-def test_a_relayed_push_gives_every_replica_the_same_verified_bytes(fanout, replicas, workdir, adapter):
-    proxy = start_proxy(workdir, f"relay-proxy-{fanout}", replicas, "--set", f"push.fanout={fanout}", *PROXY_ARGS)
-    try:
-        wait_routable(proxy, replicas)
-        name = f"relay{fanout}"
-        fp = status(proxy.target).model_fingerprint
-        reply = push_via(proxy.target, adapter.manifest(name, 1, fp), adapter.payload)
-        assert sorted((r.replica, r.code) for r in reply.replicas) == [("q1", "OK"), ("q2", "OK"), ("q3", "OK")]
-        planned = log_events(proxy.log_path, "adapter_relay_planned")[-1]
-        assert (planned["fanout"], len(planned["children"])) == (fanout, fanout)
-        # each replica forwarded to its subtree while receiving: a chain 2, 1, 0; a 2-ary tree 1, 0, 0
-        relayed = sorted(
-            next(e["relayed_to"] for e in log_events(r.log_path, "adapter_staged") if e["adapter"] == name)
-            for r in replicas
-        )
-        assert relayed == ([0, 1, 2] if fanout == 1 else [0, 0, 1])
-        assert all(holds(r.target, name, 1) for r in replicas)
-        samples = [sampled(r.target, name, 1) for r in replicas]
-        assert samples[0] == samples[1] == samples[2]
-        base = generate(replicas[0].target, "3+4=", n=2, max_new_tokens=6, seed=5, temperature=1.0)
-        assert samples[0][1] != {i: [round(x, 5) for x in lp] for i, lp in base.logprobs.items()}
-        assert metric_value(proxy.metrics(), "rollwire_proxy_push_heals_total", f'replica="{replicas[0].target}"') == 0
-    finally:
-        stop_all([proxy])
+def test_a_relayed_push_gives_every_replica_the_same_verified_bytes(fanout, path, replicas, proxies, adapter):
+    proxy = proxies(f"relay-proxy-{fanout}", "--set", f"push.fanout={fanout}")
+    name = f"relay{fanout}{path}"
+    fp = status(proxy.target).model_fingerprint
+    reply = push_via(proxy.target, adapter.manifest(name, 1, fp), adapter.payload, path)
+    assert sorted((r.replica, r.code) for r in reply.replicas) == [("q1", "OK"), ("q2", "OK"), ("q3", "OK")]
+    planned = log_events(proxy.log_path, "adapter_relay_planned")[-1]
+    assert (planned["fanout"], len(planned["children"])) == (fanout, fanout)
+    # each replica forwarded to its subtree while receiving: a chain 2, 1, 0; a 2-ary tree 1, 0, 0
+    relayed = sorted(
+        next(e["relayed_to"] for e in log_events(r.log_path, "adapter_staged") if e["adapter"] == name)
+        for r in replicas
+    )
+    assert relayed == ([0, 1, 2] if fanout == 1 else [0, 0, 1])
+    assert all(holds(r.target, name, 1) for r in replicas)
+    samples = [sampled(r.target, name, 1) for r in replicas]
+    assert samples[0] == samples[1] == samples[2]
+    base = generate(replicas[0].target, "3+4=", n=2, max_new_tokens=6, seed=5, temperature=1.0)
+    assert samples[0][1] != {i: [round(x, 5) for x in lp] for i, lp in base.logprobs.items()}
+    assert metric_value(proxy.metrics(), "rollwire_proxy_push_heals_total", f'replica="{replicas[0].target}"') == 0
+    assert [hops_by_path(r, name) for r in replicas] == [[path]] * 3  # every hop took the path asked for
 
 
+@pytest.mark.parametrize("path", PATHS)
 @pytest.mark.parametrize("stripes", [2, 3])
-def test_a_striped_push_gives_every_replica_the_same_verified_bytes(stripes, replicas, workdir, adapter):
-    proxy = start_proxy(workdir, f"stripe-proxy-{stripes}", replicas, "--set", f"push.stripes={stripes}", *PROXY_ARGS)
-    try:
-        wait_routable(proxy, replicas)
-        name = f"striped{stripes}"
-        fp = status(proxy.target).model_fingerprint
-        reply = push_via(proxy.target, adapter.manifest(name, 1, fp), adapter.payload)
-        assert sorted((r.replica, r.code) for r in reply.replicas) == [("q1", "OK"), ("q2", "OK"), ("q3", "OK")]
-        planned = log_events(proxy.log_path, "adapter_relay_planned")[-1]
-        chunk = planned["chunk_bytes"]
-        assert planned["stripes"] == stripes and len(planned["children"]) == stripes
-        assert len(set(planned["children"])) == stripes  # each tree starts at another replica
-        for r in replicas:
-            # one stream per stripe: the one that completed the payload staged it, the others only delivered
-            pending = [e for e in log_events(r.log_path, "adapter_stripe_received") if e["adapter"] == name]
-            staged = [e for e in log_events(r.log_path, "adapter_staged") if e["adapter"] == name]
-            assert (len(pending), len(staged)) == (stripes - 1, 1), r.name
-            assert staged[0]["stripes"] == stripes and staged[0]["bytes"] == len(adapter.payload)
-        # every tree holds every replica: each relayed its stripe to the replicas below it
-        relayed = sum(
-            e["relayed_to"]
-            for r in replicas
-            for event in ("adapter_stripe_received", "adapter_staged")
-            for e in log_events(r.log_path, event)
-            if e["adapter"] == name
-        )
-        assert relayed == stripes * (len(replicas) - 1)
-        assert -(-len(adapter.payload) // chunk) >= stripes  # every stripe carried bytes
-        samples = [sampled(r.target, name, 1) for r in replicas]
-        assert samples[0] == samples[1] == samples[2]
-        assert all(
-            metric_value(proxy.metrics(), "rollwire_proxy_push_heals_total", f'replica="{r.target}"') == 0
-            for r in replicas
-        )
-    finally:
-        stop_all([proxy])
+def test_a_striped_push_gives_every_replica_the_same_verified_bytes(stripes, path, replicas, proxies, adapter):
+    proxy = proxies(f"stripe-proxy-{stripes}", "--set", f"push.stripes={stripes}")
+    name = f"striped{stripes}{path}"
+    fp = status(proxy.target).model_fingerprint
+    reply = push_via(proxy.target, adapter.manifest(name, 1, fp), adapter.payload, path)
+    assert sorted((r.replica, r.code) for r in reply.replicas) == [("q1", "OK"), ("q2", "OK"), ("q3", "OK")]
+    planned = log_events(proxy.log_path, "adapter_relay_planned")[-1]
+    chunk = planned["chunk_bytes"]
+    assert planned["stripes"] == stripes and len(planned["children"]) == stripes
+    assert len(set(planned["children"])) == stripes  # each tree starts at another replica
+    for r in replicas:
+        # one stream per stripe: the one that completed the payload staged it, the others only delivered
+        pending = [e for e in log_events(r.log_path, "adapter_stripe_received") if e["adapter"] == name]
+        staged = [e for e in log_events(r.log_path, "adapter_staged") if e["adapter"] == name]
+        assert (len(pending), len(staged)) == (stripes - 1, 1), r.name
+        assert staged[0]["stripes"] == stripes and staged[0]["bytes"] == len(adapter.payload)
+    # every tree holds every replica: each relayed its stripe to the replicas below it
+    relayed = sum(
+        e["relayed_to"]
+        for r in replicas
+        for event in ("adapter_stripe_received", "adapter_staged")
+        for e in log_events(r.log_path, event)
+        if e["adapter"] == name
+    )
+    assert relayed == stripes * (len(replicas) - 1)
+    assert -(-len(adapter.payload) // chunk) >= stripes  # every stripe carried bytes
+    samples = [sampled(r.target, name, 1) for r in replicas]
+    assert samples[0] == samples[1] == samples[2]
+    assert all(
+        metric_value(proxy.metrics(), "rollwire_proxy_push_heals_total", f'replica="{r.target}"') == 0 for r in replicas
+    )
+    assert [hops_by_path(r, name) for r in replicas] == [[path]] * 3
 
 
 def test_a_replica_assembles_stripes_from_their_own_streams_and_refuses_broken_ones(replicas, adapter):
@@ -495,19 +547,20 @@ def test_a_replica_that_failed_a_striped_push_hangs_under_the_proxy_in_every_tre
     assert healing and all(e["replicas"] == [peer.target] for e in healing)  # no real replica missed v2
 
 
+@pytest.mark.parametrize("path", PATHS)
 @pytest.mark.parametrize(
     "peer_proxy", [({"corrupt": True}, 1), ({"corrupt": True}, 1, "--set", "push.stripes=2")], indirect=True
 )
-def test_bytes_a_hop_alters_are_refused_below_it_and_healed(peer_proxy, replicas, adapter):
+def test_bytes_a_hop_alters_are_refused_below_it_and_healed(peer_proxy, path, replicas, adapter):
     proxy, peer = peer_proxy
     fp = status(proxy.target).model_fingerprint
-    assert log_events(proxy.log_path, "adapter_relay_planned") == []
+    earlier = len(log_events(proxy.log_path, "adapter_relay_planned"))  # the same proxy's log, for the other path
     refused_before = {
         r.name: len([e for e in log_events(r.log_path, "adapter_push_refused") if e["reason"] == "DIGEST_MISMATCH"])
         for r in replicas
     }
-    reply = push_via(proxy.target, adapter.manifest("altered", 1, fp), adapter.payload)
-    planned = log_events(proxy.log_path, "adapter_relay_planned")
+    reply = push_via(proxy.target, adapter.manifest("altered", 1, fp), adapter.payload, path)
+    planned = log_events(proxy.log_path, "adapter_relay_planned")[earlier:]
     striped = "stripes" in planned[0]
     assert planned[0]["children"][0] == peer.target  # the chain, or stripe 0's tree, starts at the hostile hop
     refused = [
@@ -529,6 +582,30 @@ def test_bytes_a_hop_alters_are_refused_below_it_and_healed(peer_proxy, replicas
     assert heals == len(refused)  # each replica that refused got the bytes again; the others were never touched
     samples = [sampled(r.target, "altered", 1) for r in replicas]
     assert samples[0] == samples[1] == samples[2]
+    assert all(set(hops_by_path(r, "altered")) <= {"grpc", "bulk"} for r in replicas)
+    if path == "bulk":  # the relay and the heal both went by the bulk path: no hop fell back
+        paths = proxy.metrics()
+        assert metric_value(paths, "rollwire_proxy_push_path_total", 'path="bulk",reason="connected"') >= 2
+        assert metric_value(paths, "rollwire_proxy_push_path_total", 'path="grpc",reason="refused"', default=0) == 0
+
+
+@pytest.mark.parametrize("peer_proxy", [({"blocked": True}, 1)], indirect=True)
+def test_a_push_whose_bulk_port_is_blocked_completes_over_grpc_chunks_and_says_so(peer_proxy, replicas, adapter):
+    proxy, peer = peer_proxy
+    fp = status(proxy.target).model_fingerprint
+    reply = push_via(proxy.target, adapter.manifest("blocked", 1, fp), adapter.payload, "bulk")
+    assert sorted(r.code for r in reply.replicas) == ["OK"] * 4, reply.replicas
+    # the chain starts at the peer, whose bulk port refuses: that hop went as gRPC chunks, the rest by bulk
+    assert log_events(proxy.log_path, "adapter_relay_planned")[-1]["children"] == [peer.target]
+    metrics = proxy.metrics()
+    assert metric_value(metrics, "rollwire_proxy_push_path_total", 'path="grpc",reason="refused"') == 1
+    assert metric_value(metrics, "rollwire_proxy_push_path_total", 'path="bulk",reason="connected"', default=0) == 0
+    fallback = log_events(proxy.log_path, "push_bulk_fallback")
+    assert [(e["child"], e["reason"]) for e in fallback] == [(peer.target, "refused")]
+    assert [hops_by_path(r, "blocked") for r in replicas] == [["bulk"]] * 3
+    assert all(metric_value(metrics, "rollwire_proxy_push_heals_total", f'replica="{r.target}"') == 0 for r in replicas)
+    samples = [sampled(r.target, "blocked", 1) for r in replicas]
+    assert samples[0] == samples[1] == samples[2]
 
 
 @pytest.mark.parametrize("peer_proxy", [({"corrupt": True, "lie": True}, 1)], indirect=True)
@@ -546,9 +623,9 @@ def test_a_hop_that_alters_bytes_and_lies_is_caught_by_the_commit(peer_proxy, re
     assert samples[0] == samples[1] == samples[2]
 
 
-@pytest.mark.parametrize("setting", ["push.fanout=1", "push.stripes=2"])
+@pytest.mark.parametrize(("setting", "path"), [("push.fanout=1", "grpc"), ("push.stripes=2", "bulk")])
 def test_a_replica_killed_mid_relay_stops_nobody_and_rejoins_with_the_version(
-    setting, replicas, workdir, adapter, tiny_model
+    setting, path, replicas, workdir, adapter, tiny_model
 ):
     proxy = start_proxy(workdir, f"kill-proxy-{setting}", replicas, "--set", setting, *PROXY_ARGS)
     try:
@@ -560,7 +637,8 @@ def test_a_replica_killed_mid_relay_stops_nobody_and_rejoins_with_the_version(
         killed = threading.Event()
 
         def upload():  # slow enough to be caught mid-relay: small chunks, the second half after the kill
-            yield opening(manifest)
+            # asking for the bulk path, the client's own hop falls back at its first chunk; the relay's go by bulk
+            yield opening(manifest, bulk=path == "bulk")
             for i in range(0, half, 1024):
                 yield pb.PushAdapterRequest(chunk=adapter.payload[i : min(i + 1024, half)])
             killed.wait(30)
@@ -589,11 +667,20 @@ def test_a_replica_killed_mid_relay_stops_nobody_and_rejoins_with_the_version(
         others = [r for r in replicas if r is not first]
         assert [codes[r.target] for r in others] == ["OK", "OK"], reply.replicas
         assert codes[first.target] != "OK"
+        assert all(set(hops_by_path(r, name)) == {path} for r in others)  # relay and heal alike
         for r in others:
             assert sampled(r.target, name, 1)
         # it comes back on its port and is caught up before it takes work
         again = start_generator(
-            tiny_model, workdir, "q-again", *GENERATOR_ARGS, "--replica-id", "q-again", "--port", str(first.port)
+            tiny_model,
+            workdir,
+            f"q-again-{path}",
+            *GENERATOR_ARGS,
+            *BULK_ON,
+            "--replica-id",
+            "q-again",
+            "--port",
+            str(first.port),
         )
         replicas[replicas.index(first)] = again
         wait_until(lambda: holds(again.target, name, 1), 30, "the restarted replica caught up")
@@ -625,7 +712,8 @@ def test_a_replica_refuses_a_bad_relay_plan_before_it_dials_anyone(replicas, ada
 def test_replicas_relay_to_each_other_over_mutual_tls_with_the_proxys_relay_token(tiny_model, pki, workdir, adapter):
     """The relay hop speaks what the proxy's hop speaks: TLS with a client certificate (the
     replicas require one), and the proxy's relay token (never its admin token), which the
-    first replica passes on."""
+    first replica passes on. On both paths: the bulk connections are TLS too, with the same
+    certificates (a bulk hop without them could not connect, and would fall back)."""
     from support.processes import start_service
 
     (workdir / "admin.token").write_text("relay-admin-777\n")
@@ -652,6 +740,7 @@ def test_replicas_relay_to_each_other_over_mutual_tls_with_the_proxys_relay_toke
             "--set",
             f"auth.relay_tokens_file={workdir / 'relay.token'}",
             *client_side("relay"),
+            *BULK_ON,
             plaintext=False,
         )
         for name in ("tls1", "tls2")
@@ -660,27 +749,32 @@ def test_replicas_relay_to_each_other_over_mutual_tls_with_the_proxys_relay_toke
         ["proxy", "--port", "0", "--metrics-port", "0", "--set", "health.interval_s=0.2", "--set", "push.fanout=1"]
         + ["--set", f"upstream.token_file={workdir / 'admin.token'}", *client_side("upstream")]
         + ["--set", f"upstream.relay_token_file={workdir / 'relay.token'}"]
-        + [x for s in secured for x in ("--generator", s.target)],
+        + [x for s in secured for x in ("--generator", s.target)]
+        + list(BULK_ON),
         workdir,
         "tls-proxy",
     )
     try:
         wait_routable(proxy, secured)
         fp = status(proxy.target).model_fingerprint
-        reply = push_via(proxy.target, adapter.manifest("sealed", 1, fp), adapter.payload)
-        assert sorted((r.replica, r.code) for r in reply.replicas) == [("tls1", "OK"), ("tls2", "OK")], reply.replicas
-        relayed = sorted(
-            next(e["relayed_to"] for e in log_events(s.log_path, "adapter_staged") if e["adapter"] == "sealed")
-            for s in secured
-        )
-        assert relayed == [0, 1]  # the first hop relayed to the second, over TLS, with the token
-        assert (
-            sum(
-                metric_value(proxy.metrics(), "rollwire_proxy_push_heals_total", f'replica="{s.target}"')
+        for path in PATHS:  # one fleet, both paths
+            name = f"sealed-{path}"
+            reply = push_via(proxy.target, adapter.manifest(name, 1, fp), adapter.payload, path)
+            assert sorted((r.replica, r.code) for r in reply.replicas) == [("tls1", "OK"), ("tls2", "OK")], reply
+            relayed = sorted(
+                next(e["relayed_to"] for e in log_events(s.log_path, "adapter_staged") if e["adapter"] == name)
                 for s in secured
             )
-            == 0
-        )
+            assert relayed == [0, 1]  # the first hop relayed to the second, over TLS, with the token
+            assert [hops_by_path(s, name) for s in secured] == [[path]] * 2
+            assert (
+                sum(
+                    metric_value(proxy.metrics(), "rollwire_proxy_push_heals_total", f'replica="{s.target}"')
+                    for s in secured
+                )
+                == 0
+            )
+        assert metric_value(proxy.metrics(), "rollwire_proxy_push_path_total", 'path="bulk",reason="connected"') == 1
     finally:
         stop_all([proxy, *secured])
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import math
+import socket
 import struct
 import threading
 import time
@@ -22,13 +23,19 @@ from google.protobuf import json_format
 from support.processes import start_generators, start_service, stop_all, wait_routable, wait_until
 from support.wire import make_adapter, metric_value, push_messages, request, status
 
+from rollwire.common.bulk import BlockingPush, Offer, parse_offer, token
+from rollwire.common.bulk import close as bulk_close
+from rollwire.common.bulk import connect as bulk_connect
 from rollwire.common.errors import from_rpc_error
 from rollwire.common.reasons import Reason
+from rollwire.common.writer import opening
 from rollwire.v1 import generator_pb2 as pb
 from rollwire.v1 import generator_pb2_grpc
 
 IDLE_S = 1.5
-PROXY_ARGS = ("--set", f"spool.upload_idle_timeout_s={IDLE_S}")
+BULK_ON = ("--set", "bulk.enabled=true")
+"""Every server here listens for bulk bytes too: a push takes the path its client asks for."""
+PROXY_ARGS = ("--set", f"spool.upload_idle_timeout_s={IDLE_S}", *BULK_ON)
 
 
 @pytest.fixture(scope="module")
@@ -41,6 +48,7 @@ def replicas(tiny_model, workdir):
         f"limits.push_idle_timeout_s={IDLE_S}",
         "--set",
         "limits.max_concurrent_pushes=2",
+        *BULK_ON,
     )
     yield services
     stop_all(services)
@@ -83,9 +91,17 @@ def stub(target: str) -> generator_pb2_grpc.GeneratorServiceStub:
     return generator_pb2_grpc.GeneratorServiceStub(grpc.insecure_channel(target))
 
 
-def refusal(target: str, manifest: pb.AdapterManifest, payload: bytes, timeout: float = 30):
+def refusal(target: str, manifest: pb.AdapterManifest, payload: bytes, timeout: float = 30, path: str = "grpc"):
+    """The push's (code, reason, message), by the given path ("bulk": over the bulk connection
+    when the receiver offers one at all, which it does only once it admitted the manifest)."""
     try:
-        stub(target).PushAdapter(push_messages(manifest, payload), timeout=timeout)
+        if path == "grpc":
+            stub(target).PushAdapter(push_messages(manifest, payload), timeout=timeout)
+        else:
+            push = BlockingPush(manifest, payload, 1 << 20, "127.0.0.1", 3.0)
+            call = stub(target).PushAdapter.future(push.requests(), timeout=timeout)
+            push.attach(call)
+            call.result()
     except grpc.RpcError as exc:
         err = from_rpc_error(exc)
         return err.code, err.reason, err.message
@@ -175,17 +191,19 @@ class SmallRequests:
         self._thread.join(15)
 
 
+@pytest.mark.parametrize("path", ["grpc", "bulk"])
 @pytest.mark.parametrize("where", ["replica", "proxy"])
-def test_hostile_payloads_are_refused_fast_and_nothing_freezes(where, proxy, replicas, adapter):
+def test_hostile_payloads_are_refused_fast_and_nothing_freezes(where, path, proxy, replicas, adapter):
     target = proxy.target if where == "proxy" else replicas[0].target
     fp = status(target).model_fingerprint
     cases = hostile_cases(adapter, fp)
     seen_before = pushes_ended(replicas)
+    nonfinite_before = nonfinite_refusals(replicas[0], path)
     with SmallRequests(target) as small:
         time.sleep(0.3)
         for label, (manifest, payload) in cases.items():
             started = time.monotonic()
-            code, reason, message = refusal(target, manifest, payload)
+            code, reason, message = refusal(target, manifest, payload, path=path)
             took = time.monotonic() - started
             assert code == grpc.StatusCode.INVALID_ARGUMENT, (label, code, reason, message)
             assert took < 1.0, (label, took)
@@ -199,6 +217,17 @@ def test_hostile_payloads_are_refused_fast_and_nothing_freezes(where, proxy, rep
     else:  # the same count sees each refusal the replica made itself (the check above can fail)
         want = [seen_before[0] + len(cases), *seen_before[1:]]
         wait_until(lambda: pushes_ended(replicas) == want, 10, f"{len(cases)} pushes ended on {replicas[0].name}")
+        # the six poisoned payloads passed the manifest, so their bytes came by the path asked for
+        assert nonfinite_refusals(replicas[0], path) == nonfinite_before + 6
+
+
+def nonfinite_refusals(replica, path: str) -> int:
+    """NON_FINITE_WEIGHTS refusals in a replica's log whose bytes came by `path`."""
+    return sum(
+        1
+        for line in replica.log_path.read_text(errors="replace").splitlines()
+        if '"adapter_push_refused"' in line and '"NON_FINITE_WEIGHTS"' in line and f'"path": "{path}"' in line
+    )
 
 
 def pushes_ended(replicas) -> list[float]:
@@ -440,3 +469,83 @@ def test_the_trainer_stops_on_non_finite_weights_naming_tensor_and_step(tiny_mod
 
 
 pytestmark = pytest.mark.integration  # starts processes or servers: not in make test-fast
+
+
+class BulkAsk:
+    """A push to `target` that asks for the bulk path and stops after its opening: the test
+    then drives the bulk connection by hand (`offer`), and `release()` ends the stream."""
+
+    def __init__(self, target: str, manifest: pb.AdapterManifest, *after: pb.PushAdapterRequest) -> None:
+        self.manifest, self.release = manifest, threading.Event()
+
+        def requests():
+            yield opening(manifest, bulk=True)
+            self.release.wait(20)
+            yield from after
+
+        self.call = stub(target).PushAdapter.future(requests(), timeout=20)
+        offer = parse_offer(self.call.initial_metadata())
+        assert offer is not None
+        self.offer: Offer = offer
+
+    def connect(self, manifest: pb.AdapterManifest | None = None) -> socket.socket:
+        proof = token(self.offer.secret, manifest or self.manifest, None)
+        return bulk_connect("127.0.0.1", self.offer, proof, 3.0)
+
+    def outcome(self) -> tuple:
+        self.release.set()
+        try:
+            self.call.result()
+        except grpc.RpcError as exc:
+            err = from_rpc_error(exc)
+            return err.code, err.reason
+        return grpc.StatusCode.OK, ""
+
+
+def closed_by_peer(sock: socket.socket) -> bool:
+    """The receiver closed the connection (without a byte) within a few seconds."""
+    sock.settimeout(5)
+    try:
+        return sock.recv(1) == b""
+    except ConnectionResetError:
+        return True
+    finally:
+        sock.close()
+
+
+def test_a_bulk_connection_opens_only_its_own_push_once_and_is_bounded_like_a_stream(replicas, adapter):
+    target = replicas[1].target
+    fp = status(target).model_fingerprint
+    payload = adapter.payload
+    # a token made for another version (or a hello that is not one) opens nothing; the push's own does, once
+    ask = BulkAsk(target, adapter.manifest("bulk-bound", 1, fp))
+    assert closed_by_peer(ask.connect(adapter.manifest("bulk-bound", 2, fp)))
+    junk = socket.create_connection(("127.0.0.1", ask.offer.port), timeout=3)
+    junk.sendall(b"GET / HTTP/1.1\r\n\r\n" + b"x" * 64)
+    assert closed_by_peer(junk)
+    sock = ask.connect()
+    sock.sendall(payload)
+    bulk_close(sock)  # returns once the receiver has every byte
+    assert closed_by_peer(ask.connect())  # the same token a second time, before the push ended
+    assert ask.outcome() == (grpc.StatusCode.OK, "")
+    assert 1 in {v for a in status(target).adapters if a.name == "bulk-bound" for v in a.versions}
+    # bytes that end early are a truncated upload; a connection that goes silent, an idle one
+    ask = BulkAsk(target, adapter.manifest("bulk-short", 1, fp))
+    sock = ask.connect()
+    sock.sendall(payload[: len(payload) // 2])
+    bulk_close(sock)
+    assert ask.outcome() == (grpc.StatusCode.INVALID_ARGUMENT, Reason.LENGTH_MISMATCH)
+    ask = BulkAsk(target, adapter.manifest("bulk-idle", 1, fp))
+    sock = ask.connect()
+    started = time.monotonic()
+    sock.sendall(payload[:1000])
+    assert ask.outcome() == (grpc.StatusCode.DEADLINE_EXCEEDED, Reason.PUSH_IDLE)
+    assert IDLE_S - 0.1 < time.monotonic() - started < IDLE_S + 3
+    sock.close()
+    # a chunk on the stream after the bulk bytes is one too many
+    ask = BulkAsk(target, adapter.manifest("bulk-extra", 1, fp), pb.PushAdapterRequest(chunk=b"x"))
+    sock = ask.connect()
+    sock.sendall(payload)
+    bulk_close(sock)
+    assert ask.outcome() == (grpc.StatusCode.INVALID_ARGUMENT, Reason.LENGTH_MISMATCH)
+    assert not {"bulk-short", "bulk-idle", "bulk-extra"} & {a.name for a in status(target).adapters}

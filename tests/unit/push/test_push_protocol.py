@@ -512,7 +512,7 @@ def test_every_stripe_tree_holds_every_replica_and_each_is_inner_in_at_most_one(
 
 
 def test_merged_stripe_reports_give_the_verdict_else_the_replicas_own_failure_else_not_reached():
-    from rollwire.push.forward import merge_stripes
+    from rollwire.push.striped import merge_stripes
 
     def r(code="OK", reason="", pending=False, staged=False, message=""):
         return pb.ReplicaPushResult(

@@ -44,8 +44,7 @@ import asyncio
 import math
 import time
 from collections import defaultdict
-from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
+from collections.abc import AsyncIterator, Awaitable, Callable
 
 import grpc
 
@@ -54,17 +53,20 @@ from rollwire.common.manifest import manifest_from_pb
 from rollwire.common.reasons import Reason
 from rollwire.common.writer import MIN_STRIPE_CHUNK
 from rollwire.proxy.config import ProxyConfig
-from rollwire.proxy.fleet.replica import Replica, ReplicaCall
+from rollwire.proxy.fleet.replica import ReplicaCall
 from rollwire.proxy.fleet.replicas import ReplicaSet
 from rollwire.proxy.metrics import ProxyMetrics
 from rollwire.proxy.publish.header_gate import HeaderGate
 from rollwire.proxy.publish.peers import Peers
+from rollwire.proxy.publish.publication import Outcome, Publication
 from rollwire.proxy.spool import Spool, SpooledAdapter, Upload
 from rollwire.proxy.upstream import relay_credentials
+from rollwire.push.bulk import BulkDial, BulkListener
 from rollwire.push.checks import PayloadInspector
-from rollwire.push.forward import Forwarder, StripedForwarder
+from rollwire.push.forward import Forwarder
 from rollwire.push.plan import Child, Target, choose_fanout, grant_children, layout, stripe_chunk_bytes, striped_layout
 from rollwire.push.reader import PushReader
+from rollwire.push.striped import StripedForwarder
 from rollwire.runtime.logs import REQUEST_ID_KEY, get_logger
 from rollwire.v1 import generator_pb2 as pb
 
@@ -73,52 +75,6 @@ SUSPECT_S = 600.0
 """A replica whose own relay hop failed is planned as a leaf for this long."""
 MIN_HEAL_S = 0.5
 """A heal round starts only with at least this much of the push deadline left."""
-
-
-@dataclass
-class _Outcome:
-    """Where one target stands in a publication."""
-
-    replica: Replica
-    code: grpc.StatusCode = grpc.StatusCode.UNAVAILABLE
-    message: str = "not pushed: the relay did not reach it"
-    reason: str = Reason.RELAY_NOT_REACHED
-    direct: bool = False
-    """Its last copy came straight from the proxy (a refusal of those bytes is its own verdict)."""
-    healed: bool = False
-
-    @property
-    def ok(self) -> bool:
-        return self.code == grpc.StatusCode.OK
-
-    def retry_worthwhile(self) -> bool:
-        """Might another copy of the same bytes succeed? Not for a version conflict or a
-        base-model mismatch, a size over the replica's limit, or bytes it refused that it got
-        from the proxy directly; yes for a failure of the path (a dead or stalled parent, bytes
-        altered on the way, a full replica, an unreachable one, one that does not relay: it is
-        planned as a leaf then)."""
-        if self.ok:
-            return False
-        if self.code == grpc.StatusCode.FAILED_PRECONDITION:
-            return self.reason == Reason.RELAY_DISABLED  # it takes the bytes as a leaf
-        if self.code == grpc.StatusCode.RESOURCE_EXHAUSTED and self.reason == Reason.ADAPTER_TOO_LARGE:
-            return False
-        return not (self.code == grpc.StatusCode.INVALID_ARGUMENT and self.direct)
-
-
-@dataclass
-class _Publication:
-    """One version on its way: its manifest, targets, deadline and request id."""
-
-    manifest: pb.AdapterManifest
-    targets: dict[str, Replica]
-    deadline: float
-    request_id: str
-    base_shapes: dict[str, tuple[int, int]]
-    outcomes: dict[str, _Outcome] = field(default_factory=dict)
-    started: float = field(default_factory=time.monotonic)
-    answered: bool = False
-    """The caller was answered once the version was spooled: the spool copy stays whatever the replicas say."""
 
 
 class FanOut:
@@ -133,17 +89,32 @@ class FanOut:
         self._credentials = relay_credentials(config.upstream)
         self.failed_after_answer: dict[str, str] = {}
         """Per name: why the last publication answered at "spooled" reached no replica (until the next load says so)."""
+        self.bulk = BulkListener(config.host, config.bulk, config.tls) if config.bulk.enabled else None
+        """The proxy's bulk endpoint for its clients' pushes (rollwire.push.bulk), when enabled."""
+        self.bulk_dial = BulkDial.from_config(
+            config.bulk, config.upstream, lambda path, reason: metrics.push_paths.labels(path, reason).inc()
+        )
+        """How it sends replicas their bytes over theirs, for a push whose client asked (None: gRPC chunks only)."""
+
+    def close(self) -> None:
+        if self.bulk is not None:
+            self.bulk.close()
 
     # -- receiving (the client's call) ----------------------------------------------------
     async def push(
-        self, messages: AsyncIterator[pb.PushAdapterRequest], request_id: str, answer: str = "committed"
+        self,
+        messages: AsyncIterator[pb.PushAdapterRequest],
+        request_id: str,
+        answer: str = "committed",
+        send_metadata: Callable[[tuple], Awaitable[None]] | None = None,
     ) -> pb.PushAdapterResponse:
         """Receive a client's upload, relaying it as it arrives, then publish it. Until the
         upload is complete every exit (a refusal, the client's cancellation) cancels the relay
         and leaves nothing behind; after that the publication runs to its end. `answer`
         "spooled": return once the version is durable in the spool (a reply with no replica
         results) while the relay and commit go on; a failure after that keeps the spool copy
-        for catch-up and is counted, logged and told to the next load of the name."""
+        for catch-up and is counted, logged and told to the next load of the name. `send_metadata`:
+        the call's initial metadata (a client's gRPC push: the bulk path's offer)."""
         reader = PushReader(messages, self.config.spool.upload_idle_timeout_s, "proxy", keep_chunks=True)
         upload: Upload | None = None
         lock: asyncio.Lock | None = None
@@ -164,6 +135,8 @@ class FanOut:
             lock = name_lock  # only once held: a caller cancelled while waiting releases nothing
             self.spool.check_version(first.manifest)  # again: a publication of this name may have ended meanwhile
             pub = self._start(first.manifest, base_shapes, request_id)
+            if send_metadata is not None:  # its hops ask for the bulk path only when its client did
+                pub.bulk = await reader.agree(first, self.bulk, send_metadata)
             gate = HeaderGate(manifest_from_pb(first.manifest), base_shapes)
             inspector = PayloadInspector(manifest_from_pb(first.manifest), base_shapes)
             async for chunk in reader.chunks(store=upload.path, inspector=inspector):
@@ -185,18 +158,23 @@ class FanOut:
         task = asyncio.create_task(self._publish(pub, upload, payload, gate.held, forward, lock, spooled))
         self._tasks.add(task)
         task.add_done_callback(self._finished)
-        if answer == "spooled":
-            await asyncio.wait({spooled, task}, return_when=asyncio.FIRST_COMPLETED)  # neither is cancelled by ours
-            if not task.done() and spooled.done():  # set before _settle can run: the commit round is still ahead
-                pub.answered = True
-                key = (pub.manifest.name, pub.manifest.version)
-                self.replicas.answered.add(key)
-                self.metrics.publications_pending.inc()
-                task.add_done_callback(lambda _: self._answered_ended(key))
-                return pb.PushAdapterResponse(name=pub.manifest.name, version=pub.manifest.version)
+        if answer == "spooled" and await self._spooled_first(pub, task, spooled):
+            return pb.PushAdapterResponse(name=pub.manifest.name, version=pub.manifest.version)
         return await asyncio.shield(task)
 
-    def _start(self, manifest: pb.AdapterManifest, base_shapes, request_id: str) -> _Publication:
+    async def _spooled_first(self, pub: Publication, task: asyncio.Task, spooled: asyncio.Future) -> bool:
+        """Whether the version was spooled while the publication still runs (the caller is answered then)."""
+        await asyncio.wait({spooled, task}, return_when=asyncio.FIRST_COMPLETED)  # neither is cancelled by ours
+        if task.done() or not spooled.done():
+            return False
+        pub.answered = True  # set before _settle can run: the commit round is still ahead
+        key = (pub.manifest.name, pub.manifest.version)
+        self.replicas.answered.add(key)
+        self.metrics.publications_pending.inc()
+        task.add_done_callback(lambda _: self._answered_ended(key))
+        return True
+
+    def _start(self, manifest: pb.AdapterManifest, base_shapes, request_id: str) -> Publication:
         targets = self.replicas.healthy()
         if not targets:
             raise Unavailable(
@@ -206,8 +184,8 @@ class FanOut:
                 retry_after_s=self.config.routing.retry_after_s,
             )
         deadline = time.monotonic() + self.config.health.push_timeout_s
-        pub = _Publication(manifest, {r.address: r for r in targets}, deadline, request_id, base_shapes)
-        pub.outcomes = {r.address: _Outcome(r) for r in targets}
+        pub = Publication(manifest, {r.address: r for r in targets}, deadline, request_id, base_shapes)
+        pub.outcomes = {r.address: Outcome(r) for r in targets}
         return pub
 
     def _finished(self, task: asyncio.Task) -> None:
@@ -232,7 +210,7 @@ class FanOut:
         return [Target(a, members[a].name if a in members else a) for a in order], trusted
 
     def _relay(
-        self, pub: _Publication, addresses: list[str] | None = None, star: bool = False, striped: bool = False
+        self, pub: Publication, addresses: list[str] | None = None, star: bool = False, striped: bool = False
     ) -> Forwarder | StripedForwarder:
         """Plan a tree over `addresses` (default: every target) and open the proxy's streams;
         `striped`: deal the push over `push.stripes` trees (when the replicas and the payload's
@@ -276,7 +254,7 @@ class FanOut:
         )
         return forward
 
-    def _forwarder(self, pub: _Publication, children: list[Child], stripe: pb.Stripe | None) -> Forwarder:
+    def _forwarder(self, pub: Publication, children: list[Child], stripe: pb.Stripe | None) -> Forwarder:
         metadata = ((REQUEST_ID_KEY, pub.request_id), *self._credentials.metadata)
         if (key := self._credentials.grant_key) is not None:  # every node, each granted for this push
             children = grant_children(children, key, pub.manifest)
@@ -291,13 +269,14 @@ class FanOut:
             stall_s=self.config.push.stall_timeout_s,
             settle_s=self.config.push.settle_timeout_s,
             stripe=stripe,
+            bulk=self.bulk_dial if pub.bulk else None,
         )
 
     def _fanout(self, n: int, size: int) -> int:
         p = self.config.push
         return choose_fanout(p.fanout, n, size, p.max_fanout)
 
-    async def _collect(self, pub: _Publication, forward: Forwarder | StripedForwarder, healing: bool) -> None:
+    async def _collect(self, pub: Publication, forward: Forwarder | StripedForwarder, healing: bool) -> None:
         """Record what the relay tree reported; a replica that failed by itself (not for want of
         a parent) becomes a suspect, planned as a leaf for a while."""
         for r in await forward.results():
@@ -312,7 +291,7 @@ class FanOut:
             if not outcome.ok and r.reason != Reason.RELAY_NOT_REACHED:
                 self._suspect[r.address] = time.monotonic()
 
-    async def _heal(self, pub: _Publication, payload: list[bytes]) -> None:
+    async def _heal(self, pub: Publication, payload: list[bytes]) -> None:
         """Give the bytes again, from the proxy's copy, to every healthy target that missed
         them for a reason another copy may fix: a relay over them, then directly."""
         for star in (False, True):
@@ -337,7 +316,7 @@ class FanOut:
     # -- publishing -----------------------------------------------------------------------
     async def _publish(
         self,
-        pub: _Publication,
+        pub: Publication,
         upload: Upload,
         payload: list[bytes],
         held: bytes | None,
@@ -395,7 +374,7 @@ class FanOut:
             reason=Reason.PEER_VERSION_CONFLICT,
         )
 
-    async def _commit(self, pub: _Publication) -> list[ReplicaCall]:
+    async def _commit(self, pub: Publication) -> list[ReplicaCall]:
         """CommitAdapter on every target that staged the version; the others keep their
         staging failure. One result per target, in address order."""
         timeout = self.config.push.commit_timeout_s
@@ -415,7 +394,7 @@ class FanOut:
 
     def _settle(
         self,
-        pub: _Publication,
+        pub: Publication,
         adapter: SpooledAdapter,
         created: bool,
         results: list[ReplicaCall],

@@ -1,0 +1,271 @@
+"""The bulk path (issue 36): what a hop costs to take in and forward a copy, and a large adapter
+through the proxy to two relaying replicas, beside a raw TCP copy over the same hops.
+
+A proxy and two scripted replicas on loopback, planned as a chain (push.fanout=1, one tree:
+proxy -> r1 -> r2), so r1 takes in every byte and forwards it while r2 only takes it in; every
+server has bulk.enabled. The payload is a synthetic bf16 LoRA adapter shaped like Qwen2.5-0.5B
+at the rank that makes it --size-mb, checked tensor by tensor (header, shapes, finiteness) and
+hashed on every hop. Each push is made by the SDK (`Client.push_adapter(bulk=...)`) and timed
+until every replica serves it; the CPU seconds of the proxy and of each replica are read from
+/proc around it, so "r1 CPU per GB" is the per-hop cost of taking in and forwarding a copy.
+
+  grpc   the bytes as 1 MiB gRPC chunks on every hop (the client does not ask for bulk)
+  bulk   the bytes over each hop's bulk connection (rollwire.push.bulk)
+  tcp    the same bytes over the same hops with nothing but recv_into and sendall: a sender,
+         two relaying threads (cut-through, 1 MiB at a time) and a receiver: the floor
+
+With --tls the replicas' hops (proxy -> r1 -> r2) use TLS with mutual TLS (certificates made
+with openssl here), and so do their bulk connections; the client's hop to the proxy stays
+plaintext. Repeats alternate the paths; the fleet is started once per TLS setting, and one
+untimed push per path warms it. The sha256 and the finiteness scan each hop runs are timed
+alone on this machine beside them (`checks`). Writes bench/results/bulk_push.json.
+Run: .venv/bin/python bench/bulk_push.py [--size-mb 2048] [--repeats 3] [--tls-size-mb 512]
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import io
+import json
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+from common import (
+    QWEN25,
+    WORK,
+    config_only_model,
+    cpu_seconds,
+    spread,
+    start_proxy,
+    start_scripted,
+    stop_all,
+    write_result,
+)
+from weight_push import TARGETS, lora_shapes, safetensors_bytes
+
+from rollwire.client import Client
+from rollwire.client._push import build_manifest
+from rollwire.common.fingerprint import model_fingerprint
+from rollwire.common.lora import LoraShape
+from rollwire.common.manifest import manifest_from_pb
+from rollwire.push.checks import PayloadInspector
+
+GiB, MiB = 1 << 30, 1 << 20
+MODEL = "0.5B"
+REPLICA = ("scripted.tokens_per_s=0", f"limits.max_adapter_bytes={3 * GiB}", "bulk.enabled=true")
+REPLICA += ("adapter_window=1", "adapter_keep=1", "adapter_keep_bytes=0")
+PROXY = (f"spool.max_adapter_bytes={3 * GiB}", f"spool.max_bytes={8 * GiB}", "spool.keep_versions=1")
+PROXY += ("health.push_timeout_s=900", "push.fanout=1", "push.stripes=1", "bulk.enabled=true", "grace_seconds=1")
+
+
+def adapter_of(config: dict, size: int) -> tuple[bytes, int]:
+    """A bf16 LoRA adapter of about `size` bytes (the rank that gives it) and its rank."""
+    per_rank = len(safetensors_bytes(lora_shapes(config, 2))) / 2
+    r = max(1, round(size / per_rank))
+    return safetensors_bytes(lora_shapes(config, r)), r
+
+
+def make_pki(folder: Path) -> Path:
+    """A CA, a server certificate for 127.0.0.1 and a client certificate (openssl), as the tests' pki."""
+    folder.mkdir(parents=True, exist_ok=True)
+
+    def run(*args: str) -> None:
+        subprocess.run(["openssl", *args], cwd=folder, check=True, capture_output=True)
+
+    run("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", "ca.key", "-out", "ca.pem", "-days", "2",
+        "-subj", "/CN=bench-ca")  # fmt: skip
+    (folder / "san.ext").write_text("subjectAltName=IP:127.0.0.1,DNS:localhost\n")
+    for name in ("server", "client"):
+        run("req", "-newkey", "rsa:2048", "-nodes", "-keyout", f"{name}.key", "-out", f"{name}.csr",
+            "-subj", f"/CN={name}")  # fmt: skip
+        run("x509", "-req", "-in", f"{name}.csr", "-CA", "ca.pem", "-CAkey", "ca.key", "-CAcreateserial",
+            "-out", f"{name}.pem", "-days", "2", "-extfile", "san.ext")  # fmt: skip
+    return folder
+
+
+def tls_settings(pki: Path) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """(replica, proxy) settings for mutual TLS on the replicas' hops."""
+    client = (f"ca_file={pki / 'ca.pem'}", f"cert_file={pki / 'client.pem'}", f"key_file={pki / 'client.key'}")
+    server = (f"tls.cert_file={pki / 'server.pem'}", f"tls.key_file={pki / 'server.key'}")
+    replica = (*server, f"tls.client_ca_file={pki / 'ca.pem'}", *(f"relay.{c}" for c in client))
+    return replica, tuple(f"upstream.{c}" for c in client)
+
+
+class Fleet:
+    """The proxy and the two replicas of one TLS setting."""
+
+    def __init__(self, model: Path, tls: Path | None) -> None:
+        replica_tls, proxy_tls = tls_settings(tls) if tls is not None else ((), ())
+        tag = "tls" if tls is not None else "plain"
+        self.replicas = start_scripted(model, 2, f"bulk-{tag}", *REPLICA, *replica_tls)
+        try:
+            self.proxy = start_proxy(self.replicas, f"bulk-proxy-{tag}", *PROXY, *proxy_tls)
+        except BaseException:
+            stop_all(self.replicas)
+            raise
+        self.client = Client(self.proxy.target, timeout=900)
+        self.version = 0
+
+    def push(self, payload: bytes, r: int, fingerprint: str, path: str) -> dict:
+        """One push by `path`, timed until the proxy's reply (every replica staged and committed
+        it), with each process's CPU seconds and each replica's log line of how its bytes came."""
+        self.version += 1
+        lora = LoraShape(r, 2 * r, tuple(sorted(TARGETS)))
+        pids = {"proxy": self.proxy.proc.pid, "r1": self.replicas[0].proc.pid, "r2": self.replicas[1].proc.pid}
+        before = {k: cpu_seconds(p) for k, p in pids.items()}
+        own = time.process_time()
+        start = time.perf_counter()
+        reply = self.client.push_adapter(
+            "big", self.version, payload, lora, fingerprint, timeout=900, bulk=path == "bulk"
+        )
+        took = time.perf_counter() - start
+        client_cpu = time.process_time() - own
+        cpu = {f"{k}_cpu_s": cpu_seconds(p) - before[k] for k, p in pids.items()}
+        assert [r.code for r in reply.replicas] == ["OK", "OK"], reply.replicas
+        return {"path": path, "push_s": took, "client_cpu_s": client_cpu, **cpu, "hops": self.hops()}
+
+    def hops(self) -> list[str]:
+        """The path of each replica's last staged push (its log)."""
+        out = []
+        for r in self.replicas:
+            lines = [json.loads(x) for x in r.log_path.read_text().splitlines() if '"adapter_staged"' in x]
+            out.append(lines[-1].get("path", "?") if lines else "?")
+        return out
+
+    def stop(self) -> None:
+        self.client.close()
+        stop_all([self.proxy, *self.replicas])
+
+
+def tcp_chain(payload: bytes, hops: int = 3) -> float:
+    """Seconds to copy `payload` over `hops` loopback TCP hops (sender -> relay -> relay -> receiver),
+    each relay forwarding every 1 MiB as it arrives (recv_into, then sendall of the same view)."""
+    servers = [socket.create_server(("127.0.0.1", 0)) for _ in range(hops)]
+    size, done = len(payload), threading.Event()
+
+    def relay(i: int) -> None:
+        conn, _ = servers[i].accept()
+        out = socket.create_connection(servers[i + 1].getsockname()) if i + 1 < hops else None
+        buf, got = memoryview(bytearray(MiB)), 0
+        while got < size:
+            n = conn.recv_into(buf, min(MiB, size - got))
+            if out is not None:
+                out.sendall(buf[:n])
+            got += n
+        if out is not None:
+            out.close()
+        conn.close()
+        if out is None:
+            done.set()
+
+    threads = [threading.Thread(target=relay, args=(i,), daemon=True) for i in range(hops)]
+    for t in threads:
+        t.start()
+    start = time.perf_counter()
+    with socket.create_connection(servers[0].getsockname()) as s:
+        s.sendall(payload)
+    done.wait(600)
+    took = time.perf_counter() - start
+    for t in threads:
+        t.join(10)
+    for s in servers:
+        s.close()
+    return took
+
+
+def checks_alone(payload: bytes, fingerprint: str, r: int) -> dict:
+    """The per-byte work every hop does besides moving the bytes, each timed alone on this
+    machine in 1 MiB pieces (CPU s per GiB): the sha256, keeping a copy in fresh memory (the
+    first touch of new pages is most of it here), and the payload checks (header, finiteness)."""
+    pieces = [memoryview(payload)[i : i + MiB] for i in range(0, len(payload), MiB)]
+    gib = len(payload) / GiB
+
+    def timed(work) -> float:
+        t = time.process_time()
+        work()
+        return (time.process_time() - t) / gib
+
+    digest = hashlib.sha256()
+    sha = timed(lambda: [digest.update(p) for p in pieces])
+    kept = io.BytesIO()
+    keep = timed(lambda: [kept.write(p) for p in pieces])
+    kept.close()
+    manifest = build_manifest("big", 1, payload, LoraShape(r, 2 * r, tuple(sorted(TARGETS))), fingerprint)
+    inspector = PayloadInspector(manifest_from_pb(manifest), None)
+    scan = timed(lambda: [inspector.feed(p) for p in pieces])  # pyright: ignore[reportArgumentType]
+    assert inspector.error is None
+    return {"sha256_cpu_s_per_GiB": sha, "keep_copy_cpu_s_per_GiB": keep, "checks_cpu_s_per_GiB": scan}
+
+
+def measure(model: Path, fingerprint: str, size: int, repeats: int, tls: Path | None) -> dict:
+    config = json.loads((model / "config.json").read_text())
+    payload, r = adapter_of(config, size)
+    fleet = Fleet(model, tls)
+    runs: list[dict] = []
+    try:
+        for path in ("grpc", "bulk"):  # warm: connections, allocator, page cache
+            fleet.push(payload, r, fingerprint, path)
+        for rep in range(repeats):
+            for path in ("grpc", "bulk") if rep % 2 == 0 else ("bulk", "grpc"):
+                row = {"repeat": rep, **fleet.push(payload, r, fingerprint, path)}
+                runs.append(row)
+                print(
+                    f"{'tls' if tls else 'plain'} {path:4s} {len(payload) / MiB:.0f} MiB: {row['push_s']:.2f} s; CPU s "
+                    f"proxy {row['proxy_cpu_s']:.2f} r1 {row['r1_cpu_s']:.2f} r2 {row['r2_cpu_s']:.2f}; hops {row['hops']}",
+                    flush=True,
+                )
+    finally:
+        fleet.stop()
+    tcp = [tcp_chain(payload) for _ in range(repeats)] if tls is None else []
+    gib = len(payload) / GiB
+    paths = {}
+    for path in ("grpc", "bulk"):
+        mine = [x for x in runs if x["path"] == path]
+        relay = statistics.median(x["r1_cpu_s"] for x in mine) / gib
+        paths[path] = {
+            "push_s": spread([x["push_s"] for x in mine]),
+            "relay_cpu_s_per_GiB": relay,
+            "relay_GiB_per_s_per_core": 1 / relay,
+            "leaf_cpu_s_per_GiB": statistics.median(x["r2_cpu_s"] for x in mine) / gib,
+            "proxy_cpu_s_per_GiB": statistics.median(x["proxy_cpu_s"] for x in mine) / gib,
+            "client_cpu_s_per_GiB": statistics.median(x["client_cpu_s"] for x in mine) / gib,
+        }
+    out: dict = {"payload_bytes": len(payload), "rank": r, "tls": tls is not None, "paths": paths, "runs": runs}
+    out["bulk_over_grpc"] = paths["bulk"]["push_s"]["median"] / paths["grpc"]["push_s"]["median"]
+    if tcp:
+        out["tcp_chain_s"] = spread(tcp)
+        out["bulk_over_tcp"] = paths["bulk"]["push_s"]["median"] / out["tcp_chain_s"]["median"]
+        out["grpc_over_tcp"] = paths["grpc"]["push_s"]["median"] / out["tcp_chain_s"]["median"]
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
+    ap.add_argument("--size-mb", type=int, default=2048, help="the plaintext run's adapter size, MiB")
+    ap.add_argument("--tls-size-mb", type=int, default=512, help="the TLS run's adapter size, MiB (0: no TLS run)")
+    ap.add_argument("--repeats", type=int, default=3)
+    args = ap.parse_args()
+    model = config_only_model(f"qwen2.5-{MODEL.lower()}", QWEN25[MODEL])
+    fingerprint = model_fingerprint(model, config_only=True)
+    load_before = os.getloadavg()
+    data: dict = {"model": f"Qwen2.5-{MODEL} (config only, scripted replicas)", "repeats": args.repeats}
+    data["plain"] = measure(model, fingerprint, args.size_mb * MiB, args.repeats, None)
+    if args.tls_size_mb:
+        pki = make_pki(WORK / "bulk-pki")
+        data["tls"] = measure(model, fingerprint, args.tls_size_mb * MiB, args.repeats, pki)
+    config = json.loads((model / "config.json").read_text())
+    payload, r = adapter_of(config, 256 * MiB)
+    data["checks"] = checks_alone(payload, fingerprint, r)
+    data["load_avg"] = {"before": load_before, "after": os.getloadavg()}
+    write_result("bulk_push", " ".join([".venv/bin/python bench/bulk_push.py", *sys.argv[1:]]), data)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,347 @@
+"""The bulk path of a push on the servers: the receiver's listener and reads, the sender's lanes.
+
+What both halves agree on (the offer, the token, the hello) is `rollwire.common.bulk`, which
+the SDK shares. Here:
+
+- `BulkListener`: a receiver's TCP listener (TLS with the server's own certificates when its
+  gRPC port uses TLS). `expect` issues an offer for one admitted push; a connection whose
+  hello carries that push's token is handed to it, once, before the offer expires; any other
+  connection is closed. Accepting and the hello run on threads, bounded by
+  `bulk.max_connections`, each read with a deadline.
+- `BulkSource`: the receiver's reads of one push: exact-size pieces (`recv_into` preallocated
+  buffers, a few pieces read ahead on one thread), each with the push's idle deadline.
+- `BulkDial` / `BulkLane`: a sender's side of one child: the offer read from the child's
+  initial metadata, the connection made off the event loop within `connect_timeout_s`, each
+  chunk sent by `sendall` of the very buffer received (no copy), each with a deadline. No
+  offer or a failed connection returns no lane: the caller sends gRPC chunks (the fallback),
+  logged and counted (`path`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import secrets
+import socket
+import ssl
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+import grpc
+
+from rollwire.common import bulk as wire
+from rollwire.common.addresses import split_address
+from rollwire.common.errors import DeadlineExceeded, InvalidArgument
+from rollwire.common.reasons import Reason
+from rollwire.runtime.dialing import DialSection
+from rollwire.runtime.logs import get_logger
+from rollwire.runtime.security import TlsSection
+from rollwire.serving.config import BulkSection
+from rollwire.v1 import generator_pb2 as pb
+
+log = get_logger(__name__)
+READ_AHEAD = 4
+"""Pieces a receiver reads ahead of the event loop (each at most 1 MiB, or a stripe's chunk)."""
+
+PathCounter = Callable[[str, str], None]
+"""Counts one push hop by (path: "bulk" or "grpc", reason)."""
+
+
+def server_tls(tls: TlsSection) -> ssl.SSLContext | None:
+    """The bulk listener's TLS: the gRPC server's certificate and key, its client CA (mutual TLS) when set."""
+    if not tls.cert_file:
+        return None
+    context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    context.num_tickets = 0  # nothing the sender would leave unread (see common.bulk.close)
+    context.load_cert_chain(tls.cert_file, tls.key_file)
+    if tls.client_ca_file:
+        context.load_verify_locations(tls.client_ca_file)
+        context.verify_mode = ssl.CERT_REQUIRED
+    return context
+
+
+def client_tls(root: str, cert: str = "", key: str = "") -> ssl.SSLContext:
+    """A sender's TLS to bulk listeners: the CA file its gRPC link trusts (empty: the system's), its client
+    certificate when it has one (mutual TLS)."""
+    context = ssl.create_default_context(cafile=root or None)
+    if cert:
+        context.load_cert_chain(cert, key or None)
+    return context
+
+
+@dataclass(eq=False)
+class Expected:
+    """One offer: the connection that proves its token, delivered to the push's event loop."""
+
+    proof: bytes
+    loop: asyncio.AbstractEventLoop
+    expires: float
+    conn: asyncio.Future[Accepted]
+
+
+class Accepted:
+    """A bulk connection that proved its push's token; `release` gives its listener slot back (once)."""
+
+    def __init__(self, sock: socket.socket, release: Callable[[], None]) -> None:
+        self.sock, self._release = sock, release
+
+    def release(self) -> None:
+        release, self._release = self._release, None
+        if release is not None:
+            release()
+
+
+class BulkListener:
+    """A receiver's bulk endpoint (see the module's docstring). `close()` at shutdown."""
+
+    def __init__(self, host: str, section: BulkSection, tls: TlsSection) -> None:
+        self.section, self.tls = section, server_tls(tls)
+        self.sock = socket.create_server((host.strip("[]"), section.port), backlog=128)
+        self.port: int = self.sock.getsockname()[1]
+        self._expected: dict[bytes, Expected] = {}
+        self._lock = threading.Lock()
+        self._open = threading.BoundedSemaphore(section.max_connections)
+        # one thread per connection it may hold: a slow hello never delays another push's
+        self._hellos = ThreadPoolExecutor(max_workers=section.max_connections, thread_name_prefix="bulk-hello")
+        self.closed = False
+        threading.Thread(target=self._accept, name=f"bulk-accept-{self.port}", daemon=True).start()
+
+    def expect(self, manifest: pb.AdapterManifest, stripe: pb.Stripe | None) -> tuple[wire.Offer, Expected]:
+        """A fresh offer for this push, and what waits for its connection (`connection`)."""
+        offer = wire.Offer(self.port, secrets.token_bytes(32))
+        proof = wire.token(offer.secret, manifest, stripe)
+        loop = asyncio.get_running_loop()
+        expected = Expected(proof, loop, time.monotonic() + self.section.connect_timeout_s, loop.create_future())
+        with self._lock:
+            now = time.monotonic()
+            self._expected = {k: e for k, e in self._expected.items() if e.expires > now and not e.conn.done()}
+            self._expected[proof] = expected
+        return offer, expected
+
+    async def connection(self, expected: Expected, timeout: float) -> Accepted | None:
+        """The connection that proved the offer's token, or None when none came within
+        `timeout` (the offer is withdrawn then: a late one is closed)."""
+        try:
+            async with asyncio.timeout(timeout):
+                return await asyncio.shield(expected.conn)
+        except TimeoutError:
+            return None
+        finally:
+            self.withdraw(expected)
+
+    def withdraw(self, expected: Expected) -> None:
+        """The offer is over (taken, refused, or the push ended): a connection that comes now is closed."""
+        with self._lock:
+            self._expected.pop(expected.proof, None)
+        if not expected.conn.done():
+            expected.conn.cancel()
+
+    def _accept(self) -> None:
+        while not self.closed:
+            try:
+                conn, _ = self.sock.accept()
+            except OSError:
+                return  # closed
+            if not self._open.acquire(blocking=False):
+                conn.close()  # bounded: a flood of connections costs a close each
+                continue
+            self._hellos.submit(self._hello, conn)
+
+    def _hello(self, conn: socket.socket) -> None:
+        """Read the hello within the connect timeout and hand the connection to its push, or close it."""
+        try:
+            conn.settimeout(self.section.connect_timeout_s)
+            conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            if self.tls is not None:
+                conn = self.tls.wrap_socket(conn, server_side=True)
+            hello = _read_exact(conn, wire.HELLO_BYTES)
+            with self._lock:
+                expected = self._expected.pop(bytes(hello[len(wire.MAGIC) :]), None)
+            if hello[: len(wire.MAGIC)] != wire.MAGIC or expected is None or expected.expires < time.monotonic():
+                raise ConnectionRefusedError("no push expects this token")
+            expected.loop.call_soon_threadsafe(_deliver, expected.conn, Accepted(conn, self._open.release))
+        except (OSError, EOFError, RuntimeError):
+            _shut(conn)
+            self._open.release()
+
+    def close(self) -> None:
+        self.closed = True
+        try:
+            self.sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+        self.sock.close()
+        self._hellos.shutdown(wait=False, cancel_futures=True)
+
+
+def _deliver(future: asyncio.Future, accepted: Accepted) -> None:
+    """On the push's loop: hand the connection over, or close it when its push stopped waiting."""
+    if future.done():
+        _shut(accepted.sock)
+        accepted.release()
+        return
+    future.set_result(accepted)
+
+
+def _shut(conn: socket.socket) -> None:
+    try:
+        conn.shutdown(socket.SHUT_RDWR)
+    except OSError:
+        pass
+    conn.close()
+
+
+def _read_exact(conn: socket.socket, size: int) -> bytearray:
+    """Exactly `size` bytes into one preallocated buffer; EOFError when the sender ends first."""
+    buf = bytearray(size)
+    view, got = memoryview(buf), 0
+    while got < size:
+        n = conn.recv_into(view[got:], size - got)
+        if n == 0:
+            raise EOFError(got)
+        got += n
+    return buf
+
+
+@dataclass(eq=False)
+class BulkSource:
+    """The receiver's reads of one push's bytes, in pieces of the given sizes, on one thread
+    reading up to READ_AHEAD pieces ahead; every read has `idle_s` as its deadline."""
+
+    accepted: Accepted
+    idle_s: float
+    received: int = 0
+    _pool: ThreadPoolExecutor = field(
+        default_factory=lambda: ThreadPoolExecutor(max_workers=1, thread_name_prefix="bulk-read")
+    )
+    _ahead: deque[tuple[int, Future[bytearray]]] = field(default_factory=deque)
+
+    def __post_init__(self) -> None:
+        self.conn = self.accepted.sock
+        self.conn.settimeout(self.idle_s)
+
+    async def pieces(self, sizes: Sequence[int], total: int):
+        """Each piece, in order, as it is complete (`total`: the bytes expected in all, for messages)."""
+        todo = iter(sizes)
+        for size in todo:
+            self._ahead.append((size, self._pool.submit(_read_exact, self.conn, size)))
+            if len(self._ahead) < READ_AHEAD:
+                continue
+            yield await self._next(total)
+        while self._ahead:
+            yield await self._next(total)
+
+    async def _next(self, total: int) -> bytearray:
+        size, future = self._ahead.popleft()
+        try:
+            piece = await asyncio.wrap_future(future)
+        except TimeoutError:
+            raise DeadlineExceeded(
+                f"the push's bulk connection sent nothing for {self.idle_s:g} s, so the receiver cancelled it; "
+                "push again",
+                reason=Reason.PUSH_IDLE,
+            ) from None
+        except (EOFError, OSError) as exc:
+            got = self.received + (exc.args[0] if isinstance(exc, EOFError) else 0)
+            raise InvalidArgument(
+                f"the push's bulk connection ended after {got} of the {total} bytes expected "
+                f"({type(exc).__name__}); the upload was truncated",
+                reason=Reason.LENGTH_MISMATCH,
+            ) from None
+        self.received += size
+        return piece
+
+    def close(self) -> None:
+        """Stop reading (a blocked read ends at once) and give the connection's slot back; idempotent."""
+        for _, future in self._ahead:
+            future.cancel()
+        self._ahead.clear()
+        _shut(self.conn)
+        self.accepted.release()
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+
+@dataclass(frozen=True)
+class BulkDial:
+    """How a sender reaches its children's bulk endpoints."""
+
+    connect_timeout_s: float
+    tls: ssl.SSLContext | None = None
+    server_name: str = ""
+    count: PathCounter = lambda path, reason: None
+
+    @classmethod
+    def from_config(cls, section: BulkSection, link: DialSection, count: PathCounter) -> BulkDial | None:
+        """None when this server does not ask (`bulk.send` false). `link`: how it dials the
+        receivers over gRPC; its TLS (CA, client certificate) is the bulk connection's too."""
+        if not section.send:
+            return None
+        tls = (
+            client_tls(link.ca_file, link.cert_file, link.key_file)
+            if link.tls or link.ca_file or link.cert_file
+            else None
+        )
+        return cls(section.connect_timeout_s, tls, link.server_name, count)
+
+
+class BulkLane:
+    """One child's bulk connection: `send` each chunk, then `close`."""
+
+    def __init__(self, sock: socket.socket) -> None:
+        self.sock = sock
+        self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="bulk-send")
+
+    @classmethod
+    async def open(
+        cls,
+        dial: BulkDial,
+        call: grpc.aio.StreamUnaryCall,
+        address: str,
+        manifest: pb.AdapterManifest,
+        stripe: pb.Stripe | None,
+        send_timeout: float,
+    ) -> BulkLane | None:
+        """The lane to the child at `address` when it offered one and the connection worked;
+        None otherwise (the caller sends gRPC chunks), logged and counted."""
+        reason = "no_offer"
+        try:
+            async with asyncio.timeout(dial.connect_timeout_s):
+                offer = wire.parse_offer(await call.initial_metadata())  # pyright: ignore[reportArgumentType]
+            if offer is not None:
+                host = split_address(address)[0]
+                proof = wire.token(offer.secret, manifest, stripe)
+                connect = (host, offer, proof, dial.connect_timeout_s, dial.tls, dial.server_name or None)
+                async with asyncio.timeout(dial.connect_timeout_s + 1):  # its socket has the timeout too
+                    sock = await asyncio.to_thread(wire.connect, *connect)
+                sock.settimeout(send_timeout)
+                dial.count("bulk", "connected")
+                return cls(sock)
+        except TimeoutError:
+            reason = "timeout"
+        except ssl.SSLError:
+            reason = "tls"
+        except ConnectionRefusedError:
+            reason = "refused"
+        except (OSError, ValueError, grpc.RpcError):
+            reason = "unreachable"
+        dial.count("grpc", reason)
+        if reason != "no_offer":
+            log.warning(
+                "push_bulk_fallback", child=address, reason=reason, adapter=manifest.name, version=manifest.version
+            )
+        return None
+
+    async def send(self, chunk: bytes | bytearray) -> None:
+        """All of `chunk`, off the event loop; OSError (a timeout included) when the child stops taking it."""
+        await asyncio.get_running_loop().run_in_executor(self.pool, wire.send, self.sock, chunk)
+
+    def close(self) -> None:
+        self.pool.submit(wire.close, self.sock)  # after the last send: one worker, in order
+        self.pool.shutdown(wait=False)
+
+    def abort(self) -> None:
+        _shut(self.sock)
+        self.pool.shutdown(wait=False, cancel_futures=True)
