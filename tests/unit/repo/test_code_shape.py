@@ -12,15 +12,13 @@ import ast
 import warnings
 from pathlib import Path
 
+from support.shape import ShapeWarning
+
 ROOT = Path(__file__).resolve().parents[3]
 PACKAGES = ("client", "server", "learner")
 MAX_FUNCTION_LINES = 60
 MAX_MODULE_LINES = 500
 WARN_MODULE_LINES = 450
-
-
-class ShapeWarning(UserWarning):
-    """A module nearing MAX_MODULE_LINES: plan its split along its own seams."""
 
 
 def modules() -> list[Path]:
