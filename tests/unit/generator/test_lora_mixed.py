@@ -22,10 +22,10 @@ MLP = ("gate_proj", "up_proj", "down_proj")
 def adapters(tiny_model) -> dict[str, Adapter]:
     """Three adapters that differ in everything the stacks must pad or scale."""
     return {
-        "a": make_adapter(tiny_model, seed=51, r=4, lora_alpha=8),
-        "b": make_adapter(tiny_model, seed=52, r=16, lora_alpha=4, targets=ATTENTION),
-        "c": make_adapter(tiny_model, seed=53, r=8, lora_alpha=32, targets=MLP, scale=0.3),
-        "d": make_adapter(tiny_model, seed=54, r=2, lora_alpha=2, targets=("o_proj", "k_proj")),
+        "a": make_adapter(tiny_model, seed=51, r=4, lora_alpha=8, scale=0.2),
+        "b": make_adapter(tiny_model, seed=52, r=16, lora_alpha=4, targets=ATTENTION, scale=0.2),
+        "c": make_adapter(tiny_model, seed=53, r=8, lora_alpha=32, targets=MLP, scale=0.1),
+        "d": make_adapter(tiny_model, seed=54, r=2, lora_alpha=2, targets=("o_proj", "k_proj"), scale=0.4),
     }
 
 
@@ -44,10 +44,11 @@ def references(tiny_model, adapters) -> dict[str | None, torch.Tensor]:
 
 
 IDS = torch.randint(3, 60, (9, 11), generator=torch.Generator().manual_seed(5))
-TOL = 2e-5
+TOL = 1e-5
 """Largest difference allowed in any log-probability (every position, the whole vocabulary): the
 mixed path's batched matmuls sum in another order than PEFT's F.linear (the one-adapter path is
-bit for bit); measured at most 1.05e-5 here, with these adapters' deliberately large weights."""
+bit for bit). Rounding grows with the LoRA deltas: these adapters' are about the size of the base
+layers' outputs; with weights ~N(0, 0.5²) (deltas ~10x those outputs) the worst was 1.05e-5."""
 
 
 def loaded(tiny_model, adapters, names) -> tuple[torch.nn.Module, LoraSet]:
