@@ -18,7 +18,7 @@ Two ways through a layer, chosen per forward pass:
   whole batch with PEFT's own operations in its order (F.linear by A, by B, times s), so a
   pass of one adapter gives a PeftModel's numbers bit for bit on CPU;
 - rows of several adapters, base rows among them (`_Mixed`): each layer keeps every loaded
-  adapter's Aᵀ and Bᵀ stacked in slots, zero-padded to the largest rank that targets it
+  adapter's Aᵀ and s·Bᵀ stacked in slots, zero-padded to the largest rank that targets it
   (an adapter that does not target the layer has zeros there). The pass is planned once: the
   adapter rows grouped by adapter into equal blocks (a short block padded with copies of its
   own rows, whose results are dropped); each layer then gathers the rows into blocks, does two
@@ -67,22 +67,18 @@ class _Mixed:
     The adapter rows are grouped by adapter into `groups` blocks of `width` rows each (a block
     with fewer rows is padded by repeating one of its own rows): `gather` lists, block by
     block, the batch row each of the groups x width places reads; `slots` the stack slot of
-    each block's adapter (None: every loaded adapter, in slot order); `scales` each block's
-    s, shaped [groups, 1, 1]; `keep` the places that are real rows (None: all of them) and
-    `rows` the batch row each of those writes to."""
+    each block's adapter (None: every loaded adapter, in slot order); `keep` the places that
+    are real rows (None: all of them) and `rows` the batch row each of those writes to."""
 
     groups: int
     width: int
     gather: torch.Tensor
     slots: torch.Tensor | None
-    scales: torch.Tensor
     keep: torch.Tensor | None
     rows: torch.Tensor
 
     @staticmethod
-    def plan(
-        handles: Sequence[str | None], order: list[str], scale_of: dict[str, float], device: torch.device
-    ) -> _Mixed | None:
+    def plan(handles: Sequence[str | None], order: list[str], device: torch.device) -> _Mixed | None:
         slot_of = {h: i for i, h in enumerate(order)}
         by_slot: dict[int, list[int]] = {}
         for i, h in enumerate(handles):
@@ -109,7 +105,6 @@ class _Mixed:
             width,
             tensor(gather),
             None if slots == list(range(len(order))) else tensor(slots),
-            torch.tensor([scale_of[order[s]] for s in slots], device=device).view(-1, 1, 1),
             None if len(keep) == len(gather) else tensor(keep),
             tensor(rows),
         )
@@ -129,8 +124,9 @@ class _Layer:
         self.stack_a: torch.Tensor | None = None
         self.stack_b: torch.Tensor | None = None
 
-    def restack(self, order: list[str]) -> None:
-        """Rebuild the stacks for slot order `order` (every loaded handle, slot i = order[i])."""
+    def restack(self, order: list[str], scales: dict[str, float]) -> None:
+        """Rebuild the stacks for slot order `order` (every loaded handle, slot i = order[i]);
+        the B stack holds s·Bᵀ, so the mixed path needs no multiply of its own."""
         if not self.weights:
             self.stack_a = self.stack_b = None
             return
@@ -142,7 +138,7 @@ class _Layer:
             if handle in self.weights:
                 a, b = self.weights[handle]
                 stack_a[slot, :, : a.shape[0]] = a.t()
-                stack_b[slot, : b.shape[1], :] = b.t()
+                stack_b[slot, : b.shape[1], :] = b.t() * scales[handle]
         self.stack_a, self.stack_b = stack_a, stack_b
 
 
@@ -189,7 +185,7 @@ class LoraSet:
 
     def _restack(self) -> None:
         for layer in self._layers.values():
-            layer.restack(self._order)
+            layer.restack(self._order, self._scale)
 
     @contextmanager
     def routed(self, handles: Sequence[str | None]) -> Iterator[None]:
@@ -206,7 +202,7 @@ class LoraSet:
         first = handles[0]
         if handles.count(first) == len(handles):  # the common case: one adapter for the whole batch
             return first if first in self._order else None
-        return _Mixed.plan(handles, self._order, self._scale, next(self._model.parameters()).device)
+        return _Mixed.plan(handles, self._order, next(self._model.parameters()).device)
 
     def _prepare(self, module: str, a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         try:
@@ -254,7 +250,7 @@ def _hook(owner: LoraSet, layer: _Layer):
             stack_a, stack_b = stack_a.index_select(0, route.slots), stack_b.index_select(0, route.slots)
         xs = x.index_select(0, route.gather)  # [groups x width, tokens..., in]
         low = torch.bmm(xs.reshape(route.groups, -1, x.shape[-1]), stack_a)
-        delta = (torch.bmm(low, stack_b) * route.scales).reshape(*xs.shape[:-1], -1)
+        delta = torch.bmm(low, stack_b).reshape(*xs.shape[:-1], -1)
         if route.keep is not None:
             delta = delta.index_select(0, route.keep)
         output.index_add_(0, route.rows, delta)

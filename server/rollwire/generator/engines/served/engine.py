@@ -385,7 +385,7 @@ class ServedEngine:
             raise ResourceExhausted(
                 f"{self.kind.label} already holds {len(self._adapters)} adapter versions (its limit: "
                 f"{key}.adapter_names x (the window plus one for the swap)) and every one serves in-flight requests; "
-                f"retry when they finish, or raise {key}.adapter_names or {key}.max_loaded_adapters",
+                f"retry the push when they finish, or raise {key}.adapter_names or {key}.max_loaded_adapters",
                 reason=Reason.ADAPTER_SLOTS_FULL,
                 retry_after_s=1.0,
             )
