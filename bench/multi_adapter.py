@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 import shutil
 import subprocess
 from pathlib import Path
@@ -125,6 +126,7 @@ def main() -> None:
         tree = baseline_tree(args.baseline)
         engines[f"{args.baseline} "] = start_generator(model, args.threads, "bench-multi-adapter-baseline", tree)
     runs: list[dict[str, float]] = []
+    load_avg = [os.getloadavg()[0]]  # the machine's 1-minute load average, at the start and after each repeat
     try:
         for gen in engines.values():
             push_all(gen.target, model, blobs)
@@ -137,6 +139,7 @@ def main() -> None:
                 for mode in MODES[::step]:
                     run[label + mode], run["cpu " + label + mode] = load(gen, mode)
             runs.append(run)
+            load_avg.append(os.getloadavg()[0])
             print(f"repeat {repeat}: " + ", ".join(f"{k}={v:.0f}" for k, v in run.items()))
     finally:
         for gen in engines.values():
@@ -162,6 +165,7 @@ def main() -> None:
             "workload": {"groups": GROUPS, "n": N, "new_tokens": TOKENS, "lora_r": LORA_R, "adapters_loaded": ADAPTERS},
             "tokens_per_s": tokens_per_s,
             "ratios": ratios,
+            "load_avg": spread(load_avg),
         },
     )
 

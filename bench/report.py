@@ -723,7 +723,8 @@ def multi_adapter(d: dict) -> str:
         [
             provenance(d) + f" Median (min–max) of {tps['1']['n']} repeats; {w['groups']} groups of n={w['n']}, "
             f"{w['new_tokens']} new tokens each, all at once, on one replica of the tiny model with "
-            f"{w['adapters_loaded']} adapters (r={w['lora_r']}, every linear layer) loaded.",
+            f"{w['adapters_loaded']} adapters (r={w['lora_r']}, every linear layer) loaded"
+            + (f"; the machine's load average {s(d['load_avg'], digits=1)}." if "load_avg" in d else "."),
             table(head, rows),
         ]
     )
