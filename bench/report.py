@@ -741,6 +741,27 @@ def _fairness_run(d: dict) -> str:
     )
 
 
+def multi_adapter(d: dict) -> str:
+    w, tps, ratios = d["workload"], d["tokens_per_s"], d["ratios"]
+    modes = ("base", "1", "2", "4", "8")
+    labels = sorted({k[: -len(m)] for k in tps for m in modes if k.endswith(m) and not k.startswith("cpu ")})
+    rows = []
+    for label in labels:  # "" = this tree, "<ref> " = the baseline
+        for m in modes:
+            rows.append([f"{label or 'this tree '}{m}", s(tps[label + m], digits=0), s(tps[f"cpu {label}{m}"], digits=0),
+                         s(ratios[f"{label}{m}/1"]), s(ratios[f"cpu {label}{m}/1"])])  # fmt: skip
+    head = ["engine, adapters", "tokens/s", "tokens per replica CPU-second", "wall: x of 1 adapter", "CPU: x of 1"]
+    return "\n\n".join(
+        [
+            provenance(d) + f" Median (min–max) of {tps['1']['n']} repeats; {w['groups']} groups of n={w['n']}, "
+            f"{w['new_tokens']} new tokens each, all at once, on one replica of the tiny model with "
+            f"{w['adapters_loaded']} adapters (r={w['lora_r']}, every linear layer) loaded"
+            + (f"; the machine's load average {s(d['load_avg'], digits=1)}." if "load_avg" in d else "."),
+            table(head, rows),
+        ]
+    )
+
+
 def bulk_push(d: dict) -> str:
     plain, tls, checks = d["plain"], d.get("tls"), d["checks"]
 
@@ -806,6 +827,7 @@ SECTIONS = {
     "resume_vs_restart": resume_vs_restart,
     "tenant_fairness": tenant_fairness,
     "bulk_push": bulk_push,
+    "multi_adapter": multi_adapter,
 }
 
 

@@ -49,8 +49,12 @@ class Adapter:
         return pb.AdapterManifest(**fields)
 
 
-def make_adapter(model_dir, seed: int, r: int = 8, targets=TARGETS, scale: float = 0.5) -> Adapter:
-    """Random, clearly non-zero LoRA weights (PEFT zero-inits B, which would change nothing)."""
+def make_adapter(
+    model_dir, seed: int, r: int = 8, targets=TARGETS, scale: float = 0.5, lora_alpha: int | None = None
+) -> Adapter:
+    """Random, clearly non-zero LoRA weights (PEFT zero-inits B, which would change nothing);
+    lora_alpha defaults to 2r."""
+    alpha = 2 * r if lora_alpha is None else lora_alpha
     import torch
     from peft import LoraConfig, get_peft_model, get_peft_model_state_dict
     from safetensors.torch import save
@@ -58,7 +62,7 @@ def make_adapter(model_dir, seed: int, r: int = 8, targets=TARGETS, scale: float
 
     base = AutoModelForCausalLM.from_pretrained(model_dir)
     model = get_peft_model(
-        base, LoraConfig(r=r, lora_alpha=2 * r, target_modules=list(targets), init_lora_weights=False)
+        base, LoraConfig(r=r, lora_alpha=alpha, target_modules=list(targets), init_lora_weights=False)
     )
     gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():
@@ -66,7 +70,7 @@ def make_adapter(model_dir, seed: int, r: int = 8, targets=TARGETS, scale: float
             if "lora_" in name:
                 p.copy_(torch.randn(p.shape, generator=gen) * scale)
     state = {k: v.contiguous() for k, v in get_peft_model_state_dict(model).items()}
-    return Adapter(save(state), r, 2.0 * r, tuple(targets), state)
+    return Adapter(save(state), r, float(alpha), tuple(targets), state)
 
 
 def peft_reference(model_dir, adapter: Adapter):

@@ -16,6 +16,12 @@ Invariants:
   of what callers may name, not a limit on it (TRL names up to max_staleness + 2 versions);
 - a version older than the `keep` newest stops being servable at once and is unloaded from
   the engine when its last request finishes (leases);
+- the engine holds at most `max_loaded` versions over all names (a served engine's LoRA
+  slots; 0 = no limit): a load beyond it first unloads the least recently used version no
+  request holds, of any name, keeping its bytes to load it again when named (`_victim`, the
+  one place a per-tenant quota can later decide who gives up a slot). So one name's traffic
+  evicts another's versions only when those are the least recently used, never by version
+  number; `keep_bytes` lets go the least recently used bytes first too;
 - engine handles are never reused, so no cache entry of an old policy can be served under
   a new version.
 """
@@ -23,6 +29,7 @@ Invariants:
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
@@ -103,6 +110,7 @@ class _Version:
     """The verified bytes, kept while servable so the version can be loaded again."""
     leases: int = 0
     servable: bool = True
+    used: int = 0  # the registry's tick when a request last took it (or it was pushed): LRU eviction
 
 
 @dataclass
@@ -151,11 +159,14 @@ class AdapterRegistry:
         stage_timeout_s: float = DEFAULT_STAGE_TIMEOUT_S,
         keep: int = 0,
         keep_bytes: int = DEFAULT_KEEP_BYTES,
+        max_loaded: int = 0,
     ) -> None:
         """`keep`: versions of a name a caller may name (at least `window`; 0 = `window`);
-        `keep_bytes`: the bytes of every servable version's payload held, over all names."""
+        `keep_bytes`: the bytes of every servable version's payload held, over all names;
+        `max_loaded`: versions the engine can hold at once over all names (0 = no limit)."""
         self._load, self._unload, self.window = load, unload, window
-        self.keep, self.keep_bytes = max(keep, window), keep_bytes
+        self.keep, self.keep_bytes, self.max_loaded = max(keep, window), keep_bytes, max_loaded
+        self._ticks = itertools.count(1)  # one per push and take: what `used` is measured in
         self.stage_timeout_s = stage_timeout_s
         self._versions: dict[str, list[_Version]] = {}
         self._newest: dict[str, int] = {}
@@ -235,14 +246,35 @@ class AdapterRegistry:
         return {name: s.version for name, s in self._staged.items()}
 
     async def _load_new(self, m: Manifest, payload: bytes) -> str:
+        await self._make_room()
         self._counter += 1
         handle = f"rw{self._counter}"
         await self._load(handle, m, payload)
         return handle
 
+    async def _make_room(self) -> None:
+        """Below `max_loaded` loaded versions before a load, by unloading least recently used
+        ones; when every one serves a request the engine decides (served: ADAPTER_SLOTS_FULL)."""
+        while self.max_loaded:
+            loaded = [v for vs in self._versions.values() for v in vs if v.handle is not None]
+            if len(loaded) + len(self._staged) < self.max_loaded:
+                return
+            victim = self._victim(loaded)
+            if victim is None:
+                return
+            handle, victim.handle = victim.handle or "", None
+            await self._unload(handle)
+
+    def _victim(self, loaded: list[_Version]) -> _Version | None:
+        """The loaded version to unload for a new one: the least recently used that no request
+        holds and whose bytes are kept (so it can come back), over all names."""
+        free = [v for v in loaded if v.leases == 0 and v.servable and v.payload is not None]
+        return min(free, key=lambda v: (v.used, v.version), default=None)
+
     def _make_servable(self, name: str, item: _Staged) -> PushOutcome:
         versions = self._versions.setdefault(name, [])
         versions.append(_Version(item.version, item.sha256, item.handle, item.manifest, item.payload))
+        versions[-1].used = next(self._ticks)
         self._newest[name] = item.version
         self._retire(name)
         staged = self._staged.get(name)
@@ -269,12 +301,13 @@ class AdapterRegistry:
             self._maybe_unload(n, v)
 
     def _oldest_kept(self) -> list[tuple[str, _Version]]:
-        """Servable versions outside their window, oldest first: what `keep_bytes` lets go first."""
+        """Servable versions outside their window, least recently used first: what `keep_bytes`
+        lets go first (by use, not by version number: names' version numbers do not compare)."""
         out = []
         for name, versions in self._versions.items():
             servable = [v for v in versions if v.servable]
             out += [(name, v) for v in servable[: max(0, len(servable) - self.window)]]
-        return sorted(out, key=lambda item: item[1].version)
+        return sorted(out, key=lambda item: (item[1].used, item[1].version))
 
     def _in_window(self, name: str, v: _Version) -> bool:
         servable = [x for x in self._versions.get(name, []) if x.servable]
@@ -324,6 +357,7 @@ class AdapterRegistry:
                 reason=Reason.ADAPTER_VERSION_EVICTED,
             )
         chosen.leases += 1
+        chosen.used = next(self._ticks)
         return AdapterSelection(name, chosen.version, chosen.handle)
 
     def _choose(self, name: str, version: int) -> _Version:

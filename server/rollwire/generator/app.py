@@ -64,6 +64,7 @@ async def start_generator(config: GeneratorConfig) -> RunningGenerator:
         config.limits.stage_timeout_s,
         keep=config.adapter_keep,
         keep_bytes=config.adapter_keep_bytes,
+        max_loaded=getattr(engine, "max_adapters", 0),  # a served engine's LoRA slots; the embedded engine has no limit
     )
     endpoint = listen("generator", config, metrics.registry)
     replica = config.replica_id or f"{config.host}:{endpoint.port}"

@@ -1,6 +1,6 @@
-"""The embedded engine's batched step (issue 13): sampling every row in one call, LoRA per
-adapter sub-batch, incremental detokenizing, one hand-off per step, and that none of it
-changes a sample's tokens, logprobs or text.
+"""The embedded engine's batched step (issue 13): sampling every row in one call, LoRA of
+every adapter in one batched apply (more in test_lora_mixed.py), incremental detokenizing,
+one hand-off per step, and that none of it changes a sample's tokens, logprobs or text.
 
 Pure parts (the per-row sampling transform, the inverse-CDF draw, TextStream, the mailbox)
 are checked against independent computations; the engine in-process against a teacher-forced

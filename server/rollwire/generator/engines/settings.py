@@ -72,10 +72,15 @@ class ServedSection(Section):
     """Port of the launched server; 0 picks a free one."""
     max_lora_rank: int = Field(default=64, ge=1)
     """Largest LoRA rank the server reserves memory for (its --max-lora-rank); pushes of a larger r are refused."""
+    adapter_names: int = Field(default=1, ge=1)
+    """Adapter names (training runs, tenants) the replica serves at once: the server's LoRA slots are sized for them,
+    adapter_names x (adapter_window + 1), so their rows share its batches (issue 35). Beyond the slots the replica
+    unloads the least recently used version no request holds (its bytes kept, loaded again when named)."""
     max_loaded_adapters: int = Field(default=0, ge=0)
-    """Adapter versions the server holds at once (SGLang's --max-loaded-loras, vLLM's --max-loras); 0 =
-    adapter_window + 1 (the window plus one for the swap, which an older kept version a request names also uses; when
-    both are taken such a request is refused as busy and retried elsewhere)."""
+    """Adapter versions the server holds at once (SGLang's --max-loaded-loras, vLLM's --max-loras and --max-cpu-loras);
+    0 = adapter_names x (adapter_window + 1) (each name's window plus one for the swap, which an older kept version a
+    request names also uses; when every slot serves a request such a request is refused as busy and retried
+    elsewhere). The server reserves memory for each slot at max_lora_rank."""
     api_key_file: str = Field(default="")
     """File holding the server's API key (its --api-key: SGLang's generate endpoints; vLLM's every endpoint, passed to
     a launched vLLM as VLLM_API_KEY); empty = a server rollwire launches gets a random key of its own at each launch,

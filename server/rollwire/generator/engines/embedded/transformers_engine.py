@@ -5,8 +5,8 @@ applies adapter loads/unloads, admits waiting groups (one prefill for all of the
 row per group, whose KV cache and first logits are then copied for each of its samples,
 left-padded and merged into the running batch), then runs one decode step for every
 running row. Rows of different groups, different sampling params and different
-adapters share every forward pass (LoRA deltas per adapter sub-batch, lora.py). Finished
-and cancelled rows leave the batch at once.
+adapters share every forward pass (each row its own LoRA, all adapters' deltas in one
+batched apply: lora.py). Finished and cancelled rows leave the batch at once.
 
 Per step, everything after the forward pass is done for the whole batch at once: one
 sampling transform over every row (sampling.py: each row with its own params), one draw

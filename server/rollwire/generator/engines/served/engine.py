@@ -122,7 +122,8 @@ class ServedEngine:
     def __init__(self, model_dir: str | Path, settings: ServedSection, *, adapter_window: int) -> None:
         self.model_dir = Path(model_dir)
         self.settings = settings
-        self.max_adapters = settings.max_loaded_adapters or adapter_window + 1
+        self.max_adapters = settings.max_loaded_adapters or settings.adapter_names * (adapter_window + 1)
+        """The server's LoRA slots: the registry evicts to stay within them (adapters.py, max_loaded)."""
         self.vocab_size = 0
         self.max_context = 0
         self.server_version = ""
@@ -382,9 +383,9 @@ class ServedEngine:
             )
         if len(self._adapters) >= self.max_adapters:
             raise ResourceExhausted(
-                f"{self.kind.label} already holds {len(self._adapters)} adapter versions (its limit: the window plus "
-                "one for the swap) and the oldest still serve in-flight requests; retry the push when they finish, "
-                f"or raise {key}.max_loaded_adapters",
+                f"{self.kind.label} already holds {len(self._adapters)} adapter versions (its limit: "
+                f"{key}.adapter_names x (the window plus one for the swap)) and every one serves in-flight requests; "
+                f"retry the push when they finish, or raise {key}.adapter_names or {key}.max_loaded_adapters",
                 reason=Reason.ADAPTER_SLOTS_FULL,
                 retry_after_s=1.0,
             )

@@ -35,8 +35,10 @@ def launch_argv(
 ) -> list[str]:
     """SGLang's command line: LoRA on, its rank and adapter limits sized for the window.
 
-    `--max-loaded-loras` is the window plus one for the swap; the engine never loads more,
-    so SGLang's own LRU eviction (which would unload a version still being served) never runs.
+    `--max-loaded-loras` is sglang.adapter_names x (the window plus one for the swap); the
+    replica never loads more (its registry evicts its own least recently used free version
+    first), so SGLang's own LRU eviction (which would unload a version still being served)
+    never runs.
     """
     argv = [*(command or [sys.executable, "-m", "sglang.launch_server"])]
     argv += ["--model-path", model, "--host", host, "--port", str(port)]

@@ -83,8 +83,9 @@ def launch_argv(
     extra_args: list[str],
     max_logprobs: int = 20,
 ) -> list[str]:
-    """vLLM's command line: LoRA on, its rank and slots sized for the window, and the logprobs
-    of the distribution actually sampled from (`processed_logprobs`)."""
+    """vLLM's command line: LoRA on, its rank and slots sized for the adapter names x the
+    window (ServedEngine.max_adapters), and the logprobs of the distribution actually sampled
+    from (`processed_logprobs`)."""
     argv = [*(command or [sys.executable, "-m", SERVER_MODULE])]
     argv += ["--model", model, "--host", host, "--port", str(port), "--dtype", dtype]
     argv += ["--enable-lora", "--max-lora-rank", str(max_lora_rank), "--max-loras", str(max_loras)]
