@@ -97,7 +97,7 @@ suite: install system-deps $(VLLM_STAMP)
 
 # No processes, no sockets (tests/unit/conftest.py makes either fail the test).
 test-fast: install
-	$(BIN)/python -m pytest -q -p no:cacheprovider tests/unit
+	$(BIN)/python -m pytest -q -p no:cacheprovider $(PARALLEL) tests/unit
 
 test-integration: install system-deps
 	$(BIN)/python -m pytest -q $(PARALLEL) --durations=25 tests/integration
