@@ -91,7 +91,7 @@ lint-quiet: install $(BUF)
 # Two pytest-xdist workers (WORKERS=0: one process): a module's tests run together on one worker
 # (tests/conftest.py's worker_group), as do the vLLM server's and the network labs'.
 WORKERS ?= 2
-PARALLEL := -n $(WORKERS) --dist loadgroup
+PARALLEL := -n $(WORKERS) --dist loadscope
 suite: install system-deps $(VLLM_STAMP)
 	$(BIN)/python -m pytest -q $(PARALLEL) --durations=25 tests/unit tests/integration tests/e2e
 

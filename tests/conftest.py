@@ -7,6 +7,8 @@ here) and tests/e2e (demos, TRL, vLLM-backed, teaching runs; marked `integration
 
 from __future__ import annotations
 
+import functools
+import re
 import subprocess
 from pathlib import Path
 
@@ -30,22 +32,43 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         tier = item.path.relative_to(tests).parts[0] if item.path.is_relative_to(tests) else ""
         for marker in TIERS.get(tier, ()):
             item.add_marker(marker)
-        item.add_marker(pytest.mark.xdist_group(worker_group(item)))
 
 
-def worker_group(item: pytest.Item) -> str:
-    """Which tests one pytest-xdist worker runs together (`-n 2 --dist loadgroup`, `make test`):
-    a module's tests stay together, so its module-scoped processes start once; every test of
-    the run's vLLM server shares one worker, so the server (~70 s, several GiB) starts once;
-    the network-namespace labs share one, so two labs never shape the same host at once."""
-    if "vllm_server" in getattr(item, "fixturenames", ()):
+@pytest.hookimpl(optionalhook=True)  # a hook of pytest-xdist's: unknown where it is not loaded
+def pytest_xdist_make_scheduler(config: pytest.Config, log):
+    """pytest-xdist's workers (`make test`: -n 2) take whole work units, as `--dist loadscope`
+    does, but a unit is `worker_group`'s, not only a module."""
+    from xdist.scheduler import LoadScopeScheduling
+
+    class ByGroup(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return worker_group(nodeid)
+
+    return ByGroup(config, log)
+
+
+@functools.cache
+def worker_group(nodeid: str) -> str:
+    """Which tests one worker runs together: a module's tests stay together, in their order, so
+    its module-scoped processes start once; every module of the run's vLLM server shares one
+    worker, so the server (~70 s, several GiB) starts once; the network-namespace labs share
+    one, so two labs never shape the host at once. Read from the module's text, as the
+    controller, which collects nothing, only has test ids."""
+    module = nodeid.split("::", 1)[0]
+    text = _module_text(module)
+    if "vllm_server" in text:
         return "vllm-server"
-    module = getattr(item, "module", None)
-    if module is not None and any(
-        getattr(v, "__module__", getattr(v, "__name__", "")) == "support.netlab" for v in vars(module).values()
-    ):
+    if re.search(r"support(\.| import )netlab", text):
         return "netlab"
-    return item.path.stem
+    return module
+
+
+@functools.cache
+def _module_text(module: str) -> str:
+    try:
+        return (Path(__file__).parent.parent / module).read_text()
+    except OSError:
+        return ""
 
 
 @pytest.fixture(scope="session", autouse=True)

@@ -12,7 +12,6 @@ import functools
 import json
 import operator
 import shutil
-import socket
 import subprocess
 import time
 import urllib.parse
@@ -21,7 +20,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
-from support.processes import start_service
+from support.processes import free_port, start_service
 
 ROOT = Path(__file__).resolve().parents[2]
 DASHBOARD = ROOT / "ops" / "grafana" / "dashboards" / "rollwire.json"
@@ -38,12 +37,6 @@ def test_dashboard_json_is_generated_from_the_panel_list():
 
     module = runpy.run_path(str(ROOT / "ops" / "grafana" / "build_dashboard.py"))
     assert json.loads(DASHBOARD.read_text()) == module["build"](), "run ops/grafana/build_dashboard.py and commit"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def query(base: str, expr: str) -> list:

@@ -3,6 +3,8 @@ stack starter of the demo, the tests and the benchmarks), and bounded waits on t
 
 from __future__ import annotations
 
+import os
+import random
 import socket
 import subprocess
 import time
@@ -76,9 +78,52 @@ def routable(proxy: Service) -> dict[str, pb.ReplicaStatus]:
 
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A port nothing listens on, for a process a test starts on it later (or for a refused
+    connection). The classic `bind(("127.0.0.1", 0))` and close hands out a port from the
+    kernel's ephemeral range, where any process binding port 0 meanwhile (the test's own, the
+    other pytest-xdist worker's) may be given it before the test's process binds it: that was
+    a replica of one worker's fleet answering at another's member address. These ports come from
+    below the ephemeral range (/proc/sys/net/ipv4/ip_local_port_range), which port 0 never draws
+    from, each worker from its own slice of it, never one this process handed out before, and
+    each checked free by binding it."""
+    global _next_port
+    lowest_ephemeral = _ephemeral_low()
+    if lowest_ephemeral < RESERVED_FROM + 2_000:  # a host whose ephemeral range starts low: the kernel's pick
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            return s.getsockname()[1]
+    worker = int(os.environ.get("PYTEST_XDIST_WORKER", "gw0").removeprefix("gw") or 0)
+    workers = max(1, int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")))
+    width = (lowest_ephemeral - RESERVED_FROM) // workers
+    first = RESERVED_FROM + worker * width
+    if _next_port is None:
+        _next_port = random.Random(os.getpid()).randrange(width)  # two runs at once start apart
+    for _ in range(width):
+        port = first + _next_port % width
+        _next_port += 1
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        return port
+    raise RuntimeError(f"no free port in {first}..{first + width - 1}")
+
+
+def free_ports(n: int) -> list[int]:
+    return [free_port() for _ in range(n)]
+
+
+RESERVED_FROM = 10_000
+"""The reserved ports start here and end below the ephemeral range (Linux's default starts at 32768)."""
+_next_port: int | None = None
+
+
+def _ephemeral_low() -> int:
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
 
 
 def run_cli(*args: str) -> subprocess.CompletedProcess:

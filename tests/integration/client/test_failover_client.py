@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
-from support.processes import start_generators, start_service, stop_all, wait_routable, wait_until
+from support.processes import free_ports, start_generators, start_service, stop_all, wait_routable, wait_until
 from support.wire import fingerprint, make_adapter, status
 
 from rollwire.client import AsyncClient, Client, RollwireError
@@ -226,19 +226,6 @@ def test_two_proxies_one_killed_for_good_loses_no_request(replicas, adapters, wo
 def peer_synced(proxy) -> bool:
     lines = [x for x in proxy.metrics().splitlines() if x.startswith("rollwire_proxy_peer_synced{")]
     return bool(lines) and any(float(x.split()[-1]) == 1.0 for x in lines)
-
-
-def free_ports(n: int) -> list[int]:
-    import socket
-
-    socks = [socket.socket() for _ in range(n)]
-    try:
-        for s in socks:
-            s.bind(("127.0.0.1", 0))
-        return [s.getsockname()[1] for s in socks]
-    finally:
-        for s in socks:
-            s.close()
 
 
 pytestmark = pytest.mark.integration  # starts processes: not in make test-fast

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 from support.peft_folders import write_peft_dir
+from support.processes import free_port
 
 from rollwire.client import (
     AsyncClient,
@@ -39,12 +40,6 @@ def test_a_final_transport_error_names_the_address_and_the_attempts():
     with Client(f"127.0.0.1:{port}", timeout=10, max_attempts=2) as client, pytest.raises(Unavailable) as info:
         client.get_status()
     assert f"127.0.0.1:{port}" in str(info.value) and "2 attempt(s)" in str(info.value)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def test_nothing_listening_is_unavailable():

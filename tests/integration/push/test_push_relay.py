@@ -32,6 +32,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from support.processes import (
     GENERATOR_ARGS,
     Service,
+    free_port,
     start_generator,
     start_generators,
     start_proxy,
@@ -150,9 +151,7 @@ def low_port() -> int:
 
 def closed_port() -> int:
     """A port where nothing listens (a connection to it is refused)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    return free_port()
 
 
 # -- a protocol-level hostile peer ----------------------------------------------------------
