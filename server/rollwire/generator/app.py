@@ -11,12 +11,13 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from rollwire.common.fingerprint import model_fingerprint
-from rollwire.generator.adapters import AdapterRegistry, base_linear_shapes
+from rollwire.generator.adapters import AdapterRegistry
 from rollwire.generator.config import GeneratorConfig
 from rollwire.generator.engines import ENGINES
 from rollwire.generator.engines.base import Engine
 from rollwire.generator.metrics import GeneratorMetrics
 from rollwire.generator.servicer import GeneratorServicer
+from rollwire.generator.shapes import base_linear_shapes
 from rollwire.runtime.logs import get_logger
 from rollwire.runtime.members import member_token, read_member_key
 from rollwire.serving.scaffold import Running, listen, serve
