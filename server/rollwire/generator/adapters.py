@@ -17,11 +17,11 @@ Invariants:
 - a version older than the `keep` newest stops being servable at once and is unloaded from
   the engine when its last request finishes (leases);
 - the engine holds at most `max_loaded` versions over all names (a served engine's LoRA
-  slots; 0 = no limit): a load beyond it first unloads the least recently used version no
-  request holds, of any name, keeping its bytes to load it again when named (`_victim`, the
-  one place a per-tenant quota can later decide who gives up a slot). So one name's traffic
-  evicts another's versions only when those are the least recently used, never by version
-  number; `keep_bytes` lets go the least recently used bytes first too;
+  slots; 0 = no limit) and a tenant's names at most its `tenant_slots`: before a load, the
+  eviction policy (rollwire.generator.eviction, its invariants) unloads least recently used
+  versions no request holds, keeping their bytes to load them again when named, or refuses a
+  tenant whose every version is in use. Never by version number; `keep_bytes` lets go the
+  least recently used bytes first too;
 - engine handles are never reused, so no cache entry of an old policy can be served under
   a new version.
 """
@@ -36,6 +36,7 @@ from dataclasses import dataclass, field
 from rollwire.common.errors import FailedPrecondition, NotFound
 from rollwire.common.manifest import DEFAULT_MAX_VERSION_STEP, Manifest, check_push_version
 from rollwire.common.reasons import Reason
+from rollwire.generator import eviction
 from rollwire.generator.types import AdapterSelection
 
 DEFAULT_STAGE_TIMEOUT_S = 300.0
@@ -105,12 +106,17 @@ class AdapterRegistry:
         keep: int = 0,
         keep_bytes: int = DEFAULT_KEEP_BYTES,
         max_loaded: int = 0,
+        tenant_slots: eviction.TenantSlotsSection | None = None,
+        on_decision: Callable[[str], None] = lambda outcome: None,
     ) -> None:
         """`keep`: versions of a name a caller may name (at least `window`; 0 = `window`);
         `keep_bytes`: the bytes of every servable version's payload held, over all names;
-        `max_loaded`: versions the engine can hold at once over all names (0 = no limit)."""
+        `max_loaded`: versions the engine can hold at once over all names (0 = no limit);
+        `tenant_slots`: versions one tenant's names may have loaded; `on_decision` is told each
+        step of the eviction policy (eviction.OUTCOMES: the replica's metric)."""
         self._load, self._unload, self.window = load, unload, window
         self.keep, self.keep_bytes, self.max_loaded = max(keep, window), keep_bytes, max_loaded
+        self.tenant_slots, self._on_decision = tenant_slots or eviction.TenantSlotsSection(), on_decision
         self._ticks = itertools.count(1)  # one per push and take: what `used` is measured in
         self.stage_timeout_s = stage_timeout_s
         self._versions: dict[str, list[_Version]] = {}
@@ -191,30 +197,26 @@ class AdapterRegistry:
         return {name: s.version for name, s in self._staged.items()}
 
     async def _load_new(self, m: Manifest, payload: bytes) -> str:
-        await self._make_room()
+        await self._make_room(m.name)
         self._counter += 1
         handle = f"rw{self._counter}"
         await self._load(handle, m, payload)
         return handle
 
-    async def _make_room(self) -> None:
-        """Below `max_loaded` loaded versions before a load, by unloading least recently used
-        ones; when every one serves a request the engine decides (served: ADAPTER_SLOTS_FULL)."""
-        while self.max_loaded:
-            loaded = [v for vs in self._versions.values() for v in vs if v.handle is not None]
-            if len(loaded) + len(self._staged) < self.max_loaded:
+    async def _make_room(self, name: str) -> None:
+        """Room for a version of `name` within the engine's slots and its tenant's, as the
+        eviction policy decides step by step; raises its refusal (TENANT_SLOTS_FULL). When every
+        version serves a request the engine decides (served: ADAPTER_SLOTS_FULL)."""
+        while True:
+            loaded = [(n, v) for n, vs in self._versions.items() for v in vs if v.handle is not None]
+            step = eviction.decide(name, loaded, self._staged, self.tenant_slots, self.max_loaded)
+            self._on_decision(step.outcome)
+            if step.outcome == eviction.QUOTA_REFUSED:
+                raise eviction.quota_refusal(name, step, self.tenant_slots)
+            if step.victim is None:
                 return
-            victim = self._victim(loaded)
-            if victim is None:
-                return
-            handle, victim.handle = victim.handle or "", None
+            handle, step.victim.handle = step.victim.handle or "", None
             await self._unload(handle)
-
-    def _victim(self, loaded: list[_Version]) -> _Version | None:
-        """The loaded version to unload for a new one: the least recently used that no request
-        holds and whose bytes are kept (so it can come back), over all names."""
-        free = [v for v in loaded if v.leases == 0 and v.servable and v.payload is not None]
-        return min(free, key=lambda v: (v.used, v.version), default=None)
 
     def _make_servable(self, name: str, item: _Staged) -> PushOutcome:
         versions = self._versions.setdefault(name, [])

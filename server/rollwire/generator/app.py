@@ -66,6 +66,8 @@ async def start_generator(config: GeneratorConfig) -> RunningGenerator:
         keep=config.adapter_keep,
         keep_bytes=config.adapter_keep_bytes,
         max_loaded=getattr(engine, "max_adapters", 0),  # a served engine's LoRA slots; the embedded engine has no limit
+        tenant_slots=config.tenant_slots,  # every engine, the embedded one too
+        on_decision=lambda outcome: metrics.adapter_slot_decisions.labels(outcome).inc(),
     )
     endpoint = listen("generator", config, metrics.registry)
     replica = config.replica_id or f"{config.host}:{endpoint.port}"
