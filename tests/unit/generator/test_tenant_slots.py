@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 
+import grpc
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -21,6 +22,7 @@ from rollwire.common.reasons import Reason
 from rollwire.generator.adapters import AdapterRegistry
 from rollwire.generator.eviction import TenantSlotsSection, tenant_of
 from rollwire.generator.metrics import GeneratorMetrics
+from rollwire.proxy.routing import faults
 
 PAYLOAD = b"\0" * 64
 
@@ -203,3 +205,11 @@ async def _run(ops, slots: int, window: int, quotas: TenantSlotsSection, strict:
     for sel in held:
         reg.release(sel)
     await reg.settle()
+
+
+def test_a_proxy_moves_a_request_refused_for_its_tenants_slots_to_another_replica():
+    """Another replica may have a version of that tenant's free to give up: busy, not sick."""
+    verdict = faults.classify(
+        grpc.StatusCode.RESOURCE_EXHAUSTED, Reason.TENANT_SLOTS_FULL, group_deadline_passed=False, version_pinned=False
+    )
+    assert verdict is faults.BUSY and verdict.retry and not verdict.counts
