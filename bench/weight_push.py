@@ -34,7 +34,7 @@ from common import QWEN25, WORK, Timer, config_only_model, spread, start_proxy, 
 from rollwire.client import Client
 from rollwire.common.fingerprint import model_fingerprint
 from rollwire.common.lora import LoraShape
-from rollwire.generator.adapters import config_linear_shapes
+from rollwire.generator.shapes import config_linear_shapes
 from rollwire.push.checks import expected_lora_shapes
 
 RANK, REPLICAS = 16, (1, 2, 4)

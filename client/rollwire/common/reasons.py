@@ -74,6 +74,8 @@ class Reason(StrEnum):
     """NOT_FOUND; do not retry: That version was not pushed to this replica (yet)."""
     ADAPTER_VERSION_EVICTED = "ADAPTER_VERSION_EVICTED"
     """FAILED_PRECONDITION; do not retry: That version left the replica's window of newest versions."""
+    TENANT_SLOTS_FULL = "TENANT_SLOTS_FULL"
+    """RESOURCE_EXHAUSTED; retry: The adapter's tenant has as many versions loaded on the replica as its `tenant_slots` allow, each serving a request; after the hint."""
     NON_FINITE_LOGITS = "NON_FINITE_LOGITS"
     """FAILED_PRECONDITION; do not retry: The model gave NaN/inf for this request (a diverged adapter)."""
     ROW_FAILED = "ROW_FAILED"

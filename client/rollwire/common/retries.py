@@ -60,9 +60,9 @@ REPLICA_SICK_REASONS = frozenset({Reason.ENGINE_FAILED})
 """With INTERNAL/UNKNOWN: a whole forward pass failed, no request to blame: retried, counted."""
 UNEXPLAINED = frozenset({C.INTERNAL, C.UNKNOWN})
 """Codes that say nothing about the cause unless a reason names it."""
-REPLICA_BUSY = frozenset({Reason.QUEUE_FULL, Reason.ENGINE_OOM})
-"""With RESOURCE_EXHAUSTED: the replica is busy (its queue, or its memory for this group), not sick: retried
-elsewhere, not counted."""
+REPLICA_BUSY = frozenset({Reason.QUEUE_FULL, Reason.ENGINE_OOM, Reason.TENANT_SLOTS_FULL})
+"""With RESOURCE_EXHAUSTED: the replica is busy (its queue, its memory for this group, or the LoRA slots of the
+request's tenant there), not sick: retried elsewhere, not counted."""
 STALE_VIEW = frozenset({Reason.ADAPTER_NOT_FOUND, Reason.ADAPTER_VERSION_NOT_FOUND, Reason.ADAPTER_VERSION_EVICTED})
 """A replica refusing a version the proxy believed it held: the proxy's view is stale."""
 CLIENT_CAUSED = frozenset(

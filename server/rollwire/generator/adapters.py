@@ -17,11 +17,11 @@ Invariants:
 - a version older than the `keep` newest stops being servable at once and is unloaded from
   the engine when its last request finishes (leases);
 - the engine holds at most `max_loaded` versions over all names (a served engine's LoRA
-  slots; 0 = no limit): a load beyond it first unloads the least recently used version no
-  request holds, of any name, keeping its bytes to load it again when named (`_victim`, the
-  one place a per-tenant quota can later decide who gives up a slot). So one name's traffic
-  evicts another's versions only when those are the least recently used, never by version
-  number; `keep_bytes` lets go the least recently used bytes first too;
+  slots; 0 = no limit) and a tenant's names at most its `tenant_slots`: before a load, the
+  eviction policy (rollwire.generator.eviction, its invariants) unloads least recently used
+  versions no request holds, keeping their bytes to load them again when named, or refuses a
+  tenant whose every version is in use. Never by version number; `keep_bytes` lets go the
+  least recently used bytes first too;
 - engine handles are never reused, so no cache entry of an old policy can be served under
   a new version.
 """
@@ -30,73 +30,19 @@ from __future__ import annotations
 
 import asyncio
 import itertools
-import json
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
-from pathlib import Path
 
 from rollwire.common.errors import FailedPrecondition, NotFound
 from rollwire.common.manifest import DEFAULT_MAX_VERSION_STEP, Manifest, check_push_version
 from rollwire.common.reasons import Reason
-from rollwire.common.safetensors_header import read_file_header
+from rollwire.generator import eviction
 from rollwire.generator.types import AdapterSelection
 
 DEFAULT_STAGE_TIMEOUT_S = 300.0
 """A staged version not committed within this long is dropped (limits.stage_timeout_s)."""
 DEFAULT_KEEP_BYTES = 2 << 30
 """Bytes of adapter payloads a replica keeps to load versions again (limits.adapter_keep_bytes)."""
-
-
-def base_linear_shapes(model_dir: str | Path, *, config_only: bool = False) -> dict[str, tuple[int, int]]:
-    """Module name -> (out, in) of every linear layer LoRA may target, from weight headers.
-
-    Embeddings and the output head are excluded, as PEFT's "all-linear" excludes them.
-    With `config_only` (the scripted benchmark engine) a folder without weights gets the
-    shapes a Llama/Qwen2-family config.json implies.
-    """
-    weights = sorted(Path(model_dir).glob("*.safetensors"))
-    if not weights and config_only:
-        return config_linear_shapes(json.loads(Path(model_dir, "config.json").read_text()))
-    shapes: dict[str, tuple[int, int]] = {}
-    for path in weights:
-        for name, (_, shape) in read_file_header(path).items():
-            if not name.endswith(".weight") or len(shape) != 2:
-                continue
-            module = name[: -len(".weight")]
-            if "embed" in module or module.endswith("lm_head"):
-                continue
-            shapes[module] = (shape[0], shape[1])
-    return shapes
-
-
-CONFIG_SHAPE_FAMILIES = ("llama", "qwen2", "mistral")
-
-
-def config_linear_shapes(config: dict) -> dict[str, tuple[int, int]]:
-    """The linear layers of a Llama/Qwen2-family decoder, from its config.json values."""
-    if config.get("model_type") not in CONFIG_SHAPE_FAMILIES:
-        raise ValueError(
-            f"cannot derive layer shapes of model_type {config.get('model_type')!r} from config.json "
-            f"(known: {', '.join(CONFIG_SHAPE_FAMILIES)}); give the folder its *.safetensors weights"
-        )
-    hidden, inter = config["hidden_size"], config["intermediate_size"]
-    heads = config["num_attention_heads"]
-    kv_heads = config.get("num_key_value_heads") or heads
-    head_dim = config.get("head_dim") or hidden // heads
-    layer = {
-        "self_attn.q_proj": (heads * head_dim, hidden),
-        "self_attn.k_proj": (kv_heads * head_dim, hidden),
-        "self_attn.v_proj": (kv_heads * head_dim, hidden),
-        "self_attn.o_proj": (hidden, heads * head_dim),
-        "mlp.gate_proj": (inter, hidden),
-        "mlp.up_proj": (inter, hidden),
-        "mlp.down_proj": (hidden, inter),
-    }
-    return {
-        f"model.layers.{i}.{module}": shape
-        for i in range(config["num_hidden_layers"])
-        for module, shape in layer.items()
-    }
 
 
 @dataclass
@@ -160,12 +106,17 @@ class AdapterRegistry:
         keep: int = 0,
         keep_bytes: int = DEFAULT_KEEP_BYTES,
         max_loaded: int = 0,
+        tenant_slots: eviction.TenantSlotsSection | None = None,
+        on_decision: Callable[[str], None] = lambda outcome: None,
     ) -> None:
         """`keep`: versions of a name a caller may name (at least `window`; 0 = `window`);
         `keep_bytes`: the bytes of every servable version's payload held, over all names;
-        `max_loaded`: versions the engine can hold at once over all names (0 = no limit)."""
+        `max_loaded`: versions the engine can hold at once over all names (0 = no limit);
+        `tenant_slots`: versions one tenant's names may have loaded; `on_decision` is told each
+        step of the eviction policy (eviction.OUTCOMES: the replica's metric)."""
         self._load, self._unload, self.window = load, unload, window
         self.keep, self.keep_bytes, self.max_loaded = max(keep, window), keep_bytes, max_loaded
+        self.tenant_slots, self._on_decision = tenant_slots or eviction.TenantSlotsSection(), on_decision
         self._ticks = itertools.count(1)  # one per push and take: what `used` is measured in
         self.stage_timeout_s = stage_timeout_s
         self._versions: dict[str, list[_Version]] = {}
@@ -246,30 +197,26 @@ class AdapterRegistry:
         return {name: s.version for name, s in self._staged.items()}
 
     async def _load_new(self, m: Manifest, payload: bytes) -> str:
-        await self._make_room()
+        await self._make_room(m.name)
         self._counter += 1
         handle = f"rw{self._counter}"
         await self._load(handle, m, payload)
         return handle
 
-    async def _make_room(self) -> None:
-        """Below `max_loaded` loaded versions before a load, by unloading least recently used
-        ones; when every one serves a request the engine decides (served: ADAPTER_SLOTS_FULL)."""
-        while self.max_loaded:
-            loaded = [v for vs in self._versions.values() for v in vs if v.handle is not None]
-            if len(loaded) + len(self._staged) < self.max_loaded:
+    async def _make_room(self, name: str) -> None:
+        """Room for a version of `name` within the engine's slots and its tenant's, as the
+        eviction policy decides step by step; raises its refusal (TENANT_SLOTS_FULL). When every
+        version serves a request the engine decides (served: ADAPTER_SLOTS_FULL)."""
+        while True:
+            loaded = [(n, v) for n, vs in self._versions.items() for v in vs if v.handle is not None]
+            step = eviction.decide(name, loaded, self._staged, self.tenant_slots, self.max_loaded)
+            self._on_decision(step.outcome)
+            if step.outcome == eviction.QUOTA_REFUSED:
+                raise eviction.quota_refusal(name, step, self.tenant_slots)
+            if step.victim is None:
                 return
-            victim = self._victim(loaded)
-            if victim is None:
-                return
-            handle, victim.handle = victim.handle or "", None
+            handle, step.victim.handle = step.victim.handle or "", None
             await self._unload(handle)
-
-    def _victim(self, loaded: list[_Version]) -> _Version | None:
-        """The loaded version to unload for a new one: the least recently used that no request
-        holds and whose bytes are kept (so it can come back), over all names."""
-        free = [v for v in loaded if v.leases == 0 and v.servable and v.payload is not None]
-        return min(free, key=lambda v: (v.used, v.version), default=None)
 
     def _make_servable(self, name: str, item: _Staged) -> PushOutcome:
         versions = self._versions.setdefault(name, [])

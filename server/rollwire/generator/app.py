@@ -11,12 +11,13 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from rollwire.common.fingerprint import model_fingerprint
-from rollwire.generator.adapters import AdapterRegistry, base_linear_shapes
+from rollwire.generator.adapters import AdapterRegistry
 from rollwire.generator.config import GeneratorConfig
 from rollwire.generator.engines import ENGINES
 from rollwire.generator.engines.base import Engine
 from rollwire.generator.metrics import GeneratorMetrics
 from rollwire.generator.servicer import GeneratorServicer
+from rollwire.generator.shapes import base_linear_shapes
 from rollwire.runtime.logs import get_logger
 from rollwire.runtime.members import member_token, read_member_key
 from rollwire.serving.scaffold import Running, listen, serve
@@ -65,6 +66,8 @@ async def start_generator(config: GeneratorConfig) -> RunningGenerator:
         keep=config.adapter_keep,
         keep_bytes=config.adapter_keep_bytes,
         max_loaded=getattr(engine, "max_adapters", 0),  # a served engine's LoRA slots; the embedded engine has no limit
+        tenant_slots=config.tenant_slots,  # every engine, the embedded one too
+        on_decision=lambda outcome: metrics.adapter_slot_decisions.labels(outcome).inc(),
     )
     endpoint = listen("generator", config, metrics.registry)
     replica = config.replica_id or f"{config.host}:{endpoint.port}"

@@ -8,6 +8,7 @@ from pydantic import Field
 
 from rollwire.generator.engines import ENGINES
 from rollwire.generator.engines.settings import ScriptedSection, SGLangSection, TransformersSection, VLLMSection
+from rollwire.generator.eviction import TenantSlotsSection
 from rollwire.runtime.dialing import DialSection
 from rollwire.serving.config import ForwardSection, PushLimits, ServerConfig, port_field, push_idle_field
 
@@ -97,6 +98,7 @@ class GeneratorConfig(ServerConfig):
     adapter_keep_bytes: int = Field(default=2 << 30, ge=0)
     """Bytes of adapter payloads kept in memory to load versions again, over all names; beyond it the oldest versions
     outside their window stop being servable first."""
+    tenant_slots: TenantSlotsSection = Field(default_factory=TenantSlotsSection)
     stream_interval: int = Field(default=1, ge=1, le=4096)
     """New tokens of a sample gathered before they are sent (a sample's end is always sent at once); 1 streams
     every token as it is made. Larger values cut the per-message cost of gRPC, the proxy and the caller when the

@@ -9,6 +9,7 @@ from __future__ import annotations
 import grpc
 from prometheus_client import CollectorRegistry
 
+from rollwire.generator.eviction import OUTCOMES
 from rollwire.runtime.metrics import MetricFactory
 from rollwire.serving.sessions import SessionMetrics
 
@@ -105,8 +106,16 @@ class GeneratorMetrics:
             "From first push message to the version being served.",
             buckets=LATENCY_BUCKETS,
         )
+        self.adapter_slot_decisions = m.counter(
+            "adapter_slot_decisions_total",
+            "Steps of the LoRA-slot eviction policy before an adapter version is loaded, by outcome (room, quota_own, "
+            "full_unowned, full_own, full_other, quota_refused, full_held; generator/eviction.py).",
+            ["outcome"],
+        )
         for code in grpc.StatusCode:
             self.pushes.labels(code.name)
+        for outcome in OUTCOMES:
+            self.adapter_slot_decisions.labels(outcome)
 
     def _prefix_cache(self, m: MetricFactory) -> None:
         """The transformers engine's prefill and prefix KV cache."""

@@ -12,7 +12,7 @@ from rollwire.client import Client
 from rollwire.common.errors import InvalidArgument
 from rollwire.common.fingerprint import model_fingerprint
 from rollwire.common.lora import LoraShape
-from rollwire.generator.adapters import config_linear_shapes
+from rollwire.generator.shapes import config_linear_shapes
 from rollwire.push.checks import expected_lora_shapes
 
 QWEN_05B = {  # the public config.json of Qwen2.5-0.5B, the fields the shapes need

@@ -13,8 +13,8 @@ from rollwire.common.fingerprint import model_fingerprint
 from rollwire.common.lora import LoraShape
 from rollwire.common.manifest import Manifest
 from rollwire.common.safetensors_header import read_file_header
-from rollwire.generator.adapters import base_linear_shapes, config_linear_shapes
 from rollwire.generator.engines.embedded.scripted import ScriptedEngine
+from rollwire.generator.shapes import base_linear_shapes, config_linear_shapes
 from rollwire.generator.types import AdapterSelection, GroupRequest, SampleDone, SamplingParams, TokenDelta
 from rollwire.push.checks import expected_lora_shapes
 

@@ -75,7 +75,9 @@ class ServedSection(Section):
     adapter_names: int = Field(default=1, ge=1)
     """Adapter names (training runs, tenants) the replica serves at once: the server's LoRA slots are sized for them,
     adapter_names x (adapter_window + 1), so their rows share its batches (issue 35). Beyond the slots the replica
-    unloads the least recently used version no request holds (its bytes kept, loaded again when named)."""
+    unloads a version no request holds (its bytes kept, loaded again when named), as the replica's tenant_slots
+    decide (generator/eviction.py: names of no tenant first, then the loader's own tenant, then the least recently
+    used)."""
     max_loaded_adapters: int = Field(default=0, ge=0)
     """Adapter versions the server holds at once (SGLang's --max-loaded-loras, vLLM's --max-loras and --max-cpu-loras);
     0 = adapter_names x (adapter_window + 1) (each name's window plus one for the swap, which an older kept version a
