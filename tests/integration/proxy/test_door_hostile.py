@@ -62,7 +62,7 @@ def fleet(tiny_model, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def calm(fleet) -> Record:
-    """The bystanders' latencies with nothing hostile beside them: each case's bound is 2x these."""
+    """The bystanders' latencies with nothing hostile beside them: each case is bounded by these (support.bystanders.FACTORS)."""
     return calm_run(fleet["proxy"], fleet["work"] / "calm.json", CALM_S)
 
 

@@ -73,8 +73,10 @@ def test_client_causable_statuses_are_never_counted(code, reason, passed, suspec
         code, reason, group_deadline_passed=passed, version_pinned=False, suspected_before=suspected
     )
     assert not verdict.counts
-    busy = code == C.RESOURCE_EXHAUSTED and reason in (Reason.QUEUE_FULL, Reason.ENGINE_OOM)
-    assert verdict.retry == busy  # busy (its queue, or its memory for this group): elsewhere, uncounted
+    busy = code == C.RESOURCE_EXHAUSTED and reason in (Reason.QUEUE_FULL, Reason.ENGINE_OOM, Reason.TENANT_SLOTS_FULL)
+    assert (
+        verdict.retry == busy
+    )  # busy (its queue, its memory, its tenant's slots for this group): elsewhere, uncounted
 
 
 @settings(max_examples=500, deadline=None)
