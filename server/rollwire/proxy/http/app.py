@@ -227,7 +227,7 @@ def _vllm_routes(app: FastAPI, door: Door) -> None:
     async def detokenize(request: Request) -> JSONResponse:
         _authorize(door, request, GENERATE)
         body = await _body(door, request, tokens.DetokenizeBody)
-        return JSONResponse(tokens.detokenize(door, body, request.state.scope))
+        return JSONResponse(await tokens.detokenize(door, body, request.state.scope))
 
     @app.post("/pause")
     async def pause(request: Request) -> JSONResponse:

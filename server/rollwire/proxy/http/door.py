@@ -233,9 +233,13 @@ class Door:
 
         return await self.prompts.run(client, size, render)
 
-    async def prompt_ids(self, prompt: str | list[int], client: str = "") -> list[int]:
+    async def prompt_ids(
+        self, prompt: str | list[int], client: str = "", *, special: bool = False, count_only: bool = False
+    ) -> list[int]:
         """A completions prompt as token ids: ids as sent, text tokenized here, its size bounded
-        first as a chat's is (prompts.py)."""
+        first as a chat's is (prompts.py). `special` adds the tokenizer's special tokens;
+        `count_only` (/tokenize) returns more ids than a prompt may have instead of refusing them
+        (the text's size is bounded all the same)."""
         if not isinstance(prompt, str):
             return list(prompt)
         if self.tokenizer is None:
@@ -246,7 +250,8 @@ class Door:
             )
         tokenizer, max_tokens = self.tokenizer, self.core.status().limits.max_prompt_tokens
         size = self.prompts.check_size(prompt, max_tokens)
-        return await self.prompts.run(client, size, lambda: tokenizer.encode(prompt, max_tokens))
+        limit = 0 if count_only else max_tokens
+        return await self.prompts.run(client, size, lambda: tokenizer.encode(prompt, limit, special=special))
 
     def token_text(self, token_id: int) -> str:
         return self.tokenizer.token_text(token_id) if self.tokenizer is not None else ""

@@ -18,6 +18,7 @@ from pydantic import Field
 from rollwire.common.reasons import Reason
 from rollwire.proxy.http.dialect.errors import HttpError, unsupported
 from rollwire.proxy.http.dialect.openai import ChatBody, _Body, flatten_content, template_takes_parts
+from rollwire.proxy.http.dialect.prompts import UNKNOWN_PROMPT_TOKENS
 from rollwire.proxy.http.door import Door
 from rollwire.proxy.tenants import Scope
 
@@ -84,16 +85,26 @@ async def tokenize(door: Door, body: TokenizeBody, client: str, scope: Scope) ->
             raise unsupported("add_special_tokens", "the chat template writes a chat's special tokens; leave it false")
         ids = await door.chat_prompt(request, client)
     else:
-        prompt, special = body.prompt or "", body.add_special_tokens is not False
-        ids = await asyncio.to_thread(lambda: chat.tokenizer.encode(prompt, add_special_tokens=special).ids)
+        special = body.add_special_tokens is not False
+        ids = await door.prompt_ids(body.prompt or "", client, special=special, count_only=True)
     strs = [chat.tokenizer.id_to_token(t) for t in ids] if body.return_token_strs else None
     return {"count": len(ids), "max_model_len": door.max_model_len(), "tokens": ids, "token_strs": strs}
 
 
-def detokenize(door: Door, body: DetokenizeBody, scope: Scope) -> dict[str, Any]:
-    """vLLM's answer: `prompt`, the ids' text (special tokens kept)."""
+async def detokenize(door: Door, body: DetokenizeBody, scope: Scope) -> dict[str, Any]:
+    """vLLM's answer: `prompt`, the ids' text (special tokens kept). At most a context's worth of
+    ids (`max_model_len`, else the door's token cap) is decoded, on a worker thread with the GIL
+    released (the batch call), so no list of ids a body can hold stalls the proxy."""
     chat = _tokenizer(door, "/detokenize")
     door.resolve(body.model or door.base_id, scope)
+    cap = door.max_model_len() or UNKNOWN_PROMPT_TOKENS
+    if len(body.tokens) > cap:
+        raise HttpError(
+            grpc.StatusCode.INVALID_ARGUMENT,
+            f"{len(body.tokens)} tokens are more than a context holds here ({cap}); send at most {cap}",
+            reason=Reason.PROMPT_TOO_LONG,
+            param="tokens",
+        )
     vocab = chat.tokenizer.get_vocab_size(with_added_tokens=True)
     bad = [t for t in body.tokens if not 0 <= t < vocab]
     if bad:
@@ -103,4 +114,6 @@ def detokenize(door: Door, body: DetokenizeBody, scope: Scope) -> dict[str, Any]
             reason=Reason.BAD_TOKEN_ID,
             param="tokens",
         )
-    return {"prompt": chat.tokenizer.decode(body.tokens, skip_special_tokens=False)}
+    ids = body.tokens
+    text = await asyncio.to_thread(lambda: chat.tokenizer.decode_batch([ids], skip_special_tokens=False)[0])
+    return {"prompt": text}
