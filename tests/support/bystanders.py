@@ -6,30 +6,35 @@ process so that what the test process does to play the hostile caller (build an 
 hold sockets) never takes their interpreter: what their latencies show is the proxy's.
 
 `Bystanders(proxy)` starts the process and returns once every kind of call has succeeded
-once; leaving the block stops it (SIGTERM: each loop ends its call in flight) and reads its
-record: every failure (collateral: a hostile case may cause none) and every latency, by kind.
-`unharmed(during, calm)` is the issue's bound: no failure, every kind called, and the proxy's
-own answer (GetStatus, which no replica computes) at a p99 within 2x of the same callers'
-without the hostile client (`calm`). A group or a completion is mostly the replica's compute,
-and on 2 cores the hostile client's own CPU (building a body, trickling bytes) takes it from
-the replica whatever the proxy does, so theirs is held to `GENERATION_FACTOR` (measured: 2.3x
-beside a slowloris on a quiet machine, 2.9x beside an 8 MiB chat under the suite's second
-worker). Latencies under `NOISE_FLOOR_S` count as the floor: on 2 shared cores a scheduler
-tick or a collection moves a few-millisecond call by more than its own length. Each case runs
-its bystanders for at least `MIN_RUN_S`, so a p99 is never one call's latency.
+once; leaving the block stops it (SIGTERM: each kind's callers go on until it has `MIN_CALLS`
+calls, then end their calls in flight) and reads its record: every failure (collateral: a hostile case may cause none) and every latency, by kind.
+Inside the block the calling thread (the test, playing the hostile client) runs at the lowest
+CPU priority (`hostile_priority`): in a fleet the hostile caller's CPU is its own machine's,
+and on these 2 cores the test process building an 8 MiB body or trickling bytes would
+otherwise take the replica's CPU, which is no measure of the proxy. What the proxy does with
+the hostile calls still runs at full priority, and that is what the bound measures.
+`unharmed(during, calm)` is the issue's bound: no failure, every kind called, and each kind's
+p99 (the proxy's own answer GetStatus, a gRPC group, an HTTP completion) within 2x of the same
+callers' without the hostile client (`calm`). Latencies under `NOISE_FLOOR_S` count as the
+floor: on 2 shared cores a scheduler tick or a collection moves a few-millisecond call by more
+than its own length. Each case runs its bystanders for at least `MIN_RUN_S`, so a p99 is never
+one call's latency.
 
 Run as a script by `Bystanders` only: `bystanders.py GRPC_TARGET HTTP_URL|- OUT_JSON`.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
+import os
 import signal
 import subprocess
 import sys
 import threading
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -37,11 +42,18 @@ KINDS = ("grpc", "http", "status")
 """The calls made: a gRPC group, an HTTP completion (where the proxy serves its door), a GetStatus."""
 NOISE_FLOOR_S = 0.05
 """Below this a latency is the machine's noise, not the proxy's: a p99 is compared from here up."""
-FACTORS = {"status": 2.0, "grpc": 4.0, "http": 4.0}
-"""Each kind's p99 bound, as a multiple of the calm run's (see the module's docstring)."""
-GENERATION_FACTOR = FACTORS["grpc"]
+FACTORS = {"status": 2.0, "grpc": 2.0, "http": 2.0}
+"""Each kind's p99 bound, as a multiple of the calm run's (the issue's 2x)."""
+HOSTILE_NICE = 19
 MIN_RUN_S = 2.0
+MIN_CALLS = 100
+"""Each kind's p99 is taken over at least this many calls, so that it is the 99th of 100 (one
+outlier alone never decides it): a stopped run goes on until it has them, `MAX_EXTRA_S` at most."""
+MAX_EXTRA_S = 20.0
+CALLERS = {"grpc": 2, "http": 2, "status": 1}
+"""Concurrent callers of each kind (more calls in the same window, without stretching it)."""
 READY_TIMEOUT_S = 60
+STOP_TIMEOUT_S = 90
 
 
 @dataclass
@@ -66,18 +78,43 @@ class Record:
         return ", ".join(f"{k} p99 {self.p99(k) * 1000:.0f} ms of {len(self.latencies[k])}" for k in self.kinds)
 
 
-def unharmed(during: Record, calm: Record) -> None:
+def unharmed(during: Record, *calm: Record) -> None:
     """Assert the hostile case's collateral bound: 0 failed calls, and each kind's p99 within
-    FACTORS[kind] of the calm run's (both floored at NOISE_FLOOR_S)."""
+    FACTORS[kind] of the calm runs' (all floored at NOISE_FLOOR_S). With calm runs on both sides
+    of a long hostile run, the larger p99 is the baseline: a change in the machine's load between
+    them (the suite's other worker) is no effect of the hostile client."""
+    assert calm, "no calm run to compare with"
     assert during.failures == [], during.failures[:5]
-    for kind in calm.kinds:
+    for kind in calm[0].kinds:
         assert during.latencies.get(kind), f"no {kind} call finished beside the hostile client"
-        bound = FACTORS[kind] * max(calm.p99(kind), NOISE_FLOOR_S)
+        baseline = max(c.p99(kind) for c in calm)
+        bound = FACTORS[kind] * max(baseline, NOISE_FLOOR_S)
         assert during.p99(kind) <= bound, (
             f"{kind} p99 {during.p99(kind) * 1000:.0f} ms beside the hostile client, over {FACTORS[kind]:g}x the "
             "calm run's "
-            f"({during.summary()}; calm: {calm.summary()})"
+            f"({during.summary()}; calm: {'; '.join(c.summary() for c in calm)})"
         )
+
+
+@contextlib.contextmanager
+def hostile_priority() -> Iterator[None]:
+    """Run the calling thread (only: Linux sets a thread's nice value alone) at `HOSTILE_NICE`
+    for the block, then put its priority back. Threads and processes it starts inside inherit
+    the low priority; those started before (the bystanders, the fleet) keep theirs. Putting the
+    priority back needs CAP_SYS_NICE: where the tests do not run as root (CI here does), the
+    thread keeps its priority, since every process it started later would inherit the low one,
+    and the bound is then measured with the hostile client's CPU competing (stricter)."""
+    if os.geteuid() != 0:  # could not put it back: the hostile client keeps the usual priority
+        yield
+        return
+    thread = threading.get_native_id()
+    before = os.getpriority(os.PRIO_PROCESS, thread)
+    os.setpriority(os.PRIO_PROCESS, thread, HOSTILE_NICE)
+    try:
+        yield
+    finally:
+        with contextlib.suppress(PermissionError):
+            os.setpriority(os.PRIO_PROCESS, thread, before)
 
 
 class Bystanders:
@@ -89,6 +126,7 @@ class Bystanders:
         self.record = Record()
         self.proc: subprocess.Popen | None = None
         self.started = 0.0
+        self._priority = contextlib.ExitStack()
 
     def __enter__(self) -> Bystanders:
         http = self.proxy.http_url if self.proxy.http_port is not None else "-"
@@ -102,28 +140,31 @@ class Bystanders:
             self.proc.kill()
             raise AssertionError(f"the bystanders did not start within {READY_TIMEOUT_S} s: {line[:1]}")
         self.started = time.monotonic()
+        self._priority.enter_context(hostile_priority())
         return self
 
     def __exit__(self, *exc) -> None:
         self.stop()
 
     def stop(self) -> Record:
-        """End the run (once) and read its record."""
+        """End the run (once) and read its record; the calling thread gets its priority back
+        first, so what it starts next (a calm run's process) runs at the usual priority."""
+        self._priority.close()
         if self.proc is None or self.proc.returncode is not None:
             return self.record
         time.sleep(max(0.0, self.started + MIN_RUN_S - time.monotonic()))  # a length of run, not an event
         self.proc.send_signal(signal.SIGTERM)
         try:
-            self.proc.wait(60)
+            self.proc.wait(STOP_TIMEOUT_S)
         except subprocess.TimeoutExpired:
             self.proc.kill()
-            raise AssertionError("the bystanders did not stop within 60 s of SIGTERM") from None
+            raise AssertionError(f"the bystanders did not stop within {STOP_TIMEOUT_S} s of SIGTERM") from None
         body = json.loads(self.out.read_text())
         self.record = Record(body["latencies"], body["failures"])
         return self.record
 
 
-def calm_run(proxy, out: Path, seconds: float) -> Record:
+def calm_run(proxy, out: Path, seconds: float = MIN_RUN_S) -> Record:
     """The same callers for `seconds` with nothing hostile beside them."""
     with Bystanders(proxy, out) as calm:
         time.sleep(seconds)  # a length of run, not a wait for an event
@@ -146,32 +187,42 @@ def _main(target: str, http_url: str, out: str) -> None:
     record = Record({k: [] for k in kinds})
     first = {k: threading.Event() for k in kinds}
 
-    def loop(kind: str, call) -> None:
-        while not stop.is_set():
-            start = time.monotonic()
-            try:
-                call()
-            except Exception as exc:  # every failure is collateral: count it
-                record.failures.append(f"{kind}: {exc!r}"[:300])
-                continue
-            record.latencies[kind].append(time.monotonic() - start)
-            first[kind].set()
+    done_at: list[float] = []  # when a stop was asked: the run ends MAX_EXTRA_S after it at the latest
 
-    with grpc.insecure_channel(target) as channel, requests.Session() as session:
+    def finished(kind: str) -> bool:
+        if not stop.is_set():
+            return False
+        if not done_at:
+            done_at.append(time.monotonic() + MAX_EXTRA_S)
+        return len(record.latencies[kind]) >= MIN_CALLS or time.monotonic() > done_at[0]
+
+    def loop(kind: str) -> None:
+        with requests.Session() as session:
+            call = calls[kind] if kind != "http" else (lambda: http(session))
+            while not finished(kind):
+                start = time.monotonic()
+                try:
+                    call()
+                except Exception as exc:  # every failure is collateral: count it
+                    record.failures.append(f"{kind}: {exc!r}"[:300])
+                    continue
+                record.latencies[kind].append(time.monotonic() - start)
+                first[kind].set()
+
+    with grpc.insecure_channel(target) as channel:
         stub = generator_pb2_grpc.GeneratorServiceStub(channel)
         body = {"model": "tiny", "prompt": [5, 6, 7], "max_tokens": 3}
 
-        def http() -> None:
+        def http(session) -> None:
             r = session.post(http_url + "/v1/completions", json=body, timeout=20)
             if r.status_code != 200:
                 raise RuntimeError(f"http {r.status_code}: {r.text[:200]}")
 
         calls = {
             "grpc": lambda: run_group(stub, request("1+2=", n=1, max_new_tokens=3), timeout=20),
-            "http": http,
             "status": lambda: stub.GetStatus(pb.GetStatusRequest(), timeout=20),
         }
-        threads = [threading.Thread(target=loop, args=(k, calls[k]), daemon=True) for k in kinds]
+        threads = [threading.Thread(target=loop, args=(k,), daemon=True) for k in kinds for _ in range(CALLERS[k])]
         for t in threads:
             t.start()
         deadline = time.monotonic() + READY_TIMEOUT_S
@@ -179,9 +230,13 @@ def _main(target: str, http_url: str, out: str) -> None:
             first["status"].wait(0.1)
         waiting = [k for k in kinds if not first[k].is_set()]
         print(f"not ready: {waiting} {record.failures[:3]}" if waiting else "ready", flush=True)
-        stop.wait()
+        # Waited with a timeout: Python runs a signal's handler only in the main thread, and a
+        # SIGTERM that the kernel hands to one of the calling threads would never wake a wait
+        # without one (seen: a run that did not stop within 60 s).
+        while not stop.wait(0.1):
+            pass
         for t in threads:
-            t.join(30)
+            t.join(MAX_EXTRA_S + 30)
     Path(out).write_text(json.dumps({"latencies": record.latencies, "failures": record.failures}))
 
 
