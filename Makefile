@@ -111,7 +111,8 @@ test-e2e: install system-deps $(VLLM_STAMP)
 # writes a data file of its own, merged here. The line coverage of server/, client/ and learner/ is
 # printed, in all and per package, and the whole table written to coverage.txt (htmlcov/ has the
 # lines). A failing test fails the target, after the report. Slower than `make test` (docs/testing.md).
-coverage: install system-deps $(VLLM_STAMP)
+# $(BUF) installs .tools' npm packages, whose grpc-js the Node.js client tests use (make test's lint does).
+coverage: install system-deps $(VLLM_STAMP) $(BUF)
 	rm -f .coverage .coverage.*
 	$(BIN)/coverage run --rcfile=.coveragerc -m pytest -q $(PARALLEL) --durations=25 tests/unit tests/integration tests/e2e; \
 	  status=$$?; \
