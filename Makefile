@@ -9,7 +9,7 @@ PROTOS := $(wildcard proto/rollwire/v1/*.proto)
 VLLM_VENV  := .venv-vllm
 VLLM_STAMP := $(VLLM_VENV)/.installed
 
-.PHONY: help install system-deps .venv-vllm test suite lint-quiet test-fast test-integration test-e2e lint breaking proto demo demo-trl demo-agent bench clean
+.PHONY: help install system-deps .venv-vllm test suite lint-quiet test-fast test-integration test-e2e coverage lint breaking proto demo demo-trl demo-agent bench clean
 
 help:
 	@echo "make demo     teach the tiny model, run a replica + proxy + learner, watch GRPO learn"
@@ -20,6 +20,7 @@ help:
 	@echo "make test-fast  tests/unit only (no processes, no sockets): the inner loop, under 60 s"
 	@echo "make test-integration  tests/integration: real processes, one room's behaviour at a time"
 	@echo "make test-e2e  tests/e2e: the demos, TRL, vLLM-backed replicas, teaching runs"
+	@echo "make coverage  the whole suite under coverage.py, every process measured: line coverage of server/ client/ learner/"
 	@echo "make install  create .venv (CPU torch first, then rollwire with pinned dependencies)"
 	@echo "make .venv-vllm  create .venv-vllm: vLLM's CPU build (pinned) for the vllm engine's tests, ~2 min"
 	@echo "make proto    regenerate the Python stubs from proto/"
@@ -104,6 +105,25 @@ test-integration: install system-deps
 
 test-e2e: install system-deps $(VLLM_STAMP)
 	$(BIN)/python -m pytest -q $(PARALLEL) --durations=25 tests/e2e
+
+# The whole suite under coverage.py (.coveragerc): every process it starts measures itself (xdist
+# workers, the zygote's forked replicas, learners and proxies, spawned servers and CLI runs) and
+# writes a data file of its own, merged here. The line coverage of server/, client/ and learner/ is
+# printed, in all and per package, and the whole table written to coverage.txt (htmlcov/ has the
+# lines). A failing test fails the target, after the report. Slower than `make test` (docs/testing.md).
+# $(BUF) installs .tools' npm packages, whose grpc-js the Node.js client tests use (make test's lint does).
+coverage: install system-deps $(VLLM_STAMP) $(BUF)
+	rm -f .coverage .coverage.*
+	$(BIN)/coverage run --rcfile=.coveragerc -m pytest -q $(PARALLEL) --durations=25 tests/unit tests/integration tests/e2e; \
+	  status=$$?; \
+	  $(BIN)/coverage combine --rcfile=.coveragerc -q && \
+	  $(BIN)/coverage report --rcfile=.coveragerc > coverage.txt && \
+	  $(BIN)/coverage html --rcfile=.coveragerc -q && \
+	  for p in server client learner; do \
+	    printf "coverage %-8s %s%%\n" $$p "$$($(BIN)/coverage report --rcfile=.coveragerc --include="$$p/*" --format=total --precision=1)"; \
+	  done && \
+	  printf "coverage %-8s %s%%  (coverage.txt, htmlcov/index.html)\n" all "$$($(BIN)/coverage report --rcfile=.coveragerc --format=total --precision=1)"; \
+	  exit $$status
 
 proto: install
 	$(BIN)/python -m grpc_tools.protoc -Iproto --python_out=client --pyi_out=client --grpc_python_out=client $(PROTOS)

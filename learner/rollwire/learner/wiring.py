@@ -7,6 +7,11 @@ Invariants checked before anything trains:
 - the first version this run publishes is above the checkpoint's and every version the
   target or its replicas hold (checkpoint.next_version), so a replica never sees a version
   number reused for other weights.
+
+`open_session` takes the target's client, so that the learner's own logic (resume, the loop's
+accounting) is tested in this process against a fake of the calls it makes (get_status,
+generate, push_adapter, score, close: tests/support/fake_target.py); over real sockets it is
+tested with real processes (tests/integration/learner/).
 """
 
 from __future__ import annotations
@@ -134,8 +139,9 @@ def _signing_key(cfg: LearnerConfig) -> SigningKey | None:
         raise LearnerError(f"signing_key_file: {exc}") from None
 
 
-async def open_session(cfg: LearnerConfig, resume: bool) -> Session:
-    """Build every part of the run; raises LearnerError when it cannot start as configured."""
+async def open_session(cfg: LearnerConfig, resume: bool, client: AsyncClient | None = None) -> Session:
+    """Build every part of the run; raises LearnerError when it cannot start as configured.
+    `client`: the target (None dials cfg.target); in-process tests give a fake of its calls."""
     signing_key = _signing_key(cfg)  # a bad key file fails before any work
     run_dir, checkpoint_dir, saved = _open_run_dir(cfg, resume)
     metrics = LearnerMetrics()
@@ -144,7 +150,7 @@ async def open_session(cfg: LearnerConfig, resume: bool) -> Session:
     buffer = Buffer(cfg.buffer.max_staleness, cfg.buffer.keep_zero_variance, ledger)
     train, held = load_task(cfg)
     stream = DataStream(train, cfg.seed)
-    client = make_client(cfg)
+    client = client if client is not None else make_client(cfg)
     fingerprint, remote = await _check_base_model(cfg, client)
     trainer = await asyncio.to_thread(
         Trainer,

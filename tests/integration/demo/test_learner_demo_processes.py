@@ -1,38 +1,16 @@
-"""The demo's placement with real processes: vLLM-backed replicas launch vLLM from its own
-environment, and a started process and the threads it starts later run on the given cores."""
+"""The demo's placement with real processes: a started process and the threads it starts later
+run on the given cores. The flags a vLLM-backed replica gets (its --dry-run, in-process):
+tests/unit/demo/test_learner_demo.py."""
 
 from __future__ import annotations
 
 import os
 import subprocess
 import sys
-import tomllib
 
 import pytest
 
 pytestmark = pytest.mark.integration  # starts processes or servers: not in make test-fast
-
-
-def test_vllm_backed_replicas_launch_vllm_from_its_own_environment(tmp_path):
-    """`make demo ENGINE=vllm`: the flags the demo gives a replica resolve to a vLLM launched
-    from .venv-vllm with the CPU settings (the generator's own --dry-run)."""
-    from rollwire.demo.run import engine_args, parse_args
-    from rollwire.demo.stack import VLLM_CPU_ENV, generator_args, rollwire_cmd
-
-    python = tmp_path / "venv" / "bin" / "python"
-    with pytest.raises(SystemExit, match="make .venv-vllm"):
-        engine_args(parse_args(["--engine", "vllm", "--vllm-python", str(python)]))
-    python.parent.mkdir(parents=True)
-    python.symlink_to(sys.executable)  # a venv's python: a link that must not be resolved away
-    flags, timeout = engine_args(parse_args(["--engine", "vllm", "--vllm-python", str(python)]))
-    assert timeout >= 300 and engine_args(parse_args([])) == ((), 120.0)
-    dry = subprocess.run(
-        rollwire_cmd(*generator_args(tmp_path, *flags), "--dry-run"), capture_output=True, text=True, check=True
-    ).stdout
-    config = tomllib.loads(dry)
-    assert config["engine"] == "vllm" and config["vllm"]["dtype"] == "float32"
-    assert config["vllm"]["launch_command"] == [str(python), "-m", "vllm.entrypoints.openai.api_server"]
-    assert config["vllm"]["env"] == VLLM_CPU_ENV
 
 
 @pytest.mark.skipif(not hasattr(os, "sched_setaffinity"), reason="CPU affinity is Linux-only")

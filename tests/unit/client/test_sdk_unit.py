@@ -677,6 +677,14 @@ def test_request_refused_by_the_sdk_exits_2(capsys):
     assert capsys.readouterr().err.startswith("error: INVALID_ARGUMENT: top_p")
 
 
+def test_an_unreadable_ca_file_or_prompt_ids_that_are_not_numbers_exit_2_naming_them(tmp_path, capsys):
+    missing = tmp_path / "ca.pem"
+    assert cli.main(["status", "--target", "127.0.0.1:1", "--tls-ca", str(missing)]) == 2
+    assert capsys.readouterr().err == f"error: cannot read {missing}: No such file or directory\n"
+    assert cli.main(["generate", "--target", "127.0.0.1:1", "--token-ids", "5, 6 x"]) == 2
+    assert "PROMPT must be whole numbers" in capsys.readouterr().err
+
+
 def test_empty_token_file_exits_2(tmp_path, capsys):
     token = tmp_path / "token"
     token.write_text("\n")

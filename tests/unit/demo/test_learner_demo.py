@@ -1,12 +1,15 @@
-"""The demo's pieces that need no processes: run folders, the PNG, summary.json, the table and
-the placement of processes on cores. Processes placed for real:
-tests/integration/demo/test_learner_demo_processes.py."""
+"""The demo's pieces that need no processes: run folders, the PNG, summary.json, the table, the
+placement of processes on cores, and the flags a vLLM-backed replica gets (read back through
+the generator's own --dry-run, in this process). Processes placed for real:
+tests/integration/demo/test_learner_demo_processes.py; replicas launching vLLM from .venv-vllm
+for real: tests/e2e/test_vllm_engine.py."""
 
 from __future__ import annotations
 
 import json
 import struct
 import sys
+import tomllib
 from types import SimpleNamespace
 
 import pytest
@@ -133,3 +136,25 @@ def test_the_learner_gets_a_core_of_its_own_only_when_the_processes_outnumber_th
     placement = local_placement(replicas, cores)
     assert placement.learner == learner
     assert placement.replicas == placement.proxy == serving
+
+
+def test_vllm_backed_replicas_launch_vllm_from_its_own_environment(tmp_path, capsys):
+    """`make demo ENGINE=vllm`: the flags the demo gives a replica resolve to a vLLM launched
+    from .venv-vllm with the CPU settings (the generator's own --dry-run)."""
+    from rollwire.client import cli
+    from rollwire.demo.run import engine_args, parse_args
+    from rollwire.demo.stack import VLLM_CPU_ENV, generator_args
+
+    python = tmp_path / "venv" / "bin" / "python"
+    with pytest.raises(SystemExit, match="make .venv-vllm"):
+        engine_args(parse_args(["--engine", "vllm", "--vllm-python", str(python)]))
+    python.parent.mkdir(parents=True)
+    python.symlink_to(sys.executable)  # a venv's python: a link that must not be resolved away
+    flags, timeout = engine_args(parse_args(["--engine", "vllm", "--vllm-python", str(python)]))
+    assert timeout >= 300 and engine_args(parse_args([])) == ((), 120.0)
+    capsys.readouterr()  # only the dry run's TOML is read below
+    assert cli.main([*generator_args(tmp_path, *flags), "--dry-run"]) == 0
+    config = tomllib.loads(capsys.readouterr().out)
+    assert config["engine"] == "vllm" and config["vllm"]["dtype"] == "float32"
+    assert config["vllm"]["launch_command"] == [str(python), "-m", "vllm.entrypoints.openai.api_server"]
+    assert config["vllm"]["env"] == VLLM_CPU_ENV

@@ -1,13 +1,17 @@
-"""The learner's typed config: files, overrides, errors that name keys. `--dry-run` through the
-command line: tests/integration/learner/test_learner_config_cli.py."""
+"""The learner's typed config: files, overrides, errors that name keys, and `rollwire learner
+--dry-run` (the command line's own main, in this process). The command in a fresh interpreter:
+tests/integration/client/test_registries_cli.py (`learner --help` without torch) and every
+learner that tests/integration/learner/ starts."""
 
 from __future__ import annotations
 
+import tomllib
 from pathlib import Path
 
 import pytest
 import yaml
 
+from rollwire.client import cli
 from rollwire.learner.config import LearnerConfig
 from rollwire.runtime.config import ConfigError, dump_config, load_config
 
@@ -79,3 +83,15 @@ def test_the_kubernetes_learner_config_is_valid(tmp_path):
 def test_dump_round_trips_defaults():
     cfg = load_learner_config(None, ["base_model=/m"])
     assert "max_staleness = 1" in dump_config(cfg)
+
+
+def test_dry_run_prints_toml_that_reads_back(tmp_path, capsys):
+    argv = ["learner", "--dry-run", "base_model=/m", "train.lr=0.003", "--set", "rollout.n=4"]
+    assert cli.main(argv) == 0
+    out = capsys.readouterr().out
+    assert "lr = 0.003" in out and [r["kind"] for r in tomllib.loads(out)["rewards"]] == ["exact_match"]
+    path = tmp_path / "resolved.toml"
+    path.write_text(out)
+    assert load_learner_config(str(path)) == load_learner_config(
+        None, ["base_model=/m", "train.lr=0.003", "rollout.n=4"]
+    )

@@ -118,3 +118,13 @@ def test_every_secret_file_is_read_by_one_rule(tmp_path):
     with pytest.raises(SystemExit, match="is empty; a fleet key needs at least 16 bytes"):
         read_member_key(str(empty), "auth.member_key_file")
     assert read_member_key(str(binary), "auth.member_key_file") == binary.read_bytes().strip()  # a fleet key is bytes
+
+
+def test_a_server_whose_tls_file_cannot_be_read_exits_naming_it(tmp_path):
+    """Before any port is added: the server is never touched (here it is not even one)."""
+    from rollwire.runtime.security import TlsSection, add_port
+
+    (tmp_path / "server.key").write_text("key")
+    tls = TlsSection(cert_file=str(tmp_path / "server.pem"), key_file=str(tmp_path / "server.key"))
+    with pytest.raises(SystemExit, match=f"cannot read TLS file {tmp_path / 'server.pem'}: No such file"):
+        add_port(None, "127.0.0.1:0", tls)  # type: ignore[arg-type]
