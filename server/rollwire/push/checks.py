@@ -33,6 +33,7 @@ from rollwire.common.safetensors_header import (
     nonfinite_tensor,
     read_entries,
 )
+from rollwire.push.buffers import Payload, as_bytes
 
 PEFT_PREFIX = "base_model.model."
 ALL_LINEAR = "all-linear"
@@ -151,12 +152,12 @@ class PayloadInspector:
         need = 8 + header_length(self.prefix)
         return len(self.prefix) >= need or need > min(self.manifest.byte_length, 8 + MAX_HEADER_BYTES)
 
-    def finish(self, payload: bytes | list[bytes]) -> None:
+    def finish(self, payload: Payload | list[bytes]) -> None:
         """After the last chunk, with the payload (or its chunks): raises the first failure;
         checks what could not be checked in pieces (a payload too short for its header,
         overlapping tensors: only hostile payloads, so joining chunks there costs nothing real)."""
         if self.error is None and (self.scanner is None or self.scanner.needs_full_scan):
-            whole = payload if isinstance(payload, bytes) else b"".join(payload)
+            whole = b"".join(payload) if isinstance(payload, list) else as_bytes(payload)
             tensors = check_header(self.manifest, whole, self.base_shapes)  # raises if the header never completed
             bad = nonfinite_tensor(whole, tensors, 8 + header_length(whole))
             if bad is not None:

@@ -26,6 +26,7 @@ from pathlib import Path
 from rollwire.common.errors import DeadlineExceeded, InvalidArgument
 from rollwire.common.reasons import Reason
 from rollwire.common.writer import MAX_CHUNK, stripe_layout
+from rollwire.push.buffers import Payload
 from rollwire.push.bulk import BulkListener, BulkSource
 from rollwire.push.sink import Inspector, Sink, verdict
 from rollwire.v1 import generator_pb2 as pb
@@ -169,7 +170,8 @@ class PushReader:
         payload's content, run on the worker as it arrives (a failure ends the upload)."""
         assert self._stream is not None and self.manifest is not None, "open() first"
         declared = self.manifest.byte_length
-        self._sink = Sink(declared, store, self.backlog_bytes, inspector, self.keep_chunks)
+        in_place = self._bulk.take_buffer if self._bulk is not None and not self.keep_chunks else None
+        self._sink = Sink(declared, store, self.backlog_bytes, inspector, self.keep_chunks, in_place)
         async for chunk in self._chunks(declared):
             self.received += len(chunk)
             if self.received > declared:
@@ -212,13 +214,14 @@ class PushReader:
                 reason=Reason.LENGTH_MISMATCH,
             )
 
-    async def finish(self, sync: bool = True) -> bytes:
+    async def finish(self, sync: bool = True) -> Payload:
         """The payload once the stream ended: length, digest, then the inspector's checks;
         the store is flushed (and fsynced unless `sync` is false: then the caller syncs it
-        before relying on it, e.g. off the critical path)."""
+        before relying on it, e.g. off the critical path). Over the bulk path it is the buffer
+        its bytes were received into (`BulkSource.buffer`), else `bytes`."""
         assert not self.keep_chunks, "finish_chunks() keeps the chunks"
         payload = await self._finish(sync)
-        assert isinstance(payload, bytes)
+        assert not isinstance(payload, list)
         return payload
 
     async def finish_chunks(self, sync: bool = True) -> list[bytes]:
@@ -228,7 +231,7 @@ class PushReader:
         assert isinstance(payload, list)
         return payload
 
-    async def _finish(self, sync: bool) -> bytes | list[bytes]:
+    async def _finish(self, sync: bool) -> Payload | list[bytes]:
         assert self.manifest is not None and self._sink is not None, "chunks() first"
         m = self.manifest
         if self.received != m.byte_length:

@@ -6,8 +6,8 @@ Invariants:
   push, in payload order, never on the event loop;
 - `absorb` waits while the worker is more than `backlog_bytes` behind, so memory stays
   bounded when the disk is slow;
-- a host holds the payload once: one buffer (or the chunks as received), and a file when
-  asked; a file that cannot be written ends the upload with RESOURCE_EXHAUSTED (DISK_FULL)
+- a host holds the payload once: one buffer (or the chunks as received, or the bulk path's
+  buffer they were received into: `in_place`), and a file when asked; a file that cannot be written ends the upload with RESOURCE_EXHAUSTED (DISK_FULL)
   when its disk is full, else UNAVAILABLE (STORE_FAILED) (durable.storage_error);
 - `verdict` checks the digest before the inspector's refusal, and only then hands the
   payload out.
@@ -20,12 +20,14 @@ import hashlib
 import io
 import os
 from collections import deque
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Protocol
 
 from rollwire.common.errors import InvalidArgument, RollwireError
 from rollwire.common.reasons import Reason
+from rollwire.push.buffers import Payload
 from rollwire.runtime.durable import storage_error
 from rollwire.v1 import generator_pb2 as pb
 
@@ -41,7 +43,7 @@ class Inspector(Protocol):
     def feed(self, chunk: bytes) -> None:
         """The next chunk, in order; called on the reader's worker thread."""
 
-    def finish(self, payload: bytes | list[bytes]) -> None:
+    def finish(self, payload: Payload | list[bytes]) -> None:
         """After the last chunk, with the whole payload (or its chunks); raises the first failure."""
 
 
@@ -53,13 +55,22 @@ class Sink:
     `backlog_bytes` behind, so memory stays bounded when the disk is slow."""
 
     def __init__(
-        self, size: int, store: Path | None, backlog_bytes: int, inspector: Inspector | None, keep_chunks: bool
+        self,
+        size: int,
+        store: Path | None,
+        backlog_bytes: int,
+        inspector: Inspector | None,
+        keep_chunks: bool,
+        in_place: Callable[[], Payload] | None = None,
     ) -> None:
+        """`in_place`: the chunks are views of one buffer that holds the payload already (the bulk
+        path's, `BulkSource.buffer`): nothing is copied, and the payload is that buffer."""
         self.size, self.backlog, self.inspector = size, backlog_bytes, inspector
         self.digest = hashlib.sha256()
+        self.in_place = in_place
         # BytesIO grows in place and getvalue() hands over its buffer without a copy, so the
         # payload costs its size once, not twice as a list of chunks plus their join would.
-        self.buffer: io.BytesIO | None = None if keep_chunks else io.BytesIO()
+        self.buffer: io.BytesIO | None = None if keep_chunks or in_place else io.BytesIO()
         self.kept: list[bytes] | None = [] if keep_chunks else None
         self.store = store
         try:
@@ -120,16 +131,18 @@ class Sink:
         if self.inspector is not None and self.inspector.error is not None:
             raise self.inspector.error
 
-    def _seal(self, sync: bool) -> tuple[str, bytes | list[bytes], RollwireError | None]:
+    def _seal(self, sync: bool) -> tuple[str, Payload | list[bytes], RollwireError | None]:
         if self.file is not None:
             self.file.flush()
             if sync:
                 os.fsync(self.file.fileno())
             self.file.close()
             self.file = None
-        payload: bytes | list[bytes]
+        payload: Payload | list[bytes]
         if self.buffer is not None:
             payload, self.buffer = self.buffer.getvalue(), None
+        elif self.in_place is not None:
+            payload, self.in_place = self.in_place(), None
         else:
             assert self.kept is not None
             payload, self.kept = self.kept, None
@@ -141,7 +154,7 @@ class Sink:
                 refusal = exc
         return self.digest.hexdigest(), payload, refusal
 
-    async def finish(self, sync: bool) -> tuple[str, bytes | list[bytes], RollwireError | None]:
+    async def finish(self, sync: bool) -> tuple[str, Payload | list[bytes], RollwireError | None]:
         self._submit()
         while self.inflight:
             await self._settle_oldest()
@@ -162,10 +175,10 @@ class Sink:
         if file is not None:
             self.pool.submit(file.close)  # after any write still running: FIFO, one worker
         self.pool.shutdown(wait=False, cancel_futures=False)
-        self.buffer = self.kept = None
+        self.buffer = self.kept = self.in_place = None
 
 
-async def verdict(m: pb.AdapterManifest, sink: Sink, sync: bool) -> bytes | list[bytes]:
+async def verdict(m: pb.AdapterManifest, sink: Sink, sync: bool) -> Payload | list[bytes]:
     """The payload of a sink that took every byte: digest, then the inspector's checks."""
     digest, payload, refusal = await sink.finish(sync)
     if digest != m.sha256:

@@ -218,7 +218,7 @@ class HostilePeer(generator_pb2_grpc.GeneratorServiceServicer):
         async for j, chunk in source:
             if not flipped and j == 0:
                 at = 8 + struct.unpack("<Q", chunk[:8])[0]  # the first tensor's first (lowest) byte
-                chunk = chunk[:at] + bytes([chunk[at] ^ 1]) + chunk[at + 1 :]
+                chunk = bytes(chunk[:at]) + bytes([chunk[at] ^ 1]) + bytes(chunk[at + 1 :])
                 flipped = True
             await forward.send(chunk)
         forward.end()
