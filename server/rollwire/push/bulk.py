@@ -267,21 +267,48 @@ class BulkSource:
         size, future = self._ahead.popleft()
         try:
             piece = await asyncio.wrap_future(future)
-        except TimeoutError:
-            raise DeadlineExceeded(
+        except (TimeoutError, EOFError, OSError) as exc:
+            raise self.failure(exc, total) from None
+        self.received += size
+        return piece
+
+    def run(self, sizes: Sequence[int], total: int, on_piece: Callable[[memoryview], None]) -> None:
+        """On the reading thread (blocking): every piece read into its place in `buffer`, then
+        `on_piece(view)` before the next is read (hash, checks, forwarding: no hand-off per
+        piece). Raises what `failure` maps, or what `on_piece` raises; `close` ends it."""
+        self._allocate(total)
+        offset = 0
+        for size in sizes:
+            on_piece(self._read(offset, size))
+            offset += size
+            self.received += size
+
+    def failure(self, exc: BaseException, total: int) -> BaseException:
+        """A read's failure as the push's error: a stall (the idle deadline), or a truncated upload."""
+        if isinstance(exc, TimeoutError):
+            return DeadlineExceeded(
                 f"the push's bulk connection sent nothing for {self.idle_s:g} s, so the receiver cancelled it; "
                 "push again",
                 reason=Reason.PUSH_IDLE,
-            ) from None
-        except (EOFError, OSError) as exc:
+            )
+        if isinstance(exc, (EOFError, OSError)):
             got = self.received + (exc.args[0] if isinstance(exc, EOFError) else 0)
-            raise InvalidArgument(
+            return InvalidArgument(
                 f"the push's bulk connection ended after {got} of the {total} bytes expected "
                 f"({type(exc).__name__}); the upload was truncated",
                 reason=Reason.LENGTH_MISMATCH,
-            ) from None
-        self.received += size
-        return piece
+            )
+        return exc
+
+    async def read_all(self, sizes: Sequence[int], total: int, on_piece: Callable[[memoryview], None]) -> None:
+        """`run` on the reading thread, its failure raised here (a cancellation closes the connection)."""
+        try:
+            await asyncio.wrap_future(self._pool.submit(self.run, sizes, total, on_piece))
+        except (TimeoutError, EOFError, OSError) as exc:
+            raise self.failure(exc, total) from None
+        except asyncio.CancelledError:
+            self.close()  # a blocked read ends at once
+            raise
 
     def close(self) -> None:
         """Stop reading (a blocked read ends at once) and give the connection's slot back; idempotent."""

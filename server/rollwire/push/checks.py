@@ -122,7 +122,7 @@ class PayloadInspector:
         self.scanner: StreamingFinite | None = None
         self.error: RollwireError | None = None
 
-    def feed(self, chunk: bytes) -> None:
+    def feed(self, chunk: bytes | memoryview) -> None:
         if self.error is not None:
             return
         try:

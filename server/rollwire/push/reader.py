@@ -22,6 +22,7 @@ import asyncio
 from collections.abc import AsyncIterable, AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from rollwire.common.errors import DeadlineExceeded, InvalidArgument
 from rollwire.common.reasons import Reason
@@ -29,6 +30,9 @@ from rollwire.common.writer import MAX_CHUNK, stripe_layout
 from rollwire.push.buffers import Payload
 from rollwire.push.bulk import BulkListener, BulkSource
 from rollwire.push.sink import Inspector, Sink, verdict
+
+if TYPE_CHECKING:
+    from rollwire.push.forward import Forwarder
 from rollwire.v1 import generator_pb2 as pb
 
 
@@ -123,9 +127,14 @@ class PushReader:
 
     async def _pieces(self, sizes: list[int]) -> AsyncIterator[bytes]:
         """The bulk path's pieces of `sizes`, then the stream's end (a chunk there is one too many)."""
-        assert self._bulk is not None and self._tail is not None and self.manifest is not None
+        assert self._bulk is not None
         async for piece in self._bulk.pieces(sizes, sum(sizes)):
-            yield piece  # pyright: ignore[reportReturnType]  # a bytearray: hashed, kept and sent as bytes are
+            yield piece  # pyright: ignore[reportReturnType]  # a view: hashed, kept and sent as bytes are
+        await self._stream_end()
+
+    async def _stream_end(self) -> None:
+        """After the bulk bytes: the stream must end (within `idle_s`) with no chunk."""
+        assert self._bulk is not None and self._tail is not None and self.manifest is not None
         self._bulk.close()  # every byte is in: the sender may close now
         try:
             async with asyncio.timeout(self.idle_s):
@@ -142,6 +151,40 @@ class PushReader:
             "after the bulk connection's bytes",
             reason=Reason.LENGTH_MISMATCH,
         )
+
+    async def take(self, inspector: Inspector, forward: Forwarder | None, count: Callable[[int], None]) -> None:
+        """A plain push's every byte received, checked and forwarded to `forward`'s children
+        (then `finish`); `count(n)` as bytes arrive. Over gRPC chunks: `chunks`, each sent on
+        from the event loop. Over the bulk path: one reading thread receives each piece into the
+        payload's buffer, hashes and inspects it, and sends it to every child whose bulk lane is
+        up (`Forwarder.direct`), before it reads the next; the event loop hears only of the end
+        (or a failure), and of a piece only for a child that fell back to gRPC chunks."""
+        if self._bulk is None or self.keep_chunks:
+            async for chunk in self.chunks(inspector=inspector):
+                count(len(chunk))
+                if forward is not None:
+                    await forward.send(chunk)
+            return
+        assert self.manifest is not None
+        declared, loop = self.manifest.byte_length, asyncio.get_running_loop()
+        sink = self._sink = Sink(declared, None, self.backlog_bytes, inspector, False, self._bulk.take_buffer)
+        lanes = await forward.direct(self._bulk.idle_s) if forward is not None else []
+        chunked = forward is not None and len(lanes) < len(forward.links)
+
+        def on_piece(piece: memoryview) -> None:
+            sink.write([piece])
+            sink.raise_inspection()  # refused bytes go no further
+            count(len(piece))
+            for link in lanes:
+                link.feed(piece)
+            if chunked:
+                assert forward is not None
+                asyncio.run_coroutine_threadsafe(forward.send(piece), loop).result(self.idle_s)  # pyright: ignore[reportArgumentType]
+
+        sizes = [min(MAX_CHUNK, declared - start) for start in range(0, declared, MAX_CHUNK)]
+        await self._bulk.read_all(sizes, declared, on_piece)
+        self.received = declared
+        await self._stream_end()
 
     async def open(self) -> Opening:
         self._raw = aiter(self.messages)

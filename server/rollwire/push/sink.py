@@ -40,7 +40,7 @@ class Inspector(Protocol):
     error: RollwireError | None
     """The first failure seen so far, if any."""
 
-    def feed(self, chunk: bytes) -> None:
+    def feed(self, chunk: bytes | memoryview) -> None:
         """The next chunk, in order; called on the reader's worker thread."""
 
     def finish(self, payload: Payload | list[bytes]) -> None:
@@ -99,7 +99,7 @@ class Sink:
             return
         batch, size = self.pending, self.pending_bytes
         self.pending, self.pending_bytes = [], 0
-        future = asyncio.get_running_loop().run_in_executor(self.pool, self._write, batch)
+        future = asyncio.get_running_loop().run_in_executor(self.pool, self.write, batch)
         self.inflight.append((future, size))
         self.inflight_bytes += size
 
@@ -117,7 +117,9 @@ class Sink:
         where = f"the upload's file {self.store}" if self.store is not None else "the upload's buffer"
         return storage_error(exc, where)
 
-    def _write(self, batch: list[bytes]) -> None:
+    def write(self, batch: list[bytes] | list[memoryview]) -> None:
+        """The worker's work on `batch`, in order: hash, keep, store, inspect. Runs on one thread
+        at a time: the sink's worker, or (the bulk path's `PushReader.take`) the reading thread."""
         for chunk in batch:
             self.digest.update(chunk)
             if self.buffer is not None:
