@@ -24,6 +24,7 @@ from collections.abc import Callable
 from rollwire.common.errors import FailedPrecondition, InvalidArgument, ResourceExhausted, RollwireError
 from rollwire.common.reasons import Reason
 from rollwire.common.writer import MAX_CHUNK, MAX_STRIPES, MIN_STRIPE_CHUNK
+from rollwire.push.digests import Digests
 from rollwire.push.sink import Inspector, Sink, verdict
 from rollwire.runtime.logs import get_logger
 from rollwire.v1 import generator_pb2 as pb
@@ -61,7 +62,7 @@ class Assembly:
     def __init__(self, manifest: pb.AdapterManifest, stripe: pb.Stripe, inspector: Inspector | None) -> None:
         self.manifest = manifest
         self.count, self.chunk_bytes = stripe.count, stripe.chunk_bytes
-        self.sink = Sink(manifest.byte_length, None, 8 * MAX_CHUNK, inspector, keep_chunks=False)
+        self.sink = Sink(manifest.byte_length, None, 8 * MAX_CHUNK, inspector, False, digests=Digests(manifest))
         self.ahead: dict[int, bytes] = {}
         self.next = 0
         self.feeding = asyncio.Lock()

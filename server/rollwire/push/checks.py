@@ -21,6 +21,8 @@ from __future__ import annotations
 import asyncio
 import hashlib
 
+from blake3 import blake3
+
 from rollwire.common.errors import InvalidArgument, RollwireError
 from rollwire.common.lora import LoraShape
 from rollwire.common.manifest import Manifest
@@ -57,12 +59,14 @@ def check_payload(m: Manifest, payload: bytes, base_shapes: dict[str, tuple[int,
             "the upload was truncated or the manifest is wrong",
             reason=Reason.LENGTH_MISMATCH,
         )
-    digest = hashlib.sha256(payload).hexdigest()
-    if digest != m.sha256:
-        raise InvalidArgument(
-            f"payload sha256 is {digest} but the manifest declared {m.sha256}; the bytes were corrupted or the manifest is stale",
-            reason=Reason.DIGEST_MISMATCH,
-        )
+    for name, want, digest in (("sha256", m.sha256, hashlib.sha256), ("blake3", m.blake3, blake3)):
+        got = digest(payload).hexdigest() if want else want  # at rest: both, when the manifest has both
+        if got != want:
+            raise InvalidArgument(
+                f"payload {name} is {got} but the manifest declared {want}; the bytes were corrupted or the manifest "
+                "is stale",
+                reason=Reason.DIGEST_MISMATCH,
+            )
     check_tensors(m, payload, base_shapes)
 
 

@@ -29,6 +29,7 @@ from rollwire.common.reasons import Reason
 from rollwire.common.writer import MAX_CHUNK, stripe_layout
 from rollwire.push.buffers import Payload
 from rollwire.push.bulk import BulkListener, BulkSource
+from rollwire.push.digests import Digests
 from rollwire.push.sink import Inspector, Sink, verdict
 
 if TYPE_CHECKING:
@@ -85,6 +86,8 @@ class PushReader:
     backlog_bytes: int = 8 * MAX_CHUNK
     received: int = 0
     manifest: pb.AdapterManifest | None = None
+    both_digests: bool = False
+    """Verify the sha256 beside a manifest's BLAKE3 (a proxy taking a client's upload: push.digests)."""
     path: str = "grpc"
     """How the bytes came: "grpc" (chunks on the stream) or "bulk" (`agree`)."""
     _raw: AsyncIterator | None = field(default=None, repr=False)
@@ -167,7 +170,10 @@ class PushReader:
             return
         assert self.manifest is not None
         declared, loop = self.manifest.byte_length, asyncio.get_running_loop()
-        sink = self._sink = Sink(declared, None, self.backlog_bytes, inspector, False, self._bulk.take_buffer)
+        digests = Digests(self.manifest, both=self.both_digests)
+        sink = self._sink = Sink(
+            declared, None, self.backlog_bytes, inspector, False, self._bulk.take_buffer, digests=digests
+        )
         lanes = await forward.direct(self._bulk.idle_s) if forward is not None else []
         chunked = forward is not None and len(lanes) < len(forward.links)
 
@@ -214,7 +220,8 @@ class PushReader:
         assert self._stream is not None and self.manifest is not None, "open() first"
         declared = self.manifest.byte_length
         in_place = self._bulk.take_buffer if self._bulk is not None and not self.keep_chunks else None
-        self._sink = Sink(declared, store, self.backlog_bytes, inspector, self.keep_chunks, in_place)
+        digests = Digests(self.manifest, both=self.both_digests)
+        self._sink = Sink(declared, store, self.backlog_bytes, inspector, self.keep_chunks, in_place, digests=digests)
         async for chunk in self._chunks(declared):
             self.received += len(chunk)
             if self.received > declared:

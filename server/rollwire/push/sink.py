@@ -16,7 +16,6 @@ Invariants:
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import io
 import os
 from collections import deque
@@ -25,9 +24,9 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Protocol
 
-from rollwire.common.errors import InvalidArgument, RollwireError
-from rollwire.common.reasons import Reason
+from rollwire.common.errors import RollwireError
 from rollwire.push.buffers import Payload
+from rollwire.push.digests import Digests
 from rollwire.runtime.durable import storage_error
 from rollwire.v1 import generator_pb2 as pb
 
@@ -62,11 +61,13 @@ class Sink:
         inspector: Inspector | None,
         keep_chunks: bool,
         in_place: Callable[[], Payload] | None = None,
+        *,
+        digests: Digests,
     ) -> None:
         """`in_place`: the chunks are views of one buffer that holds the payload already (the bulk
         path's, `BulkSource.buffer`): nothing is copied, and the payload is that buffer."""
         self.size, self.backlog, self.inspector = size, backlog_bytes, inspector
-        self.digest = hashlib.sha256()
+        self.digests = digests
         self.in_place = in_place
         # BytesIO grows in place and getvalue() hands over its buffer without a copy, so the
         # payload costs its size once, not twice as a list of chunks plus their join would.
@@ -121,7 +122,7 @@ class Sink:
         """The worker's work on `batch`, in order: hash, keep, store, inspect. Runs on one thread
         at a time: the sink's worker, or (the bulk path's `PushReader.take`) the reading thread."""
         for chunk in batch:
-            self.digest.update(chunk)
+            self.digests.update(chunk)
             if self.buffer is not None:
                 self.buffer.write(chunk)
             if self.file is not None:
@@ -133,7 +134,7 @@ class Sink:
         if self.inspector is not None and self.inspector.error is not None:
             raise self.inspector.error
 
-    def _seal(self, sync: bool) -> tuple[str, Payload | list[bytes], RollwireError | None]:
+    def _seal(self, sync: bool) -> tuple[Payload | list[bytes], RollwireError | None]:
         if self.file is not None:
             self.file.flush()
             if sync:
@@ -154,9 +155,9 @@ class Sink:
                 self.inspector.finish(payload)
             except RollwireError as exc:
                 refusal = exc
-        return self.digest.hexdigest(), payload, refusal
+        return payload, refusal
 
-    async def finish(self, sync: bool) -> tuple[str, Payload | list[bytes], RollwireError | None]:
+    async def finish(self, sync: bool) -> tuple[Payload | list[bytes], RollwireError | None]:
         self._submit()
         while self.inflight:
             await self._settle_oldest()
@@ -181,14 +182,11 @@ class Sink:
 
 
 async def verdict(m: pb.AdapterManifest, sink: Sink, sync: bool) -> Payload | list[bytes]:
-    """The payload of a sink that took every byte: digest, then the inspector's checks."""
-    digest, payload, refusal = await sink.finish(sync)
-    if digest != m.sha256:
-        raise InvalidArgument(
-            f"payload sha256 is {digest} but the manifest declared {m.sha256}; the bytes were corrupted or the "
-            "manifest is stale",
-            reason=Reason.DIGEST_MISMATCH,
-        )
+    """The payload of a sink that took every byte: its digests (`Digests.check`: the manifest's
+    BLAKE3 when set, else its sha256; both at a proxy taking a client's upload), then the
+    inspector's checks."""
+    payload, refusal = await sink.finish(sync)
+    sink.digests.check()
     if refusal is not None:
         raise refusal
     return payload

@@ -27,6 +27,7 @@ from pathlib import Path
 
 import grpc
 import pytest
+from blake3 import blake3
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from support.processes import (
     GENERATOR_ARGS,
@@ -540,11 +541,14 @@ def test_a_replica_that_failed_a_striped_push_hangs_under_the_proxy_in_every_tre
     assert healing and all(e["replicas"] == [peer.target] for e in healing)  # no real replica missed v2
 
 
+@pytest.mark.parametrize("digest", ["sha256", "blake3"])
 @pytest.mark.parametrize("path", PATHS)
 @pytest.mark.parametrize(
     "peer_proxy", [({"corrupt": True}, 1), ({"corrupt": True}, 1, "--set", "push.stripes=2")], indirect=True
 )
-def test_bytes_a_hop_alters_are_refused_below_it_and_healed(peer_proxy, path, replicas, adapter):
+def test_bytes_a_hop_alters_are_refused_below_it_and_healed(peer_proxy, path, digest, replicas, adapter):
+    """Every hop below the altering one refuses its bytes, whichever digest it verifies: the
+    sha256, or the BLAKE3 the manifest carries beside it (rollwire.push.digests)."""
     proxy, peer = peer_proxy
     fp = status(proxy.target).model_fingerprint
     earlier = len(log_events(proxy.log_path, "adapter_relay_planned"))  # the same proxy's log, for the other path
@@ -552,7 +556,10 @@ def test_bytes_a_hop_alters_are_refused_below_it_and_healed(peer_proxy, path, re
         r.name: len([e for e in log_events(r.log_path, "adapter_push_refused") if e["reason"] == "DIGEST_MISMATCH"])
         for r in replicas
     }
-    reply = push_via(proxy.target, adapter.manifest("altered", 1, fp), adapter.payload, path)
+    name, digests = (
+        ("altered", {}) if digest == "sha256" else ("altered-b3", {"blake3": blake3(adapter.payload).hexdigest()})
+    )
+    reply = push_via(proxy.target, adapter.manifest(name, 1, fp, **digests), adapter.payload, path)
     planned = log_events(proxy.log_path, "adapter_relay_planned")[earlier:]
     striped = "stripes" in planned[0]
     assert planned[0]["children"][0] == peer.target  # the chain, or stripe 0's tree, starts at the hostile hop
@@ -573,9 +580,9 @@ def test_bytes_a_hop_alters_are_refused_below_it_and_healed(peer_proxy, path, re
         metric_value(proxy.metrics(), "rollwire_proxy_push_heals_total", f'replica="{r.target}"') for r in replicas
     )
     assert heals == len(refused)  # each replica that refused got the bytes again; the others were never touched
-    samples = [sampled(r.target, "altered", 1) for r in replicas]
+    samples = [sampled(r.target, name, 1) for r in replicas]
     assert samples[0] == samples[1] == samples[2]
-    assert all(set(hops_by_path(r, "altered")) <= {"grpc", "bulk"} for r in replicas)
+    assert all(set(hops_by_path(r, name)) <= {"grpc", "bulk"} for r in replicas)
     if path == "bulk":  # the relay and the heal both went by the bulk path: no hop fell back
         paths = proxy.metrics()
         assert metric_value(paths, "rollwire_proxy_push_path_total", 'path="bulk",reason="connected"') >= 2
