@@ -59,10 +59,22 @@ from rollwire.push.checks import PayloadInspector
 
 GiB, MiB = 1 << 30, 1 << 20
 MODEL = "0.5B"
-REPLICA = ("scripted.tokens_per_s=0", f"limits.max_adapter_bytes={3 * GiB}", "bulk.enabled=true")
+REPLICA = (
+    "scripted.tokens_per_s=0",
+    f"limits.max_adapter_bytes={3 * GiB}",
+    "bulk.enabled=true",
+    f"bulk.reuse_bytes={3 * GiB}",
+)
 REPLICA += ("adapter_window=1", "adapter_keep=1", "adapter_keep_bytes=0")
 PROXY = (f"spool.max_adapter_bytes={3 * GiB}", f"spool.max_bytes={8 * GiB}", "spool.keep_versions=1")
-PROXY += ("health.push_timeout_s=900", "push.fanout=1", "push.stripes=1", "bulk.enabled=true", "grace_seconds=1")
+PROXY += (
+    "health.push_timeout_s=900",
+    "push.fanout=1",
+    "push.stripes=1",
+    "bulk.enabled=true",
+    f"bulk.reuse_bytes={3 * GiB}",
+)
+PROXY += ("grace_seconds=1",)
 
 
 def adapter_of(config: dict, size: int) -> tuple[bytes, int]:

@@ -38,7 +38,7 @@ from rollwire.common import bulk as wire
 from rollwire.common.addresses import split_address
 from rollwire.common.errors import DeadlineExceeded, InvalidArgument
 from rollwire.common.reasons import Reason
-from rollwire.push.buffers import payload_buffer
+from rollwire.push.buffers import BufferPool, payload_buffer
 from rollwire.runtime.dialing import DialSection
 from rollwire.runtime.logs import get_logger
 from rollwire.runtime.security import TlsSection
@@ -104,6 +104,8 @@ class BulkListener:
         self.section, self.tls = section, server_tls(tls)
         self.sock = socket.create_server((host.strip("[]"), section.port), backlog=128)
         self.port: int = self.sock.getsockname()[1]
+        self.pool = BufferPool(section.reuse_bytes)
+        """The buffers its pushes are received into, reused across pushes of the same size."""
         self._expected: dict[bytes, Expected] = {}
         self._lock = threading.Lock()
         self._open = threading.BoundedSemaphore(section.max_connections)
@@ -225,6 +227,7 @@ class BulkSource:
 
     accepted: Accepted
     idle_s: float
+    pool: BufferPool | None = None
     received: int = 0
     buffer: bytearray | mmap.mmap | None = None
     """Every byte this connection carries, in order, once read (the payload, or a stripe's chunks)."""
@@ -257,7 +260,7 @@ class BulkSource:
         return self.buffer
 
     def _allocate(self, total: int) -> None:
-        self.buffer = payload_buffer(total)
+        self.buffer = self.pool.take(total) if self.pool is not None else payload_buffer(total)
 
     def _read(self, offset: int, size: int) -> memoryview:
         assert self.buffer is not None

@@ -123,7 +123,7 @@ class PushReader:
             listener.withdraw(expected)
             accepted = None
         if accepted is not None:
-            self.path, self._bulk, self._tail = "bulk", BulkSource(accepted, self.idle_s), first
+            self.path, self._bulk, self._tail = "bulk", BulkSource(accepted, self.idle_s, listener.pool), first
         else:
             self._stream = aiter(idle_bounded(_resumed(first, self._raw), self.idle_s, self.holder))
         return True
