@@ -41,6 +41,10 @@ TOKEN_BYTES = 32
 HELLO_BYTES = len(MAGIC) + TOKEN_BYTES
 SEND_BYTES = 4 << 20
 """Largest piece handed to one sendall (a bigger view is sent in pieces of this size)."""
+SEND_TIMEOUT_S = 30.0
+"""A blocking sender's deadline per sendall once connected: as long as a receiver waits on a silent
+sender (its push idle deadline, 30 s by default), since a receiver may pause for its own children's
+bulk connections and buffers before it reads on."""
 
 
 @dataclass(frozen=True)
@@ -146,6 +150,7 @@ class BlockingPush:
         yield opening(self.manifest, bulk=True)
         sock = self._connect()
         if sock is not None:
+            sock.settimeout(max(self.connect_timeout, SEND_TIMEOUT_S))
             try:
                 send(sock, self.payload)
             finally:

@@ -227,10 +227,10 @@ class BulkSource:
 
     accepted: Accepted
     idle_s: float
-    pool: BufferPool | None = None
-    received: int = 0
     buffer: bytearray | mmap.mmap | None = None
-    """Every byte this connection carries, in order, once read (the payload, or a stripe's chunks)."""
+    """Every byte this connection carries, in order, once read (the payload, or a stripe's chunks):
+    given (`BufferPool.take`, before the offer), else allocated by the reading thread first."""
+    received: int = 0
     _pool: ThreadPoolExecutor = field(
         default_factory=lambda: ThreadPoolExecutor(max_workers=1, thread_name_prefix="bulk-read")
     )
@@ -260,7 +260,8 @@ class BulkSource:
         return self.buffer
 
     def _allocate(self, total: int) -> None:
-        self.buffer = self.pool.take(total) if self.pool is not None else payload_buffer(total)
+        if self.buffer is None or len(self.buffer) != total:
+            self.buffer = payload_buffer(total)
 
     def _read(self, offset: int, size: int) -> memoryview:
         assert self.buffer is not None

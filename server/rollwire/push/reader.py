@@ -111,7 +111,12 @@ class PushReader:
             await send_metadata(())
             return True
         assert self._raw is not None, "open() first"
-        offer, expected = listener.expect(opening.manifest, opening.stripe)
+        m, stripe = opening.manifest, opening.stripe
+        size = sum(s for _, s in stripe_layout(m.byte_length, stripe)) if stripe is not None else m.byte_length
+        # the buffer first, off the loop, before the offer: a sender never waits on it mid-stream (it
+        # waits for the offer, within its connect timeout, and falls back to chunks past it)
+        buffer = await asyncio.to_thread(listener.pool.take, size)
+        offer, expected = listener.expect(m, stripe)
         await send_metadata(offer.metadata())
         came = asyncio.ensure_future(listener.connection(expected, listener.section.connect_timeout_s))
         first = asyncio.ensure_future(anext(self._raw))
@@ -123,7 +128,7 @@ class PushReader:
             listener.withdraw(expected)
             accepted = None
         if accepted is not None:
-            self.path, self._bulk, self._tail = "bulk", BulkSource(accepted, self.idle_s, listener.pool), first
+            self.path, self._bulk, self._tail = "bulk", BulkSource(accepted, self.idle_s, buffer), first
         else:
             self._stream = aiter(idle_bounded(_resumed(first, self._raw), self.idle_s, self.holder))
         return True
@@ -298,6 +303,7 @@ class PushReader:
             self._sink.close()
         if self._bulk is not None:
             self._bulk.close()
+            self._bulk.buffer = None  # the payload's holder keeps it; unused, its pool may hand it out again
         if self._tail is not None and not self._tail.done():
             self._tail.cancel()
 
