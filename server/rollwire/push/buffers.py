@@ -40,6 +40,27 @@ def as_bytes(payload: Payload) -> bytes:
     return payload if isinstance(payload, bytes) else bytes(payload)
 
 
+class Filled:
+    """A payload buffer of its declared size filled in order, as a BytesIO would be (`write`,
+    `getvalue`) but without growing: mapped (populated) on the first write, on the writer's
+    thread. For a payload whose pieces come apart (a stripe's assembly): one copy, into
+    memory whose pages are mapped in one call instead of faulted in one by one."""
+
+    def __init__(self, size: int) -> None:
+        self.size, self.at = size, 0
+        self.buffer: bytearray | mmap.mmap | None = None
+
+    def write(self, data: bytes | memoryview) -> None:
+        if self.buffer is None:
+            self.buffer = payload_buffer(self.size)
+        n = len(data)
+        memoryview(self.buffer)[self.at : self.at + n] = data  # past `size`: ValueError (the reader bounds it)
+        self.at += n
+
+    def getvalue(self) -> Payload:
+        return self.buffer if self.buffer is not None else b""
+
+
 class BufferPool:
     """The bulk receive buffers of one server, reused for later pushes of the same size (see the
     module's invariants). `take` is called on a reading thread; at most `max_idle_bytes` of

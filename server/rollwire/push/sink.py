@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Protocol
 
 from rollwire.common.errors import RollwireError
-from rollwire.push.buffers import Payload
+from rollwire.push.buffers import Filled, Payload
 from rollwire.push.digests import Digests
 from rollwire.runtime.durable import storage_error
 from rollwire.v1 import generator_pb2 as pb
@@ -63,15 +63,19 @@ class Sink:
         in_place: Callable[[], Payload] | None = None,
         *,
         digests: Digests,
+        flat: bool = False,
     ) -> None:
         """`in_place`: the chunks are views of one buffer that holds the payload already (the bulk
-        path's, `BulkSource.buffer`): nothing is copied, and the payload is that buffer."""
+        path's, `BulkSource.buffer`): nothing is copied, and the payload is that buffer. `flat`:
+        the payload is copied into one buffer of its size (`buffers.Filled`), not `bytes`."""
         self.size, self.backlog, self.inspector = size, backlog_bytes, inspector
         self.digests = digests
         self.in_place = in_place
         # BytesIO grows in place and getvalue() hands over its buffer without a copy, so the
         # payload costs its size once, not twice as a list of chunks plus their join would.
-        self.buffer: io.BytesIO | None = None if keep_chunks or in_place else io.BytesIO()
+        self.buffer: io.BytesIO | Filled | None = None
+        if not keep_chunks and not in_place:
+            self.buffer = Filled(size) if flat else io.BytesIO()
         self.kept: list[bytes] | None = [] if keep_chunks else None
         self.store = store
         try:
