@@ -831,3 +831,39 @@ def test_a_child_slow_to_open_its_stream_is_not_cut_off_as_stalled(replicas, ada
     results = asyncio.run(push())
     assert [(r.code, r.reason) for r in results] == [("OK", "")], results
     assert holds(target.target, "slow-door", 1)
+
+
+def test_a_relaying_replica_sends_bulk_to_one_child_and_grpc_chunks_to_one_whose_port_is_blocked(replicas, adapter):
+    """A replica taking bulk bytes forwards each piece from its reading thread to the child whose
+    bulk lane is up, and through its event loop as gRPC chunks to the child that fell back: both
+    verify the same bytes (the peer's reader checks the digest), and the fallback is counted."""
+    peer = PeerServer(HostilePeer(replicas[0].target, blocked=True))
+    try:
+        fp = status(replicas[0].target).model_fingerprint
+        m = adapter.manifest("mixed", 1, fp, blake3=blake3(adapter.payload).hexdigest())
+        plan = plan_from_parents([(replicas[1].target, "q2", 0), (peer.target, "hostile-peer", 0)])
+        push = BlockingPush(m, adapter.payload, writer.MAX_CHUNK, "127.0.0.1", 3.0)
+
+        def requests():
+            messages = push.requests()
+            first = next(messages)
+            first.relay.CopyFrom(plan)
+            yield first
+            yield from messages
+
+        with grpc.insecure_channel(replicas[0].target) as channel:
+            call = generator_pb2_grpc.GeneratorServiceStub(channel).PushAdapter.future(requests(), timeout=60)
+            push.attach(call)
+            reply = call.result()
+        assert (push.path, push.reason) == ("bulk", "connected")
+        assert {r.address: r.code for r in reply.replicas} == {replicas[1].target: "OK", peer.target: "OK"}
+        assert peer.peer.accepted == {"mixed": [1]}
+        served = [
+            [e["path"] for e in log_events(r.log_path, "adapter_pushed") if e["adapter"] == "mixed"] for r in replicas
+        ]
+        assert served[:2] == [["bulk"], ["bulk"]]  # a plain push: served at once
+        fallback = log_events(replicas[0].log_path, "push_bulk_fallback")
+        assert [(e["child"], e["reason"]) for e in fallback if e["adapter"] == "mixed"] == [(peer.target, "refused")]
+        assert sampled(replicas[0].target, "mixed", 1) == sampled(replicas[1].target, "mixed", 1)
+    finally:
+        peer.stop()
