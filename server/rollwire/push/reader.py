@@ -24,11 +24,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from rollwire.common import bulk as wire
 from rollwire.common.errors import DeadlineExceeded, InvalidArgument
 from rollwire.common.reasons import Reason
 from rollwire.common.writer import MAX_CHUNK, stripe_layout
 from rollwire.push.buffers import Payload
-from rollwire.push.bulk import BulkListener, BulkSource
+from rollwire.push.bulk import Accepted, BulkListener, BulkSource
 from rollwire.push.digests import Digests
 from rollwire.push.sink import Inspector, Sink, verdict
 
@@ -127,6 +128,8 @@ class PushReader:
             came.cancel()  # a chunk came first: the sender fell back to the stream
             listener.withdraw(expected)
             accepted = None
+        if accepted is not None and not await _acknowledged(accepted):
+            accepted = None  # closed unacknowledged: its sender sends chunks on the stream instead
         if accepted is not None:
             self.path, self._bulk, self._tail = "bulk", BulkSource(accepted, self.idle_s, buffer), first
         else:
@@ -306,6 +309,17 @@ class PushReader:
             self._bulk.buffer = None  # the payload's holder keeps it; unused, its pool may hand it out again
         if self._tail is not None and not self._tail.done():
             self._tail.cancel()
+
+
+async def _acknowledged(accepted: Accepted) -> bool:
+    """Tell the sender its connection was taken (`wire.ACK`); False (closed) when that fails."""
+    try:
+        await asyncio.to_thread(wire.acknowledge, accepted.sock)
+        return True
+    except OSError:
+        accepted.sock.close()
+        accepted.release()
+        return False
 
 
 async def _resumed(first: asyncio.Future, rest: AsyncIterator):

@@ -19,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import json
 import secrets
+import socket
 import struct
 import threading
 import time
@@ -866,4 +867,29 @@ def test_a_relaying_replica_sends_bulk_to_one_child_and_grpc_chunks_to_one_whose
         assert [(e["child"], e["reason"]) for e in fallback if e["adapter"] == "mixed"] == [(peer.target, "refused")]
         assert sampled(replicas[0].target, "mixed", 1) == sampled(replicas[1].target, "mixed", 1)
     finally:
+        peer.stop()
+
+
+def test_a_bulk_connection_the_receiver_does_not_take_falls_back_to_grpc_chunks(replicas, adapter):
+    """A receiver past `bulk.max_connections` closes a new bulk connection before its ACK: the
+    sender sends the same bytes as gRPC chunks on the stream instead of failing the hop."""
+    peer = PeerServer(HostilePeer(replicas[0].target))
+    squatter = None
+    try:
+        old = peer.peer.bulk
+        assert old is not None
+        peer.peer.bulk = BulkListener("127.0.0.1", BulkSection(enabled=True, max_connections=1), TlsSection())
+        old.close()
+        squatter = socket.create_connection(("127.0.0.1", peer.peer.bulk.port))  # holds the one slot, says nothing
+        m = adapter.manifest("untaken", 1, status(replicas[0].target).model_fingerprint)
+        push = BlockingPush(m, adapter.payload, writer.MAX_CHUNK, "127.0.0.1", 3.0)
+        with grpc.insecure_channel(peer.target) as channel:
+            call = generator_pb2_grpc.GeneratorServiceStub(channel).PushAdapter.future(push.requests(), timeout=30)
+            push.attach(call)
+            reply = call.result()
+        assert (push.path, push.reason) == ("grpc", "refused")
+        assert reply.name == "untaken" and peer.peer.accepted == {"untaken": [1]}  # its reader verified the bytes
+    finally:
+        if squatter is not None:
+            squatter.close()
         peer.stop()
