@@ -30,7 +30,7 @@ from rollwire.push.digests import Digests
 from rollwire.runtime.durable import storage_error
 from rollwire.v1 import generator_pb2 as pb
 
-_SUBMIT_BYTES = 256 << 10  # small chunks are handed to the worker thread in batches of this size
+_SUBMIT_BYTES = 4 << 20  # chunks are handed to the worker thread in batches of this size (a hand-off each)
 
 
 class Inspector(Protocol):
