@@ -18,7 +18,8 @@ replica relays is the proxy's choice: each replica's log says whether it relayed
 With --tls the replicas' hops (proxy -> relay -> leaf) use TLS with mutual TLS (certificates made
 with openssl here), and so do their bulk connections; the client's hop to the proxy stays
 plaintext. Repeats alternate the paths; the fleet is started once per TLS setting, and one
-untimed push per path warms it. The sha256 and the finiteness scan each hop runs are timed
+untimed push per path warms it (two on the bulk path: a replica alternates between two receive
+buffers, the one the version it serves holds and the one it receives the next into). The sha256 and the finiteness scan each hop runs are timed
 alone on this machine beside them (`checks`). Writes bench/results/bulk_push.json.
 Run: .venv/bin/python bench/bulk_push.py [--size-mb 2048] [--repeats 3] [--tls-size-mb 512]
 """
@@ -238,7 +239,7 @@ def measure(model: Path, fingerprint: str, size: int, repeats: int, tls: Path | 
     fleet = Fleet(model, tls)
     runs: list[dict] = []
     try:
-        for path in ("grpc", "bulk"):  # warm: connections, allocator, page cache
+        for path in ("grpc", "bulk", "bulk"):  # warm: connections, page cache, the 2 buffers a receiver alternates
             fleet.push(payload, r, fingerprint, path)
         for rep in range(repeats):
             for path in ("grpc", "bulk") if rep % 2 == 0 else ("bulk", "grpc"):

@@ -76,16 +76,15 @@ class BufferPool:
         """A buffer of exactly `size` bytes: an idle one of that size, else a fresh one."""
         with self._lock:
             idle = [m for m in self._held if _unused(m)]
-            for m in idle:
-                if len(m) == size:
-                    self.reused += 1
-                    return m
-            # the idle ones beyond the bound, oldest first, are let go (unmapped once unreferenced)
-            spare = self.max_idle_bytes - size
+            chosen = next((m for m in idle if len(m) == size), None)
+            # the other idle ones beyond the bound (a fresh one counts), oldest first, are let go
+            spare = self.max_idle_bytes - (size if chosen is None else 0)
             for m in reversed(idle):
-                spare -= len(m)
-                if spare < 0:
+                if m is not chosen and (spare := spare - len(m)) < 0:
                     self._held.remove(m)
+            if chosen is not None:
+                self.reused += 1
+                return chosen
         buffer = payload_buffer(size)
         if isinstance(buffer, mmap.mmap) and 0 < size <= self.max_idle_bytes:
             with self._lock:
