@@ -75,7 +75,7 @@ PROXY += (
     "push.fanout=1",
     "push.stripes=1",
     "bulk.enabled=true",
-    f"bulk.reuse_bytes={3 * GiB}",
+    "bulk.reuse_bytes=0",  # the proxy keeps the publication's buffer and its spool's: 2 GB each; no idle third
 )
 PROXY += ("grace_seconds=1",)
 

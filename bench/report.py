@@ -794,7 +794,8 @@ def bulk_push(d: dict) -> str:
     body = rows(plain, "off") + (rows(tls, "on (mutual)") if tls else [])
     load = d["load_avg"]
     parts = [
-        provenance(d) + f" {d['repeats']} alternating repeats per path after one untimed push each; load average "
+        provenance(d) + f" {d['repeats']} alternating repeats per path after one untimed push each (two on the bulk "
+        "path, when its replicas reuse receive buffers); load average "
         f"{load['before'][0]:.1f} before, {load['after'][0]:.1f} after"
         + (" (other engineers' work on the same 2 cores)." if max(load["before"][0], load["after"][0]) > 3 else "."),
         table(header, body),
