@@ -2,22 +2,24 @@
 through the proxy to two relaying replicas, beside a raw TCP copy over the same hops.
 
 A proxy and two scripted replicas on loopback, planned as a chain (push.fanout=1, one tree:
-proxy -> r1 -> r2), so r1 takes in every byte and forwards it while r2 only takes it in; every
+proxy -> relay -> leaf), so the relay takes in every byte and forwards it while the leaf only takes it in; every
 server has bulk.enabled. The payload is a synthetic bf16 LoRA adapter shaped like Qwen2.5-0.5B
 at the rank that makes it --size-mb, checked tensor by tensor (header, shapes, finiteness) and
 hashed on every hop. Each push is made by the SDK (`Client.push_adapter(bulk=...)`) and timed
 until every replica serves it; the CPU seconds of the proxy and of each replica are read from
-/proc around it, so "r1 CPU per GB" is the per-hop cost of taking in and forwarding a copy.
+/proc around it, so "relay CPU per GB" is the per-hop cost of taking in and forwarding a copy (which
+replica relays is the proxy's choice: each replica's log says whether it relayed).
 
   grpc   the bytes as 1 MiB gRPC chunks on every hop (the client does not ask for bulk)
   bulk   the bytes over each hop's bulk connection (rollwire.push.bulk)
   tcp    the same bytes over the same hops with nothing but recv_into and sendall: a sender,
          two relaying threads (cut-through, 1 MiB at a time) and a receiver: the floor
 
-With --tls the replicas' hops (proxy -> r1 -> r2) use TLS with mutual TLS (certificates made
+With --tls the replicas' hops (proxy -> relay -> leaf) use TLS with mutual TLS (certificates made
 with openssl here), and so do their bulk connections; the client's hop to the proxy stays
 plaintext. Repeats alternate the paths; the fleet is started once per TLS setting, and one
-untimed push per path warms it. The sha256 and the finiteness scan each hop runs are timed
+untimed push per path warms it (two on the bulk path: a replica alternates between two receive
+buffers, the one the version it serves holds and the one it receives the next into). The sha256 and the finiteness scan each hop runs are timed
 alone on this machine beside them (`checks`). Writes bench/results/bulk_push.json.
 Run: .venv/bin/python bench/bulk_push.py [--size-mb 2048] [--repeats 3] [--tls-size-mb 512]
 """
@@ -26,7 +28,6 @@ from __future__ import annotations
 
 import argparse
 import hashlib
-import io
 import json
 import os
 import socket
@@ -37,6 +38,7 @@ import threading
 import time
 from pathlib import Path
 
+from blake3 import blake3
 from common import (
     QWEN25,
     WORK,
@@ -55,14 +57,27 @@ from rollwire.client._push import build_manifest
 from rollwire.common.fingerprint import model_fingerprint
 from rollwire.common.lora import LoraShape
 from rollwire.common.manifest import manifest_from_pb
+from rollwire.push.buffers import payload_buffer
 from rollwire.push.checks import PayloadInspector
 
 GiB, MiB = 1 << 30, 1 << 20
 MODEL = "0.5B"
-REPLICA = ("scripted.tokens_per_s=0", f"limits.max_adapter_bytes={3 * GiB}", "bulk.enabled=true")
+REPLICA = (
+    "scripted.tokens_per_s=0",
+    f"limits.max_adapter_bytes={3 * GiB}",
+    "bulk.enabled=true",
+    f"bulk.reuse_bytes={3 * GiB}",
+)
 REPLICA += ("adapter_window=1", "adapter_keep=1", "adapter_keep_bytes=0")
 PROXY = (f"spool.max_adapter_bytes={3 * GiB}", f"spool.max_bytes={8 * GiB}", "spool.keep_versions=1")
-PROXY += ("health.push_timeout_s=900", "push.fanout=1", "push.stripes=1", "bulk.enabled=true", "grace_seconds=1")
+PROXY += (
+    "health.push_timeout_s=900",
+    "push.fanout=1",
+    "push.stripes=1",
+    "bulk.enabled=true",
+    "bulk.reuse_bytes=0",  # the proxy keeps the publication's buffer and its spool's: 2 GB each; no idle third
+)
+PROXY += ("grace_seconds=1",)
 
 
 def adapter_of(config: dict, size: int) -> tuple[bytes, int]:
@@ -118,7 +133,7 @@ class Fleet:
         it), with each process's CPU seconds and each replica's log line of how its bytes came."""
         self.version += 1
         lora = LoraShape(r, 2 * r, tuple(sorted(TARGETS)))
-        pids = {"proxy": self.proxy.proc.pid, "r1": self.replicas[0].proc.pid, "r2": self.replicas[1].proc.pid}
+        pids = {"proxy": self.proxy.proc.pid, "r0": self.replicas[0].proc.pid, "r1": self.replicas[1].proc.pid}
         before = {k: cpu_seconds(p) for k, p in pids.items()}
         own = time.process_time()
         start = time.perf_counter()
@@ -129,14 +144,19 @@ class Fleet:
         client_cpu = time.process_time() - own
         cpu = {f"{k}_cpu_s": cpu_seconds(p) - before[k] for k, p in pids.items()}
         assert [r.code for r in reply.replicas] == ["OK", "OK"], reply.replicas
-        return {"path": path, "push_s": took, "client_cpu_s": client_cpu, **cpu, "hops": self.hops()}
+        staged = self.staged()
+        relay = next(i for i, e in enumerate(staged) if e.get("relayed_to"))  # the proxy plans which replica relays
+        roles = {"relay_cpu_s": cpu[f"r{relay}_cpu_s"], "leaf_cpu_s": cpu[f"r{1 - relay}_cpu_s"]}
+        hops = [e.get("path", "?") for e in (staged[relay], staged[1 - relay])]
+        return {"path": path, "push_s": took, "client_cpu_s": client_cpu, "proxy_cpu_s": cpu["proxy_cpu_s"], **roles,
+                "hops": hops}  # fmt: skip
 
-    def hops(self) -> list[str]:
-        """The path of each replica's last staged push (its log)."""
+    def staged(self) -> list[dict]:
+        """Each replica's last adapter_staged log line: how its bytes came (`path`), whether it relayed them."""
         out = []
         for r in self.replicas:
             lines = [json.loads(x) for x in r.log_path.read_text().splitlines() if '"adapter_staged"' in x]
-            out.append(lines[-1].get("path", "?") if lines else "?")
+            out.append(lines[-1] if lines else {})
         return out
 
     def stop(self) -> None:
@@ -181,9 +201,10 @@ def tcp_chain(payload: bytes, hops: int = 3) -> float:
 
 
 def checks_alone(payload: bytes, fingerprint: str, r: int) -> dict:
-    """The per-byte work every hop does besides moving the bytes, each timed alone on this
-    machine in 1 MiB pieces (CPU s per GiB): the sha256, keeping a copy in fresh memory (the
-    first touch of new pages is most of it here), and the payload checks (header, finiteness)."""
+    """The per-byte work a hop does besides moving the bytes, each timed alone on this machine
+    in 1 MiB pieces (CPU s per GiB): the digest it verifies (BLAKE3; sha256 where a manifest has
+    none, or both at the proxy), receiving into fresh memory (a populated mapping: its page
+    faults) or into a reused buffer (the copy alone), and the payload checks (header, finiteness)."""
     pieces = [memoryview(payload)[i : i + MiB] for i in range(0, len(payload), MiB)]
     gib = len(payload) / GiB
 
@@ -192,16 +213,24 @@ def checks_alone(payload: bytes, fingerprint: str, r: int) -> dict:
         work()
         return (time.process_time() - t) / gib
 
-    digest = hashlib.sha256()
-    sha = timed(lambda: [digest.update(p) for p in pieces])
-    kept = io.BytesIO()
-    keep = timed(lambda: [kept.write(p) for p in pieces])
-    kept.close()
+    def fill(buf) -> None:
+        view, at = memoryview(buf), 0
+        for p in pieces:
+            view[at : at + len(p)] = p
+            at += len(p)
+
+    sha, b3 = hashlib.sha256(), blake3()
+    out = {"sha256_cpu_s_per_GiB": timed(lambda: [sha.update(p) for p in pieces])}
+    out["blake3_cpu_s_per_GiB"] = timed(lambda: [b3.update(p) for p in pieces])
+    fresh = timed(lambda: fill(payload_buffer(len(payload))))
+    reused = payload_buffer(len(payload))
+    fill(reused)
+    out |= {"fresh_buffer_cpu_s_per_GiB": fresh, "reused_buffer_cpu_s_per_GiB": timed(lambda: fill(reused))}
     manifest = build_manifest("big", 1, payload, LoraShape(r, 2 * r, tuple(sorted(TARGETS))), fingerprint)
     inspector = PayloadInspector(manifest_from_pb(manifest), None)
-    scan = timed(lambda: [inspector.feed(p) for p in pieces])  # pyright: ignore[reportArgumentType]
+    out["checks_cpu_s_per_GiB"] = timed(lambda: [inspector.feed(p) for p in pieces])
     assert inspector.error is None
-    return {"sha256_cpu_s_per_GiB": sha, "keep_copy_cpu_s_per_GiB": keep, "checks_cpu_s_per_GiB": scan}
+    return out
 
 
 def measure(model: Path, fingerprint: str, size: int, repeats: int, tls: Path | None) -> dict:
@@ -210,7 +239,7 @@ def measure(model: Path, fingerprint: str, size: int, repeats: int, tls: Path | 
     fleet = Fleet(model, tls)
     runs: list[dict] = []
     try:
-        for path in ("grpc", "bulk"):  # warm: connections, allocator, page cache
+        for path in ("grpc", "bulk", "bulk"):  # warm: connections, page cache, the 2 buffers a receiver alternates
             fleet.push(payload, r, fingerprint, path)
         for rep in range(repeats):
             for path in ("grpc", "bulk") if rep % 2 == 0 else ("bulk", "grpc"):
@@ -218,7 +247,8 @@ def measure(model: Path, fingerprint: str, size: int, repeats: int, tls: Path | 
                 runs.append(row)
                 print(
                     f"{'tls' if tls else 'plain'} {path:4s} {len(payload) / MiB:.0f} MiB: {row['push_s']:.2f} s; CPU s "
-                    f"proxy {row['proxy_cpu_s']:.2f} r1 {row['r1_cpu_s']:.2f} r2 {row['r2_cpu_s']:.2f}; hops {row['hops']}",
+                    f"proxy {row['proxy_cpu_s']:.2f} relay {row['relay_cpu_s']:.2f} leaf {row['leaf_cpu_s']:.2f}; "
+                    f"hops {row['hops']}",
                     flush=True,
                 )
     finally:
@@ -228,12 +258,12 @@ def measure(model: Path, fingerprint: str, size: int, repeats: int, tls: Path | 
     paths = {}
     for path in ("grpc", "bulk"):
         mine = [x for x in runs if x["path"] == path]
-        relay = statistics.median(x["r1_cpu_s"] for x in mine) / gib
+        relay = statistics.median(x["relay_cpu_s"] for x in mine) / gib
         paths[path] = {
             "push_s": spread([x["push_s"] for x in mine]),
             "relay_cpu_s_per_GiB": relay,
             "relay_GiB_per_s_per_core": 1 / relay,
-            "leaf_cpu_s_per_GiB": statistics.median(x["r2_cpu_s"] for x in mine) / gib,
+            "leaf_cpu_s_per_GiB": statistics.median(x["leaf_cpu_s"] for x in mine) / gib,
             "proxy_cpu_s_per_GiB": statistics.median(x["proxy_cpu_s"] for x in mine) / gib,
             "client_cpu_s_per_GiB": statistics.median(x["client_cpu_s"] for x in mine) / gib,
         }

@@ -16,6 +16,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from blake3 import blake3
+
 from rollwire.client._requests import UINT64, check_adapter_name
 from rollwire.common.errors import RequestError
 from rollwire.common.errors import whole_number as _int
@@ -92,6 +94,7 @@ def build_manifest(
         lora_config=LoraShape.from_peft(lora_config).to_pb(),
         byte_length=len(payload),
         sha256=hashlib.sha256(payload).hexdigest(),
+        blake3=blake3(payload).hexdigest(),  # what every hop verifies: twice sha256's speed (docs/protocol.md)
     )
     return sign(manifest, signing_key) if signing_key is not None else manifest
 

@@ -81,7 +81,9 @@ def _manifest(args: argparse.Namespace, name: str, version: int) -> Any:
 
     adapter = read_peft_dir(args.peft_dir)
     fingerprint = args.base_fingerprint or model_fingerprint(args.base_model)
-    return build_manifest(name, version, adapter.payload, adapter.lora, fingerprint)
+    manifest = build_manifest(name, version, adapter.payload, adapter.lora, fingerprint)
+    manifest.blake3 = ""  # a signature file covers what a proxy's HTTP upload rebuilds: no BLAKE3 (docs/protocol.md)
+    return manifest
 
 
 def _sign(args: argparse.Namespace) -> int:

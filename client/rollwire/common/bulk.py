@@ -9,9 +9,11 @@ hop costs a few large reads instead of gRPC's thousands of small ones. The agree
    SECRET_HEX"), after it admitted the manifest: a secret made for this push alone, sent
    over the authenticated (and, where configured, encrypted) gRPC stream;
 3. the sender connects to PORT on the host it dialled (TLS when its gRPC link uses TLS),
-   sends `MAGIC` and `token(secret, manifest, stripe)`, then exactly the bytes it would have
-   chunked (the whole payload, or its stripe's chunks in order), then ends its gRPC stream
-   with no chunk.
+   sends `MAGIC` and `token(secret, manifest, stripe)`, waits for the receiver's `ACK` (it
+   took the connection for this push), then sends exactly the bytes it would have chunked (the
+   whole payload, or its stripe's chunks in order), then ends its gRPC stream with no chunk.
+   A connection the receiver does not take (it came after the offer was withdrawn, or past
+   `bulk.max_connections`) is closed before any ACK: the sender sends chunks instead.
 
 Invariants: a token is an HMAC of the receiver's secret over the manifest's name, version and
 sha256 and the stripe, so it opens only the push it was issued for; the receiver accepts it
@@ -35,12 +37,18 @@ from rollwire.v1 import generator_pb2 as pb
 
 BULK_KEY = "x-rollwire-bulk"
 """Initial metadata of a receiver that offers its bulk endpoint for this push: "PORT SECRET_HEX"."""
-MAGIC = b"RWB1"
+MAGIC = b"RWB2"
 """The first bytes on a bulk connection, before the token."""
+ACK = b"\x06"
+"""The receiver's one byte on a bulk connection it took for its push; a sender sends no payload byte before it."""
 TOKEN_BYTES = 32
 HELLO_BYTES = len(MAGIC) + TOKEN_BYTES
 SEND_BYTES = 4 << 20
 """Largest piece handed to one sendall (a bigger view is sent in pieces of this size)."""
+SEND_TIMEOUT_S = 30.0
+"""A blocking sender's deadline per sendall once connected: as long as a receiver waits on a silent
+sender (its push idle deadline, 30 s by default), since a receiver may pause for its own children's
+bulk connections and buffers before it reads on."""
 
 
 @dataclass(frozen=True)
@@ -90,10 +98,24 @@ def connect(
         if tls is not None:
             sock = tls.wrap_socket(sock, server_hostname=server_name or host.strip("[]"))
         sock.sendall(MAGIC + proof)
+        if _recv_byte(sock) != ACK:  # closed unacknowledged: not taken (late, or too many connections)
+            raise ConnectionRefusedError("the receiver did not take this bulk connection")
     except BaseException:
         sock.close()
         raise
     return sock
+
+
+def _recv_byte(sock: socket.socket) -> bytes:
+    try:
+        return sock.recv(1)
+    except ConnectionResetError:
+        return b""
+
+
+def acknowledge(sock: socket.socket) -> None:
+    """The receiver's side: this connection is taken for its push (blocking: off the event loop)."""
+    sock.sendall(ACK)
 
 
 def send(sock: socket.socket, data: bytes | bytearray | memoryview) -> None:
@@ -146,6 +168,7 @@ class BlockingPush:
         yield opening(self.manifest, bulk=True)
         sock = self._connect()
         if sock is not None:
+            sock.settimeout(max(self.connect_timeout, SEND_TIMEOUT_S))
             try:
                 send(sock, self.payload)
             finally:

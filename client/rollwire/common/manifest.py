@@ -72,6 +72,8 @@ class Manifest:
     sha256: str
     signer: str = ""
     """The key id that signed it (rollwire.common.signing); empty when unsigned."""
+    blake3: str = ""
+    """The payload's BLAKE3 beside its sha256 (empty: none); every hop verifies it when set."""
 
 
 def manifest_from_pb(m: pb.AdapterManifest) -> Manifest:
@@ -84,6 +86,7 @@ def manifest_from_pb(m: pb.AdapterManifest) -> Manifest:
         m.byte_length,
         m.sha256,
         m.signer if m.signature else "",
+        m.blake3,
     )
 
 
@@ -114,6 +117,10 @@ def check_manifest(m: Manifest, *, fingerprint: str | None, max_bytes: int, hold
             reason=Reason.BAD_LORA_CONFIG,
         )
     check_digest(m.sha256)
+    if m.blake3 and not _DIGEST_RE.fullmatch(m.blake3):
+        raise InvalidArgument(
+            "blake3 must be empty or the 64 lowercase hex digits of the payload's BLAKE3", reason=Reason.BAD_DIGEST
+        )
     if m.byte_length < 1:
         raise InvalidArgument("byte_length must be > 0", reason=Reason.BAD_LENGTH)
     if m.byte_length > max_bytes:

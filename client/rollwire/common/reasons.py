@@ -101,7 +101,7 @@ class Reason(StrEnum):
     BAD_LORA_CONFIG = "BAD_LORA_CONFIG"
     """INVALID_ARGUMENT; do not retry: `lora_config` is out of bounds (r, alpha, modules)."""
     BAD_DIGEST = "BAD_DIGEST"
-    """INVALID_ARGUMENT; do not retry: `sha256` is not 64 lowercase hex digits."""
+    """INVALID_ARGUMENT; do not retry: `sha256` (or a `blake3` that is set) is not 64 lowercase hex digits."""
     UNSIGNED_ADAPTER = "UNSIGNED_ADAPTER"
     """FAILED_PRECONDITION; do not retry: The version is not signed and the receiver trusts signing keys: sign it."""
     BAD_SIGNATURE = "BAD_SIGNATURE"

@@ -6,8 +6,8 @@ any of it, and the CLI reads a PEFT folder, none of which should need torch to d
 Cost is linear in the input and bounded: the header length is capped before parsing, deep
 JSON nesting and huge integers fail fast (Python's recursion and int-digit limits), the
 tensor count and the number of dimensions are capped, and every dimension is below 2**40,
-so no product of a shape is more than a small integer. `nonfinite_tensor` scans values with
-C-speed bytes operations in blocks, so a thread running it hands the GIL back often.
+so no product of a shape is more than a small integer. `nonfinite_tensor` scans values in
+blocks with `rollwire.common.finite` (two integer reductions, without the GIL).
 """
 
 from __future__ import annotations
@@ -16,6 +16,8 @@ import json
 import struct
 from dataclasses import dataclass
 from itertools import pairwise
+
+from rollwire.common.finite import FLOAT_DTYPES, all_finite
 
 _DTYPE_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1, "BOOL": 1}
 _MAX_HEADER = 100 * 1024 * 1024
@@ -127,42 +129,23 @@ def _entry(name: str, entry, body: int, max_dims: int) -> TensorEntry:
     return TensorEntry(dtype, tuple(shape), start, end)
 
 
-# -- finiteness ---------------------------------------------------------------------------
-# Little-endian IEEE layouts: a value is NaN or +-inf exactly when its exponent bits are all
-# ones. F32: bits 23..30 = low 7 bits of byte 3 and the top bit of byte 2. BF16: the same
-# two-byte pattern in bytes 1 and 0. F16: bits 10..14 = bits 2..6 of byte 1.
-_HI7 = bytes(1 if b & 0x7F == 0x7F else 0 for b in range(256))
-_TOP1 = bytes(1 if b & 0x80 else 0 for b in range(256))
-_NOT_HI7 = bytes(b for b in range(256) if b & 0x7F != 0x7F)
-_NOT_F16_EXP = bytes(b for b in range(256) if b & 0x7C != 0x7C)
-_FLOAT_LAYOUT = {"F32": (4, 3, 2), "BF16": (2, 1, 0)}  # size, byte with 7 exponent bits, byte with 1
+# -- finiteness: rollwire.common.finite decides it per block, exactly, at memory speed --------
 
 
 def nonfinite_tensor(data, entries: dict[str, TensorEntry], body_offset: int) -> str | None:
     """The name of the first float tensor holding a NaN or an infinity, else None.
 
-    `data` holds the file; tensor data starts at `body_offset`. Linear, C-speed per block.
+    `data` holds the file; tensor data starts at `body_offset`. Linear, in blocks of views
+    (nothing copied), each decided by `finite.all_finite`.
     """
-    view = memoryview(data)
+    view = memoryview(data).cast("B")
     for name, e in entries.items():
-        if e.dtype not in ("F32", "BF16", "F16"):
+        if e.dtype not in FLOAT_DTYPES:
             continue
         for pos in range(body_offset + e.start, body_offset + e.end, _BLOCK):
-            block = bytes(view[pos : min(pos + _BLOCK, body_offset + e.end)])
-            if not _block_finite(block, e.dtype):
+            if not all_finite(view[pos : min(pos + _BLOCK, body_offset + e.end)], e.dtype):
                 return name
     return None
-
-
-def _block_finite(block: bytes, dtype: str) -> bool:
-    if dtype == "F16":
-        return not block[1::2].translate(None, _NOT_F16_EXP)
-    size, hi, lo = _FLOAT_LAYOUT[dtype]
-    high = block[hi::size]
-    if not high.translate(None, _NOT_HI7):  # the usual case: no value is near the top exponent
-        return True
-    flags = int.from_bytes(high.translate(_HI7), "little") & int.from_bytes(block[lo::size].translate(_TOP1), "little")
-    return flags == 0
 
 
 class StreamingFinite:
@@ -178,7 +161,7 @@ class StreamingFinite:
         regions = sorted(
             (body_offset + e.start, body_offset + e.end, name, e.dtype)
             for name, e in entries.items()
-            if e.dtype in ("F32", "BF16", "F16")
+            if e.dtype in FLOAT_DTYPES
         )
         self.needs_full_scan = any(a[1] > b[0] for a, b in pairwise(regions))
         self.regions = [] if self.needs_full_scan else regions
@@ -212,11 +195,11 @@ class StreamingFinite:
                 self.carry = value
                 return True
             self.carry = b""
-            if not _block_finite(value, dtype):
+            if not all_finite(value, dtype):
                 return False
         whole = len(data) - len(data) % size
         for pos in range(0, whole, _BLOCK):
-            if not _block_finite(bytes(data[pos : min(pos + _BLOCK, whole)]), dtype):
+            if not all_finite(data[pos : min(pos + _BLOCK, whole)], dtype):
                 return False
         self.carry = bytes(data[whole:])
         return True

@@ -75,6 +75,8 @@ def canonical(manifest: pb.AdapterManifest, key_id: str) -> bytes:
         manifest.sha256.encode(),
         key_id.encode(),
     ]
+    if manifest.blake3:  # covered when set, so no hop can swap it with the bytes; absent, as before
+        parts.append(b"blake3:" + manifest.blake3.encode())
     return DOMAIN + b"".join(_field(p) for p in parts)
 
 

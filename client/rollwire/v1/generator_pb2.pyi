@@ -173,7 +173,7 @@ class LoraConfig(_message.Message):
     def __init__(self, r: _Optional[int] = ..., lora_alpha: _Optional[float] = ..., target_modules: _Optional[_Iterable[str]] = ..., use_rslora: _Optional[bool] = ...) -> None: ...
 
 class AdapterManifest(_message.Message):
-    __slots__ = ("name", "version", "base_model_fingerprint", "lora_config", "byte_length", "sha256", "signature", "signer")
+    __slots__ = ("name", "version", "base_model_fingerprint", "lora_config", "byte_length", "sha256", "signature", "signer", "blake3")
     NAME_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
     BASE_MODEL_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
@@ -182,6 +182,7 @@ class AdapterManifest(_message.Message):
     SHA256_FIELD_NUMBER: _ClassVar[int]
     SIGNATURE_FIELD_NUMBER: _ClassVar[int]
     SIGNER_FIELD_NUMBER: _ClassVar[int]
+    BLAKE3_FIELD_NUMBER: _ClassVar[int]
     name: str
     version: int
     base_model_fingerprint: str
@@ -190,7 +191,8 @@ class AdapterManifest(_message.Message):
     sha256: str
     signature: bytes
     signer: str
-    def __init__(self, name: _Optional[str] = ..., version: _Optional[int] = ..., base_model_fingerprint: _Optional[str] = ..., lora_config: _Optional[_Union[LoraConfig, _Mapping]] = ..., byte_length: _Optional[int] = ..., sha256: _Optional[str] = ..., signature: _Optional[bytes] = ..., signer: _Optional[str] = ...) -> None: ...
+    blake3: str
+    def __init__(self, name: _Optional[str] = ..., version: _Optional[int] = ..., base_model_fingerprint: _Optional[str] = ..., lora_config: _Optional[_Union[LoraConfig, _Mapping]] = ..., byte_length: _Optional[int] = ..., sha256: _Optional[str] = ..., signature: _Optional[bytes] = ..., signer: _Optional[str] = ..., blake3: _Optional[str] = ...) -> None: ...
 
 class PushAdapterRequest(_message.Message):
     __slots__ = ("manifest", "chunk", "relay", "stage_only", "stripe", "granted", "bulk")

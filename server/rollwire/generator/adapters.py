@@ -38,6 +38,7 @@ from rollwire.common.manifest import DEFAULT_MAX_VERSION_STEP, Manifest, check_p
 from rollwire.common.reasons import Reason
 from rollwire.generator import eviction
 from rollwire.generator.types import AdapterSelection
+from rollwire.push.buffers import Payload
 
 DEFAULT_STAGE_TIMEOUT_S = 300.0
 """A staged version not committed within this long is dropped (limits.stage_timeout_s)."""
@@ -52,7 +53,7 @@ class _Version:
     handle: str | None
     """The engine's handle while loaded; None while kept as bytes only."""
     manifest: Manifest | None = None
-    payload: bytes | None = None
+    payload: Payload | None = None
     """The verified bytes, kept while servable so the version can be loaded again."""
     leases: int = 0
     servable: bool = True
@@ -79,7 +80,7 @@ class _Staged:
     sha256: str
     handle: str
     manifest: Manifest | None = None
-    payload: bytes | None = None
+    payload: Payload | None = None
     expiry: asyncio.TimerHandle | None = None
 
 
@@ -99,7 +100,7 @@ class AdapterRegistry:
 
     def __init__(
         self,
-        load: Callable[[str, Manifest, bytes], Awaitable[None]],
+        load: Callable[[str, Manifest, Payload], Awaitable[None]],
         unload: Callable[[str], Awaitable[None]],
         window: int,
         stage_timeout_s: float = DEFAULT_STAGE_TIMEOUT_S,
@@ -134,7 +135,7 @@ class AdapterRegistry:
         same = next((v for v in self._versions.get(m.name, []) if v.version == m.version and v.servable), None)
         return check_push_version(m, self._newest.get(m.name, 0), same.sha256 if same else None, "replica", max_step)
 
-    async def push(self, m: Manifest, payload: bytes, max_step: int = DEFAULT_MAX_VERSION_STEP) -> PushOutcome:
+    async def push(self, m: Manifest, payload: Payload, max_step: int = DEFAULT_MAX_VERSION_STEP) -> PushOutcome:
         """Load a checked payload as a new version and retire what leaves the window (a
         version staged with the same digest is committed without loading it again)."""
         async with self._lock:
@@ -146,7 +147,7 @@ class AdapterRegistry:
             handle = await self._load_new(m, payload)
             return self._make_servable(m.name, _Staged(m.version, m.sha256, handle, m, payload))
 
-    async def stage(self, m: Manifest, payload: bytes, max_step: int = DEFAULT_MAX_VERSION_STEP) -> PushOutcome:
+    async def stage(self, m: Manifest, payload: Payload, max_step: int = DEFAULT_MAX_VERSION_STEP) -> PushOutcome:
         """Load a checked payload without serving it; `commit` serves it. Staging the staged
         version again only restarts its timer; a version already served is an idempotent
         success (`already_loaded`, not staged)."""
@@ -196,7 +197,7 @@ class AdapterRegistry:
         """The staged (not servable) version of each name."""
         return {name: s.version for name, s in self._staged.items()}
 
-    async def _load_new(self, m: Manifest, payload: bytes) -> str:
+    async def _load_new(self, m: Manifest, payload: Payload) -> str:
         await self._make_room(m.name)
         self._counter += 1
         handle = f"rw{self._counter}"

@@ -35,6 +35,7 @@ from pydantic import Field, field_validator
 from rollwire.common.errors import ResourceExhausted
 from rollwire.common.manifest import NAME_RE, NAME_RULE, TENANT_SEPARATOR
 from rollwire.common.reasons import Reason
+from rollwire.push.buffers import Payload
 from rollwire.runtime.config import Section
 
 ROOM, QUOTA_REFUSED, FULL_HELD = "room", "quota_refused", "full_held"
@@ -86,7 +87,7 @@ class Slot(Protocol):
     used: int
     leases: int
     servable: bool
-    payload: bytes | None
+    payload: Payload | None
 
 
 V = TypeVar("V", bound=Slot)

@@ -174,11 +174,9 @@ class PushIntake:
                     await stream.assembly.add(j, chunk)
                     if forward is not None:
                         await forward.send(chunk)
-            else:
-                async for chunk in stream.reader.chunks(inspector=PayloadInspector(manifest, self.base_shapes)):
-                    self.metrics.push_bytes.inc(len(chunk))
-                    if forward is not None:
-                        await forward.send(chunk)
+            else:  # over the bulk path, one reading thread receives, checks and forwards every piece
+                inspector = PayloadInspector(manifest, self.base_shapes)
+                await stream.reader.take(inspector, forward, self.metrics.push_bytes.inc)
         except BaseException as exc:
             if forward is not None:
                 forward.abort(f"its parent's upload failed: {exc}"[:300])

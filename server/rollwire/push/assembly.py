@@ -24,6 +24,8 @@ from collections.abc import Callable
 from rollwire.common.errors import FailedPrecondition, InvalidArgument, ResourceExhausted, RollwireError
 from rollwire.common.reasons import Reason
 from rollwire.common.writer import MAX_CHUNK, MAX_STRIPES, MIN_STRIPE_CHUNK
+from rollwire.push.buffers import Payload
+from rollwire.push.digests import Digests
 from rollwire.push.sink import Inspector, Sink, verdict
 from rollwire.runtime.logs import get_logger
 from rollwire.v1 import generator_pb2 as pb
@@ -61,7 +63,9 @@ class Assembly:
     def __init__(self, manifest: pb.AdapterManifest, stripe: pb.Stripe, inspector: Inspector | None) -> None:
         self.manifest = manifest
         self.count, self.chunk_bytes = stripe.count, stripe.chunk_bytes
-        self.sink = Sink(manifest.byte_length, None, 8 * MAX_CHUNK, inspector, keep_chunks=False)
+        self.sink = Sink(
+            manifest.byte_length, None, 8 * MAX_CHUNK, inspector, False, digests=Digests(manifest), flat=True
+        )
         self.ahead: dict[int, bytes] = {}
         self.next = 0
         self.feeding = asyncio.Lock()
@@ -117,13 +121,13 @@ class Assembly:
         self.completed = True
         return True
 
-    async def finish(self) -> bytes:
+    async def finish(self) -> Payload:
         """The verified payload (length, digest, tensors), after `end` returned True."""
         assert self.completed
         async with self.feeding:
             pass  # every chunk was fed: each add returned after its feed ran
         payload = await verdict(self.manifest, self.sink, sync=False)
-        assert isinstance(payload, bytes)
+        assert not isinstance(payload, list)
         return payload
 
     def fail(self, err: RollwireError | None) -> None:

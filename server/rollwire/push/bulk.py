@@ -8,8 +8,9 @@ the SDK shares. Here:
   hello carries that push's token is handed to it, once, before the offer expires; any other
   connection is closed. Accepting and the hello run on threads, bounded by
   `bulk.max_connections`, each read with a deadline.
-- `BulkSource`: the receiver's reads of one push: exact-size pieces (`recv_into` preallocated
-  buffers, a few pieces read ahead on one thread), each with the push's idle deadline.
+- `BulkSource`: the receiver's reads of one push: exact-size pieces (`recv_into` their place in
+  one buffer of the push's bytes, a few pieces read ahead on one thread), each with the push's
+  idle deadline.
 - `BulkDial` / `BulkLane`: a sender's side of one child: the offer read from the child's
   initial metadata, the connection made off the event loop within `connect_timeout_s`, each
   chunk sent by `sendall` of the very buffer received (no copy), each with a deadline. No
@@ -20,6 +21,7 @@ the SDK shares. Here:
 from __future__ import annotations
 
 import asyncio
+import mmap
 import secrets
 import socket
 import ssl
@@ -36,6 +38,7 @@ from rollwire.common import bulk as wire
 from rollwire.common.addresses import split_address
 from rollwire.common.errors import DeadlineExceeded, InvalidArgument
 from rollwire.common.reasons import Reason
+from rollwire.push.buffers import BufferPool, payload_buffer
 from rollwire.runtime.dialing import DialSection
 from rollwire.runtime.logs import get_logger
 from rollwire.runtime.security import TlsSection
@@ -101,6 +104,8 @@ class BulkListener:
         self.section, self.tls = section, server_tls(tls)
         self.sock = socket.create_server((host.strip("[]"), section.port), backlog=128)
         self.port: int = self.sock.getsockname()[1]
+        self.pool = BufferPool(section.reuse_bytes)
+        """The buffers its pushes are received into, reused across pushes of the same size."""
         self._expected: dict[bytes, Expected] = {}
         self._lock = threading.Lock()
         self._open = threading.BoundedSemaphore(section.max_connections)
@@ -197,62 +202,117 @@ def _shut(conn: socket.socket) -> None:
 def _read_exact(conn: socket.socket, size: int) -> bytearray:
     """Exactly `size` bytes into one preallocated buffer; EOFError when the sender ends first."""
     buf = bytearray(size)
-    view, got = memoryview(buf), 0
+    recv_exact(conn, memoryview(buf))
+    return buf
+
+
+def recv_exact(conn: socket.socket, view: memoryview) -> memoryview:
+    """Fill `view` from `conn` (recv_into, no copy in user space); EOFError(bytes got) when the
+    sender ends first, TimeoutError when a read waits longer than the socket's timeout."""
+    size, got = len(view), 0
     while got < size:
         n = conn.recv_into(view[got:], size - got)
         if n == 0:
             raise EOFError(got)
         got += n
-    return buf
+    return view
 
 
 @dataclass(eq=False)
 class BulkSource:
     """The receiver's reads of one push's bytes, in pieces of the given sizes, on one thread
-    reading up to READ_AHEAD pieces ahead; every read has `idle_s` as its deadline."""
+    reading up to READ_AHEAD pieces ahead, each straight into its place in one buffer of all
+    the bytes expected (`buffer`, allocated by that thread first: buffers.payload_buffer);
+    every read has `idle_s` as its deadline."""
 
     accepted: Accepted
     idle_s: float
+    buffer: bytearray | mmap.mmap | None = None
+    """Every byte this connection carries, in order, once read (the payload, or a stripe's chunks):
+    given (`BufferPool.take`, before the offer), else allocated by the reading thread first."""
     received: int = 0
     _pool: ThreadPoolExecutor = field(
         default_factory=lambda: ThreadPoolExecutor(max_workers=1, thread_name_prefix="bulk-read")
     )
-    _ahead: deque[tuple[int, Future[bytearray]]] = field(default_factory=deque)
+    _ahead: deque[tuple[int, Future[memoryview]]] = field(default_factory=deque)
 
     def __post_init__(self) -> None:
         self.conn = self.accepted.sock
         self.conn.settimeout(self.idle_s)
 
     async def pieces(self, sizes: Sequence[int], total: int):
-        """Each piece, in order, as it is complete (`total`: the bytes expected in all, for messages)."""
-        todo = iter(sizes)
-        for size in todo:
-            self._ahead.append((size, self._pool.submit(_read_exact, self.conn, size)))
+        """Each piece, in order, as it is complete: a view of its place in `buffer` (`total`: the
+        bytes expected in all, which the receiver admitted: the buffer's size)."""
+        self._pool.submit(self._allocate, total)  # first on the reading thread: never on the event loop
+        offset = 0
+        for size in sizes:
+            self._ahead.append((size, self._pool.submit(self._read, offset, size)))
+            offset += size
             if len(self._ahead) < READ_AHEAD:
                 continue
             yield await self._next(total)
         while self._ahead:
             yield await self._next(total)
 
-    async def _next(self, total: int) -> bytearray:
+    def take_buffer(self) -> bytearray | mmap.mmap:
+        """The buffer of every byte read, once all were (the payload, kept where it was received)."""
+        assert self.buffer is not None, "pieces() first"
+        return self.buffer
+
+    def _allocate(self, total: int) -> None:
+        if self.buffer is None or len(self.buffer) != total:
+            self.buffer = payload_buffer(total)
+
+    def _read(self, offset: int, size: int) -> memoryview:
+        assert self.buffer is not None
+        return recv_exact(self.conn, memoryview(self.buffer)[offset : offset + size])
+
+    async def _next(self, total: int) -> memoryview:
         size, future = self._ahead.popleft()
         try:
             piece = await asyncio.wrap_future(future)
-        except TimeoutError:
-            raise DeadlineExceeded(
+        except (TimeoutError, EOFError, OSError) as exc:
+            raise self.failure(exc, total) from None
+        self.received += size
+        return piece
+
+    def run(self, sizes: Sequence[int], total: int, on_piece: Callable[[memoryview], None]) -> None:
+        """On the reading thread (blocking): every piece read into its place in `buffer`, then
+        `on_piece(view)` before the next is read (hash, checks, forwarding: no hand-off per
+        piece). Raises what `failure` maps, or what `on_piece` raises; `close` ends it."""
+        self._allocate(total)
+        offset = 0
+        for size in sizes:
+            on_piece(self._read(offset, size))
+            offset += size
+            self.received += size
+
+    def failure(self, exc: BaseException, total: int) -> BaseException:
+        """A read's failure as the push's error: a stall (the idle deadline), or a truncated upload."""
+        if isinstance(exc, TimeoutError):
+            return DeadlineExceeded(
                 f"the push's bulk connection sent nothing for {self.idle_s:g} s, so the receiver cancelled it; "
                 "push again",
                 reason=Reason.PUSH_IDLE,
-            ) from None
-        except (EOFError, OSError) as exc:
+            )
+        if isinstance(exc, (EOFError, OSError)):
             got = self.received + (exc.args[0] if isinstance(exc, EOFError) else 0)
-            raise InvalidArgument(
+            return InvalidArgument(
                 f"the push's bulk connection ended after {got} of the {total} bytes expected "
                 f"({type(exc).__name__}); the upload was truncated",
                 reason=Reason.LENGTH_MISMATCH,
-            ) from None
-        self.received += size
-        return piece
+            )
+        return exc
+
+    async def read_all(self, sizes: Sequence[int], total: int, on_piece: Callable[[memoryview], None]) -> None:
+        """`run` on the reading thread, its failure raised here (a cancellation closes the connection)."""
+        try:
+            await asyncio.wrap_future(self._pool.submit(self.run, sizes, total, on_piece))
+        except (TimeoutError, EOFError, OSError) as exc:
+            raise self.failure(exc, total) from None
+        except asyncio.CancelledError:
+            self.close()  # a blocked read ends at once
+            raise
 
     def close(self) -> None:
         """Stop reading (a blocked read ends at once) and give the connection's slot back; idempotent."""

@@ -21,6 +21,8 @@ from __future__ import annotations
 import asyncio
 import hashlib
 
+from blake3 import blake3
+
 from rollwire.common.errors import InvalidArgument, RollwireError
 from rollwire.common.lora import LoraShape
 from rollwire.common.manifest import Manifest
@@ -33,6 +35,7 @@ from rollwire.common.safetensors_header import (
     nonfinite_tensor,
     read_entries,
 )
+from rollwire.push.buffers import Payload, as_bytes
 
 PEFT_PREFIX = "base_model.model."
 ALL_LINEAR = "all-linear"
@@ -56,12 +59,14 @@ def check_payload(m: Manifest, payload: bytes, base_shapes: dict[str, tuple[int,
             "the upload was truncated or the manifest is wrong",
             reason=Reason.LENGTH_MISMATCH,
         )
-    digest = hashlib.sha256(payload).hexdigest()
-    if digest != m.sha256:
-        raise InvalidArgument(
-            f"payload sha256 is {digest} but the manifest declared {m.sha256}; the bytes were corrupted or the manifest is stale",
-            reason=Reason.DIGEST_MISMATCH,
-        )
+    for name, want, digest in (("sha256", m.sha256, hashlib.sha256), ("blake3", m.blake3, blake3)):
+        got = digest(payload).hexdigest() if want else want  # at rest: both, when the manifest has both
+        if got != want:
+            raise InvalidArgument(
+                f"payload {name} is {got} but the manifest declared {want}; the bytes were corrupted or the manifest "
+                "is stale",
+                reason=Reason.DIGEST_MISMATCH,
+            )
     check_tensors(m, payload, base_shapes)
 
 
@@ -121,7 +126,7 @@ class PayloadInspector:
         self.scanner: StreamingFinite | None = None
         self.error: RollwireError | None = None
 
-    def feed(self, chunk: bytes) -> None:
+    def feed(self, chunk: bytes | memoryview) -> None:
         if self.error is not None:
             return
         try:
@@ -151,12 +156,12 @@ class PayloadInspector:
         need = 8 + header_length(self.prefix)
         return len(self.prefix) >= need or need > min(self.manifest.byte_length, 8 + MAX_HEADER_BYTES)
 
-    def finish(self, payload: bytes | list[bytes]) -> None:
+    def finish(self, payload: Payload | list[bytes]) -> None:
         """After the last chunk, with the payload (or its chunks): raises the first failure;
         checks what could not be checked in pieces (a payload too short for its header,
         overlapping tensors: only hostile payloads, so joining chunks there costs nothing real)."""
         if self.error is None and (self.scanner is None or self.scanner.needs_full_scan):
-            whole = payload if isinstance(payload, bytes) else b"".join(payload)
+            whole = b"".join(payload) if isinstance(payload, list) else as_bytes(payload)
             tensors = check_header(self.manifest, whole, self.base_shapes)  # raises if the header never completed
             bad = nonfinite_tensor(whole, tensors, 8 + header_length(whole))
             if bad is not None:

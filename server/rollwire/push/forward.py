@@ -29,15 +29,16 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections import deque
 from collections.abc import Callable, Sequence
 
 import grpc
 
+from rollwire.common import bulk as wire
 from rollwire.common.errors import ERROR_DOMAIN, Unavailable, from_rpc_error, status_detail
 from rollwire.common.reasons import Reason
 from rollwire.common.writer import opening
 from rollwire.push.bulk import BulkDial, BulkLane
+from rollwire.push.pipe import Pipe
 from rollwire.push.plan import Child
 from rollwire.push.results import result, results_from_error
 from rollwire.runtime.logs import get_logger
@@ -69,43 +70,6 @@ def child_timeout(remaining: float) -> float:
     return max(0.05, remaining - min(1.0, REPLY_MARGIN * remaining))
 
 
-class _Pipe:
-    """A bounded FIFO of chunks between the sender and one child's request stream."""
-
-    def __init__(self, capacity: int) -> None:
-        self.items: deque[bytes] = deque()
-        self.capacity = capacity
-        self.closed = False
-        self.readable = asyncio.Event()
-        self.room = asyncio.Event()
-
-    def full(self) -> bool:
-        return len(self.items) >= self.capacity
-
-    def push(self, chunk: bytes) -> None:
-        self.items.append(chunk)
-        self.readable.set()
-
-    def close(self) -> None:
-        self.closed = True
-        self.readable.set()
-
-    async def pop(self) -> bytes | None:
-        while not self.items:
-            if self.closed:
-                return None
-            self.readable.clear()
-            await self.readable.wait()
-        chunk = self.items.popleft()
-        self.room.set()
-        return chunk
-
-    async def wait_room(self) -> None:
-        while self.full():
-            self.room.clear()
-            await self.room.wait()
-
-
 class ChildLink:
     """The stream to one child: its opening message, then whatever the sender queues."""
 
@@ -122,7 +86,7 @@ class ChildLink:
         stripe: pb.Stripe | None = None,
         bulk: tuple[BulkDial, float] | None = None,
     ) -> None:
-        self.child, self.pipe = child, _Pipe(queue_chunks)
+        self.child, self.pipe = child, Pipe(queue_chunks)
         self.manifest, self.stripe, self.bulk = manifest, stripe, bulk
         """`bulk`: how to reach the child's bulk endpoint and each send's deadline (None: gRPC chunks only)."""
         self.path = "grpc"
@@ -148,6 +112,14 @@ class ChildLink:
         """When the child took the sender's last chunk: its settle time counts from here."""
         self.done_at: float | None = None
         """When its call ended (it answered, failed or was cut): its bytes are off the link."""
+        self.loop = asyncio.get_running_loop()
+        self.lane: BulkLane | None = None
+        self.lane_ready = asyncio.Event()
+        """Set once its bulk lane is up, or known not to be (`lane` None: gRPC chunks)."""
+        self.direct = False
+        """Its bytes come from the receiver's reading thread (`feed`), not through `pipe`."""
+        self.failed = False
+        """Its bulk connection broke."""
         self.call = stub.PushAdapter(self._requests(), timeout=timeout, metadata=tuple(metadata))
         self.task = asyncio.ensure_future(self._wait())
 
@@ -158,34 +130,59 @@ class ChildLink:
             dial, send_timeout = self.bulk
             lane = await BulkLane.open(dial, self.call, self.child.address, self.manifest, self.stripe, send_timeout)
             self.path = "grpc" if lane is None else "bulk"
+        self.lane = lane
+        self.lane_ready.set()
         try:
             while (chunk := await self.pipe.pop()) is not None:
-                now = time.monotonic()
-                if self.sent:
-                    self.pace_s = max(self.pace_s, now - self.took_at)
-                self.sent += len(chunk)
-                self.took_at = now
-                self.turns[0] += 1
-                self.mark = self.turns[0]
+                self._took(len(chunk))
                 if lane is None:
                     yield pb.PushAdapterRequest(chunk=chunk if isinstance(chunk, bytes) else bytes(chunk))
                     continue
                 try:
                     await lane.send(chunk)
-                except OSError as exc:  # the child stopped taking bytes: its own refusal, else a broken hop
-                    await asyncio.wait({self.task}, timeout=REFUSAL_GRACE_S)
-                    if not self.task.done():  # no verdict of its own: this hop fails, as a stalled one does
-                        why = f"its bulk connection failed ({type(exc).__name__}: {exc})"[:300]
-                        self.cut(why, grpc.StatusCode.UNAVAILABLE, Reason.RELAY_STALLED)
-                    lane.abort()
+                except OSError as exc:
+                    await self._lane_failed(exc)
                     return
         except BaseException:
             if lane is not None:
                 lane.abort()
             raise
         if lane is not None:
-            lane.close()
+            lane.abort() if self.failed else lane.close()
         self.drained_at = time.monotonic()
+
+    def _took(self, size: int) -> None:
+        """The child took `size` more bytes now (the stall rule's bookkeeping)."""
+        now = time.monotonic()
+        if self.sent:
+            self.pace_s = max(self.pace_s, now - self.took_at)
+        self.sent += size
+        self.took_at = now
+        self.turns[0] += 1
+        self.mark = self.turns[0]
+
+    def feed(self, piece: memoryview) -> None:
+        """On the receiver's reading thread, for a `direct` child: send it `piece` over its bulk
+        lane (sendall of the very view received, with the lane's deadline). A failed send fails
+        this child only: its own verdict if it refused the bytes, else it is cut off."""
+        if self.failed or self.cut_reason or self.task.done() or self.lane is None:
+            return
+        self._took(len(piece))
+        try:
+            wire.send(self.lane.sock, piece)
+        except OSError as exc:
+            self.failed = True
+            asyncio.run_coroutine_threadsafe(self._lane_failed(exc), self.loop)
+
+    async def _lane_failed(self, exc: OSError) -> None:
+        """The child stopped taking bytes: its own refusal (it answers), else a broken hop, cut off."""
+        self.failed = True
+        await asyncio.wait({self.task}, timeout=REFUSAL_GRACE_S)
+        if not self.task.done():  # no verdict of its own: this hop fails, as a stalled one does
+            why = f"its bulk connection failed ({type(exc).__name__}: {exc})"[:300]
+            self.cut(why, grpc.StatusCode.UNAVAILABLE, Reason.RELAY_STALLED)
+        if self.lane is not None:
+            self.lane.abort()
 
     async def _wait(self):
         try:
@@ -372,7 +369,7 @@ class Forwarder:
         cuts off a child that is `stalled` meanwhile."""
         slow = []
         for link in self.links:
-            if not link.live:
+            if not link.live or link.direct:
                 continue
             if link.pipe.full():
                 slow.append(link)
@@ -380,6 +377,24 @@ class Forwarder:
                 link.pipe.push(chunk)
         if slow:
             await asyncio.gather(*(self._put(link, chunk) for link in slow))
+
+    async def direct(self, timeout: float) -> list[ChildLink]:
+        """The children whose bulk lanes are up (each decided within `timeout`), handed to the
+        caller's reading thread: from now on it sends them every piece (`ChildLink.feed`) and
+        `send` queues chunks only for the others (gRPC chunks, the fallback)."""
+        loop, pending = asyncio.get_running_loop(), [link for link in self.links if link.bulk is not None]
+        end = loop.time() + timeout
+        while (pending := [p for p in pending if not p.lane_ready.is_set() and not p.task.done()]) and (
+            left := end - loop.time()
+        ) > 0:
+            waits = {asyncio.ensure_future(p.lane_ready.wait()) for p in pending}
+            await asyncio.wait(waits | {p.task for p in pending}, timeout=left, return_when=asyncio.FIRST_COMPLETED)
+            for w in waits:
+                w.cancel()
+        out = [link for link in self.links if link.lane_ready.is_set() and link.lane is not None and link.live]
+        for link in out:
+            link.direct = True
+        return out
 
     def end(self) -> None:
         self.ended_at = time.monotonic()

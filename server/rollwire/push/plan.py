@@ -81,8 +81,10 @@ def grant_key(admin_token_digest: bytes) -> bytes:
 
 
 def relay_grant(key: bytes, manifest: pb.AdapterManifest, address: str) -> bytes:
-    """The proxy's grant to relay this push (name, version, digest) to `address`."""
-    message = f"{manifest.name}\0{manifest.version}\0{manifest.sha256}\0{address}".encode()
+    """The proxy's grant to relay this push (name, version, digests) to `address`: its BLAKE3
+    too when set, which the proxy verified beside the sha256, so no hop can swap it with the bytes."""
+    blake3 = f"\0blake3:{manifest.blake3}" if manifest.blake3 else ""
+    message = f"{manifest.name}\0{manifest.version}\0{manifest.sha256}\0{address}{blake3}".encode()
     return hmac.new(key, message, hashlib.sha256).digest()
 
 

@@ -22,12 +22,19 @@ import asyncio
 from collections.abc import AsyncIterable, AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
+from rollwire.common import bulk as wire
 from rollwire.common.errors import DeadlineExceeded, InvalidArgument
 from rollwire.common.reasons import Reason
 from rollwire.common.writer import MAX_CHUNK, stripe_layout
-from rollwire.push.bulk import BulkListener, BulkSource
+from rollwire.push.buffers import Payload
+from rollwire.push.bulk import Accepted, BulkListener, BulkSource
+from rollwire.push.digests import Digests
 from rollwire.push.sink import Inspector, Sink, verdict
+
+if TYPE_CHECKING:
+    from rollwire.push.forward import Forwarder
 from rollwire.v1 import generator_pb2 as pb
 
 
@@ -80,6 +87,8 @@ class PushReader:
     backlog_bytes: int = 8 * MAX_CHUNK
     received: int = 0
     manifest: pb.AdapterManifest | None = None
+    both_digests: bool = False
+    """Verify the sha256 beside a manifest's BLAKE3 (a proxy taking a client's upload: push.digests)."""
     path: str = "grpc"
     """How the bytes came: "grpc" (chunks on the stream) or "bulk" (`agree`)."""
     _raw: AsyncIterator | None = field(default=None, repr=False)
@@ -103,7 +112,12 @@ class PushReader:
             await send_metadata(())
             return True
         assert self._raw is not None, "open() first"
-        offer, expected = listener.expect(opening.manifest, opening.stripe)
+        m, stripe = opening.manifest, opening.stripe
+        size = sum(s for _, s in stripe_layout(m.byte_length, stripe)) if stripe is not None else m.byte_length
+        # the buffer first, off the loop, before the offer: a sender never waits on it mid-stream (it
+        # waits for the offer, within its connect timeout, and falls back to chunks past it)
+        buffer = await asyncio.to_thread(listener.pool.take, size)
+        offer, expected = listener.expect(m, stripe)
         await send_metadata(offer.metadata())
         came = asyncio.ensure_future(listener.connection(expected, listener.section.connect_timeout_s))
         first = asyncio.ensure_future(anext(self._raw))
@@ -114,17 +128,24 @@ class PushReader:
             came.cancel()  # a chunk came first: the sender fell back to the stream
             listener.withdraw(expected)
             accepted = None
+        if accepted is not None and not await _acknowledged(accepted):
+            accepted = None  # closed unacknowledged: its sender sends chunks on the stream instead
         if accepted is not None:
-            self.path, self._bulk, self._tail = "bulk", BulkSource(accepted, self.idle_s), first
+            self.path, self._bulk, self._tail = "bulk", BulkSource(accepted, self.idle_s, buffer), first
         else:
             self._stream = aiter(idle_bounded(_resumed(first, self._raw), self.idle_s, self.holder))
         return True
 
     async def _pieces(self, sizes: list[int]) -> AsyncIterator[bytes]:
         """The bulk path's pieces of `sizes`, then the stream's end (a chunk there is one too many)."""
-        assert self._bulk is not None and self._tail is not None and self.manifest is not None
+        assert self._bulk is not None
         async for piece in self._bulk.pieces(sizes, sum(sizes)):
-            yield piece  # pyright: ignore[reportReturnType]  # a bytearray: hashed, kept and sent as bytes are
+            yield piece  # pyright: ignore[reportReturnType]  # a view: hashed, kept and sent as bytes are
+        await self._stream_end()
+
+    async def _stream_end(self) -> None:
+        """After the bulk bytes: the stream must end (within `idle_s`) with no chunk."""
+        assert self._bulk is not None and self._tail is not None and self.manifest is not None
         self._bulk.close()  # every byte is in: the sender may close now
         try:
             async with asyncio.timeout(self.idle_s):
@@ -141,6 +162,43 @@ class PushReader:
             "after the bulk connection's bytes",
             reason=Reason.LENGTH_MISMATCH,
         )
+
+    async def take(self, inspector: Inspector, forward: Forwarder | None, count: Callable[[int], None]) -> None:
+        """A plain push's every byte received, checked and forwarded to `forward`'s children
+        (then `finish`); `count(n)` as bytes arrive. Over gRPC chunks: `chunks`, each sent on
+        from the event loop. Over the bulk path: one reading thread receives each piece into the
+        payload's buffer, hashes and inspects it, and sends it to every child whose bulk lane is
+        up (`Forwarder.direct`), before it reads the next; the event loop hears only of the end
+        (or a failure), and of a piece only for a child that fell back to gRPC chunks."""
+        if self._bulk is None or self.keep_chunks:
+            async for chunk in self.chunks(inspector=inspector):
+                count(len(chunk))
+                if forward is not None:
+                    await forward.send(chunk)
+            return
+        assert self.manifest is not None
+        declared, loop = self.manifest.byte_length, asyncio.get_running_loop()
+        digests = Digests(self.manifest, both=self.both_digests)
+        sink = self._sink = Sink(
+            declared, None, self.backlog_bytes, inspector, False, self._bulk.take_buffer, digests=digests
+        )
+        lanes = await forward.direct(self._bulk.idle_s) if forward is not None else []
+        chunked = forward is not None and len(lanes) < len(forward.links)
+
+        def on_piece(piece: memoryview) -> None:
+            sink.write([piece])
+            sink.raise_inspection()  # refused bytes go no further
+            count(len(piece))
+            for link in lanes:
+                link.feed(piece)
+            if chunked:
+                assert forward is not None
+                asyncio.run_coroutine_threadsafe(forward.send(piece), loop).result(self.idle_s)  # pyright: ignore[reportArgumentType]
+
+        sizes = [min(MAX_CHUNK, declared - start) for start in range(0, declared, MAX_CHUNK)]
+        await self._bulk.read_all(sizes, declared, on_piece)
+        self.received = declared
+        await self._stream_end()
 
     async def open(self) -> Opening:
         self._raw = aiter(self.messages)
@@ -169,7 +227,9 @@ class PushReader:
         payload's content, run on the worker as it arrives (a failure ends the upload)."""
         assert self._stream is not None and self.manifest is not None, "open() first"
         declared = self.manifest.byte_length
-        self._sink = Sink(declared, store, self.backlog_bytes, inspector, self.keep_chunks)
+        in_place = self._bulk.take_buffer if self._bulk is not None and not self.keep_chunks else None
+        digests = Digests(self.manifest, both=self.both_digests)
+        self._sink = Sink(declared, store, self.backlog_bytes, inspector, self.keep_chunks, in_place, digests=digests)
         async for chunk in self._chunks(declared):
             self.received += len(chunk)
             if self.received > declared:
@@ -212,13 +272,14 @@ class PushReader:
                 reason=Reason.LENGTH_MISMATCH,
             )
 
-    async def finish(self, sync: bool = True) -> bytes:
+    async def finish(self, sync: bool = True) -> Payload:
         """The payload once the stream ended: length, digest, then the inspector's checks;
         the store is flushed (and fsynced unless `sync` is false: then the caller syncs it
-        before relying on it, e.g. off the critical path)."""
+        before relying on it, e.g. off the critical path). Over the bulk path it is the buffer
+        its bytes were received into (`BulkSource.buffer`), else `bytes`."""
         assert not self.keep_chunks, "finish_chunks() keeps the chunks"
         payload = await self._finish(sync)
-        assert isinstance(payload, bytes)
+        assert not isinstance(payload, list)
         return payload
 
     async def finish_chunks(self, sync: bool = True) -> list[bytes]:
@@ -228,7 +289,7 @@ class PushReader:
         assert isinstance(payload, list)
         return payload
 
-    async def _finish(self, sync: bool) -> bytes | list[bytes]:
+    async def _finish(self, sync: bool) -> Payload | list[bytes]:
         assert self.manifest is not None and self._sink is not None, "chunks() first"
         m = self.manifest
         if self.received != m.byte_length:
@@ -245,8 +306,20 @@ class PushReader:
             self._sink.close()
         if self._bulk is not None:
             self._bulk.close()
+            self._bulk.buffer = None  # the payload's holder keeps it; unused, its pool may hand it out again
         if self._tail is not None and not self._tail.done():
             self._tail.cancel()
+
+
+async def _acknowledged(accepted: Accepted) -> bool:
+    """Tell the sender its connection was taken (`wire.ACK`); False (closed) when that fails."""
+    try:
+        await asyncio.to_thread(wire.acknowledge, accepted.sock)
+        return True
+    except OSError:
+        accepted.sock.close()
+        accepted.release()
+        return False
 
 
 async def _resumed(first: asyncio.Future, rest: AsyncIterator):

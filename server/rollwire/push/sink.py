@@ -6,8 +6,8 @@ Invariants:
   push, in payload order, never on the event loop;
 - `absorb` waits while the worker is more than `backlog_bytes` behind, so memory stays
   bounded when the disk is slow;
-- a host holds the payload once: one buffer (or the chunks as received), and a file when
-  asked; a file that cannot be written ends the upload with RESOURCE_EXHAUSTED (DISK_FULL)
+- a host holds the payload once: one buffer (or the chunks as received, or the bulk path's
+  buffer they were received into: `in_place`), and a file when asked; a file that cannot be written ends the upload with RESOURCE_EXHAUSTED (DISK_FULL)
   when its disk is full, else UNAVAILABLE (STORE_FAILED) (durable.storage_error);
 - `verdict` checks the digest before the inspector's refusal, and only then hands the
   payload out.
@@ -16,20 +16,21 @@ Invariants:
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import io
 import os
 from collections import deque
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Protocol
 
-from rollwire.common.errors import InvalidArgument, RollwireError
-from rollwire.common.reasons import Reason
+from rollwire.common.errors import RollwireError
+from rollwire.push.buffers import Filled, Payload
+from rollwire.push.digests import Digests
 from rollwire.runtime.durable import storage_error
 from rollwire.v1 import generator_pb2 as pb
 
-_SUBMIT_BYTES = 256 << 10  # small chunks are handed to the worker thread in batches of this size
+_SUBMIT_BYTES = 4 << 20  # chunks are handed to the worker thread in batches of this size (a hand-off each)
 
 
 class Inspector(Protocol):
@@ -38,10 +39,10 @@ class Inspector(Protocol):
     error: RollwireError | None
     """The first failure seen so far, if any."""
 
-    def feed(self, chunk: bytes) -> None:
+    def feed(self, chunk: bytes | memoryview) -> None:
         """The next chunk, in order; called on the reader's worker thread."""
 
-    def finish(self, payload: bytes | list[bytes]) -> None:
+    def finish(self, payload: Payload | list[bytes]) -> None:
         """After the last chunk, with the whole payload (or its chunks); raises the first failure."""
 
 
@@ -53,13 +54,28 @@ class Sink:
     `backlog_bytes` behind, so memory stays bounded when the disk is slow."""
 
     def __init__(
-        self, size: int, store: Path | None, backlog_bytes: int, inspector: Inspector | None, keep_chunks: bool
+        self,
+        size: int,
+        store: Path | None,
+        backlog_bytes: int,
+        inspector: Inspector | None,
+        keep_chunks: bool,
+        in_place: Callable[[], Payload] | None = None,
+        *,
+        digests: Digests,
+        flat: bool = False,
     ) -> None:
+        """`in_place`: the chunks are views of one buffer that holds the payload already (the bulk
+        path's, `BulkSource.buffer`): nothing is copied, and the payload is that buffer. `flat`:
+        the payload is copied into one buffer of its size (`buffers.Filled`), not `bytes`."""
         self.size, self.backlog, self.inspector = size, backlog_bytes, inspector
-        self.digest = hashlib.sha256()
+        self.digests = digests
+        self.in_place = in_place
         # BytesIO grows in place and getvalue() hands over its buffer without a copy, so the
         # payload costs its size once, not twice as a list of chunks plus their join would.
-        self.buffer: io.BytesIO | None = None if keep_chunks else io.BytesIO()
+        self.buffer: io.BytesIO | Filled | None = None
+        if not keep_chunks and not in_place:
+            self.buffer = Filled(size) if flat else io.BytesIO()
         self.kept: list[bytes] | None = [] if keep_chunks else None
         self.store = store
         try:
@@ -88,7 +104,7 @@ class Sink:
             return
         batch, size = self.pending, self.pending_bytes
         self.pending, self.pending_bytes = [], 0
-        future = asyncio.get_running_loop().run_in_executor(self.pool, self._write, batch)
+        future = asyncio.get_running_loop().run_in_executor(self.pool, self.write, batch)
         self.inflight.append((future, size))
         self.inflight_bytes += size
 
@@ -106,9 +122,11 @@ class Sink:
         where = f"the upload's file {self.store}" if self.store is not None else "the upload's buffer"
         return storage_error(exc, where)
 
-    def _write(self, batch: list[bytes]) -> None:
+    def write(self, batch: list[bytes] | list[memoryview]) -> None:
+        """The worker's work on `batch`, in order: hash, keep, store, inspect. Runs on one thread
+        at a time: the sink's worker, or (the bulk path's `PushReader.take`) the reading thread."""
         for chunk in batch:
-            self.digest.update(chunk)
+            self.digests.update(chunk)
             if self.buffer is not None:
                 self.buffer.write(chunk)
             if self.file is not None:
@@ -120,16 +138,18 @@ class Sink:
         if self.inspector is not None and self.inspector.error is not None:
             raise self.inspector.error
 
-    def _seal(self, sync: bool) -> tuple[str, bytes | list[bytes], RollwireError | None]:
+    def _seal(self, sync: bool) -> tuple[Payload | list[bytes], RollwireError | None]:
         if self.file is not None:
             self.file.flush()
             if sync:
                 os.fsync(self.file.fileno())
             self.file.close()
             self.file = None
-        payload: bytes | list[bytes]
+        payload: Payload | list[bytes]
         if self.buffer is not None:
             payload, self.buffer = self.buffer.getvalue(), None
+        elif self.in_place is not None:
+            payload, self.in_place = self.in_place(), None
         else:
             assert self.kept is not None
             payload, self.kept = self.kept, None
@@ -139,9 +159,9 @@ class Sink:
                 self.inspector.finish(payload)
             except RollwireError as exc:
                 refusal = exc
-        return self.digest.hexdigest(), payload, refusal
+        return payload, refusal
 
-    async def finish(self, sync: bool) -> tuple[str, bytes | list[bytes], RollwireError | None]:
+    async def finish(self, sync: bool) -> tuple[Payload | list[bytes], RollwireError | None]:
         self._submit()
         while self.inflight:
             await self._settle_oldest()
@@ -162,18 +182,15 @@ class Sink:
         if file is not None:
             self.pool.submit(file.close)  # after any write still running: FIFO, one worker
         self.pool.shutdown(wait=False, cancel_futures=False)
-        self.buffer = self.kept = None
+        self.buffer = self.kept = self.in_place = None
 
 
-async def verdict(m: pb.AdapterManifest, sink: Sink, sync: bool) -> bytes | list[bytes]:
-    """The payload of a sink that took every byte: digest, then the inspector's checks."""
-    digest, payload, refusal = await sink.finish(sync)
-    if digest != m.sha256:
-        raise InvalidArgument(
-            f"payload sha256 is {digest} but the manifest declared {m.sha256}; the bytes were corrupted or the "
-            "manifest is stale",
-            reason=Reason.DIGEST_MISMATCH,
-        )
+async def verdict(m: pb.AdapterManifest, sink: Sink, sync: bool) -> Payload | list[bytes]:
+    """The payload of a sink that took every byte: its digests (`Digests.check`: the manifest's
+    BLAKE3 when set, else its sha256; both at a proxy taking a client's upload), then the
+    inspector's checks."""
+    payload, refusal = await sink.finish(sync)
+    sink.digests.check()
     if refusal is not None:
         raise refusal
     return payload

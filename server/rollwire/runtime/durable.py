@@ -21,9 +21,13 @@ import tempfile
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from rollwire.common.errors import ResourceExhausted, RollwireError, Unavailable
 from rollwire.common.reasons import Reason
+
+if TYPE_CHECKING:
+    from _typeshed import ReadableBuffer
 
 DISK_FULL_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT})
 """A write refused for want of space: no space left on the device, or a disk quota used up."""
@@ -53,7 +57,7 @@ def storage_error(exc: OSError, where: str, fix: str = "") -> RollwireError:
     )
 
 
-def write_synced(path: Path, data: bytes) -> None:
+def write_synced(path: Path, data: ReadableBuffer) -> None:
     """Write `data` to `path` and flush it to disk (not yet atomic: see write_atomic)."""
     with open(path, "wb") as fh:
         fh.write(data)

@@ -59,6 +59,9 @@ class BulkSection(Section):
     offer stays open."""
     max_connections: int = Field(default=64, ge=1, le=4096)
     """Bulk connections a receiver holds at once (open, or in their hello); more are closed at once."""
+    reuse_bytes: int = Field(default=1 << 30, ge=0)
+    """Bytes of bulk receive buffers no payload uses any more that a receiver keeps, to take a later push of the same
+    size without faulting fresh memory in (rollwire.push.buffers.BufferPool); 0: every push maps a fresh buffer."""
 
 
 class ServerConfig(Section):

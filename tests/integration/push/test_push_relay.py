@@ -19,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import json
 import secrets
+import socket
 import struct
 import threading
 import time
@@ -27,6 +28,7 @@ from pathlib import Path
 
 import grpc
 import pytest
+from blake3 import blake3
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from support.processes import (
     GENERATOR_ARGS,
@@ -218,7 +220,7 @@ class HostilePeer(generator_pb2_grpc.GeneratorServiceServicer):
         async for j, chunk in source:
             if not flipped and j == 0:
                 at = 8 + struct.unpack("<Q", chunk[:8])[0]  # the first tensor's first (lowest) byte
-                chunk = chunk[:at] + bytes([chunk[at] ^ 1]) + chunk[at + 1 :]
+                chunk = bytes(chunk[:at]) + bytes([chunk[at] ^ 1]) + bytes(chunk[at + 1 :])
                 flipped = True
             await forward.send(chunk)
         forward.end()
@@ -540,11 +542,14 @@ def test_a_replica_that_failed_a_striped_push_hangs_under_the_proxy_in_every_tre
     assert healing and all(e["replicas"] == [peer.target] for e in healing)  # no real replica missed v2
 
 
+@pytest.mark.parametrize("digest", ["sha256", "blake3"])
 @pytest.mark.parametrize("path", PATHS)
 @pytest.mark.parametrize(
     "peer_proxy", [({"corrupt": True}, 1), ({"corrupt": True}, 1, "--set", "push.stripes=2")], indirect=True
 )
-def test_bytes_a_hop_alters_are_refused_below_it_and_healed(peer_proxy, path, replicas, adapter):
+def test_bytes_a_hop_alters_are_refused_below_it_and_healed(peer_proxy, path, digest, replicas, adapter):
+    """Every hop below the altering one refuses its bytes, whichever digest it verifies: the
+    sha256, or the BLAKE3 the manifest carries beside it (rollwire.push.digests)."""
     proxy, peer = peer_proxy
     fp = status(proxy.target).model_fingerprint
     earlier = len(log_events(proxy.log_path, "adapter_relay_planned"))  # the same proxy's log, for the other path
@@ -552,7 +557,10 @@ def test_bytes_a_hop_alters_are_refused_below_it_and_healed(peer_proxy, path, re
         r.name: len([e for e in log_events(r.log_path, "adapter_push_refused") if e["reason"] == "DIGEST_MISMATCH"])
         for r in replicas
     }
-    reply = push_via(proxy.target, adapter.manifest("altered", 1, fp), adapter.payload, path)
+    name, digests = (
+        ("altered", {}) if digest == "sha256" else ("altered-b3", {"blake3": blake3(adapter.payload).hexdigest()})
+    )
+    reply = push_via(proxy.target, adapter.manifest(name, 1, fp, **digests), adapter.payload, path)
     planned = log_events(proxy.log_path, "adapter_relay_planned")[earlier:]
     striped = "stripes" in planned[0]
     assert planned[0]["children"][0] == peer.target  # the chain, or stripe 0's tree, starts at the hostile hop
@@ -573,9 +581,9 @@ def test_bytes_a_hop_alters_are_refused_below_it_and_healed(peer_proxy, path, re
         metric_value(proxy.metrics(), "rollwire_proxy_push_heals_total", f'replica="{r.target}"') for r in replicas
     )
     assert heals == len(refused)  # each replica that refused got the bytes again; the others were never touched
-    samples = [sampled(r.target, "altered", 1) for r in replicas]
+    samples = [sampled(r.target, name, 1) for r in replicas]
     assert samples[0] == samples[1] == samples[2]
-    assert all(set(hops_by_path(r, "altered")) <= {"grpc", "bulk"} for r in replicas)
+    assert all(set(hops_by_path(r, name)) <= {"grpc", "bulk"} for r in replicas)
     if path == "bulk":  # the relay and the heal both went by the bulk path: no hop fell back
         paths = proxy.metrics()
         assert metric_value(paths, "rollwire_proxy_push_path_total", 'path="bulk",reason="connected"') >= 2
@@ -824,3 +832,64 @@ def test_a_child_slow_to_open_its_stream_is_not_cut_off_as_stalled(replicas, ada
     results = asyncio.run(push())
     assert [(r.code, r.reason) for r in results] == [("OK", "")], results
     assert holds(target.target, "slow-door", 1)
+
+
+def test_a_relaying_replica_sends_bulk_to_one_child_and_grpc_chunks_to_one_whose_port_is_blocked(replicas, adapter):
+    """A replica taking bulk bytes forwards each piece from its reading thread to the child whose
+    bulk lane is up, and through its event loop as gRPC chunks to the child that fell back: both
+    verify the same bytes (the peer's reader checks the digest), and the fallback is counted."""
+    peer = PeerServer(HostilePeer(replicas[0].target, blocked=True))
+    try:
+        fp = status(replicas[0].target).model_fingerprint
+        m = adapter.manifest("mixed", 1, fp, blake3=blake3(adapter.payload).hexdigest())
+        plan = plan_from_parents([(replicas[1].target, "q2", 0), (peer.target, "hostile-peer", 0)])
+        push = BlockingPush(m, adapter.payload, writer.MAX_CHUNK, "127.0.0.1", 3.0)
+
+        def requests():
+            messages = push.requests()
+            first = next(messages)
+            first.relay.CopyFrom(plan)
+            yield first
+            yield from messages
+
+        with grpc.insecure_channel(replicas[0].target) as channel:
+            call = generator_pb2_grpc.GeneratorServiceStub(channel).PushAdapter.future(requests(), timeout=60)
+            push.attach(call)
+            reply = call.result()
+        assert (push.path, push.reason) == ("bulk", "connected")
+        assert {r.address: r.code for r in reply.replicas} == {replicas[1].target: "OK", peer.target: "OK"}
+        assert peer.peer.accepted == {"mixed": [1]}
+        served = [
+            [e["path"] for e in log_events(r.log_path, "adapter_pushed") if e["adapter"] == "mixed"] for r in replicas
+        ]
+        assert served[:2] == [["bulk"], ["bulk"]]  # a plain push: served at once
+        fallback = log_events(replicas[0].log_path, "push_bulk_fallback")
+        assert [(e["child"], e["reason"]) for e in fallback if e["adapter"] == "mixed"] == [(peer.target, "refused")]
+        assert sampled(replicas[0].target, "mixed", 1) == sampled(replicas[1].target, "mixed", 1)
+    finally:
+        peer.stop()
+
+
+def test_a_bulk_connection_the_receiver_does_not_take_falls_back_to_grpc_chunks(replicas, adapter):
+    """A receiver past `bulk.max_connections` closes a new bulk connection before its ACK: the
+    sender sends the same bytes as gRPC chunks on the stream instead of failing the hop."""
+    peer = PeerServer(HostilePeer(replicas[0].target))
+    squatter = None
+    try:
+        old = peer.peer.bulk
+        assert old is not None
+        peer.peer.bulk = BulkListener("127.0.0.1", BulkSection(enabled=True, max_connections=1), TlsSection())
+        old.close()
+        squatter = socket.create_connection(("127.0.0.1", peer.peer.bulk.port))  # holds the one slot, says nothing
+        m = adapter.manifest("untaken", 1, status(replicas[0].target).model_fingerprint)
+        push = BlockingPush(m, adapter.payload, writer.MAX_CHUNK, "127.0.0.1", 3.0)
+        with grpc.insecure_channel(peer.target) as channel:
+            call = generator_pb2_grpc.GeneratorServiceStub(channel).PushAdapter.future(push.requests(), timeout=30)
+            push.attach(call)
+            reply = call.result()
+        assert (push.path, push.reason) == ("grpc", "refused")
+        assert reply.name == "untaken" and peer.peer.accepted == {"untaken": [1]}  # its reader verified the bytes
+    finally:
+        if squatter is not None:
+            squatter.close()
+        peer.stop()

@@ -392,7 +392,7 @@ async def assemble(payload: bytes, count: int, chunk: int, rng: random.Random, m
                 if assembly.end(s):
                     completing.append(s)
         assert len(completing) == 1  # one stream takes the verdict
-        return await assembly.finish(), completing
+        return bytes(await assembly.finish()), completing  # the payload buffer, as bytes to compare
     except RollwireError as exc:
         return exc, completing
     finally:

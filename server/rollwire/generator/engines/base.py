@@ -15,6 +15,7 @@ from typing import Protocol, runtime_checkable
 
 from rollwire.common.manifest import Manifest
 from rollwire.generator.types import Event, GroupRequest, ScoreJob, SequenceScore
+from rollwire.push.buffers import Payload
 
 
 @dataclass(frozen=True)
@@ -81,7 +82,7 @@ class Engine(Protocol):
         with one SampleDone. Closing the iterator cancels the group and frees its rows."""
         ...
 
-    async def load_adapter(self, handle: str, manifest: Manifest, payload: bytes) -> None:
+    async def load_adapter(self, handle: str, manifest: Manifest, payload: Payload) -> None:
         """Load a checked LoRA payload under a fresh handle."""
 
     async def unload_adapter(self, handle: str) -> None:

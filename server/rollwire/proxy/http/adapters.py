@@ -42,6 +42,7 @@ from pathlib import Path
 from typing import Any
 
 import grpc
+from blake3 import blake3
 
 from rollwire.common.errors import FailedPrecondition, InvalidArgument, PermissionDenied
 from rollwire.common.fingerprint import model_fingerprint
@@ -177,18 +178,18 @@ class AdapterDoor:
             raise _bad_folder(
                 f"{WEIGHTS_FILE} is not a valid safetensors file (its header does not parse; the proxy's log says why)"
             ) from None
-        sha256 = await asyncio.to_thread(lambda: hashlib.sha256(payload).hexdigest())
+        sha256, b3 = await asyncio.to_thread(lambda: (hashlib.sha256(payload).hexdigest(), blake3(payload).hexdigest()))
         await self._model_folder_fingerprint()
         async with self._name_lock(ref.name):
             name = self.lineages.internal(ref.name)
             if not ref.version:
-                return await self._push(ref.name, name, self._newest(name) + 1, lora, payload, sha256, rid, signed)
+                return await self._push(ref.name, name, self._newest(name) + 1, lora, payload, sha256, rid, signed, b3)
             if ref.version > 1 or not self._restarts(name, sha256):
-                return await self._push(ref.name, name, ref.version, lora, payload, sha256, rid, signed)
+                return await self._push(ref.name, name, ref.version, lora, payload, sha256, rid, signed, b3)
             if signed is not None:
                 raise _signed_restart(ref.name)
             internal, generation = self.lineages.next_lineage(ref.name, self._taken)
-            out = await self._push(ref.name, internal, 1, lora, payload, sha256, rid)
+            out = await self._push(ref.name, internal, 1, lora, payload, sha256, rid, b3=b3)
             self.lineages.switch(ref.name, generation, shared=False)  # only once the new lineage's v1 is durable
             await self.lineages.flush()
             await self._share_switch(ref.name, generation, internal)
@@ -226,7 +227,9 @@ class AdapterDoor:
         sha256: str,
         rid: str,
         signed: SignatureFile | None = None,
+        b3: str = "",
     ) -> dict[str, Any]:
+        """`b3`: the payload's BLAKE3, carried beside its sha256 unless the upload is signed."""
         fingerprint, _ = self.state.replicas.push_basis(self._fleet_model())
         manifest = pb.AdapterManifest(
             name=check_name(name),
@@ -235,6 +238,7 @@ class AdapterDoor:
             lora_config=lora.to_pb(),
             byte_length=len(payload),
             sha256=sha256,
+            blake3="" if signed is not None else b3,  # a signature file covers no BLAKE3 (docs/protocol.md, Digests)
         )
         if signed is not None:
             signed.apply(manifest)

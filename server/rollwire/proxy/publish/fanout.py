@@ -115,7 +115,7 @@ class FanOut:
         results) while the relay and commit go on; a failure after that keeps the spool copy
         for catch-up and is counted, logged and told to the next load of the name. `send_metadata`:
         the call's initial metadata (a client's gRPC push: the bulk path's offer)."""
-        reader = PushReader(messages, self.config.spool.upload_idle_timeout_s, "proxy", keep_chunks=True)
+        reader = self._reader(messages)
         upload: Upload | None = None
         lock: asyncio.Lock | None = None
         forward: Forwarder | StripedForwarder | None = None
@@ -161,6 +161,11 @@ class FanOut:
         if answer == "spooled" and await self._spooled_first(pub, task, spooled):
             return pb.PushAdapterResponse(name=pub.manifest.name, version=pub.manifest.version)
         return await asyncio.shield(task)
+
+    def _reader(self, messages: AsyncIterator[pb.PushAdapterRequest]) -> PushReader:
+        """A client's upload, both its digests checked: from here on they name the same bytes (push.digests)."""
+        idle = self.config.spool.upload_idle_timeout_s
+        return PushReader(messages, idle, "proxy", keep_chunks=True, both_digests=True)
 
     async def _spooled_first(self, pub: Publication, task: asyncio.Task, spooled: asyncio.Future) -> bool:
         """Whether the version was spooled while the publication still runs (the caller is answered then)."""

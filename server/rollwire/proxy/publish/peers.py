@@ -64,6 +64,7 @@ from rollwire.common.errors import FailedPrecondition, Unavailable, from_rpc_err
 from rollwire.common.reasons import Reason
 from rollwire.common.retries import VERSION_TAKEN, push_refused_for_good
 from rollwire.proxy.publish.lineage_share import LineageShare
+from rollwire.push.buffers import as_bytes
 from rollwire.push.reader import PushReader
 from rollwire.runtime.config import ConfigError
 from rollwire.runtime.logs import REQUEST_ID_KEY, get_logger, new_request_id
@@ -392,7 +393,7 @@ class Peers:
             upload = self.spool.admit(m, self.replicas.fingerprint or None)
             async for _ in reader.chunks(store=upload.path):
                 pass
-            payload = await reader.finish()
+            payload = as_bytes(await reader.finish())  # bytes already: a peer sends gRPC chunks
             await self.spool.validate(upload, payload, self.replicas.base_shapes)
             staged, upload = upload, None
             adapter, created = self.spool.commit(staged)  # consumes the upload on every exit

@@ -27,6 +27,7 @@ from rollwire.common.errors import FailedPrecondition
 from rollwire.common.manifest import Manifest
 from rollwire.generator.engines.base import EngineStats, GroupSlots
 from rollwire.generator.types import Event, GroupRequest, SampleDone, TokenDelta
+from rollwire.push.buffers import Payload
 
 _PRINTABLE = 95  # token id t decodes to chr(32 + t % 95): deterministic, printable text
 
@@ -125,7 +126,7 @@ class ScriptedEngine:
             return sent + 1
         return min(total, int((time.monotonic() - start) * self.tokens_per_s) + 1)
 
-    async def load_adapter(self, handle: str, manifest: Manifest, payload: bytes) -> None:
+    async def load_adapter(self, handle: str, manifest: Manifest, payload: Payload) -> None:
         self.adapters[handle] = manifest.version
 
     async def unload_adapter(self, handle: str) -> None:

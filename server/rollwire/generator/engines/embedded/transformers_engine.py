@@ -89,6 +89,7 @@ from rollwire.generator.engines.embedded.transformers_sampling import sample, sa
 from rollwire.generator.engines.embedded.transformers_score import ScoreRules, ScoreRun
 from rollwire.generator.sampling import row_uniforms
 from rollwire.generator.types import Event, GroupRequest, SampleDone, TokenDelta
+from rollwire.push.buffers import Payload, as_bytes
 from rollwire.runtime.logs import get_logger
 
 if TYPE_CHECKING:
@@ -233,10 +234,10 @@ class TransformersEngine(MemoryRules, ScoreRules):
                 if g in self._pending:
                     self._pending.remove(g)
 
-    async def load_adapter(self, handle: str, manifest: Manifest, payload: bytes) -> None:
+    async def load_adapter(self, handle: str, manifest: Manifest, payload: Payload) -> None:
         from safetensors.torch import load as load_safetensors
 
-        tensors = await asyncio.to_thread(load_safetensors, payload)
+        tensors = await asyncio.to_thread(lambda: load_safetensors(as_bytes(payload)))
         await self._call(("load", handle, manifest, tensors))
 
     async def unload_adapter(self, handle: str) -> None:

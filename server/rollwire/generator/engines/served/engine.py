@@ -56,6 +56,7 @@ from rollwire.generator.engines.served.http import (
 from rollwire.generator.engines.served.process import ServerProcess, Supervisor, free_port
 from rollwire.generator.engines.settings import ServedSection
 from rollwire.generator.types import Event, GroupRequest
+from rollwire.push.buffers import Payload
 from rollwire.runtime.logs import get_logger
 
 log = get_logger(__name__)
@@ -353,7 +354,7 @@ class ServedEngine:
         task.add_done_callback(self._aborts.discard)
 
     # -- adapters ----------------------------------------------------------------------------
-    async def load_adapter(self, handle: str, manifest: Manifest, payload: bytes) -> None:
+    async def load_adapter(self, handle: str, manifest: Manifest, payload: Payload) -> None:
         self._check_adapter(manifest)
         label = f"{manifest.name} v{manifest.version}"
         lora_name = f"{_SAFE.sub('_', manifest.name)}-v{manifest.version}-{handle}-{self._nonce}"

@@ -13,19 +13,22 @@ from pathlib import Path
 
 from rollwire.common.errors import FailedPrecondition, Internal
 from rollwire.common.manifest import Manifest
-from rollwire.common.safetensors_header import read_header
+from rollwire.common.safetensors_header import header_length, read_header
 from rollwire.common.secrets import SecretFileError, read_secret_file
+from rollwire.push.buffers import Payload
 from rollwire.runtime.durable import atomic_dir, write_synced
 
 
-def peft_config(manifest: Manifest, payload: bytes, base_model: str) -> dict:
+def peft_config(manifest: Manifest, payload: Payload, base_model: str) -> dict:
     """adapter_config.json for a pushed payload, as PEFT writes it and the servers read it.
 
     Target modules are the ones the tensors really adapt. SGLang scales by lora_alpha / r and
     has no rsLoRA (vLLM follows the file), so an rsLoRA adapter (alpha / sqrt(r)) is written
     with lora_alpha * sqrt(r): the same scaling, exactly, for both.
     """
-    modules = sorted({name.split(".lora_")[0].rsplit(".", 1)[-1] for name in read_header(payload) if ".lora_" in name})
+    head = bytes(payload[: 8 + header_length(bytes(payload[:8]))])  # the header alone: it may be a bulk buffer
+    tensors = read_header(head, body_length=len(payload) - len(head))
+    modules = sorted({name.split(".lora_")[0].rsplit(".", 1)[-1] for name in tensors if ".lora_" in name})
     alpha = manifest.lora.lora_alpha * (math.sqrt(manifest.lora.r) if manifest.lora.use_rslora else 1.0)
     return {
         "peft_type": "LORA",
@@ -44,7 +47,7 @@ def peft_config(manifest: Manifest, payload: bytes, base_model: str) -> dict:
     }
 
 
-def write_peft_folder(root: Path, name: str, manifest: Manifest, payload: bytes, base_model: str) -> Path:
+def write_peft_folder(root: Path, name: str, manifest: Manifest, payload: Payload, base_model: str) -> Path:
     """Write the PEFT folder under a temporary name, fsync it, then rename it into place."""
     final = root / name
     if final.exists():

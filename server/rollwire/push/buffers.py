@@ -1,0 +1,98 @@
+"""The one buffer a receiver keeps a pushed payload in, when its bytes come over the bulk path.
+
+Invariants:
+- a payload's buffer is allocated once, at its declared size, after the manifest passed its
+  limits (`check_manifest`: `max_adapter_bytes`), and the bulk path's reads land in it
+  (`recv_into`), so a hop copies no byte in user space;
+- it is allocated off the event loop (the reading thread's first act): on Linux an anonymous
+  mapping made with MAP_POPULATE, so the kernel maps and zeroes its pages in one call instead
+  of one page fault per 4 KiB page on first touch (measured here: 0.43 against 0.85-1.05 CPU s
+  per GiB; MADV_HUGEPAGE gave no huge pages on this VM and did not help), elsewhere a bytearray;
+- what holds it (the replica's registry, its engine) reads it as it would `bytes` (len, slices,
+  the buffer protocol); an engine that needs `bytes` itself converts (`as_bytes`);
+- a `BufferPool` hands a mapping out again for a later push of the same size only once nothing
+  but the pool refers to it (no payload, view or array of it is alive: CPython's reference
+  count, which every view of it holds), so a reused buffer never changes bytes anyone can
+  read; it keeps at most `max_idle_bytes` of idle mappings (measured here: a reused buffer
+  costs nothing to fault in, against 0.43 CPU s per GiB for a fresh populated one).
+"""
+
+from __future__ import annotations
+
+import mmap
+import sys
+import threading
+
+Payload = bytes | bytearray | mmap.mmap
+"""A verified payload as a receiver keeps it: `bytes` (gRPC chunks joined), or the bulk path's buffer."""
+
+
+def payload_buffer(size: int) -> bytearray | mmap.mmap:
+    """A writable buffer of exactly `size` bytes, its memory committed now (call it off the event loop)."""
+    populate = getattr(mmap, "MAP_POPULATE", 0)
+    if size <= 0 or not populate:
+        return bytearray(size)
+    return mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | populate)
+
+
+def as_bytes(payload: Payload) -> bytes:
+    """The payload as `bytes` (a copy unless it is already): for a reader that takes nothing else."""
+    return payload if isinstance(payload, bytes) else bytes(payload)
+
+
+class Filled:
+    """A payload buffer of its declared size filled in order, as a BytesIO would be (`write`,
+    `getvalue`) but without growing: mapped (populated) on the first write, on the writer's
+    thread. For a payload whose pieces come apart (a stripe's assembly): one copy, into
+    memory whose pages are mapped in one call instead of faulted in one by one."""
+
+    def __init__(self, size: int) -> None:
+        self.size, self.at = size, 0
+        self.buffer: bytearray | mmap.mmap | None = None
+
+    def write(self, data: bytes | memoryview) -> None:
+        if self.buffer is None:
+            self.buffer = payload_buffer(self.size)
+        n = len(data)
+        memoryview(self.buffer)[self.at : self.at + n] = data  # past `size`: ValueError (the reader bounds it)
+        self.at += n
+
+    def getvalue(self) -> Payload:
+        return self.buffer if self.buffer is not None else b""
+
+
+class BufferPool:
+    """The bulk receive buffers of one server, reused for later pushes of the same size (see the
+    module's invariants). `take` is called on a reading thread; at most `max_idle_bytes` of
+    buffers nobody uses are kept (0: none, every push maps a fresh one)."""
+
+    def __init__(self, max_idle_bytes: int) -> None:
+        self.max_idle_bytes = max_idle_bytes
+        self._held: list[mmap.mmap] = []  # every mapping it made that fits its bound, in use or idle
+        self._lock = threading.Lock()
+        self.reused = 0
+
+    def take(self, size: int) -> bytearray | mmap.mmap:
+        """A buffer of exactly `size` bytes: an idle one of that size, else a fresh one."""
+        with self._lock:
+            idle = [m for m in self._held if _unused(m)]
+            chosen = next((m for m in idle if len(m) == size), None)
+            # the other idle ones beyond the bound (a fresh one counts), oldest first, are let go
+            spare = self.max_idle_bytes - (size if chosen is None else 0)
+            for m in reversed(idle):
+                if m is not chosen and (spare := spare - len(m)) < 0:
+                    self._held.remove(m)
+            if chosen is not None:
+                self.reused += 1
+                return chosen
+        buffer = payload_buffer(size)
+        if isinstance(buffer, mmap.mmap) and 0 < size <= self.max_idle_bytes:
+            with self._lock:
+                self._held.append(buffer)
+        return buffer
+
+
+def _unused(m: mmap.mmap) -> bool:
+    """Nothing but the pool refers to `m`: its list, the caller's loop variable and this call's
+    argument are the only references (every memoryview, slice or numpy array of it holds one)."""
+    return sys.getrefcount(m) <= 4

@@ -1,0 +1,56 @@
+"""The bulk path's receive buffers (rollwire.push.buffers, issue 36): one buffer per payload,
+reused for a later push of the same size only once nothing refers to it any more."""
+
+from __future__ import annotations
+
+import gc
+
+import numpy as np
+
+from rollwire.push.buffers import BufferPool, as_bytes, payload_buffer
+
+MiB = 1 << 20
+
+
+def test_a_payload_buffer_is_writable_zeroed_and_of_the_exact_size():
+    buf = payload_buffer(3 * MiB + 5)
+    assert len(buf) == 3 * MiB + 5 and buf[:16] == bytes(16) and buf[-1:] == b"\0"
+    memoryview(buf)[-5:] = b"abcde"
+    assert as_bytes(buf)[-5:] == b"abcde" and as_bytes(b"xy") == b"xy"
+
+
+def test_a_buffer_is_reused_only_once_no_payload_view_or_array_of_it_is_alive():
+    pool = BufferPool(8 * MiB)
+    first = pool.take(2 * MiB)
+    memoryview(first)[:4] = b"v1v1"
+    view = memoryview(first)[MiB:]
+    array = np.frombuffer(first, dtype=np.uint8)
+    del first
+    busy = [pool.take(2 * MiB)]  # in use while we look: a fresh one, since a view and an array read the first
+    assert pool.reused == 0 and bytes(busy[0][:4]) == bytes(4)
+    del view
+    gc.collect()
+    busy.append(pool.take(2 * MiB))
+    assert pool.reused == 0 and bytes(busy[1][:4]) == bytes(4)  # the array still reads it
+    del array
+    second = pool.take(2 * MiB)
+    assert pool.reused == 1 and bytes(second[:4]) == b"v1v1"  # the very mapping, given again
+
+
+def test_sizes_that_differ_or_exceed_the_bound_are_never_reused():
+    pool = BufferPool(4 * MiB)
+    a = pool.take(2 * MiB)
+    a_id = id(a)
+    del a
+    b = pool.take(3 * MiB)  # another size: fresh (and the idle 2 MiB one is let go: 2 + 3 > 4)
+    assert id(b) != a_id and pool.reused == 0
+    del b
+    big = pool.take(5 * MiB)  # above the bound: never kept
+    del big
+    pool.take(5 * MiB)
+    assert pool.reused == 0
+    off = BufferPool(0)
+    c = off.take(MiB)
+    del c
+    off.take(MiB)
+    assert off.reused == 0

@@ -1,0 +1,107 @@
+"""The digest agreement of a push (rollwire.push.digests, issue 36): a manifest's BLAKE3 is
+verified in sha256's place on every hop, both at the proxy that takes a client's upload, with
+the same reason (DIGEST_MISMATCH) whichever fails; signatures and relay grants cover it.
+
+No processes and no sockets: a reader is fed an async iterator of messages. The real hops
+(both paths, a byte altered mid-tree) are tests/integration/push/test_push_relay.py's."""
+
+from __future__ import annotations
+
+import hashlib
+import random
+
+import pytest
+from blake3 import blake3
+from support.wire import manifest_for, push_messages, streamed
+
+from rollwire.client._push import build_manifest
+from rollwire.common.errors import InvalidArgument
+from rollwire.common.lora import LoraShape
+from rollwire.common.manifest import check_manifest, manifest_from_pb
+from rollwire.common.signing import SigningKey, sign, verify
+from rollwire.push.digests import Digests
+from rollwire.push.plan import relay_grant
+from rollwire.push.reader import PushReader
+
+PAYLOAD = random.Random(3).randbytes(300 << 10)
+SHA, B3 = hashlib.sha256(PAYLOAD).hexdigest(), blake3(PAYLOAD).hexdigest()
+OTHER = "0" * 64
+
+
+async def received(manifest, payload: bytes = PAYLOAD, *, both: bool = False) -> bytes:
+    reader = PushReader(streamed(push_messages(manifest, payload, 64 << 10)), 5, "test", both_digests=both)
+    try:
+        await reader.open()
+        async for _ in reader.chunks():
+            pass
+        return bytes(await reader.finish())
+    finally:
+        reader.close()
+
+
+def test_the_sdk_sets_both_digests_of_the_same_bytes():
+    m = build_manifest("pol", 1, PAYLOAD, LoraShape(2, 4.0, ("q_proj",)), "fp")
+    assert (m.sha256, m.blake3) == (SHA, B3)
+
+
+@pytest.mark.parametrize(
+    ("sha256", "b3", "both", "refused_by"),
+    [
+        (SHA, B3, False, None),
+        (SHA, B3, True, None),
+        (SHA, "", False, None),  # no BLAKE3: sha256, as before
+        (OTHER, "", False, "sha256"),
+        (SHA, OTHER, False, "blake3"),  # a BLAKE3 that does not match: refused as a bad sha256 is
+        (SHA, OTHER, True, "blake3"),
+        (OTHER, B3, True, "sha256"),  # the proxy checks both: a sha256 that does not name these bytes
+    ],
+)
+async def test_a_hop_verifies_the_blake3_when_set_and_the_proxy_both(sha256, b3, both, refused_by):
+    manifest = manifest_for(PAYLOAD, sha256=sha256, blake3=b3)
+    if refused_by is None:
+        assert await received(manifest, both=both) == PAYLOAD
+        return
+    with pytest.raises(InvalidArgument) as err:
+        await received(manifest, both=both)
+    assert err.value.reason == "DIGEST_MISMATCH" and f"payload {refused_by} is" in err.value.message
+
+
+async def test_a_hop_that_trusts_the_blake3_still_catches_a_tampered_byte():
+    """A relayed hop (no `both`) sees the right sha256 and BLAKE3 but one altered byte."""
+    altered = bytearray(PAYLOAD)
+    altered[123_456] ^= 0x10
+    with pytest.raises(InvalidArgument) as err:
+        await received(manifest_for(PAYLOAD, blake3=B3), bytes(altered))
+    assert err.value.reason == "DIGEST_MISMATCH" and "blake3" in err.value.message
+
+
+def test_digests_computed_match_each_library_on_pieces():
+    d = Digests(manifest_for(PAYLOAD, blake3=B3), both=True)
+    view = memoryview(PAYLOAD)
+    for i in range(0, len(PAYLOAD), 7777):
+        d.update(view[i : i + 7777])
+    d.check()
+    assert [name for name, _, _ in d.expected] == ["BLAKE3", "sha256"]
+
+
+def test_a_malformed_blake3_is_refused_before_any_byte():
+    for bad in ("AB" * 32, "ab" * 31, "zz" * 32):
+        with pytest.raises(InvalidArgument) as err:
+            check_manifest(manifest_from_pb(manifest_for(PAYLOAD, blake3=bad)), fingerprint="fp", max_bytes=1 << 30)
+        assert err.value.reason == "BAD_DIGEST"
+    check_manifest(manifest_from_pb(manifest_for(PAYLOAD, blake3=B3)), fingerprint="fp", max_bytes=1 << 30)
+
+
+def test_a_signature_and_a_relay_grant_cover_the_blake3():
+    key = SigningKey.generate("learner")
+    signed = sign(manifest_for(PAYLOAD, blake3=B3), key)
+    assert verify(signed, key.private.public_key())
+    swapped = type(signed)()
+    swapped.CopyFrom(signed)
+    swapped.blake3 = OTHER
+    assert not verify(swapped, key.private.public_key())
+    plain = sign(manifest_for(PAYLOAD), key)  # no BLAKE3: signed as before it existed
+    assert verify(plain, key.private.public_key())
+    grant = relay_grant(b"k" * 32, signed, "10.0.0.1:50051")
+    assert grant != relay_grant(b"k" * 32, swapped, "10.0.0.1:50051")
+    assert relay_grant(b"k" * 32, plain, "a:1") == relay_grant(b"k" * 32, manifest_for(PAYLOAD), "a:1")
