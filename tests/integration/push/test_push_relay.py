@@ -893,3 +893,21 @@ def test_a_bulk_connection_the_receiver_does_not_take_falls_back_to_grpc_chunks(
         if squatter is not None:
             squatter.close()
         peer.stop()
+
+
+@pytest.mark.parametrize("bulk", [False, True])
+def test_the_blocking_client_sends_its_bytes_by_the_path_it_asks_for(bulk, replicas, adapter):
+    """The SDK's blocking `Client.push_adapter(bulk=...)`: with bulk, the replica took the bytes
+    over its bulk endpoint (its log says which path each push came by), without, as chunks;
+    either way the version is served and answers as the same weights do."""
+    from rollwire.client import Client
+
+    target = replicas[0].target
+    fp = status(target).model_fingerprint
+    name = f"sync-{'bulk' if bulk else 'grpc'}"
+    with Client(target) as client:
+        result = client.push_adapter(name, 1, adapter.payload, adapter.shape, fp, bulk=bulk)
+    assert (result.name, result.version, result.already_loaded) == (name, 1, False)
+    pushed = [e["path"] for e in log_events(replicas[0].log_path, "adapter_pushed") if e["adapter"] == name]
+    assert pushed == ["bulk" if bulk else "grpc"]  # a push straight to a replica: no staging
+    assert holds(target, name, 1)
