@@ -8,11 +8,9 @@ hold sockets) never takes their interpreter: what their latencies show is the pr
 `Bystanders(proxy)` starts the process and returns once every kind of call has succeeded
 once; leaving the block stops it (SIGTERM: each kind's callers go on until it has `MIN_CALLS`
 calls, then end their calls in flight) and reads its record: every failure (collateral: a hostile case may cause none) and every latency, by kind.
-Inside the block the calling thread (the test, playing the hostile client) runs at the lowest
-CPU priority (`hostile_priority`): in a fleet the hostile caller's CPU is its own machine's,
-and on these 2 cores the test process building an 8 MiB body or trickling bytes would
-otherwise take the replica's CPU, which is no measure of the proxy. What the proxy does with
-the hostile calls still runs at full priority, and that is what the bound measures.
+The test process, playing the hostile client, keeps its usual priority: its own CPU (building
+an 8 MiB body, trickling bytes) competes with the replica's on these 2 cores, which a fleet's
+hostile caller on its own machine would not, so the bound is measured in the harder case.
 `unharmed(during, calm)` is the issue's bound: no failure, every kind called, and each kind's
 p99 (the proxy's own answer GetStatus, a gRPC group, an HTTP completion) within 2x of the same
 callers' without the hostile client (`calm`). Latencies under `NOISE_FLOOR_S` count as the
@@ -25,16 +23,13 @@ Run as a script by `Bystanders` only: `bystanders.py GRPC_TARGET HTTP_URL|- OUT_
 
 from __future__ import annotations
 
-import contextlib
 import json
 import math
-import os
 import signal
 import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -44,7 +39,6 @@ NOISE_FLOOR_S = 0.05
 """Below this a latency is the machine's noise, not the proxy's: a p99 is compared from here up."""
 FACTORS = {"status": 2.0, "grpc": 2.0, "http": 2.0}
 """Each kind's p99 bound, as a multiple of the calm run's (the issue's 2x)."""
-HOSTILE_NICE = 19
 MIN_RUN_S = 2.0
 MIN_CALLS = 100
 """Each kind's p99 is taken over at least this many calls, so that it is the 99th of 100 (one
@@ -96,27 +90,6 @@ def unharmed(during: Record, *calm: Record) -> None:
         )
 
 
-@contextlib.contextmanager
-def hostile_priority() -> Iterator[None]:
-    """Run the calling thread (only: Linux sets a thread's nice value alone) at `HOSTILE_NICE`
-    for the block, then put its priority back. Threads and processes it starts inside inherit
-    the low priority; those started before (the bystanders, the fleet) keep theirs. Putting the
-    priority back needs CAP_SYS_NICE: where the tests do not run as root (CI here does), the
-    thread keeps its priority, since every process it started later would inherit the low one,
-    and the bound is then measured with the hostile client's CPU competing (stricter)."""
-    if os.geteuid() != 0:  # could not put it back: the hostile client keeps the usual priority
-        yield
-        return
-    thread = threading.get_native_id()
-    before = os.getpriority(os.PRIO_PROCESS, thread)
-    os.setpriority(os.PRIO_PROCESS, thread, HOSTILE_NICE)
-    try:
-        yield
-    finally:
-        with contextlib.suppress(PermissionError):
-            os.setpriority(os.PRIO_PROCESS, thread, before)
-
-
 class Bystanders:
     """The bystanders' process, as a context manager; `.record` once the block has ended (or
     `stop` was called)."""
@@ -126,7 +99,6 @@ class Bystanders:
         self.record = Record()
         self.proc: subprocess.Popen | None = None
         self.started = 0.0
-        self._priority = contextlib.ExitStack()
 
     def __enter__(self) -> Bystanders:
         http = self.proxy.http_url if self.proxy.http_port is not None else "-"
@@ -140,16 +112,13 @@ class Bystanders:
             self.proc.kill()
             raise AssertionError(f"the bystanders did not start within {READY_TIMEOUT_S} s: {line[:1]}")
         self.started = time.monotonic()
-        self._priority.enter_context(hostile_priority())
         return self
 
     def __exit__(self, *exc) -> None:
         self.stop()
 
     def stop(self) -> Record:
-        """End the run (once) and read its record; the calling thread gets its priority back
-        first, so what it starts next (a calm run's process) runs at the usual priority."""
-        self._priority.close()
+        """End the run (once) and read its record."""
         if self.proc is None or self.proc.returncode is not None:
             return self.record
         time.sleep(max(0.0, self.started + MIN_RUN_S - time.monotonic()))  # a length of run, not an event

@@ -55,22 +55,3 @@ def test_with_calm_runs_on_both_sides_the_larger_p99_is_the_baseline():
         unharmed(record(steady(0.3 * FACTORS["grpc"] + 0.01)), before, after)
     with pytest.raises(AssertionError, match="no calm run"):
         unharmed(record(steady(0.1)))
-
-
-def test_the_hostile_thread_runs_at_the_lowest_priority_and_gets_its_own_back():
-    import os
-    import threading
-
-    from support.bystanders import HOSTILE_NICE, hostile_priority
-
-    me = threading.get_native_id()
-    before = os.getpriority(os.PRIO_PROCESS, me)
-    seen: list[int] = []
-    with hostile_priority():
-        seen.append(os.getpriority(os.PRIO_PROCESS, me))
-        other = threading.Thread(target=lambda: seen.append(os.getpriority(os.PRIO_PROCESS, threading.get_native_id())))
-        other.start()
-        other.join()
-    assert seen == [HOSTILE_NICE, HOSTILE_NICE]  # the thread, and a thread it starts inside
-    if os.geteuid() == 0:  # putting a priority back needs CAP_SYS_NICE
-        assert os.getpriority(os.PRIO_PROCESS, me) == before
