@@ -87,7 +87,9 @@ async def tokenize(door: Door, body: TokenizeBody, client: str, scope: Scope) ->
     else:
         special = body.add_special_tokens is not False
         ids = await door.prompt_ids(body.prompt or "", client, special=special, count_only=True)
-    strs = [chat.tokenizer.id_to_token(t) for t in ids] if body.return_token_strs else None
+    strs = None
+    if body.return_token_strs:  # up to the door's token cap of lookups: off the event loop
+        strs = await asyncio.to_thread(lambda: [chat.tokenizer.id_to_token(t) for t in ids])
     return {"count": len(ids), "max_model_len": door.max_model_len(), "tokens": ids, "token_strs": strs}
 
 
