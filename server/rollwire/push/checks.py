@@ -148,6 +148,12 @@ class PayloadInspector:
         except InvalidArgument as exc:
             self.error = exc
 
+    @property
+    def header_passed(self) -> bool:
+        """The header was complete and passed `check_header` (checked once, when it completed):
+        what `proxy.publish.header_gate.HeaderGate` waits for before anything is forwarded."""
+        return self.scanner is not None
+
     def _header_ready(self) -> bool:
         """Enough bytes to judge the header: all of it, or enough to know it is too large."""
         assert self.prefix is not None

@@ -139,7 +139,7 @@ class ChildLink:
                     yield pb.PushAdapterRequest(chunk=chunk if isinstance(chunk, bytes) else bytes(chunk))
                     continue
                 try:
-                    await lane.send(chunk)
+                    await lane.send(chunk)  # pyright: ignore[reportArgumentType]  # sendall takes a view too
                 except OSError as exc:
                     await self._lane_failed(exc)
                     return
@@ -161,7 +161,7 @@ class ChildLink:
         self.turns[0] += 1
         self.mark = self.turns[0]
 
-    def feed(self, piece: memoryview) -> None:
+    def feed(self, piece: bytes | memoryview) -> None:
         """On the receiver's reading thread, for a `direct` child: send it `piece` over its bulk
         lane (sendall of the very view received, with the lane's deadline). A failed send fails
         this child only: its own verdict if it refused the bytes, else it is cut off."""
@@ -334,7 +334,7 @@ class Forwarder:
         alone = now - max([link.took_at, *(o.done_at for o in others if o.done_at is not None)])
         return f"it took no chunk for {alone:.1f} s" if alone >= max(self.stall_s, 2 * link.pace_s) else ""
 
-    async def _put(self, link: ChildLink, chunk: bytes) -> None:
+    async def _put(self, link: ChildLink, chunk: bytes | memoryview) -> None:
         """Queue a chunk once the child has room; cuts the child off if it stalls meanwhile."""
         while link.pipe.full():
             room = asyncio.ensure_future(link.pipe.wait_room())
@@ -364,7 +364,7 @@ class Forwarder:
         settle = self.settle_s * (link.height + 1)
         return link.drained_at + settle, f"it did not answer within {settle:g} s of its last chunk"
 
-    async def send(self, chunk: bytes) -> None:
+    async def send(self, chunk: bytes | memoryview) -> None:
         """Queue `chunk` for every live child; waits only while some child's queue is full, and
         cuts off a child that is `stalled` meanwhile."""
         slow = []
@@ -377,6 +377,15 @@ class Forwarder:
                 link.pipe.push(chunk)
         if slow:
             await asyncio.gather(*(self._put(link, chunk) for link in slow))
+
+    async def send_last(self, piece: bytes | memoryview) -> None:
+        """`piece` to every live child, the `direct` ones too (their lanes' sends off the event
+        loop): for a holder that kept the payload's last piece back until it had checked the
+        whole (the proxy's gate), after its reading thread fed them everything before it."""
+        direct = [link for link in self.links if link.direct and link.live]
+        if direct:
+            await asyncio.to_thread(lambda: [link.feed(piece) for link in direct])
+        await self.send(piece)
 
     async def direct(self, timeout: float) -> list[ChildLink]:
         """The children whose bulk lanes are up (each decided within `timeout`), handed to the

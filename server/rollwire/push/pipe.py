@@ -14,7 +14,7 @@ class Pipe:
     """A bounded FIFO of chunks between the sender and one child's request stream."""
 
     def __init__(self, capacity: int) -> None:
-        self.items: deque[bytes] = deque()
+        self.items: deque[bytes | memoryview] = deque()
         self.capacity = capacity
         self.closed = False
         self.readable = asyncio.Event()
@@ -23,7 +23,7 @@ class Pipe:
     def full(self) -> bool:
         return len(self.items) >= self.capacity
 
-    def push(self, chunk: bytes) -> None:
+    def push(self, chunk: bytes | memoryview) -> None:
         self.items.append(chunk)
         self.readable.set()
 
@@ -31,7 +31,7 @@ class Pipe:
         self.closed = True
         self.readable.set()
 
-    async def pop(self) -> bytes | None:
+    async def pop(self) -> bytes | memoryview | None:
         while not self.items:
             if self.closed:
                 return None

@@ -176,24 +176,41 @@ class PushReader:
                 if forward is not None:
                     await forward.send(chunk)
             return
-        assert self.manifest is not None
-        declared, loop = self.manifest.byte_length, asyncio.get_running_loop()
-        digests = Digests(self.manifest, both=self.both_digests)
-        sink = self._sink = Sink(
-            declared, None, self.backlog_bytes, inspector, False, self._bulk.take_buffer, digests=digests
-        )
         lanes = await forward.direct(self._bulk.idle_s) if forward is not None else []
         chunked = forward is not None and len(lanes) < len(forward.links)
+        loop = asyncio.get_running_loop()
 
-        def on_piece(piece: memoryview) -> None:
-            sink.write([piece])
-            sink.raise_inspection()  # refused bytes go no further
+        def then(piece: memoryview) -> None:
             count(len(piece))
             for link in lanes:
                 link.feed(piece)
             if chunked:
                 assert forward is not None
                 asyncio.run_coroutine_threadsafe(forward.send(piece), loop).result(self.idle_s)  # pyright: ignore[reportArgumentType]
+
+        await self.read_direct(inspector, None, then)
+
+    async def read_direct(self, inspector: Inspector, store: Path | None, then: Callable[[memoryview], None]) -> None:
+        """Over the bulk path (then `finish`): one reading thread receives each piece into the
+        payload's buffer, hashes it (`Digests`), inspects it, writes it to `store` when given
+        (from the same buffer), then calls `then(piece)` (sending it on) before it reads the
+        next: no hand-off per piece. A piece the inspector refused goes no further (`then` is
+        not called); a failed write of `store` is DISK_FULL or STORE_FAILED, not a broken
+        connection. The event loop hears only of the end, or of a failure."""
+        assert self._bulk is not None and self.manifest is not None and not self.keep_chunks, "agree() first"
+        declared = self.manifest.byte_length
+        digests = Digests(self.manifest, both=self.both_digests)
+        sink = self._sink = Sink(
+            declared, store, self.backlog_bytes, inspector, False, self._bulk.take_buffer, digests=digests
+        )
+
+        def on_piece(piece: memoryview) -> None:
+            try:
+                sink.write([piece])
+            except OSError as exc:  # the store's disk: not the connection's failure
+                raise sink.store_error(exc) from None
+            sink.raise_inspection()  # refused bytes go no further
+            then(piece)
 
         sizes = [min(MAX_CHUNK, declared - start) for start in range(0, declared, MAX_CHUNK)]
         await self._bulk.read_all(sizes, declared, on_piece)

@@ -29,7 +29,7 @@ class StripedForwarder:
         self.dealt = 0
         self.partial = bytearray()
 
-    async def send(self, piece: bytes) -> None:
+    async def send(self, piece: bytes | memoryview) -> None:
         self.seen += len(piece)
         if not self.partial and len(piece) == self.chunk_bytes:
             await self._deal(piece)
@@ -43,7 +43,11 @@ class StripedForwarder:
             chunk, self.partial = bytes(self.partial), bytearray()
             await self._deal(chunk)
 
-    async def _deal(self, chunk: bytes) -> None:
+    async def send_last(self, piece: bytes | memoryview) -> None:
+        """As `Forwarder.send_last`: no stripe's child is fed by a reading thread, so `send`."""
+        await self.send(piece)
+
+    async def _deal(self, chunk: bytes | memoryview) -> None:
         stripe = self.stripes[self.dealt % len(self.stripes)]
         self.dealt += 1
         await stripe.send(chunk)

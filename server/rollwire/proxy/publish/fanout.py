@@ -5,12 +5,13 @@ One publication (`FanOut.push`; push/README.md walks it, route 1, and heal, rout
 1. the client's manifest is checked as a replica would (base model, name, version, size,
    spool room); the version's name is locked, so versions of one name are published one at
    a time, in order;
-2. cut-through: chunks go on, `stage_only`, to the proxy's children of a relay tree (or of S
+2. cut-through: the bytes go on, `stage_only`, to the proxy's children of a relay tree (or of S
    striped trees, `push.stripes`, one replica under the proxy in each) as they arrive, none
-   before the header passed and the completing one only after the proxy's digest and full
-   check (header_gate.py), so no replica ever holds a complete payload the proxy refused;
-   each replica forwards them to its own children while it receives them; the proxy's copy
-   is hashed and written to the spool's `.incoming/` by a worker thread alongside;
+   before the header passed and the completing piece only after the proxy's digests and full
+   check (intake.py), so no replica ever holds a complete payload the proxy refused; each
+   replica forwards them to its own children while it receives them; the proxy's copy is
+   hashed, checked and written to the spool's `.incoming/` alongside, on its reader's worker
+   (gRPC chunks) or on the one thread that reads it (the bulk path);
 3. the version is committed to the spool (atomically, durably); catch-up leaves it to this
    publication until it ends (`ReplicaSet.publishing`), then uses it for whoever missed it;
 4. every replica verifies and stages its own copy; a healthy target that did not stage it
@@ -34,8 +35,8 @@ Further invariants:
   accept it now or on catch-up; an upload cut short stages nothing (every child stream is
   cancelled) and leaves nothing in the spool;
 - the proxy holds the payload once in memory, as the chunks it received (`bytes` objects,
-  never copied or joined), which it forwards and, when healing, sends again; it hashes and
-  checks them once, on its reader's worker thread.
+  never copied or joined) or as views of the one buffer the bulk path received it into, which
+  it forwards and, when healing, sends again; it hashes and checks them once, as they arrive.
 """
 
 from __future__ import annotations
@@ -57,8 +58,9 @@ from rollwire.proxy.fleet.replica import ReplicaCall
 from rollwire.proxy.fleet.replicas import ReplicaSet
 from rollwire.proxy.metrics import ProxyMetrics
 from rollwire.proxy.publish.header_gate import HeaderGate
+from rollwire.proxy.publish.intake import Intake, Piece
 from rollwire.proxy.publish.peers import Peers
-from rollwire.proxy.publish.publication import Outcome, Publication
+from rollwire.proxy.publish.publication import Outcome, Publication, fence_conflicts, publication_reply
 from rollwire.proxy.spool import Spool, SpooledAdapter, Upload
 from rollwire.proxy.upstream import relay_credentials
 from rollwire.push.bulk import BulkDial, BulkListener
@@ -118,7 +120,7 @@ class FanOut:
         reader = self._reader(messages)
         upload: Upload | None = None
         lock: asyncio.Lock | None = None
-        forward: Forwarder | StripedForwarder | None = None
+        intake: Intake | None = None
         try:
             first = await reader.open()
             if first.relay.nodes or first.stage_only or first.stripe is not None:
@@ -137,17 +139,14 @@ class FanOut:
             pub = self._start(first.manifest, base_shapes, request_id)
             if send_metadata is not None:  # its hops ask for the bulk path only when its client did
                 pub.bulk = await reader.agree(first, self.bulk, send_metadata)
-            gate = HeaderGate(manifest_from_pb(first.manifest), base_shapes)
-            inspector = PayloadInspector(manifest_from_pb(first.manifest), base_shapes)
-            async for chunk in reader.chunks(store=upload.path, inspector=inspector):
-                for piece in await gate.feed(chunk):
-                    forward = forward or self._relay(pub, striped=True)
-                    await forward.send(piece)
-            payload = await reader.finish_chunks(sync=False)  # digest and tensors checked: the replicas' checks
+            m = manifest_from_pb(first.manifest)
+            gate, inspector = HeaderGate(m, base_shapes), PayloadInspector(m, base_shapes)
+            intake = Intake(reader, gate, inspector, lambda: self._relay(pub, striped=True))
+            payload = await intake.take(upload.path)  # digests and tensors checked: the replicas' checks
             upload.validated = True
         except BaseException as exc:
-            if forward is not None:
-                forward.abort(f"the upload to the proxy failed: {exc}"[:300])
+            if intake is not None:
+                intake.abort(f"the upload to the proxy failed: {exc}"[:300])
             reader.close()
             if upload is not None:
                 upload.discard()
@@ -155,7 +154,7 @@ class FanOut:
                 lock.release()
             raise
         spooled: asyncio.Future[SpooledAdapter] = asyncio.get_running_loop().create_future()
-        task = asyncio.create_task(self._publish(pub, upload, payload, gate.held, forward, lock, spooled))
+        task = asyncio.create_task(self._publish(pub, upload, payload, intake.held, intake.forward, lock, spooled))
         self._tasks.add(task)
         task.add_done_callback(self._finished)
         if answer == "spooled" and await self._spooled_first(pub, task, spooled):
@@ -296,7 +295,7 @@ class FanOut:
             if not outcome.ok and r.reason != Reason.RELAY_NOT_REACHED:
                 self._suspect[r.address] = time.monotonic()
 
-    async def _heal(self, pub: Publication, payload: list[bytes]) -> None:
+    async def _heal(self, pub: Publication, payload: list[Piece]) -> None:
         """Give the bytes again, from the proxy's copy, to every healthy target that missed
         them for a reason another copy may fix: a relay over them, then directly."""
         for star in (False, True):
@@ -323,8 +322,8 @@ class FanOut:
         self,
         pub: Publication,
         upload: Upload,
-        payload: list[bytes],
-        held: bytes | None,
+        payload: list[Piece],
+        held: Piece | None,
         forward: Forwarder | StripedForwarder | None,
         lock: asyncio.Lock,
         spooled: asyncio.Future[SpooledAdapter],
@@ -332,7 +331,7 @@ class FanOut:
         try:
             forward = forward or self._relay(pub, striped=True)
             if held is not None:
-                await forward.send(held)
+                await forward.send_last(held)
             forward.end()
             key = (pub.manifest.name, pub.manifest.version)
             self.replicas.publishing[key] = asyncio.current_task()  # before the spool holds it: catch-up leaves it
@@ -353,7 +352,7 @@ class FanOut:
                 if self.peers is not None and any(o.ok for o in pub.outcomes.values()):
                     # in every peer proxy's spool before any replica serves it
                     peers = await self.peers.share(adapter, pub.request_id)
-                    self._fence_conflicts(adapter, created, peers)
+                    fence_conflicts(self.spool, adapter, created, peers)
                 results = await self._commit(pub)
                 self.metrics.fanout_latency.observe(time.monotonic() - pub.started)
                 return self._settle(pub, adapter, created, results, peers)
@@ -361,23 +360,6 @@ class FanOut:
                 self.replicas.publishing.pop(key, None)
         finally:
             lock.release()
-
-    def _fence_conflicts(self, adapter: SpooledAdapter, created: bool, peers: list[pb.PeerPushResult]) -> None:
-        """A peer proxy holding other bytes under this version is two truths for one version:
-        nothing is committed (the replicas' staged copies expire), a copy this push spooled is
-        quarantined (so no catch-up serves it), and the push fails naming the peers."""
-        conflicts = [r.address for r in peers if r.reason == Reason.PEER_VERSION_CONFLICT]
-        if not conflicts:
-            return
-        why = f"peer proxies {', '.join(conflicts)} hold this version with another digest"
-        if created:
-            self.spool.quarantine(adapter, why)
-        log.error("adapter_version_fenced", adapter=adapter.name, version=adapter.version, peers=conflicts)
-        raise FailedPrecondition(
-            f"{adapter.name!r} v{adapter.version} was not published: {why} (two pushes gave it different bytes); "
-            "versions are immutable fleet-wide, so push the next version, and find which learner pushed the other",
-            reason=Reason.PEER_VERSION_CONFLICT,
-        )
 
     async def _commit(self, pub: Publication) -> list[ReplicaCall]:
         """CommitAdapter on every target that staged the version; the others keep their
@@ -442,7 +424,7 @@ class FanOut:
                     result.replica,
                     f"push of {adapter.name!r} v{adapter.version} failed with {result.code.name}: {result.message}",
                 )
-        reply = self._reply(adapter, results, list(pub.targets))
+        reply = publication_reply(adapter, results, list(pub.targets), self.replicas.all())
         reply.peers.extend(peers)
         return reply
 
@@ -460,25 +442,3 @@ class FanOut:
         log.error("adapter_publish_failed_after_answer", adapter=adapter.name, version=adapter.version, why=why)
         for result in results:
             self.replicas.mark_unsynced(result.replica, why)
-
-    def _reply(self, adapter: SpooledAdapter, results: list[ReplicaCall], pushed: list[str]) -> pb.PushAdapterResponse:
-        accepted = [r.reply for r in results if r.ok and r.reply is not None]
-        loaded = set.intersection(*(set(reply.loaded_versions) for reply in accepted)) if accepted else set()
-        per_replica = [r.to_pb() for r in results]
-        per_replica += [
-            pb.ReplicaPushResult(
-                replica=r.name,
-                address=r.address,
-                code="UNAVAILABLE",
-                message=f"not pushed now ({r.state()}); it is caught up before it serves again",
-            )
-            for r in self.replicas.all()
-            if r.address not in pushed
-        ]
-        return pb.PushAdapterResponse(
-            name=adapter.name,
-            version=adapter.version,
-            already_loaded=all(reply.already_loaded for reply in accepted),
-            loaded_versions=sorted(loaded),
-            replicas=per_replica,
-        )

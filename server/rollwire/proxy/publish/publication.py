@@ -3,13 +3,19 @@
 from __future__ import annotations
 
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 import grpc
 
+from rollwire.common.errors import FailedPrecondition
 from rollwire.common.reasons import Reason
-from rollwire.proxy.fleet.replica import Replica
+from rollwire.proxy.fleet.replica import Replica, ReplicaCall
+from rollwire.proxy.spool import Spool, SpooledAdapter
+from rollwire.runtime.logs import get_logger
 from rollwire.v1 import generator_pb2 as pb
+
+log = get_logger(__name__)
 
 
 @dataclass
@@ -58,3 +64,48 @@ class Publication:
     """The caller was answered once the version was spooled: the spool copy stays whatever the replicas say."""
     bulk: bool = False
     """Its client asked for the bulk path: so do the proxy's streams to the replicas."""
+
+
+def publication_reply(
+    adapter: SpooledAdapter, results: list[ReplicaCall], pushed: list[str], everyone: Iterable[Replica]
+) -> pb.PushAdapterResponse:
+    """The reply of a publication that committed somewhere: every target's outcome (`results`),
+    and each replica not `pushed` now with why (it is caught up before it serves again)."""
+    accepted = [r.reply for r in results if r.ok and r.reply is not None]
+    loaded = set.intersection(*(set(reply.loaded_versions) for reply in accepted)) if accepted else set()
+    per_replica = [r.to_pb() for r in results]
+    per_replica += [
+        pb.ReplicaPushResult(
+            replica=r.name,
+            address=r.address,
+            code="UNAVAILABLE",
+            message=f"not pushed now ({r.state()}); it is caught up before it serves again",
+        )
+        for r in everyone
+        if r.address not in pushed
+    ]
+    return pb.PushAdapterResponse(
+        name=adapter.name,
+        version=adapter.version,
+        already_loaded=all(reply.already_loaded for reply in accepted),
+        loaded_versions=sorted(loaded),
+        replicas=per_replica,
+    )
+
+
+def fence_conflicts(spool: Spool, adapter: SpooledAdapter, created: bool, peers: list[pb.PeerPushResult]) -> None:
+    """A peer proxy holding other bytes under this version is two truths for one version:
+    nothing is committed (the replicas' staged copies expire), a copy this push spooled is
+    quarantined (so no catch-up serves it), and the push fails naming the peers."""
+    conflicts = [r.address for r in peers if r.reason == Reason.PEER_VERSION_CONFLICT]
+    if not conflicts:
+        return
+    why = f"peer proxies {', '.join(conflicts)} hold this version with another digest"
+    if created:
+        spool.quarantine(adapter, why)
+    log.error("adapter_version_fenced", adapter=adapter.name, version=adapter.version, peers=conflicts)
+    raise FailedPrecondition(
+        f"{adapter.name!r} v{adapter.version} was not published: {why} (two pushes gave it different bytes); "
+        "versions are immutable fleet-wide, so push the next version, and find which learner pushed the other",
+        reason=Reason.PEER_VERSION_CONFLICT,
+    )
