@@ -144,6 +144,8 @@ class FanOut:
             intake = Intake(reader, gate, inspector, lambda: self._relay(pub, striped=True))
             payload = await intake.take(upload.path)  # digests and tensors checked: the replicas' checks
             upload.validated = True
+            took = round(time.monotonic() - pub.started, 4)
+            log.info("adapter_upload_received", adapter=m.name, version=m.version, path=reader.path, seconds=took)
         except BaseException as exc:
             if intake is not None:
                 intake.abort(f"the upload to the proxy failed: {exc}"[:300])
