@@ -590,6 +590,37 @@ def test_bytes_a_hop_alters_are_refused_below_it_and_healed(peer_proxy, path, di
         assert metric_value(paths, "rollwire_proxy_push_path_total", 'path="grpc",reason="refused"', default=0) == 0
 
 
+@pytest.mark.parametrize("peer_proxy", [({"corrupt": True}, 1)], indirect=True)
+def test_a_bulk_upload_of_many_pieces_is_healed_from_the_proxys_kept_views(peer_proxy, replicas, tiny_model):
+    """The proxy took the upload on its reading thread and keeps it as views of one buffer, 1 MiB
+    each: the replicas below the altering hop refuse its bytes and are healed from those views
+    (over their bulk lanes), and serve what a plain push of the same weights gives."""
+    proxy, peer = peer_proxy
+    big = make_adapter(tiny_model, seed=37, r=256)
+    assert len(big.payload) > 4 * writer.MAX_CHUNK
+    fp = status(proxy.target).model_fingerprint
+    heals_before = sum(
+        metric_value(proxy.metrics(), "rollwire_proxy_push_heals_total", f'replica="{r.target}"', default=0)
+        for r in replicas
+    )
+    earlier = len(log_events(proxy.log_path, "adapter_relay_planned"))
+    reply = push_via(proxy.target, big.manifest("healed-big", 1, fp), big.payload, "bulk")
+    assert all(r.code == "OK" for r in reply.replicas), reply.replicas
+    assert log_events(proxy.log_path, "adapter_relay_planned")[earlier]["children"] == [peer.target]
+    received = [
+        e["path"] for e in log_events(proxy.log_path, "adapter_upload_received") if e["adapter"] == "healed-big"
+    ]
+    assert received == ["bulk"]
+    heals = sum(
+        metric_value(proxy.metrics(), "rollwire_proxy_push_heals_total", f'replica="{r.target}"') for r in replicas
+    )
+    assert heals - heals_before == 3  # every replica was below the altering hop, refused, and was healed
+    assert all(hops_by_path(r, "healed-big")[-1] == "bulk" for r in replicas)
+    samples = [sampled(r.target, "healed-big", 1) for r in replicas]
+    push_via(replicas[0].target, big.manifest("plain-big", 1, fp), big.payload)  # the same weights, no relay
+    assert samples[0] == samples[1] == samples[2] == sampled(replicas[0].target, "plain-big", 1)
+
+
 @pytest.mark.parametrize("peer_proxy", [({"blocked": True}, 1)], indirect=True)
 def test_a_push_whose_bulk_port_is_blocked_completes_over_grpc_chunks_and_says_so(peer_proxy, replicas, adapter):
     proxy, peer = peer_proxy
