@@ -74,9 +74,10 @@ async def idle_bounded(messages: AsyncIterable, idle_s: float, holder: str):
 
 @dataclass(eq=False)
 class PushReader:
-    """Reads one PushAdapter stream: `open()`, then `chunks()`, then `finish()` (the payload
-    as one `bytes`) or `finish_chunks()` (the chunks as received, nothing copied: for a
-    holder that only forwards them); `close()` on every exit. The payload is hashed, copied
+    """Reads one PushAdapter stream: `open()`, then `chunks()` (or, over the bulk path, `take`
+    or `read_direct`: every byte on one reading thread), then `finish()` (the payload as one
+    `bytes`, or the bulk path's buffer) or `finish_chunks()` (the chunks as received, nothing
+    copied: for a holder that only forwards them); `close()` on every exit. The payload is hashed, copied
     into one buffer (unless `keep_chunks`) and written to `store` (if given) by one worker
     thread, at most `backlog_bytes` behind the network."""
 
