@@ -164,9 +164,10 @@ class Fleet:
         stop_all([self.proxy, *self.replicas])
 
 
-def tcp_chain(payload: bytes, hops: int = 3) -> float:
-    """Seconds to copy `payload` over `hops` loopback TCP hops (sender -> relay -> relay -> receiver),
-    each relay forwarding every 1 MiB as it arrives (recv_into, then sendall of the same view)."""
+def tcp_chain(payload: bytes, hops: int = 3) -> tuple[float, float]:
+    """(seconds, CPU seconds of all its threads) to copy `payload` over `hops` loopback TCP hops
+    (sender -> relay -> relay -> receiver), each relay forwarding every 1 MiB as it arrives
+    (recv_into, then sendall of the same view)."""
     servers = [socket.create_server(("127.0.0.1", 0)) for _ in range(hops)]
     size, done = len(payload), threading.Event()
 
@@ -188,16 +189,16 @@ def tcp_chain(payload: bytes, hops: int = 3) -> float:
     threads = [threading.Thread(target=relay, args=(i,), daemon=True) for i in range(hops)]
     for t in threads:
         t.start()
-    start = time.perf_counter()
+    start, cpu = time.perf_counter(), time.process_time()
     with socket.create_connection(servers[0].getsockname()) as s:
         s.sendall(payload)
     done.wait(600)
-    took = time.perf_counter() - start
+    took, cpu = time.perf_counter() - start, time.process_time() - cpu
     for t in threads:
         t.join(10)
     for s in servers:
         s.close()
-    return took
+    return took, cpu
 
 
 def checks_alone(payload: bytes, fingerprint: str, r: int) -> dict:
@@ -253,7 +254,8 @@ def measure(model: Path, fingerprint: str, size: int, repeats: int, tls: Path | 
                 )
     finally:
         fleet.stop()
-    tcp = [tcp_chain(payload) for _ in range(repeats)] if tls is None else []
+    chains = [tcp_chain(payload) for _ in range(repeats)] if tls is None else []
+    tcp = [took for took, _ in chains]
     gib = len(payload) / GiB
     paths = {}
     for path in ("grpc", "bulk"):
@@ -271,6 +273,7 @@ def measure(model: Path, fingerprint: str, size: int, repeats: int, tls: Path | 
     out["bulk_over_grpc"] = paths["bulk"]["push_s"]["median"] / paths["grpc"]["push_s"]["median"]
     if tcp:
         out["tcp_chain_s"] = spread(tcp)
+        out["tcp_chain_cpu_s_per_GiB"] = statistics.median(cpu for _, cpu in chains) / gib
         out["bulk_over_tcp"] = paths["bulk"]["push_s"]["median"] / out["tcp_chain_s"]["median"]
         out["grpc_over_tcp"] = paths["grpc"]["push_s"]["median"] / out["tcp_chain_s"]["median"]
     return out
@@ -294,6 +297,7 @@ def main() -> None:
     payload, r = adapter_of(config, 256 * MiB)
     data["checks"] = checks_alone(payload, fingerprint, r)
     data["load_avg"] = {"before": load_before, "after": os.getloadavg()}
+    data["cores"] = os.cpu_count()
     write_result("bulk_push", " ".join([".venv/bin/python bench/bulk_push.py", *sys.argv[1:]]), data)
 
 

@@ -37,6 +37,10 @@ if TYPE_CHECKING:
     from rollwire.push.forward import Forwarder
 from rollwire.v1 import generator_pb2 as pb
 
+DIRECT_PIECE = 4 * MAX_CHUNK
+"""A bulk push's piece when every child takes bytes over its bulk lane (a chunked child takes
+gRPC chunks of MAX_CHUNK): a quarter of the per-piece calls (read, hash, scan, send)."""
+
 
 @dataclass(frozen=True)
 class Opening:
@@ -195,7 +199,8 @@ class PushReader:
                 assert forward is not None
                 asyncio.run_coroutine_threadsafe(forward.send(piece), loop).result(self.idle_s)  # pyright: ignore[reportArgumentType]
 
-        sizes = [min(MAX_CHUNK, declared - start) for start in range(0, declared, MAX_CHUNK)]
+        step = MAX_CHUNK if chunked else DIRECT_PIECE
+        sizes = [min(step, declared - start) for start in range(0, declared, step)]
         await self._bulk.read_all(sizes, declared, on_piece)
         self.received = declared
         await self._stream_end()
