@@ -807,8 +807,24 @@ def bulk_push(d: dict) -> str:
         f"push {plain['grpc_over_tcp']:.2f}x.",
         _bulk_checks(checks),
         _bulk_floor(plain, checks, d.get("cores", os.cpu_count() or 1)),
+        _bulk_tls_floor(d.get("tls_alone"), checks),
     ]
     return "\n\n".join(p for p in parts if p)
+
+
+def _bulk_tls_floor(t: dict | None, checks: dict) -> str:
+    """What a TLS relay must spend per GiB at least: decrypt what it receives, encrypt what it
+    sends on, verify the BLAKE3 (bench/bulk_push.py's `tls_alone`, `checks_alone`)."""
+    if not t:
+        return ""
+    floor = t["tls_decrypt_cpu_s_per_GiB"] + t["tls_encrypt_cpu_s_per_GiB"] + checks["blake3_cpu_s_per_GiB"]
+    return (
+        f"A TLS hop on this machine: Python's `ssl` ({t['cipher']}) spends {t['tls_encrypt_cpu_s_per_GiB']:.2f} CPU s "
+        f"per GiB to send and {t['tls_decrypt_cpu_s_per_GiB']:.2f} to receive over one loopback connection, so a "
+        f"relay that decrypts, verifies the BLAKE3 and encrypts again spends {floor:.2f} s per GiB before it moves a "
+        f"byte: {1.073741824 / floor:.2f} GB/s per core at best, against the 1 GB/s asked. Kernel TLS, which would "
+        f"spare the user-space copies and calls, is {'offered' if t['kernel_tls'] else 'not built into this kernel (no `tls` in /proc/sys/net/ipv4/tcp_available_ulp)'}."
+    )
 
 
 def _bulk_floor(plain: dict, checks: dict, cores: int) -> str:
