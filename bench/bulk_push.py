@@ -31,6 +31,7 @@ import hashlib
 import json
 import os
 import socket
+import ssl
 import statistics
 import subprocess
 import sys
@@ -164,9 +165,10 @@ class Fleet:
         stop_all([self.proxy, *self.replicas])
 
 
-def tcp_chain(payload: bytes, hops: int = 3) -> float:
-    """Seconds to copy `payload` over `hops` loopback TCP hops (sender -> relay -> relay -> receiver),
-    each relay forwarding every 1 MiB as it arrives (recv_into, then sendall of the same view)."""
+def tcp_chain(payload: bytes, hops: int = 3) -> tuple[float, float]:
+    """(seconds, CPU seconds of all its threads) to copy `payload` over `hops` loopback TCP hops
+    (sender -> relay -> relay -> receiver), each relay forwarding every 1 MiB as it arrives
+    (recv_into, then sendall of the same view)."""
     servers = [socket.create_server(("127.0.0.1", 0)) for _ in range(hops)]
     size, done = len(payload), threading.Event()
 
@@ -188,16 +190,16 @@ def tcp_chain(payload: bytes, hops: int = 3) -> float:
     threads = [threading.Thread(target=relay, args=(i,), daemon=True) for i in range(hops)]
     for t in threads:
         t.start()
-    start = time.perf_counter()
+    start, cpu = time.perf_counter(), time.process_time()
     with socket.create_connection(servers[0].getsockname()) as s:
         s.sendall(payload)
     done.wait(600)
-    took = time.perf_counter() - start
+    took, cpu = time.perf_counter() - start, time.process_time() - cpu
     for t in threads:
         t.join(10)
     for s in servers:
         s.close()
-    return took
+    return took, cpu
 
 
 def checks_alone(payload: bytes, fingerprint: str, r: int) -> dict:
@@ -233,6 +235,44 @@ def checks_alone(payload: bytes, fingerprint: str, r: int) -> dict:
     return out
 
 
+def tls_alone(payload: bytes, pki: Path) -> dict:
+    """Python's `ssl` moving `payload` over one loopback connection (TLS 1.3, the bench's
+    certificates; 4 MiB sends and reads, as a hop's): the CPU s per GiB of the sending thread
+    (encrypt) and of the receiving one (decrypt), and whether this kernel offers kernel TLS
+    (the `tls` upper-layer protocol) at all."""
+    server = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    server.load_cert_chain(pki / "server.pem", pki / "server.key")
+    client = ssl.create_default_context(cafile=str(pki / "ca.pem"))
+    listener, size, took = socket.create_server(("127.0.0.1", 0)), len(payload), {}
+
+    def receive() -> None:
+        conn = server.wrap_socket(listener.accept()[0], server_side=True)
+        buf, got, start = memoryview(bytearray(4 * MiB)), 0, time.thread_time()
+        while got < size:
+            got += conn.recv_into(buf, min(4 * MiB, size - got))
+        took["decrypt"] = time.thread_time() - start
+        conn.close()
+
+    reader = threading.Thread(target=receive)
+    reader.start()
+    with client.wrap_socket(socket.create_connection(listener.getsockname()), server_hostname="127.0.0.1") as conn:
+        view, start = memoryview(payload), time.thread_time()
+        for at in range(0, size, 4 * MiB):
+            conn.sendall(view[at : at + 4 * MiB])
+        took["encrypt"] = time.thread_time() - start
+        reader.join(120)
+        cipher = conn.cipher()
+    listener.close()
+    ulp = Path("/proc/sys/net/ipv4/tcp_available_ulp")
+    gib = size / GiB
+    return {
+        "tls_encrypt_cpu_s_per_GiB": took["encrypt"] / gib,
+        "tls_decrypt_cpu_s_per_GiB": took["decrypt"] / gib,
+        "cipher": cipher[0] if cipher else "",
+        "kernel_tls": ulp.exists() and "tls" in ulp.read_text().split(),
+    }
+
+
 def measure(model: Path, fingerprint: str, size: int, repeats: int, tls: Path | None) -> dict:
     config = json.loads((model / "config.json").read_text())
     payload, r = adapter_of(config, size)
@@ -253,7 +293,8 @@ def measure(model: Path, fingerprint: str, size: int, repeats: int, tls: Path | 
                 )
     finally:
         fleet.stop()
-    tcp = [tcp_chain(payload) for _ in range(repeats)] if tls is None else []
+    chains = [tcp_chain(payload) for _ in range(repeats)] if tls is None else []
+    tcp = [took for took, _ in chains]
     gib = len(payload) / GiB
     paths = {}
     for path in ("grpc", "bulk"):
@@ -271,6 +312,7 @@ def measure(model: Path, fingerprint: str, size: int, repeats: int, tls: Path | 
     out["bulk_over_grpc"] = paths["bulk"]["push_s"]["median"] / paths["grpc"]["push_s"]["median"]
     if tcp:
         out["tcp_chain_s"] = spread(tcp)
+        out["tcp_chain_cpu_s_per_GiB"] = statistics.median(cpu for _, cpu in chains) / gib
         out["bulk_over_tcp"] = paths["bulk"]["push_s"]["median"] / out["tcp_chain_s"]["median"]
         out["grpc_over_tcp"] = paths["grpc"]["push_s"]["median"] / out["tcp_chain_s"]["median"]
     return out
@@ -293,7 +335,9 @@ def main() -> None:
     config = json.loads((model / "config.json").read_text())
     payload, r = adapter_of(config, 256 * MiB)
     data["checks"] = checks_alone(payload, fingerprint, r)
+    data["tls_alone"] = tls_alone(payload, make_pki(WORK / "bulk-pki"))
     data["load_avg"] = {"before": load_before, "after": os.getloadavg()}
+    data["cores"] = os.cpu_count()
     write_result("bulk_push", " ".join([".venv/bin/python bench/bulk_push.py", *sys.argv[1:]]), data)
 
 

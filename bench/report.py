@@ -11,6 +11,7 @@ Run: .venv/bin/python bench/report.py
 from __future__ import annotations
 
 import json
+import os
 import re
 import sys
 
@@ -805,8 +806,46 @@ def bulk_push(d: dict) -> str:
         f"{s(plain['tcp_chain_s'], unit=' s')}; the bulk push is **{plain['bulk_over_tcp']:.2f}x** that, the gRPC "
         f"push {plain['grpc_over_tcp']:.2f}x.",
         _bulk_checks(checks),
+        _bulk_floor(plain, checks, d.get("cores", os.cpu_count() or 1)),
+        _bulk_tls_floor(d.get("tls_alone"), checks),
     ]
-    return "\n\n".join(parts)
+    return "\n\n".join(p for p in parts if p)
+
+
+def _bulk_tls_floor(t: dict | None, checks: dict) -> str:
+    """What a TLS relay must spend per GiB at least: decrypt what it receives, encrypt what it
+    sends on, verify the BLAKE3 (bench/bulk_push.py's `tls_alone`, `checks_alone`)."""
+    if not t:
+        return ""
+    floor = t["tls_decrypt_cpu_s_per_GiB"] + t["tls_encrypt_cpu_s_per_GiB"] + checks["blake3_cpu_s_per_GiB"]
+    return (
+        f"A TLS hop on this machine: Python's `ssl` ({t['cipher']}) spends {t['tls_encrypt_cpu_s_per_GiB']:.2f} CPU s "
+        f"per GiB to send and {t['tls_decrypt_cpu_s_per_GiB']:.2f} to receive over one loopback connection, so a "
+        f"relay that decrypts, verifies the BLAKE3 and encrypts again spends {floor:.2f} s per GiB before it moves a "
+        f"byte: {1.073741824 / floor:.2f} GB/s per core at best, against the 1 GB/s asked. Kernel TLS, which would "
+        f"spare the user-space copies and calls, is {'offered' if t['kernel_tls'] else 'not built into this kernel (no `tls` in /proc/sys/net/ipv4/tcp_available_ulp)'}."
+    )
+
+
+def _bulk_floor(plain: dict, checks: dict, cores: int) -> str:
+    """What the whole push must cost on this machine's cores, however lean each stage: the raw
+    copy's own CPU, plus the digests the contract asks for (the pusher's and the proxy's sha256 and
+    BLAKE3, each replica's BLAKE3) and the finiteness scan on every receiving hop."""
+    if "tcp_chain_cpu_s_per_GiB" not in plain:
+        return ""
+    c = {k.removesuffix("_cpu_s_per_GiB"): v for k, v in checks.items()}
+    copy = plain["tcp_chain_cpu_s_per_GiB"]
+    digests = 2 * (c["sha256"] + c["blake3"]) + 2 * c["blake3"]
+    floor = (copy + digests + 3 * c["checks"]) / cores
+    gib = plain["payload_bytes"] / 2**30
+    raw = plain["tcp_chain_s"]["median"] / gib
+    return (
+        f"The floor on this machine, where the pusher, the proxy and both replicas share {cores} cores: the raw "
+        f"copy itself used {copy:.2f} CPU s per GiB (all hops), the digests the contract asks for add {digests:.2f} "
+        f"(sha256 and BLAKE3 at the pusher and at the proxy, BLAKE3 at each replica) and the finiteness scans "
+        f"{3 * c['checks']:.2f}; over {cores} cores that is {floor:.2f} s per GiB at the very least, "
+        f"**{floor / raw:.2f}x** the raw copy's {raw:.2f} s per GiB, before any control-plane work."
+    )
 
 
 def _bulk_checks(checks: dict) -> str:

@@ -16,9 +16,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from blake3 import blake3
-
 from rollwire.client._requests import UINT64, check_adapter_name
+from rollwire.common.digest import payload_digests
 from rollwire.common.errors import RequestError
 from rollwire.common.errors import whole_number as _int
 from rollwire.common.lora import LoraShape
@@ -87,14 +86,15 @@ def build_manifest(
         raise RequestError("the adapter payload must be non-empty bytes (a safetensors file)")
     if not isinstance(base_model_fingerprint, str) or not base_model_fingerprint:
         raise RequestError("base_model_fingerprint is required; take it from GetStatus or model_fingerprint()")
+    sha256, b3 = payload_digests(payload)
     manifest = pb.AdapterManifest(
         name=check_adapter_name(name),
         version=_int("version", version, 1, UINT64),
         base_model_fingerprint=base_model_fingerprint,
         lora_config=LoraShape.from_peft(lora_config).to_pb(),
         byte_length=len(payload),
-        sha256=hashlib.sha256(payload).hexdigest(),
-        blake3=blake3(payload).hexdigest(),  # what every hop verifies: twice sha256's speed (docs/protocol.md)
+        sha256=sha256,
+        blake3=b3,  # what every hop verifies: twice sha256's speed (docs/protocol.md)
     )
     return sign(manifest, signing_key) if signing_key is not None else manifest
 

@@ -95,7 +95,10 @@ class AsyncClient(ClientBase):
         """Upload one adapter version (a PEFT safetensors payload); returns once it is served.
         With `signing_key` (SigningKey.load(FILE)) the manifest is signed: required by receivers
         that set trust.keys_file (docs/security.md)."""
-        manifest = build_manifest(name, version, payload, lora_config, base_model_fingerprint, signing_key)
+        # the digests read every byte (about 1 s per GiB): off the caller's event loop
+        manifest = await asyncio.to_thread(
+            build_manifest, name, version, payload, lora_config, base_model_fingerprint, signing_key
+        )
         invoke = self._push_invoke(manifest, payload, chunk_size)
         return push_result_from_pb(await self._unary(invoke, timeout))
 

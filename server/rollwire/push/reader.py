@@ -37,6 +37,10 @@ if TYPE_CHECKING:
     from rollwire.push.forward import Forwarder
 from rollwire.v1 import generator_pb2 as pb
 
+DIRECT_PIECE = 4 * MAX_CHUNK
+"""A bulk push's piece when every child takes bytes over its bulk lane (a chunked child takes
+gRPC chunks of MAX_CHUNK): a quarter of the per-piece calls (read, hash, scan, send)."""
+
 
 @dataclass(frozen=True)
 class Opening:
@@ -189,15 +193,18 @@ class PushReader:
                 assert forward is not None
                 asyncio.run_coroutine_threadsafe(forward.send(piece), loop).result(self.idle_s)  # pyright: ignore[reportArgumentType]
 
-        await self.read_direct(inspector, None, then)
+        await self.read_direct(inspector, None, then, MAX_CHUNK if chunked else DIRECT_PIECE)
 
-    async def read_direct(self, inspector: Inspector, store: Path | None, then: Callable[[memoryview], None]) -> None:
-        """Over the bulk path (then `finish`): one reading thread receives each piece into the
-        payload's buffer, hashes it (`Digests`), inspects it, writes it to `store` when given
-        (from the same buffer), then calls `then(piece)` (sending it on) before it reads the
-        next: no hand-off per piece. A piece the inspector refused goes no further (`then` is
-        not called); a failed write of `store` is DISK_FULL or STORE_FAILED, not a broken
-        connection. The event loop hears only of the end, or of a failure."""
+    async def read_direct(
+        self, inspector: Inspector, store: Path | None, then: Callable[[memoryview], None], step: int = MAX_CHUNK
+    ) -> None:
+        """Over the bulk path (then `finish`): one reading thread receives each piece (`step`
+        bytes, the last shorter) into the payload's buffer, hashes it (`Digests`), inspects it,
+        writes it to `store` when given (from the same buffer), then calls `then(piece)` (sending
+        it on) before it reads the next: no hand-off per piece. A piece the inspector refused
+        goes no further (`then` is not called); a failed write of `store` is DISK_FULL or
+        STORE_FAILED, not a broken connection. The event loop hears only of the end, or of a
+        failure."""
         assert self._bulk is not None and self.manifest is not None and not self.keep_chunks, "agree() first"
         declared = self.manifest.byte_length
         digests = Digests(self.manifest, both=self.both_digests)
@@ -213,7 +220,7 @@ class PushReader:
             sink.raise_inspection()  # refused bytes go no further
             then(piece)
 
-        sizes = [min(MAX_CHUNK, declared - start) for start in range(0, declared, MAX_CHUNK)]
+        sizes = [min(step, declared - start) for start in range(0, declared, step)]
         await self._bulk.read_all(sizes, declared, on_piece)
         self.received = declared
         await self._stream_end()

@@ -30,11 +30,13 @@ from support.processes import start_generators, start_proxy, stop_all, wait_rout
 from support.wire import generate, make_adapter, metric_value, status
 
 from rollwire.common import writer
-from rollwire.common.bulk import BlockingPush, parse_offer, token
+from rollwire.common.bulk import close as bulk_close
 from rollwire.common.bulk import connect as bulk_connect
+from rollwire.common.bulk import parse_offer, token
 from rollwire.common.errors import from_rpc_error
 from rollwire.common.reasons import Reason
 from rollwire.common.writer import opening
+from rollwire.push.reader import DIRECT_PIECE
 from rollwire.v1 import generator_pb2 as pb
 from rollwire.v1 import generator_pb2_grpc
 
@@ -79,9 +81,10 @@ def proxy(replicas, workdir, spool):
 
 @pytest.fixture(scope="module")
 def big(tiny_model):
-    """A real LoRA adapter of several 1 MiB pieces (rank 256 on the tiny model)."""
-    adapter = make_adapter(tiny_model, seed=36, r=256)
-    assert len(adapter.payload) > 4 * writer.MAX_CHUNK
+    """A real LoRA adapter of ten 1 MiB pieces (rank 512 on the tiny model): half of it is more
+    than a replica's own bulk piece when it has no gRPC-chunk child (`reader.DIRECT_PIECE`)."""
+    adapter = make_adapter(tiny_model, seed=36, r=512)
+    assert len(adapter.payload) // 2 > DIRECT_PIECE + writer.MAX_CHUNK
     return adapter
 
 
@@ -90,18 +93,31 @@ def stub(target: str) -> generator_pb2_grpc.GeneratorServiceStub:
 
 
 def bulk_push(target: str, manifest: pb.AdapterManifest, payload: bytes) -> tuple[grpc.StatusCode, str]:
-    """A push whose bytes went over the proxy's bulk endpoint (checked): its (code, reason)."""
-    push = BlockingPush(manifest, payload, writer.MAX_CHUNK, "127.0.0.1", 3.0)
-    call = stub(target).PushAdapter.future(push.requests(), timeout=60)
-    push.attach(call)
+    """A push whose bytes go over the proxy's bulk endpoint, its connection made by hand (so a
+    receiver that refuses mid-way closes that connection: no fallback to chunks can follow):
+    its (code, reason)."""
+    release = threading.Event()
+
+    def requests():
+        yield opening(manifest, bulk=True)
+        release.wait(60)
+
+    call = stub(target).PushAdapter.future(requests(), timeout=60)
+    offer = parse_offer(call.initial_metadata())
+    assert offer is not None
+    sock = bulk_connect("127.0.0.1", offer, token(offer.secret, manifest, None), 3.0)  # ACKed: the proxy took it
+    try:
+        sock.sendall(payload)
+        bulk_close(sock)  # returns once the receiver has every byte
+    except OSError:
+        sock.close()  # the proxy refused the bytes and closed the connection
+    release.set()
     try:
         call.result()
-        outcome = (grpc.StatusCode.OK, "")
     except grpc.RpcError as exc:
         err = from_rpc_error(exc)
-        outcome = (err.code, err.reason)
-    assert (push.path, push.reason) == ("bulk", "connected")
-    return outcome
+        return err.code, err.reason
+    return grpc.StatusCode.OK, ""
 
 
 def counters(replicas) -> list[tuple[float, float]]:

@@ -33,7 +33,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import errno
-import hashlib
 import json
 import os
 import stat
@@ -42,8 +41,8 @@ from pathlib import Path
 from typing import Any
 
 import grpc
-from blake3 import blake3
 
+from rollwire.common.digest import payload_digests
 from rollwire.common.errors import FailedPrecondition, InvalidArgument, PermissionDenied
 from rollwire.common.fingerprint import model_fingerprint
 from rollwire.common.lora import LoraShape
@@ -178,7 +177,7 @@ class AdapterDoor:
             raise _bad_folder(
                 f"{WEIGHTS_FILE} is not a valid safetensors file (its header does not parse; the proxy's log says why)"
             ) from None
-        sha256, b3 = await asyncio.to_thread(lambda: (hashlib.sha256(payload).hexdigest(), blake3(payload).hexdigest()))
+        sha256, b3 = await asyncio.to_thread(payload_digests, payload)
         await self._model_folder_fingerprint()
         async with self._name_lock(ref.name):
             name = self.lineages.internal(ref.name)
