@@ -115,7 +115,9 @@ class PushIntake:
             first, manifest = await self._admit(stream, context)
             if first.relay.nodes:
                 stream.forward = await self._relay(first, context, stream.role)
-            await stream.reader.agree(first, self.bulk, context.send_initial_metadata)
+            # a bulk stripe lands in its assembly's one buffer, ready before the offer
+            into = await stream.assembly.ready() if stream.assembly is not None and first.bulk and self.bulk else None
+            await stream.reader.agree(first, self.bulk, context.send_initial_metadata, into)
             await self._receive(stream, first, manifest)
             if stream.assembly is not None and first.stripe is not None and not stream.assembly.end(first.stripe.index):
                 stream.assembly = None  # its stripe is in: what happens to this call now spoils nothing
@@ -157,7 +159,8 @@ class PushIntake:
         if first.stripe is not None:
             if joining is None:
                 inspector = PayloadInspector(manifest, self.base_shapes)
-                joining = self.slots.assemble(first.manifest, first.stripe, inspector)
+                pool = self.bulk.pool if self.bulk is not None else None
+                joining = self.slots.assemble(first.manifest, first.stripe, inspector, pool)
                 stream.admitted = False  # the assembly holds the slot now
             joining.join(first.stripe)  # a conflicting stripe is refused here, leaving the assembly alone
             stream.assembly = stream.attached = joining
@@ -169,11 +172,8 @@ class PushIntake:
         forward = stream.forward
         try:
             if stream.assembly is not None and first.stripe is not None:
-                async for j, chunk in stream.reader.stripe_chunks(first.stripe):
-                    self.metrics.push_bytes.inc(len(chunk))
-                    await stream.assembly.add(j, chunk)
-                    if forward is not None:
-                        await forward.send(chunk)
+                # over the bulk path, one reading thread per stripe receives, lands and forwards its chunks
+                await stream.reader.take_stripe(first.stripe, stream.assembly, forward, self.metrics.push_bytes.inc)
             else:  # over the bulk path, one reading thread receives, checks and forwards every piece
                 inspector = PayloadInspector(manifest, self.base_shapes)
                 await stream.reader.take(inspector, forward, self.metrics.push_bytes.inc)
@@ -227,6 +227,7 @@ class PushIntake:
             version=first.manifest.version,
             stripe=first.stripe.index,
             stripes=first.stripe.count,
+            path=stream.reader.path,
             relayed_to=len(subtree),
             seconds=round(time.monotonic() - stream.start, 4),
         )

@@ -2,10 +2,13 @@
 
 Invariants:
 - a striped push is always `stage_only` and its stripe fields are in range (`check_stripe`);
-- chunks are fed to one `Sink` (sha256, buffer, inspector) strictly in payload order,
-  whatever order the stripes deliver them in, so the payload is hashed and checked once, as
-  for any push; chunks that arrive ahead wait (at most the payload's size, which the
-  receiver admitted);
+- the stripes of a version land in one buffer of the payload's admitted size, allocated once,
+  off the event loop: chunk j at j x chunk_bytes, written once, by one thread (a bulk stripe's
+  reading thread by `recv_into`, the assembly's worker for a chunk that came on the stream):
+  stripes cover disjoint regions, so no byte is copied twice and no lock is held over bytes;
+- the payload is hashed and checked once, strictly in payload order, as its prefix fills
+  (`push.frontier.Frontier`), whatever order the stripes deliver in, and whichever path each
+  stripe came by;
 - each stripe joins once; the stream whose end completes the payload takes the verdict,
   exactly once; bytes that fail a check fail every stripe's stream;
 - a receiver's push slots (`PushSlots`) bound the pushes it takes in at once: one per plain
@@ -18,15 +21,20 @@ Invariants:
 from __future__ import annotations
 
 import asyncio
+import mmap
+import threading
 import time
+from collections import deque
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 
 from rollwire.common.errors import FailedPrecondition, InvalidArgument, ResourceExhausted, RollwireError
 from rollwire.common.reasons import Reason
 from rollwire.common.writer import MAX_CHUNK, MAX_STRIPES, MIN_STRIPE_CHUNK
-from rollwire.push.buffers import Payload
+from rollwire.push.buffers import BufferPool, Payload, payload_buffer
 from rollwire.push.digests import Digests
-from rollwire.push.sink import Inspector, Sink, verdict
+from rollwire.push.frontier import Frontier
+from rollwire.push.sink import Inspector
 from rollwire.runtime.logs import get_logger
 from rollwire.v1 import generator_pb2 as pb
 
@@ -52,23 +60,34 @@ def check_stripe(stripe: pb.Stripe, *, stage_only: bool) -> None:
 
 
 class Assembly:
-    """The stripes of one version, from their separate streams, put back in payload order.
+    """The stripes of one version, from their separate streams, put back into one buffer.
 
-    Invariants: chunks are fed to one sink (sha256, buffer, inspector) strictly in payload
-    order, whatever order the stripes deliver them in; chunks that arrive ahead wait here
-    (at most the payload's size in all, which the receiver admitted); each stripe joins
-    once; the stream whose end completes the payload (every stripe `ended`) takes the
-    verdict, exactly once. An assembly that never completes is dropped by its owner."""
+    Invariants: the payload's one buffer (`payload`: from the bulk listener's pool, else mapped;
+    off the event loop) holds chunk j at j x chunk_bytes; a stripe over the bulk path is read
+    straight into its chunks' places by its stream's reading thread (`landed`), a stripe over
+    gRPC chunks copies each chunk there on the assembly's worker (`add`), so stripes of both
+    paths meet in the same buffer and each byte is written once, by one thread, into a region
+    no other stripe writes. The `Frontier` hashes and inspects the landed prefix in payload
+    order, whatever order the stripes deliver in. Each stripe joins once; the stream whose end
+    completes the payload (every stripe `ended`) takes the verdict, exactly once. An assembly
+    that never completes is dropped by its owner."""
 
-    def __init__(self, manifest: pb.AdapterManifest, stripe: pb.Stripe, inspector: Inspector | None) -> None:
-        self.manifest = manifest
+    def __init__(
+        self,
+        manifest: pb.AdapterManifest,
+        stripe: pb.Stripe,
+        inspector: Inspector | None,
+        pool: BufferPool | None = None,
+        backlog_bytes: int = 8 * MAX_CHUNK,
+    ) -> None:
+        self.manifest, self.pool, self.backlog = manifest, pool, backlog_bytes
         self.count, self.chunk_bytes = stripe.count, stripe.chunk_bytes
-        self.sink = Sink(
-            manifest.byte_length, None, 8 * MAX_CHUNK, inspector, False, digests=Digests(manifest), flat=True
-        )
-        self.ahead: dict[int, bytes] = {}
-        self.next = 0
-        self.feeding = asyncio.Lock()
+        self.frontier = Frontier(manifest.byte_length, stripe.chunk_bytes, Digests(manifest), inspector)
+        self.buffer: bytearray | mmap.mmap | None = None
+        self._allocating = threading.Lock()
+        self._worker: ThreadPoolExecutor | None = None
+        self._copies: deque[tuple[asyncio.Future, int]] = deque()
+        self._copy_bytes = 0
         self.joined: set[int] = set()
         self.ended: set[int] = set()
         self.closed = False
@@ -93,52 +112,118 @@ class Assembly:
             )
         self.joined.add(stripe.index)
 
+    def payload(self) -> bytearray | mmap.mmap:
+        """The payload's buffer, allocated by the first caller (a thread: never the event loop)."""
+        with self._allocating:
+            if self.buffer is None:
+                size = self.manifest.byte_length
+                self.buffer = self.pool.take(size) if self.pool is not None else payload_buffer(size)
+            return self.buffer
+
+    async def ready(self) -> bytearray | mmap.mmap:
+        """The payload's buffer, allocated off the event loop: a bulk stripe's, before its offer."""
+        return await asyncio.to_thread(self.payload)
+
+    def landed(self, j: int, buffer: bytearray | mmap.mmap) -> None:
+        """On the thread that wrote chunk j into `buffer` (the payload's): hash and inspect up to
+        the new frontier. Raises the bytes' refusal (and fails the assembly with it)."""
+        try:
+            self.frontier.landed(j, buffer)
+        except RollwireError as err:
+            self.error = self.error or err
+            raise
+
     async def add(self, j: int, chunk: bytes) -> None:
-        """Chunk j: fed to the sink now if it is next in payload order, else when it is. Raises
-        the first failed check of the bytes; does nothing once the assembly failed."""
+        """Chunk j of a stripe over gRPC chunks: copied into its place on the assembly's worker
+        (at most `backlog` bytes behind). Raises the first failed check of the bytes; does
+        nothing once the assembly failed."""
         if self.closed:
             return
-        self.ahead[j] = chunk
-        async with self.feeding:
-            while not self.closed and self.next in self.ahead:
-                await self.sink.absorb(self.ahead.pop(self.next))
-                self.next += 1
-            try:
-                self.sink.raise_inspection()
-            except RollwireError as err:
-                self.fail(err)
-                raise
+        if self._worker is None:
+            self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="stripe-copy")
+        copy = asyncio.get_running_loop().run_in_executor(self._worker, self._copy, j, chunk)
+        self._copies.append((copy, len(chunk)))
+        self._copy_bytes += len(chunk)
+        while self._copy_bytes > self.backlog:
+            await self._settle_one()
+        if self.frontier.error is not None:
+            self.fail(self.frontier.error)
+            raise self.frontier.error
+
+    def _copy(self, j: int, chunk: bytes) -> None:
+        if self.closed:
+            return
+        buffer = self.payload()
+        at = j * self.chunk_bytes
+        memoryview(buffer)[at : at + len(chunk)] = chunk  # its size was checked against its place
+        try:
+            self.landed(j, buffer)
+        except RollwireError:
+            pass  # recorded (`error`): the stream's next add, or the verdict, raises it
+
+    async def _settle_one(self) -> None:
+        """Wait for the oldest copy (several streams may wait for the same one)."""
+        copy, size = self._copies[0]
+        await copy
+        if self._copies and self._copies[0][0] is copy:  # another stream's wait may have taken it off
+            self._copies.popleft()
+            self._copy_bytes -= size
+
+    async def settle(self) -> None:
+        """Every chunk handed to `add` so far is in its place (and past the frontier's look)."""
+        while self._copies:
+            await self._settle_one()
 
     def end(self, index: int) -> bool:
         """Stripe `index` delivered all its chunks; True for the one call that completes the
         payload (then `finish`). Raises the bytes' refusal if they were refused; False while a
         stripe is missing, or for good once a stripe's stream broke."""
         self.ended.add(index)
-        if self.error is not None:
-            raise self.error
+        if (error := self.error or self.frontier.error) is not None:
+            raise error
         if self.closed or len(self.ended) < self.count:
             return False
         self.completed = True
         return True
 
     async def finish(self) -> Payload:
-        """The verified payload (length, digest, tensors), after `end` returned True."""
+        """The verified payload (length, digest, tensors), after `end` returned True: every
+        stripe's chunks landed and the frontier hashed them all (the digest is checked before
+        the inspector's refusal, as `sink.verdict` does)."""
         assert self.completed
-        async with self.feeding:
-            pass  # every chunk was fed: each add returned after its feed ran
-        payload = await verdict(self.manifest, self.sink, sync=False)
-        assert not isinstance(payload, list)
-        return payload
+        await self.settle()
+        if self._worker is not None:
+            self._worker.shutdown(wait=False)
+        frontier, buffer = self.frontier, self.buffer
+        if not frontier.whole or buffer is None:
+            raise InvalidArgument(
+                f"the stripes ended with chunk {frontier.next} of {frontier.count} not received; push again",
+                reason=Reason.LENGTH_MISMATCH,
+            )
+        refusal = None
+        if frontier.inspector is not None:
+            try:
+                await asyncio.to_thread(frontier.inspector.finish, buffer)
+            except RollwireError as exc:
+                refusal = exc
+        frontier.digests.check()
+        if refusal is not None:
+            raise refusal
+        self.buffer = None  # the payload's holder keeps it from here
+        return buffer
 
     def fail(self, err: RollwireError | None) -> None:
         """The version cannot complete here: `err` when its bytes failed a check, None when a
-        stripe's stream broke or the assembly was given up. Frees what it held."""
+        stripe's stream broke or the assembly was given up. Frees what it held (a stripe's
+        thread still reading holds the buffer until it stops)."""
         if self.error is None and err is not None and not self.completed:
             self.error = err
         self.closed = True
-        self.ahead.clear()
         if not self.completed:
-            self.sink.close()
+            self.frontier.stop()
+            self.buffer = None
+            if self._worker is not None:
+                self._worker.shutdown(wait=False)  # a copy still queued finds it closed and does nothing
 
 
 class PushSlots:
@@ -177,11 +262,14 @@ class PushSlots:
         """The assembly of this exact version (name, version, digest), if one is under way."""
         return self.assemblies.get((manifest.name, manifest.version, manifest.sha256))
 
-    def assemble(self, manifest: pb.AdapterManifest, stripe: pb.Stripe, inspector: Inspector | None) -> Assembly:
-        """A new assembly for a striped version; it holds the slot its first stream took (`admit`)
+    def assemble(
+        self, manifest: pb.AdapterManifest, stripe: pb.Stripe, inspector: Inspector | None, pool: BufferPool | None
+    ) -> Assembly:
+        """A new assembly for a striped version (its buffer from `pool` when given: the bulk
+        listener's); it holds the slot its first stream took (`admit`)
         until it completes or fails, or until no stream of its stripes has been open for
         `linger_s` (a stripe that never came), or until a push needs the slot while none is open."""
-        assembly = Assembly(manifest, stripe, inspector)
+        assembly = Assembly(manifest, stripe, inspector, pool)
         self.assemblies[(manifest.name, manifest.version, manifest.sha256)] = assembly
         return assembly
 

@@ -229,7 +229,8 @@ class BulkSource:
     idle_s: float
     buffer: bytearray | mmap.mmap | None = None
     """Every byte this connection carries, in order, once read (the payload, or a stripe's chunks):
-    given (`BufferPool.take`, before the offer), else allocated by the reading thread first."""
+    given (`BufferPool.take`, before the offer), else allocated by the reading thread first; or
+    (`run_at`) the payload's buffer a stripe's chunks land in, each in its place."""
     received: int = 0
     _pool: ThreadPoolExecutor = field(
         default_factory=lambda: ThreadPoolExecutor(max_workers=1, thread_name_prefix="bulk-read")
@@ -306,8 +307,25 @@ class BulkSource:
 
     async def read_all(self, sizes: Sequence[int], total: int, on_piece: Callable[[memoryview], None]) -> None:
         """`run` on the reading thread, its failure raised here (a cancellation closes the connection)."""
+        await self._reading(self._pool.submit(self.run, sizes, total, on_piece), total)
+
+    def run_at(self, places: Sequence[tuple[int, int]], on_piece: Callable[[int, memoryview], None]) -> None:
+        """As `run`, but each piece k is read into `buffer` at places[k] = (offset, size) (a
+        stripe's chunks, each in its place in the payload's buffer, which was given), then
+        `on_piece(k, view)`."""
+        assert self.buffer is not None, "a buffer to read into first"
+        for k, (offset, size) in enumerate(places):
+            on_piece(k, self._read(offset, size))
+            self.received += size
+
+    async def read_at(self, places: Sequence[tuple[int, int]], on_piece: Callable[[int, memoryview], None]) -> None:
+        """`run_at` on the reading thread, its failure raised here (as `read_all`)."""
+        total = sum(size for _, size in places)
+        await self._reading(self._pool.submit(self.run_at, places, on_piece), total)
+
+    async def _reading(self, reads: Future[None], total: int) -> None:
         try:
-            await asyncio.wrap_future(self._pool.submit(self.run, sizes, total, on_piece))
+            await asyncio.wrap_future(reads)
         except (TimeoutError, EOFError, OSError) as exc:
             raise self.failure(exc, total) from None
         except asyncio.CancelledError:

@@ -19,6 +19,7 @@ Invariants:
 from __future__ import annotations
 
 import asyncio
+import mmap
 from collections.abc import AsyncIterable, AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -34,6 +35,7 @@ from rollwire.push.digests import Digests
 from rollwire.push.sink import Inspector, Sink, verdict
 
 if TYPE_CHECKING:
+    from rollwire.push.assembly import Assembly
     from rollwire.push.forward import Forwarder
 from rollwire.v1 import generator_pb2 as pb
 
@@ -104,13 +106,19 @@ class PushReader:
     """Over the bulk path: the stream's next message, which must be its end."""
 
     async def agree(
-        self, opening: Opening, listener: BulkListener | None, send_metadata: Callable[[tuple], Awaitable[None]]
+        self,
+        opening: Opening,
+        listener: BulkListener | None,
+        send_metadata: Callable[[tuple], Awaitable[None]],
+        into: bytearray | mmap.mmap | None = None,
     ) -> bool:
         """Once the opening was admitted: when the sender asked for the bulk path, answer it
         (`send_metadata`: the call's initial metadata, with this push's offer when `listener`),
         and take the bytes from whichever comes first: the connection that proves the offer's
         token, or a chunk on the stream (the sender fell back). Without an ask, nothing.
-        Returns whether the sender asked (a relaying receiver asks its own children then)."""
+        `into`: the buffer the bytes land in (a stripe's: its assembly's, `take_stripe`), else
+        one from the listener's pool. Returns whether the sender asked (a relaying receiver asks
+        its own children then)."""
         if not opening.bulk:
             return False
         if listener is None:
@@ -121,7 +129,7 @@ class PushReader:
         size = sum(s for _, s in stripe_layout(m.byte_length, stripe)) if stripe is not None else m.byte_length
         # the buffer first, off the loop, before the offer: a sender never waits on it mid-stream (it
         # waits for the offer, within its connect timeout, and falls back to chunks past it)
-        buffer = await asyncio.to_thread(listener.pool.take, size)
+        buffer = into if into is not None else await asyncio.to_thread(listener.pool.take, size)
         offer, expected = listener.expect(m, stripe)
         await send_metadata(offer.metadata())
         came = asyncio.ensure_future(listener.connection(expected, listener.section.connect_timeout_s))
@@ -296,6 +304,45 @@ class PushReader:
                 f"stripe {stripe.index} of {stripe.count} ended before chunk {j}; the upload was truncated",
                 reason=Reason.LENGTH_MISMATCH,
             )
+
+    async def take_stripe(
+        self, stripe: pb.Stripe, assembly: Assembly, forward: Forwarder | None, count: Callable[[int], None]
+    ) -> None:
+        """A stripe's every chunk received into its place in `assembly`'s buffer, checked in
+        payload order there, and forwarded to `forward`'s children (the stripe's tree); `count(n)`
+        as bytes arrive. Over gRPC chunks: `stripe_chunks`, each copied in by the assembly
+        (`Assembly.add`) and sent on from the event loop. Over the bulk path (`agree` given the
+        assembly's buffer): one reading thread receives chunk after chunk straight into its
+        place (`recv_into`: no copy), lands it (the frontier hashes and inspects what is now in
+        order), and sends it to every child whose bulk lane is up (`Forwarder.direct`) before it
+        reads the next; the event loop hears only of the end (or a failure), and of a chunk
+        only for a child that fell back to gRPC chunks."""
+        if self._bulk is None:
+            async for j, chunk in self.stripe_chunks(stripe):
+                count(len(chunk))
+                await assembly.add(j, chunk)
+                if forward is not None:
+                    await forward.send(chunk)
+            await assembly.settle()
+            return
+        assert self.manifest is not None and self._bulk.buffer is not None
+        layout, buffer = stripe_layout(self.manifest.byte_length, stripe), self._bulk.buffer
+        loop, idle_s = asyncio.get_running_loop(), self._bulk.idle_s
+        lanes = await forward.direct(idle_s) if forward is not None else []
+        chunked = forward is not None and len(lanes) < len(forward.links)
+
+        def on_chunk(k: int, chunk: memoryview) -> None:
+            assembly.landed(layout[k][0], buffer)  # refused bytes go no further
+            count(len(chunk))
+            for link in lanes:
+                link.feed(chunk)
+            if chunked:
+                assert forward is not None
+                asyncio.run_coroutine_threadsafe(forward.send(chunk), loop).result(idle_s)  # pyright: ignore[reportArgumentType]
+
+        await self._bulk.read_at([(j * stripe.chunk_bytes, size) for j, size in layout], on_chunk)
+        self.received = sum(size for _, size in layout)
+        await self._stream_end()
 
     async def finish(self, sync: bool = True) -> Payload:
         """The payload once the stream ended: length, digest, then the inspector's checks;

@@ -11,7 +11,10 @@ replica SIGKILLed while it relays does not keep the others from serving the vers
 the push deadline, and holds it once restarted; bytes altered by a hop are refused by the
 replica below and healed (by the proxy's heal round, or, when the hop lies about it, by the
 failed commit and a catch-up); a staged version is never served before the commit; replicas
-relay to each other over mutual TLS with the proxy's token; a malformed plan is refused.
+relay to each other over mutual TLS with the proxy's token; a malformed plan is refused; a
+striped bulk push of many chunks a stripe (each stripe read on its own thread into the
+version's one buffer) reaches every replica with no heal, an altered byte in it is refused and
+healed, a stripe stream cut mid-way frees its slot, and stripes by both paths assemble one version.
 """
 
 from __future__ import annotations
@@ -591,12 +594,11 @@ def test_bytes_a_hop_alters_are_refused_below_it_and_healed(peer_proxy, path, di
 
 
 @pytest.mark.parametrize("peer_proxy", [({"corrupt": True}, 1)], indirect=True)
-def test_a_bulk_upload_of_many_pieces_is_healed_from_the_proxys_kept_views(peer_proxy, replicas, tiny_model):
+def test_a_bulk_upload_of_many_pieces_is_healed_from_the_proxys_kept_views(peer_proxy, replicas, big):
     """The proxy took the upload on its reading thread and keeps it as views of one buffer, 1 MiB
     each: the replicas below the altering hop refuse its bytes and are healed from those views
     (over their bulk lanes), and serve what a plain push of the same weights gives."""
     proxy, peer = peer_proxy
-    big = make_adapter(tiny_model, seed=37, r=256)
     assert len(big.payload) > 4 * writer.MAX_CHUNK
     fp = status(proxy.target).model_fingerprint
     heals_before = sum(
@@ -619,6 +621,153 @@ def test_a_bulk_upload_of_many_pieces_is_healed_from_the_proxys_kept_views(peer_
     samples = [sampled(r.target, "healed-big", 1) for r in replicas]
     push_via(replicas[0].target, big.manifest("plain-big", 1, fp), big.payload)  # the same weights, no relay
     assert samples[0] == samples[1] == samples[2] == sampled(replicas[0].target, "plain-big", 1)
+
+
+# -- a striped push over the bulk path: each stripe read on its own thread into one buffer ------
+@pytest.fixture(scope="module")
+def big(tiny_model):
+    """A 10.5 MB adapter: a striped push of it has several chunks in every stripe."""
+    return make_adapter(tiny_model, seed=23, r=512, scale=0.01)
+
+
+def test_a_striped_bulk_push_of_many_chunks_a_stripe_reaches_every_replica_with_no_heal(replicas, proxies, big):
+    """Each replica reads each stripe's chunks straight into their places in the version's one
+    buffer on that stripe's thread, checks them in payload order as the prefix fills, and sends
+    them down the stripe's tree: a chunk put in the wrong place, or hashed out of order or twice,
+    would fail a replica's BLAKE3 and be healed, which the heal counter would show."""
+    proxy = proxies("stripe-proxy-2", "--set", "push.stripes=2")
+    fp = status(proxy.target).model_fingerprint
+    m = big.manifest("striped-big", 1, fp, blake3=blake3(big.payload).hexdigest())
+    reply = push_via(proxy.target, m, big.payload, "bulk")
+    assert sorted((r.address, r.code) for r in reply.replicas) == sorted((r.target, "OK") for r in replicas)
+    planned = [e for e in log_events(proxy.log_path, "adapter_relay_planned") if "stripes" in e][-1]  # not a heal's
+    assert planned["stripes"] == 2
+    assert len(big.payload) // planned["chunk_bytes"] >= 2 * 4  # at least 4 chunks in every stripe
+    for r in replicas:
+        pending = [e for e in log_events(r.log_path, "adapter_stripe_received") if e["adapter"] == "striped-big"]
+        staged = [e for e in log_events(r.log_path, "adapter_staged") if e["adapter"] == "striped-big"]
+        assert [e["path"] for e in pending + staged] == ["bulk", "bulk"], r.name  # both stripes by bulk
+    heals = [
+        metric_value(proxy.metrics(), "rollwire_proxy_push_heals_total", f'replica="{r.target}"') for r in replicas
+    ]
+    assert heals == [0, 0, 0]
+    samples = [sampled(r.target, "striped-big", 1) for r in replicas]
+    assert samples[0] == samples[1] == samples[2]
+
+
+@pytest.mark.parametrize("peer_proxy", [({"corrupt": True}, 1, "--set", "push.stripes=2")], indirect=True)
+def test_a_byte_altered_in_a_striped_bulk_push_of_many_chunks_is_refused_below_and_healed(peer_proxy, replicas, big):
+    """The hostile peer heads stripe 0's tree (it plans first) and alters a byte of chunk 0: every
+    replica below it reads that stripe by bulk into its version's buffer, and refuses the whole
+    payload on its BLAKE3; the proxy heals each once."""
+    proxy, peer = peer_proxy
+
+    def refusals() -> dict[str, int]:  # the replicas' logs are the module's: count what this push adds
+        return {
+            r.name: len(
+                [
+                    e
+                    for e in log_events(r.log_path, "adapter_push_refused")
+                    if (e["reason"], e["path"]) == ("DIGEST_MISMATCH", "bulk")
+                ]
+            )
+            for r in replicas
+        }
+
+    before = refusals()
+    fp = status(proxy.target).model_fingerprint
+    m = big.manifest("altered-big", 1, fp, blake3=blake3(big.payload).hexdigest())
+    reply = push_via(proxy.target, m, big.payload, "bulk")
+    planned = [e for e in log_events(proxy.log_path, "adapter_relay_planned") if e["adapter"] == "altered-big"]
+    assert planned[0]["stripes"] == 2 and planned[0]["children"][0] == peer.target  # then the heal's plan
+    assert len(big.payload) // planned[0]["chunk_bytes"] >= 2 * 4
+    after = refusals()
+    assert all(after[r.name] == before[r.name] + 1 for r in replicas), (before, after)
+    assert all({r.address: r.code for r in reply.replicas}[r.target] == "OK" for r in replicas), reply.replicas
+    heals = sum(
+        metric_value(proxy.metrics(), "rollwire_proxy_push_heals_total", f'replica="{r.target}"') for r in replicas
+    )
+    assert heals == 3
+    samples = [sampled(r.target, "altered-big", 1) for r in replicas]
+    assert samples[0] == samples[1] == samples[2]
+
+
+async def _send_stripe(target: str, m: pb.AdapterManifest, payload: bytes, stripe: pb.Stripe, bulk: bool, cut=None):
+    """One stripe's stream to a replica, sent as a relaying parent sends it (push.forward: over its
+    bulk lane when `bulk`, else as gRPC chunks); `cut` (k, wait): after k chunks, `wait()` in a
+    thread, then the stream is aborted. The replica's outcome."""
+    async with grpc.aio.insecure_channel(target) as channel:
+        forward = Forwarder(
+            [Child(target, "", pb.RelayPlan())],
+            m,
+            stage_only=True,
+            stub_for=lambda _: generator_pb2_grpc.GeneratorServiceStub(channel),
+            metadata=[],
+            deadline=time.monotonic() + 30,
+            queue_chunks=4,
+            stall_s=10,
+            settle_s=10,
+            stripe=stripe,
+            bulk=BulkDial(3.0) if bulk else None,
+        )
+        for k, (j, size) in enumerate(writer.stripe_layout(len(payload), stripe)):
+            if cut is not None and k == cut[0]:
+                await asyncio.to_thread(cut[1])
+                forward.abort("the test cut this stripe's stream")
+                break
+            await forward.send(payload[j * stripe.chunk_bytes : j * stripe.chunk_bytes + size])
+        forward.end()
+        return (await forward.results())[0]
+
+
+def test_a_stripe_cut_mid_way_fails_its_version_and_frees_the_slot_and_stripes_by_both_paths_assemble_it(replicas, big):
+    """A bulk stripe's stream aborted after 5 of its chunks were read: the replica gives its
+    version up (no assembly left, its slot free) and serves nothing. The same version sent again,
+    stripe 0 over the bulk path and stripe 1 as gRPC chunks at the same time, meets in one buffer
+    and stages the exact bytes (the replica's BLAKE3 of them, and the weights it samples with)."""
+    target = replicas[0]
+    fp = status(target.target).model_fingerprint
+    m = big.manifest("cut-stripe", 1, fp, blake3=blake3(big.payload).hexdigest())
+    stripes = [pb.Stripe(index=i, count=2, chunk_bytes=256 << 10) for i in (0, 1)]
+    slots = "rollwire_generator_push_slots_used"
+    before = metric_value(target.metrics(), "rollwire_generator_adapter_push_bytes_total")
+
+    def five_chunks_in() -> None:
+        wait_until(
+            lambda: (
+                metric_value(target.metrics(), "rollwire_generator_adapter_push_bytes_total")
+                >= before + 5 * (256 << 10)
+            ),
+            15,
+            "the replica read five chunks of the stripe",
+        )
+        assert metric_value(target.metrics(), slots) == 1  # the assembly holds one slot while it is open
+
+    cut = asyncio.run(_send_stripe(target.target, m, big.payload, stripes[0], True, cut=(5, five_chunks_in)))
+    assert cut.code != "OK"
+    # freed by the failure itself, well before limits.stripe_linger_s (10 s) would reclaim it
+    wait_until(lambda: metric_value(target.metrics(), slots) == 0, 3, "the cut stripe's slot is free")
+    assert not holds(target.target, "cut-stripe", 1)
+
+    async def both() -> list[pb.ReplicaPushResult]:
+        return list(
+            await asyncio.gather(
+                _send_stripe(target.target, m, big.payload, stripes[0], True),
+                _send_stripe(target.target, m, big.payload, stripes[1], False),
+            )
+        )
+
+    outcomes = asyncio.run(both())
+    assert sorted((r.code, r.stripe_pending, r.staged) for r in outcomes) == [("OK", False, True), ("OK", True, False)]
+    ended = [e for e in log_events(target.log_path, "adapter_stripe_received") if e["adapter"] == "cut-stripe"]
+    staged = [e for e in log_events(target.log_path, "adapter_staged") if e["adapter"] == "cut-stripe"]
+    assert sorted(e["path"] for e in ended + staged) == ["bulk", "grpc"]
+    assert metric_value(target.metrics(), slots) == 0
+    with grpc.insecure_channel(target.target) as channel:
+        stub = generator_pb2_grpc.GeneratorServiceStub(channel)
+        stub.CommitAdapter(pb.CommitAdapterRequest(name="cut-stripe", version=1, sha256=m.sha256), timeout=10)
+        stub.PushAdapter(writer.messages(big.manifest("cut-whole", 1, fp), big.payload), timeout=30)
+    assert sampled(target.target, "cut-stripe", 1) == sampled(target.target, "cut-whole", 1)
 
 
 @pytest.mark.parametrize("peer_proxy", [({"blocked": True}, 1)], indirect=True)
@@ -956,7 +1105,6 @@ def test_a_bulk_push_of_many_pieces_reaches_a_whole_chain_byte_for_byte(replicas
     proxy = proxies("relay-proxy-1", "--set", "push.fanout=1")
     fp = status(proxy.target).model_fingerprint
     reply = push_via(proxy.target, big.manifest("pieces", 1, fp), big.payload, "bulk")
-    # by address: a replica restarted by an earlier test of the module answers under another id
     assert sorted((r.address, r.code) for r in reply.replicas) == sorted((r.target, "OK") for r in replicas)
     relayed = sorted(
         next(e["relayed_to"] for e in log_events(r.log_path, "adapter_staged") if e["adapter"] == "pieces")

@@ -431,7 +431,7 @@ async def test_an_assembly_takes_each_stripe_once_and_only_of_its_own_cut():
         # a stripe whose stream broke: the version cannot complete here, the others answer pending
         assembly.fail(None)
         await assembly.add(1, payload[64 * KiB : 128 * KiB])  # ignored, holds nothing
-        assert not assembly.ahead and assembly.end(0) is False and assembly.end(1) is False
+        assert assembly.buffer is None and assembly.end(0) is False and assembly.end(1) is False
     finally:
         assembly.fail(None)
 
