@@ -130,11 +130,31 @@ def test_a_chunk_that_lands_while_another_thread_hashes_is_taken_on_by_that_thre
 
 
 def test_a_check_that_fails_is_raised_to_every_stripe_that_lands_later():
+    """Chunks 0-5 land first (the refusal is in chunk 5: the thread that lands it hashes it and
+    gets the error); then each of three stripes' threads lands one more chunk, and each is told."""
     payload = random.Random(3).randbytes(40 * 64 * KiB)
+    buffer = payload_buffer(len(payload))
+    memoryview(buffer)[:] = payload
     frontier = Frontier(len(payload), 64 * KiB, Digests(manifest_for(payload)), Recorder(refuse_at=5 * 64 * KiB))
-    errors = land_in_threads(payload, 64 * KiB, 3, frontier.landed, 1)
+    for j in range(5):
+        frontier.landed(j, buffer)
+    with pytest.raises(RollwireError):
+        frontier.landed(5, buffer)
+    errors: list[BaseException] = []
+
+    def stripe_lands(j: int) -> None:
+        try:
+            frontier.landed(j, buffer)
+        except RollwireError as exc:
+            errors.append(exc)
+
+    threads = [threading.Thread(target=stripe_lands, args=(j,)) for j in (6, 7, 8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
     assert len(errors) == 3 and all(getattr(e, "reason", "") == "NON_FINITE_WEIGHTS" for e in errors)
-    assert not frontier.whole  # no byte past the refusal was hashed
+    assert frontier.next == 6 and not frontier.whole  # no byte past the refused chunk was hashed
 
 
 def test_a_stopped_frontier_hashes_no_more():
