@@ -15,6 +15,7 @@ Invariants (docs/protocol.md, "Digests"):
 from __future__ import annotations
 
 import hashlib
+from concurrent.futures import ThreadPoolExecutor
 
 from blake3 import blake3
 
@@ -25,21 +26,45 @@ from rollwire.v1 import generator_pb2 as pb
 
 class Digests:
     """The digests of one payload this receiver verifies: `update` with every byte in order
-    (on one thread), then `check`."""
+    (on one thread), then `wait` (off the event loop) and `check`; `close` on every exit.
+
+    When it verifies both (a proxy taking a client's upload), the sha256 runs on a worker thread
+    of its own beside the caller's BLAKE3, fed the same pieces in order: both hash functions
+    release the GIL, so the reading thread's per-byte work is the BLAKE3's alone (0.37 against
+    1.06 s per GiB here) wherever a core is free. The pieces it is fed must not change until
+    `wait` returned: they are `bytes`, or views of a receive buffer that is written once."""
 
     def __init__(self, manifest: pb.AdapterManifest, *, both: bool = False) -> None:
         self.expected: list[tuple[str, str, object]] = []
+        self._beside: ThreadPoolExecutor | None = None
         if manifest.blake3:
             self.expected.append(("BLAKE3", manifest.blake3, blake3()))
         if both or not manifest.blake3:
             self.expected.append(("sha256", manifest.sha256, hashlib.sha256()))
+            if manifest.blake3:
+                self._beside = ThreadPoolExecutor(max_workers=1, thread_name_prefix="sha256")
 
     def update(self, data: bytes | memoryview) -> None:
-        for _, _, hasher in self.expected:
-            hasher.update(data)  # pyright: ignore[reportAttributeAccessIssue]  # sha256 or blake3: both update
+        for name, _, hasher in self.expected:
+            if name == "sha256" and self._beside is not None:
+                self._beside.submit(hasher.update, data)  # pyright: ignore[reportAttributeAccessIssue]  # one worker: in order
+            else:
+                hasher.update(data)  # pyright: ignore[reportAttributeAccessIssue]  # sha256 or blake3: both update
+
+    def wait(self) -> None:
+        """Block until the sha256 beside has taken every piece (nothing to wait for without one)."""
+        if self._beside is not None:
+            self._beside.shutdown(wait=True)
+
+    def close(self) -> None:
+        """The payload will not be checked: the sha256 beside drops what it has not hashed yet."""
+        if self._beside is not None:
+            self._beside.shutdown(wait=False, cancel_futures=True)
 
     def check(self) -> None:
-        """INVALID_ARGUMENT (DIGEST_MISMATCH) unless every digest matches the manifest's."""
+        """INVALID_ARGUMENT (DIGEST_MISMATCH) unless every digest matches the manifest's (`wait`s first:
+        call `wait` off the event loop before)."""
+        self.wait()
         for name, want, hasher in self.expected:
             got = hasher.hexdigest()  # pyright: ignore[reportAttributeAccessIssue]
             if got != want:

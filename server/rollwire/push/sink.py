@@ -139,6 +139,7 @@ class Sink:
             raise self.inspector.error
 
     def _seal(self, sync: bool) -> tuple[Payload | list[bytes], RollwireError | None]:
+        self.digests.wait()  # a sha256 beside (push.digests) has every byte before the verdict
         if self.file is not None:
             self.file.flush()
             if sync:
@@ -182,6 +183,7 @@ class Sink:
         if file is not None:
             self.pool.submit(file.close)  # after any write still running: FIFO, one worker
         self.pool.shutdown(wait=False, cancel_futures=False)
+        self.digests.close()
         self.buffer = self.kept = self.in_place = None
 
 

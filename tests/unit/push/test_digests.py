@@ -105,3 +105,35 @@ def test_a_signature_and_a_relay_grant_cover_the_blake3():
     grant = relay_grant(b"k" * 32, signed, "10.0.0.1:50051")
     assert grant != relay_grant(b"k" * 32, swapped, "10.0.0.1:50051")
     assert relay_grant(b"k" * 32, plain, "a:1") == relay_grant(b"k" * 32, manifest_for(PAYLOAD), "a:1")
+
+
+def test_the_proxys_sha256_beside_takes_every_piece_in_order_on_its_own_thread():
+    """Both digests (a proxy): the sha256 runs on a worker of its own, fed the pieces in order;
+    many small pieces of random sizes give exactly hashlib's digest of the whole, and a byte
+    swapped between two pieces is caught (order matters to sha256, not only content)."""
+    rng = random.Random(11)
+    cuts = sorted(rng.sample(range(1, len(PAYLOAD)), 999))
+    pieces = [PAYLOAD[a:b] for a, b in zip([0, *cuts], [*cuts, len(PAYLOAD)], strict=True)]
+    d = Digests(manifest_for(PAYLOAD, blake3=B3), both=True)
+    assert d._beside is not None  # the sha256 has its own thread
+    for piece in pieces:
+        d.update(memoryview(piece))
+    d.wait()
+    d.check()
+    order = [pieces[1], pieces[0], *pieces[2:]]
+    # the BLAKE3 of the bytes as sent, the sha256 of the payload: only the sha256 beside can refuse
+    swapped = Digests(manifest_for(PAYLOAD, blake3=blake3(b"".join(order)).hexdigest()), both=True)
+    for piece in order:
+        swapped.update(piece)
+    with pytest.raises(InvalidArgument) as err:
+        swapped.check()
+    assert err.value.reason == "DIGEST_MISMATCH" and "payload sha256 is" in err.value.message
+
+
+def test_a_closed_digest_drops_what_its_sha256_has_not_hashed():
+    d = Digests(manifest_for(PAYLOAD, blake3=B3), both=True)
+    for _ in range(200):
+        d.update(PAYLOAD)
+    d.close()
+    d.wait()  # returns: nothing queued is left to hash
+    assert d._beside is not None and d._beside._shutdown
