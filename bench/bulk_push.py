@@ -76,7 +76,7 @@ PROXY += (
     "push.fanout=1",
     "push.stripes=1",
     "bulk.enabled=true",
-    "bulk.reuse_bytes=0",  # the proxy keeps the publication's buffer and its spool's: 2 GB each; no idle third
+    f"bulk.reuse_bytes={3 * GiB}",  # as the replicas: a push of the same size reuses the last one's buffer
 )
 PROXY += ("grace_seconds=1",)
 

@@ -19,9 +19,14 @@ Invariants:
 
 from __future__ import annotations
 
+import gc
 import mmap
 import sys
 import threading
+
+from rollwire.runtime.logs import get_logger
+
+log = get_logger(__name__)
 
 Payload = bytes | bytearray | mmap.mmap
 """A verified payload as a receiver keeps it: `bytes` (gRPC chunks joined), or the bulk path's buffer."""
@@ -73,7 +78,17 @@ class BufferPool:
         self.reused = 0
 
     def take(self, size: int) -> bytearray | mmap.mmap:
-        """A buffer of exactly `size` bytes: an idle one of that size, else a fresh one."""
+        """A buffer of exactly `size` bytes: an idle one of that size, else a fresh one. When
+        every held buffer of that size is still referred to, one garbage collection runs first:
+        a finished push's objects often refer to each other (futures, streams, their readers),
+        and only the cyclic collector frees such a cycle, at a time of its choosing, not when a
+        gigabyte waits on it (measured here: a proxy held every earlier push's buffer and mapped
+        a third for 1.5 GiB pushes, and a fresh mapping costs 0.8 to 3 CPU s per GiB here)."""
+        with self._lock:
+            waiting = any(len(m) == size and not _unused(m) for m in self._held)
+            free = any(len(m) == size and _unused(m) for m in self._held)
+        if waiting and not free:
+            gc.collect()
         with self._lock:
             idle = [m for m in self._held if _unused(m)]
             chosen = next((m for m in idle if len(m) == size), None)
@@ -89,6 +104,9 @@ class BufferPool:
         if isinstance(buffer, mmap.mmap) and 0 < size <= self.max_idle_bytes:
             with self._lock:
                 self._held.append(buffer)
+        with self._lock:
+            in_use = sum(len(m) for m in self._held if m is not buffer and not _unused(m))
+        log.info("bulk_buffer_mapped", bytes=size, held_in_use_bytes=in_use, reused_before=self.reused)
         return buffer
 
 

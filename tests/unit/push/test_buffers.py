@@ -54,3 +54,27 @@ def test_sizes_that_differ_or_exceed_the_bound_are_never_reused():
     del c
     off.take(MiB)
     assert off.reused == 0
+
+
+def test_a_buffer_only_a_garbage_cycle_refers_to_is_reused_without_waiting_for_the_collector():
+    """A finished push's objects often refer to each other; only the cyclic collector frees
+    them. `take` collects once when every buffer of the size is still referred to, so the
+    buffer a dead cycle held is reused at once instead of a fresh mapping beside it."""
+    pool = BufferPool(8 * MiB)
+    gc.disable()  # the collector must not run on its own in between: only `take` may run it
+    try:
+        first = pool.take(2 * MiB)
+        memoryview(first)[:4] = b"v1v1"
+
+        class Push:  # a reader and its stream, each referring to the other, and the payload's view
+            pass
+
+        reader, stream = Push(), Push()
+        reader.stream, stream.reader, reader.view = stream, reader, memoryview(first)  # pyright: ignore[reportAttributeAccessIssue]
+        del first, reader, stream  # unreachable now, but a cycle: still referred to until collected
+        second = pool.take(2 * MiB)
+        assert pool.reused == 1 and bytes(second[:4]) == b"v1v1"
+        third = pool.take(2 * MiB)  # the second is alive (held here): a fresh one, nothing to collect
+        assert pool.reused == 1 and bytes(third[:4]) == bytes(4)
+    finally:
+        gc.enable()
