@@ -20,7 +20,7 @@ import io
 import os
 from collections import deque
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Protocol
 
@@ -31,6 +31,10 @@ from rollwire.runtime.durable import storage_error
 from rollwire.v1 import generator_pb2 as pb
 
 _SUBMIT_BYTES = 4 << 20  # chunks are handed to the worker thread in batches of this size (a hand-off each)
+WRITEBACK_BYTES = 64 << 20
+"""Bytes written to the store between two starts of their writeback (an fdatasync on a thread of
+its own, one at a time), so the fsync a publication waits for before its commit covers only the
+last of them: 296 MiB took 0.28 s to fsync here at the end, on the push's critical path."""
 
 
 class Inspector(Protocol):
@@ -83,6 +87,9 @@ class Sink:
         except OSError as exc:
             raise self.store_error(exc) from None
         self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="push-sink")
+        self._unsynced = 0
+        self._writeback: Future[None] | None = None
+        self._flusher: ThreadPoolExecutor | None = None
         self.pending: list[bytes] = []
         self.pending_bytes = 0
         self.inflight: deque[tuple[asyncio.Future, int]] = deque()
@@ -131,8 +138,26 @@ class Sink:
                 self.buffer.write(chunk)
             if self.file is not None:
                 self.file.write(chunk)
+                self._unsynced += len(chunk)
+                if self._unsynced >= WRITEBACK_BYTES:
+                    self._start_writeback()
             if self.inspector is not None:
                 self.inspector.feed(chunk)
+
+    def _start_writeback(self) -> None:
+        """On the writing thread: the store's bytes so far on their way to disk (unless a writeback
+        still runs), so the final fsync has little left. Its failure is raised here or at the seal:
+        the kernel reports a writeback error once per file, so it must not be lost on the flusher."""
+        assert self.file is not None
+        if self._writeback is not None:
+            if not self._writeback.done():
+                return
+            self._writeback.result()  # raises the OSError a writeback met
+        self.file.flush()
+        self._unsynced = 0
+        if self._flusher is None:
+            self._flusher = ThreadPoolExecutor(max_workers=1, thread_name_prefix="push-writeback")
+        self._writeback = self._flusher.submit(os.fdatasync, self.file.fileno())
 
     def raise_inspection(self) -> None:
         if self.inspector is not None and self.inspector.error is not None:
@@ -141,6 +166,8 @@ class Sink:
     def _seal(self, sync: bool) -> tuple[Payload | list[bytes], RollwireError | None]:
         self.digests.wait()  # a sha256 beside (push.digests) has every byte before the verdict
         if self.file is not None:
+            if self._writeback is not None:
+                self._writeback.result()  # done with the file, and its failure not lost
             self.file.flush()
             if sync:
                 os.fsync(self.file.fileno())
@@ -183,6 +210,8 @@ class Sink:
         if file is not None:
             self.pool.submit(file.close)  # after any write still running: FIFO, one worker
         self.pool.shutdown(wait=False, cancel_futures=False)
+        if self._flusher is not None:
+            self._flusher.shutdown(wait=False)
         self.digests.close()
         self.buffer = self.kept = self.in_place = None
 
