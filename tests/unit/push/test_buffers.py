@@ -78,3 +78,27 @@ def test_a_buffer_only_a_garbage_cycle_refers_to_is_reused_without_waiting_for_t
         assert pool.reused == 1 and bytes(third[:4]) == bytes(4)
     finally:
         gc.enable()
+
+
+def test_a_large_buffer_is_returned_at_once_and_populated_behind_the_writes_without_losing_them():
+    """Above EAGER_BYTES the pages are mapped in by a thread of their own: bytes written while it
+    runs are kept, the rest reads zero, and once it is done writing a page costs no page fault."""
+    import resource
+    import threading
+
+    from rollwire.push.buffers import EAGER_BYTES
+
+    size = EAGER_BYTES + 5 * MiB + 3
+    buf = payload_buffer(size)
+    view = memoryview(buf)
+    view[:4], view[-4:] = b"head", b"tail"  # written at once, beside the populating thread
+    for t in threading.enumerate():
+        if t.name == "populate":
+            t.join(30)
+    assert (bytes(view[:4]), bytes(view[-4:])) == (b"head", b"tail")
+    assert bytes(view[4:8]) == bytes(4) and bytes(view[EAGER_BYTES : EAGER_BYTES + 4]) == bytes(4)
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+    for at in range(4096, size - 4096, 4096):
+        view[at] = 1
+    faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before
+    assert faults < size // 4096 // 20, faults  # populated: not one fault per page (~17,700 pages)
