@@ -21,9 +21,11 @@ Invariants:
 from __future__ import annotations
 
 import gc
+import math
 import mmap
 import sys
 import threading
+import time
 
 from rollwire.runtime.logs import get_logger
 
@@ -38,6 +40,8 @@ MADV_POPULATE_WRITE = getattr(mmap, "MADV_POPULATE_WRITE", 23 if sys.platform ==
 EAGER_BYTES = 64 << 20
 """Up to this size a buffer is populated in the call (milliseconds); above it, in the background."""
 POPULATE_STEP = 32 << 20
+FUTILE_COLLECT_S = 60.0
+"""After a garbage collection that freed no buffer, `take` collects again only this much later."""
 
 
 def payload_buffer(size: int) -> bytearray | mmap.mmap:
@@ -105,10 +109,13 @@ class BufferPool:
         self._held: list[mmap.mmap] = []  # every mapping it made that fits its bound, in use or idle
         self._lock = threading.Lock()
         self.reused = 0
+        self._futile_at = -math.inf
+        """When a collection last freed no buffer (a replica that keeps earlier versions holds theirs)."""
 
     def take(self, size: int) -> bytearray | mmap.mmap:
         """A buffer of exactly `size` bytes: an idle one of that size, else a fresh one. When
-        every held buffer of that size is still referred to, one garbage collection runs first:
+        every held buffer of that size is still referred to, one garbage collection runs first
+        (then not again for FUTILE_COLLECT_S if it freed none: a collection holds the GIL):
         a finished push's objects often refer to each other (futures, streams, their readers),
         and only the cyclic collector frees such a cycle, at a time of its choosing, not when a
         gigabyte waits on it (measured here: a proxy held every earlier push's buffer and mapped
@@ -116,8 +123,11 @@ class BufferPool:
         with self._lock:
             waiting = any(len(m) == size and not _unused(m) for m in self._held)
             free = any(len(m) == size and _unused(m) for m in self._held)
-        if waiting and not free:
-            gc.collect()
+        if waiting and not free and time.monotonic() - self._futile_at >= FUTILE_COLLECT_S:
+            gc.collect()  # holds the GIL (0.2 s on a replica's heap here): at most once a while when it frees nothing
+            with self._lock:
+                if not any(len(m) == size and _unused(m) for m in self._held):
+                    self._futile_at = time.monotonic()
         with self._lock:
             idle = [m for m in self._held if _unused(m)]
             chosen = next((m for m in idle if len(m) == size), None)

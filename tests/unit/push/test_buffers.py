@@ -102,3 +102,23 @@ def test_a_large_buffer_is_returned_at_once_and_populated_behind_the_writes_with
         view[at] = 1
     faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before
     assert faults < size // 4096 // 20, faults  # populated: not one fault per page (~17,700 pages)
+
+
+def test_a_collection_that_frees_nothing_is_not_run_again_at_every_push():
+    """A replica that keeps earlier versions holds their buffers: a collection cannot free them, and
+    each one holds the GIL (0.2 s on a replica's heap), so after a futile one `take` maps at once."""
+    collections: list[int] = []
+
+    def count(phase: str, info: dict) -> None:
+        if phase == "start" and info["generation"] == 2:
+            collections.append(1)
+
+    pool = BufferPool(16 * MiB)
+    kept = [pool.take(2 * MiB)]  # a version the replica still serves: really in use
+    gc.callbacks.append(count)
+    try:
+        kept.append(pool.take(2 * MiB))  # every 2 MiB buffer in use: one collection, futile
+        kept.append(pool.take(2 * MiB))  # and not another one now
+    finally:
+        gc.callbacks.remove(count)
+    assert len(collections) == 1 and pool.reused == 0
