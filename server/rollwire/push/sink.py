@@ -210,8 +210,8 @@ class Sink:
         if file is not None:
             self.pool.submit(file.close)  # after any write still running: FIFO, one worker
         self.pool.shutdown(wait=False, cancel_futures=False)
-        if self._flusher is not None:
-            self._flusher.shutdown(wait=False)
+        if self._flusher is not None:  # a writeback not started yet must not sync the fd once it is closed (or reused)
+            self._flusher.shutdown(wait=False, cancel_futures=True)
         self.digests.close()
         self.buffer = self.kept = self.in_place = None
 
