@@ -20,12 +20,14 @@ Invariants:
 
 from __future__ import annotations
 
+import ctypes
 import gc
 import math
 import mmap
 import sys
 import threading
 import time
+from collections.abc import Callable
 
 from rollwire.runtime.logs import get_logger
 
@@ -54,7 +56,7 @@ def payload_buffer(size: int) -> bytearray | mmap.mmap:
     populate = getattr(mmap, "MAP_POPULATE", 0)
     if size <= 0 or not populate:
         return bytearray(size)
-    if size <= EAGER_BYTES or MADV_POPULATE_WRITE is None:
+    if size <= EAGER_BYTES or MADV_POPULATE_WRITE is None or _madvise is None:
         return mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | populate)
     buffer = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     threading.Thread(target=_populate, args=(buffer,), name="populate", daemon=True).start()
@@ -64,13 +66,36 @@ def payload_buffer(size: int) -> bytearray | mmap.mmap:
 def _populate(buffer: mmap.mmap) -> None:
     """Map in `buffer`'s pages from its start, POPULATE_STEP at a time (it holds a reference, so a
     pool does not hand the buffer out again meanwhile). MADV_POPULATE_WRITE leaves bytes already
-    written as they are; where it is refused (an older kernel), pages fault in as they are first written."""
-    assert MADV_POPULATE_WRITE is not None
-    for at in range(0, len(buffer), POPULATE_STEP):
-        try:
-            buffer.madvise(MADV_POPULATE_WRITE, at, min(POPULATE_STEP, len(buffer) - at))
-        except (OSError, ValueError):
-            return
+    written as they are; where it is refused (an older kernel), pages fault in as they are first written.
+
+    The calls go through ctypes, which releases the GIL for each: `mmap.madvise` holds it for the
+    whole system call (measured here: 44 ms per 32 MiB step, so while a 1 GiB buffer populated the
+    event loop and the reading thread ran once per step, about 30 times in 1.4 s)."""
+    assert MADV_POPULATE_WRITE is not None and _madvise is not None
+    pinned = ctypes.c_char.from_buffer(buffer)  # an export: the mapping cannot be closed under the calls
+    try:
+        base = ctypes.addressof(pinned)
+        for at in range(0, len(buffer), POPULATE_STEP):
+            if _madvise(base + at, min(POPULATE_STEP, len(buffer) - at), MADV_POPULATE_WRITE) != 0:
+                return
+    finally:
+        del pinned
+
+
+def _libc_madvise() -> Callable[[int, int, int], int] | None:
+    """libc's madvise(addr, length, advice), called without the GIL; None off Linux."""
+    if sys.platform != "linux":
+        return None
+    try:
+        madvise = ctypes.CDLL(None, use_errno=True).madvise
+    except (OSError, AttributeError):
+        return None
+    madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
+    madvise.restype = ctypes.c_int
+    return madvise
+
+
+_madvise = _libc_madvise()
 
 
 def as_bytes(payload: Payload) -> bytes:

@@ -104,6 +104,30 @@ def test_a_large_buffer_is_returned_at_once_and_populated_behind_the_writes_with
     assert faults < size // 4096 // 20, faults  # populated: not one fault per page (~17,700 pages)
 
 
+def test_populating_a_large_buffer_leaves_the_gil_to_every_other_thread():
+    """The populating thread must not hold the GIL through its system calls: the event loop and
+    the reading thread run beside it. With a switch interval of a minute, a thread that kept the
+    GIL through its calls would let this one run again only once it had ended (mmap.madvise did:
+    the check below then saw it finished); one that releases it lets this one run at once."""
+    import sys
+    import threading
+
+    from rollwire.push.buffers import EAGER_BYTES
+
+    before = sys.getswitchinterval()
+    sys.setswitchinterval(60.0)
+    try:
+        buffer = payload_buffer(EAGER_BYTES + 256 * MiB)  # 0.1 to 1 s of populating on this VM
+        populating = [t for t in threading.enumerate() if t.name == "populate"]
+        running_beside = any(t.is_alive() for t in populating)
+    finally:
+        sys.setswitchinterval(before)
+    for t in populating:
+        t.join(30)
+    assert populating and running_beside
+    assert memoryview(buffer)[-1] == 0
+
+
 def test_a_collection_that_frees_nothing_is_not_run_again_at_every_push():
     """A replica that keeps earlier versions holds their buffers: a collection cannot free them, and
     each one holds the GIL (0.2 s on a replica's heap), so after a futile one `take` maps at once."""
