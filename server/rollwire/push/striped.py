@@ -8,7 +8,7 @@ from collections.abc import Sequence
 import grpc
 
 from rollwire.common.reasons import Reason
-from rollwire.push.forward import Forwarder
+from rollwire.push.forward import ChildLink, Forwarder
 from rollwire.push.results import result
 from rollwire.v1 import generator_pb2 as pb
 
@@ -21,13 +21,48 @@ class StripedForwarder:
     `results()` merges the stripes' reports into one outcome per replica: its verdict (from
     the stream that completed its payload) when one came, else its own failure in any stripe,
     else, when a stripe never reached it, "not reached" naming the stripes it missed and why
-    (so the caller heals it as any replica the relay missed)."""
+    (so the caller heals it as any replica the relay missed).
+
+    Children whose bulk lanes are up (`direct`) are fed by the holder's reading thread
+    (`feed`): each whole chunk of the payload's one buffer, a view of its place in it (no copy,
+    no event loop), to its stripe's lanes; `send` on the event loop then serves only the
+    others (gRPC chunks), as `Forwarder.send` does."""
 
     def __init__(self, forwarders: Sequence[Forwarder], byte_length: int, chunk_bytes: int) -> None:
         self.stripes, self.byte_length, self.chunk_bytes = list(forwarders), byte_length, chunk_bytes
         self.seen = 0
         self.dealt = 0
         self.partial = bytearray()
+        self.lanes: list[list[ChildLink]] = [[] for _ in self.stripes]
+        """Per stripe, its children fed by the reading thread (`direct`)."""
+        self.fed = 0
+        """Chunks dealt to the lanes so far (chunk j to stripe j mod S), by `feed`."""
+        self.payload: memoryview | None = None
+
+    @property
+    def links(self) -> list[ChildLink]:
+        return [link for f in self.stripes for link in f.links]
+
+    async def direct(self, timeout: float) -> list[ChildLink]:
+        """Every stripe's children whose bulk lanes are up (`Forwarder.direct`, each decided
+        within `timeout`): from now on the caller's reading thread deals them their chunks (`feed`)."""
+        self.lanes = list(await asyncio.gather(*(f.direct(timeout) for f in self.stripes)))
+        return [link for lanes in self.lanes for link in lanes]
+
+    def feed(self, payload: memoryview, upto: int) -> None:
+        """On the reading thread: every chunk of `payload` (the payload's one buffer) that lies
+        whole below `upto` and was not dealt yet, a view of its place, to its stripe's lanes
+        (the last, shorter chunk once `upto` is the payload's length). Chunks end on multiples of
+        `chunk_bytes`, not on the reader's pieces, so a chunk may span two of them."""
+        self.payload = payload
+        while (start := self.fed * self.chunk_bytes) < self.byte_length:
+            end = min(start + self.chunk_bytes, self.byte_length)
+            if end > upto:
+                return
+            chunk = payload[start:end]
+            for link in self.lanes[self.fed % len(self.stripes)]:
+                link.feed(chunk)
+            self.fed += 1
 
     async def send(self, piece: bytes | memoryview) -> None:
         self.seen += len(piece)
@@ -44,8 +79,13 @@ class StripedForwarder:
             await self._deal(chunk)
 
     async def send_last(self, piece: bytes | memoryview) -> None:
-        """As `Forwarder.send_last`: no stripe's child is fed by a reading thread, so `send`."""
-        await self.send(piece)
+        """As `Forwarder.send_last`: the chunks the reading thread held back (from the one that
+        reaches into `piece` on) to the lanes, off the event loop, and `piece` to the others."""
+        payload = self.payload
+        if payload is not None and any(self.lanes):
+            await asyncio.to_thread(self.feed, payload, self.byte_length)
+        if any(not link.direct for link in self.links):
+            await self.send(piece)
 
     async def _deal(self, chunk: bytes | memoryview) -> None:
         stripe = self.stripes[self.dealt % len(self.stripes)]

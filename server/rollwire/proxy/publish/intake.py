@@ -14,8 +14,8 @@ payload the proxy refused.
   the spool's upload file from that buffer, and sends it straight to every child whose bulk
   lane is up (`ChildLink.feed`) before it reads the next. The event loop hears of the end, of a
   failure, once to open the relay (when the header passed), and of a piece only for a child
-  that fell back to gRPC chunks or for a striped publication (its stripes are dealt on the
-  loop, `StripedForwarder`). The header rule is the inspector's own header check, made once,
+  that fell back to gRPC chunks. A striped publication's chunks are dealt by the same thread,
+  each a view of its place in the buffer, to its stripe's lanes (`StripedForwarder.feed`). The header rule is the inspector's own header check, made once,
   when the header is complete (the same `check_header`, and the same rule for when it is
   judged, as `HeaderGate`): never a check per piece. The pieces kept for healing are views of
   the buffer (1 MiB each, no copy); a gRPC-chunk child converts each to `bytes` as its message
@@ -99,6 +99,10 @@ class Intake:
             ready = [piece]
         if self.seen == self.reader.manifest.byte_length:  # pyright: ignore[reportOptionalMemberAccess]
             self.held = ready.pop()
+        if isinstance(self.forward, StripedForwarder):
+            # chunks whole below the held piece, dealt to the stripes' lanes from the one buffer
+            upto = self.seen - (len(self.held) if self.held is not None else 0)
+            self.forward.feed(memoryview(piece.obj), upto)  # pyright: ignore[reportArgumentType]  # the buffer
         for p in ready:
             for link in self.lanes:
                 link.feed(p)
@@ -112,11 +116,10 @@ class Intake:
         if self.aborted:  # the upload already failed: no child stream may open now
             raise Cancelled("the upload ended before its relay opened", reason=Reason.RELAY_ABORTED)
         forward = self.forward = self.open_relay()
+        lanes = await forward.direct(self.reader.idle_s)
         if isinstance(forward, Forwarder):
-            self.lanes = await forward.direct(self.reader.idle_s)
-            self.chunked = len(self.lanes) < len(forward.links)
-        else:
-            self.chunked = True
+            self.lanes = lanes  # a striped relay's lanes are fed chunk by chunk (`StripedForwarder.feed`)
+        self.chunked = len(lanes) < len(forward.links)
 
     def _on_loop(self, work: Coroutine[Any, Any, None], timeout: float) -> None:
         """Run `work` on the event loop and wait for it here (the reading thread), within `timeout`."""
