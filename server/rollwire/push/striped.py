@@ -38,6 +38,7 @@ class StripedForwarder:
         self.fed = 0
         """Chunks dealt to the lanes so far (chunk j to stripe j mod S), by `feed`."""
         self.payload: memoryview | None = None
+        self.chunks = -(-byte_length // chunk_bytes)
 
     @property
     def links(self) -> list[ChildLink]:
@@ -51,15 +52,21 @@ class StripedForwarder:
 
     def feed(self, payload: memoryview, upto: int) -> None:
         """On the reading thread: every chunk of `payload` (the payload's one buffer) that lies
-        whole below `upto` and was not dealt yet, a view of its place, to its stripe's lanes
-        (the last, shorter chunk once `upto` is the payload's length). Chunks end on multiples of
-        `chunk_bytes`, not on the reader's pieces, so a chunk may span two of them."""
+        whole below `upto` and was not dealt yet, a view of its place, to its stripe's lanes; never
+        the payload's last chunk, which completes it: `send_last` deals that one, once the holder
+        checked the whole (the proxy's gate). Chunks end on multiples of `chunk_bytes`, not on the
+        reader's pieces, so a chunk may span two of them."""
         self.payload = payload
-        while (start := self.fed * self.chunk_bytes) < self.byte_length:
+        self._feed_lanes(upto, self.chunks - 1)
+
+    def _feed_lanes(self, upto: int, below: int) -> None:
+        """Deal chunks fed..below-1 to the lanes, as far as `upto` holds them whole."""
+        while self.fed < below:
+            start = self.fed * self.chunk_bytes
             end = min(start + self.chunk_bytes, self.byte_length)
             if end > upto:
                 return
-            chunk = payload[start:end]
+            chunk = self.payload[start:end]  # pyright: ignore[reportOptionalSubscript]  # set by feed
             for link in self.lanes[self.fed % len(self.stripes)]:
                 link.feed(chunk)
             self.fed += 1
@@ -79,11 +86,10 @@ class StripedForwarder:
             await self._deal(chunk)
 
     async def send_last(self, piece: bytes | memoryview) -> None:
-        """As `Forwarder.send_last`: the chunks the reading thread held back (from the one that
-        reaches into `piece` on) to the lanes, off the event loop, and `piece` to the others."""
-        payload = self.payload
-        if payload is not None and any(self.lanes):
-            await asyncio.to_thread(self.feed, payload, self.byte_length)
+        """As `Forwarder.send_last`: the chunks `feed` has not dealt (the last one, and any the
+        reading thread had not reached) to the lanes, off the event loop, and `piece` to the others."""
+        if self.payload is not None and any(self.lanes):
+            await asyncio.to_thread(self._feed_lanes, self.byte_length, self.chunks)
         if any(not link.direct for link in self.links):
             await self.send(piece)
 

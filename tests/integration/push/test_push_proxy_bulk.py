@@ -4,8 +4,7 @@ Real replicas and a real proxy over real sockets, and an adapter of several 1 Mi
 header passes in the first and the relay carries pieces while later ones still arrive). Two
 replicas listen for bulk bytes and one does not (`bulk.enabled` false: it offers nothing, so the
 proxy sends it gRPC chunks from its event loop while its reading thread feeds the other two);
-the proxy plans a star (`push.fanout=3`), so every replica is the proxy's own child; a second
-proxy over the two bulk replicas deals its pushes over two trees (`push.stripes=2`).
+the proxy plans a star (`push.fanout=3`), so every replica is the proxy's own child.
 
 Checked, each against what the replicas themselves count and log: a good upload reaches both
 kinds of child and every replica serves the same weights; a header the proxy refuses opens no
@@ -77,20 +76,6 @@ def proxy(replicas, workdir, spool):
     svc = start_proxy(workdir, "bulk-proxy", replicas, *BULK_ON, *(a for s in settings for a in ("--set", s)))
     wait_routable(svc, replicas)
     yield svc
-    stop_all([svc])
-
-
-@pytest.fixture(scope="module")
-def striped(replicas, workdir):
-    """The two bulk replicas behind a proxy that deals every push over two trees
-    (`push.stripes=2`), each headed by one of them: its reading thread deals each chunk, a view of
-    its place in the upload's buffer, to its stripe's bulk lane, so the gate's hold is this
-    thread's alone. Yields the proxy, its spool and its replicas."""
-    spool, bulk = workdir / "spool-striped", replicas[:2]
-    settings = ("push.stripes=2", "health.push_timeout_s=60", f"spool.dir={spool}")
-    svc = start_proxy(workdir, "bulk-proxy-striped", bulk, *BULK_ON, *(a for s in settings for a in ("--set", s)))
-    wait_routable(svc, bulk)
-    yield svc, spool, bulk
     stop_all([svc])
 
 
@@ -178,37 +163,14 @@ def test_a_bulk_upload_reaches_bulk_and_chunk_children_alike(proxy, replicas, bi
     assert samples[0].tokens == samples[1].tokens == samples[2].tokens
 
 
-def test_a_striped_bulk_upload_is_dealt_chunk_by_chunk_from_the_reading_thread(striped, big):
-    """Chunks end where the stripes' cut says, not where the reader's pieces do: one dealt to the
-    wrong stripe, twice, or cut at a piece's end would fail a replica's BLAKE3 (and be healed)."""
-    proxy, _, replicas = striped
-    fp = status(proxy.target).model_fingerprint
-    before = counters(replicas)
-    m = big.manifest("dealt", 1, fp, blake3=blake3(big.payload).hexdigest())
-    assert bulk_push(proxy.target, m, big.payload) == (grpc.StatusCode.OK, "")
-    planned = [e for e in _events(proxy.log_path, "adapter_relay_planned") if e["adapter"] == "dealt"]
-    assert [e.get("stripes") for e in planned] == [2]  # one plan: no heal
-    assert writer.MAX_CHUNK % planned[0]["chunk_bytes"] != 0  # chunks and the reader's pieces do not line up
-    after = counters(replicas)
-    assert [a[0] - b[0] for a, b in zip(after, before, strict=True)] == [len(big.payload)] * 2
-    assert [[e["path"] for e in staged(r, "dealt")] for r in replicas] == [["bulk"], ["bulk"]]
-    samples = [generate(r.target, "3+4=", n=2, adapter=("dealt", 1), max_new_tokens=6, seed=5) for r in replicas]
-    assert samples[0].tokens == samples[1].tokens
-
-
-@pytest.mark.parametrize("relay", ["star", "striped"])
 @pytest.mark.parametrize("digest", ["sha256", "blake3"])
-def test_no_replica_receives_all_of_a_payload_whose_digest_the_proxy_refuses(
-    digest, relay, proxy, spool, replicas, big, request
-):
+def test_no_replica_receives_all_of_a_payload_whose_digest_the_proxy_refuses(digest, proxy, spool, replicas, big):
     """The sha256 wrong beside a right BLAKE3 (which is all a replica verifies then), or the reverse:
     the proxy verifies both, and holds the completing piece back until it has (a striped relay:
-    every chunk from the one that reaches into that piece on)."""
-    if relay == "striped":
-        proxy, spool, replicas = request.getfixturevalue("striped")
+    test_push_relay)."""
     fp = status(proxy.target).model_fingerprint
     wrong = hashlib.sha256(b"other bytes").hexdigest()  # 64 hex digits, as a BLAKE3's
-    name = f"wrong-{digest}-{relay}"
+    name = f"wrong-{digest}"
     b3 = wrong if digest == "blake3" else blake3(big.payload).hexdigest()
     m = big.manifest(name, 1, fp, blake3=b3, **({"sha256": wrong} if digest == "sha256" else {}))
     before = counters(replicas)

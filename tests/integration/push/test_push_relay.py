@@ -47,8 +47,11 @@ from support.processes import (
 from support.wire import generate, make_adapter, metric_value, status
 
 from rollwire.common import writer
-from rollwire.common.bulk import BlockingPush, Offer
+from rollwire.common.bulk import BlockingPush, Offer, parse_offer, token
+from rollwire.common.bulk import close as bulk_close
+from rollwire.common.bulk import connect as bulk_connect
 from rollwire.common.errors import from_rpc_error
+from rollwire.common.reasons import Reason
 from rollwire.common.writer import chunks, opening, stripe_messages
 from rollwire.push.bulk import BulkDial, BulkListener
 from rollwire.push.forward import Forwarder
@@ -653,6 +656,43 @@ def test_a_striped_bulk_push_of_many_chunks_a_stripe_reaches_every_replica_with_
     assert heals == [0, 0, 0]
     samples = [sampled(r.target, "striped-big", 1) for r in replicas]
     assert samples[0] == samples[1] == samples[2]
+
+
+def test_no_replica_receives_all_of_a_striped_bulk_upload_whose_sha256_the_proxy_refuses(replicas, proxies, big):
+    """The proxy's reading thread deals each stripe's chunks to the trees' bulk lanes itself, and
+    holds back the payload's last chunk until the proxy's verdict (dealt chunk by chunk in
+    tests/unit/push/test_striped.py): with the sha256 wrong beside a right BLAKE3 (all a replica
+    verifies), every replica took several chunks but none the whole payload, and none staged it."""
+    proxy = proxies("stripe-proxy-2", "--set", "push.stripes=2")
+    fp = status(proxy.target).model_fingerprint
+    m = big.manifest("striped-wrong", 1, fp, blake3=blake3(big.payload).hexdigest(), sha256="0" * 64)
+    took = "rollwire_generator_adapter_push_bytes_total"
+    before = [metric_value(r.metrics(), took, default=0) for r in replicas]
+    release = threading.Event()
+
+    def requests():
+        yield opening(m, bulk=True)
+        release.wait(60)
+
+    with grpc.insecure_channel(proxy.target) as channel:
+        call = generator_pb2_grpc.GeneratorServiceStub(channel).PushAdapter.future(requests(), timeout=60)
+        offer = parse_offer(call.initial_metadata())
+        assert offer is not None
+        sock = bulk_connect("127.0.0.1", offer, token(offer.secret, m, None), 3.0)
+        try:
+            sock.sendall(big.payload)
+            bulk_close(sock)
+        except OSError:
+            sock.close()  # the proxy refused the bytes and closed the connection
+        release.set()
+        with pytest.raises(grpc.RpcError) as refused:
+            call.result()
+    assert from_rpc_error(refused.value).reason == Reason.DIGEST_MISMATCH
+    planned = [e for e in log_events(proxy.log_path, "adapter_relay_planned") if e["adapter"] == "striped-wrong"]
+    assert [e["stripes"] for e in planned] == [2]
+    got = [metric_value(r.metrics(), took, default=0) - b for r, b in zip(replicas, before, strict=True)]
+    assert all(2 * planned[0]["chunk_bytes"] <= n < len(big.payload) for n in got), got
+    assert not any(e["adapter"] == "striped-wrong" for r in replicas for e in log_events(r.log_path, "adapter_staged"))
 
 
 @pytest.mark.parametrize("peer_proxy", [({"corrupt": True}, 1, "--set", "push.stripes=2")], indirect=True)

@@ -99,10 +99,8 @@ class Intake:
             ready = [piece]
         if self.seen == self.reader.manifest.byte_length:  # pyright: ignore[reportOptionalMemberAccess]
             self.held = ready.pop()
-        if isinstance(self.forward, StripedForwarder):
-            # chunks whole below the held piece, dealt to the stripes' lanes from the one buffer
-            upto = self.seen - (len(self.held) if self.held is not None else 0)
-            self.forward.feed(memoryview(piece.obj), upto)  # pyright: ignore[reportArgumentType]  # the buffer
+        if isinstance(self.forward, StripedForwarder):  # the chunks so far, from the one buffer, but the last
+            self.forward.feed(memoryview(piece.obj), self.seen)  # pyright: ignore[reportArgumentType]  # the buffer
         for p in ready:
             for link in self.lanes:
                 link.feed(p)
