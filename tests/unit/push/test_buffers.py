@@ -117,7 +117,8 @@ def test_populating_a_large_buffer_leaves_the_gil_to_every_other_thread():
     before = sys.getswitchinterval()
     sys.setswitchinterval(60.0)
     try:
-        buffer = payload_buffer(EAGER_BYTES + 256 * MiB)  # 0.1 to 1 s of populating on this VM
+        # the populate thread's first 32 MiB step alone takes 10-50 ms here; the check, microseconds
+        buffer = payload_buffer(EAGER_BYTES + 32 * MiB)
         populating = [t for t in threading.enumerate() if t.name == "populate"]
         running_beside = any(t.is_alive() for t in populating)
     finally:
