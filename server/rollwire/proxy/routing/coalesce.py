@@ -167,7 +167,9 @@ class Coalescer:
                 m.request.sampling.seed if s else secrets.randbits(63) for m, s in zip(members, seeded, strict=True)
             )
         self.on_merged(len(members))
-        log.info("requests_coalesced", requests=len(members), request_id=merged.request_id)
+        # debug, not info: a merge is one line per request on a hot path (a flood of identical
+        # single-sample requests would be a flood of lines); rollwire_proxy_coalesced_requests_total counts them
+        log.debug("requests_coalesced", requests=len(members), request_id=merged.request_id)
         return merged
 
 
