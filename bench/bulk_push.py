@@ -292,12 +292,8 @@ def measure(model: Path, fingerprint: str, size: int, repeats: int, tls: Path | 
     fleet = Fleet(model, tls)
     runs: list[dict] = []
     try:
-        for path in (
-            "grpc",
-            "bulk",
-            "bulk",
-            "bulk",
-        ):  # warm: connections, page cache, the 2 buffers a receiver alternates
+        warm = ("grpc", "bulk", "bulk", "bulk")  # connections, page cache, the 2 buffers a receiver alternates
+        for path in warm:
             fleet.push(payload, r, fingerprint, path)
         for rep in range(repeats):
             for path in ("grpc", "bulk") if rep % 2 == 0 else ("bulk", "grpc"):

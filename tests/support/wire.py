@@ -121,6 +121,41 @@ def push(target: str, manifest: pb.AdapterManifest, payload: bytes, chunk: int =
     return stub(target).PushAdapter(push_messages(manifest, payload, chunk), timeout=60)
 
 
+def bulk_push(target: str, manifest: pb.AdapterManifest, payload: bytes) -> tuple[grpc.StatusCode, str]:
+    """A push whose bytes go over the receiver's bulk endpoint, its connection made by hand (so a
+    receiver that refuses mid-way closes that connection: no fallback to chunks can follow):
+    its (code, reason)."""
+    import threading
+
+    from rollwire.common.bulk import close, connect, parse_offer, token
+    from rollwire.common.errors import from_rpc_error
+    from rollwire.common.writer import opening
+
+    release = threading.Event()
+
+    def requests():
+        yield opening(manifest, bulk=True)
+        release.wait(60)
+
+    with grpc.insecure_channel(target) as channel:
+        call = generator_pb2_grpc.GeneratorServiceStub(channel).PushAdapter.future(requests(), timeout=60)
+        offer = parse_offer(call.initial_metadata())
+        assert offer is not None, "the receiver offered no bulk endpoint"
+        sock = connect("127.0.0.1", offer, token(offer.secret, manifest, None), 3.0)  # ACKed: it took it
+        try:
+            sock.sendall(payload)
+            close(sock)  # returns once the receiver has every byte
+        except OSError:
+            sock.close()  # the receiver refused the bytes and closed the connection
+        release.set()
+        try:
+            call.result()
+        except grpc.RpcError as exc:
+            err = from_rpc_error(exc)
+            return err.code, err.reason
+    return grpc.StatusCode.OK, ""
+
+
 @dataclass
 class Group:
     """A whole Generate stream, assembled per sample."""

@@ -56,6 +56,7 @@ class StripedForwarder:
         the payload's last chunk, which completes it: `send_last` deals that one, once the holder
         checked the whole (the proxy's gate). Chunks end on multiples of `chunk_bytes`, not on the
         reader's pieces, so a chunk may span two of them."""
+        assert len(payload) == self.byte_length, "feed takes the payload's whole buffer"
         self.payload = payload
         self._feed_lanes(upto, self.chunks - 1)
 

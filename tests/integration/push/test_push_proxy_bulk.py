@@ -27,17 +27,14 @@ import grpc
 import pytest
 from blake3 import blake3
 from support.processes import start_generators, start_proxy, stop_all, wait_routable, wait_until
-from support.wire import generate, make_adapter, metric_value, status
+from support.wire import bulk_push, generate, make_adapter, metric_value, status
 
 from rollwire.common import writer
-from rollwire.common.bulk import close as bulk_close
 from rollwire.common.bulk import connect as bulk_connect
 from rollwire.common.bulk import parse_offer, token
-from rollwire.common.errors import from_rpc_error
 from rollwire.common.reasons import Reason
 from rollwire.common.writer import opening
 from rollwire.push.reader import DIRECT_PIECE
-from rollwire.v1 import generator_pb2 as pb
 from rollwire.v1 import generator_pb2_grpc
 
 pytestmark = pytest.mark.integration  # starts processes: not in make test-fast
@@ -90,34 +87,6 @@ def big(tiny_model):
 
 def stub(target: str) -> generator_pb2_grpc.GeneratorServiceStub:
     return generator_pb2_grpc.GeneratorServiceStub(grpc.insecure_channel(target))
-
-
-def bulk_push(target: str, manifest: pb.AdapterManifest, payload: bytes) -> tuple[grpc.StatusCode, str]:
-    """A push whose bytes go over the proxy's bulk endpoint, its connection made by hand (so a
-    receiver that refuses mid-way closes that connection: no fallback to chunks can follow):
-    its (code, reason)."""
-    release = threading.Event()
-
-    def requests():
-        yield opening(manifest, bulk=True)
-        release.wait(60)
-
-    call = stub(target).PushAdapter.future(requests(), timeout=60)
-    offer = parse_offer(call.initial_metadata())
-    assert offer is not None
-    sock = bulk_connect("127.0.0.1", offer, token(offer.secret, manifest, None), 3.0)  # ACKed: the proxy took it
-    try:
-        sock.sendall(payload)
-        bulk_close(sock)  # returns once the receiver has every byte
-    except OSError:
-        sock.close()  # the proxy refused the bytes and closed the connection
-    release.set()
-    try:
-        call.result()
-    except grpc.RpcError as exc:
-        err = from_rpc_error(exc)
-        return err.code, err.reason
-    return grpc.StatusCode.OK, ""
 
 
 def counters(replicas) -> list[tuple[float, float]]:

@@ -44,12 +44,10 @@ from support.processes import (
     wait_routable,
     wait_until,
 )
-from support.wire import generate, make_adapter, metric_value, status
+from support.wire import bulk_push, generate, make_adapter, metric_value, status
 
 from rollwire.common import writer
-from rollwire.common.bulk import BlockingPush, Offer, parse_offer, token
-from rollwire.common.bulk import close as bulk_close
-from rollwire.common.bulk import connect as bulk_connect
+from rollwire.common.bulk import BlockingPush, Offer
 from rollwire.common.errors import from_rpc_error
 from rollwire.common.reasons import Reason
 from rollwire.common.writer import chunks, opening, stripe_messages
@@ -668,26 +666,7 @@ def test_no_replica_receives_all_of_a_striped_bulk_upload_whose_sha256_the_proxy
     m = big.manifest("striped-wrong", 1, fp, blake3=blake3(big.payload).hexdigest(), sha256="0" * 64)
     took = "rollwire_generator_adapter_push_bytes_total"
     before = [metric_value(r.metrics(), took, default=0) for r in replicas]
-    release = threading.Event()
-
-    def requests():
-        yield opening(m, bulk=True)
-        release.wait(60)
-
-    with grpc.insecure_channel(proxy.target) as channel:
-        call = generator_pb2_grpc.GeneratorServiceStub(channel).PushAdapter.future(requests(), timeout=60)
-        offer = parse_offer(call.initial_metadata())
-        assert offer is not None
-        sock = bulk_connect("127.0.0.1", offer, token(offer.secret, m, None), 3.0)
-        try:
-            sock.sendall(big.payload)
-            bulk_close(sock)
-        except OSError:
-            sock.close()  # the proxy refused the bytes and closed the connection
-        release.set()
-        with pytest.raises(grpc.RpcError) as refused:
-            call.result()
-    assert from_rpc_error(refused.value).reason == Reason.DIGEST_MISMATCH
+    assert bulk_push(proxy.target, m, big.payload) == (grpc.StatusCode.INVALID_ARGUMENT, Reason.DIGEST_MISMATCH)
     planned = [e for e in log_events(proxy.log_path, "adapter_relay_planned") if e["adapter"] == "striped-wrong"]
     assert [e["stripes"] for e in planned] == [2]
     got = [metric_value(r.metrics(), took, default=0) - b for r, b in zip(replicas, before, strict=True)]

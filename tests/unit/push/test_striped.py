@@ -24,8 +24,6 @@ from rollwire.v1 import generator_pb2 as pb
 class Lane:
     """A direct child's lane as the reading thread sees it: what it was fed, in order."""
 
-    direct = True
-
     def __init__(self) -> None:
         self.got: list[bytes] = []
 
