@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from rollwire.client._requests import UINT64, check_adapter_name
-from rollwire.common.digest import payload_digests
+from rollwire.common.digest import payload_blake3, payload_digests
 from rollwire.common.errors import RequestError
 from rollwire.common.errors import whole_number as _int
 from rollwire.common.lora import LoraShape
@@ -79,14 +79,21 @@ def build_manifest(
     lora_config: LoraShape | Mapping[str, Any] | Any,
     base_model_fingerprint: str,
     signing_key: SigningKey | None = None,
+    sha256_by_receiver: bool = False,
 ) -> pb.AdapterManifest:
     """The manifest message that opens a push, signed with `signing_key` when given
-    (rollwire.common.signing); checks what the server would refuse anyway."""
+    (rollwire.common.signing); checks what the server would refuse anyway.
+    `sha256_by_receiver`: carry the BLAKE3 alone and leave the sha256 (the version's identity)
+    for the receiver to compute from the verified bytes and answer (`PushResult.sha256`), so
+    the first byte goes after the BLAKE3's 0.04 s per 296 MB here instead of the sha256's 0.17;
+    a signature covers the sha256, so a signed manifest always carries it."""
     if not isinstance(payload, (bytes, bytearray, memoryview)) or not len(payload):
         raise RequestError("the adapter payload must be non-empty bytes (a safetensors file)")
     if not isinstance(base_model_fingerprint, str) or not base_model_fingerprint:
         raise RequestError("base_model_fingerprint is required; take it from GetStatus or model_fingerprint()")
-    sha256, b3 = payload_digests(payload)
+    if sha256_by_receiver and signing_key is not None:
+        raise RequestError("a signed manifest carries its sha256: sha256_by_receiver needs no signing_key")
+    sha256, b3 = ("", payload_blake3(payload)) if sha256_by_receiver else payload_digests(payload)
     manifest = pb.AdapterManifest(
         name=check_adapter_name(name),
         version=_int("version", version, 1, UINT64),
@@ -132,6 +139,8 @@ class PushResult:
     """Filled by a proxy; empty from a replica."""
     peers: list[PeerPush] = field(default_factory=list)
     """Filled by a proxy with peer proxies: whether each one's spool holds the version now."""
+    sha256: str = ""
+    """The version's sha256: the manifest's, or the receiver's when the push left it to it."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -146,8 +155,10 @@ class PeerPush:
     message: str
 
 
-def push_result_from_pb(message: pb.PushAdapterResponse) -> PushResult:
+def push_result_from_pb(message: pb.PushAdapterResponse, sha256: str = "") -> PushResult:
+    """The reply as a PushResult; `sha256`: the manifest's, for a receiver that does not answer one."""
     replicas = [ReplicaPush(r.replica, r.code, r.message) for r in message.replicas]
     peers = [PeerPush(p.address, p.code, p.reason, p.message) for p in message.peers]
     loaded = list(message.loaded_versions)
-    return PushResult(message.name, message.version, message.already_loaded, loaded, replicas, peers)
+    digest = message.sha256 or sha256
+    return PushResult(message.name, message.version, message.already_loaded, loaded, replicas, peers, digest)

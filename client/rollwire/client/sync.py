@@ -93,17 +93,25 @@ class Client(ClientBase):
         timeout: float | None = None,
         signing_key: SigningKey | None = None,
         bulk: bool = False,
+        sha256_by_receiver: bool | None = None,
     ) -> PushResult:
         """Upload one adapter version (a PEFT safetensors payload); returns once it is served.
         With `signing_key` (SigningKey.load(FILE)) the manifest is signed: required by receivers
         that set trust.keys_file (docs/security.md). With `bulk`, the bytes go over the
         receiver's bulk endpoint when it offers one (and so do its relay hops'), else as chunks
-        (rollwire.common.bulk); a client with mutual TLS always sends chunks."""
-        manifest = build_manifest(name, version, payload, lora_config, base_model_fingerprint, signing_key)
+        (rollwire.common.bulk); a client with mutual TLS always sends chunks.
+        `sha256_by_receiver` (default: with `bulk` and no `signing_key`): the manifest carries
+        the BLAKE3 alone and the receiver names the sha256 (`PushResult.sha256`), so the bytes
+        start after one fast hash, not two (build_manifest)."""
+        if sha256_by_receiver is None:
+            sha256_by_receiver = bulk and signing_key is None
+        manifest = build_manifest(
+            name, version, payload, lora_config, base_model_fingerprint, signing_key, sha256_by_receiver
+        )
         invoke = self._push_invoke(manifest, payload, chunk_size)
         if bulk and not (isinstance(self._tls, TlsConfig) and self._tls.certificate_chain):
             invoke = self._bulk_push_invoke(manifest, payload, chunk_size)
-        return push_result_from_pb(self._unary(invoke, timeout))
+        return push_result_from_pb(self._unary(invoke, timeout), manifest.sha256)
 
     def _bulk_push_invoke(self, manifest: pb.AdapterManifest, payload: bytes, chunk_size: int) -> Invoke:
         def invoke(stub: Any, remaining: float) -> Any:

@@ -14,7 +14,10 @@ Invariants:
   `max_step` above the newest a holder accepted, so no push can use up a name's range;
 - versions are immutable: a held version re-pushed with its digest is an idempotent success,
   with another digest it is refused; below or at the newest it is refused;
-- a digest on the wire is exactly 64 lowercase hex digits.
+- a digest on the wire is exactly 64 lowercase hex digits;
+- an unsigned manifest with a BLAKE3 may leave its sha256 empty, for its receiver to name from
+  the verified bytes (`identity`: such a version is known by its BLAKE3 until then), so a
+  pusher need not hash the whole payload twice before its first byte (docs/protocol.md, "Digests").
 """
 
 from __future__ import annotations
@@ -76,6 +79,12 @@ class Manifest:
     """The payload's BLAKE3 beside its sha256 (empty: none); every hop verifies it when set."""
 
 
+def identity(m: Manifest | pb.AdapterManifest) -> str:
+    """What names a version's bytes: its sha256, or "blake3:" + its BLAKE3 while its sha256 is
+    left to its receiver (a relay's stage of such a manifest, until the commit names it)."""
+    return m.sha256 or f"blake3:{m.blake3}"
+
+
 def manifest_from_pb(m: pb.AdapterManifest) -> Manifest:
     """The wire AdapterManifest as a Manifest (the digest as sent: only lowercase hex is valid)."""
     return Manifest(
@@ -116,10 +125,16 @@ def check_manifest(m: Manifest, *, fingerprint: str | None, max_bytes: int, hold
             f"{len(modules)} target modules)",
             reason=Reason.BAD_LORA_CONFIG,
         )
-    check_digest(m.sha256)
     if m.blake3 and not _DIGEST_RE.fullmatch(m.blake3):
         raise InvalidArgument(
             "blake3 must be empty or the 64 lowercase hex digits of the payload's BLAKE3", reason=Reason.BAD_DIGEST
+        )
+    if m.sha256 or not m.blake3:
+        check_digest(m.sha256)
+    elif m.signer:
+        raise InvalidArgument(
+            "a signed manifest must carry its sha256 (the signature covers it): compute it before signing",
+            reason=Reason.BAD_DIGEST,
         )
     if m.byte_length < 1:
         raise InvalidArgument("byte_length must be > 0", reason=Reason.BAD_LENGTH)
@@ -131,11 +146,18 @@ def check_manifest(m: Manifest, *, fingerprint: str | None, max_bytes: int, hold
 
 
 def check_push_version(
-    m, newest: int, held_sha256: str | None, holder: str, max_step: int = DEFAULT_MAX_VERSION_STEP
+    m,
+    newest: int,
+    held_sha256: str | None,
+    holder: str,
+    max_step: int = DEFAULT_MAX_VERSION_STEP,
+    held_blake3: str = "",
 ) -> bool:
     """The version rule shared by replicas and the proxy's spool: True when this exact
     version is already held (an idempotent re-push); raises when it may not be pushed.
-    `m` is a Manifest or the wire AdapterManifest: only name, version and sha256 are read.
+    `m` is a Manifest or the wire AdapterManifest: only name, version and the digests are read.
+    A manifest that left its sha256 to its receiver is the held version when its BLAKE3 is the
+    held one's (`held_blake3`; a version held without one cannot be shown equal: refused).
     A version above 2**53 or more than `max_step` above the newest (0 for a new name) is
     refused, so no push can use up the range of a name."""
     if m.version > MAX_VERSION or m.version > newest + max_step:
@@ -145,10 +167,11 @@ def check_push_version(
             reason=Reason.VERSION_TOO_FAR,
         )
     if held_sha256 is not None:
-        if held_sha256 == m.sha256:
+        if (held_sha256 == m.sha256) if m.sha256 else (bool(held_blake3) and held_blake3 == m.blake3):
             return True
+        unknown = "" if m.sha256 or held_blake3 else " (it is held without a BLAKE3: name the sha256 to re-push it)"
         raise FailedPrecondition(
-            f"adapter {m.name!r} v{m.version} is already loaded with a different digest; "
+            f"adapter {m.name!r} v{m.version} is already loaded with a different digest{unknown}; "
             f"versions are immutable, push it as v{newest + 1}",
             reason=Reason.VERSION_CONFLICT,
         )
@@ -161,11 +184,16 @@ def check_push_version(
     return False
 
 
-def check_commit(name: str, version: int, sha256: str) -> None:
+def check_commit(name: str, version: int, sha256: str, blake3: str = "") -> None:
     """The fields of a CommitAdapterRequest; INVALID_ARGUMENT with a sentence."""
     check_name(name)
     check_version_number(version)
     check_digest(sha256, "of the staged payload")
+    if blake3 and not _DIGEST_RE.fullmatch(blake3):
+        raise InvalidArgument(
+            "blake3 must be empty or the 64 lowercase hex digits of the staged payload's BLAKE3",
+            reason=Reason.BAD_DIGEST,
+        )
 
 
 def check_version_number(version: int) -> None:

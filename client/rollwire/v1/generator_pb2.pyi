@@ -259,7 +259,7 @@ class ReplicaPushResult(_message.Message):
     def __init__(self, replica: _Optional[str] = ..., code: _Optional[str] = ..., message: _Optional[str] = ..., address: _Optional[str] = ..., staged: _Optional[bool] = ..., reason: _Optional[str] = ..., stripe_pending: _Optional[bool] = ...) -> None: ...
 
 class PushAdapterResponse(_message.Message):
-    __slots__ = ("name", "version", "already_loaded", "loaded_versions", "replicas", "staged", "stripe_pending", "peers")
+    __slots__ = ("name", "version", "already_loaded", "loaded_versions", "replicas", "staged", "stripe_pending", "peers", "sha256")
     NAME_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
     ALREADY_LOADED_FIELD_NUMBER: _ClassVar[int]
@@ -268,6 +268,7 @@ class PushAdapterResponse(_message.Message):
     STAGED_FIELD_NUMBER: _ClassVar[int]
     STRIPE_PENDING_FIELD_NUMBER: _ClassVar[int]
     PEERS_FIELD_NUMBER: _ClassVar[int]
+    SHA256_FIELD_NUMBER: _ClassVar[int]
     name: str
     version: int
     already_loaded: bool
@@ -276,7 +277,8 @@ class PushAdapterResponse(_message.Message):
     staged: bool
     stripe_pending: bool
     peers: _containers.RepeatedCompositeFieldContainer[PeerPushResult]
-    def __init__(self, name: _Optional[str] = ..., version: _Optional[int] = ..., already_loaded: _Optional[bool] = ..., loaded_versions: _Optional[_Iterable[int]] = ..., replicas: _Optional[_Iterable[_Union[ReplicaPushResult, _Mapping]]] = ..., staged: _Optional[bool] = ..., stripe_pending: _Optional[bool] = ..., peers: _Optional[_Iterable[_Union[PeerPushResult, _Mapping]]] = ...) -> None: ...
+    sha256: str
+    def __init__(self, name: _Optional[str] = ..., version: _Optional[int] = ..., already_loaded: _Optional[bool] = ..., loaded_versions: _Optional[_Iterable[int]] = ..., replicas: _Optional[_Iterable[_Union[ReplicaPushResult, _Mapping]]] = ..., staged: _Optional[bool] = ..., stripe_pending: _Optional[bool] = ..., peers: _Optional[_Iterable[_Union[PeerPushResult, _Mapping]]] = ..., sha256: _Optional[str] = ...) -> None: ...
 
 class PeerPushResult(_message.Message):
     __slots__ = ("address", "code", "message", "reason")
@@ -291,14 +293,16 @@ class PeerPushResult(_message.Message):
     def __init__(self, address: _Optional[str] = ..., code: _Optional[str] = ..., message: _Optional[str] = ..., reason: _Optional[str] = ...) -> None: ...
 
 class CommitAdapterRequest(_message.Message):
-    __slots__ = ("name", "version", "sha256")
+    __slots__ = ("name", "version", "sha256", "blake3")
     NAME_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
     SHA256_FIELD_NUMBER: _ClassVar[int]
+    BLAKE3_FIELD_NUMBER: _ClassVar[int]
     name: str
     version: int
     sha256: str
-    def __init__(self, name: _Optional[str] = ..., version: _Optional[int] = ..., sha256: _Optional[str] = ...) -> None: ...
+    blake3: str
+    def __init__(self, name: _Optional[str] = ..., version: _Optional[int] = ..., sha256: _Optional[str] = ..., blake3: _Optional[str] = ...) -> None: ...
 
 class CommitAdapterResponse(_message.Message):
     __slots__ = ("name", "version", "already_loaded", "loaded_versions")

@@ -31,10 +31,10 @@ from __future__ import annotations
 import asyncio
 import itertools
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from rollwire.common.errors import FailedPrecondition, NotFound
-from rollwire.common.manifest import DEFAULT_MAX_VERSION_STEP, Manifest, check_push_version
+from rollwire.common.manifest import DEFAULT_MAX_VERSION_STEP, Manifest, check_push_version, identity
 from rollwire.common.reasons import Reason
 from rollwire.generator import eviction
 from rollwire.generator.types import AdapterSelection
@@ -77,7 +77,9 @@ class _Staged:
     """A verified version loaded in the engine but not servable until committed."""
 
     version: int
-    sha256: str
+    identity: str
+    """Its sha256, or "blake3:" + its BLAKE3 when its manifest left the sha256 to the commit
+    (rollwire.common.manifest.identity)."""
     handle: str
     manifest: Manifest | None = None
     payload: Payload | None = None
@@ -133,7 +135,10 @@ class AdapterRegistry:
     def check_version(self, m: Manifest, max_step: int = DEFAULT_MAX_VERSION_STEP) -> bool:
         """True if this exact version is loaded (idempotent); raises if it may not be pushed."""
         same = next((v for v in self._versions.get(m.name, []) if v.version == m.version and v.servable), None)
-        return check_push_version(m, self._newest.get(m.name, 0), same.sha256 if same else None, "replica", max_step)
+        held_blake3 = same.manifest.blake3 if same is not None and same.manifest is not None else ""
+        return check_push_version(
+            m, self._newest.get(m.name, 0), same.sha256 if same else None, "replica", max_step, held_blake3
+        )
 
     async def push(self, m: Manifest, payload: Payload, max_step: int = DEFAULT_MAX_VERSION_STEP) -> PushOutcome:
         """Load a checked payload as a new version and retire what leaves the window (a
@@ -142,10 +147,10 @@ class AdapterRegistry:
             if self.check_version(m, max_step):
                 return PushOutcome(m.name, m.version, True, self.loaded().get(m.name, []))
             staged = self._staged.get(m.name)
-            if staged is not None and (staged.version, staged.sha256) == (m.version, m.sha256):
+            if staged is not None and (staged.version, staged.identity) == (m.version, identity(m)):
                 return self._make_servable(m.name, self._unstage(m.name))
             handle = await self._load_new(m, payload)
-            return self._make_servable(m.name, _Staged(m.version, m.sha256, handle, m, payload))
+            return self._make_servable(m.name, _Staged(m.version, identity(m), handle, m, payload))
 
     async def stage(self, m: Manifest, payload: Payload, max_step: int = DEFAULT_MAX_VERSION_STEP) -> PushOutcome:
         """Load a checked payload without serving it; `commit` serves it. Staging the staged
@@ -155,10 +160,10 @@ class AdapterRegistry:
             if self.check_version(m, max_step):
                 return PushOutcome(m.name, m.version, True, self.loaded().get(m.name, []))
             staged = self._staged.get(m.name)
-            if staged is None or (staged.version, staged.sha256) != (m.version, m.sha256):
+            if staged is None or (staged.version, staged.identity) != (m.version, identity(m)):
                 handle = await self._load_new(m, payload)
                 self._drop_staged(m.name)
-                staged = self._staged[m.name] = _Staged(m.version, m.sha256, handle, m, payload)
+                staged = self._staged[m.name] = _Staged(m.version, identity(m), handle, m, payload)
             if staged.expiry is not None:
                 staged.expiry.cancel()
             staged.expiry = asyncio.get_running_loop().call_later(
@@ -166,8 +171,11 @@ class AdapterRegistry:
             )
             return PushOutcome(m.name, m.version, False, self.loaded().get(m.name, []), staged=True)
 
-    async def commit(self, name: str, version: int, sha256: str) -> PushOutcome:
+    async def commit(self, name: str, version: int, sha256: str, blake3: str = "") -> PushOutcome:
         """Serve the staged `version` of `name`; idempotent once served with that digest.
+        A version staged under its BLAKE3 (its manifest left the sha256 to the commit) is the
+        one named when `blake3` is its BLAKE3, and is served with `sha256` as its identity: the
+        committer (the proxy, admin) computed it from the bytes whose BLAKE3 this replica verified.
         FAILED_PRECONDITION when it is not staged with this digest (never staged, replaced,
         expired, or this replica restarted) or is no longer above the newest version."""
         async with self._lock:
@@ -175,7 +183,8 @@ class AdapterRegistry:
             if held is not None and held.sha256 == sha256:
                 return PushOutcome(name, version, True, self.loaded().get(name, []))
             staged = self._staged.get(name)
-            if staged is None or (staged.version, staged.sha256) != (version, sha256):
+            named = {sha256, f"blake3:{blake3}"} if blake3 else {sha256}
+            if staged is None or staged.version != version or staged.identity not in named:
                 now = f"v{staged.version} is staged" if staged else "nothing is staged"
                 raise FailedPrecondition(
                     f"adapter {name!r} v{version} with this digest is not staged on this replica ({now}): it was never "
@@ -191,7 +200,11 @@ class AdapterRegistry:
                     f"(committed meanwhile); versions only increase, push v{newest + 1} or higher",
                     reason=Reason.VERSION_NOT_MONOTONIC,
                 )
-            return self._make_servable(name, self._unstage(name))
+            item = self._unstage(name)
+            if item.identity != sha256:  # staged under its BLAKE3: the commit names its sha256
+                item.identity = sha256
+                item.manifest = replace(item.manifest, sha256=sha256) if item.manifest is not None else None
+            return self._make_servable(name, item)
 
     def staged(self) -> dict[str, int]:
         """The staged (not servable) version of each name."""
@@ -221,7 +234,7 @@ class AdapterRegistry:
 
     def _make_servable(self, name: str, item: _Staged) -> PushOutcome:
         versions = self._versions.setdefault(name, [])
-        versions.append(_Version(item.version, item.sha256, item.handle, item.manifest, item.payload))
+        versions.append(_Version(item.version, item.identity, item.handle, item.manifest, item.payload))
         versions[-1].used = next(self._ticks)
         self._newest[name] = item.version
         self._retire(name)

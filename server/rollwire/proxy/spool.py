@@ -272,13 +272,15 @@ class Spool:
         versions = self._by_name.get(m.name, [])
         same = self.get(m.name, m.version)
         newest = versions[-1].version if versions else 0
-        return check_push_version(m, newest, same.manifest.sha256 if same else None, "proxy", self.max_version_step)
+        held = (same.manifest.sha256, same.manifest.blake3) if same is not None else (None, "")
+        return check_push_version(m, newest, held[0], "proxy", self.max_version_step, held[1])
 
     # -- committing --------------------------------------------------------------------
     def commit(self, upload: Upload) -> tuple[SpooledAdapter, bool]:
         """Make an upload visible, atomically and durably; (the spooled version, False) when
         it was already there. The upload is consumed. Callers serialise commits of one name."""
         m = upload.manifest
+        assert m.sha256, "a sha256 left to the proxy is named by the upload's verdict, before any commit"
         try:
             if self.check_version(m):
                 held = self.get(m.name, m.version)

@@ -29,6 +29,7 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
 from rollwire.common.errors import FailedPrecondition, InvalidArgument, ResourceExhausted, RollwireError
+from rollwire.common.manifest import identity
 from rollwire.common.reasons import Reason
 from rollwire.common.writer import MAX_CHUNK, MAX_STRIPES, MIN_STRIPE_CHUNK
 from rollwire.push.buffers import BufferPool, Payload, payload_buffer
@@ -228,7 +229,7 @@ class Assembly:
 
 class PushSlots:
     """The push slots of one receiver and the striped versions it is assembling, by (name,
-    version, sha256). `admit` takes a slot for a plain push (`free` gives it back); a striped
+    version, `identity`: its sha256, or its BLAKE3 while the sha256 is left to the commit). `admit` takes a slot for a plain push (`free` gives it back); a striped
     version's first stream takes one with `admit` and hands it to its assembly (`assemble`),
     which holds it until `release`. Streams `attach` to the assembly while open and `detach`
     when they end."""
@@ -260,7 +261,7 @@ class PushSlots:
 
     def assembly_of(self, manifest: pb.AdapterManifest) -> Assembly | None:
         """The assembly of this exact version (name, version, digest), if one is under way."""
-        return self.assemblies.get((manifest.name, manifest.version, manifest.sha256))
+        return self.assemblies.get((manifest.name, manifest.version, identity(manifest)))
 
     def assemble(
         self, manifest: pb.AdapterManifest, stripe: pb.Stripe, inspector: Inspector | None, pool: BufferPool | None
@@ -270,7 +271,7 @@ class PushSlots:
         until it completes or fails, or until no stream of its stripes has been open for
         `linger_s` (a stripe that never came), or until a push needs the slot while none is open."""
         assembly = Assembly(manifest, stripe, inspector, pool)
-        self.assemblies[(manifest.name, manifest.version, manifest.sha256)] = assembly
+        self.assemblies[(manifest.name, manifest.version, identity(manifest))] = assembly
         return assembly
 
     def attach(self, assembly: Assembly) -> None:
@@ -326,7 +327,7 @@ class PushSlots:
             assembly.linger = None
         if self._registered(assembly):
             m = assembly.manifest
-            del self.assemblies[(m.name, m.version, m.sha256)]
+            del self.assemblies[(m.name, m.version, identity(m))]
             self._count(-1)
             if not assembly.completed:
                 assembly.fail(None)

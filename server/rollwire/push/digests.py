@@ -1,7 +1,7 @@
 """The digests a receiver computes of a pushed payload as it arrives, and their verdict.
 
 Invariants (docs/protocol.md, "Digests"):
-- sha256 is a version's identity everywhere it is shown (commits, spool, replies, grants);
+- sha256 is a version's identity everywhere it is shown (commits, spool, replies), once named (below);
 - a manifest may carry the payload's BLAKE3 beside it (`AdapterManifest.blake3`), set by the
   origin that computes the sha256 (SDK, learner, a proxy's HTTP upload) from the same bytes;
 - a hop verifies the BLAKE3 when it is set (about twice sha256's speed), else the sha256; the
@@ -9,7 +9,11 @@ Invariants (docs/protocol.md, "Digests"):
   same bytes, and relay grants and signatures cover the BLAKE3 with the sha256, so no hop
   can swap it together with the bytes;
 - a digest that does not match refuses the payload with DIGEST_MISMATCH, before anything may
-  use it, whichever digest it is.
+  use it, whichever digest it is;
+- a manifest that left its sha256 empty (an unsigned one with a BLAKE3) has it named by the
+  receiver that computes it (`both`: a proxy, or a replica that serves what it was pushed):
+  `named` is the sha256 of the bytes the BLAKE3 verified, which `verdict` writes into the
+  manifest; a receiver that only stages such a version never computes it (the commit names it).
 """
 
 from __future__ import annotations
@@ -36,6 +40,8 @@ class Digests:
 
     def __init__(self, manifest: pb.AdapterManifest, *, both: bool = False) -> None:
         self.expected: list[tuple[str, str, object]] = []
+        self.named = ""
+        """After `check`: the sha256 computed for a manifest that left it empty (else empty)."""
         self._beside: ThreadPoolExecutor | None = None
         if manifest.blake3:
             self.expected.append(("BLAKE3", manifest.blake3, blake3()))
@@ -67,7 +73,9 @@ class Digests:
         self.wait()
         for name, want, hasher in self.expected:
             got = hasher.hexdigest()  # pyright: ignore[reportAttributeAccessIssue]
-            if got != want:
+            if not want:  # the sha256 a manifest left to this receiver: the bytes the BLAKE3 verified
+                self.named = got
+            elif got != want:
                 field = name.lower()
                 raise InvalidArgument(
                     f"payload {field} is {got} but the manifest declared {want}; the bytes were corrupted or the "

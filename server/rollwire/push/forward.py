@@ -87,7 +87,7 @@ class ChildLink:
         bulk: tuple[BulkDial, float] | None = None,
     ) -> None:
         self.child, self.pipe = child, Pipe(queue_chunks)
-        self.manifest, self.stripe, self.bulk = manifest, stripe, bulk
+        self.stripe, self.bulk = stripe, bulk
         """`bulk`: how to reach the child's bulk endpoint and each send's deadline (None: gRPC chunks only)."""
         self.path = "grpc"
         """How its bytes went: "bulk" once its bulk connection is up."""
@@ -100,6 +100,9 @@ class ChildLink:
         self.first = opening(
             manifest, relay=child.plan, stage_only=stage_only, stripe=stripe, granted=granted, bulk=bulk is not None
         )
+        self.manifest = self.first.manifest
+        """The manifest as this child was opened with (a copy): its bulk token's, whatever the
+        sender's own copy learns later (a sha256 its verdict names: push.digests)."""
         self.cut_reason, self.cut_code, self.cut_tag = "", grpc.StatusCode.OK, ""
         self.sent = 0
         self.took_at = time.monotonic()

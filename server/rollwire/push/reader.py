@@ -95,7 +95,9 @@ class PushReader:
     received: int = 0
     manifest: pb.AdapterManifest | None = None
     both_digests: bool = False
-    """Verify the sha256 beside a manifest's BLAKE3 (a proxy taking a client's upload: push.digests)."""
+    """Verify the sha256 beside a manifest's BLAKE3 (a proxy taking a client's upload: push.digests).
+    A manifest that left its sha256 empty gets it computed here unless the push only stages
+    (`open` sets this then: whoever serves or spools a version names its sha256)."""
     path: str = "grpc"
     """How the bytes came: "grpc" (chunks on the stream) or "bulk" (`agree`)."""
     _raw: AsyncIterator | None = field(default=None, repr=False)
@@ -245,6 +247,8 @@ class PushReader:
         if first.WhichOneof("part") != "manifest":
             raise InvalidArgument("the first PushAdapter message must be the manifest", reason=Reason.NO_MANIFEST)
         self.manifest = first.manifest
+        if not first.manifest.sha256 and not first.stage_only:
+            self.both_digests = True  # this receiver names the sha256 (push.digests.Digests.named)
         return Opening(
             first.manifest,
             first.relay,

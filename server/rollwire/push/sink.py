@@ -219,9 +219,12 @@ class Sink:
 async def verdict(m: pb.AdapterManifest, sink: Sink, sync: bool) -> Payload | list[bytes]:
     """The payload of a sink that took every byte: its digests (`Digests.check`: the manifest's
     BLAKE3 when set, else its sha256; both at a proxy taking a client's upload), then the
-    inspector's checks."""
+    inspector's checks. A manifest that left its sha256 to this receiver gets the one computed
+    here (`Digests.named`), so whoever holds `m` knows the version by its sha256 from now on."""
     payload, refusal = await sink.finish(sync)
     sink.digests.check()
+    if sink.digests.named:
+        m.sha256 = sink.digests.named
     if refusal is not None:
         raise refusal
     return payload

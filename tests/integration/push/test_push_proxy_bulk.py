@@ -132,16 +132,18 @@ def test_a_bulk_upload_reaches_bulk_and_chunk_children_alike(proxy, replicas, bi
     assert samples[0].tokens == samples[1].tokens == samples[2].tokens
 
 
-@pytest.mark.parametrize("digest", ["sha256", "blake3"])
+@pytest.mark.parametrize("digest", ["sha256", "blake3", "blake3 alone"])
 def test_no_replica_receives_all_of_a_payload_whose_digest_the_proxy_refuses(digest, proxy, spool, replicas, big):
-    """The sha256 wrong beside a right BLAKE3 (which is all a replica verifies then), or the reverse:
-    the proxy verifies both, and holds the completing piece back until it has (a striped relay:
-    test_push_relay)."""
+    """The sha256 wrong beside a right BLAKE3 (which is all a replica verifies then), or the reverse,
+    or a wrong BLAKE3 with the sha256 left to the proxy: the proxy verifies both (names the
+    sha256 only of bytes the BLAKE3 verified), and holds the completing piece back until it has
+    (a striped relay: test_push_relay)."""
     fp = status(proxy.target).model_fingerprint
     wrong = hashlib.sha256(b"other bytes").hexdigest()  # 64 hex digits, as a BLAKE3's
-    name = f"wrong-{digest}"
-    b3 = wrong if digest == "blake3" else blake3(big.payload).hexdigest()
-    m = big.manifest(name, 1, fp, blake3=b3, **({"sha256": wrong} if digest == "sha256" else {}))
+    name = f"wrong-{digest.replace(' ', '-')}"
+    b3 = blake3(big.payload).hexdigest() if digest == "sha256" else wrong
+    sha256 = {"sha256": wrong, "blake3": big.sha256, "blake3 alone": ""}[digest]
+    m = big.manifest(name, 1, fp, blake3=b3, sha256=sha256)
     before = counters(replicas)
     assert bulk_push(proxy.target, m, big.payload) == (grpc.StatusCode.INVALID_ARGUMENT, Reason.DIGEST_MISMATCH)
     # the header passed: every replica's stream opened and took pieces, then was cancelled
@@ -155,6 +157,39 @@ def test_no_replica_receives_all_of_a_payload_whose_digest_the_proxy_refuses(dig
     assert sum(got) > len(big.payload)  # several pieces each, not one: the relay ran while the bytes came
     assert not any(holds(r.target, name) or staged(r, name) for r in replicas)
     assert spool_has_nothing_of(spool, name)
+
+
+def test_the_proxy_names_a_sha256_its_client_left_out_and_every_replica_serves_under_it(proxy, spool, replicas, big):
+    """The SDK's bulk push leaves the sha256 to the proxy (`sha256_by_receiver`): the proxy hashes
+    the bytes the BLAKE3 verified, spools and answers that sha256, and commits each replica's copy
+    (staged by its BLAKE3, over either path) under it; each is hashlib's digest of the payload.
+    The version is then known by its BLAKE3 too: the same bytes again are an idempotent success,
+    other bytes under that version a conflict, refused before any byte is spooled."""
+    from rollwire.client import Client
+    from rollwire.common.errors import FailedPrecondition
+
+    fp = status(proxy.target).model_fingerprint
+    digest = hashlib.sha256(big.payload).hexdigest()
+    with Client(proxy.target) as client:
+        result = client.push_adapter("left", 1, big.payload, big.shape, fp, bulk=True)
+        assert (result.sha256, result.already_loaded) == (digest, False)
+        assert sorted((r.replica, r.code) for r in result.replicas) == [("b1", "OK"), ("b2", "OK"), ("c1", "OK")]
+        assert [[e["path"] for e in staged(r, "left")] for r in replicas] == [["bulk"], ["bulk"], ["grpc"]]
+        assert [dict(a.digests) for r in replicas for a in status(r.target).adapters if a.name == "left"] == [
+            {1: digest}
+        ] * 3
+        assert [dict(a.digests) for a in status(proxy.target).adapters if a.name == "left"] == [{1: digest}]
+        assert json.loads((spool / "left" / "1.json").read_text())["sha256"] == digest
+        again = client.push_adapter("left", 1, big.payload, big.shape, fp, bulk=True)
+        assert (again.already_loaded, again.sha256) == (True, digest)
+        other = bytearray(big.payload)
+        other[-1] ^= 1  # the last byte of the last tensor: still a valid file, other bytes
+        with pytest.raises(FailedPrecondition) as err:
+            client.push_adapter("left", 1, bytes(other), big.shape, fp, bulk=True)
+        assert err.value.reason == Reason.VERSION_CONFLICT
+    assert list((spool / ".incoming").iterdir()) == []
+    samples = [generate(r.target, "3+4=", n=2, adapter=("left", 1), max_new_tokens=6, seed=5) for r in replicas]
+    assert samples[0].tokens == samples[1].tokens == samples[2].tokens
 
 
 @pytest.mark.parametrize("header", ["foreign tensor", "header of 2 pieces"])

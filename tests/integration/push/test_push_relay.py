@@ -20,6 +20,7 @@ healed, a stripe stream cut mid-way frees its slot, and stripes by both paths as
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import json
 import secrets
 import socket
@@ -631,28 +632,35 @@ def big(tiny_model):
     return make_adapter(tiny_model, seed=23, r=512, scale=0.01)
 
 
-def test_a_striped_bulk_push_of_many_chunks_a_stripe_reaches_every_replica_with_no_heal(replicas, proxies, big):
+@pytest.mark.parametrize("sha256", ["named", "left to the proxy"])
+def test_a_striped_bulk_push_of_many_chunks_a_stripe_reaches_every_replica_with_no_heal(sha256, replicas, proxies, big):
     """Each replica reads each stripe's chunks straight into their places in the version's one
     buffer on that stripe's thread, checks them in payload order as the prefix fills, and sends
     them down the stripe's tree: a chunk put in the wrong place, or hashed out of order or twice,
-    would fail a replica's BLAKE3 and be healed, which the heal counter would show."""
+    would fail a replica's BLAKE3 and be healed, which the heal counter would show. A manifest
+    that leaves its sha256 to the proxy: the replicas assemble and stage it by its BLAKE3, and
+    every one serves it under the sha256 of the bytes (hashlib's, here) that the proxy answers."""
     proxy = proxies("stripe-proxy-2", "--set", "push.stripes=2")
     fp = status(proxy.target).model_fingerprint
-    m = big.manifest("striped-big", 1, fp, blake3=blake3(big.payload).hexdigest())
+    name = "striped-big" if sha256 == "named" else "striped-big-left"
+    digest = hashlib.sha256(big.payload).hexdigest()
+    m = big.manifest(name, 1, fp, blake3=blake3(big.payload).hexdigest(), sha256=digest if sha256 == "named" else "")
     reply = push_via(proxy.target, m, big.payload, "bulk")
     assert sorted((r.address, r.code) for r in reply.replicas) == sorted((r.target, "OK") for r in replicas)
+    assert reply.sha256 == digest
+    assert [dict(a.digests) for r in replicas for a in status(r.target).adapters if a.name == name] == [{1: digest}] * 3
     planned = [e for e in log_events(proxy.log_path, "adapter_relay_planned") if "stripes" in e][-1]  # not a heal's
     assert planned["stripes"] == 2
     assert len(big.payload) // planned["chunk_bytes"] >= 2 * 4  # at least 4 chunks in every stripe
     for r in replicas:
-        pending = [e for e in log_events(r.log_path, "adapter_stripe_received") if e["adapter"] == "striped-big"]
-        staged = [e for e in log_events(r.log_path, "adapter_staged") if e["adapter"] == "striped-big"]
+        pending = [e for e in log_events(r.log_path, "adapter_stripe_received") if e["adapter"] == name]
+        staged = [e for e in log_events(r.log_path, "adapter_staged") if e["adapter"] == name]
         assert [e["path"] for e in pending + staged] == ["bulk", "bulk"], r.name  # both stripes by bulk
     heals = [
         metric_value(proxy.metrics(), "rollwire_proxy_push_heals_total", f'replica="{r.target}"') for r in replicas
     ]
     assert heals == [0, 0, 0]
-    samples = [sampled(r.target, "striped-big", 1) for r in replicas]
+    samples = [sampled(r.target, name, 1) for r in replicas]
     assert samples[0] == samples[1] == samples[2]
 
 
@@ -1107,6 +1115,9 @@ def test_the_blocking_client_sends_its_bytes_by_the_path_it_asks_for(bulk, repli
     with Client(target) as client:
         result = client.push_adapter(name, 1, adapter.payload, adapter.shape, fp, bulk=bulk)
     assert (result.name, result.version, result.already_loaded) == (name, 1, False)
+    # with bulk the SDK left the sha256 to the replica, which named it from the bytes it verified
+    assert result.sha256 == hashlib.sha256(adapter.payload).hexdigest()
+    assert [dict(a.digests) for a in status(target).adapters if a.name == name] == [{1: result.sha256}]
     pushed = [e["path"] for e in log_events(replicas[0].log_path, "adapter_pushed") if e["adapter"] == name]
     assert pushed == ["bulk" if bulk else "grpc"]  # a push straight to a replica: no staging
     assert holds(target, name, 1)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import random
+from dataclasses import replace
 
 import pytest
 from blake3 import blake3
@@ -137,3 +138,82 @@ def test_a_closed_digest_drops_what_its_sha256_has_not_hashed():
     d.close()
     d.wait()  # returns: nothing queued is left to hash
     assert d._beside is not None and d._beside._shutdown
+
+
+# -- a sha256 left to the receiver (issue 36: the first byte after the BLAKE3 alone) -----------
+@pytest.mark.parametrize("stage_only", [False, True])
+async def test_a_receiver_that_keeps_the_bytes_names_the_sha256_a_manifest_left_to_it(stage_only):
+    """The first receiver (a proxy, a replica pushed to directly) computes the sha256 of the bytes
+    the BLAKE3 verified and writes it into the manifest it holds; a relay's stage computes none
+    (its commit names it) and the manifest keeps its empty sha256."""
+    manifest = manifest_for(PAYLOAD, sha256="", blake3=B3)
+    messages = [writer_opening(manifest, stage_only), *list(push_messages(manifest, PAYLOAD, 50_000))[1:]]
+    reader = PushReader(streamed(messages), 5, "test")
+    try:
+        await reader.open()
+        async for _ in reader.chunks():
+            pass
+        assert bytes(await reader.finish()) == PAYLOAD
+    finally:
+        reader.close()
+    assert reader.manifest is not None
+    assert reader.manifest.sha256 == ("" if stage_only else hashlib.sha256(PAYLOAD).hexdigest())
+
+
+async def test_bytes_a_wrong_blake3_refuses_get_no_sha256_named():
+    manifest = manifest_for(PAYLOAD, sha256="", blake3=OTHER)
+    with pytest.raises(InvalidArgument) as err:
+        await received(manifest)
+    assert err.value.reason == "DIGEST_MISMATCH" and "payload blake3 is" in err.value.message
+    assert manifest.sha256 == ""  # the reader's copy was never named either: checked before
+
+
+def writer_opening(manifest, stage_only: bool):
+    from rollwire.common.writer import opening
+
+    return opening(manifest, stage_only=stage_only)
+
+
+def test_only_an_unsigned_manifest_with_a_blake3_may_leave_its_sha256_empty():
+    """Every combination of sha256 (right, empty, malformed), BLAKE3 (right, empty, malformed) and
+    signer (none, one): the rule, stated independently, against check_manifest."""
+    for sha in (SHA, "", "AB" * 32, "ab" * 31):
+        for b3 in (B3, "", "zz" * 32):
+            for signer in ("", "learner"):
+                m = manifest_from_pb(manifest_for(PAYLOAD, sha256=sha, blake3=b3))
+                m = replace(m, signer=signer)
+                hex64 = {SHA, B3}
+                ok = (b3 == "" or b3 in hex64) and (sha in hex64 or (sha == "" and b3 in hex64 and not signer))
+                if ok:
+                    check_manifest(m, fingerprint="fp", max_bytes=1 << 30)
+                    continue
+                with pytest.raises(InvalidArgument) as err:
+                    check_manifest(m, fingerprint="fp", max_bytes=1 << 30)
+                assert err.value.reason == "BAD_DIGEST", (sha, b3, signer)
+
+
+def test_the_version_rule_knows_a_held_version_by_its_blake3_when_the_sha256_was_left_out():
+    from rollwire.common.errors import FailedPrecondition
+    from rollwire.common.manifest import check_push_version
+
+    deferred = manifest_for(PAYLOAD, sha256="", blake3=B3)
+    assert check_push_version(deferred, 1, SHA, "replica", held_blake3=B3)  # the same bytes: idempotent
+    assert check_push_version(manifest_for(PAYLOAD, blake3=B3), 1, SHA, "replica", held_blake3="")
+    for held_b3, hint in ((OTHER, False), ("", True)):  # other bytes, or a version held without a BLAKE3
+        with pytest.raises(FailedPrecondition) as err:
+            check_push_version(deferred, 1, SHA, "proxy", held_blake3=held_b3)
+        assert err.value.reason == "VERSION_CONFLICT"
+        assert ("name the sha256" in err.value.message) is hint
+    assert not check_push_version(deferred, 0, None, "replica")  # a new version
+
+
+def test_the_sdk_leaves_the_sha256_out_only_unsigned_and_its_blake3_is_the_whole_payloads():
+    from rollwire.common.errors import RequestError
+
+    shape = LoraShape(2, 4.0, ("q_proj",))
+    m = build_manifest("pol", 1, PAYLOAD, shape, "fp", sha256_by_receiver=True)
+    assert (m.sha256, m.blake3) == ("", B3)
+    big = random.Random(5).randbytes(9 << 20)  # past PARALLEL_BYTES: BLAKE3 on every core
+    assert build_manifest("pol", 1, big, shape, "fp", sha256_by_receiver=True).blake3 == blake3(big).hexdigest()
+    with pytest.raises(RequestError):
+        build_manifest("pol", 1, PAYLOAD, shape, "fp", SigningKey.generate("k"), sha256_by_receiver=True)

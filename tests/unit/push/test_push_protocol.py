@@ -302,6 +302,32 @@ async def test_a_staged_version_is_served_only_after_its_commit():
     assert (await reg.push(m_of(2, "c" * 64), b"y")).loaded_versions == [1, 2] and engine.loads == loads
 
 
+async def test_a_version_staged_by_its_blake3_is_committed_under_the_sha256_its_commit_names():
+    """A relay's stage of a manifest that left its sha256 to the proxy: staged under its BLAKE3;
+    a commit naming another BLAKE3, or only a sha256, finds nothing staged; the one naming its
+    BLAKE3 serves it with the commit's sha256, which GetStatus then reports and a later push of
+    the same version (sha256 or BLAKE3) finds held."""
+    engine = FakeEngine()
+    reg = AdapterRegistry(engine.load, engine.unload, window=2)
+    sha, b3 = "a" * 64, "b" * 64
+    deferred = Manifest("pol", 1, "fp", LORA, 1, "", blake3=b3)
+    assert (await reg.stage(deferred, b"x")).staged
+    assert (await reg.stage(deferred, b"x")).staged and engine.loads == 1  # the same stage again: loaded once
+    for wrong in ((sha, "c" * 64), (sha, ""), (b3, "")):
+        with pytest.raises(FailedPrecondition) as info:
+            await reg.commit("pol", 1, *wrong)
+        assert info.value.reason == "NOT_STAGED"
+    done = await reg.commit("pol", 1, sha, b3)
+    assert (done.already_loaded, done.loaded_versions, reg.staged()) == (False, [1], {})
+    assert reg.digests() == {"pol": {1: sha}}
+    assert (await reg.commit("pol", 1, sha, b3)).already_loaded
+    assert (await reg.push(Manifest("pol", 1, "fp", LORA, 1, sha), b"x")).already_loaded
+    assert (await reg.push(deferred, b"x")).already_loaded  # known by its BLAKE3 beside the sha256
+    with pytest.raises(FailedPrecondition) as info:
+        await reg.push(Manifest("pol", 1, "fp", LORA, 1, "", blake3="d" * 64), b"z")
+    assert info.value.reason == "VERSION_CONFLICT"
+
+
 async def test_a_staged_version_expires_and_a_newer_stage_replaces_it():
     engine = FakeEngine()
     reg = AdapterRegistry(engine.load, engine.unload, window=2, stage_timeout_s=0.1)

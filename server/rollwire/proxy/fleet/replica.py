@@ -198,8 +198,11 @@ class Replica:
         return await self._adapter_call(self.bulk.PushAdapter, messages, timeout, request_id)
 
     async def commit(self, manifest: pb.AdapterManifest, timeout: float, request_id: str) -> ReplicaCall:
-        """Serve a version this replica staged (CommitAdapter with the version's digest)."""
-        request = pb.CommitAdapterRequest(name=manifest.name, version=manifest.version, sha256=manifest.sha256)
+        """Serve a version this replica staged (CommitAdapter with the version's digests: a replica
+        staged it under its BLAKE3 when its client left the sha256 to the proxy)."""
+        request = pb.CommitAdapterRequest(
+            name=manifest.name, version=manifest.version, sha256=manifest.sha256, blake3=manifest.blake3
+        )
         return await self._adapter_call(self.generator.CommitAdapter, request, timeout, request_id)
 
     async def _adapter_call(self, rpc: Any, request: Any, timeout: float, request_id: str) -> ReplicaCall:

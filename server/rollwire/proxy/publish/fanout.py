@@ -160,7 +160,8 @@ class FanOut:
         self._tasks.add(task)
         task.add_done_callback(self._finished)
         if answer == "spooled" and await self._spooled_first(pub, task, spooled):
-            return pb.PushAdapterResponse(name=pub.manifest.name, version=pub.manifest.version)
+            m = pub.manifest  # its sha256 named by now, when the client left it to the proxy
+            return pb.PushAdapterResponse(name=m.name, version=m.version, sha256=m.sha256)
         return await asyncio.shield(task)
 
     def _reader(self, messages: AsyncIterator[pb.PushAdapterRequest]) -> PushReader:

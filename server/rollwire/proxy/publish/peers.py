@@ -389,7 +389,9 @@ class Peers:
             m = first.manifest
             if self.spool.check_version(m):  # held with this digest: the payload need not travel
                 self._hold(m.name, m.version)
-                return pb.PushAdapterResponse(name=m.name, version=m.version, already_loaded=True)
+                held = self.spool.get(m.name, m.version)
+                digest = held.manifest.sha256 if held is not None else m.sha256
+                return pb.PushAdapterResponse(name=m.name, version=m.version, already_loaded=True, sha256=digest)
             upload = self.spool.admit(m, self.replicas.fingerprint or None)
             async for _ in reader.chunks(store=upload.path):
                 pass
@@ -407,7 +409,9 @@ class Peers:
         for replica in self.replicas.all():
             if not replica.synced:
                 replica.wake.set()  # a replica catching up may use it now
-        return pb.PushAdapterResponse(name=adapter.name, version=adapter.version, already_loaded=not created)
+        return pb.PushAdapterResponse(
+            name=adapter.name, version=adapter.version, already_loaded=not created, sha256=adapter.manifest.sha256
+        )
 
     # -- "latest" never goes backwards across proxies ---------------------------------------
     def _hold(self, name: str, version: int) -> None:

@@ -90,6 +90,7 @@ def publication_reply(
         already_loaded=all(reply.already_loaded for reply in accepted),
         loaded_versions=sorted(loaded),
         replicas=per_replica,
+        sha256=adapter.manifest.sha256,
     )
 
 
