@@ -816,6 +816,39 @@ def bulk_push(d: dict) -> str:
     return "\n\n".join(p for p in parts if p)
 
 
+def netlab_bulk(d: dict) -> str:
+    """bench/push_netlab.py's run over both paths (issue 36): each mode's push until every
+    replica serves, against the link time of one copy (the issue's rate is its inverse)."""
+    link, modes = d["link_time_s"], d["modes"]
+    counts = sorted({int(n) for mode in modes.values() for n in mode["push_s"]})
+
+    def cell(mode: str, n: int) -> str:
+        p = modes[mode]["push_s"][str(n)]
+        return f"{s(p, unit=' s')}: {p['median'] / link:.2f}x the link, **{link / p['median']:.2f}x the rate**"
+
+    def cpu(mode: str, n: int) -> str:
+        runs = [r for r in d["runs"] if r["mode"] == mode and r["n"] == n]
+        proxy, replicas = [r["proxy_cpu_s"] for r in runs], [r["replicas_cpu_s"] for r in runs]
+        return f"{min(proxy):.2f}–{max(proxy):.2f} / {min(replicas):.2f}–{max(replicas):.2f}"
+
+    order = [m for m in ("striped", "striped+bulk", "relay", "relay+bulk") if m in modes]
+    header = ["replicas", *order, "proxy / replicas CPU s, striped+bulk"]
+    rows = [
+        [str(n), *(cell(m, n) for m in order), cpu("striped+bulk", n) if "striped+bulk" in modes else "–"]
+        for n in counts
+    ]
+    load = d.get("load_avg_1m", {})
+    return "\n\n".join(
+        [
+            provenance(d)
+            + f" {d['payload_bytes'] / 1e6:.1f} MB (rank {d['rank']}), every link {d['rate_mbit']:g} Mbit/s: one copy "
+            f"takes {link:.2f} s; median (min–max) of {d['repeats']} alternating repeats; load average "
+            f"{load.get('before', 0):.1f} before, {load.get('after', 0):.1f} after.",
+            table(header, rows),
+        ]
+    )
+
+
 def _bulk_tls_floor(t: dict | None, checks: dict) -> str:
     """What a TLS relay must spend per GiB at least: decrypt what it receives, encrypt what it
     sends on, verify the BLAKE3 (bench/bulk_push.py's `tls_alone`, `checks_alone`)."""
@@ -851,20 +884,24 @@ def _bulk_tls_floor(t: dict | None, checks: dict) -> str:
 
 def _bulk_floor(plain: dict, checks: dict, cores: int) -> str:
     """What the whole push must cost on this machine's cores, however lean each stage: the raw
-    copy's own CPU, plus the digests the contract asks for (the pusher's and the proxy's sha256 and
-    BLAKE3, each replica's BLAKE3) and the finiteness scan on every receiving hop."""
+    copy's own CPU, plus the digests the contract asks for (the pusher's BLAKE3, and its sha256
+    where it names it; the proxy's sha256 and BLAKE3; each replica's BLAKE3) and the finiteness
+    scan on every receiving hop."""
     if "tcp_chain_cpu_s_per_GiB" not in plain:
         return ""
     c = {k.removesuffix("_cpu_s_per_GiB"): v for k, v in checks.items()}
     copy = plain["tcp_chain_cpu_s_per_GiB"]
-    digests = 2 * (c["sha256"] + c["blake3"]) + 2 * c["blake3"]
+    names_sha256 = plain.get("bulk_pusher_digests") != "blake3"  # runs before 12-07 04:00 named it
+    pusher = c["blake3"] + (c["sha256"] if names_sha256 else 0)
+    digests = pusher + c["sha256"] + c["blake3"] + 2 * c["blake3"]
     floor = (copy + digests + 3 * c["checks"]) / cores
     gib = plain["payload_bytes"] / 2**30
     raw = plain["tcp_chain_s"]["median"] / gib
     return (
         f"The floor on this machine, where the pusher, the proxy and both replicas share {cores} cores: the raw "
         f"copy itself used {copy:.2f} CPU s per GiB (all hops), the digests the contract asks for add {digests:.2f} "
-        f"(sha256 and BLAKE3 at the pusher and at the proxy, BLAKE3 at each replica) and the finiteness scans "
+        f"({'sha256 and BLAKE3' if names_sha256 else 'the BLAKE3'} at the pusher, sha256 and BLAKE3 at the proxy, "
+        "BLAKE3 at each replica) and the finiteness scans "
         f"{3 * c['checks']:.2f}; over {cores} cores that is {floor:.2f} s per GiB at the very least, "
         f"**{floor / raw:.2f}x** the raw copy's {raw:.2f} s per GiB, before any control-plane work."
     )
@@ -907,6 +944,7 @@ SECTIONS = {
     "resume_vs_restart": resume_vs_restart,
     "tenant_fairness": tenant_fairness,
     "bulk_push": bulk_push,
+    "push_netlab_2000mbit_bulk_r128": netlab_bulk,
     "multi_adapter": multi_adapter,
 }
 
