@@ -20,7 +20,7 @@ from rollwire.common.reasons import Reason
 from rollwire.generator.config import GeneratorConfig
 from rollwire.generator.engines.base import Engine
 from rollwire.generator.types import MAX_TEMPERATURE, MIN_TEMPERATURE, GroupRequest, SamplingParams
-from rollwire.serving.config import PROMPT_BYTES_PER_TOKEN  # checked before tokenizing
+from rollwire.serving.sizes import check_group_key, check_prompt_size  # before tokenizing
 from rollwire.v1 import generator_pb2 as pb
 
 MAX_STREAM_INTERVAL = 4096
@@ -28,7 +28,6 @@ MAX_STREAM_INTERVAL = 4096
 # Generate's bounds on client strings (docs/protocol.md lists them with the Limits section):
 INLINE_TOKENIZE_CHARS = 2048  # longer texts are tokenized on a worker thread, not the event loop
 MAX_STOP_CHARS = 64  # longest stop string
-MAX_GROUP_KEY_CHARS = 1024  # longest group_key (the replica ignores it; the proxy hashes it)
 
 
 class RequestConverter:
@@ -47,12 +46,7 @@ class RequestConverter:
         params = self._sampling(req.sampling, req.n)
         if req.adapter.name:
             check_name(req.adapter.name)
-        if len(req.group_key) > MAX_GROUP_KEY_CHARS:
-            raise InvalidArgument(
-                f"group_key has {len(req.group_key)} characters; use at most {MAX_GROUP_KEY_CHARS} "
-                "(a hash of a long key routes the same)",
-                reason=Reason.BAD_GROUP_KEY,
-            )
+        check_group_key(req)
         resume = self._resume(req, params.max_new_tokens)  # bounded by n x max_new_tokens: before tokenizing
         prompt = await self._prompt(req)
         if len(prompt) + params.max_new_tokens > self.engine.max_context:
@@ -125,28 +119,17 @@ class RequestConverter:
         """The prompt's token ids; sizes are checked before any scan or tokenizing."""
         lim = self.config.limits
         kind = req.WhichOneof("prompt")
+        # a text's bound: the tokens it may become here (a longer prompt is refused anyway)
+        check_prompt_size(
+            req, min(lim.max_prompt_tokens, self.engine.max_context) if kind == "text" else lim.max_prompt_tokens
+        )
         if kind == "text":
             text = req.text
-            tokens = min(lim.max_prompt_tokens, self.engine.max_context)  # a longer prompt is refused anyway
-            cap = tokens * PROMPT_BYTES_PER_TOKEN
-            # chars <= UTF-8 bytes <= 4 * chars: the length alone settles most texts, no encode needed
-            if len(text) > cap or (4 * len(text) > cap and len(text.encode()) > cap):
-                raise InvalidArgument(
-                    f"the prompt text is longer than {cap} bytes ({PROMPT_BYTES_PER_TOKEN} bytes for each of the "
-                    f"{tokens} tokens a prompt may have here); shorten it, or send token_ids",
-                    reason=Reason.PROMPT_TOO_LONG,
-                )
             if len(text) > INLINE_TOKENIZE_CHARS:
                 prompt = await asyncio.to_thread(self.engine.tokenize, text)
             else:
                 prompt = self.engine.tokenize(text) if text else []
         elif kind == "token_ids":
-            if len(req.token_ids.ids) > lim.max_prompt_tokens:
-                raise InvalidArgument(
-                    f"the prompt has {len(req.token_ids.ids)} tokens; this replica accepts at most "
-                    f"{lim.max_prompt_tokens}",
-                    reason=Reason.PROMPT_TOO_LONG,
-                )
             prompt = list(req.token_ids.ids)
             bad = [t for t in prompt if not 0 <= t < self.engine.vocab_size]
             if bad:

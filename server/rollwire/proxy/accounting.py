@@ -9,7 +9,8 @@ Invariants:
 - the client caused an end when a replica's refusal was relayed (PassThrough, or the HTTP
   door's rewording of one, which says `relayed`), when the
   proxy refused it for how the client behaves (`CLIENT_BEHAVIOUR`: per-client limits, slow
-  reading), or when the HTTP door refused it at its edge, before the core saw it, with a
+  reading) or by a replica's own rule applied before forwarding (`REQUEST_RULES`: a prompt or
+  group key no replica would take), or when the HTTP door refused it at its edge, before the core saw it, with a
   code a request can cause (`CLIENT_CAUSED`: the refusals a replica would relay to a gRPC
   caller: a malformed body, an unknown field, a model no adapter can be named);
 - a request that ends by cancellation counts as CANCELLED; one that fails unexpectedly
@@ -25,7 +26,7 @@ from typing import TYPE_CHECKING
 import grpc
 
 from rollwire.common.errors import RollwireError
-from rollwire.common.retries import CLIENT_BEHAVIOUR, CLIENT_CAUSED
+from rollwire.common.retries import CLIENT_BEHAVIOUR, CLIENT_CAUSED, REQUEST_RULES
 from rollwire.proxy.routing.passthrough import PassThrough
 from rollwire.proxy.tenants import FLEET
 
@@ -41,7 +42,8 @@ def outcome(exc: BaseException | None, edge: bool = False) -> tuple[grpc.StatusC
         return exc.code, True
     if isinstance(exc, RollwireError):
         relayed = getattr(exc, "relayed", False)  # a replica's refusal, reworded by the HTTP door
-        return exc.code, relayed or exc.reason in CLIENT_BEHAVIOUR or (edge and exc.code in CLIENT_CAUSED)
+        own = exc.reason in CLIENT_BEHAVIOUR or exc.reason in REQUEST_RULES
+        return exc.code, relayed or own or (edge and exc.code in CLIENT_CAUSED)
     if isinstance(exc, (asyncio.CancelledError, GeneratorExit)):
         return grpc.StatusCode.CANCELLED, False
     return grpc.StatusCode.UNKNOWN, False

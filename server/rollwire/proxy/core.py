@@ -35,6 +35,7 @@ from rollwire.proxy.tenants import FLEET, Scope
 from rollwire.runtime.security import ADMIN, GENERATE, TokenAuth
 from rollwire.serving import __version__
 from rollwire.serving.sessions import SessionStore
+from rollwire.serving.sizes import check_group_key, check_prompt_size
 from rollwire.v1 import generator_pb2 as pb
 
 if TYPE_CHECKING:
@@ -110,6 +111,7 @@ class ProxyCore:
         limits (routing/dispatch.py), "latest" settled with peer proxies, run by routing/failover.py. Raises
         RollwireError or PassThrough; closing the iterator frees the client's slot and the lease.
         The tokens it streams count towards `tenant` (a label: tenants.FLEET or a configured tenant)."""
+        self._check_sizes(request)
         if self.state.peers is not None and request.adapter.name and not request.adapter.version:
             await self.state.peers.settled(request.adapter.name, max(0.0, deadline - time.monotonic()))
         work = max(1, request.n) * max(1, request.sampling.max_new_tokens)
@@ -131,6 +133,17 @@ class ProxyCore:
                     if message.tokens:
                         tokens.inc(sum(len(chunk.token_ids) for chunk in message.tokens))
                     yield message
+
+    def _check_sizes(self, request: pb.GenerateRequest) -> None:
+        """A request no routable replica would take for its size is refused here, before it is
+        keyed, copied, coalesced or sent: the replicas' own rules (serving.sizes), the prompt's at
+        the largest limit among them, so nothing one of them would serve is refused. Forwarded, a
+        7 MiB text cost this event loop ~50 ms a request (keyed, serialised again for the replica)."""
+        check_group_key(request)
+        limits = self.state.replicas.fleet_limits()
+        if limits:
+            largest = max(x.max_prompt_tokens for x in limits)
+            check_prompt_size(request, largest, "any replica of this fleet")
 
     async def score(
         self, request: pb.ScoreRequest, rid: str, client: str, deadline: float, tenant: str = FLEET

@@ -16,7 +16,8 @@ from rollwire.serving.sessions import SessionSection
 
 PROMPT_BYTES_PER_TOKEN = 32
 """A text prompt may have this many UTF-8 bytes per token a prompt may have, checked before any tokenizing: by a
-replica for a text prompt, by the proxy's HTTP door for a chat's messages before it renders them."""
+replica and by the proxy for a text prompt (serving.sizes), by the proxy's HTTP door for a chat's messages before it
+renders them."""
 
 
 def port_field(default: int, what: str) -> Any:

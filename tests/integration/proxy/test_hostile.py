@@ -26,7 +26,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from support.bystanders import Bystanders, calm_run, unharmed
-from support.processes import routable, start_proxy, stop_all, wait_routable
+from support.learner import log_events
+from support.processes import routable, start_proxy, stop_all, wait_routable, wait_until
 from support.wire import fingerprint, make_adapter, push_messages, request, run_group
 
 from rollwire.common.errors import from_rpc_error
@@ -198,6 +199,41 @@ def test_hostile_generate_is_refused_alone(fleet, background, stub, case):
         assert reason, f"{case}: refused with {code.name} but no ErrorInfo reason a program can act on"
         assert seconds < REFUSE_WITHIN_S, f"{case}: refused after {seconds:.2f}s"
     assert probe < PROBE_WITHIN_S, f"{case}: a small request beside it took {probe:.2f}s"
+
+
+SIZE_CASES = {
+    "7 MiB text prompt": "PROMPT_TOO_LONG",
+    "a million token ids": "PROMPT_TOO_LONG",
+    "1 MiB group key": "BAD_GROUP_KEY",
+}
+
+
+@pytest.mark.parametrize("case", sorted(SIZE_CASES))
+def test_a_request_no_replica_would_take_for_its_size_is_refused_by_the_proxy_itself(fleet, stub, case):
+    """Limits before work: the proxy applies the replicas' own size rules (serving.sizes), the
+    prompt's at the largest limit among them, so such a request is never keyed, copied or sent
+    on: its log shows its own refusal (`generate_failed` with the reason), and no replica's
+    refusal of it passed through (`generate_refused_by_replica`)."""
+    proxy, _ = fleet
+    reason = SIZE_CASES[case]
+
+    def events(event: str) -> list[dict]:
+        return log_events(proxy.log_path.read_text(errors="replace"), event)
+
+    def own() -> int:
+        return sum(e.get("reason") == reason for e in events("generate_failed"))
+
+    def passed() -> int:
+        return sum(
+            ("group_key" if reason == "BAD_GROUP_KEY" else "prompt") in e.get("error", "")
+            for e in events("generate_refused_by_replica")
+        )
+
+    before = own(), passed()
+    code, got, _ = outcome(lambda: list(stub.Generate(GENERATE_CASES[case], timeout=20)))
+    assert (code, got) == (grpc.StatusCode.INVALID_ARGUMENT, reason)
+    wait_until(lambda: own() == before[0] + 1, 10, "the proxy logged its own refusal")
+    assert passed() == before[1]
 
 
 # -- hostile metadata ----------------------------------------------------------------------

@@ -87,3 +87,37 @@ async def test_what_the_engine_cannot_honour_is_a_failed_precondition(convert, r
     with pytest.raises(FailedPrecondition, match="scripted") as refused:
         await convert.group(req, "r")
     assert refused.value.reason == reason
+
+
+def test_the_prompt_size_rule_counts_utf8_bytes_and_ids_exactly_at_the_limit():
+    """serving.sizes, the one rule of the replica and the proxy: generated texts of 1- to 4-byte
+    characters on both sides of the cap, and id lists on both sides of the limit, against an
+    independent count."""
+    import random
+
+    from rollwire.serving.config import PROMPT_BYTES_PER_TOKEN
+    from rollwire.serving.sizes import check_prompt_size
+
+    rng = random.Random(7)
+    alphabet = ["a", "é", "€", "😀"]  # 1, 2, 3 and 4 UTF-8 bytes
+    for tokens in (1, 2, 3, 17):
+        cap = tokens * PROMPT_BYTES_PER_TOKEN
+        for _ in range(200):
+            text = "".join(rng.choice(alphabet) for _ in range(rng.randint(0, cap + 3)))
+            over = len(text.encode()) > cap
+            try:
+                check_prompt_size(pb.GenerateRequest(text=text), tokens)
+                refused = False
+            except InvalidArgument as err:
+                assert err.reason == Reason.PROMPT_TOO_LONG and f"longer than {cap} bytes" in err.message
+                refused = True
+            assert refused == over, (tokens, len(text), len(text.encode()))
+        for n in (tokens - 1, tokens, tokens + 1):
+            req = pb.GenerateRequest()
+            req.token_ids.ids.extend([5] * n)
+            if n <= tokens:
+                check_prompt_size(req, tokens, "any replica of this fleet")
+                continue
+            with pytest.raises(InvalidArgument) as err:
+                check_prompt_size(req, tokens, "any replica of this fleet")
+            assert err.value.message == f"the prompt has {n} tokens; any replica of this fleet accepts at most {tokens}"
