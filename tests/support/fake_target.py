@@ -43,7 +43,9 @@ class FakeTarget:
         adapters = [SimpleNamespace(name=self.adapter_name, versions=list(self.versions))] if self.versions else []
         return SimpleNamespace(model_fingerprint=self.fingerprint, adapters=adapters, replicas=[])
 
-    async def push_adapter(self, name, version, payload, lora, fingerprint, *, signing_key=None):
+    async def push_adapter(
+        self, name, version, payload, lora, fingerprint, *, signing_key=None, sha256_by_receiver=False
+    ):
         if fingerprint != self.fingerprint:
             raise FailedPrecondition(f"base model {fingerprint} is not {self.fingerprint}")
         if name == self.adapter_name and self.versions and version <= self.versions[-1]:

@@ -332,6 +332,7 @@ def _add_push_adapter(commands: Any) -> None:
     base.add_argument("--base-model", metavar="DIR", help="local base model folder to fingerprint")
     base.add_argument("--base-fingerprint", metavar="FP", help="base model fingerprint, as GetStatus reports it")
     p.add_argument("--signing-key", metavar="FILE", help="sign the version with this key (`rollwire keys generate`)")
+    p.add_argument("--bulk", action="store_true", help="the bytes by the receiver's bulk endpoint where offered")
     p.add_argument("peft_dir", metavar="PEFT_DIR", help="folder written by PEFT's save_pretrained")
     p.set_defaults(func=cmd_push_adapter)
 
@@ -345,7 +346,7 @@ def cmd_push_adapter(args: argparse.Namespace) -> int:
         raise UsageError(str(exc)) from None
     with client_from_args(args) as client:
         result = client.push_adapter(
-            args.name, args.version, adapter.payload, adapter.lora, fingerprint, signing_key=key
+            args.name, args.version, adapter.payload, adapter.lora, fingerprint, signing_key=key, bulk=args.bulk
         )
     print(format_push(result))
     return 0
@@ -377,6 +378,7 @@ def format_push(result: PushResult) -> str:
     lines = [
         f"adapter {result.name} version {result.version} {state}",
         f"loaded versions: {', '.join(map(str, result.loaded_versions)) or '-'}",
+        *([f"sha256: {result.sha256}"] if result.sha256 else []),  # named by the receiver when the push left it
     ]
     if result.replicas:
         lines.append(_table(["REPLICA", "CODE", "MESSAGE"], [[r.replica, r.code, r.message] for r in result.replicas]))

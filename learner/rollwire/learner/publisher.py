@@ -14,6 +14,8 @@ in the worker (a bug, a client that breaks its contract) is fatal the same way, 
 naming it: a caller waiting for a version is woken, never left waiting.
 A payload holding a NaN or an infinity is never pushed: `publish` raises NonFiniteWeights
 (the same torch-free check the replicas and the proxy run), which stops the run.
+An unsigned version leaves its sha256 to the target (`sha256_by_receiver`): the push starts
+after the payload's BLAKE3 alone, and the target names the sha256 from the verified bytes.
 """
 
 from __future__ import annotations
@@ -154,7 +156,13 @@ class Publisher:
         while True:
             try:
                 result = await self.client.push_adapter(
-                    self.name, version, payload, self.lora, self.fingerprint, signing_key=self.signing_key
+                    self.name,
+                    version,
+                    payload,
+                    self.lora,
+                    self.fingerprint,
+                    signing_key=self.signing_key,
+                    sha256_by_receiver=self.signing_key is None,  # its BLAKE3 alone before the first byte
                 )
                 break
             except RollwireError as exc:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import json
 
 import pytest
@@ -108,6 +109,12 @@ def test_cli_push_adapter_and_status(generator, tiny_model, tmp_path):
         "generate", "--target", generator.target, "--adapter", "cli@1", "--max-new-tokens", "3", "--json", "x"
     )
     assert json.loads(proc.stdout)["samples"][0]["adapter_version"] == 1
+    # --bulk: the bytes by the bulk path where offered, and the sha256 named by the receiver and printed
+    args = ["--target", generator.target, "--name", "cli", "--base-model", str(tiny_model), "--bulk", str(peft_dir)]
+    proc = run_cli("push-adapter", "--version", "2", *args)
+    assert proc.returncode == 0, proc.stderr
+    digest = hashlib.sha256((peft_dir / "adapter_model.safetensors").read_bytes()).hexdigest()
+    assert f"sha256: {digest}" in proc.stdout.splitlines()
 
 
 def test_cli_reports_status_code_and_exits_nonzero(generator):

@@ -141,13 +141,17 @@ class FakeTarget:
     def __init__(self, failures: list[Exception] | None = None) -> None:
         self.pushed: list[int] = []
         self.signed_by: list[str | None] = []
+        self.sha256_left: list[bool] = []
         self.in_flight = 0
         self.max_in_flight = 0
         self.release = asyncio.Event()
         self.failures = list(failures or [])
 
-    async def push_adapter(self, name, version, payload, lora, fingerprint, *, signing_key=None):
+    async def push_adapter(
+        self, name, version, payload, lora, fingerprint, *, signing_key=None, sha256_by_receiver=False
+    ):
         self.signed_by.append(signing_key.key_id if signing_key is not None else None)
+        self.sha256_left.append(sha256_by_receiver)
         self.in_flight += 1
         self.max_in_flight = max(self.max_in_flight, self.in_flight)
         try:
@@ -182,6 +186,15 @@ async def test_every_version_is_pushed_signed_with_the_learners_key():
     await pub.publish(1, b"x", wait=True)
     await pub.publish(2, b"x", wait=True)
     assert target.signed_by == ["learner-key", "learner-key"]
+    assert target.sha256_left == [False, False]  # a signature covers the sha256: the learner names it
+
+
+async def test_an_unsigned_version_leaves_its_sha256_to_the_target():
+    target = FakeTarget()
+    pub = Publisher(target, "policy", "fp", {}, Signal(), 0.01)
+    target.release.set()
+    await pub.publish(1, b"x", wait=True)
+    assert (target.signed_by, target.sha256_left) == ([None], [True])
 
 
 async def test_sync_publish_waits_until_served_and_retries_unavailable():
