@@ -146,6 +146,7 @@ class AdapterRegistry:
         async with self._lock:
             if self.check_version(m, max_step):
                 return PushOutcome(m.name, m.version, True, self.loaded().get(m.name, []))
+            assert m.sha256, "a new version is served under its sha256: its receiver names one the manifest left out"
             staged = self._staged.get(m.name)
             if staged is not None and (staged.version, staged.identity) == (m.version, identity(m)):
                 return self._make_servable(m.name, self._unstage(m.name))
