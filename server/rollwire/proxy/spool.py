@@ -272,8 +272,8 @@ class Spool:
         versions = self._by_name.get(m.name, [])
         same = self.get(m.name, m.version)
         newest = versions[-1].version if versions else 0
-        held = (same.manifest.sha256, same.manifest.blake3) if same is not None else (None, "")
-        return check_push_version(m, newest, held[0], "proxy", self.max_version_step, held[1])
+        sha256, blake3 = (same.manifest.sha256, same.manifest.blake3) if same is not None else (None, "")
+        return check_push_version(m, newest, sha256, "proxy", self.max_version_step, blake3)
 
     # -- committing --------------------------------------------------------------------
     def commit(self, upload: Upload) -> tuple[SpooledAdapter, bool]:

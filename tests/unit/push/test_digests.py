@@ -20,6 +20,7 @@ from rollwire.common.errors import InvalidArgument
 from rollwire.common.lora import LoraShape
 from rollwire.common.manifest import check_manifest, manifest_from_pb
 from rollwire.common.signing import SigningKey, sign, verify
+from rollwire.common.writer import opening
 from rollwire.push.digests import Digests
 from rollwire.push.plan import relay_grant
 from rollwire.push.reader import PushReader
@@ -147,7 +148,7 @@ async def test_a_receiver_that_keeps_the_bytes_names_the_sha256_a_manifest_left_
     the BLAKE3 verified and writes it into the manifest it holds; a relay's stage computes none
     (its commit names it) and the manifest keeps its empty sha256."""
     manifest = manifest_for(PAYLOAD, sha256="", blake3=B3)
-    messages = [writer_opening(manifest, stage_only), *list(push_messages(manifest, PAYLOAD, 50_000))[1:]]
+    messages = [opening(manifest, stage_only=stage_only), *list(push_messages(manifest, PAYLOAD, 50_000))[1:]]
     reader = PushReader(streamed(messages), 5, "test")
     try:
         await reader.open()
@@ -166,12 +167,6 @@ async def test_bytes_a_wrong_blake3_refuses_get_no_sha256_named():
         await received(manifest)
     assert err.value.reason == "DIGEST_MISMATCH" and "payload blake3 is" in err.value.message
     assert manifest.sha256 == ""  # the reader's copy was never named either: checked before
-
-
-def writer_opening(manifest, stage_only: bool):
-    from rollwire.common.writer import opening
-
-    return opening(manifest, stage_only=stage_only)
 
 
 def test_only_an_unsigned_manifest_with_a_blake3_may_leave_its_sha256_empty():

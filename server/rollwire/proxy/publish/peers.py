@@ -390,8 +390,9 @@ class Peers:
             if self.spool.check_version(m):  # held with this digest: the payload need not travel
                 self._hold(m.name, m.version)
                 held = self.spool.get(m.name, m.version)
-                digest = held.manifest.sha256 if held is not None else m.sha256
-                return pb.PushAdapterResponse(name=m.name, version=m.version, already_loaded=True, sha256=digest)
+                assert held is not None  # check_version says it is spooled
+                sha256 = held.manifest.sha256  # the manifest's may be left to this proxy
+                return pb.PushAdapterResponse(name=m.name, version=m.version, already_loaded=True, sha256=sha256)
             upload = self.spool.admit(m, self.replicas.fingerprint or None)
             async for _ in reader.chunks(store=upload.path):
                 pass
