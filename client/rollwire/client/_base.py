@@ -51,6 +51,9 @@ class ClientBase:
         """Shared by every call of this client (_failover.RetryBudget)."""
         self._channels: list[Any] = []
         self._stubs: list[GeneratorServiceStub] = []
+        self._push_channels: list[Any] = []
+        """Every address's channel for pushes (open_channel's `push`), opened by the first push."""
+        self._push_stubs: list[GeneratorServiceStub] = []
         if self._open_at_init:
             self._open_channels()
 
@@ -59,11 +62,24 @@ class ClientBase:
         self._channels = [open_channel(t, self._tls, self._grpc, self._keepalive) for t in self._rotation.targets]
         self._stubs = [GeneratorServiceStub(c) for c in self._channels]
 
-    def _stub_for(self, attempts: CallAttempts) -> GeneratorServiceStub:
-        """The stub of the current attempt's address; opens the channels on first use."""
+    def _stub_for(self, attempts: CallAttempts, push: bool = False) -> GeneratorServiceStub:
+        """The stub of the current attempt's address (on its push channel for a push); opens
+        the channels on first use."""
+        if push:
+            if not self._push_stubs:
+                targets = self._rotation.targets
+                self._push_channels = [open_channel(t, self._tls, self._grpc, self._keepalive, True) for t in targets]
+                self._push_stubs = [GeneratorServiceStub(c) for c in self._push_channels]
+            return self._push_stubs[attempts.index]
         if not self._stubs:
             self._open_channels()
         return self._stubs[attempts.index]
+
+    def _take_channels(self) -> list[Any]:
+        """Every open channel, forgotten (close() closes them; a later call opens new ones)."""
+        channels = [*self._channels, *self._push_channels]
+        self._channels, self._stubs, self._push_channels, self._push_stubs = [], [], [], []
+        return channels
 
     def _attempts(self, timeout: float | None) -> CallAttempts:
         """The attempts of one call, all inside its deadline (`timeout`, or the client's)."""

@@ -3,6 +3,10 @@
 Invariants:
 - every SDK channel carries rollwire's keepalive (a silent server is noticed within its bound)
   and message limits far above any sane prompt, status or chunk;
+- pushes go on channels of their own (`push=True`): a TCP connection that only pushes fill,
+  whose ping deadline is the push one (keepalive.for_pushes), so a ping that queues behind
+  the push's bytes on a thin uplink does not end the push, and no rollout or status call
+  waits behind them;
 - a `dns:///` target is balanced round robin over every address the name resolves to;
 - the bearer token goes in the metadata of every call, never in a channel option.
 """
@@ -19,7 +23,7 @@ import grpc
 from rollwire.common.errors import RequestError
 from rollwire.common.errors import finite_number as _float
 from rollwire.common.keepalive import DEFAULT as DEFAULT_KEEPALIVE
-from rollwire.common.keepalive import Keepalive
+from rollwire.common.keepalive import Keepalive, for_pushes
 
 MAX_MESSAGE_BYTES = 256 << 20
 """Message size limit of SDK channels: far above any sane prompt, status or chunk."""
@@ -73,17 +77,25 @@ def check_target(target: str) -> str:
 
 
 def open_channel(
-    target: str, tls: TlsConfig | bool | None, api: Any = grpc, keepalive: Keepalive = DEFAULT_KEEPALIVE
+    target: str,
+    tls: TlsConfig | bool | None,
+    api: Any = grpc,
+    keepalive: Keepalive = DEFAULT_KEEPALIVE,
+    push: bool = False,
 ) -> Any:
     """A channel from `api` (the grpc module, or grpc.aio) with rollwire's options: keepalive
     (a silent server is noticed within `keepalive.bound_s`), quick reconnects, and for a
-    `dns:///` target round-robin balancing over every address the name resolves to."""
+    `dns:///` target round-robin balancing over every address the name resolves to. `push`:
+    a channel for adapter pushes, on a connection of its own with the push ping deadline."""
     check_target(target)
+    pings = keepalive.channel_options()
     options: list[tuple[str, int | str]] = [
         ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
         ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
-        *keepalive.channel_options(),
+        *(for_pushes(pings) if push else pings),
     ]
+    if push:
+        options.append(("grpc.use_local_subchannel_pool", 1))
     if target.startswith("dns:"):
         options.append(("grpc.lb_policy_name", "round_robin"))
     if tls is None or tls is False:

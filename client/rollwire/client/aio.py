@@ -102,7 +102,7 @@ class AsyncClient(ClientBase):
             build_manifest, name, version, payload, lora_config, base_model_fingerprint, signing_key, sha256_by_receiver
         )
         invoke = self._push_invoke(manifest, payload, chunk_size)
-        return push_result_from_pb(await self._unary(invoke, timeout), manifest.sha256)
+        return push_result_from_pb(await self._unary(invoke, timeout, push=True), manifest.sha256)
 
     async def push_adapter_dir(
         self,
@@ -149,8 +149,7 @@ class AsyncClient(ClientBase):
         return await self._unary(self._get_status, timeout)
 
     async def close(self) -> None:
-        channels, self._channels, self._stubs = self._channels, [], []
-        for channel in channels:
+        for channel in self._take_channels():
             await channel.close()
 
     async def __aenter__(self) -> AsyncClient:
@@ -178,10 +177,10 @@ class AsyncClient(ClientBase):
                 yield restarted
             await asyncio.sleep(delay)
 
-    async def _unary(self, invoke: Invoke, timeout: float | None) -> Any:
+    async def _unary(self, invoke: Invoke, timeout: float | None, push: bool = False) -> Any:
         attempts = self._attempts(timeout)
         while True:
-            call = invoke(self._stub_for(attempts), attempts.deadline.remaining())
+            call = invoke(self._stub_for(attempts, push), attempts.deadline.remaining())
             try:
                 reply = await call
             except grpc.RpcError as exc:

@@ -111,11 +111,11 @@ class Client(ClientBase):
         invoke = self._push_invoke(manifest, payload, chunk_size)
         if bulk and not (isinstance(self._tls, TlsConfig) and self._tls.certificate_chain):
             invoke = self._bulk_push_invoke(manifest, payload, chunk_size)
-        return push_result_from_pb(self._unary(invoke, timeout), manifest.sha256)
+        return push_result_from_pb(self._unary(invoke, timeout, push=True), manifest.sha256)
 
     def _bulk_push_invoke(self, manifest: pb.AdapterManifest, payload: bytes, chunk_size: int) -> Invoke:
         def invoke(stub: Any, remaining: float) -> Any:
-            target = self._rotation.targets[self._stubs.index(stub)]
+            target = self._rotation.targets[self._push_stubs.index(stub)]
             host = split_address(target.removeprefix("dns:///"))[0]
             tls = self._tls if isinstance(self._tls, TlsConfig) else TlsConfig() if self._tls else None
             context = None
@@ -177,7 +177,7 @@ class Client(ClientBase):
         return self._unary(self._get_status, timeout)
 
     def close(self) -> None:
-        for channel in self._channels:
+        for channel in self._take_channels():
             channel.close()
 
     def __enter__(self) -> Client:
@@ -204,11 +204,11 @@ class Client(ClientBase):
                 yield restarted
             time.sleep(delay)
 
-    def _unary(self, invoke: Invoke, timeout: float | None) -> Any:
+    def _unary(self, invoke: Invoke, timeout: float | None, push: bool = False) -> Any:
         attempts = self._attempts(timeout)
         while True:
             try:
-                reply = invoke(self._stub_for(attempts), attempts.deadline.remaining())
+                reply = invoke(self._stub_for(attempts, push), attempts.deadline.remaining())
             except grpc.RpcError as exc:
                 error = from_rpc_error(exc)
             else:

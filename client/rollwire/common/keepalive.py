@@ -7,16 +7,22 @@ host) sends no FIN or RST, so without keepalive a stream waits for TCP's own tim
 receiving anything, and closes the connection when the ping is not answered within
 `timeout_s`: every call on it then ends with UNAVAILABLE ("ping timeout"). So:
 
-    a silent peer is detected at most `time_s + timeout_s` after the last byte it sent
-    (`Keepalive.bound_s`, 10 s by default).
+    a client notices a silent server at most `time_s + timeout_s` after the last byte it
+    sent (`Keepalive.bound_s`, 10 s by default);
+
+and a server a silent client within `time_s + BULK_PING_TIMEOUT_S`: a server waits longer for
+an answer, because on a push its client's answer queues behind the push bytes (see
+`Keepalive.server_options`), and it is the client that moves work elsewhere.
 
 Why these numbers: the bound must be well inside the deadlines it protects — the SDK's
 default call deadline is 60 s and the learner's 120 s, so a client cut off from a proxy
 learns it with most of its deadline left to try another proxy; the proxy's own health checks
 (interval 1 s, timeout 2 s, 2 failures) take a hung replica out of rotation in ~5 s, and
 keepalive ends its open streams within the same order of time. A ping is 17 bytes, so a 5 s
-period costs nothing measurable even with thousands of connections. Pings only go out when
-nothing was received for `time_s`: a stream that carries tokens never pings.
+period costs nothing measurable even with thousands of connections. Keepalive pings only go
+out when nothing was received for `time_s`: a stream that carries tokens never pings for
+keepalive. (A receiver of data sends gRPC's flow-control probe pings, timed by the same
+deadline: hence the longer one of push connections and servers.)
 
 Invariants:
 - a server accepts pings as often as every `MIN_PING_INTERVAL_S`, with or without calls, and
@@ -105,9 +111,17 @@ class Keepalive:
 
     def server_options(self) -> list[tuple[str, int]]:
         """Options of a server: it pings its clients like a channel does (a learner or proxy that
-        vanished frees its streams and their replica work), and accepts their pings."""
+        vanished frees its streams and their replica work), waiting `BULK_PING_TIMEOUT_S` at
+        least for an answer, and accepts their pings. Why the longer wait: a server pings a
+        client that is sending it data too (gRPC's flow-control probe), and on a push that
+        client's answer queues behind the push bytes already in its socket buffers; a server
+        cannot tell push connections from others, so all of them get the push deadline. With
+        `timeout_s` a 1 Mbit/s uplink lost every gRPC push after 5.8 s (GOAWAY ping_timeout,
+        measured). A client still notices a silent server within `bound_s`: that is the side
+        that restarts the work elsewhere; a server's own wait only frees what a vanished client
+        left behind, now within `time_s + BULK_PING_TIMEOUT_S`."""
         return [
-            *self._ping_options(),
+            *for_pushes(self._ping_options()),
             ("grpc.http2.min_ping_interval_without_data_ms", _ms(MIN_PING_INTERVAL_S)),
             ("grpc.http2.max_ping_strikes", MAX_PING_STRIKES),
         ]

@@ -31,6 +31,9 @@ def test_the_numbers_agree_and_are_checked():
     assert channel["grpc.http2.ping_timeout_ms"] == channel["grpc.keepalive_timeout_ms"] == 5000
     assert channel["grpc.http2.max_pings_without_data"] == 0 and channel["grpc.keepalive_permit_without_calls"] == 1
     assert server["grpc.http2.min_ping_interval_without_data_ms"] <= 1000 * MIN_PING_INTERVAL_S
+    # a server pings as often as a channel, and waits for the answer as long as a push connection
+    assert server["grpc.keepalive_time_ms"] == channel["grpc.keepalive_time_ms"] == 5000
+    assert server["grpc.http2.ping_timeout_ms"] == server["grpc.keepalive_timeout_ms"] == BULK_PING_TIMEOUT_S * 1000
     assert server["grpc.keepalive_permit_without_calls"] == 1
     assert channel["grpc.min_reconnect_backoff_ms"] == 5000  # gRPC's connect timeout, despite the name
     for bad in (dict(time_s=0.5), dict(timeout_s=0.0), dict(time_s=7200)):

@@ -205,6 +205,32 @@ def test_a_client_cut_off_from_the_proxy_fails_within_its_deadline_naming_the_pr
         assert client.generate("back: ", adapter=NAME, max_new_tokens=4, timeout=30).adapter.version == 3
 
 
+def test_a_push_over_a_thin_uplink_outlasts_both_ends_ping_deadlines(lab, fleet, tiny_model):
+    """The client's uplink at 4 Mbit/s, every process pinging after 1 s with a 1 s deadline:
+    a 1.3 MB push takes ~2.7 s, and the bytes it queues in the client's socket buffers (over
+    a second of the link) delay the answer to any ping on its connection: the client's own
+    keepalive ping and the receiver's flow-control probe alike. Both ends give a push
+    connection the push deadline (keepalive.for_pushes: the SDK's push channel,
+    Keepalive.server_options), so the push is served, through the proxy and straight to a
+    replica. (Before, either end closed it: UNAVAILABLE "ping timeout".)"""
+    hosts, proxy = fleet
+    adapter = make_adapter(tiny_model, seed=96, r=64)
+    fp = status(f"{hosts['r1'].ip}:50051").model_fingerprint
+    rate = lab.outside.link.rate_mbit
+    lab.outside.set_rate(4)
+    try:
+        for target, name in ((proxy, "part-thin"), (f"{hosts['r1'].ip}:50051", "part-thin-direct")):
+            with Client(target, timeout=60, keepalive=FAST, max_attempts=1) as client:
+                begun = time.monotonic()
+                reply = client.push_adapter(name, 1, adapter.payload, adapter.shape, fp, chunk_size=64 << 10)
+                took = time.monotonic() - begun
+            assert reply.version == 1 and took > 2 * FAST.timeout_s, took  # the link, not a retry, set the time
+            print(f"{name}: {len(adapter.payload) / 1e6:.1f} MB over 4 Mbit/s in {took:.2f}s")
+    finally:
+        lab.outside.set_rate(rate)
+    assert 1 in held(hosts["r1"].ip, "part-thin") and 1 in held(hosts["r1"].ip, "part-thin-direct")
+
+
 RELAY_SHAPES = {"chain": ("pr", "part-relay", "push.fanout=1"), "striped": ("pt", "part-striped", "push.stripes=2")}
 """How the relay proxy relays, its host, and the adapter name it pushes under."""
 
