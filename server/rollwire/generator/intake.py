@@ -11,7 +11,8 @@ Invariants:
   (common.signing: checked at the opening, before a chunk is read or forwarded);
 - a push takes a slot (`PushSlots`, limits.max_concurrent_pushes) before its manifest is
   judged, and gives it back on every exit; a stripe of a version being assembled shares the
-  assembly's slot;
+  assembly's slot; what its opening asks of this replica alone (caller, grant, loop, relay
+  plan's shape) is refused before it takes one, so a busy replica answers it the same;
 - the reply carries this replica's outcome and its subtree's (in `replicas`, or beside the
   refusal's ErrorInfo), whatever happened here;
 - a replica relays only when relay.enabled, only to nodes its proxy granted (auth on), never
@@ -44,7 +45,7 @@ from rollwire.push.bulk import BulkDial, BulkListener
 from rollwire.push.channels import ChannelPool
 from rollwire.push.checks import PayloadInspector
 from rollwire.push.forward import Forwarder
-from rollwire.push.plan import grant_key, is_granted, split_plan, unplanned
+from rollwire.push.plan import Child, grant_key, is_granted, split_plan, unplanned
 from rollwire.push.reader import Opening, PushReader
 from rollwire.push.results import status_with_results
 from rollwire.runtime.hosts import is_local_ip, resolve_ips
@@ -75,6 +76,8 @@ class _Stream:
     """The assembly its stripe feeds, until its stripe is in (then what happens spoils nothing)."""
     attached: Assembly | None = None
     """The assembly this stream keeps alive while it is open."""
+    children: list[Child] = field(default_factory=list)
+    """Its relay plan's children, checked at the opening (push.plan.split_plan)."""
 
 
 class PushIntake:
@@ -114,7 +117,7 @@ class PushIntake:
         try:
             first, manifest = await self._admit(stream, context)
             if first.relay.nodes:
-                stream.forward = await self._relay(first, context, stream.role)
+                stream.forward = await self._relay(first, stream.children, context, stream.role)
             # a bulk stripe lands in its assembly's one buffer, ready before the offer
             into = await stream.assembly.ready() if stream.assembly is not None and first.bulk and self.bulk else None
             await stream.reader.agree(first, self.bulk, context.send_initial_metadata, into)
@@ -146,6 +149,8 @@ class PushIntake:
         require_stage_only(stream.role, first.stage_only)
         self._require_grant(first, stream.role)
         self._refuse_loop(context)
+        if first.relay.nodes:  # a malformed plan is refused as such, busy or not, before a slot is taken
+            stream.children = self._plan(first)
         joining = None
         if first.stripe is not None:
             check_stripe(first.stripe, stage_only=first.stage_only)
@@ -274,17 +279,24 @@ class PushIntake:
                 reason=Reason.RELAY_LOOP,
             )
 
-    async def _relay(self, first: Opening, context: grpc.aio.ServicerContext, role: str) -> Forwarder:
-        """Open a stream to each child of the plan, once every node is one the proxy granted
-        (auth on) and no child is this replica; a relay token (never an admin token) and the
-        request id travel with them, and their deadline is what is left of this push's own."""
+    def _plan(self, first: Opening) -> list[Child]:
+        """The plan's children: FAILED_PRECONDITION where this replica does not relay,
+        INVALID_ARGUMENT (BAD_RELAY_PLAN) for a malformed plan (push.plan.split_plan)."""
         relay = self.config.relay
         if not relay.enabled:
             raise FailedPrecondition(
                 "this replica does not relay pushes (relay.enabled is false); push to it without a relay plan",
                 reason=Reason.RELAY_DISABLED,
             )
-        children = split_plan(first.relay, max_children=relay.max_children)
+        return split_plan(first.relay, max_children=relay.max_children)
+
+    async def _relay(
+        self, first: Opening, children: list[Child], context: grpc.aio.ServicerContext, role: str
+    ) -> Forwarder:
+        """Open a stream to each child of the plan, once every node is one the proxy granted
+        (auth on) and no child is this replica; a relay token (never an admin token) and the
+        request id travel with them, and their deadline is what is left of this push's own."""
+        relay = self.config.relay
         await self._check_children(first, children)
         remaining = context.time_remaining()
         return Forwarder(
