@@ -17,6 +17,7 @@ import signal
 import subprocess
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import grpc
@@ -46,10 +47,11 @@ PROXY_ARGS = (
 SLACK_S = 1.5
 """Scheduling slack on two shared cores, on top of the documented bound."""
 NAME = "part"
-LONG = dict(n=4, max_new_tokens=128, ignore_eos=True, seed=5)
+LONG = dict(n=16, max_new_tokens=128, ignore_eos=True, seed=5)
 """A group that is still streaming when the test interferes at its first event: about 0.3 s of
 the tiny model here (it has 256 positions, so no longer group), so a test that must interfere
-mid-stream races its end on a loaded machine; one that need not cuts before it begins."""
+mid-stream races its end on a loaded machine (`interfere_mid_group` runs such a try again); one
+that need not cuts before it begins."""
 
 
 # -- processes inside netlab hosts ---------------------------------------------------------------
@@ -105,6 +107,33 @@ def read_group(stream, on_started) -> tuple[list, float | None]:
     return events, restarted_at
 
 
+def interfere_mid_group(
+    client: Client, prompt: str, interfere, undo, back: Callable[[str], bool], tries: int = 3
+) -> tuple[list, float | None, str, float]:
+    """A LONG group whose serving replica suffers `interfere(replica)` at the group's first
+    event: (events, when the first Restarted came, the replica, when it was interfered with).
+    The client may read that event only after the whole group reached the proxy (a loaded
+    machine): the stream then ends whole, every sample from that replica, no Restarted; such a
+    try says nothing, so it is undone (`undo`, then `back(replica)`: in rotation again) and run
+    again, `tries` at most. A proxy that missed the interference cannot end a stream that way:
+    it would wait for the rest of the group."""
+    for _ in range(tries):
+        hit: list = []
+
+        def at_start(started: Started) -> None:
+            interfere(started.replica)
+            hit.append((started.replica, time.monotonic()))
+
+        events, restarted_at = read_group(client.generate_stream(prompt, adapter=NAME, **LONG), at_start)
+        ((victim, at),) = hit
+        served = {e.replica for e in events if isinstance(e, Started)}
+        if restarted_at is not None or served != {victim}:
+            return events, restarted_at, victim, at
+        undo(victim)
+        wait_until(lambda: back(victim), 30, f"{victim} is back in rotation after a group that ended first")
+    raise AssertionError(f"in {tries} tries, every group ended before the test could interfere with it")
+
+
 @pytest.fixture(scope="module")
 def adapters(tiny_model):
     return [make_adapter(tiny_model, seed=90 + i) for i in range(3)]
@@ -142,14 +171,13 @@ def test_a_replica_cut_off_mid_stream_is_detected_and_its_group_restarted_then_i
     fp = status(f"{hosts['r1'].ip}:50051").model_fingerprint
     with Client(proxy, timeout=60, keepalive=FAST) as client:
         push(client, adapters[0], 1, fp)
-        cut: list = []
-
-        def cut_its_link(started: Started) -> None:
-            hosts[started.replica].cut()
-            cut.append((started.replica, time.monotonic()))
-
-        events, restarted_at = read_group(client.generate_stream("cut: ", adapter=NAME, **LONG), cut_its_link)
-        ((victim, cut_at),) = cut
+        events, restarted_at, victim, cut_at = interfere_mid_group(
+            client,
+            "cut: ",
+            lambda name: hosts[name].cut(),
+            lambda name: hosts[name].heal(),
+            lambda name: name in routable(proxy),
+        )
         other = {"r1": "r2", "r2": "r1"}[victim]
         try:
             assert restarted_at is not None, "the group was not restarted"
@@ -405,21 +433,26 @@ def test_a_frozen_replica_is_detected_and_after_sigcont_serves_the_newest_versio
         push(client, adapters[0], 1, fp)
         frozen: list = []
 
-        def freeze(started: Started) -> None:
-            os.kill(replicas[started.replica].proc.pid, signal.SIGSTOP)
-            frozen.append((started.replica, time.monotonic()))
+        def freeze(name: str) -> None:
+            os.kill(replicas[name].proc.pid, signal.SIGSTOP)
+            frozen.append(name)
+
+        def thaw(name: str) -> None:
+            os.kill(replicas[name].proc.pid, signal.SIGCONT)
+            frozen.remove(name)
 
         try:
-            events, restarted_at = read_group(client.generate_stream("ice: ", adapter=NAME, **LONG), freeze)
-            ((victim, frozen_at),) = frozen
+            events, restarted_at, victim, frozen_at = interfere_mid_group(
+                client, "ice: ", freeze, thaw, lambda name: name in routable(proxy.target)
+            )
             assert restarted_at is not None and restarted_at - frozen_at < FAST.bound_s + SLACK_S
             print(f"{victim} frozen: its group restarted after {restarted_at - frozen_at:.2f}s")
             assert [e for e in events if isinstance(e, Started)][-1].replica != victim
             reply = push(client, adapters[1], 2, fp)  # while it is frozen: it cannot take it
             assert {r.replica: r.code for r in reply.replicas}.get(victim) != "OK"
         finally:
-            for name, _ in frozen:
-                os.kill(replicas[name].proc.pid, signal.SIGCONT)
+            for name in list(frozen):
+                thaw(name)
         wait_until(lambda: victim in routable(proxy.target), 30, f"{victim} is back in rotation after SIGCONT")
         assert newest(replicas[victim].target) == 2
         with Client(replicas[victim].target, timeout=30) as direct:
