@@ -30,8 +30,10 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TypeVar
 
 KINDS = ("grpc", "http", "status")
 """The calls made: a gRPC group, an HTTP completion (where the proxy serves its door), a GetStatus."""
@@ -72,22 +74,51 @@ class Record:
         return ", ".join(f"{k} p99 {self.p99(k) * 1000:.0f} ms of {len(self.latencies[k])}" for k in self.kinds)
 
 
+class OverBound(AssertionError):
+    """A kind's p99 over its bound while every call was answered: the one part of `unharmed`
+    that the machine's own load can fail (`measured_twice` measures it again)."""
+
+
 def unharmed(during: Record, *calm: Record) -> None:
     """Assert the hostile case's collateral bound: 0 failed calls, and each kind's p99 within
-    FACTORS[kind] of the calm runs' (all floored at NOISE_FLOOR_S). With calm runs on both sides
-    of a long hostile run, the larger p99 is the baseline: a change in the machine's load between
-    them (the suite's other worker) is no effect of the hostile client."""
+    FACTORS[kind] of the calm runs' (all floored at NOISE_FLOOR_S; OverBound otherwise). With
+    calm runs on both sides of a long hostile run, the larger p99 is the baseline: a change in the
+    machine's load between them (the suite's other worker) is no effect of the hostile client."""
     assert calm, "no calm run to compare with"
     assert during.failures == [], during.failures[:5]
     for kind in calm[0].kinds:
         assert during.latencies.get(kind), f"no {kind} call finished beside the hostile client"
+    for kind in calm[0].kinds:
         baseline = max(c.p99(kind) for c in calm)
         bound = FACTORS[kind] * max(baseline, NOISE_FLOOR_S)
-        assert during.p99(kind) <= bound, (
-            f"{kind} p99 {during.p99(kind) * 1000:.0f} ms beside the hostile client, over {FACTORS[kind]:g}x the "
-            "calm run's "
-            f"({during.summary()}; calm: {'; '.join(c.summary() for c in calm)})"
-        )
+        if during.p99(kind) > bound:
+            raise OverBound(
+                f"{kind} p99 {during.p99(kind) * 1000:.0f} ms beside the hostile client, over {FACTORS[kind]:g}x the "
+                "calm run's "
+                f"({during.summary()}; calm: {'; '.join(c.summary() for c in calm)})"
+            )
+
+
+T = TypeVar("T")
+
+
+def measured_twice(case: Callable[[], tuple[T, Record, Record]], *calm: Record) -> T:
+    """Run a hostile case, `case()` -> (its outcome, the bystanders' record beside it, a calm
+    record right after), and check `unharmed` against that and `calm`; a case over the p99 bound
+    (OverBound: every call answered) is run and measured once more, and passes only if the second
+    measurement is within the bound. Why: on 2 cores shared with the suite's other worker, the
+    machine's load moves a p99 by more than 2x between two calm runs of the same callers (88 and
+    34 ms in one CI run), so one measurement over 2x can be the machine's; a hostile client that
+    does the harm does it in both. A failed or starved call is never measured again."""
+    try:
+        outcome, during, after = case()
+        unharmed(during, *calm, after)
+        return outcome
+    except OverBound as first:
+        print(f"\nover the bound once ({first}); measured again")
+    outcome, during, after = case()
+    unharmed(during, *calm, after)
+    return outcome
 
 
 class Bystanders:

@@ -4,7 +4,7 @@ case may harm its bystanders fails `unharmed`, checked here on records made by h
 from __future__ import annotations
 
 import pytest
-from support.bystanders import FACTORS, KINDS, NOISE_FLOOR_S, Record, unharmed
+from support.bystanders import FACTORS, KINDS, NOISE_FLOOR_S, OverBound, Record, measured_twice, unharmed
 
 
 def record(seconds: dict[str, list[float]], failures: list[str] | None = None) -> Record:
@@ -55,3 +55,26 @@ def test_with_calm_runs_on_both_sides_the_larger_p99_is_the_baseline():
         unharmed(record(steady(0.3 * FACTORS["grpc"] + 0.01)), before, after)
     with pytest.raises(AssertionError, match="no calm run"):
         unharmed(record(steady(0.1)))
+
+
+def test_a_case_over_the_p99_bound_is_measured_once_more_and_a_failed_call_never_is():
+    calm = record(steady(0.1))
+    over, within = record(steady(0.1 * FACTORS["grpc"] + 0.05)), record(steady(0.1))
+    runs: list[int] = []
+
+    def case(*records: Record):
+        def run():
+            runs.append(len(runs))
+            return len(runs), records[len(runs) - 1], calm
+
+        return run
+
+    assert measured_twice(case(over, within), calm) == 2 and len(runs) == 2  # the second measurement decides
+    runs.clear()
+    with pytest.raises(OverBound, match="p99"):
+        measured_twice(case(over, over), calm)
+    assert len(runs) == 2
+    runs.clear()
+    with pytest.raises(AssertionError, match="UNAVAILABLE") as failed:
+        measured_twice(case(record(steady(0.1), ["grpc: UNAVAILABLE"]), within), calm)
+    assert not isinstance(failed.value, OverBound) and len(runs) == 1  # a failed call fails at once
