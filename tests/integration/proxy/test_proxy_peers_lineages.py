@@ -84,6 +84,8 @@ def test_peers_share_new_lineages_and_unloads_and_a_restarted_peer_converges(tin
         wait_until(lambda: synced(a, both[1]) and synced(b, both[0]), 30, "a and b synced with each other")
         for v in (1, 2):  # run 1, through a
             load(a, tmp_path, tiny_model, f"pol-v{v}", f"run1-v{v}", seed=40 + v)
+        # b lists run 1 whole first: {"tiny", "pol-v1"} alone is also run 1 before b saw its v2
+        wait_until(lambda: model_ids(b) == {"tiny", "pol-v1", "pol-v2"}, 30, "b lists run 1's two versions")
         run2, answer = load(a, tmp_path, tiny_model, "pol-v1", "run2-v1", seed=50)  # run 2 starts again at v1
         assert answer["new_lineage"] and answer["lineage"] == "pol.2"
 
