@@ -28,8 +28,11 @@ class Followed:
 
 
 def follow_with_push(target: str, prompt: list[int], n: int, push_next: Callable[[], object], **kw) -> Followed:
-    """Stream a following group; `push_next` runs (in a thread) once the first tokens arrived.
-    Fails on a restarted group or a chunk that mixes versions."""
+    """Stream a following group; `push_next` runs (in a thread) once every sample's first
+    tokens arrived (an engine may start a group's samples apart: vLLM serves each as a request
+    of its own, and a push after the first sample's tokens alone once came before the second
+    sample's first token, which then had no token of the old version). Fails on a restarted
+    group or a chunk that mixes versions."""
     out = Followed()
     first = threading.Event()
 
@@ -42,8 +45,9 @@ def follow_with_push(target: str, prompt: list[int], n: int, push_next: Callable
         for event in client.generate_stream(prompt, n, follow=True, **kw):
             assert not isinstance(event, Restarted), "a following group was restarted"
             if isinstance(event, Tokens):
-                first.set()
                 out.tokens.setdefault(event.index, []).extend(event.token_ids)
+                if len(out.tokens) == n:
+                    first.set()
                 out.logprobs.setdefault(event.index, []).extend(event.logprobs)
                 out.versions.setdefault(event.index, []).extend([event.adapter_version] * len(event.token_ids))
                 out.text[event.index] = out.text.get(event.index, "") + event.text
