@@ -30,6 +30,7 @@ from typing import Protocol
 import grpc
 
 from rollwire.common.errors import Unavailable
+from rollwire.common.keepalive import RECONNECT_MAX_S
 from rollwire.common.reasons import Reason
 from rollwire.common.retries import VERSION_TAKEN, push_refused_for_good
 from rollwire.proxy.config import ProxyConfig
@@ -178,7 +179,11 @@ class CatchUp:
         """Push one version; False when the round ends here (a transient failure, or the
         replica turned out to be the wrong one)."""
         name = adapter.name
-        result = await replica.push(adapter, payload, self.config.health.push_timeout_s, new_request_id())
+        keepalive = self.config.keepalive.keepalive()  # a connect attempt's timeout, then the next one's wait
+        connect_within = keepalive.timeout_s + RECONNECT_MAX_S
+        result = await replica.push(
+            adapter, payload, self.config.health.push_timeout_s, new_request_id(), connect_within
+        )
         self.metrics.pushes.labels(replica.address, result.code.name).inc()
         if result.ok:
             self._tries.pop((replica.address, name, adapter.version, adapter.manifest.sha256), None)

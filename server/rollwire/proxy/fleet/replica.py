@@ -192,15 +192,23 @@ class Replica:
             attempt.abandon(reason)
         return len(attempts)
 
-    async def push(self, adapter: SpooledAdapter, payload: bytes, timeout: float, request_id: str) -> ReplicaCall:
-        """Upload one spooled version (catch-up); the caller holds `push_lock`. The call waits
-        for its connection to open (`wait_for_ready`), within its deadline: the replica has
-        just answered a health check on its other connection, and its push connection may still
-        be in gRPC's reconnect backoff after a partition healed. Failing at once there spent
-        every catch-up attempt within a second (health rounds of 0.2 s), and a healthy replica
-        was routed without the version until it reconnected."""
+    async def push(
+        self, adapter: SpooledAdapter, payload: bytes, timeout: float, request_id: str, connect_within: float
+    ) -> ReplicaCall:
+        """Upload one spooled version (catch-up); the caller holds `push_lock`. It first waits up
+        to `connect_within` for its connection to open: the replica has just answered a health
+        check on its other connection, and its push connection may still be in gRPC's reconnect
+        backoff after a partition healed. Failing at once there spent every catch-up attempt
+        within a second (health rounds of 0.2 s), and a healthy replica was routed without the
+        version until it reconnected. The wait is bounded apart from the push's own deadline
+        (minutes), so a replica gone since its health check holds its monitor no longer than a
+        reconnect takes; a connection still not open then fails the push at once, an attempt."""
+        try:
+            await asyncio.wait_for(self.bulk_channel.channel_ready(), min(connect_within, timeout))
+        except TimeoutError:
+            pass
         messages = writer.messages(adapter.manifest, payload)
-        return await self._adapter_call(self.bulk.PushAdapter, messages, timeout, request_id, wait_for_ready=True)
+        return await self._adapter_call(self.bulk.PushAdapter, messages, timeout, request_id)
 
     async def commit(self, manifest: pb.AdapterManifest, timeout: float, request_id: str) -> ReplicaCall:
         """Serve a version this replica staged (CommitAdapter with the version's digests: a replica
@@ -210,13 +218,11 @@ class Replica:
         )
         return await self._adapter_call(self.generator.CommitAdapter, request, timeout, request_id)
 
-    async def _adapter_call(
-        self, rpc: Any, request: Any, timeout: float, request_id: str, wait_for_ready: bool = False
-    ) -> ReplicaCall:
+    async def _adapter_call(self, rpc: Any, request: Any, timeout: float, request_id: str) -> ReplicaCall:
         """PushAdapter or CommitAdapter: the reply's loaded versions are what this replica holds now."""
         try:
             metadata = ((REQUEST_ID_KEY, request_id), *self.metadata)
-            reply = await rpc(request, timeout=timeout, metadata=metadata, wait_for_ready=wait_for_ready)
+            reply = await rpc(request, timeout=timeout, metadata=metadata)
         except grpc.aio.AioRpcError as exc:
             err = from_rpc_error(exc)
             return ReplicaCall(self, exc.code(), err.message, err.reason, error=exc)
