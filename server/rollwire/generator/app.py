@@ -19,7 +19,7 @@ from rollwire.generator.metrics import GeneratorMetrics
 from rollwire.generator.servicer import GeneratorServicer
 from rollwire.generator.shapes import base_linear_shapes
 from rollwire.runtime.logs import get_logger
-from rollwire.runtime.members import member_token, read_member_key
+from rollwire.runtime.members import MemberCheck, member_token, read_member_key, read_trusted
 from rollwire.serving.scaffold import Running, listen, serve
 from rollwire.v1 import generator_pb2, generator_pb2_grpc
 
@@ -83,9 +83,13 @@ async def start_generator(config: GeneratorConfig) -> RunningGenerator:
         port=endpoint.port,
     )
     key = read_member_key(config.auth.member_key_file, "auth.member_key_file")
+    trusted = read_trusted(config.auth.member_trust_file, "auth.member_trust_file")
+    advertised = config.registration.advertise or f"{config.host}:{endpoint.port}"
+    if trusted is not None and endpoint.auth is not None:  # a proxy's signature of this address: none can mint it
+        endpoint.auth.accept_signed_members(MemberCheck(trusted, advertised))
     if key is not None and endpoint.auth is not None:  # its proxy's credential, for this address only
-        advertised = config.registration.advertise or f"{config.host}:{endpoint.port}"
-        endpoint.auth.accept_member(member_token(key, advertised))
+        if trusted is None:  # every holder of the fleet key can derive it: only without signed members
+            endpoint.auth.accept_member(member_token(key, advertised))
         servicer.member = (key, advertised)
     generator_pb2_grpc.add_GeneratorServiceServicer_to_server(servicer, endpoint.server)
     await endpoint.start([SERVICE], config.host, config.tls)

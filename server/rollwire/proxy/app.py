@@ -31,6 +31,8 @@ from rollwire.proxy.servicer import ProxyServicer
 from rollwire.proxy.spool import Spool
 from rollwire.proxy.upstream import peer_dialer, upstream_dialer
 from rollwire.runtime.logs import get_logger
+from rollwire.runtime.security import TokenAuth
+from rollwire.runtime.token_files import read_tokens
 from rollwire.serving.scaffold import Endpoint, Running, listen, serve
 from rollwire.v1 import admin_pb2, admin_pb2_grpc, generator_pb2_grpc
 
@@ -87,6 +89,7 @@ async def start_proxy(config: ProxyConfig) -> RunningProxy:
     metrics = ProxyMetrics(config.policy, tenants=[t.name for t in config.tenants])
     keepalive = config.keepalive.keepalive()
     endpoint = listen("proxy", config, metrics.registry, [(t.name, t.token_files()) for t in config.tenants])
+    check_own_credentials(config, endpoint.auth)
     spool, owns_spool = _open_spool(config)
     serving = _ServingFlag(endpoint)
     dispatcher: Dispatcher | None = None
@@ -140,6 +143,27 @@ async def start_proxy(config: ProxyConfig) -> RunningProxy:
     )
     log.info("proxy_settings", policy=config.policy, fanout=config.push.fanout, spool=str(spool.folder))
     return running
+
+
+def check_own_credentials(config: ProxyConfig, auth: TokenAuth | None) -> None:
+    """No token the proxy sends its replicas (upstream.token_file, upstream.relay_token_file) is
+    valid at this proxy, whatever file lists it: each replica holds them, and one replica must
+    not be the fleet's admin, a tenant or a peer here (audit 2026-12-07 S2). Raises SystemExit."""
+    if auth is None:
+        return
+    for setting, path in (
+        ("upstream.token_file", config.upstream.token_file),
+        ("upstream.relay_token_file", config.upstream.relay_token_file),
+    ):
+        for token in sorted(read_tokens(path, setting)) if path else ():
+            grant = auth.grant([("authorization", f"Bearer {token}")])
+            if grant is not None:
+                holder = f"tenant {grant.tenant}'s {grant.role}" if grant.tenant else f"the {grant.role}"
+                raise SystemExit(
+                    f"{setting} holds a token this proxy accepts with {holder} role: every replica holds what the "
+                    "proxy dials it with, so a replica could act here with it; give the replicas' roles tokens of "
+                    "their own, listed in no file of this proxy (docs/deploy.md, Credentials)"
+                )
 
 
 def check_peering(config: ProxyConfig) -> None:

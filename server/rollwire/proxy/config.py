@@ -335,6 +335,29 @@ class ProxyConfig(ServerConfig):
         check_tenants(self.tenants, self.auth.enabled())
         return self
 
+    @model_validator(mode="after")
+    def _own_credentials(self) -> ProxyConfig:
+        """What the proxy sends its replicas is no credential it accepts (audit 2026-12-07 S2): every
+        replica holds it, so a replica must not be able to act at the proxy with it. By path here;
+        by content at start (app.check_own_credentials)."""
+        accepted = {f"auth.{role}_tokens_file": path for role, path in self.auth.files().items() if path}
+        for index, tenant in enumerate(self.tenants):
+            for role, path in tenant.token_files().items():
+                if path:
+                    accepted[f"tenants[{index}].{role}_tokens_file"] = path
+        for setting, path in (
+            ("upstream.token_file", self.upstream.token_file),
+            ("upstream.relay_token_file", self.upstream.relay_token_file),
+        ):
+            same = sorted(k for k, v in accepted.items() if path and v == path)
+            if same:
+                raise ValueError(
+                    f"{setting} is {path!r}, the file of {', '.join(same)}: the replicas hold what the proxy dials them "
+                    "with, so it must be no token this proxy accepts; give the replicas a token of their own "
+                    "(docs/deploy.md, Credentials)"
+                )
+        return self
+
     @field_validator("base_model")
     @classmethod
     def _base_model(cls, value: str) -> str:

@@ -8,7 +8,8 @@ but relay, and every node of a plan carries the proxy's grant, keyed from its ad
 (push.plan.relay_grant), so a replica relays only to the members this proxy planned. Peer proxies
 are dialled with the same settings, each one the `peering` section sets taking precedence.
 A replica that registered itself with a `register` token is never sent token_file's (admin) token:
-it gets its member token (runtime/members.py) instead.
+it gets its member token (runtime/members.py) instead; with member_signing_key_file no member is:
+each gets the proxy's signature of its own address.
 """
 
 from __future__ import annotations
@@ -33,9 +34,14 @@ class UpstreamSection(DialSection):
     they pass on down the tree; empty = token_file, which the replicas then do not pass on (set relay.token_file
     on them, or this)."""
     member_key_file: str = Field(default="")
-    """The fleet key (the replicas' auth.member_key_file): a replica a `register` token adds is dialled with a token
-    derived from it and its own address, never token_file's, and proves its address with it to register; empty =
-    this proxy refuses registrations by `register` tokens."""
+    """The fleet key (the replicas' auth.member_key_file): a replica proves its address with it to register, and
+    without member_signing_key_file, a replica a `register` token adds is dialled with a token derived from it and its
+    own address, never token_file's; empty = this proxy refuses registrations by `register` tokens."""
+    member_signing_key_file: str = Field(default="")
+    """An Ed25519 signing key file (`rollwire keys generate`; its public key in the replicas' auth.member_trust_file):
+    every member, static, discovered and registered alike, is dialled with its own token, this key's signature of its
+    HOST:PORT, never token_file's, and a replica holding only the public key can mint no other's (docs/deploy.md,
+    Credentials); empty = static and discovered members get token_file's, registered ones a fleet-key token."""
 
 
 def upstream_dialer(section: UpstreamSection, keepalive: Keepalive = DEFAULT_KEEPALIVE) -> Dialer:

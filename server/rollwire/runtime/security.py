@@ -36,7 +36,7 @@ import hashlib
 import hmac
 import socket
 import sys
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from typing import NamedTuple
 
@@ -97,8 +97,18 @@ class AuthSection(Section):
     """File of tokens with the `peer` role (a proxy: the tokens its peer proxies send, `peering.token_file` there), one
     per line. Only a push with this role may carry the peer marker."""
     member_key_file: str = Field(default="")
-    """A replica: the fleet key (the proxy's upstream.member_key_file) its proxy derives this replica's `member` token
-    from, for its own advertised address only (docs/deploy.md, Security); empty = no member token is accepted."""
+    """A replica: the fleet key (the proxy's upstream.member_key_file) it proves its address with when it registers,
+    and, without member_trust_file, its proxy derives this replica's `member` token from (for its own advertised
+    address only: docs/deploy.md, Security); empty = neither."""
+    grant_tokens_file: str = Field(default="")
+    """A replica: file of tokens that grant no role here, one per line: its proxies' upstream.token_file, from which
+    their relay grants are keyed (as from admin_tokens_file's). A replica dialled with signed member tokens
+    (member_trust_file) needs no admin token at all, so holds its proxy's here: no replica then holds what makes a
+    caller admin of another (audit 2026-12-07 S6)."""
+    member_trust_file: str = Field(default="")
+    """A replica: a trust file (docs/security.md) of the proxies' member signing keys (their
+    upstream.member_signing_key_file): a token a trusted key signed for this replica's own advertised address has the
+    `member` role here, and no token derived from member_key_file does; empty = no signed member token is accepted."""
 
     def files(self) -> dict[str, str]:
         """Each role's token file, by role."""
@@ -111,7 +121,7 @@ class AuthSection(Section):
         }
 
     def enabled(self) -> bool:
-        return any(self.files().values()) or bool(self.member_key_file)
+        return any(self.files().values()) or bool(self.member_key_file or self.member_trust_file)
 
 
 class TlsSection(Section):
@@ -144,6 +154,9 @@ class TokenAuth:
         self._tenants: list[tuple[TokenFile, str, str]] = []
         """(tokens, role, tenant) of every tenant's token files (add_tenant)."""
         self._ambiguous: set[bytes] = set()
+        self._member_check: Callable[[str], bool] | None = None
+        self._grants: list[TokenFile] = []
+        """auth.grant_tokens_file's: relay grants' keys derive from them, and they grant no role."""
 
     @classmethod
     def from_config(cls, auth: AuthSection, tenants: Iterable[tuple[str, Mapping[str, str]]] = ()) -> TokenAuth | None:
@@ -152,6 +165,8 @@ class TokenAuth:
             return None
         files = {role: TokenFile(path, setting=f"auth.{role}_tokens_file") for role, path in auth.files().items()}
         token_auth = cls(files[GENERATE], files[ADMIN], files[RELAY], files[REGISTER], files[PEER])
+        if auth.grant_tokens_file:
+            token_auth._grants.append(TokenFile(auth.grant_tokens_file, setting="auth.grant_tokens_file"))
         for index, (tenant, by_role) in enumerate(tenants):
             for role, path in by_role.items():
                 if path:
@@ -169,9 +184,16 @@ class TokenAuth:
         """Accept `token` (this replica's own member token) with the `member` role."""
         self._files.insert(0, (_as_file({token}), MEMBER))
 
+    def accept_signed_members(self, check: Callable[[str], bool]) -> None:
+        """Accept a token `check` finds valid (runtime.members.MemberCheck: a proxy's signature of
+        this replica's own address) with the `member` role."""
+        self._member_check = check
+
     def admin_digests(self) -> list[bytes]:
-        """sha256 digests of the admin tokens now valid (the keys of relay grants derive from them)."""
-        return [d for tokens, role in self._files if role == ADMIN for d in tokens.current()]
+        """sha256 digests of the tokens the keys of relay grants derive from: the admin tokens now
+        valid and auth.grant_tokens_file's."""
+        grants = [d for tokens in self._grants for d in tokens.current()]
+        return [d for tokens, role in self._files if role == ADMIN for d in tokens.current()] + grants
 
     def role(self, metadata) -> str | None:
         """The role of a call's bearer token (None without a valid one); checked already by the
@@ -223,6 +245,8 @@ class TokenAuth:
             )
 
     def _grant_of(self, token: str) -> Grant | None:
+        if self._member_check is not None and self._member_check(token):
+            return Grant(MEMBER)
         presented = digest(token)  # equal-length digests: neither content nor length leaks
         found = None
         for tokens, role in self._files:  # admin last: a token in several files has the widest role

@@ -437,6 +437,9 @@ def test_a_replica_failing_catch_up_for_now_is_decided_within_the_bound(workdir,
 
 # -- relay plans: only the members a proxy planned --------------------------------------------
 ADMIN_TOKEN, RELAY_TOKEN, REGISTER_TOKEN, GENERATE_TOKEN = "admin-23", "relay-23", "register-23", "generate-23"
+OPERATOR_TOKEN = "operator-23"
+"""A proxy's own admin token where the replicas' (ADMIN_TOKEN) is what it dials them with: never one
+token for both (proxy.app.check_own_credentials)."""
 
 
 def bearer_of(token: str) -> tuple[tuple[str, str], ...]:
@@ -451,6 +454,7 @@ def tokens(workdir) -> dict[str, Path]:
         ("relay", RELAY_TOKEN),
         ("register", REGISTER_TOKEN),
         ("generate", GENERATE_TOKEN),
+        ("operator", OPERATOR_TOKEN),
     ):
         files[role] = workdir / f"{role}-23.token"
         files[role].write_text(token + "\n")
@@ -601,13 +605,14 @@ def test_a_replica_relays_only_to_members_its_proxy_planned(workdir, guarded, to
         "planner",
         guarded,
         *("--set", f"upstream.token_file={tokens['admin']}", "--set", f"upstream.relay_token_file={tokens['relay']}"),
-        *("--set", "push.fanout=1", "--set", f"auth.admin_tokens_file={tokens['admin']}"),
+        *("--set", "push.fanout=1", "--set", f"auth.admin_tokens_file={tokens['operator']}"),
     )
     try:
-        wait_routable_with(proxy, guarded)
+        wait_routable_with(proxy, guarded, OPERATOR_TOKEN)
         proxy_stub = generator_pb2_grpc.GeneratorServiceStub(grpc.insecure_channel(proxy.target))
         m = adapter.manifest("chain", 1, fp)
-        reply = proxy_stub.PushAdapter(writer.messages(m, adapter.payload), timeout=60, metadata=bearer_of(ADMIN_TOKEN))
+        operator = bearer_of(OPERATOR_TOKEN)
+        reply = proxy_stub.PushAdapter(writer.messages(m, adapter.payload), timeout=60, metadata=operator)
         assert sorted((r.replica, r.code) for r in reply.replicas) == [("guard1", "OK"), ("guard2", "OK")], reply
         relayed_to = sorted(
             next(e["relayed_to"] for e in log_events(s.log_path, "adapter_staged") if e["adapter"] == "chain")
@@ -656,7 +661,7 @@ def test_a_register_token_registers_only_its_own_address_for_a_bounded_time(work
             "--set",
             f"auth.generate_tokens_file={tokens['generate']}",
             "--set",
-            f"upstream.token_file={tokens['admin']}",
+            f"upstream.token_file={tokens['operator']}",  # the replicas' admin, none of this proxy's
         ),
         *("--set", "registration.max_ttl_s=60", "--set", "registration.max_members=3"),
         *("--set", f"upstream.member_key_file={key}"),
@@ -687,11 +692,27 @@ def test_a_register_token_registers_only_its_own_address_for_a_bounded_time(work
         assert register("127.0.0.1:1234", 30, ADMIN_TOKEN)[0] == grpc.StatusCode.OK
         assert register("localhost:1235", 30, ADMIN_TOKEN)[0] == grpc.StatusCode.OK
         assert register("127.0.0.1:1236", 0, ADMIN_TOKEN)[0] == grpc.StatusCode.OK
-        # the cap: a fourth is refused, a heartbeat of a member is not
+        # the cap: a fourth is refused
         code, reason, message = register("127.0.0.1:1237", 30)
         assert (code, reason) == (grpc.StatusCode.RESOURCE_EXHAUSTED, Reason.TOO_MANY_MEMBERS), message
-        assert register("127.0.0.1:1234", 30)[0] == grpc.StatusCode.OK
-        assert members() == {"127.0.0.1:1234", "localhost:1235", "127.0.0.1:1236"}
+        # hostile (audit S9): a register token refreshes, drains or removes only what it added itself; an
+        # admin's member on its very host (as a static or discovered one) is not its own, and to it an
+        # address it did not add is NOT_FOUND in a sentence naming no member
+        code, reason, message = register("127.0.0.1:1234", 30)  # a refresh would give it a ttl to lapse
+        assert (code, reason) == (grpc.StatusCode.PERMISSION_DENIED, Reason.NOT_OWN_ADDRESS), message
+        for address in ("127.0.0.1:1234", "localhost:1235", "127.0.0.1:1236", "127.0.0.1:1"):
+            for call in (stub.DeregisterGenerator, stub.DrainGenerator):
+                request = (
+                    apb.DeregisterGeneratorRequest(address=address)
+                    if call is stub.DeregisterGenerator
+                    else apb.DrainGeneratorRequest(address=address, deregister=True)
+                )
+                code, reason, message = refusal(
+                    lambda call=call, request=request: call(request, timeout=10, metadata=bearer_of(REGISTER_TOKEN))
+                )
+                assert (code, reason) == (grpc.StatusCode.NOT_FOUND, Reason.UNKNOWN_REPLICA), message
+                assert "1236" not in message.replace(address, "")  # no member listed
+        assert members() == {"127.0.0.1:1234", "localhost:1235", "127.0.0.1:1236"}  # collateral: none touched
         # nothing else: another's removal, the list, sampling
         remove = apb.DeregisterGeneratorRequest(address="192.0.2.7:50051")
         code, reason, _ = refusal(
@@ -711,7 +732,7 @@ def test_a_register_token_registers_only_its_own_address_for_a_bounded_time(work
         assert len(gen.GetStatus(pb.GetStatusRequest(), timeout=10, metadata=bearer_of(ADMIN_TOKEN)).replicas) == 3
         for address in ("127.0.0.1:1234", "localhost:1235"):
             request = apb.DeregisterGeneratorRequest(address=address)
-            stub.DeregisterGenerator(request, timeout=10, metadata=bearer_of(REGISTER_TOKEN))
+            stub.DeregisterGenerator(request, timeout=10, metadata=bearer_of(ADMIN_TOKEN))
         # a real replica joins with a register token and leaves (drained) with it
         replica = start_generators(
             tiny_model,

@@ -51,6 +51,31 @@ def _shipped_pki(folder: Path) -> None:
     )
 
 
+def _shipped_credentials() -> dict[str, str]:
+    """Every token Secret's keys with stand-ins: a key of one name holds one value in every Secret
+    (their placeholders say "the same ... as"), the member signing key is a real key and its trust
+    file its public half. All processes here share one folder, each reading only its own config's."""
+    from rollwire.common.signing import SigningKey
+
+    key = SigningKey.generate("proxy-2026-12")
+    files = {
+        "member-signing-key": json.dumps({"id": key.key_id, "private_key": _private_b64(key)}) + "\n",
+        "member-trust": json.dumps({"keys": [key.trust_entry()]}) + "\n",
+    }
+    for name, secret in by_kind("Secret").items():
+        if name.endswith("-tokens"):
+            for field, value in secret["stringData"].items():
+                lines = [f"{field}-{i}-{secrets.token_hex(8)}" for i, line in enumerate(value.splitlines()) if line]
+                files.setdefault(field, "\n".join(lines) + "\n")
+    return files
+
+
+def _private_b64(key) -> str:
+    import base64
+
+    return base64.b64encode(key.private.private_bytes_raw()).decode()
+
+
 def _relay_hops(log_path: Path, adapter: str) -> int:
     """Children a replica relayed `adapter` to, by its log (staged or stripe events)."""
     hops = 0
@@ -62,7 +87,9 @@ def _relay_hops(log_path: Path, adapter: str) -> int:
 
 @pytest.mark.integration
 def test_the_shipped_configs_relay_a_push_between_replicas_over_tls(tmp_path, tiny_model):
-    """The generator and proxy ConfigMaps as shipped (TLS on every port, tokens of every role),
+    """The generator and proxy ConfigMaps as shipped (TLS on every port, each process its own
+    credentials: the replicas hold no admin token and are dialled with the proxy's signature of
+    their address),
     their /etc/rollwire files stood in by a local CA and the Secret's keys: a push through the
     proxy, reached as the learner's ConfigMap reaches it, is relayed from replica to replica,
     and no replica has to be healed; a second proxy, peered as the shipped config peers them (the
@@ -81,9 +108,8 @@ def test_the_shipped_configs_relay_a_push_between_replicas_over_tls(tmp_path, ti
     (root / "tls").mkdir(parents=True)
     (root / "tokens").mkdir()
     _shipped_pki(root / "tls")
-    for key, value in by_kind("Secret")["rollwire-tokens"]["stringData"].items():  # a file per key, as mounted
-        lines = [f"{key}-{i}-{secrets.token_hex(8)}" for i, line in enumerate(value.splitlines()) if line.strip()]
-        (root / "tokens" / key).write_text("\n".join(lines) + "\n")
+    for key, text in _shipped_credentials().items():  # a file per key, as each pod mounts its own Secret's
+        (root / "tokens" / key).write_text(text)
     admin = (root / "tokens" / "admin").read_text().split()[0]
     maps = by_kind("ConfigMap")
     for name in ("generator", "proxy", "learner"):

@@ -95,14 +95,15 @@ def test_proxy_config_map_is_a_valid_proxy_config_that_can_reach_the_generators(
     assert (service["http"]["port"], service["http"]["targetPort"]) == (proxy.http.port, "http")
     assert any(proxy.http.model_path.startswith(m["mountPath"]) for m in container["volumeMounts"])
     assert proxy.discover.endswith(f"rollwire-generator.rollwire.svc.cluster.local:{generator.port}")
-    if generator.auth.admin_tokens_file:  # the proxy pushes adapters: it needs an admin token
-        assert proxy.upstream.token_file == generator.auth.admin_tokens_file
+    # the proxy dials each replica with its own token (its address, signed); the replicas check its grants
+    assert proxy.upstream.member_signing_key_file and generator.auth.member_trust_file
+    assert proxy.upstream.token_file == generator.auth.grant_tokens_file
     if generator.tls.cert_file:
         assert proxy.upstream.ca_file
     mounts = [m["mountPath"] for m in container["volumeMounts"]]
     assert any(proxy.spool.dir.startswith(m) for m in mounts)
     assert proxy.spool.keep_versions >= generator.adapter_keep
-    tokens = by_kind("Secret")["rollwire-tokens"]["stringData"]
+    tokens = by_kind("Secret")["rollwire-proxy-tokens"]["stringData"]
     files = [f for t in proxy.tenants for f in t.token_files().values() if f]
     assert len(proxy.tenants) >= 2 and all(f.rsplit("/", 1)[0] == "/etc/rollwire/tokens" for f in files)
     assert {f.rsplit("/", 1)[1] for f in files} <= set(tokens)  # every tenant's token file is a key of the Secret
@@ -224,7 +225,94 @@ def test_a_proxy_with_peers_and_no_peer_tokens_refuses_to_start(tmp_path):
     shipped = load_config(ProxyConfig, tmp_path / "proxy.toml")
     assert shipped.peers and shipped.auth.peer_tokens_file and shipped.peering.token_file
     check_peering(shipped)  # as shipped: starts
-    assert "peer" in by_kind("Secret")["rollwire-tokens"]["stringData"]
+    assert "peer" in by_kind("Secret")["rollwire-proxy-tokens"]["stringData"]
     bare = shipped.model_copy(update={"auth": shipped.auth.model_copy(update={"peer_tokens_file": ""})})
     with pytest.raises(SystemExit, match="peers is set but auth.peer_tokens_file is not"):
         check_peering(bare)
+
+
+TOKENS_MOUNT = "/etc/rollwire/tokens/"
+CONFIGS = {"rollwire-proxy": "proxy", "rollwire-generator": "generator", "rollwire-learner": "learner"}
+
+
+def _files_read(value: object) -> set[str]:
+    """The token files (their Secret keys) a config names anywhere, at any depth."""
+    if isinstance(value, str):
+        return {value[len(TOKENS_MOUNT) :]} if value.startswith(TOKENS_MOUNT) else set()
+    if isinstance(value, dict):
+        return set().union(*(_files_read(v) for v in value.values()))
+    if isinstance(value, list):
+        return set().union(*(_files_read(v) for v in value))
+    return set()
+
+
+def _mounted(spec: dict) -> tuple[str, set[str]]:
+    """(the Secret, its keys) mounted at the tokens folder of a pod (items: only those projected)."""
+    container = spec["containers"][0]
+    (mount,) = [m for m in container["volumeMounts"] if m["mountPath"].rstrip("/") + "/" == TOKENS_MOUNT]
+    (volume,) = [v for v in spec["volumes"] if v["name"] == mount["name"]]
+    secret = volume["secret"]["secretName"]
+    keys = {i["key"] for i in volume["secret"].get("items", [])} or set(by_kind("Secret")[secret]["stringData"])
+    return secret, keys
+
+
+@pytest.mark.parametrize("workload", sorted(CONFIGS))
+def test_each_pod_mounts_only_the_credentials_its_own_config_reads(workload):
+    """Audit 2026-12-07 S2: one Secret with every token was mounted into every pod. Each pod's tokens
+    folder now holds exactly the files its process's config reads, from a Secret no other kind mounts."""
+    name = CONFIGS[workload]
+    config = tomllib.loads(by_kind("ConfigMap")[f"rollwire-{name}-config"]["data"][f"{name}.toml"])
+    secret, keys = _mounted(pod_specs()[workload])
+    assert keys == _files_read(config), (
+        f"{workload} mounts {sorted(keys)} but its config reads {sorted(_files_read(config))}"
+    )
+    others = {_mounted(spec)[0] for other, spec in pod_specs().items() if other != workload}
+    assert secret not in others  # no Secret is shared between process kinds
+
+
+def test_replicas_learners_and_peers_each_hold_their_own_role(tmp_path):
+    """No replica holds a token that is a role at the proxy or at another replica, the learner holds its
+    team's publish token only, each team's tokens are its tenant's (none of the fleet's), and no two
+    roles share a Secret key or a placeholder."""
+    from rollwire.learner.config import LearnerConfig
+    from rollwire.proxy.config import ProxyConfig
+
+    maps = by_kind("ConfigMap")
+    for name in CONFIGS.values():
+        (tmp_path / f"{name}.toml").write_text(maps[f"rollwire-{name}-config"]["data"][f"{name}.toml"])
+    proxy = load_config(ProxyConfig, tmp_path / "proxy.toml")
+    generator = load_config(GeneratorConfig, tmp_path / "generator.toml")
+    learner = load_config(LearnerConfig, tmp_path / "learner.toml")
+
+    roles = [f for f in (*generator.auth.files().values(),) if f]
+    assert roles == [generator.auth.relay_tokens_file]  # a replica: no admin, generate, peer or register token
+    accepted = {f for f in proxy.auth.files().values() if f} | {
+        f for t in proxy.tenants for f in t.token_files().values() if f
+    }
+    held_by_replicas = {generator.auth.relay_tokens_file, generator.auth.grant_tokens_file}
+    assert not accepted & held_by_replicas  # nothing a replica holds is valid at the proxy
+    assert not proxy.auth.generate_tokens_file  # each team samples as its tenant, never as the fleet
+    assert learner.client.token_file in {t.publish_tokens_file for t in proxy.tenants}  # its team's, not admin
+    assert learner.client.token_file != proxy.auth.admin_tokens_file
+    assert proxy.peering.token_file == proxy.auth.peer_tokens_file  # peers: the peer role, proxies only
+    secrets = by_kind("Secret")
+    assert "peer" not in secrets["rollwire-generator-tokens"]["stringData"]
+    proxy_values = [v for k, v in secrets["rollwire-proxy-tokens"]["stringData"].items()]
+    assert len(set(proxy_values)) == len(proxy_values)  # every role its own token
+
+
+def test_the_config_loader_refuses_a_proxy_that_dials_replicas_with_a_token_it_accepts(tmp_path):
+    from rollwire.proxy.app import check_own_credentials
+    from rollwire.proxy.config import ProxyConfig
+    from rollwire.runtime.security import TokenAuth
+
+    (tmp_path / "admin").write_text("op-1\n")
+    (tmp_path / "also").write_text("rep-1\nop-1\n")
+    same = {"auth": {"admin_tokens_file": str(tmp_path / "admin")}, "upstream": {"token_file": str(tmp_path / "admin")}}
+    with pytest.raises(ValueError, match="upstream.token_file .* the file of auth.admin_tokens_file"):
+        ProxyConfig.model_validate(same)
+    config = ProxyConfig.model_validate({**same, "upstream": {"token_file": str(tmp_path / "also")}})
+    with pytest.raises(SystemExit, match="upstream.token_file holds a token this proxy accepts with the admin role"):
+        check_own_credentials(config, TokenAuth.from_config(config.auth))
+    (tmp_path / "also").write_text("rep-1\n")
+    check_own_credentials(config, TokenAuth.from_config(config.auth))  # its own token: starts

@@ -9,7 +9,10 @@ returns only when the replica has no group left, so a drain loses nothing.
 Who may register: a `register` token registers, drains and removes only its own address (the
 host must resolve to the caller's own IP address) with a ttl in 1..registration.max_ttl_s, so
 it lapses unless it keeps beating; only an admin may register for good (ttl 0) or for another
-address. A registration that would take the proxy past registration.max_members is refused.
+address. A `register` token acts only on the members it added itself (`Replica.registrant`, the
+token's identity): never on a static, discovered or admin-registered replica, nor on one another
+register token added, whatever host they share; to that role an address it did not add is
+NOT_FOUND in one sentence that lists no member. A registration that would take the proxy past registration.max_members is refused.
 A `register` token adds a new address only once the process listening there proved, called back,
 that it holds the fleet key and advertises that very HOST:PORT (runtime/members.py): otherwise
 PERMISSION_DENIED (MEMBER_UNPROVEN), counted in `member_refusals_total{why="unproven"}`. Such a
@@ -45,8 +48,8 @@ from rollwire.proxy.fleet.replicas import ReplicaSet
 from rollwire.runtime.dialing import bearer
 from rollwire.runtime.hosts import peer_ip, resolve_ips
 from rollwire.runtime.logs import get_logger
-from rollwire.runtime.members import CHALLENGE_KEY, PROOF_KEY, member_token, new_challenge, proof_matches
-from rollwire.runtime.security import REGISTER, TokenAuth, caller_role
+from rollwire.runtime.members import CHALLENGE_KEY, PROOF_KEY, new_challenge, proof_matches
+from rollwire.runtime.security import REGISTER, TokenAuth, caller_identity, caller_role
 from rollwire.v1 import admin_pb2 as apb
 from rollwire.v1 import admin_pb2_grpc, generator_pb2_grpc
 from rollwire.v1 import generator_pb2 as pb
@@ -91,6 +94,15 @@ class AdminServicer(admin_pb2_grpc.AdminServiceServicer):
                 ),
             )
         member = caller_role(self.auth, context) == REGISTER
+        if member and known is not None and known.registrant != _identity(context):
+            return await _abort(
+                context,
+                PermissionDenied(
+                    f"{request.address} is a member this register token did not add; a register token refreshes, "
+                    "drains and removes only the members it registered itself (an admin token manages the others)",
+                    reason=Reason.NOT_OWN_ADDRESS,
+                ),
+            )
         if member and known is None:
             try:
                 await self._prove(request.address)
@@ -99,6 +111,8 @@ class AdminServicer(admin_pb2_grpc.AdminServiceServicer):
                 log.warning("registration_unproven", address=request.address, why=err.message)
                 return await _abort(context, err)
         replica, created = self.replicas.add(request.address, "registered", request.ttl_seconds or None, member)
+        if created and member:
+            replica.registrant = _identity(context)
         return apb.RegisterGeneratorResponse(replica=replica.status(), created=created)
 
     def _check_ttl(self, ttl: int, context) -> None:
@@ -145,7 +159,7 @@ class AdminServicer(admin_pb2_grpc.AdminServiceServicer):
             call = generator_pb2_grpc.GeneratorServiceStub(channel).GetStatus(
                 pb.GetStatusRequest(),
                 timeout=self.replicas.config.health.timeout_s,
-                metadata=((CHALLENGE_KEY, nonce), *bearer(member_token(key, address))),
+                metadata=((CHALLENGE_KEY, nonce), *bearer(self.replicas.member_token(address, registered=True))),
             )
             answer = next((str(v) for k, v in await call.initial_metadata() or () if k == PROOF_KEY), "")
             await call
@@ -200,18 +214,34 @@ class AdminServicer(admin_pb2_grpc.AdminServiceServicer):
             await self._own(address, context)
         except RollwireError as err:
             await _abort(context, err)
-        if self._find(address) is None:
+        found = self._find(address)
+        if caller_role(self.auth, context) == REGISTER and (found is None or found.registrant != _identity(context)):
+            await _abort(  # the same answer whether it is absent or another's: a register token learns no member
+                context,
+                NotFound(
+                    f"no replica {address!r} was registered here with this register token; it drains and removes "
+                    "only the members it added itself",
+                    reason=Reason.UNKNOWN_REPLICA,
+                ),
+            )
+        if found is None:
             await _abort(context, self._unknown(address))
 
     def _find(self, address: str) -> Replica | None:
         return self.replicas.get(address)
 
     def _unknown(self, address: str) -> NotFound:
+        """An admin's NOT_FOUND, naming the members (ListGenerators shows them to that role anyway)."""
         known = ", ".join(r.address for r in self.replicas.all()) or "none"
         return NotFound(
             f"no replica {address!r} is registered here (known: {known}); ListGenerators shows them",
             reason=Reason.UNKNOWN_REPLICA,
         )
+
+
+def _identity(context) -> str:
+    """The calling token's identity (a hash prefix, never the token)."""
+    return caller_identity(context.invocation_metadata(), context.peer(), True)
 
 
 async def _abort(context: grpc.aio.ServicerContext, err: RollwireError) -> NoReturn:

@@ -5,8 +5,9 @@ Invariants:
   fleet's base model, it was caught up with the spool since it last (re)connected, it is not
   draining, its circuit is not open, it is vetted (a member a `register` token added passed
   its canary, canary.py) and not refused (limits under the operator's floor, a failed canary);
-- a member added by a `register` token (`token` set) is dialled with its own member token
-  (runtime/members.py), never the proxy's admin token, on every call of both its channels;
+- a member added by a `register` token is dialled with its own member token (runtime/members.py),
+  never the proxy's admin token, on every call of both its channels; with a member signing key so is
+  every member (`token` set: the proxy's signature of its address);
 - `versions` holds only versions the replica itself confirmed (a push reply or GetStatus),
   so version-aware routing never sends a group to a replica that lacks its version, and
   never one it holds with other bytes than the spool's (`conflicts`);
@@ -92,6 +93,7 @@ class Replica:
         upstream: Dialer,
         expires_at: float | None = None,
         token: str = "",
+        member: bool | None = None,
     ) -> None:
         self.address, self.source, self.breaker, self.expires_at = address, source, breaker, expires_at
         own = next((v for k, v in upstream.metadata if k == "authorization"), "")
@@ -99,9 +101,12 @@ class Replica:
         self.channel = upstream.channel(address, interceptors=swap)
         self.metadata = bearer(token) if token else upstream.metadata
         """Sent on every call to the replica: its member token, else the proxy's own bearer token, if any."""
-        self.member = bool(token)
+        self.member = bool(token) if member is None else member
         """Added by a `register` token: it proved its address, and is vetted by its canary before it serves."""
-        self.vetted = not token
+        self.registrant = ""
+        """The identity (runtime.security.caller_identity) of the `register` token that added it: the only one
+        that may refresh, drain or remove it (fleet/admin.py); "" for a static, discovered or admin's member."""
+        self.vetted = not self.member
         self.refused = ""
         """Why it is kept out of rotation although it answers (a failed canary, limits under the floor)."""
         self.generator = generator_pb2_grpc.GeneratorServiceStub(self.channel)

@@ -54,7 +54,7 @@ from rollwire.proxy.fleet.replica import Replica
 from rollwire.proxy.metrics import ProxyMetrics
 from rollwire.proxy.spool import Spool
 from rollwire.runtime.logs import get_logger
-from rollwire.runtime.members import member_token, read_member_key
+from rollwire.runtime.members import member_token, read_member_key, read_signing_key, signed_member_token
 from rollwire.runtime.waits import wait_at_most
 from rollwire.serving.dial import Dialer, on_each_drop
 from rollwire.v1 import generator_pb2 as pb
@@ -88,6 +88,9 @@ class ReplicaSet:
         whoever it missed to catch-up when it settles (mark_unsynced)."""
         self.catch_up = CatchUp(config, spool, metrics, self)
         self.member_key = read_member_key(config.upstream.member_key_file, "upstream.member_key_file")
+        self.member_signer = read_signing_key(
+            config.upstream.member_signing_key_file, "upstream.member_signing_key_file"
+        )
         """The fleet key member tokens derive from; None = no `register` token may add a member."""
         self.canary = Canary(config.registration, metrics)
 
@@ -103,8 +106,7 @@ class ReplicaSet:
             return replica, False
         hc = self.config.health
         breaker = Breaker(hc.eject_after_failures, hc.eject_s, hc.eject_max_s)
-        token = member_token(self.member_key, address) if member and self.member_key else ""
-        replica = Replica(address, source, breaker, self.upstream, expires, token)
+        replica = Replica(address, source, breaker, self.upstream, expires, self.member_token(address, member), member)
         self.members[address] = replica
         self.metrics.know_replica(address)
         replica.tasks = [
@@ -115,6 +117,14 @@ class ReplicaSet:
         log.info("replica_added", replica=address, source=source, ttl_s=ttl_s)
         self._publish(replica)
         return replica, True
+
+    def member_token(self, address: str, registered: bool = False) -> str:
+        """What the member at `address` is dialled with instead of upstream.token_file's token: the
+        proxy's signature of its address for every member, else (no signing key) the fleet-key
+        token for a member a `register` token added; "" = the upstream token."""
+        if self.member_signer is not None:
+            return signed_member_token(self.member_signer, address)
+        return member_token(self.member_key, address) if registered and self.member_key else ""
 
     async def remove(self, address: str, reason: str) -> int:
         """Forget a replica; returns how many live groups were cut off it (to restart elsewhere)."""
