@@ -324,10 +324,9 @@ class AdapterRegistry:
 
     def _choose(self, name: str, version: int) -> _Version:
         versions = [v for v in self._versions.get(name, []) if v.servable]
-        if not versions:
-            known = ", ".join(sorted(self.loaded())) or "none"
+        if not versions:  # never the names it holds: they are other callers' (GetStatus lists them to whom it may)
             raise NotFound(
-                f"no adapter named {name!r} is loaded on this replica (loaded: {known}); push it first",
+                f"no adapter named {name!r} is loaded on this replica; push it first",
                 reason=Reason.ADAPTER_NOT_FOUND,
             )
         if version == 0:

@@ -15,6 +15,7 @@ from collections.abc import Sequence
 import grpc
 from prometheus_client import CollectorRegistry, Histogram
 
+from rollwire.common.manifest import TENANT_SEPARATOR
 from rollwire.common.retries import CLIENT_CAUSED
 from rollwire.proxy.policies.prefix import OUTCOMES as PREFIX_OUTCOMES
 from rollwire.proxy.tenants import FLEET
@@ -231,7 +232,11 @@ class ProxyMetrics:
             "1 while the replica serves another base model than the fleet's and is refused membership.",
             ["replica"],
         )
-        self.versions = gauge("replica_adapter_version", "Newest adapter version confirmed.", ["replica", "adapter"])
+        self.versions = gauge(
+            "replica_adapter_version",
+            "Newest adapter version confirmed; a tenant's adapters as one series, TENANT:* (their newest).",
+            ["replica", "adapter"],
+        )
         self.member_refusals = counter(
             "member_refusals_total",
             "Would-be members kept out: unproven address at registration, failed canary, limits under the floor.",
@@ -339,6 +344,19 @@ class ProxyMetrics:
             self.peer_lineage_sends.labels(peer, code)
         self.peer_synced.labels(peer).set(0)
         self.peer_conflicts.labels(peer)
+
+    def confirmed(self, address: str, versions: dict[str, list[int]], name: str) -> None:
+        """Set `replica_adapter_version` for `name` on the replica at `address`, which holds
+        `versions`: a shared adapter under its own name, a tenant's (TENANT:NAME) as the one
+        series TENANT:*, the newest of all its names there, so the series are bounded by the
+        config, never by the names tenants invent, and name none of them (the port has no auth)."""
+        tenant, sep, _ = name.partition(TENANT_SEPARATOR)
+        if not sep:
+            self.versions.labels(address, name).set(versions[name][-1] if versions.get(name) else 0)
+            return
+        prefix = tenant + TENANT_SEPARATOR
+        newest = max((v[-1] for n, v in versions.items() if n.startswith(prefix) and v), default=0)
+        self.versions.labels(address, prefix + "*").set(newest)
 
     def forget_replica(self, address: str) -> None:
         """Drop every series of a replica that left, so dashboards do not show ghosts."""

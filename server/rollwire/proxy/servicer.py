@@ -51,7 +51,7 @@ class ProxyServicer(generator_pb2_grpc.GeneratorServiceServicer):
         timeout = limit if remaining is None else min(remaining, limit)
         auth = self.state.config.auth
         name = caller_identity(metadata, context.peer(), auth.enabled())
-        _role, scope = self.core.caller(metadata)
+        role, scope = self.core.caller(metadata)
         try:
             with self.core.account() as record:  # counted, timed and classified (accounting.py)
                 record.tenant = scope.label
@@ -61,7 +61,7 @@ class ProxyServicer(generator_pb2_grpc.GeneratorServiceServicer):
                     events = self.core.group_events(request, rid, name, record.start + timeout, scope.label)
                     async with contextlib.aclosing(events):  # pyright: ignore[reportArgumentType]  # the library's annotation is narrower than what it accepts
                         async for message in events:
-                            await self._write(context, _shown(message, scope), name)
+                            await self._write(context, _shown(message, scope, role), name)
                 except RollwireError as err:
                     record.close(err)
                     err.message = scope.scrub(err.message)
@@ -70,7 +70,7 @@ class ProxyServicer(generator_pb2_grpc.GeneratorServiceServicer):
                     await self._finish(context, aborting, err.reason == Reason.SLOW_READER)
                 except PassThrough as relay:
                     record.close(relay)
-                    relay.details = scope.scrub(relay.details)
+                    relay.scoped(scope.scrub)
                     log.info("generate_refused_by_replica", code=relay.code.name, error=relay.details)
                     await self._finish(context, relay.abort(context))
         finally:
@@ -96,7 +96,7 @@ class ProxyServicer(generator_pb2_grpc.GeneratorServiceServicer):
             await context.abort_with_status(to_status(err))  # pyright: ignore[reportAttributeAccessIssue]  # grpc's stubs lack it; it exists at run time
             raise AssertionError("unreachable: abort_with_status raises") from err
         except PassThrough as relay:
-            relay.details = scope.scrub(relay.details)
+            relay.scoped(scope.scrub)
             log.info("score_refused_by_replica", code=relay.code.name, error=relay.details)
             await relay.abort(context)
             raise AssertionError("unreachable: abort raises") from relay
@@ -202,14 +202,19 @@ class _Named:
             yield message
 
 
-def _shown(message: pb.GenerateResponse, scope: Scope) -> pb.GenerateResponse:
-    """`message` as the caller sees it: its `started` names the adapter by the caller's name
-    (a copy: a coalesced group's messages are shared by its requests)."""
-    if not scope.tenant or not message.HasField("started") or not message.started.adapter.name:
+def _shown(message: pb.GenerateResponse, scope: Scope, role: str) -> pb.GenerateResponse:
+    """`message` as the caller sees it: its `started` names the adapter by the caller's name; the
+    replica's address (HOST:PORT, the fleet's topology: GetStatus's rule) only to an admin, its
+    name (`replica_id`) to the fleet's callers too, and neither to a tenant; a copy, since a
+    coalesced group's messages are shared by its requests."""
+    if not message.HasField("started") or (role == ADMIN and not scope.tenant):
         return message
     shown = pb.GenerateResponse()
     shown.CopyFrom(message)
-    shown.started.adapter.name = scope.shown(message.started.adapter.name) or ""
+    if scope.tenant or ":" in shown.started.replica:
+        shown.started.replica = ""
+    if scope.tenant and message.started.adapter.name:
+        shown.started.adapter.name = scope.shown(message.started.adapter.name) or ""
     return shown
 
 
@@ -217,5 +222,5 @@ def _reply_shown(reply: pb.PushAdapterResponse, scope: Scope) -> pb.PushAdapterR
     if scope.tenant:
         reply.name = scope.shown(reply.name) or ""
         for result in reply.replicas:
-            result.message = scope.scrub(result.message)
+            result.message, result.address = scope.scrub(result.message), ""
     return reply

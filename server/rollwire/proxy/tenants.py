@@ -16,7 +16,9 @@ Invariants (`Scope`, applied by both doors at their edge, before anything else s
 - what a tenant reads back (a stream's `started`, GetStatus, /v1/models, load and unload
   replies, error sentences) names its own adapters unqualified and shared ones as they are;
   another tenant's names never appear, and asking for one is asking for one's own NAME: not
-  found, so a refusal never confirms that another tenant's name exists;
+  found, so a refusal never confirms that another tenant's name exists; every sentence a
+  tenant reads passes `Scope.scrub` (the doors', and a replica's relayed status with its
+  `google.rpc.Status` detail: routing/passthrough.py), which hides every other `A:B` in it;
 - the fleet's tokens see every name as the fleet holds it, qualified names included;
 - every publication that named an adapter (a push, a load, an upload, an unload), accepted or
   refused, is one `adapter_audit` log line saying who (tenant, role) did what to which
@@ -25,6 +27,7 @@ Invariants (`Scope`, applied by both doors at their edge, before anything else s
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -39,6 +42,12 @@ from rollwire.runtime.logs import get_logger
 
 log = get_logger(__name__)
 
+HIDDEN = "(hidden)"
+"""What a tenant reads in a sentence where another tenant's name or a replica's address stood."""
+_QUALIFIED = re.compile(
+    r"\[[0-9A-Fa-f:.]+\](?::\d+)?|(?<![\w.:\[-])(?P<tenant>[A-Za-z0-9][\w.-]*):(?P<name>[A-Za-z0-9][\w.-]*)"
+)
+"""`TENANT:NAME`, and `HOST:PORT` (a name, an IPv4 or a bracketed IPv6 address), wherever it stands in a sentence."""
 FLEET = "_fleet"
 """The `tenant` label of the fleet's own tokens (and of calls where auth is off): no tenant can
 be so named (NAME_RE starts with a letter or digit), so the label set is the configured
@@ -151,8 +160,12 @@ class Scope:
         return name if tenant == self.tenant else None
 
     def scrub(self, text: str) -> str:
-        """A sentence about the caller's own names, in its own words (its prefix dropped)."""
-        return text.replace(f"{self.tenant}{TENANT_SEPARATOR}", "") if self.tenant else text
+        """A sentence in a tenant's own words, whoever wrote it (the proxy, a replica relayed): its
+        own names unqualified, and every other `A:B` (another tenant's name, a replica's HOST:PORT)
+        replaced by HIDDEN, so nothing a replica puts in a sentence names what the tenant may not see."""
+        if not self.tenant:
+            return text
+        return _QUALIFIED.sub(lambda m: m["name"] if m["tenant"] and m["tenant"] == self.tenant else HIDDEN, text)
 
 
 def audit(

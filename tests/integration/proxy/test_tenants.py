@@ -6,7 +6,8 @@ does nothing of the fleet's, TRL's clients carry the token in the base URL as Ba
 who published what is in the audit log and the tenant metrics, never a token.
 
 One replica and one proxy (auth on, two tenants, the door), shared by this module's tests in
-order: the gRPC test publishes first, the HTTP test after it."""
+order: the gRPC test publishes first, the HTTP test after it, the hostile test (audit
+2026-12-07 S7, S8, S13) last, on what both left."""
 
 from __future__ import annotations
 
@@ -26,7 +27,13 @@ from rollwire.v1 import generator_pb2 as pb
 
 pytestmark = pytest.mark.integration
 
-TOKENS = {"admin": "tok-admin-91c2", "a-pub": "tok-a-pub-4e7d", "a-gen": "tok-a-gen-0b3f", "b-pub": "tok-b-pub-c5a8"}
+TOKENS = {
+    "admin": "tok-admin-91c2",
+    "gen": "tok-fleet-gen-77e1",  # the fleet's generate role (no tenant's)
+    "a-pub": "tok-a-pub-4e7d",
+    "a-gen": "tok-a-gen-0b3f",
+    "b-pub": "tok-b-pub-c5a8",
+}
 PROMPT = [5, 17, 33, 40, 12]
 
 
@@ -50,6 +57,7 @@ def fleet(tiny_model, tmp_path_factory):
         work, "tn", [gen],
         "--http-port", "0", "--http-model", str(tiny_model), "--http-adapter-root", str(root),
         "--set", f"auth.admin_tokens_file={work / 'admin.token'}",
+        "--set", f"auth.generate_tokens_file={work / 'gen.token'}",
         "--set", f"tenants={json.dumps(tenants)}",
         "--set", "http.load_answer=committed",
     )  # fmt: skip
@@ -245,6 +253,62 @@ def test_over_http_trls_clients_carry_each_tenants_token_in_the_base_url(fleet):
     assert ("team-b", "publish", "unload", "trl-policy", "ok") in loads
     assert ("_fleet", "admin", "push", "shared-sft", "ok") in loads
     assert ("team-a", "publish", "push", "policy", "refused") in loads  # the conflicting overwrite
+
+
+def test_hostile_a_tenant_reads_no_other_tenants_names_nor_the_topology_and_writes_no_shared_name(fleet):
+    """Audit 2026-12-07: S7 (a tenant loaded versions under the base model's id, which every
+    tenant was then served), S8 (an unknown name's NOT_FOUND listed every adapter, another
+    tenant's too, and the trailer's google.rpc.Status carried the unscrubbed sentence) and S13
+    (the replicas' addresses in /server_info for the fleet's generate token and in `started`,
+    every tenant's names in a metrics label). Collateral: the other tenant's requests and pushes
+    succeed around it."""
+    from grpc_status import rpc_status
+
+    proxy = fleet["proxy"]
+    url = {who: proxy.http_url.replace("http://", f"http://{who}:{TOKENS[who]}@") for who in TOKENS}
+    base = requests.get(f"{url['a-pub']}/v1/models", timeout=10).json()["data"][0]["id"]
+    folder = fleet["root"] / "team-a" / "as-base"
+    peft_folder(fleet["model"], folder, 30)
+    for who in ("a-pub", "admin"):  # S7: the base model's id names the base model, for everyone
+        load = requests.post(
+            f"{url[who]}/v1/load_lora_adapter", json={"lora_name": base, "lora_path": str(folder)}, timeout=30
+        )
+        assert load.status_code == 400 and load.json()["error"]["reason"] == "BAD_ADAPTER_NAME", load.text
+    assert base not in seen(fleet, "admin") and base not in seen(fleet, "b-pub")
+
+    score = pb.ScoreRequest(sequences=[pb.ScoreSequence(prompt_token_ids=PROMPT, continuation_token_ids=[7, 8])])
+    for who in ("b-pub", "gen"):  # S8: neither the sentence nor its Status detail names another tenant's adapter
+        for version in (0, 1):  # unpinned: the proxy's own answer; pinned: the replica's, relayed
+            score.adapter.name, score.adapter.version = "no-such-name", version
+            for call in (
+                lambda v=version, w=who: greedy(fleet, w, "no-such-name", v),
+                lambda w=who: fleet["stub"].Score(score, metadata=meta(w), timeout=30),
+            ):
+                err = refused(call)
+                assert (err.code(), reason(err)) == (grpc.StatusCode.NOT_FOUND, "ADAPTER_NOT_FOUND"), err.details()
+                status = rpc_status.from_call(err)  # pyright: ignore[reportArgumentType]
+                assert status is not None and status.message == err.details()  # one sentence, both places
+                for shown in (err.details() or "", status.message):
+                    assert "extra" not in shown and "team-a" not in shown and "policy" not in shown, shown
+                    assert fleet["gen"].target not in shown, shown
+
+    started, _ = greedy(fleet, "a-gen", "policy")  # S13: the replica is an admin's to know
+    assert started.replica == "" and started.adapter.name == "policy"
+    assert greedy(fleet, "admin", "team-a:policy")[0].replica == "tn1"
+    for who in ("gen", "a-gen"):
+        info = requests.get(f"{url[who]}/server_info", timeout=10).json()
+        assert info["rollwire"]["replicas"] == [], info
+    assert requests.get(f"{url['admin']}/server_info", timeout=10).json()["rollwire"]["replicas"]
+    reply, _ = push(fleet, "a-pub", "extra", 2, seed=31)  # collateral: a tenant's push goes on
+    assert [(r.code, r.address) for r in reply.replicas] == [("OK", "")]
+    text = proxy.metrics()
+    versions = [line for line in text.splitlines() if line.startswith("rollwire_proxy_replica_adapter_version{")]
+    assert versions and not any("team-a:policy" in v or "team-b:policy" in v for v in versions), versions
+    labels = f'adapter="team-a:*",replica="{fleet["gen"].target}"'
+    assert metric_value(text, "rollwire_proxy_replica_adapter_version", labels) == 2
+
+    b_started, _ = greedy(fleet, "b-pub", "policy")  # collateral: the other tenant is served its own
+    assert (b_started.adapter.name, b_started.adapter.version) == ("policy", 1)
 
 
 def _json(line: str) -> dict | None:

@@ -448,5 +448,5 @@ class ReplicaSet:
             m.conflicts.labels(a).set(len(replica.conflicts))
             m.in_flight.labels(a).set(replica.in_flight)
             for name in replica.versions:
-                m.versions.labels(a, name).set(replica.newest(name))
+                m.confirmed(a, replica.versions, name)
         self.on_change()

@@ -198,7 +198,7 @@ def _vllm_routes(app: FastAPI, door: Door) -> None:
     async def server_info(request: Request) -> JSONResponse:
         _authorize(door, request, GENERATE)
         info = door.server_info()
-        if request.state.scope.tenant:  # the fleet's topology is not a tenant's to read
+        if request.state.role != ADMIN:  # the fleet's topology is an admin's to read (GetStatus's rule)
             info["rollwire"]["replicas"] = []
         return JSONResponse(info)
 

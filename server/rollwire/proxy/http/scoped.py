@@ -9,7 +9,8 @@ from typing import TYPE_CHECKING, Any
 
 from fastapi import Request
 
-from rollwire.common.errors import RollwireError
+from rollwire.common.errors import InvalidArgument, RollwireError
+from rollwire.common.reasons import Reason
 from rollwire.proxy.http.dialect.names import model_id, parse_model
 from rollwire.proxy.tenants import Scope, audit
 from rollwire.runtime.security import ADMIN
@@ -27,12 +28,19 @@ def scope_of(request: Request) -> Scope:
 async def publication(door: Door, request: Request, action: str, lora_name: str) -> AsyncIterator[tuple[str, list]]:
     """A load, upload or unload of `lora_name` by this request's caller: yields the name as the
     fleet holds it (a tenant's own: tenants.Scope.own) and a list the route appends its answer
-    to; audited (tenants.audit) however it ends."""
+    to; audited (tenants.audit) however it ends. No caller loads under the base model's id (a
+    tenant would write the shared namespace with it, audit S7): INVALID_ARGUMENT BAD_ADAPTER_NAME."""
     scope, role = scope_of(request), getattr(request.state, "role", ADMIN)
     name, adapter, done = lora_name, lora_name, []
     metrics = door.core.state.metrics.tenant_publishes
     try:
-        if scope.tenant and lora_name not in door.base_names:
+        if lora_name in door.base_names and action != "unload":  # the unload route refuses it in its own words
+            raise InvalidArgument(
+                f"lora_name {lora_name[:80]!r} is the base model's id, which names the base model on this server; "
+                "load the adapter under a name of its own",
+                reason=Reason.BAD_ADAPTER_NAME,
+            )
+        if scope.tenant and lora_name not in door.base_names:  # every write of a tenant is of its own names
             ref = parse_model(lora_name, frozenset())
             adapter = scope.own(ref.name)
             name = model_id(adapter, ref.version) if ref.version else adapter

@@ -378,7 +378,7 @@ class FanOut:
             result = by_address.get(address) or ReplicaCall(o.replica, o.code, o.message, o.reason)
             self.metrics.pushes.labels(address, result.code.name).inc()
             if result.ok:
-                self.metrics.versions.labels(address, pub.manifest.name).set(o.replica.newest(pub.manifest.name))
+                self.metrics.confirmed(address, o.replica.versions, pub.manifest.name)
             results.append(result)
         return results
 

@@ -89,11 +89,22 @@ def resolve(request: pb.GenerateRequest, replicas: ReplicaSet) -> Need:
             reason=Reason.ADAPTER_UNLOADED,
         )
     version = request.adapter.version or _newest_shown(name, replicas)
+    if not version and not _known(name, replicas):  # the proxy's own answer: no replica lists its adapters to a caller
+        raise NotFound(
+            f"no adapter named {name!r} is served by this fleet; push or load it first (GetStatus and /v1/models "
+            "list the adapters you may name)",
+            reason=Reason.ADAPTER_NOT_FOUND,
+        )
     if version and (any(r.holds(name, version) for r in replicas.routable()) or replicas.coming(name, version)):
         if not request.adapter.follow:
             request.adapter.version = version
         return Need(name, version)
     return Need(any_replica=True)
+
+
+def _known(name: str, replicas: ReplicaSet) -> bool:
+    """Does the fleet hold `name` at all: a spooled version, or one some member reports?"""
+    return bool(replicas.spool.versions(name)) or any(name in r.versions for r in replicas.all())
 
 
 def _newest_shown(name: str, replicas: ReplicaSet) -> int:

@@ -2,10 +2,14 @@
 
 A client cannot tell the proxy from a replica, so a refusal the replica decided (a bad
 request, an unknown adapter, a push for the wrong base model) reaches the client with the
-replica's code, sentence and `google.rpc` details (ErrorInfo reason, RetryInfo, ...).
+replica's code, sentence and `google.rpc` details (ErrorInfo reason, RetryInfo, ...), the
+sentence in the caller's words (`scoped`: a tenant's, tenants.Scope.scrub) in both places it
+travels.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import grpc
 
@@ -20,6 +24,24 @@ class PassThrough(Exception):
         self.code = exc.code()
         self.details = exc.details() or ""
         self.trailers = tuple((k, v) for k, v in (exc.trailing_metadata() or ()) if k == DETAILS_KEY)
+
+    def scoped(self, scrub: Callable[[str], str]) -> PassThrough:
+        """The same status in one caller's words (tenants.Scope.scrub), its sentence and the
+        `google.rpc.Status` detail that repeats it rewritten together, so neither carries what
+        the other leaves out; a detail that does not parse is dropped, never sent as it came."""
+        from google.rpc import status_pb2
+
+        self.details = scrub(self.details)
+        trailers = []
+        for key, value in self.trailers:
+            try:
+                status = status_pb2.Status.FromString(value if isinstance(value, bytes) else value.encode())
+            except ValueError:
+                continue
+            status.message = self.details
+            trailers.append((key, status.SerializeToString()))
+        self.trailers = tuple(trailers)
+        return self
 
     async def abort(self, context: grpc.aio.ServicerContext) -> None:
         await context.abort(self.code, self.details, self.trailers)
