@@ -22,7 +22,6 @@ from support.wire import make_adapter, peft_reference
 
 from rollwire.common.errors import InvalidArgument
 from rollwire.common.lora import LoraShape
-from rollwire.generator import detokenize
 from rollwire.generator.detokenize import TextStream, backend
 from rollwire.generator.engines.embedded import transformers_engine as te
 from rollwire.generator.engines.embedded.lora import LoraSet
@@ -116,32 +115,27 @@ def test_text_stream_releases_whole_characters_and_matches_a_full_decode():
     assert all("\ufffd" not in d for d in deltas)
     assert any(d == "" for d in deltas[:-2])  # some token ended inside a character and waited
     assert deltas[-1] == ""  # an id the tokenizer does not know adds nothing
-    assert stream.tail == "é 語"  # the last `keep` characters
+    assert stream.tail.endswith("é 語")  # at least the last `keep` characters
     chunked = TextStream(tok)
     assert "".join(chunked.add(ids[i : i + 3]) for i in range(0, len(ids), 3)) == "".join(deltas)
 
 
-def test_text_stream_recovers_when_decode_stream_cannot_extend_its_text(monkeypatch):
+def test_text_stream_recovers_when_the_window_cannot_extend_its_text():
+    """A decoder whose window no longer extends what it decoded before (here: once, at the third
+    token) costs one decode of the whole sample; the text is still the decode, never taken back."""
     tok = _byte_level_tokenizer()
     ids = tok.encode("héllo wörld café").ids
-    real = detokenize.DecodeStream
     calls = {"n": 0}
 
-    class Flaky:
-        """DecodeStream that raises InvalidPrefix on its third step."""
-
-        def __init__(self, *args, **kwargs):
-            self.inner = real(*args, **kwargs)
-
-        def step(self, tokenizer, new):
+    class Rewriting:
+        def decode(self, some, skip_special_tokens=True):
             calls["n"] += 1
-            if calls["n"] == 3:
-                raise Exception("Invalid prefix encountered while decoding stream")
-            return self.inner.step(tokenizer, new)
+            text = tok.decode(some, skip_special_tokens=skip_special_tokens)
+            return "?" + text if calls["n"] == 4 and some != ids[: len(some)] else text
 
-    monkeypatch.setattr(detokenize, "DecodeStream", Flaky)
-    stream = TextStream(tok)
-    assert "".join(stream.add(i) for i in ids) == "héllo wörld café"
+    stream = TextStream(Rewriting())  # pyright: ignore[reportArgumentType]  # duck-typed: decode only
+    out = "".join(stream.add(i) for i in ids) + stream.finish()
+    assert out == "héllo wörld café"
 
 
 def test_the_tiny_models_char_tokenizer(tiny_model):

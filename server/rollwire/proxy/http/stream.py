@@ -190,10 +190,16 @@ class _Events:
         """The events one core message becomes, one choice each (none: nothing to show yet)."""
         body, group = self.body, self.group
         choices = []
-        for index, chunk, finish in group.apply(message):
+        added = group.apply(message)
+        ending = {index for index, _, finish in added if finish}  # text a stop string cuts is never sent
+        for index, chunk, finish in added:
             c = group.choices[index]
-            text = c.final_text(body.include_stop_str_in_output) if finish else "".join(c.text)
-            upto = len(text) if finish else max(self.sent_text[index], len(text) - self.holdback)
+            if index in ending:
+                text = c.final_text(body.include_stop_str_in_output)
+                upto = len(text) if finish else min(len(text), max(self.sent_text[index], len(text) - self.holdback))
+            else:
+                text = "".join(c.text)
+                upto = max(self.sent_text[index], len(text) - self.holdback)
             delta, self.sent_text[index] = text[self.sent_text[index] : upto], upto
             choices.append(_delta(body, self.chat, index, delta, chunk, finish, c, self.door.token_text))
         choices = _merge_finishes(choices, self.chat)

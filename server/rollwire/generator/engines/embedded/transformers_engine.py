@@ -468,21 +468,23 @@ class TransformersEngine(MemoryRules, ScoreRules):
         row.generated += 1
         row.last_token = token
         row.tokens.append(token)
-        events: list = [TokenDelta(row.index, [token], [logprob], row.text.add(token), row.version)]
+        delta = TokenDelta(row.index, [token], [logprob], row.text.add(token), row.version)
+        events: list = [delta]
         if group.req.sampling.return_kept:
-            events[0].kept.append(kept_set)
-        reason = self._finish_reason(row, token)
+            delta.kept.append(kept_set)
+        reason = self._finish_reason(row, token, delta.text)
         if reason is None:
             return events, False
+        delta.text += row.text.finish()  # the sample's text is now its tokens' whole decode
         events.append(SampleDone(row.index, reason, len(group.req.prompt_ids), row.generated))
         group.open_rows -= 1
         return events, True
 
-    def _finish_reason(self, row: _Row, token: int) -> str | None:
+    def _finish_reason(self, row: _Row, token: int, delta: str) -> str | None:
         params = row.group.req.sampling
         if token in self.eos_ids and not params.ignore_eos:
             return "eos"
-        if params.stop and any(row.text.tail.endswith(s) for s in params.stop if s):
+        if params.stop and row.text.found(params.stop, delta):
             return "stop"
         if row.generated >= params.max_new_tokens:
             return "length"

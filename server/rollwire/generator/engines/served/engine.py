@@ -89,6 +89,9 @@ class _NoText:
     def add(self, ids) -> str:
         return ""
 
+    def finish(self) -> str:
+        return ""
+
 
 NO_TEXT = cast(Callable[[], TextStream], _NoText)
 

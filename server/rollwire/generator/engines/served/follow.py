@@ -133,7 +133,7 @@ class FollowRun:
         for s in self.samples:
             reason = None if s.done else self._ended(s)
             if reason is not None:
-                events.append(self._done(s, reason))
+                events += self._done(s, reason, None, events)
             elif not s.done:
                 s.seam = len(s.out)
         return events
@@ -157,7 +157,7 @@ class FollowRun:
             if s.done:
                 continue
             if isinstance(ev, SampleDone):
-                out.append(self._done(s, ev.reason, None if self.split else ev.prompt_tokens))
+                out += self._done(s, ev.reason, None if self.split else ev.prompt_tokens, out)
             elif s.seam is not None and self._stop_len and len(s.out) - s.seam < self._stop_len:
                 out += self._across_seam(s, ev)
             else:
@@ -182,14 +182,25 @@ class FollowRun:
             assert s.seam is not None
             window = s.out[max(0, s.seam - self._stop_len + 1) :]
             if any(stop in window for stop in self.group.sampling.stop):
-                out.append(self._done(s, "stop"))
+                out += self._done(s, "stop", None, out)
                 break
         return out
 
-    def _done(self, s: _Sample, reason: str, prompt_tokens: int | None = None) -> SampleDone:
+    def _done(self, s: _Sample, reason: str, prompt_tokens: int | None, before: list[Event]) -> list[Event]:
+        """The sample's end, after `before` (the events going out with it): the rest of its text
+        (TextStream.finish, on its last TokenDelta there, else a delta of text alone), then SampleDone."""
         s.done = True
         prompt = len(self.group.prompt_ids) if prompt_tokens is None else prompt_tokens
-        return SampleDone(s.index, reason, prompt, len(s.tokens))
+        end: list[Event] = [SampleDone(s.index, reason, prompt, len(s.tokens))]
+        rest = s.text.finish()
+        if rest:
+            s.out += rest
+            last = before[-1] if before else None
+            if isinstance(last, TokenDelta) and last.sample_index == s.index:
+                last.text += rest
+            else:
+                end.insert(0, TokenDelta(s.index, [], [], rest, self.adapter.version))
+        return end
 
 
 _END = object()

@@ -73,11 +73,14 @@ class Choice:
     version: int = 0
     finish: str | None = None
     stop_reason: str | None = None
+    stop_end: int = 0
+    """Where the stop string that ended the sample ends in its text (vLLM cuts the text there: a
+    token may spell more after it)."""
 
     def final_text(self, keep_stop: bool) -> str:
         text = "".join(self.text)
-        if self.stop_reason and not keep_stop and text.endswith(self.stop_reason):
-            return text[: -len(self.stop_reason)]
+        if self.stop_reason:
+            return text[: self.stop_end if keep_stop else self.stop_end - len(self.stop_reason)]
         return text
 
 
@@ -117,7 +120,8 @@ class Group:
             c.finish = FINISH.get(done.finish_reason, "stop")
             if done.finish_reason == pb.FINISH_REASON_STOP:
                 text = "".join(c.text)
-                c.stop_reason = next((s for s in self.stop if text.endswith(s)), None)
+                ends = [(text.find(s) + len(s), s) for s in self.stop if s and s in text]
+                c.stop_end, c.stop_reason = min(ends) if ends else (0, None)
             added.append((done.sample_index, None, c.finish))
         return added
 
