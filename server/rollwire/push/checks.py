@@ -7,11 +7,14 @@ reload, a test).
 
 Invariants:
 - the safetensors header is bounded before it is parsed: with known base shapes by
-  HEADER_SLACK_BYTES + HEADER_BYTES_PER_TENSOR x the tensors expected, else MAX_HEADER_BYTES
-  and MAX_TENSORS; a bad header is refused before the rest of the payload arrives;
-- with the base model's linear shapes, the tensors are exactly PEFT's LoRA tensors of the
-  layers `target_modules` matches, of rank r, in F32, F16 or BF16; without them (a spool
-  reload), every tensor is a PEFT LoRA weight of rank r;
+  HEADER_SLACK_BYTES + HEADER_BYTES_PER_TENSOR x `expected_tensor_bound` (twice the tensors
+  expected, plus 64), else MAX_HEADER_BYTES and MAX_TENSORS; a bad header is refused before the
+  rest of the payload arrives;
+- with the base model's LoRA layers (`rollwire.generator.shapes`: nn.Linear and Conv1D, from the
+  model's own modules), the tensors are exactly PEFT's LoRA tensors of the layers
+  `target_modules` matches, of rank r, in F32, F16 or BF16; what PEFT writes that no such layer
+  takes (modules_to_save, MoE experts and routers) is refused by name (`unservable`); without
+  them (a spool reload), every tensor is a PEFT LoRA weight of rank r;
 - every float value is finite; a diverged adapter is never served;
 - the work is linear in the payload with capped header work, and runs off the event loop.
 """
@@ -82,9 +85,10 @@ def check_header(m: Manifest, data: bytes, base_shapes: dict[str, tuple[int, int
                 f"target_modules {list(m.lora.target_modules)[:8]} match no linear layer of the base model",
                 reason=Reason.BAD_LORA_CONFIG,
             )
+        bound = expected_tensor_bound(len(expected))
         limits = dict(
-            max_header=min(MAX_HEADER_BYTES, HEADER_SLACK_BYTES + HEADER_BYTES_PER_TENSOR * len(expected)),
-            max_tensors=len(expected),
+            max_header=min(MAX_HEADER_BYTES, HEADER_SLACK_BYTES + HEADER_BYTES_PER_TENSOR * bound),
+            max_tensors=bound,
         )
     else:
         expected, limits = None, dict(max_header=MAX_HEADER_BYTES, max_tensors=MAX_TENSORS)
@@ -184,11 +188,48 @@ async def check_tensors_async(m: Manifest, payload: bytes, base_shapes: dict[str
     await asyncio.to_thread(check_tensors, m, payload, base_shapes)
 
 
+def expected_tensor_bound(expected: int) -> int:
+    """Most tensors a header may list when `expected` are expected: room for what PEFT adds
+    beside them (experts, routers, modules_to_save), so a refusal can name those tensors rather
+    than count them; still linear in what the base model allows."""
+    return 2 * expected + 64
+
+
+def unservable(name: str) -> str | None:
+    """Why a tensor PEFT may write is not a LoRA weight of a layer this base model serves, in
+    words a user can act on; None for a plain LoRA A/B name (then its module is what is wrong)."""
+    module = name.removeprefix(PEFT_PREFIX)
+    if ".modules_to_save." in module or not module.endswith((".lora_A.weight", ".lora_B.weight")):
+        whole = module.split(".modules_to_save.")[0].removesuffix(".weight").removesuffix(".bias")
+        return (
+            f"tensor {name[:120]} is a whole module's weights ({whole[:80]}), as PEFT's modules_to_save (or "
+            "trainable_token_indices) writes them, not a LoRA weight; rollwire serves LoRA A/B weights only: "
+            "train without modules_to_save"
+        )
+    layer = module.rsplit(".lora_", 1)[0]
+    if ".experts" in layer:
+        return (
+            f"tensor {name[:120]} is a LoRA of a MoE model's expert weights ({layer[:80]}: PEFT's "
+            "target_parameters, which 'all-linear' adds for MoE models); rollwire does not serve LoRA on "
+            "experts yet: list the attention projections in target_modules (e.g. q_proj, k_proj, v_proj, o_proj) "
+            "and set target_parameters=[]"
+        )
+    if layer.endswith((".gate", ".router")):
+        return (
+            f"tensor {name[:120]} is a LoRA of a MoE router ({layer[:80]}), not of a linear layer; rollwire does "
+            "not serve LoRA on routers: leave the router out of target_modules / target_parameters"
+        )
+    return None
+
+
 def _check_expected_tensors(
     lora: LoraShape, tensors: dict[str, TensorEntry], expected: dict[str, tuple[int, int]]
 ) -> None:
     unexpected = sorted(set(tensors) - set(expected))
     missing = sorted(set(expected) - set(tensors))
+    why = next((w for w in map(unservable, unexpected) if w is not None), None)
+    if why is not None:
+        raise InvalidArgument(why, reason=Reason.TENSOR_MISMATCH)
     if unexpected or missing:
         raise InvalidArgument(
             f"adapter tensors do not match the base model and lora_config: "

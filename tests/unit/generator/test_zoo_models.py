@@ -1,0 +1,155 @@
+"""Real architectures (issue 49): the embedded engine over the model zoo (rollwire.demo.zoo: tiny
+random llama, qwen2, qwen3, mistral, gemma2/gemma3 with sliding windows, phi3, olmo2, gpt2,
+gpt_neox, qwen3_moe, mixtral; one byte-level BPE tokenizer trained here, ChatML template).
+
+Per architecture, in this process (no replica started: the engine is what is tested):
+- a seeded T=1 group's logprobs equal a teacher-forced forward of the base model, and with the
+  adapter PEFT writes for it (all-linear; the attention projections of a MoE model) those of the
+  PeftModel holding it, within 1e-4; the push checks (the replica's and the proxy's, one
+  function) accept that adapter against the layers derived from the model's own modules;
+- every sample's streamed text, concatenated, is `tokenizer.decode(ids, skip_special_tokens=True)`;
+  across the zoo the generated texts hold 1- to 4-byte characters and special tokens.
+Refused by name: a MoE model's expert and router LoRA (PEFT's target_parameters), modules_to_save.
+"""
+
+from __future__ import annotations
+
+import pytest
+import pytest_asyncio
+import torch
+from support.engines import collect, forward_logprobs
+from support.zoo import ARCHS, MOE, attention_targets, peft_adapter
+
+from rollwire.common.errors import InvalidArgument
+from rollwire.demo.zoo import build_zoo
+from rollwire.generator.engines.embedded import transformers_engine as te
+from rollwire.generator.shapes import base_linear_shapes
+from rollwire.generator.types import AdapterSelection, GroupRequest, SamplingParams
+from rollwire.push.checks import check_payload
+
+TOL = 1e-4
+PROMPT = [{"role": "user", "content": "Héllo wörld, 日本 😀 — привет 🚀!"}]
+SEEN: dict[str, set] = {"bytes": set(), "special": set()}
+"""What the generated texts held, over every architecture (checked by the last test)."""
+
+
+@pytest.fixture(scope="module")
+def zoo(tmp_path_factory):
+    return build_zoo(tmp_path_factory.mktemp("zoo"))
+
+
+@pytest_asyncio.fixture(scope="module", params=ARCHS)
+async def arch(request, zoo):
+    """(name, model folder, engine) of one architecture, its engine started once."""
+    engine = te.TransformersEngine(zoo[request.param], max_batch_rows=16, threads=1)
+    await engine.start()
+    yield request.param, zoo[request.param], engine
+    await engine.close()
+
+
+def group(engine, adapter: AdapterSelection = AdapterSelection(), **sampling) -> GroupRequest:
+    prompt = engine.tokenize(engine.tokenizer.apply_chat_template(PROMPT, add_generation_prompt=True, tokenize=False))
+    params = dict(max_new_tokens=24, temperature=1.0, seed=7, ignore_eos=True) | sampling
+    return GroupRequest("zoo", prompt, 4, SamplingParams(**params), adapter)
+
+
+def check_text(engine, out: dict) -> None:
+    """Each sample's text is the decode of its ids; note what the texts held."""
+    specials = set(engine.tokenizer.all_special_ids)
+    for i, ids in out["tokens"].items():
+        assert out["text"][i] == engine.tokenizer.decode(ids, skip_special_tokens=True), i
+        SEEN["bytes"] |= {len(c.encode()) for c in out["text"][i]}
+        SEEN["special"] |= specials & set(ids)
+
+
+def assert_logprobs(reference, g: GroupRequest, out: dict) -> float:
+    worst = 0.0
+    for i, ids in out["tokens"].items():
+        want = forward_logprobs(reference, g.prompt_ids, ids)
+        worst = max(worst, float((torch.tensor(out["logprobs"][i]) - want).abs().max()))
+    assert worst < TOL
+    return worst
+
+
+async def test_base_logprobs_and_text(arch):
+    _, folder, engine = arch
+    from transformers import AutoModelForCausalLM
+
+    reference = AutoModelForCausalLM.from_pretrained(folder).eval()
+    g = group(engine)
+    out = await collect(engine, g)
+    assert sorted(out["done"]) == [0, 1, 2, 3] and all(len(t) == 24 for t in out["tokens"].values())
+    assert_logprobs(reference, g, out)
+    check_text(engine, out)
+
+
+async def test_the_adapter_peft_writes_is_accepted_and_served_exactly(arch):
+    name, folder, engine = arch
+    targets = attention_targets(name) if name in MOE else "all-linear"
+    adapter = peft_adapter(folder, seed=3, target_modules=targets, lora_alpha=16)
+    manifest = adapter.manifest(f"zoo-{name}")
+    check_payload(manifest, adapter.payload, base_linear_shapes(folder))  # the push's checks, replica and proxy
+    handle = f"{name}-1"
+    await engine.load_adapter(handle, manifest, adapter.payload)
+    try:
+        g = group(engine, AdapterSelection(manifest.name, 1, handle), seed=11, temperature=0.9, top_k=40)
+        out = await collect(engine, g)
+        with torch.no_grad(), adapter.model.disable_adapter():
+            base_only = forward_logprobs(adapter.model, g.prompt_ids, out["tokens"][0], 0.9, 40)
+        with torch.no_grad():
+            with_lora = forward_logprobs(adapter.model, g.prompt_ids, out["tokens"][0], 0.9, 40)
+        assert (with_lora - base_only).abs().max() > 1e-2  # the adapter really changes the numbers
+        for i, ids in out["tokens"].items():
+            want = forward_logprobs(adapter.model, g.prompt_ids, ids, 0.9, 40)
+            assert (torch.tensor(out["logprobs"][i]) - want).abs().max() < TOL, i
+        check_text(engine, out)
+    finally:
+        await engine.unload_adapter(handle)
+
+
+async def test_a_stop_string_across_token_seams_ends_the_sample_at_the_token_completing_it(arch):
+    _, _, engine = arch
+    free = await collect(engine, group(engine, seed=5, max_new_tokens=32))
+    ids = free["tokens"][0]
+    pieces = [engine.tokenizer.decode(ids[:k], skip_special_tokens=True) for k in range(len(ids) + 1)]
+    stop = next((span for k in range(len(ids) // 4, len(ids)) if (span := seam_span(pieces, k))), None)
+    if stop is None:
+        pytest.skip("the sample's text has no clean span to stop on")
+    end = next(k for k in range(len(pieces)) if stop in pieces[k])  # the first token whose text completes it
+    out = await collect(engine, group(engine, seed=5, max_new_tokens=32, stop=(stop,)))
+    assert out["done"][0].reason == "stop"
+    assert out["tokens"][0] == ids[:end]
+    assert out["text"][0] == pieces[end]  # the whole decode, whatever the last token spells after the stop
+
+
+def seam_span(pieces: list[str], k: int) -> str | None:
+    """Three characters of the text across the seam after token k (one before it, two after),
+    with no replacement character, found nowhere earlier: a stop string no single token spells."""
+    text, start = pieces[-1], len(pieces[k])
+    span = text[start - 1 : start + 2]
+    if start < 1 or not text.startswith(pieces[k]) or len(span) < 3 or "\ufffd" in span or span in text[: start + 1]:
+        return None
+    return span
+
+
+def test_generated_texts_held_characters_of_every_width_and_special_tokens():
+    """Across the zoo's generations (the tests above, which ran first): 1- to 4-byte characters and
+    special tokens, so the text checks covered byte-split UTF-8 and specials mid-stream."""
+    if not SEEN["bytes"]:
+        pytest.skip("run with the tests above")
+    assert SEEN["bytes"] >= {1, 2, 3, 4}, SEEN
+    assert SEEN["special"], SEEN
+
+
+# -- refused by name ---------------------------------------------------------------------------
+@pytest.mark.parametrize("name", sorted(MOE))
+def test_expert_and_router_lora_is_refused_by_name(zoo, name):
+    adapter = peft_adapter(zoo[name], seed=4, target_modules="all-linear")
+    with pytest.raises(InvalidArgument, match=r"MoE (model's expert weights|router).*target_parameters"):
+        check_payload(adapter.manifest(), adapter.payload, base_linear_shapes(zoo[name]))
+
+
+def test_modules_to_save_is_refused_by_name(zoo):
+    adapter = peft_adapter(zoo["llama"], seed=5, target_modules=["q_proj"], modules_to_save=["lm_head"])
+    with pytest.raises(InvalidArgument, match="modules_to_save"):
+        check_payload(adapter.manifest(), adapter.payload, base_linear_shapes(zoo["llama"]))
