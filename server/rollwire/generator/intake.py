@@ -156,7 +156,7 @@ class PushIntake:
             check_stripe(first.stripe, stage_only=first.stage_only)
             joining = self.slots.assembly_of(first.manifest)
         if joining is None:  # a stripe of a version being assembled shares its slot
-            self.slots.admit()
+            self.slots.admit(first.manifest.name)
             stream.admitted = True
         check_manifest(manifest, fingerprint=self.fingerprint, max_bytes=lim.max_adapter_bytes)
         self.trust.check(first.manifest)  # every route (push, relay, heal, catch-up) opens here
@@ -262,7 +262,7 @@ class PushIntake:
     def _close(self, stream: _Stream) -> None:
         stream.reader.close()
         if stream.admitted:
-            self.slots.free()
+            self.slots.free(stream.reader.manifest.name if stream.reader.manifest is not None else "")
         if stream.attached is not None:
             self.slots.detach(stream.attached)
         self.metrics.pushes.labels(stream.code.name).inc()

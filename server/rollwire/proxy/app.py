@@ -26,7 +26,7 @@ from rollwire.proxy.policies import make_policy
 from rollwire.proxy.publish.fanout import FanOut
 from rollwire.proxy.publish.peers import Peers
 from rollwire.proxy.routing.dispatch import Dispatcher
-from rollwire.proxy.routing.shares import Shares
+from rollwire.proxy.routing.shares import Shares, check_spool_quota
 from rollwire.proxy.servicer import ProxyServicer
 from rollwire.proxy.spool import Spool
 from rollwire.proxy.upstream import peer_dialer, upstream_dialer
@@ -102,6 +102,7 @@ async def start_proxy(config: ProxyConfig) -> RunningProxy:
     upstream = upstream_dialer(config.upstream, keepalive)
     replicas = ReplicaSet(config, spool, metrics, on_change, upstream)
     shares = Shares(config.tenants, routing.retry_after_s)  # tenants' weights and quotas
+    spool.charge = lambda m: check_spool_quota(shares, spool, config.spool.keep_versions, m)  # uploads in flight too
     dispatcher = Dispatcher(replicas, make_policy(config.policy, routing), routing, metrics, config.fairness, shares)
     proxy_id = config.proxy_id or default_proxy_id(config.host, endpoint.port)
     spool.lineages.origin = proxy_id  # in the stamps of its unloads, which peers merge

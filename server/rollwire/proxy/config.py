@@ -110,6 +110,13 @@ class SpoolSection(PushLimits):
     """Newest versions of each adapter kept for catch-up (set it to the replicas' adapter_keep, the versions a caller
     may name)."""
     upload_idle_timeout_s: float = push_idle_field()
+    upload_timeout_s: float = Field(default=60.0, gt=0, le=86400)
+    """The total deadline of a client's upload, from its manifest to its last byte, is this plus its size at
+    `min_upload_bytes_per_s`; past it the push is refused (DEADLINE_EXCEEDED, PUSH_TOO_SLOW) and its reservation of
+    spool room (and its replicas' push slots) freed, however steadily it trickles."""
+    min_upload_bytes_per_s: float = Field(default=1 << 20, gt=0)
+    """The slowest rate a client's upload may keep on average (see upload_timeout_s); 1 MiB/s by default, so a 1 GiB
+    adapter has 60 s + 17 min."""
 
 
 class PushSection(ForwardSection):
@@ -262,6 +269,10 @@ class HttpSection(Section):
     body_timeout_s: float = Field(default=60.0, gt=0)
     """Seconds a request body (JSON or an upload) has to arrive in full once its headers did; then the request is
     refused (400) and its connection closed."""
+    max_upload_bytes_in_flight: int = Field(default=0, ge=0)
+    """Bytes of /v1/upload_lora_adapter bodies the door holds in memory at once, every upload together (one tenant's
+    at most half); an upload that would pass it is refused (429 UPLOADS_FULL) before its bytes are read, each counted
+    from its Content-Length or as it arrives. 0 = twice spool.max_adapter_bytes."""
     keep_alive_s: float = Field(default=5.0, gt=0)
     """Seconds an idle connection is kept open between requests."""
     max_tokenizing: int = Field(default=2, ge=1)

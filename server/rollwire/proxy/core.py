@@ -156,7 +156,7 @@ class ProxyCore:
             work = check_score(request, self.state.config.score)
             if self.state.peers is not None and request.adapter.name and not request.adapter.version:
                 await self.state.peers.settled(request.adapter.name, max(0.0, deadline - time.monotonic()))
-            with self.state.dispatcher.admit(client, tenant) as admitted:
+            with self.state.dispatcher.admit(client, tenant, work) as admitted:  # its tokens, as a Generate's
                 reply = await ScoreRun(request, rid, deadline, self.state.dispatcher, admitted, work).answer()
             code = grpc.StatusCode.OK
             metrics.scored_tokens.inc(sum(len(s.continuation_token_ids) for s in request.sequences))

@@ -35,7 +35,7 @@ CODES = tuple(code.name for code in grpc.StatusCode)
 """Every gRPC code: the proxy's request counter starts with each at 0."""
 CLIENT_CODES = tuple(sorted(code.name for code in CLIENT_CAUSED))
 """The codes a client can cause (retries.CLIENT_CAUSED): client_errors_total starts with each."""
-CLIENT_LIMITS = ("in_flight", "queued_tokens", "slow_reader")
+CLIENT_LIMITS = ("in_flight", "queued_tokens", "slow_reader", "slow_upload")
 PUBLISH_ACTIONS = ("push", "load", "upload", "unload")
 """What a publication did (tenant_publishes_total): a gRPC push, an HTTP load by path, an upload, an unload."""
 MEMBER_REFUSALS = ("unproven", "canary", "floor")
@@ -140,7 +140,7 @@ class ProxyMetrics:
         )
         self.client_limited = counter(
             "client_limited_total",
-            "Requests refused or cut off by a per-client limit: in_flight, queued_tokens or slow_reader.",
+            "Requests refused or cut off by a per-client limit: in_flight, queued_tokens, slow_reader or slow_upload.",
             ["limit"],
         )
         self.clients = gauge("clients", "Client identities with requests open or queued at the proxy.")

@@ -16,6 +16,10 @@ Invariants:
 - at most `keep_versions` per name and `max_bytes` in all, counting the bytes of uploads in
   flight (reserved at the manifest, released on every exit); the newest version of a name
   is never evicted to make room for another name's version;
+- an upload in flight is charged to its tenant from its manifest on (`in_flight`, `charge`:
+  the tenant's spool quotas count it as a version it holds, so what a tenant reserves is
+  within its own quota), and has a total deadline (`upload_deadline_s`) besides the idle one,
+  so a trickle holds its reservation for a bounded time;
 - a full disk refuses a push, never the proxy: a version the disk has no room for (its free
   space less the uploads in flight) is refused at its manifest, and a write that still fails
   for want of space (another process filled the disk) ends that push; both with
@@ -90,6 +94,12 @@ class SpooledAdapter:
             ) from None
 
 
+def upload_deadline_s(size: int, base_s: float, min_bytes_per_s: float) -> float:
+    """How long an upload of `size` bytes may take in all, from its manifest: `base_s`, plus
+    its bytes at `min_bytes_per_s` (spool.upload_timeout_s, spool.min_upload_bytes_per_s)."""
+    return base_s + size / min_bytes_per_s
+
+
 @dataclass(eq=False)
 class Upload:
     """A received upload not yet committed: its manifest, its temporary file, and the spool
@@ -130,6 +140,11 @@ class Spool:
         self.quarantine_dir = folder / ".quarantine"
         self.reserved = 0
         """Bytes of uploads in flight, counted against max_bytes."""
+        self._in_flight: dict[Upload, tuple[str, int, int]] = {}
+        self.charge: Callable[[pb.AdapterManifest], None] | None = None
+        """A push's charge to its tenant (routing.shares.check_spool_quota, set by the proxy's
+        assembly), asked by `admit(charge=True)` just before the reservation, so no await lies
+        between the quota's check and the bytes it counts."""
         self.quarantined: list[tuple[str, int, str]] = []
         shutil.rmtree(self.incoming, ignore_errors=True)
         try:
@@ -156,19 +171,28 @@ class Spool:
     def holds(self, adapter: SpooledAdapter) -> bool:
         return adapter in self._by_name.get(adapter.name, [])
 
+    def in_flight(self, prefix: str = "") -> list[tuple[str, int, int]]:
+        """(name, version, bytes) of the uploads in flight now whose name starts with `prefix`."""
+        return [held for held in self._in_flight.values() if held[0].startswith(prefix)]
+
     def total_bytes(self) -> int:
         return sum(a.size for versions in self._by_name.values() for a in versions)
 
     # -- receiving ---------------------------------------------------------------------
-    def admit(self, m: pb.AdapterManifest, fingerprint: str | None) -> Upload:
-        """Check a manifest as a replica would (and against the spool's room), then reserve
-        its bytes; the upload's file is written by the push reader (push.reader.PushReader)."""
+    def admit(self, m: pb.AdapterManifest, fingerprint: str | None, charge: bool = False) -> Upload:
+        """Check a manifest as a replica would (and against the spool's room, and, with
+        `charge`, its tenant's quotas), then reserve its bytes, counted as the tenant's until
+        the upload ends; the upload's file is written by the push reader (push.reader.PushReader)."""
         self._check_manifest(m, fingerprint)
+        if charge and self.charge is not None:
+            self.charge(m)
         try:
             self.incoming.mkdir(exist_ok=True)  # it could not be made at start if the disk was full
         except OSError as exc:
             raise self.store_error(exc) from None
-        return Upload(m, self.incoming / f"{uuid.uuid4().hex}.part", self._reserve(m.byte_length))
+        upload = Upload(m, self.incoming / f"{uuid.uuid4().hex}.part")
+        upload.release = self._reserve(upload, m)
+        return upload
 
     async def receive(
         self,
@@ -218,11 +242,14 @@ class Spool:
         """The status for a failed write into the spool: DISK_FULL naming it, or STORE_FAILED."""
         return storage_error(exc, f"the proxy's adapter spool {self.folder}", ROOM_FIX)
 
-    def _reserve(self, size: int) -> Callable[[], None]:
+    def _reserve(self, upload: Upload, m: pb.AdapterManifest) -> Callable[[], None]:
+        size = m.byte_length
         self.reserved += size
+        self._in_flight[upload] = (m.name, m.version, size)
 
         def release() -> None:
             self.reserved -= size
+            self._in_flight.pop(upload, None)
 
         return release
 

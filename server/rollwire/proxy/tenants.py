@@ -69,8 +69,8 @@ class QuotaSection(Section):
     """Work (n x max_new_tokens) all the tenant's callers may have waiting in the proxy's queue (its first queued
     request is always accepted); 0 = only the per-client limit."""
     max_tokens_per_s: float = Field(default=0.0, ge=0)
-    """Work (n x max_new_tokens) the tenant may start per second, over a 10 s window (it may burst 10 s' worth);
-    0 = no limit."""
+    """Work the tenant may start per second (a Generate's n x max_new_tokens, a Score's prompt and continuation tokens),
+    over a 10 s window (it may burst 10 s' worth); 0 = no limit."""
 
 
 class TenantSection(Section):

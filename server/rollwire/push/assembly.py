@@ -24,12 +24,12 @@ import asyncio
 import mmap
 import threading
 import time
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
 from rollwire.common.errors import FailedPrecondition, InvalidArgument, ResourceExhausted, RollwireError
-from rollwire.common.manifest import identity
+from rollwire.common.manifest import TENANT_SEPARATOR, identity
 from rollwire.common.reasons import Reason
 from rollwire.common.writer import MAX_CHUNK, MAX_STRIPES, MIN_STRIPE_CHUNK
 from rollwire.push.buffers import BufferPool, Payload, payload_buffer
@@ -232,31 +232,50 @@ class PushSlots:
     version, `identity`: its sha256, or its BLAKE3 while the sha256 is left to the commit). `admit` takes a slot for a plain push (`free` gives it back); a striped
     version's first stream takes one with `admit` and hands it to its assembly (`assemble`),
     which holds it until `release`. Streams `attach` to the assembly while open and `detach`
-    when they end."""
+    when they end.
+
+    A tenant's pushes (its adapters' qualified names, `TENANT:NAME`) hold at most `share` of
+    the slots (all but one, when there are two or more), so a tenant whose pushes stall cannot
+    take every slot from another tenant's or the fleet's own (which are bounded by `limit` alone)."""
 
     def __init__(self, limit: int, linger_s: float, on_count: Callable[[int], None], holder: str = "replica") -> None:
         self.limit, self.linger_s, self.on_count, self.holder = limit, linger_s, on_count, holder
         self.active = 0
         """Slots taken now (at most `limit`, but for a moment while one is handed over)."""
+        self.share = max(1, limit - 1)
+        """Slots one owner's pushes may hold at once."""
+        self.by_owner: Counter[str] = Counter()
         self.assemblies: dict[tuple[str, int, str], Assembly] = {}
 
-    def admit(self) -> None:
-        """Take a slot: a free one, else the slot of an assembly none of whose stripes'
-        streams is open, else RESOURCE_EXHAUSTED (TOO_MANY_PUSHES)."""
+    def admit(self, name: str = "") -> None:
+        """Take a slot for a push of adapter `name`: a free one within its owner's share, else
+        the slot of an assembly none of whose stripes' streams is open, else RESOURCE_EXHAUSTED
+        (TOO_MANY_PUSHES)."""
+        owner = slot_owner(name)
+        if owner and self.by_owner[owner] >= self.share and not self._reclaim(owner):
+            raise ResourceExhausted(
+                f"this {self.holder} is receiving {self.by_owner[owner]} pushes of tenant {owner}'s adapters already "
+                f"(at most {self.share} of its {self.limit} push slots go to one tenant's); retry when one ends",
+                reason=Reason.TOO_MANY_PUSHES,
+                retry_after_s=1.0,
+            )
         if self.active >= self.limit and not self._reclaim():
             raise ResourceExhausted(
                 f"this {self.holder} is receiving {self.active} pushes already (limit {self.limit}); retry shortly",
                 reason=Reason.TOO_MANY_PUSHES,
                 retry_after_s=1.0,
             )
-        self._count(1)
+        self._count(1, owner)
 
-    def free(self) -> None:
-        """Give back the slot of a plain push."""
-        self._count(-1)
+    def free(self, name: str = "") -> None:
+        """Give back the slot of a plain push of adapter `name`."""
+        self._count(-1, slot_owner(name))
 
-    def _count(self, change: int) -> None:
+    def _count(self, change: int, owner: str) -> None:
         self.active += change
+        self.by_owner[owner] += change
+        if self.by_owner[owner] <= 0:
+            del self.by_owner[owner]
         self.on_count(self.active)
 
     def assembly_of(self, manifest: pb.AdapterManifest) -> Assembly | None:
@@ -292,9 +311,14 @@ class PushSlots:
             self.linger_s, self._drop, assembly, f"no stream of its missing stripes came within {self.linger_s:g}s"
         )
 
-    def _reclaim(self) -> bool:
-        """Free the slot of the assembly that has waited longest with no stream open; False if none."""
-        waiting = [a for a in self.assemblies.values() if not a.open_streams and not a.completed]
+    def _reclaim(self, owner: str | None = None) -> bool:
+        """Free the slot of the assembly (of `owner`'s, when given) that has waited longest with
+        no stream open; False if none."""
+        waiting = [
+            a
+            for a in self.assemblies.values()
+            if not a.open_streams and not a.completed and owner in (None, slot_owner(a.manifest.name))
+        ]
         if not waiting:
             return False
         self._drop(min(waiting, key=lambda a: a.orphaned_at), "another push needed its slot")
@@ -328,6 +352,12 @@ class PushSlots:
         if self._registered(assembly):
             m = assembly.manifest
             del self.assemblies[(m.name, m.version, identity(m))]
-            self._count(-1)
+            self._count(-1, slot_owner(m.name))
             if not assembly.completed:
                 assembly.fail(None)
+
+
+def slot_owner(name: str) -> str:
+    """Whose push slots a push of adapter `name` takes: its tenant (`TENANT:NAME`), or "" (the fleet's)."""
+    tenant, sep, _ = name.partition(TENANT_SEPARATOR)
+    return tenant if sep else ""

@@ -54,6 +54,7 @@ from rollwire.common.writer import MAX_CHUNK, messages
 from rollwire.proxy.core import ProxyState
 from rollwire.proxy.http.dialect.errors import HttpError
 from rollwire.proxy.http.dialect.names import ModelRef, model_id, parse_model
+from rollwire.proxy.http.edge.uploads import UploadBudget
 from rollwire.proxy.lineages import Lineages
 from rollwire.proxy.routing.shares import check_spool_quota
 from rollwire.proxy.tenants import Scope
@@ -70,6 +71,9 @@ class AdapterDoor:
 
     def __init__(self, state: ProxyState, adapter_root: str, max_adapter_bytes: int) -> None:
         self.state, self.max_bytes = state, max_adapter_bytes
+        budget = state.config.http.max_upload_bytes_in_flight or 2 * max_adapter_bytes
+        self.uploads = UploadBudget(budget, state.config.routing.retry_after_s)
+        """The bytes of uploads the door holds at once (edge.uploads: in all, and per tenant)."""
         self.root = Path(adapter_root).resolve() if adapter_root else None
         self._folder_fingerprint = ""
         self._locks: dict[str, tuple[asyncio.Lock, list[int]]] = {}

@@ -51,11 +51,12 @@ from rollwire.proxy.http.dialect.vocabulary import Asked, http_terms
 from rollwire.proxy.http.door import Door
 from rollwire.proxy.http.echo import echo_scores, wants_scoring
 from rollwire.proxy.http.edge.bodies import body_chunks, parse_body, read_body
-from rollwire.proxy.http.edge.uploads import read_form
+from rollwire.proxy.http.edge.uploads import Holding, read_form
 from rollwire.proxy.http.scoped import publication, scope_of, shown
 from rollwire.proxy.http.stream import stream_group
 from rollwire.proxy.metrics import HTTP_ROUTES
 from rollwire.proxy.routing.passthrough import PassThrough
+from rollwire.proxy.routing.shares import upload_room
 from rollwire.proxy.tenants import Scope
 from rollwire.runtime.logs import Throttled, get_logger
 from rollwire.runtime.security import ADMIN, GENERATE, PUBLISH, caller_identity
@@ -272,27 +273,20 @@ def _adapter_routes(app: FastAPI, door: Door) -> None:
         adapter_model.safetensors (the fields are named after them), and optionally
         rollwire-signature.json (a signed version, docs/security.md)."""
         _authorize(door, request, ADMIN)
-        adapters, http = door.adapters, door.config.http
-        limits = {
-            "lora_name": 1024,
-            CONFIG_FILE: MAX_CONFIG_BYTES,
-            WEIGHTS_FILE: adapters.max_bytes,
-            SIGNATURE_FILE: MAX_SIGNATURE_FILE_BYTES,
-        }
-        total = sum(limits.values()) + (64 << 10)  # the parts' headers and boundaries
-        chunks = body_chunks(request, total, http.body_timeout_s)
-        parts = await read_form(request.headers.get("content-type", ""), chunks, limits, total)
-        name = parts.pop("lora_name", b"").decode("utf-8", "replace")
-        if not name:
-            raise HttpError(
-                grpc.StatusCode.INVALID_ARGUMENT,
-                "lora_name is required",
-                reason=Reason.BAD_REQUEST_BODY,
-                param="lora_name",
-            )
-        config, payload, signed = await adapters.read_upload(parts.items())
-        async with publication(door, request, "upload", name) as (qualified, done):
-            done.append(await adapters.publish(qualified, config, payload, request.state.rid, signed))
+        adapters = door.adapters
+        with adapters.uploads.hold(scope_of(request).label) as holding:  # its bytes in the door's budget (S4)
+            parts = await _upload_parts(door, request, holding)
+            name = parts.pop("lora_name", b"").decode("utf-8", "replace")
+            if not name:
+                raise HttpError(
+                    grpc.StatusCode.INVALID_ARGUMENT,
+                    "lora_name is required",
+                    reason=Reason.BAD_REQUEST_BODY,
+                    param="lora_name",
+                )
+            config, payload, signed = await adapters.read_upload(parts.items())
+            async with publication(door, request, "upload", name) as (qualified, done):
+                done.append(await adapters.publish(qualified, config, payload, request.state.rid, signed))
         return JSONResponse(shown(request, done[0]))
 
     @app.post("/v1/unload_lora_adapter")
@@ -302,6 +296,38 @@ def _adapter_routes(app: FastAPI, door: Door) -> None:
         async with publication(door, request, "unload", body.lora_name) as (name, done):
             done.append(await door.adapters.unload(name, door.base_names))
         return JSONResponse(shown(request, done[0]))
+
+
+async def _upload_parts(door: Door, request: Request, holding: Holding) -> dict[str, bytes]:
+    """An upload's fields, its weights bounded by what the spool and the caller's tenant could
+    take now (routing.shares.upload_room) and its bytes by the door's upload budget, both
+    before its bytes are held: a declared Content-Length is checked and counted whole first."""
+    state, scope = door.core.state, scope_of(request)
+    room = upload_room(state.dispatcher.shares, state.spool, scope.tenant)
+    limits = {
+        "lora_name": 1024,
+        CONFIG_FILE: MAX_CONFIG_BYTES,
+        WEIGHTS_FILE: min(door.adapters.max_bytes, room),
+        SIGNATURE_FILE: MAX_SIGNATURE_FILE_BYTES,
+    }
+    slack = sum(limits.values()) - limits[WEIGHTS_FILE] + (64 << 10)  # the other parts, headers and boundaries
+    total = limits[WEIGHTS_FILE] + slack
+    no_room = HttpError(
+        grpc.StatusCode.RESOURCE_EXHAUSTED,
+        f"the proxy's spool can take at most {room} more bytes of adapters from this caller now (the room it has, "
+        "less uploads in flight, within the tenant's quotas: docs/deploy.md, Tenants), and this upload's weights are "
+        "larger; unload versions, push a smaller adapter, or retry when uploads in flight have ended",
+        reason=Reason.SPOOL_FULL,
+        retry_after_s=door.core.state.config.routing.retry_after_s,
+    )
+    declared = request.headers.get("content-length", "")
+    if room < door.adapters.max_bytes and declared.isdigit() and int(declared) > total:
+        raise no_room
+    if declared.isdigit() and int(declared) <= total:
+        holding.reach(int(declared))  # the whole declared body, before its first byte
+    chunks = body_chunks(request, total, door.config.http.body_timeout_s)
+    refusals = {WEIGHTS_FILE: no_room} if room < door.adapters.max_bytes else {}
+    return await read_form(request.headers.get("content-type", ""), chunks, limits, total, holding, refusals)
 
 
 def _openai_routes(app: FastAPI, door: Door) -> None:

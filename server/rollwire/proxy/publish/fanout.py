@@ -49,7 +49,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 
 import grpc
 
-from rollwire.common.errors import FailedPrecondition, Unavailable
+from rollwire.common.errors import DeadlineExceeded, FailedPrecondition, Unavailable
 from rollwire.common.manifest import manifest_from_pb
 from rollwire.common.reasons import Reason
 from rollwire.common.writer import MIN_STRIPE_CHUNK
@@ -61,7 +61,7 @@ from rollwire.proxy.publish.header_gate import HeaderGate
 from rollwire.proxy.publish.intake import Intake, Piece
 from rollwire.proxy.publish.peers import Peers
 from rollwire.proxy.publish.publication import Outcome, Publication, fence_conflicts, publication_reply
-from rollwire.proxy.spool import Spool, SpooledAdapter, Upload
+from rollwire.proxy.spool import Spool, SpooledAdapter, Upload, upload_deadline_s
 from rollwire.proxy.upstream import relay_credentials
 from rollwire.push.bulk import BulkDial, BulkListener
 from rollwire.push.checks import PayloadInspector
@@ -121,32 +121,36 @@ class FanOut:
         upload: Upload | None = None
         lock: asyncio.Lock | None = None
         intake: Intake | None = None
+        loop, budget = asyncio.get_running_loop(), asyncio.timeout(None)  # the upload's total deadline, once sized
         try:
-            first = await reader.open()
-            if first.relay.nodes or first.stage_only or first.stripe is not None:
-                raise FailedPrecondition(
-                    "a proxy plans its own relay and stripes, and stages and commits by itself: push without relay, "
-                    "stage_only and stripe (those are for replicas)",
-                    reason=Reason.PROXY_PUBLISHES,
-                )
-            first.manifest.name = self.spool.lineages.internal(first.manifest.name)  # its current lineage
-            fingerprint, base_shapes = self.replicas.push_basis(first.manifest.base_model_fingerprint)
-            upload = self.spool.admit(first.manifest, fingerprint)
-            name_lock = self._locks[first.manifest.name]
-            await name_lock.acquire()
-            lock = name_lock  # only once held: a caller cancelled while waiting releases nothing
-            self.spool.check_version(first.manifest)  # again: a publication of this name may have ended meanwhile
-            pub = self._start(first.manifest, base_shapes, request_id)
-            if send_metadata is not None:  # its hops ask for the bulk path only when its client did
-                pub.bulk = await reader.agree(first, self.bulk, send_metadata)
-            m = manifest_from_pb(first.manifest)
-            gate, inspector = HeaderGate(m, base_shapes), PayloadInspector(m, base_shapes)
-            intake = Intake(reader, gate, inspector, lambda: self._relay(pub, striped=True))
-            payload = await intake.take(upload.path)  # digests and tensors checked: the replicas' checks
-            upload.validated = True
-            took = round(time.monotonic() - pub.started, 4)
-            log.info("adapter_upload_received", adapter=m.name, version=m.version, path=reader.path, seconds=took)
-        except BaseException as exc:
+            async with budget:
+                first = await reader.open()
+                if first.relay.nodes or first.stage_only or first.stripe is not None:
+                    raise FailedPrecondition(
+                        "a proxy plans its own relay and stripes, and stages and commits by itself: push without relay, "
+                        "stage_only and stripe (those are for replicas)",
+                        reason=Reason.PROXY_PUBLISHES,
+                    )
+                first.manifest.name = self.spool.lineages.internal(first.manifest.name)  # its current lineage
+                fingerprint, base_shapes = self.replicas.push_basis(first.manifest.base_model_fingerprint)
+                upload = self.spool.admit(first.manifest, fingerprint, charge=True)  # the tenant's from here
+                name_lock = self._locks[first.manifest.name]
+                await name_lock.acquire()
+                lock = name_lock  # only once held: a caller cancelled while waiting releases nothing
+                budget.reschedule(loop.time() + self._upload_s(first.manifest))
+                self.spool.check_version(first.manifest)  # again: a publication of this name may have ended meanwhile
+                pub = self._start(first.manifest, base_shapes, request_id)
+                if send_metadata is not None:  # its hops ask for the bulk path only when its client did
+                    pub.bulk = await reader.agree(first, self.bulk, send_metadata)
+                m = manifest_from_pb(first.manifest)
+                gate, inspector = HeaderGate(m, base_shapes), PayloadInspector(m, base_shapes)
+                intake = Intake(reader, gate, inspector, lambda: self._relay(pub, striped=True))
+                payload = await intake.take(upload.path)  # digests and tensors checked: the replicas' checks
+                upload.validated = True
+                took = round(time.monotonic() - pub.started, 4)
+                log.info("adapter_upload_received", adapter=m.name, version=m.version, path=reader.path, seconds=took)
+        except BaseException as failure:
+            exc = self._too_slow(reader) if isinstance(failure, TimeoutError) and budget.expired() else failure
             if intake is not None:
                 intake.abort(f"the upload to the proxy failed: {exc}"[:300])
             reader.close()
@@ -154,6 +158,8 @@ class FanOut:
                 upload.discard()
             if lock is not None:
                 lock.release()
+            if exc is not failure:
+                raise exc from None
             raise
         spooled: asyncio.Future[SpooledAdapter] = asyncio.get_running_loop().create_future()
         task = asyncio.create_task(self._publish(pub, upload, payload, intake.held, intake.forward, lock, spooled))
@@ -163,6 +169,22 @@ class FanOut:
             m = pub.manifest  # its sha256 named by now, when the client left it to the proxy
             return pb.PushAdapterResponse(name=m.name, version=m.version, sha256=m.sha256)
         return await asyncio.shield(task)
+
+    def _upload_s(self, manifest: pb.AdapterManifest) -> float:
+        s = self.config.spool
+        return upload_deadline_s(manifest.byte_length, s.upload_timeout_s, s.min_upload_bytes_per_s)
+
+    def _too_slow(self, reader: PushReader) -> DeadlineExceeded:
+        m = reader.manifest
+        assert m is not None  # the deadline is set once the manifest was read
+        took = self._upload_s(m)
+        self.metrics.client_limited.labels("slow_upload").inc()
+        return DeadlineExceeded(
+            f"the upload of adapter {m.name!r} v{m.version} sent {reader.received} of its {m.byte_length} bytes in "
+            f"{took:.0f} s, its deadline (spool.upload_timeout_s + its size at spool.min_upload_bytes_per_s), so the "
+            "proxy cancelled it and freed what it held; push it again at a steady rate",
+            reason=Reason.PUSH_TOO_SLOW,
+        )
 
     def _reader(self, messages: AsyncIterator[pb.PushAdapterRequest]) -> PushReader:
         """A client's upload, both its digests checked: from here on they name the same bytes (push.digests)."""

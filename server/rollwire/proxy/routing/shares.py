@@ -24,7 +24,7 @@ Invariants:
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -111,8 +111,9 @@ class Shares:
             share.bucket = bucket
             wait = (min(work, capacity) - bucket) / rate
             raise self._over(
-                share, f"asked for more than its quota max_tokens_per_s of {rate:g} allows now (n x max_new_tokens "
-                f"= {work}, {bucket:.0f} left in its {RATE_WINDOW_S:g} s window); retry in {wait:.1f} s",
+                share, f"asked for more than its quota max_tokens_per_s of {rate:g} allows now ({work} tokens of work: a "
+                f"Generate's n x max_new_tokens, a Score's tokens; {bucket:.0f} left in its {RATE_WINDOW_S:g} s "
+                f"window); retry in {wait:.1f} s",
                 retry_after_s=max(self.retry_after_s, wait),
             )  # fmt: skip
         share.bucket = bucket - work
@@ -124,14 +125,34 @@ class Shares:
             retry_after_s=self.retry_after_s if retry_after_s is None else retry_after_s,
         )
 
-    def check_spool(self, held: list[tuple[str, int, int]], name: str, version: int, size: int, keep: int) -> None:
+    def check_spool(
+        self,
+        held: list[tuple[str, int, int]],
+        name: str,
+        version: int,
+        size: int,
+        keep: int,
+        in_flight: Sequence[tuple[str, int, int]] = (),
+        room: int = 0,
+    ) -> None:
         """May the spool take version `version` (`size` bytes) of `name` (qualified) for its
-        tenant, which holds `held` (name, version, bytes) now? Counted as the spool will hold it:
-        a name already at `keep` versions drops its oldest; a version already held is no new one."""
+        tenant, which holds `held` (name, version, bytes) now and has `in_flight` uploads (each
+        counted as a version it holds, from its manifest on: a reservation is the tenant's)?
+        Counted as the spool will hold it: a name already at `keep` versions drops its oldest;
+        a version already spooled is no new one. `room`: the most bytes one tenant's uploads in
+        flight may reserve together, whatever its quotas (0: no such bound)."""
         tenant, sep, _ = name.partition(TENANT_SEPARATOR)
         share = self.shares.get(tenant) if sep else None
         if share is None or any(n == name and v == version for n, v, _ in held):
             return
+        pending = sum(b for _, _, b in in_flight)
+        if room and pending + size > room:
+            raise self._over(
+                share, f"has {len(in_flight)} uploads of {pending} bytes in flight, and this one's {size} bytes would "
+                f"take them over the {room} bytes one tenant may reserve in the spool at once; let them finish first",
+                retry_after_s=self.retry_after_s,
+            )  # fmt: skip
+        held = [*held, *in_flight]
         quotas, mine = share.quotas, sorted((v, b) for n, v, b in held if n == name)
         dropped = mine[0][1] if len(mine) >= keep else None
         versions = len(held) + (0 if dropped is not None else 1)
@@ -172,8 +193,28 @@ def check_spool_quota(shares: Shares, spool: Spool, keep: int, manifest: pb.Adap
         return
     prefix = tenant + TENANT_SEPARATOR
     held = [(a.name, a.version, a.size) for n in spool.names() if n.startswith(prefix) for a in spool.versions(n)]
-    shares.check_spool(held, manifest.name, manifest.version, manifest.byte_length, keep)
+    room = int(spool.max_bytes * TENANT_UPLOAD_SHARE)
+    m = manifest
+    shares.check_spool(held, m.name, m.version, m.byte_length, keep, spool.in_flight(prefix), room)
 
 
+def upload_room(shares: Shares, spool: Spool, tenant: str) -> int:
+    """At most how many bytes one more version of `tenant`'s ("" : the fleet's) could be given
+    in the spool now: its room less the uploads in flight, and for a tenant its share of that
+    room and its max_spool_bytes, less its own uploads in flight. An upload larger is refused
+    before it is held (the HTTP door); the exact check is the spool's admission (`check_spool_quota`)."""
+    room = spool.max_bytes - spool.reserved
+    share = shares.shares.get(tenant) if tenant else None
+    if share is not None:
+        pending = sum(b for _, _, b in spool.in_flight(tenant + TENANT_SEPARATOR))
+        room = min(room, int(spool.max_bytes * TENANT_UPLOAD_SHARE) - pending)
+        if share.quotas.max_spool_bytes:
+            room = min(room, share.quotas.max_spool_bytes - pending)
+    return max(0, room)
+
+
+TENANT_UPLOAD_SHARE = 0.5
+"""The share of spool.max_bytes one tenant's uploads in flight may reserve at once (its quotas
+aside): whatever one tenant holds open, the other half of the spool takes others' pushes."""
 RATE_WINDOW_S = 10.0
 """The tokens/s quota is kept over this window: a tenant may burst this many seconds' worth."""
