@@ -84,12 +84,11 @@ class RunningProxy(Running):
 
 async def start_proxy(config: ProxyConfig) -> RunningProxy:
     """Listen at once; replicas join as their health checks and catch-ups succeed."""
-    check_peering(config)
+    check_credentials(config)
     routing = config.routing
     metrics = ProxyMetrics(config.policy, tenants=[t.name for t in config.tenants])
     keepalive = config.keepalive.keepalive()
     endpoint = listen("proxy", config, metrics.registry, [(t.name, t.token_files()) for t in config.tenants])
-    check_own_credentials(config, endpoint.auth)
     spool, owns_spool = _open_spool(config)
     serving = _ServingFlag(endpoint)
     dispatcher: Dispatcher | None = None
@@ -146,10 +145,17 @@ async def start_proxy(config: ProxyConfig) -> RunningProxy:
     return running
 
 
-def check_own_credentials(config: ProxyConfig, auth: TokenAuth | None) -> None:
+def check_credentials(config: ProxyConfig) -> None:
+    """What the proxy holds and sends, checked before it listens: its peering, its own credentials."""
+    check_peering(config)
+    check_own_credentials(config)
+
+
+def check_own_credentials(config: ProxyConfig) -> None:
     """No token the proxy sends its replicas (upstream.token_file, upstream.relay_token_file) is
     valid at this proxy, whatever file lists it: each replica holds them, and one replica must
     not be the fleet's admin, a tenant or a peer here (audit 2026-12-07 S2). Raises SystemExit."""
+    auth = TokenAuth.from_config(config.auth, [(t.name, t.token_files()) for t in config.tenants])
     if auth is None:
         return
     for setting, path in (

@@ -304,7 +304,6 @@ def test_replicas_learners_and_peers_each_hold_their_own_role(tmp_path):
 def test_the_config_loader_refuses_a_proxy_that_dials_replicas_with_a_token_it_accepts(tmp_path):
     from rollwire.proxy.app import check_own_credentials
     from rollwire.proxy.config import ProxyConfig
-    from rollwire.runtime.security import TokenAuth
 
     (tmp_path / "admin").write_text("op-1\n")
     (tmp_path / "also").write_text("rep-1\nop-1\n")
@@ -313,6 +312,6 @@ def test_the_config_loader_refuses_a_proxy_that_dials_replicas_with_a_token_it_a
         ProxyConfig.model_validate(same)
     config = ProxyConfig.model_validate({**same, "upstream": {"token_file": str(tmp_path / "also")}})
     with pytest.raises(SystemExit, match="upstream.token_file holds a token this proxy accepts with the admin role"):
-        check_own_credentials(config, TokenAuth.from_config(config.auth))
+        check_own_credentials(config)
     (tmp_path / "also").write_text("rep-1\n")
-    check_own_credentials(config, TokenAuth.from_config(config.auth))  # its own token: starts
+    check_own_credentials(config)  # its own token: starts
