@@ -186,8 +186,7 @@ def test_trl_vllm_client_and_its_workers_request(server, servers):
     folder = servers["root"] / "out" / ".vllm_lora" / name
     adapter = peft_folder(servers["model_dir"], folder, seed=31)
     client.pause()
-    paused = requests.get(server.url + "/is_paused", timeout=10).json()["is_paused"]
-    assert paused is (server.side == "vllm")  # rollwire: nothing needs pausing (docs/http.md)
+    assert requests.get(server.url + "/is_paused", timeout=10).json()["is_paused"] is True
     client.load_lora_adapter(name, str(folder))
     client.resume()
     assert requests.get(server.url + "/is_paused", timeout=10).json()["is_paused"] is False
@@ -303,22 +302,21 @@ def test_where_rollwire_differs_from_vllm_on_purpose(servers):
     assert not wrong, "\n".join(wrong)
 
 
-def test_pause_is_a_no_op_only_in_rollwire(servers):
-    """vLLM holds requests while paused; rollwire never pauses (docs/http.md, "Why nothing needs pausing")."""
+def test_a_pause_holds_new_requests_until_resume_on_both(servers):
+    """Both hold a request that comes while paused and answer it after /resume (docs/http.md,
+    "Pausing"; rollwire holds the caller's tenant only, which here is everyone)."""
     for side in SIDES:
         url = servers[side].url
         assert requests.post(url + "/pause", params={"mode": "keep"}, timeout=30).status_code == 200
         try:
-            assert requests.get(url + "/is_paused", timeout=10).json() == {"is_paused": side == "vllm"}
+            assert requests.get(url + "/is_paused", timeout=10).json() == {"is_paused": True}
             body = {"model": servers[side].model, "prompt": [5, 6], "max_tokens": 2}
-            if side == "rollwire":
-                assert post(url, "/v1/completions", body).status_code == 200
-            else:
-                with pytest.raises(requests.Timeout):  # held until resume
-                    requests.post(url + "/v1/completions", json=body, timeout=2)
+            with pytest.raises(requests.Timeout):  # held until resume
+                requests.post(url + "/v1/completions", json=body, timeout=2)
         finally:
             assert requests.post(url + "/resume", timeout=30).status_code == 200
         assert requests.get(url + "/is_paused", timeout=10).json() == {"is_paused": False}
+        assert post(url, "/v1/completions", body).status_code == 200
 
 
 def test_models_list_the_base_first_with_its_context(server, servers):

@@ -275,6 +275,15 @@ class HttpSection(Section):
     from its Content-Length or as it arrives. 0 = twice spool.max_adapter_bytes."""
     keep_alive_s: float = Field(default=5.0, gt=0)
     """Seconds an idle connection is kept open between requests."""
+    pause_max_s: float = Field(default=60.0, gt=0, le=3600)
+    """Seconds a tenant's /pause holds its new generation requests at most, if no /resume comes first (http/pause.py):
+    a publisher that died mid-sync holds its own tenant for at most this long."""
+    pacing_factor: float = Field(default=1.25, ge=0, le=100)
+    """Samples a lineage loaded through the door may start per version, as a multiple of what it can train on
+    (http/pacing.py: its requests in flight over its window of versions, learned from its loads and unloads); 0 turns
+    pacing off. Above 1 leaves a margin for a client that keeps fewer requests in flight than it trains on."""
+    pacing_hold_max_s: float = Field(default=0.5, gt=0, le=60)
+    """Seconds a paced request waits at most for its lineage's next load before it starts anyway."""
     max_tokenizing: int = Field(default=2, ge=1)
     """Chat prompts rendered and tokenized at once (on worker threads, the tokenizer releasing the GIL); more wait."""
     tokenizing_bytes_per_client: int = Field(default=4 * MiB, ge=1024)

@@ -190,6 +190,14 @@ class ProxyMetrics:
             "HTTP front door: from request arrival to its response's end.",
             ["route"],
         )
+        self.http_paused = counter(
+            "http_paused_requests_total",
+            "HTTP front door generation requests held at the door by their tenant's /pause until /resume (http/pause.py).",
+        )
+        self.http_paced = counter(
+            "http_paced_requests_total",
+            "HTTP front door generation requests held past their lineage's samples per version (http/pacing.py).",
+        )
         for route in (*HTTP_ROUTES, "other"):
             self.http_requests.labels(route, "200")
             self.http_latency.labels(route)

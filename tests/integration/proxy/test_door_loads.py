@@ -12,7 +12,10 @@
   (no 409), is served by its own weights only by either door (logprobs against a PEFT forward),
   and a restarted proxy keeps the map (issue 38, item 4);
 - an unload survives a proxy restart, refuses the bare name by either door, leaves /v1/models
-  and GetStatus, and unloading what never existed is vLLM's 404.
+  and GetStatus, and unloading what never existed is vLLM's 404;
+- a /pause holds the caller's new requests at the door until /resume, and then they are served
+  (http/pause.py; the per-tenant rule and the pacing of a lineage's samples are in
+  tests/unit/proxy/test_door_pacing.py).
 
 A replica is held mid-publication with SIGSTOP (a peer that vanishes without closing its
 socket), so "not yet committed when the answer came" is a fact of the test, not a race.
@@ -340,3 +343,30 @@ def test_an_unload_is_durable_and_refuses_the_bare_name(fleet):
     assert (
         ghost.status_code == 404 and ghost.json()["error"]["message"] == "The lora adapter 'ghost-v9' cannot be found."
     )
+
+
+def test_a_pause_holds_the_callers_new_requests_until_resume(fleet):
+    """TRL's sync pauses the door, saves and loads the next version, then resumes: what it asks
+    after its pause waits at the door (http/pause.py), nothing is refused, and the resume lets it go."""
+    url, proxy = fleet["proxy"].http_url, fleet["proxy"]
+    held = metric_value(proxy.metrics(), "rollwire_proxy_http_paused_requests_total")
+    bad = requests.post(url + "/pause", params={"mode": "freeze"}, timeout=30)
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "mode"
+    assert requests.post(url + "/pause", params={"mode": "keep"}, timeout=30).json() == {"status": "paused"}
+    try:
+        assert requests.get(url + "/is_paused", timeout=30).json() == {"is_paused": True}
+        with ThreadPoolExecutor(1) as pool:
+            answer = pool.submit(requests.post, url + "/v1/completions", json=trl_body(5), timeout=60)
+            wait_until(
+                lambda: metric_value(proxy.metrics(), "rollwire_proxy_http_paused_requests_total") == held + 1,
+                30,
+                "the door holds the request",
+            )
+            assert not answer.done()
+            assert requests.post(url + "/resume", timeout=30).json() == {"status": "resumed"}
+            reply = answer.result(timeout=60)
+        assert reply.status_code == 200, reply.text
+        assert len(reply.json()["choices"][0]["token_ids"]) == 8
+    finally:
+        requests.post(url + "/resume", timeout=30)
+    assert requests.get(url + "/is_paused", timeout=30).json() == {"is_paused": False}

@@ -38,6 +38,7 @@ from rollwire.proxy.http import tokens
 from rollwire.proxy.http.adapters import CONFIG_FILE, MAX_CONFIG_BYTES, WEIGHTS_FILE
 from rollwire.proxy.http.dialect import convert
 from rollwire.proxy.http.dialect.errors import HttpError, error_response, http_status
+from rollwire.proxy.http.dialect.names import parse_model
 from rollwire.proxy.http.dialect.openai import (
     ChatBody,
     CompletionBody,
@@ -52,6 +53,7 @@ from rollwire.proxy.http.door import Door
 from rollwire.proxy.http.echo import echo_scores, wants_scoring
 from rollwire.proxy.http.edge.bodies import body_chunks, parse_body, read_body
 from rollwire.proxy.http.edge.uploads import Holding, read_form
+from rollwire.proxy.http.pause import MODES
 from rollwire.proxy.http.scoped import publication, scope_of, shown
 from rollwire.proxy.http.stream import stream_group
 from rollwire.proxy.metrics import HTTP_ROUTES
@@ -232,20 +234,30 @@ def _vllm_routes(app: FastAPI, door: Door) -> None:
 
     @app.post("/pause")
     async def pause(request: Request) -> JSONResponse:
-        """Nothing needs pausing in rollwire (docs/http.md): a load stages a new version on every
-        replica and commits it without stopping requests of the versions before it."""
+        """Holds the caller's tenant's new generation requests until /resume (http/pause.py);
+        `mode` as vLLM's: "wait" also waits for its requests in flight, "keep" and "abort" not."""
         _authorize(door, request, ADMIN)
-        return JSONResponse({"paused": False, "note": "rollwire swaps adapter versions without pausing"})
+        mode = request.query_params.get("mode", "abort")
+        if mode not in MODES:
+            raise HttpError(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"mode must be one of {', '.join(MODES)}, not {mode[:40]!r}",
+                reason=Reason.BAD_REQUEST_BODY,
+                param="mode",
+            )
+        await door.pauses.pause(request.state.scope.label, mode)
+        return JSONResponse({"status": "paused"})
 
     @app.post("/resume")
     async def resume(request: Request) -> JSONResponse:
         _authorize(door, request, ADMIN)
-        return JSONResponse({"paused": False})
+        door.pauses.resume(request.state.scope.label)
+        return JSONResponse({"status": "resumed"})
 
     @app.get("/is_paused")
     async def is_paused(request: Request) -> JSONResponse:
         _authorize(door, request, GENERATE)
-        return JSONResponse({"is_paused": False})
+        return JSONResponse({"is_paused": door.pauses.paused(request.state.scope.label)})
 
 
 def _adapter_routes(app: FastAPI, door: Door) -> None:
@@ -265,6 +277,7 @@ def _adapter_routes(app: FastAPI, door: Door) -> None:
             )
         async with publication(door, request, "load", body.lora_name) as (name, done):
             done.append(await door.adapters.load_path(name, body.lora_path, request.state.rid))
+        door.pacing.loaded(done[0]["name"], done[0]["version"])
         return JSONResponse(shown(request, done[0]))
 
     @app.post("/v1/upload_lora_adapter")
@@ -295,6 +308,8 @@ def _adapter_routes(app: FastAPI, door: Door) -> None:
         body: UnloadLoraBody = await _body(door, request, UnloadLoraBody)
         async with publication(door, request, "unload", body.lora_name) as (name, done):
             done.append(await door.adapters.unload(name, door.base_names))
+            unloaded = parse_model(name, door.base_names)
+        door.pacing.unloaded(unloaded.name, unloaded.version)
         return JSONResponse(shown(request, done[0]))
 
 

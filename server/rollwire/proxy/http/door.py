@@ -7,6 +7,7 @@ import contextlib
 import functools
 import json
 import time
+from collections.abc import AsyncGenerator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -24,6 +25,8 @@ from rollwire.proxy.http.dialect.names import ModelRef, parse_model
 from rollwire.proxy.http.dialect.openai import ChatBody
 from rollwire.proxy.http.dialect.prompts import PromptGate
 from rollwire.proxy.http.dialect.tokenizer import ChatTokenizer
+from rollwire.proxy.http.pacing import Pacing
+from rollwire.proxy.http.pause import Pauses
 from rollwire.proxy.tenants import FLEET, Scope
 from rollwire.runtime.logs import get_logger
 from rollwire.runtime.security import TokenAuth
@@ -199,10 +202,32 @@ class Door:
     async def run_group(
         self, request: pb.GenerateRequest, client: str, group: convert.Group, deadline: float, tenant: str = FLEET
     ) -> None:
-        events = self.core.group_events(request, request.request_id, client, deadline, tenant)
-        async with contextlib.aclosing(events):  # pyright: ignore[reportArgumentType]  # an async generator has aclose
+        events = self.group_events(request, request.request_id, client, deadline, tenant)
+        async with contextlib.aclosing(events):
             async for message in events:
                 group.apply(message)
+
+    @functools.cached_property
+    def pauses(self) -> Pauses:
+        return Pauses(self.config.http.pause_max_s, self.core.state.metrics.http_paused)
+
+    @functools.cached_property
+    def pacing(self) -> Pacing:
+        http = self.config.http
+        return Pacing(http.pacing_factor, http.pacing_hold_max_s, self.core.state.metrics.http_paced)
+
+    async def group_events(
+        self, request: pb.GenerateRequest, rid: str, client: str, deadline: float, tenant: str
+    ) -> AsyncGenerator[pb.GenerateResponse]:
+        """The core's group_events, once the tenant's /pause (pause.py) and the lineage's pace
+        (pacing.py) let the request go."""
+        await self.pauses.hold(tenant, deadline)
+        async with self.pacing.paced(request.adapter.name, request.n, deadline):
+            with self.pauses.running(tenant):
+                events = self.core.group_events(request, rid, client, deadline, tenant)
+                async with contextlib.aclosing(events):  # pyright: ignore[reportArgumentType]  # an async generator has aclose
+                    async for message in events:
+                        yield message
 
     @functools.cached_property
     def prompts(self) -> PromptGate:

@@ -119,7 +119,7 @@ class _Events:
     async def begin(self) -> None:
         """Start the group and take its first message (the core holds `started` back until
         the first tokens or finish, so every refusal comes before it)."""
-        stream = self.door.core.group_events(self.req, self.rid, self.client, self.door.deadline(), self.tenant)
+        stream = self.door.group_events(self.req, self.rid, self.client, self.door.deadline(), self.tenant)
         self.stream = stream  # pyright: ignore[reportAttributeAccessIssue]  # group_events is an async generator
         try:
             self.first = await anext(stream)
