@@ -36,6 +36,7 @@ import json
 import shutil
 import statistics
 import time
+import urllib.request
 from pathlib import Path
 
 from common import ROOT, WORK, spread, write_result
@@ -75,8 +76,8 @@ ARMS = {
 """Each arm's server side, all on the same cores (placement.replicas); TRL on the first core."""
 
 
-def start_server(arm: str, run: Path, model: Path, lora_root: Path, placement):
-    """(url, [what to stop]) of the arm's server side, once it serves."""
+def start_server(arm: str, run: Path, model: Path, lora_root: Path, placement, replicas: int | None = None):
+    """(url, [what to stop]) of the arm's server side, once it serves (`replicas`: the arm's own unless given)."""
     if arm == "vllm":
         vllm = VLLMServer(
             model,
@@ -91,7 +92,7 @@ def start_server(arm: str, run: Path, model: Path, lora_root: Path, placement):
             vllm.stop()
             raise
         return vllm.url, vllm
-    replicas = 2 if arm == "rollwire-2" else 1
+    replicas = replicas or (2 if arm == "rollwire-2" else 1)
     extra = vllm_replica_args(ROOT / ".venv-vllm" / "bin" / "python") if arm == "rollwire-vllm" else ()
     if arm == "rollwire-beside":  # the placement before: the proxy on the replicas' core
         placement = local_placement(1)
@@ -101,8 +102,29 @@ def start_server(arm: str, run: Path, model: Path, lora_root: Path, placement):
     return stack.proxy.http_url, stack
 
 
-def run_arm(arm: str, r: int, model: Path, budget_s: float, scorer) -> dict:
-    run = WORK / f"trl-{arm}-{r}"
+def warm_up(url: str, model: Path, requests: int = 4) -> None:
+    """A few completions of the base model before TRL starts: an engine's first requests (vLLM's
+    on a CPU took 20 s of a 20 s budget on a busy machine) are not what a training run measures."""
+    body = json.dumps({"model": str(model), "prompt": "12+34=", "max_tokens": 8, "temperature": 1.0}).encode()
+    for _ in range(requests):
+        call = urllib.request.Request(f"{url}/v1/completions", body, {"Content-Type": "application/json"})
+        with urllib.request.urlopen(call, timeout=300) as reply:
+            reply.read()
+
+
+def run_arm(
+    arm: str,
+    r: int,
+    model: Path,
+    budget_s: float,
+    scorer,
+    *,
+    tag: str = "",
+    trainer_args: tuple[str, ...] = (),
+    replicas: int | None = None,
+) -> dict:
+    """One run of `arm` (`trainer_args`: TRL's shape, rollwire.demo.trl_trainer's flags)."""
+    run = WORK / f"trl-{tag}{arm}-{r}"
     shutil.rmtree(run, ignore_errors=True)  # TRL names its versions from v1 on every run
     out = run / "trl"
     (out / ".vllm_lora").mkdir(parents=True)
@@ -110,9 +132,10 @@ def run_arm(arm: str, r: int, model: Path, budget_s: float, scorer) -> dict:
     started = time.perf_counter()
     server = trainer = None
     try:
-        url, server = start_server(arm, run, model, out / ".vllm_lora", placement)
+        url, server = start_server(arm, run, model, out / ".vllm_lora", placement, replicas)
         startup_s = time.perf_counter() - started
-        trainer = start_trainer(run, out, url, model, budget_s, 1000, placement.learner)
+        warm_up(url, model)
+        trainer = start_trainer(run, out, url, model, budget_s, 1000, placement.learner, trainer_args=trainer_args)
         code = follow(trainer, out / "steps.jsonl", budget_s, budget_s + 300, progress=False)
         if code != 0:
             raise RuntimeError(f"{arm}: the TRL trainer ended with {code}; see {run / 'trainer.log'}")
@@ -124,13 +147,14 @@ def run_arm(arm: str, r: int, model: Path, budget_s: float, scorer) -> dict:
     summary = json.loads((out / "summary.json").read_text())
     steps = [json.loads(line) for line in (out / "steps.jsonl").read_text().splitlines() if line]
     last = summary["last_version"]
-    name = f"{arm.replace('-', '')}{r}"
+    name = f"{tag.replace('-', '').replace('.', '')}{arm.replace('-', '')}{r}"
     with Client(scorer.target, timeout=120) as c:
         c.push_adapter_dir(out / ".vllm_lora" / f"{summary['lora_name']}-v{last}", name, 1, model_fingerprint(model))
     syncs = [s["perf/weight_sync_s"] for s in steps if "perf/weight_sync_s" in s]
     rates = [s["rollout/generated_tok_s"] for s in steps if "rollout/generated_tok_s" in s]
     dropped = sum(s.get("sample/dropped_stale_total", 0) for s in steps)
     consumed = sum(s.get("batch/samples_per_step", 0) for s in steps)
+    waits = [s["perf/rollout_wait_s"] for s in steps if "perf/rollout_wait_s" in s]
     return {
         "startup_s": startup_s,
         "steps": summary["steps"],
@@ -138,6 +162,8 @@ def run_arm(arm: str, r: int, model: Path, budget_s: float, scorer) -> dict:
         "train_s": summary["train_s"],
         "steps_per_s": summary["steps"] / summary["train_s"],
         "weight_sync_s": statistics.mean(syncs) if syncs else None,
+        "rollout_wait_s": statistics.mean(waits) if waits else None,
+        "staleness_mean": statistics.mean(s["sample/staleness_mean"] for s in steps if "sample/staleness_mean" in s),
         "generated_tokens_per_s": statistics.median(rates) if rates else None,
         "dropped_stale_share": dropped / (dropped + consumed) if dropped + consumed else None,
         "reward_last10": statistics.mean(s["reward"] for s in steps[-10:]),

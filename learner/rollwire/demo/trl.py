@@ -222,14 +222,17 @@ def start_trainer(
     max_steps: int,
     cpus: Collection[int] = (),
     seed: int | None = None,
+    trainer_args: Sequence[str] = (),
 ) -> subprocess.Popen:
     """rollwire.demo.trl_trainer in a session of its own (so its rollout worker can be stopped with
     it) on `cpus` (empty: anywhere), one torch thread per process, logging to run/trainer.log;
-    `seed` (default: the learner's) orders the data and seeds TRL."""
+    `seed` (default: the learner's) orders the data and seeds TRL; `trainer_args` are more of
+    its flags (the shape: --num-generations, --batch-size, ...)."""
     env = dict(os.environ, OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false", TRL_EXPERIMENTAL_SILENCE="1")
     cmd = [
         sys.executable, "-m", "rollwire.demo.trl_trainer", "--url", url, "--model", str(model), "--out", str(out),
         "--budget-s", f"{budget_s:g}", "--max-steps", str(max_steps), "--seed", str(SEED if seed is None else seed),
+        *trainer_args,
     ]  # fmt: skip
     with (run / "trainer.log").open("ab") as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)

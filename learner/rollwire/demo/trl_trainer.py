@@ -84,6 +84,30 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=SEED, help="data order and TRL's seed")
     p.add_argument("--threads", type=int, default=1, help="torch threads of the trainer")
     p.add_argument(
+        "--num-generations",
+        type=int,
+        default=ROLLOUT.n,
+        help="TRL's num_generations (default: the learner's n, %(default)s)",
+    )
+    p.add_argument(
+        "--batch-size",
+        type=int,
+        default=None,
+        help="TRL's per_device_train_batch_size, in completions (default: the learner's groups_per_step whole groups)",
+    )
+    p.add_argument(
+        "--max-completion-length",
+        type=int,
+        default=ROLLOUT.max_new_tokens,
+        help="TRL's max_completion_length (default: the learner's max_new_tokens, %(default)s)",
+    )
+    p.add_argument(
+        "--gradient-checkpointing",
+        action=argparse.BooleanOptionalAction,
+        default=False,
+        help="TRL's gradient_checkpointing (TRL's own default is on; off by default here, as on a CPU it only costs time)",
+    )
+    p.add_argument(
         "--max-staleness",
         type=int,
         default=None,
@@ -125,13 +149,13 @@ def trainer_config(args: argparse.Namespace):
     return AsyncGRPOConfig(
         output_dir=args.out,
         vllm_server_base_url=args.url,
-        num_generations=ROLLOUT.n,
-        # Counts completions: groups_per_step whole groups in one micro-batch of fixed size
-        # (token_budget 0), one optimiser step per micro-batch.
-        per_device_train_batch_size=ROLLOUT.n * TRAIN.groups_per_step,
+        num_generations=args.num_generations,
+        # Counts completions: by default groups_per_step whole groups in one micro-batch of fixed
+        # size (token_budget 0), one optimiser step per micro-batch.
+        per_device_train_batch_size=args.batch_size or args.num_generations * TRAIN.groups_per_step,
         gradient_accumulation_steps=1,
         token_budget=0,
-        max_completion_length=ROLLOUT.max_new_tokens,
+        max_completion_length=args.max_completion_length,
         temperature=ROLLOUT.temperature,
         top_p=1.0,
         top_k=0,
@@ -145,7 +169,7 @@ def trainer_config(args: argparse.Namespace):
         seed=args.seed,
         use_cpu=True,
         bf16=False,
-        gradient_checkpointing=False,
+        gradient_checkpointing=args.gradient_checkpointing,
         save_strategy="no",
         report_to="none",
         logging_steps=1,
