@@ -81,9 +81,10 @@ CLIENT_CAUSED = frozenset(
 CLIENT_BEHAVIOUR = frozenset({Reason.CLIENT_LIMIT, Reason.TENANT_QUOTA, Reason.SLOW_READER})
 """The proxy's own refusals caused by how a client behaves: counted as client errors."""
 
-REQUEST_RULES = frozenset({Reason.PROMPT_TOO_LONG, Reason.BAD_GROUP_KEY})
-"""The replicas' own rules the proxy applies to a request before it forwards it (serving.sizes):
-its refusal is the one a replica would have relayed, so it is counted as a client error too."""
+REQUEST_RULES = frozenset({Reason.PROMPT_TOO_LONG, Reason.BAD_GROUP_KEY, Reason.ADAPTER_NOT_FOUND})
+"""The replicas' own rules the proxy applies to a request before it forwards it (serving.sizes; a
+name the fleet does not hold, routing/failover.resolve): its refusal is the one a replica would
+have relayed, so it is counted as a client error too."""
 
 FLEET_FAULTS = frozenset({Reason.ATTEMPTS_EXHAUSTED, Reason.NO_REPLICA})
 """With UNAVAILABLE from a proxy: it already tried `routing.max_attempts` replicas, or waited

@@ -89,11 +89,9 @@ def resolve(request: pb.GenerateRequest, replicas: ReplicaSet) -> Need:
             reason=Reason.ADAPTER_UNLOADED,
         )
     version = request.adapter.version or _newest_shown(name, replicas)
-    if not version and not _known(name, replicas):  # the proxy's own answer: no replica lists its adapters to a caller
+    if not version and not _known(name, replicas):  # the proxy's own answer, in the words a replica would use
         raise NotFound(
-            f"no adapter named {name!r} is served by this fleet; push or load it first (GetStatus and /v1/models "
-            "list the adapters you may name)",
-            reason=Reason.ADAPTER_NOT_FOUND,
+            f"no adapter named {name!r} is loaded on this replica; push it first", reason=Reason.ADAPTER_NOT_FOUND
         )
     if version and (any(r.holds(name, version) for r in replicas.routable()) or replicas.coming(name, version)):
         if not request.adapter.follow:
