@@ -260,8 +260,9 @@ def test_hostile_a_tenant_reads_no_other_tenants_names_nor_the_topology_and_writ
     tenant was then served), S8 (an unknown name's NOT_FOUND listed every adapter, another
     tenant's too, and the trailer's google.rpc.Status carried the unscrubbed sentence) and S13
     (the replicas' addresses in /server_info for the fleet's generate token and in `started`,
-    every tenant's names in a metrics label). Collateral: the other tenant's requests and pushes
-    succeed around it."""
+    every tenant's names in a metrics label) and S6's serving half (a version pushed to a replica
+    behind the proxy's back under a tenant's name was served to that tenant). Collateral: the other
+    tenant's requests and pushes succeed around it."""
     from grpc_status import rpc_status
 
     proxy = fleet["proxy"]
@@ -306,6 +307,17 @@ def test_hostile_a_tenant_reads_no_other_tenants_names_nor_the_topology_and_writ
     assert versions and not any("team-a:policy" in v or "team-b:policy" in v for v in versions), versions
     labels = f'adapter="team-a:*",replica="{fleet["gen"].target}"'
     assert metric_value(text, "rollwire_proxy_replica_adapter_version", labels) == 2
+
+    # S6's serving half: versions pushed to a replica behind the proxy's back, under a tenant's name and a shared
+    # one; a tenant's is never shown nor routed (its names reach replicas only through the spool)
+    direct = generator_pb2_grpc.GeneratorServiceStub(grpc.insecure_channel(fleet["gen"].target))
+    for name, version in (("team-b:policy", 5), ("rogue", 1)):
+        rogue = make_adapter(fleet["model"], 40 + version, r=4)
+        direct.PushAdapter(push_messages(rogue.manifest(name, version, fleet["fp"]), rogue.payload), timeout=60)
+    wait_until(lambda: "rogue" in seen(fleet, "admin"), 30, "the proxy read the replica's status again")
+    for who, name in (("admin", "team-b:policy"), ("b-pub", "policy")):
+        status = fleet["stub"].GetStatus(pb.GetStatusRequest(), metadata=meta(who), timeout=10)
+        assert [list(a.versions) for a in status.adapters if a.name == name] == [[1]], status.adapters
 
     b_started, _ = greedy(fleet, "b-pub", "policy")  # collateral: the other tenant is served its own
     assert (b_started.adapter.name, b_started.adapter.version) == ("policy", 1)

@@ -51,13 +51,10 @@ def _shipped_pki(folder: Path) -> None:
     )
 
 
-def _shipped_credentials() -> dict[str, str]:
+def _shipped_credentials(key) -> dict[str, str]:
     """Every token Secret's keys with stand-ins: a key of one name holds one value in every Secret
     (their placeholders say "the same ... as"), the member signing key is a real key and its trust
     file its public half. All processes here share one folder, each reading only its own config's."""
-    from rollwire.common.signing import SigningKey
-
-    key = SigningKey.generate("proxy-2026-12")
     files = {
         "member-signing-key": json.dumps({"id": key.key_id, "private_key": _private_b64(key)}) + "\n",
         "member-trust": json.dumps({"keys": [key.trust_entry()]}) + "\n",
@@ -74,6 +71,39 @@ def _private_b64(key) -> str:
     import base64
 
     return base64.b64encode(key.private.private_bytes_raw()).decode()
+
+
+def _one_replica_cannot_act_as_another(generators, root: Path, signing, credentials) -> None:
+    """Audit 2026-12-07 S6, hostile: k8s-a compromised, with every file its pod holds (relay, grant,
+    member-trust) and the member token the proxy sends it. None of them lets it call k8s-b as a member
+    (before: one fleet key minted every replica's token, and a direct push was served to every tenant);
+    the proxy's signature of k8s-a's own address still works on k8s-a (the control)."""
+    import grpc
+
+    from rollwire.runtime.members import signed_member_token
+    from rollwire.v1 import generator_pb2 as pb
+    from rollwire.v1 import generator_pb2_grpc
+
+    a, b = generators
+    held = {name: (root / "tokens" / name).read_text().split()[0] for name in ("relay", "grant")}
+    sent_to_a = signed_member_token(signing, a.target)
+    options = [("grpc.ssl_target_name_override", "rollwire-generator.rollwire.svc")]
+
+    def status(target: str, token: str) -> grpc.StatusCode:
+        with grpc.secure_channel(target, credentials, options=options) as channel:
+            try:
+                stub = generator_pb2_grpc.GeneratorServiceStub(channel)
+                stub.GetStatus(pb.GetStatusRequest(), timeout=10, metadata=(("authorization", f"Bearer {token}"),))
+            except grpc.RpcError as exc:
+                return exc.code()
+        return grpc.StatusCode.OK
+
+    assert status(a.target, sent_to_a) == grpc.StatusCode.OK  # the control: its own, from the proxy
+    assert status(b.target, sent_to_a) == grpc.StatusCode.UNAUTHENTICATED  # bound to a's address
+    assert status(b.target, held["grant"]) == grpc.StatusCode.UNAUTHENTICATED  # grants no role
+    assert status(b.target, held["relay"]) == grpc.StatusCode.PERMISSION_DENIED  # stages a granted push only
+    forged = sent_to_a.rsplit(".", 1)[0] + "." + sent_to_a.rsplit(".", 1)[1][::-1]
+    assert status(b.target, forged) == grpc.StatusCode.UNAUTHENTICATED
 
 
 def _relay_hops(log_path: Path, adapter: str) -> int:
@@ -100,6 +130,7 @@ def test_the_shipped_configs_relay_a_push_between_replicas_over_tls(tmp_path, ti
 
     from rollwire.common import writer
     from rollwire.common.fingerprint import model_fingerprint
+    from rollwire.common.signing import SigningKey
     from rollwire.learner.config import LearnerConfig
     from rollwire.v1 import generator_pb2 as pb
     from rollwire.v1 import generator_pb2_grpc
@@ -108,7 +139,8 @@ def test_the_shipped_configs_relay_a_push_between_replicas_over_tls(tmp_path, ti
     (root / "tls").mkdir(parents=True)
     (root / "tokens").mkdir()
     _shipped_pki(root / "tls")
-    for key, text in _shipped_credentials().items():  # a file per key, as each pod mounts its own Secret's
+    signing = SigningKey.generate("proxy-2026-12")
+    for key, text in _shipped_credentials(signing).items():  # a file per key, as each pod mounts its own Secret's
         (root / "tokens" / key).write_text(text)
     admin = (root / "tokens" / "admin").read_text().split()[0]
     maps = by_kind("ConfigMap")
@@ -178,6 +210,13 @@ def test_the_shipped_configs_relay_a_push_between_replicas_over_tls(tmp_path, ti
             for g in generators
         )
         assert heals == 0
+        _one_replica_cannot_act_as_another(generators, root, signing, credentials)
+        with grpc.secure_channel(proxy.target, credentials, options=options) as channel:  # collateral: pushes go on
+            messages = writer.messages(adapter.manifest("shipped", 2, fp), adapter.payload)
+            again = generator_pb2_grpc.GeneratorServiceStub(channel).PushAdapter(
+                messages, timeout=120, metadata=metadata
+            )
+        assert sorted((r.replica, r.code) for r in again.replicas) == [("k8s-a", "OK"), ("k8s-b", "OK")], again
     finally:
         stop_all([*generators, *(p for p in (proxy, peer) if p is not None)])
 

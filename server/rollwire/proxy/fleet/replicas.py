@@ -45,6 +45,7 @@ from collections.abc import Callable
 import grpc
 from grpc_health.v1 import health_pb2
 
+from rollwire.common.manifest import TENANT_SEPARATOR
 from rollwire.proxy.config import ProxyConfig
 from rollwire.proxy.fleet.basemodel import BaseModel, Shapes
 from rollwire.proxy.fleet.breaker import Breaker
@@ -402,7 +403,10 @@ class ReplicaSet:
     def _take_versions(self, replica: Replica, adapters) -> None:
         """What a replica's GetStatus says it serves, less every version it holds with other
         bytes than the spool's (reported digests; a conflict a refusal found stays while the
-        replica holds that version and reports no digest for it)."""
+        replica holds that version and reports no digest for it), and less every version of a
+        tenant's name (TENANT:NAME) the spool does not hold: a tenant's names reach replicas only
+        through a proxy's spool, so such a version was pushed behind the proxies' backs (audit
+        2026-12-07 S6) and is neither shown to the tenant nor routed."""
         held = {(a.name, v) for a in adapters for v in a.versions}
         reported = {(a.name, v) for a in adapters for v in a.digests}
         conflicts = {k: d for k, d in replica.conflicts.items() if k in held and k not in reported}
@@ -416,8 +420,11 @@ class ReplicaSet:
                 self._log_conflict(replica, name, version, digest)
         replica.conflicts = conflicts
         replica.versions = {}
-        for a in adapters:
-            replica.set_versions(a.name, a.versions)
+        for a in adapters:  # a tenant's version the spool never took was put there behind the proxy: never routed
+            tenants = TENANT_SEPARATOR in a.name
+            replica.set_versions(
+                a.name, [v for v in a.versions if not tenants or self.spool.get(a.name, v) is not None]
+            )
 
     def note_conflict(self, replica: Replica, name: str, version: int, digest: str) -> None:
         """A refusal said the replica holds (name, version) with other bytes than the spool's."""
