@@ -211,7 +211,7 @@ class Reason(StrEnum):
     WRONG_ROLE = "WRONG_ROLE"
     """PERMISSION_DENIED; do not retry: The token's role does not grant this method, or this use of it."""
     NOT_OWN_ADDRESS = "NOT_OWN_ADDRESS"
-    """PERMISSION_DENIED; do not retry: A `register` token may register, drain or remove only its own address."""
+    """PERMISSION_DENIED; do not retry: A `register` token may register, drain or remove only its own address, and refresh only a member it added itself."""
     MEMBER_UNPROVEN = "MEMBER_UNPROVEN"
     """PERMISSION_DENIED; do not retry: The address did not prove it holds the fleet key and advertises itself."""
 
@@ -255,7 +255,7 @@ class Reason(StrEnum):
     BAD_ADDRESS = "BAD_ADDRESS"
     """INVALID_ARGUMENT; do not retry: A registered address is not HOST:PORT."""
     UNKNOWN_REPLICA = "UNKNOWN_REPLICA"
-    """NOT_FOUND; do not retry: No replica of that address is registered."""
+    """NOT_FOUND; do not retry: No replica of that address is registered (to a `register` token: none it added itself)."""
     BAD_TTL = "BAD_TTL"
     """INVALID_ARGUMENT; do not retry: `ttl_seconds` is over `registration.max_ttl_s`, or 0 from a `register` token."""
     TOO_MANY_MEMBERS = "TOO_MANY_MEMBERS"
