@@ -6,8 +6,13 @@ the SDK shares. Here:
 - `BulkListener`: a receiver's TCP listener (TLS with the server's own certificates when its
   gRPC port uses TLS). `expect` issues an offer for one admitted push; a connection whose
   hello carries that push's token is handed to it, once, before the offer expires; any other
-  connection is closed. Accepting and the hello run on threads, bounded by
-  `bulk.max_connections`, each read with a deadline.
+  connection is closed. Accepting and the hello run on threads. A connection that has not
+  proved a token yet holds one of `bulk.max_connections` hello places (one peer address at
+  most HELLO_PEER_SHARE of them) for `connect_timeout_s` in all, however it trickles; a
+  newcomer past its peer's share displaces that peer's oldest unproven connection, and past
+  every place the oldest of all, so connections without a token never take a push's
+  connection's place (audit S12). A proved connection holds one of `bulk.max_connections`
+  push places of its own; past them it is closed before its ACK (the sender falls back).
 - `BulkSource`: the receiver's reads of one push: exact-size pieces (`recv_into` their place in
   one buffer of the push's bytes, a few pieces read ahead on one thread), each with the push's
   idle deadline.
@@ -27,7 +32,7 @@ import socket
 import ssl
 import threading
 import time
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -46,6 +51,8 @@ from rollwire.serving.config import BulkSection
 from rollwire.v1 import generator_pb2 as pb
 
 log = get_logger(__name__)
+HELLO_PEER_SHARE = 0.125
+"""The share of a listener's hello places one peer address may hold at once."""
 READ_AHEAD = 4
 """Pieces a receiver reads ahead of the event loop (each at most 1 MiB, or a stripe's chunk)."""
 
@@ -97,6 +104,14 @@ class Accepted:
             release()
 
 
+@dataclass(eq=False)
+class _Unproven:
+    """A connection in its hello: its socket (TLS-wrapped once its handshake began) and peer."""
+
+    sock: socket.socket
+    peer: str
+
+
 class BulkListener:
     """A receiver's bulk endpoint (see the module's docstring). `close()` at shutdown."""
 
@@ -109,8 +124,13 @@ class BulkListener:
         self._expected: dict[bytes, Expected] = {}
         self._lock = threading.Lock()
         self._open = threading.BoundedSemaphore(section.max_connections)
-        # one thread per connection it may hold: a slow hello never delays another push's
-        self._hellos = ThreadPoolExecutor(max_workers=section.max_connections, thread_name_prefix="bulk-hello")
+        """Places of proved connections (a push's bytes)."""
+        self._unproven: dict[_Unproven, None] = {}
+        """Connections in their hello, oldest first (at most max_connections)."""
+        self._by_peer: Counter[str] = Counter()
+        self.peer_share = max(1, int(section.max_connections * HELLO_PEER_SHARE))
+        # one thread per hello it may hold, and one for each that was closed for a newcomer while it ends
+        self._hellos = ThreadPoolExecutor(max_workers=2 * section.max_connections, thread_name_prefix="bulk-hello")
         self.closed = False
         threading.Thread(target=self._accept, name=f"bulk-accept-{self.port}", daemon=True).start()
 
@@ -147,30 +167,62 @@ class BulkListener:
     def _accept(self) -> None:
         while not self.closed:
             try:
-                conn, _ = self.sock.accept()
+                conn, addr = self.sock.accept()
             except OSError:
                 return  # closed
-            if not self._open.acquire(blocking=False):
-                conn.close()  # bounded: a flood of connections costs a close each
-                continue
-            self._hellos.submit(self._hello, conn)
+            peer = str(addr[0]) if isinstance(addr, tuple) and addr else "unknown"
+            self._hellos.submit(self._hello, self._admit(conn, peer))
 
-    def _hello(self, conn: socket.socket) -> None:
-        """Read the hello within the connect timeout and hand the connection to its push, or close it."""
+    def _admit(self, conn: socket.socket, peer: str) -> _Unproven:
+        """A hello place for `conn`: its peer's oldest unproven connection is shut for it when
+        the peer holds its share, else the oldest of all when every place is taken (its thread
+        closes it); so a flood only ever displaces the longest-waiting hellos."""
+        with self._lock:
+            crowded = self._by_peer[peer] >= self.peer_share
+            if crowded or len(self._unproven) >= self.section.max_connections:
+                oldest = next(h for h in self._unproven if not crowded or h.peer == peer)
+                self._forget(oldest)
+                _shut_only(oldest.sock)
+            hello = _Unproven(conn, peer)
+            self._unproven[hello] = None
+            self._by_peer[peer] += 1
+            return hello
+
+    def _forget(self, hello: _Unproven) -> None:
+        """Its hello place is free (under the lock; idempotent)."""
+        if self._unproven.pop(hello, False) is None:
+            self._by_peer[hello.peer] -= 1
+            if self._by_peer[hello.peer] <= 0:
+                del self._by_peer[hello.peer]
+
+    def _hello(self, hello: _Unproven) -> None:
+        """Read the hello within the connect timeout, in all, and hand the connection to its
+        push (a push place), or close it."""
+        conn, placed = hello.sock, False
+        deadline = time.monotonic() + self.section.connect_timeout_s
         try:
             conn.settimeout(self.section.connect_timeout_s)
             conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             if self.tls is not None:
-                conn = self.tls.wrap_socket(conn, server_side=True)
-            hello = _read_exact(conn, wire.HELLO_BYTES)
+                conn = hello.sock = self.tls.wrap_socket(conn, server_side=True)
+            data = _read_exact(conn, wire.HELLO_BYTES, deadline)
             with self._lock:
-                expected = self._expected.pop(bytes(hello[len(wire.MAGIC) :]), None)
-            if hello[: len(wire.MAGIC)] != wire.MAGIC or expected is None or expected.expires < time.monotonic():
+                expected = self._expected.pop(bytes(data[len(wire.MAGIC) :]), None)
+                self._forget(hello)
+            if data[: len(wire.MAGIC)] != wire.MAGIC or expected is None or expected.expires < time.monotonic():
                 raise ConnectionRefusedError("no push expects this token")
+            if not self._open.acquire(blocking=False):
+                raise ConnectionRefusedError("every push place is taken")
+            placed = True
+            conn.settimeout(self.section.connect_timeout_s)
             expected.loop.call_soon_threadsafe(_deliver, expected.conn, Accepted(conn, self._open.release))
         except (OSError, EOFError, RuntimeError):
             _shut(conn)
-            self._open.release()
+            if placed:
+                self._open.release()
+        finally:
+            with self._lock:
+                self._forget(hello)
 
     def close(self) -> None:
         self.closed = True
@@ -192,17 +244,32 @@ def _deliver(future: asyncio.Future, accepted: Accepted) -> None:
 
 
 def _shut(conn: socket.socket) -> None:
+    _shut_only(conn)
+    conn.close()
+
+
+def _shut_only(conn: socket.socket) -> None:
+    """Wake whatever thread reads `conn` (its read ends), leaving the close to that thread."""
     try:
         conn.shutdown(socket.SHUT_RDWR)
     except OSError:
         pass
-    conn.close()
 
 
-def _read_exact(conn: socket.socket, size: int) -> bytearray:
-    """Exactly `size` bytes into one preallocated buffer; EOFError when the sender ends first."""
-    buf = bytearray(size)
-    recv_exact(conn, memoryview(buf))
+def _read_exact(conn: socket.socket, size: int, deadline: float) -> bytearray:
+    """Exactly `size` bytes into one preallocated buffer by `deadline` (monotonic), however
+    they trickle: TimeoutError past it, EOFError when the sender ends first."""
+    buf, got = bytearray(size), 0
+    view = memoryview(buf)
+    while got < size:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise TimeoutError("the hello did not arrive in time")
+        conn.settimeout(left)
+        n = conn.recv_into(view[got:], size - got)
+        if n == 0:
+            raise EOFError(got)
+        got += n
     return buf
 
 

@@ -65,6 +65,19 @@ class BulkSection(Section):
     size without faulting fresh memory in (rollwire.push.buffers.BufferPool); 0: every push maps a fresh buffer."""
 
 
+class ConnectionsSection(Section):
+    """The gRPC port's connections (serving.scaffold): a budget and a handshake deadline, so
+    connections that never speak cannot take the process's file descriptors (audit S5)."""
+
+    max_connections: int = Field(default=1024, ge=1, le=1_000_000)
+    """Connections the gRPC server holds at once, from all peers, and never more than a quarter of the process's soft
+    RLIMIT_NOFILE (read at start); one more is closed as soon as it is accepted (a client's channel retries). Calls on
+    connections already open are never refused by it."""
+    handshake_timeout_s: float = Field(default=5.0, gt=0, le=120)
+    """Seconds a new connection has to complete its handshake (TLS, and HTTP/2's preface and settings); then it is
+    closed and its slot freed (gRPC's own default is 120 s)."""
+
+
 class ServerConfig(Section):
     """A gRPC server process."""
 
@@ -85,6 +98,8 @@ class ServerConfig(Section):
     """Signing keys whose adapter versions this server accepts (docs/security.md, signed versions)."""
     bulk: BulkSection = Field(default_factory=BulkSection)
     """The bulk path of pushes this server receives and sends (docs/protocol.md, "The bulk path")."""
+    connections: ConnectionsSection = Field(default_factory=ConnectionsSection)
+    """The gRPC port's connection budget and handshake deadline (docs/security.md, "Listeners")."""
 
 
 def push_idle_field() -> Any:

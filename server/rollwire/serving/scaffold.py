@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import gc
 import os
+import resource
 import signal
 from collections.abc import Awaitable, Callable, Iterable, Mapping
 from dataclasses import dataclass, field
@@ -37,7 +38,7 @@ from rollwire.runtime.security import (
     start_health_port,
     warn_if_exposed,
 )
-from rollwire.serving.config import ServerConfig
+from rollwire.serving.config import ConnectionsSection, ServerConfig
 
 log = get_logger(__name__)
 C = TypeVar("C", bound=ServerConfig)
@@ -50,10 +51,30 @@ SERVER_OPTIONS = [
 """Options of every rollwire server besides keepalive (`server_options` adds it)."""
 
 
-def server_options(keepalive: Keepalive = DEFAULT_KEEPALIVE) -> list[tuple[str, int]]:
-    """SERVER_OPTIONS plus keepalive: the server pings silent clients and accepts the pings of
-    rollwire channels (rollwire.common.keepalive states the bound this gives)."""
-    return [*SERVER_OPTIONS, *keepalive.server_options()]
+NOFILE_SHARE = 4
+"""The gRPC port holds at most 1/NOFILE_SHARE of the process's soft file-descriptor limit."""
+
+
+def server_options(
+    keepalive: Keepalive = DEFAULT_KEEPALIVE, connections: ConnectionsSection | None = None
+) -> list[tuple[str, int]]:
+    """SERVER_OPTIONS plus keepalive (the server pings silent clients and accepts the pings of
+    rollwire channels: rollwire.common.keepalive states the bound this gives) and the port's
+    connection budget and handshake deadline."""
+    c = connections or ConnectionsSection()
+    budget = [
+        ("grpc.max_allowed_incoming_connections", connection_budget(c.max_connections)),
+        ("grpc.server_handshake_timeout_ms", int(c.handshake_timeout_s * 1000)),
+    ]
+    return [*SERVER_OPTIONS, *keepalive.server_options(), *budget]
+
+
+def connection_budget(configured: int) -> int:
+    """The gRPC port's connection cap: `configured`, at most a quarter of the soft RLIMIT_NOFILE."""
+    soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft == resource.RLIM_INFINITY or soft <= 0:
+        return configured
+    return max(1, min(configured, soft // NOFILE_SHARE))
 
 
 @dataclass
@@ -100,7 +121,7 @@ def listen(
     """
     host, auth, tls = config.host, config.auth, config.tls
     metrics_server = serve_metrics(host, config.metrics_port, registry)
-    options = server_options(config.keepalive.keepalive())
+    options = server_options(config.keepalive.keepalive(), config.connections)
     token_auth = TokenAuth.from_config(auth, tenants)
     server = grpc.aio.server(options=options, interceptors=interceptors(token_auth))
     bound = add_port(server, f"{host}:{config.port}", tls)

@@ -1078,8 +1078,9 @@ def test_a_relaying_replica_sends_bulk_to_one_child_and_grpc_chunks_to_one_whose
 
 
 def test_a_bulk_connection_the_receiver_does_not_take_falls_back_to_grpc_chunks(replicas, adapter):
-    """A receiver past `bulk.max_connections` closes a new bulk connection before its ACK: the
-    sender sends the same bytes as gRPC chunks on the stream instead of failing the hop."""
+    """A receiver past `bulk.max_connections` proved connections closes a new one before its
+    ACK: the sender sends the same bytes as gRPC chunks on the stream instead of failing the hop.
+    (A connection that proves nothing holds no such place: it gives way to the push's, below.)"""
     peer = PeerServer(HostilePeer(replicas[0].target))
     squatter = None
     try:
@@ -1087,7 +1088,8 @@ def test_a_bulk_connection_the_receiver_does_not_take_falls_back_to_grpc_chunks(
         assert old is not None
         peer.peer.bulk = BulkListener("127.0.0.1", BulkSection(enabled=True, max_connections=1), TlsSection())
         old.close()
-        squatter = socket.create_connection(("127.0.0.1", peer.peer.bulk.port))  # holds the one slot, says nothing
+        assert peer.peer.bulk._open.acquire(blocking=False)  # the one push place, as another push holds it
+        squatter = socket.create_connection(("127.0.0.1", peer.peer.bulk.port))  # a hello place, says nothing
         m = adapter.manifest("untaken", 1, status(replicas[0].target).model_fingerprint)
         push = BlockingPush(m, adapter.payload, writer.MAX_CHUNK, "127.0.0.1", 3.0)
         with grpc.insecure_channel(peer.target) as channel:

@@ -5,8 +5,16 @@ connections without limit would starve the gRPC server of descriptors (audit A4)
 
 Invariants:
 - the door holds at most `limit` connections (http.max_connections, and never more than a
-  quarter of the soft RLIMIT_NOFILE read at start); at the limit nothing is accepted, and
-  new connections wait in the kernel's backlog, holding no descriptor of the proxy's;
+  quarter of the soft RLIMIT_NOFILE read at start);
+- at the limit a connection still reaches the door: it takes the place of an idle one (that
+  has not sent a request's headers yet, a fresh one before one that was served) of the peer
+  that holds the most, when that peer holds more than the newcomer's peer would with it;
+  else, while some connection is idle, it waits for room for at most `header_timeout_s`
+  (MAX_WAITING such at once; beyond, it is closed); while none is, nothing is accepted and
+  new connections wait in the kernel's backlog, holding no descriptor of the proxy's. So a
+  flood of idle or slow-header connections from a few addresses shares the door with every
+  other address instead of taking it (audit 2026-12-07, issue 51), and a peer alone (a TRL
+  worker at the limit) waits for its own connections as before;
 - one peer IP holds at most `per_peer` of them; one more is closed as soon as it is accepted;
 - a connection has `header_timeout_s` to send a request's complete headers (a TLS handshake
   included), from its opening or from the end of its previous response; then it is closed;
@@ -48,29 +56,44 @@ def connection_limit(configured: int) -> tuple[int, int]:
     return max(1, min(configured, soft // NOFILE_SHARE)), soft
 
 
+MAX_WAITING = 64
+"""Accepted connections that may wait for room at once (each holds a descriptor while it waits)."""
+
+
 class Slot:
-    """One admitted connection's place in the counts; released once."""
+    """One admitted connection's place in the counts; released once. Its protocol says when it
+    is idle (waiting for a request's headers) and how to close it (`evict`)."""
 
     def __init__(self, gate: Gate, peer: str) -> None:
         self.gate, self.peer, self.held = gate, peer, True
+        self.idle = True
+        self.served = False
+        """A response was sent on it: a keep-alive connection, evicted after fresh ones."""
+        self.evict: Callable[[], None] = lambda: None
 
     def release(self) -> None:
         if self.held:
             self.held = False
-            self.gate.release(self.peer)
+            self.gate.release(self)
 
 
 class Gate:
-    """Counts of open connections, in total and per peer IP."""
+    """Counts of open connections, in total and per peer IP, and who gives way at the limit."""
 
     def __init__(self, limit: int, per_peer: int) -> None:
         self.limit, self.per_peer = limit, per_peer
         self.open = 0
         self.by_peer: Counter[str] = Counter()
+        self.slots: dict[str, dict[Slot, None]] = {}
+        """Each peer's slots, oldest first."""
+        self.evicted = 0
         self._freed = asyncio.Event()
 
     def full(self) -> bool:
         return self.open >= self.limit
+
+    def any_idle(self) -> bool:
+        return any(slot.idle for slots in self.slots.values() for slot in slots)
 
     async def wait_room(self) -> None:
         while self.full():
@@ -78,18 +101,44 @@ class Gate:
             await self._freed.wait()
 
     def admit(self, peer: str) -> Slot | None:
-        """A slot for one more connection of `peer`, None when the peer holds its share."""
+        """A slot for one more connection of `peer`, None when the peer holds its share, or when
+        the door is full and no peer holding more has an idle connection to give way (`victim`)."""
         if self.by_peer[peer] >= self.per_peer:
             return None
+        if self.full():
+            victim = self.victim(peer)
+            if victim is None:
+                return None
+            victim.release()  # counted free now; its connection_lost releases nothing more
+            victim.evict()
+            self.evicted += 1
         self.open += 1
         self.by_peer[peer] += 1
-        return Slot(self, peer)
+        slot = Slot(self, peer)
+        self.slots.setdefault(peer, {})[slot] = None
+        return slot
 
-    def release(self, peer: str) -> None:
+    def victim(self, peer: str) -> Slot | None:
+        """The connection that gives way to one more of `peer`'s: an idle one (never served
+        first, oldest first) of the peer holding the most, among those that hold more than
+        `peer` would with it; None when there is none."""
+        mine = self.by_peer[peer] + 1
+        for other, count in self.by_peer.most_common():
+            if count <= mine:
+                return None
+            idle = [slot for slot in self.slots.get(other, {}) if slot.idle]
+            if idle:
+                return min(idle, key=lambda slot: slot.served)  # stable: the oldest of the fresh, else of the served
+        return None
+
+    def release(self, slot: Slot) -> None:
+        peer = slot.peer
         self.open -= 1
         self.by_peer[peer] -= 1
+        self.slots.get(peer, {}).pop(slot, None)
         if self.by_peer[peer] <= 0:
             del self.by_peer[peer]
+            self.slots.pop(peer, None)
         self._freed.set()
 
 
@@ -106,6 +155,7 @@ class DoorProtocol(H11Protocol):
 
     def connection_made(self, transport) -> None:  # pyright: ignore[reportIncompatibleMethodOverride]
         super().connection_made(transport)
+        self.slot.evict = transport.close
         self._arm()
 
     def connection_lost(self, exc: Exception | None) -> None:
@@ -120,6 +170,7 @@ class DoorProtocol(H11Protocol):
         self._headers_seen()
 
     def on_response_complete(self) -> None:
+        self.slot.served = True
         self._arm()
         super().on_response_complete()
         self._headers_seen()
@@ -130,8 +181,10 @@ class DoorProtocol(H11Protocol):
         self._disarm()
         self._timed = self.cycle
         self._header_timer = self.loop.call_later(self.header_timeout_s, self._headers_late)
+        self.slot.idle = True  # waiting for a request's headers: it may give way at the limit
 
     def _disarm(self) -> None:
+        self.slot.idle = False
         if self._header_timer is not None:
             self._header_timer.cancel()
             self._header_timer = None
@@ -161,6 +214,7 @@ class Acceptor:
         self.sock, self.gate, self.factory = sock, gate, factory
         self.tls, self.handshake_timeout_s = tls, handshake_timeout_s
         self._opening: set[asyncio.Task] = set()
+        self._waiting = 0
         self._accept_failed = Throttled(log, "http_accept_failed")
         self._refused = Throttled(log, "http_connection_refused")
 
@@ -168,7 +222,8 @@ class Acceptor:
         loop = asyncio.get_running_loop()
         self.sock.setblocking(False)
         while True:
-            await self.gate.wait_room()
+            if self.gate.full() and not self.gate.any_idle():
+                await self.gate.wait_room()  # nothing can give way: the kernel's backlog holds them
             try:
                 conn, addr = await loop.sock_accept(self.sock)
             except OSError as exc:
@@ -176,14 +231,40 @@ class Acceptor:
                 await asyncio.sleep(0.5 if exc.errno in RESOURCE_ERRNOS else 0.05)
                 continue
             peer = str(addr[0]) if isinstance(addr, tuple) and addr else "unknown"
-            slot = self.gate.admit(peer)
-            if slot is None:
+            if self.gate.by_peer[peer] >= self.gate.per_peer:
                 conn.close()
                 self._refused(level="info", peer=peer, why="per-peer limit", limit=self.gate.per_peer)
                 continue
-            task = asyncio.create_task(self._open(loop, conn, slot))
-            self._opening.add(task)
-            task.add_done_callback(self._opening.discard)
+            slot = self.gate.admit(peer)
+            if slot is not None:
+                self._start(self._open(loop, conn, slot))
+            elif self._waiting < MAX_WAITING:
+                self._waiting += 1  # counted now: the accepts before its task runs see it
+                self._start(self._wait(loop, conn, peer))
+            else:
+                conn.close()
+                self._refused(level="info", peer=peer, why="door full", limit=self.gate.limit)
+
+    def _start(self, work) -> None:
+        task = asyncio.create_task(work)
+        self._opening.add(task)
+        task.add_done_callback(self._opening.discard)
+
+    async def _wait(self, loop: asyncio.AbstractEventLoop, conn: socket.socket, peer: str) -> None:
+        """A connection the full door had no place for: admitted once one frees (within the header deadline)."""
+        try:
+            async with asyncio.timeout(self.handshake_timeout_s):
+                while (slot := self.gate.admit(peer)) is None:
+                    if self.gate.by_peer[peer] >= self.gate.per_peer:
+                        raise TimeoutError  # its peer filled its share meanwhile
+                    await self.gate.wait_room()
+        except (TimeoutError, asyncio.CancelledError):
+            conn.close()
+            self._refused(level="info", peer=peer, why="door full", limit=self.gate.limit)
+            return
+        finally:
+            self._waiting -= 1
+        await self._open(loop, conn, slot)
 
     async def _open(self, loop: asyncio.AbstractEventLoop, conn: socket.socket, slot: Slot) -> None:
         """Hand `conn` to a protocol; a TLS handshake must end within the header deadline."""
