@@ -272,7 +272,8 @@ class HttpSection(Section):
     max_upload_bytes_in_flight: int = Field(default=0, ge=0)
     """Bytes of /v1/upload_lora_adapter bodies the door holds in memory at once, every upload together (one tenant's
     at most half); an upload that would pass it is refused (429 UPLOADS_FULL) before its bytes are read, each counted
-    from its Content-Length or as it arrives. 0 = twice spool.max_adapter_bytes."""
+    from its Content-Length or as it arrives. 0 = room for two of the largest uploads (spool.max_adapter_bytes and the
+    other files each)."""
     keep_alive_s: float = Field(default=5.0, gt=0)
     """Seconds an idle connection is kept open between requests."""
     pause_max_s: float = Field(default=60.0, gt=0, le=3600)

@@ -64,6 +64,8 @@ from rollwire.v1 import generator_pb2 as pb
 log = get_logger(__name__)
 MAX_CONFIG_BYTES = 1 << 20
 CONFIG_FILE, WEIGHTS_FILE = "adapter_config.json", "adapter_model.safetensors"
+UPLOAD_SLACK = (64 << 10) + 1024
+"""An upload's bytes besides its files: lora_name, the parts' headers and boundaries."""
 
 
 class AdapterDoor:
@@ -71,7 +73,8 @@ class AdapterDoor:
 
     def __init__(self, state: ProxyState, adapter_root: str, max_adapter_bytes: int) -> None:
         self.state, self.max_bytes = state, max_adapter_bytes
-        budget = state.config.http.max_upload_bytes_in_flight or 2 * max_adapter_bytes
+        largest = max_adapter_bytes + MAX_CONFIG_BYTES + MAX_SIGNATURE_FILE_BYTES + UPLOAD_SLACK  # one upload's body
+        budget = state.config.http.max_upload_bytes_in_flight or 2 * largest
         self.uploads = UploadBudget(budget, state.config.routing.retry_after_s)
         """The bytes of uploads the door holds at once (edge.uploads: in all, and per tenant)."""
         self.root = Path(adapter_root).resolve() if adapter_root else None

@@ -35,7 +35,7 @@ from rollwire.common.reasons import Reason
 from rollwire.common.signing import MAX_SIGNATURE_FILE_BYTES, SIGNATURE_FILE
 from rollwire.proxy.accounting import RequestRecord
 from rollwire.proxy.http import tokens
-from rollwire.proxy.http.adapters import CONFIG_FILE, MAX_CONFIG_BYTES, WEIGHTS_FILE
+from rollwire.proxy.http.adapters import CONFIG_FILE, MAX_CONFIG_BYTES, UPLOAD_SLACK, WEIGHTS_FILE
 from rollwire.proxy.http.dialect import convert
 from rollwire.proxy.http.dialect.errors import HttpError, error_response, http_status
 from rollwire.proxy.http.dialect.names import parse_model
@@ -325,8 +325,7 @@ async def _upload_parts(door: Door, request: Request, holding: Holding) -> dict[
         WEIGHTS_FILE: min(door.adapters.max_bytes, room),
         SIGNATURE_FILE: MAX_SIGNATURE_FILE_BYTES,
     }
-    slack = sum(limits.values()) - limits[WEIGHTS_FILE] + (64 << 10)  # the other parts, headers and boundaries
-    total = limits[WEIGHTS_FILE] + slack
+    total = sum(limits.values()) + UPLOAD_SLACK - 1024  # lora_name is among the limits
     no_room = HttpError(
         grpc.StatusCode.RESOURCE_EXHAUSTED,
         f"the proxy's spool can take at most {room} more bytes of adapters from this caller now (the room it has, "
