@@ -583,6 +583,39 @@ def trl_vllm_vs_rollwire(d: dict) -> str:
     )
 
 
+def trl_shapes(d: dict) -> str:
+    """One row per cell of bench/trl_shapes.py: each figure for vLLM, rollwire, and their ratio per repeat."""
+    w = d["workload"]
+    figures = [
+        ("steps_per_s", "steps/s", 1, 2),
+        ("weight_sync_s", "sync (ms)", 1e3, 0),
+        ("rollout_wait_s", "rollout wait/step (ms)", 1e3, 0),
+        ("dropped_stale_share", "stale dropped (%)", 100, 0),
+        ("accuracy_after", "accuracy after (%)", 100, 1),
+    ]
+    header = ["cell"]
+    for _, label, _, _ in figures:
+        header += [f"{label}: vLLM", "rollwire", "ratio"]
+    rows = []
+    for cell, c in d["cells"].items():
+        row = [f"`{cell}`"]
+        for k, _, scale, digits in figures:
+            for arm in ("vllm", "rollwire"):
+                spread = c["per_arm"][arm].get(k)
+                row.append(s(spread, scale, digits) if spread else "")
+            ratio = c["rollwire_over_vllm"].get(k)
+            row.append(s(ratio, 1, 2) if ratio else "")
+        rows.append(row)
+    return "\n\n".join(
+        [
+            provenance(d) + f" Median (min–max) of {w['repeats']} alternating runs per arm and cell, "
+            f"{w['budget_s']:.0f} s of TRL training each, TRL's max_staleness {w['max_staleness']}; held-out "
+            f"accuracy before: {100 * w['accuracy_before']:.1f}%. Ratios are rollwire / vLLM per repeat.",
+            table(header, rows),
+        ]
+    )
+
+
 def signed_push(d: dict) -> str:
     arms, crypto = d["arms"], d["crypto"]
     rows = [
@@ -937,6 +970,7 @@ SECTIONS = {
     "follow_vs_pinned": follow_vs_pinned,
     "vllm_vs_transformers": vllm_vs_transformers,
     "trl_vllm_vs_rollwire": trl_vllm_vs_rollwire,
+    "trl_shapes": trl_shapes,
     "prefix_cache": prefix_cache,
     "signed_push": signed_push,
     "sessions": sessions,
