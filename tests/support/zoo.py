@@ -6,6 +6,7 @@ from __future__ import annotations
 import hashlib
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from rollwire.common.lora import LoraShape
 from rollwire.common.manifest import Manifest
@@ -28,8 +29,8 @@ class PeftAdapter:
 
     payload: bytes
     shape: LoraShape
-    model: object  # the PeftModel
-    config: object  # its LoraConfig
+    model: Any  # the PeftModel
+    config: Any  # its LoraConfig
 
     def manifest(self, name: str = "zoo", version: int = 1) -> Manifest:
         return Manifest(

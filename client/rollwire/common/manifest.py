@@ -26,8 +26,8 @@ import math
 import re
 from dataclasses import dataclass
 
-from rollwire.common.errors import FailedPrecondition, InvalidArgument, ResourceExhausted, clip
-from rollwire.common.lora import LoraShape
+from rollwire.common.errors import FailedPrecondition, InvalidArgument, RequestError, ResourceExhausted, clip
+from rollwire.common.lora import MAX_PATTERNS, LoraShape, check_pattern
 from rollwire.common.reasons import Reason
 from rollwire.v1 import generator_pb2 as pb
 
@@ -99,6 +99,28 @@ def manifest_from_pb(m: pb.AdapterManifest) -> Manifest:
     )
 
 
+def check_patterns(lora: LoraShape) -> None:
+    """A manifest's rank_pattern and alpha_pattern: at most MAX_PATTERNS keys each, of the form
+    rollwire matches (`lora.check_pattern`), whole ranks in 1..MAX_LORA_R, finite alphas > 0."""
+    for name, patterns in (("rank_pattern", lora.rank_pattern), ("alpha_pattern", lora.alpha_pattern)):
+        if len(patterns) > MAX_PATTERNS:
+            raise InvalidArgument(
+                f"lora_config.{name} has {len(patterns)} entries; at most {MAX_PATTERNS}", reason=Reason.BAD_LORA_CONFIG
+            )
+        for key, value in patterns:
+            try:
+                check_pattern(key)
+            except RequestError as exc:
+                raise InvalidArgument(f"lora_config.{name}: {exc.message}", reason=Reason.BAD_LORA_CONFIG) from None
+            bad_rank = name == "rank_pattern" and not (value == int(value) and 1 <= value <= MAX_LORA_R)
+            if bad_rank or not (math.isfinite(value) and value > 0):
+                raise InvalidArgument(
+                    f"lora_config.{name}[{key[:80]!r}] is {value}; a rank must be a whole number in 1..{MAX_LORA_R}, "
+                    "an alpha finite and > 0",
+                    reason=Reason.BAD_LORA_CONFIG,
+                )
+
+
 def check_manifest(m: Manifest, *, fingerprint: str | None, max_bytes: int, holder: str = "replica") -> None:
     """Refuse a manifest before any byte is read; each failure has its own sentence.
     `fingerprint=None` skips the base-model check (a spool reload, before any replica is known)."""
@@ -125,6 +147,7 @@ def check_manifest(m: Manifest, *, fingerprint: str | None, max_bytes: int, hold
             f"{len(modules)} target modules)",
             reason=Reason.BAD_LORA_CONFIG,
         )
+    check_patterns(lora)
     if m.blake3 and not _DIGEST_RE.fullmatch(m.blake3):
         raise InvalidArgument(
             "blake3 must be empty or the 64 lowercase hex digits of the payload's BLAKE3", reason=Reason.BAD_DIGEST

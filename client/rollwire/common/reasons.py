@@ -168,6 +168,8 @@ class Reason(StrEnum):
     """FAILED_PRECONDITION; do not retry: SGLang runs non-deterministic; drop the seed."""
     LORA_RANK_TOO_LARGE = "LORA_RANK_TOO_LARGE"
     """FAILED_PRECONDITION; do not retry: `r` is above `sglang.max_lora_rank` (or `vllm.max_lora_rank`)."""
+    LORA_CONFIG_UNSUPPORTED = "LORA_CONFIG_UNSUPPORTED"
+    """FAILED_PRECONDITION; do not retry: The engine server cannot load this LoRA config (SGLang: a rank_pattern or alpha_pattern); push it to a transformers or vllm replica."""
     ADAPTER_SLOTS_FULL = "ADAPTER_SLOTS_FULL"
     """RESOURCE_EXHAUSTED; retry: The engine server's adapter slots (SGLang's, vLLM's) all serve requests."""
     ENGINE_SERVER_UNREACHABLE = "ENGINE_SERVER_UNREACHABLE"

@@ -77,6 +77,9 @@ def canonical(manifest: pb.AdapterManifest, key_id: str) -> bytes:
     ]
     if manifest.blake3:  # covered when set, so no hop can swap it with the bytes; absent, as before
         parts.append(b"blake3:" + manifest.blake3.encode())
+    for tag, patterns in ((b"rank_pattern:", lora.rank_pattern), (b"alpha_pattern:", lora.alpha_pattern)):
+        if patterns:  # covered in their order when set (they change the scaling); absent, as before
+            parts.append(tag + b"".join(_field(p.pattern.encode()) + struct.pack(">f", p.value) for p in patterns))
     return DOMAIN + b"".join(_field(p) for p in parts)
 
 

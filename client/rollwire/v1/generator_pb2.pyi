@@ -161,16 +161,28 @@ class GenerateResponse(_message.Message):
     def __init__(self, started: _Optional[_Union[GenerationStarted, _Mapping]] = ..., tokens: _Optional[_Iterable[_Union[TokenChunk, _Mapping]]] = ..., finished: _Optional[_Iterable[_Union[SampleFinished, _Mapping]]] = ..., restarted: _Optional[_Union[GroupRestarted, _Mapping]] = ...) -> None: ...
 
 class LoraConfig(_message.Message):
-    __slots__ = ("r", "lora_alpha", "target_modules", "use_rslora")
+    __slots__ = ("r", "lora_alpha", "target_modules", "use_rslora", "rank_pattern", "alpha_pattern")
     R_FIELD_NUMBER: _ClassVar[int]
     LORA_ALPHA_FIELD_NUMBER: _ClassVar[int]
     TARGET_MODULES_FIELD_NUMBER: _ClassVar[int]
     USE_RSLORA_FIELD_NUMBER: _ClassVar[int]
+    RANK_PATTERN_FIELD_NUMBER: _ClassVar[int]
+    ALPHA_PATTERN_FIELD_NUMBER: _ClassVar[int]
     r: int
     lora_alpha: float
     target_modules: _containers.RepeatedScalarFieldContainer[str]
     use_rslora: bool
-    def __init__(self, r: _Optional[int] = ..., lora_alpha: _Optional[float] = ..., target_modules: _Optional[_Iterable[str]] = ..., use_rslora: _Optional[bool] = ...) -> None: ...
+    rank_pattern: _containers.RepeatedCompositeFieldContainer[LoraPattern]
+    alpha_pattern: _containers.RepeatedCompositeFieldContainer[LoraPattern]
+    def __init__(self, r: _Optional[int] = ..., lora_alpha: _Optional[float] = ..., target_modules: _Optional[_Iterable[str]] = ..., use_rslora: _Optional[bool] = ..., rank_pattern: _Optional[_Iterable[_Union[LoraPattern, _Mapping]]] = ..., alpha_pattern: _Optional[_Iterable[_Union[LoraPattern, _Mapping]]] = ...) -> None: ...
+
+class LoraPattern(_message.Message):
+    __slots__ = ("pattern", "value")
+    PATTERN_FIELD_NUMBER: _ClassVar[int]
+    VALUE_FIELD_NUMBER: _ClassVar[int]
+    pattern: str
+    value: float
+    def __init__(self, pattern: _Optional[str] = ..., value: _Optional[float] = ...) -> None: ...
 
 class AdapterManifest(_message.Message):
     __slots__ = ("name", "version", "base_model_fingerprint", "lora_config", "byte_length", "sha256", "signature", "signer", "blake3")

@@ -199,6 +199,15 @@ def unservable(name: str) -> str | None:
     """Why a tensor PEFT may write is not a LoRA weight of a layer this base model serves, in
     words a user can act on; None for a plain LoRA A/B name (then its module is what is wrong)."""
     module = name.removeprefix(PEFT_PREFIX)
+    if ".lora_magnitude_vector" in module:
+        return (
+            f"tensor {name[:120]} is a DoRA magnitude vector (use_dora=True); rollwire serves plain LoRA: train "
+            "with use_dora=False"
+        )
+    if module.endswith(".lora_B.bias") or module.endswith(".lora_A.bias"):
+        return (
+            f"tensor {name[:120]} is a LoRA bias (lora_bias=True); rollwire serves LoRA without bias: train without it"
+        )
     if ".modules_to_save." in module or not module.endswith((".lora_A.weight", ".lora_B.weight")):
         whole = module.split(".modules_to_save.")[0].removesuffix(".weight").removesuffix(".bias")
         return (
@@ -239,8 +248,9 @@ def _check_expected_tensors(
     for name, shape in expected.items():
         e = tensors[name]
         if e.shape != shape or e.dtype not in LORA_DTYPES:
+            rank = lora.rank_of(name.removeprefix(PEFT_PREFIX).rsplit(".lora_", 1)[0])
             raise InvalidArgument(
-                f"tensor {name} has shape {list(e.shape)} ({e.dtype}); the base model and r={lora.r} "
+                f"tensor {name} has shape {list(e.shape)} ({e.dtype}); the base model and r={rank} "
                 f"need {list(shape)} in F32, F16 or BF16",
                 reason=Reason.TENSOR_MISMATCH,
             )
@@ -252,22 +262,25 @@ def _check_lora_tensors(lora: LoraShape, tensors: dict[str, TensorEntry]) -> Non
         raise InvalidArgument("the adapter holds no tensors", reason=Reason.TENSOR_MISMATCH)
     for name, e in tensors.items():
         kind = "A" if name.endswith(".lora_A.weight") else "B" if name.endswith(".lora_B.weight") else ""
-        rank_ok = len(e.shape) == 2 and e.shape[0 if kind == "A" else 1] == lora.r
+        rank = lora.rank_of(name.removeprefix(PEFT_PREFIX).rsplit(".lora_", 1)[0])
+        rank_ok = len(e.shape) == 2 and e.shape[0 if kind == "A" else 1] == rank
         if not name.startswith(PEFT_PREFIX) or not kind or not rank_ok or e.dtype not in LORA_DTYPES:
             raise InvalidArgument(
-                f"tensor {name[:120]} ({e.dtype}, shape {list(e.shape)}) is not a LoRA weight of rank r={lora.r} in "
+                f"tensor {name[:120]} ({e.dtype}, shape {list(e.shape)}) is not a LoRA weight of rank r={rank} in "
                 "F32, F16 or BF16",
                 reason=Reason.TENSOR_MISMATCH,
             )
 
 
 def expected_lora_shapes(lora: LoraShape, base_shapes: dict[str, tuple[int, int]]) -> dict[str, tuple[int, int]]:
-    """PEFT state-dict key -> shape for every base linear layer the config targets."""
+    """PEFT state-dict key -> shape for every base linear layer the config targets, each of its
+    own rank (rank_pattern's first match, else r)."""
     shapes: dict[str, tuple[int, int]] = {}
     for module, (out_f, in_f) in base_shapes.items():
         if targets(module, lora.target_modules):
-            shapes[f"{PEFT_PREFIX}{module}.lora_A.weight"] = (lora.r, in_f)
-            shapes[f"{PEFT_PREFIX}{module}.lora_B.weight"] = (out_f, lora.r)
+            rank = lora.rank_of(module)
+            shapes[f"{PEFT_PREFIX}{module}.lora_A.weight"] = (rank, in_f)
+            shapes[f"{PEFT_PREFIX}{module}.lora_B.weight"] = (out_f, rank)
     return shapes
 
 

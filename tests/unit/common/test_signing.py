@@ -232,3 +232,25 @@ def test_the_keys_commands_generate_sign_and_verify_a_folder(tmp_path, capsys):
     (folder / "adapter_model.safetensors").write_bytes(_lora_bytes().replace(b"\x00\x00\x00?", b"\x00\x00\x80?"))
     assert cli.main(verify) == 1  # other bytes under the same signature
     assert "does not match its manifest" in capsys.readouterr().err
+
+
+def test_rank_and_alpha_patterns_are_covered_in_their_order_and_absent_ones_change_nothing():
+    """A pattern changes a module's scaling, so a signature covers it (issue 49); a manifest without
+    patterns encodes as before, so older signatures still verify."""
+    plain = manifest_for(b"x", r=2)
+    with_rank = manifest_for(b"x", r=2)
+    with_rank.lora_config.rank_pattern.add(pattern="q_proj", value=4)
+    reordered = manifest_for(b"x", r=2)
+    reordered.lora_config.rank_pattern.add(pattern="k_proj", value=2)
+    reordered.lora_config.rank_pattern.add(pattern="q_proj", value=4)
+    ordered = manifest_for(b"x", r=2)
+    ordered.lora_config.rank_pattern.add(pattern="q_proj", value=4)
+    ordered.lora_config.rank_pattern.add(pattern="k_proj", value=2)
+    as_alpha = manifest_for(b"x", r=2)
+    as_alpha.lora_config.alpha_pattern.add(pattern="q_proj", value=4)
+    encodings = {canonical(m, "k") for m in (plain, with_rank, reordered, ordered, as_alpha)}
+    assert len(encodings) == 5  # the first match wins, so the order is part of the meaning
+    stripped = pb.AdapterManifest()
+    stripped.CopyFrom(with_rank)
+    del stripped.lora_config.rank_pattern[:]
+    assert canonical(stripped, "k") == canonical(plain, "k")

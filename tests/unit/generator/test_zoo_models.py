@@ -4,8 +4,9 @@ gpt_neox, qwen3_moe, mixtral; one byte-level BPE tokenizer trained here, ChatML 
 
 Per architecture, in this process (no replica started: the engine is what is tested):
 - a seeded T=1 group's logprobs equal a teacher-forced forward of the base model, and with the
-  adapter PEFT writes for it (all-linear; the attention projections of a MoE model) those of the
-  PeftModel holding it, within 1e-4; the push checks (the replica's and the proxy's, one
+  adapter PEFT writes for it (all-linear; the attention projections of a MoE model; with a
+  rank_pattern and an alpha_pattern, rsLoRA on every other architecture) those of the PeftModel
+  holding it, within 1e-4; the push checks (the replica's and the proxy's, one
   function) accept that adapter against the layers derived from the model's own modules;
 - every sample's streamed text, concatenated, is `tokenizer.decode(ids, skip_special_tokens=True)`;
   across the zoo the generated texts hold 1- to 4-byte characters and special tokens.
@@ -13,6 +14,8 @@ Refused by name: a MoE model's expert and router LoRA (PEFT's target_parameters)
 """
 
 from __future__ import annotations
+
+from typing import Any
 
 import pytest
 import pytest_asyncio
@@ -49,7 +52,7 @@ async def arch(request, zoo):
 
 def group(engine, adapter: AdapterSelection = AdapterSelection(), **sampling) -> GroupRequest:
     prompt = engine.tokenize(engine.tokenizer.apply_chat_template(PROMPT, add_generation_prompt=True, tokenize=False))
-    params = dict(max_new_tokens=24, temperature=1.0, seed=7, ignore_eos=True) | sampling
+    params: dict[str, Any] = dict(max_new_tokens=24, temperature=1.0, seed=7, ignore_eos=True) | sampling
     return GroupRequest("zoo", prompt, 4, SamplingParams(**params), adapter)
 
 
@@ -85,8 +88,19 @@ async def test_base_logprobs_and_text(arch):
 
 async def test_the_adapter_peft_writes_is_accepted_and_served_exactly(arch):
     name, folder, engine = arch
-    targets = attention_targets(name) if name in MOE else "all-linear"
-    adapter = peft_adapter(folder, seed=3, target_modules=targets, lora_alpha=16)
+    attention = attention_targets(name)
+    targets = attention if name in MOE else "all-linear"
+    rslora = ARCHS.index(name) % 2 == 1
+    adapter = peft_adapter(  # a rank_pattern and an alpha_pattern, as PEFT matches them
+        folder,
+        seed=3,
+        target_modules=targets,
+        lora_alpha=16,
+        use_rslora=rslora,
+        rank_pattern={attention[0]: 4},
+        alpha_pattern={attention[-1]: 3.0},
+    )
+    assert adapter.shape.rank_pattern and adapter.shape.alpha_pattern
     manifest = adapter.manifest(f"zoo-{name}")
     check_payload(manifest, adapter.payload, base_linear_shapes(folder))  # the push's checks, replica and proxy
     handle = f"{name}-1"
@@ -153,3 +167,41 @@ def test_modules_to_save_is_refused_by_name(zoo):
     adapter = peft_adapter(zoo["llama"], seed=5, target_modules=["q_proj"], modules_to_save=["lm_head"])
     with pytest.raises(InvalidArgument, match="modules_to_save"):
         check_payload(adapter.manifest(), adapter.payload, base_linear_shapes(zoo["llama"]))
+
+
+def test_pattern_keys_beyond_names_and_suffixes_are_refused_by_name():
+    from rollwire.common.errors import RequestError
+    from rollwire.common.lora import LoraShape
+    from rollwire.common.manifest import Manifest, check_manifest
+    from rollwire.common.reasons import Reason
+
+    config = {"r": 8, "lora_alpha": 16, "target_modules": ["q_proj"], "rank_pattern": {"(a+)+$": 4}}
+    with pytest.raises(RequestError, match="not a module name or dotted name suffix"):
+        LoraShape.from_peft(config)
+    for shape in (
+        LoraShape(8, 16.0, ("q_proj",), rank_pattern=(("q|k", 4.0),)),
+        LoraShape(8, 16.0, ("q_proj",), rank_pattern=(("q_proj", 2.5),)),
+        LoraShape(8, 16.0, ("q_proj",), alpha_pattern=(("q_proj", float("nan")),)),
+    ):
+        with pytest.raises(InvalidArgument) as err:
+            check_manifest(Manifest("a", 1, "fp", shape, 10, "0" * 64), fingerprint="fp", max_bytes=100)
+        assert err.value.reason == Reason.BAD_LORA_CONFIG and "pattern" in err.value.message
+
+
+def test_served_engines_write_patterns_for_vllm_and_sglang_refuses_them_by_name(zoo, tmp_path):
+    """vLLM's PEFTHelper reads rank_pattern and alpha_pattern from adapter_config.json, so the vllm
+    engine's folder carries them as PEFT wrote them; SGLang keeps one r and alpha per adapter, so
+    the sglang engine refuses such a push before SGLang is touched."""
+    from rollwire.common.errors import FailedPrecondition
+    from rollwire.generator.engines.served.files import peft_config
+    from rollwire.generator.engines.served.sglang_engine import SGLangEngine
+    from rollwire.generator.engines.served.vllm_engine import VLLMEngine
+    from rollwire.generator.engines.settings import SGLangSection, VLLMSection
+
+    adapter = peft_adapter(zoo["qwen2"], seed=6, target_modules="all-linear", rank_pattern={"q_proj": 4})
+    manifest = adapter.manifest()
+    config = peft_config(manifest, adapter.payload, str(zoo["qwen2"]))
+    assert config["rank_pattern"] == {"q_proj": 4} and config["alpha_pattern"] == {} and config["r"] == 8
+    VLLMEngine(tmp_path, VLLMSection(), adapter_window=2)._check_adapter(manifest)
+    with pytest.raises(FailedPrecondition, match="rank_pattern or alpha_pattern"):
+        SGLangEngine(tmp_path, SGLangSection(), adapter_window=2)._check_adapter(manifest)

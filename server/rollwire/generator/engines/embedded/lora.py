@@ -2,6 +2,7 @@
 
 The math is PEFT's for plain LoRA, per targeted linear layer:
     y = base(x) + ((x Aᵀ) Bᵀ)·s,    s = lora_alpha / r   (lora_alpha / sqrt(r) with rsLoRA)
+per layer, r and lora_alpha that layer's (PEFT's rank_pattern / alpha_pattern: LoraShape.scale_of)
 with A [r, in] and B [out, r] exactly as `get_peft_model_state_dict` saves them.
 
 Why not PEFT's own layers at serving time: a batch that mixes adapters (every batch of an
@@ -43,7 +44,6 @@ Invariants:
 
 from __future__ import annotations
 
-import math
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -121,10 +121,11 @@ class _Layer:
 
     def __init__(self) -> None:
         self.weights: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+        self.scales: dict[str, float] = {}  # handle -> s of this layer (rank_pattern / alpha_pattern)
         self.stack_a: torch.Tensor | None = None
         self.stack_b: torch.Tensor | None = None
 
-    def restack(self, order: list[str], scales: dict[str, float]) -> None:
+    def restack(self, order: list[str]) -> None:
         """Rebuild the stacks for slot order `order` (every loaded handle, slot i = order[i]);
         the B stack holds s·Bᵀ, so the mixed path needs no multiply of its own."""
         if not self.weights:
@@ -138,7 +139,7 @@ class _Layer:
             if handle in self.weights:
                 a, b = self.weights[handle]
                 stack_a[slot, :, : a.shape[0]] = a.t()
-                stack_b[slot, : b.shape[1], :] = b.t() * scales[handle]
+                stack_b[slot, : b.shape[1], :] = b.t() * self.scales[handle]
         self.stack_a, self.stack_b = stack_a, stack_b
 
 
@@ -149,7 +150,6 @@ class LoraSet:
         self._model = model
         self._layers: dict[str, _Layer] = {}  # targeted module -> its adapters
         self._order: list[str] = []  # loaded handles; a handle's index is its stack slot
-        self._scale: dict[str, float] = {}  # handle -> s
         self._route: Route = None
 
     def __contains__(self, handle: str) -> bool:
@@ -162,7 +162,6 @@ class LoraSet:
         """Install an adapter under `handle` (PEFT state-dict names, as pushed)."""
         if handle in self._order:
             raise InvalidArgument(f"adapter handle {handle!r} is already loaded")
-        scale = lora.lora_alpha / (math.sqrt(lora.r) if lora.use_rslora else lora.r)
         pairs = _pairs(tensors)
         staged = {module: self._prepare(module, a, b) for module, (a, b) in pairs.items()}
         for module, weights in staged.items():
@@ -170,8 +169,8 @@ class LoraSet:
                 self._layers[module] = _Layer()
                 self._model.get_submodule(module).register_forward_hook(_hook(self, self._layers[module]))
             self._layers[module].weights[handle] = weights
+            self._layers[module].scales[handle] = lora.scale_of(module)
         self._order.append(handle)
-        self._scale[handle] = scale
         self._restack()
 
     def unload(self, handle: str) -> None:
@@ -179,13 +178,13 @@ class LoraSet:
             return
         for layer in self._layers.values():
             layer.weights.pop(handle, None)
+            layer.scales.pop(handle, None)
         self._order.remove(handle)
-        del self._scale[handle]
         self._restack()
 
     def _restack(self) -> None:
         for layer in self._layers.values():
-            layer.restack(self._order, self._scale)
+            layer.restack(self._order)
 
     @contextmanager
     def routed(self, handles: Sequence[str | None]) -> Iterator[None]:
@@ -241,7 +240,7 @@ def _hook(owner: LoraSet, layer: _Layer):
             if weights is None:  # this adapter does not target this layer
                 return None
             a, b = weights  # PEFT's own operations, in its order: the same numbers as a PeftModel
-            output.add_(F.linear(F.linear(x, a), b) * owner._scale[route])
+            output.add_(F.linear(F.linear(x, a), b) * layer.scales[route])
             return output
         if layer.stack_a is None or layer.stack_b is None:
             return None

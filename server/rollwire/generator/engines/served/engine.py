@@ -119,6 +119,9 @@ class ServedEngine:
     name = "served"
     kind: ServerKind
     follows_versions = True
+    serves_patterns = False
+    """Whether the server reads PEFT's rank_pattern / alpha_pattern from adapter_config.json (vLLM's
+    PEFTHelper does; SGLang 0.5.23's LoRA config keeps one r and alpha per adapter)."""
     """Follows by continuation (follow.py): a switch costs a prefill of prompt + generated tokens."""
     resumes_samples = True
     """Continues samples by continuation too (follow.py): same version and distribution, not token-exact."""
@@ -378,9 +381,16 @@ class ServedEngine:
 
     def _check_adapter(self, m: Manifest) -> None:
         key = self.kind.key
-        if m.lora.r > self.settings.max_lora_rank:
+        if (m.lora.rank_pattern or m.lora.alpha_pattern) and not self.serves_patterns:
             raise FailedPrecondition(
-                f"adapter {m.name!r} v{m.version} has rank r={m.lora.r}, above {key}.max_lora_rank="
+                f"adapter {m.name!r} v{m.version} has a rank_pattern or alpha_pattern, which {self.kind.label} "
+                "cannot load (one rank and alpha per adapter); push it to a transformers or vllm replica, or train "
+                "with one r and lora_alpha",
+                reason=Reason.LORA_CONFIG_UNSUPPORTED,
+            )
+        if max(m.lora.ranks) > self.settings.max_lora_rank:
+            raise FailedPrecondition(
+                f"adapter {m.name!r} v{m.version} has rank r={max(m.lora.ranks)}, above {key}.max_lora_rank="
                 f"{self.settings.max_lora_rank} that {self.kind.label} reserved memory for at start-up; push r<="
                 f"{self.settings.max_lora_rank} or restart the replica with a larger {key}.max_lora_rank",
                 reason=Reason.LORA_RANK_TOO_LARGE,

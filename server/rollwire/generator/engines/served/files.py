@@ -29,17 +29,28 @@ def peft_config(manifest: Manifest, payload: Payload, base_model: str) -> dict:
     head = bytes(payload[: 8 + header_length(bytes(payload[:8]))])  # the header alone: it may be a bulk buffer
     tensors = read_header(head, body_length=len(payload) - len(head))
     modules = sorted({name.split(".lora_")[0].rsplit(".", 1)[-1] for name in tensors if ".lora_" in name})
-    alpha = manifest.lora.lora_alpha * (math.sqrt(manifest.lora.r) if manifest.lora.use_rslora else 1.0)
+    lora = manifest.lora
+    if lora.rank_pattern or lora.alpha_pattern:  # only for a server that reads them (vLLM): the file as PEFT wrote it
+        return {
+            **_config(base_model, lora.r, lora.lora_alpha, modules, lora.use_rslora),
+            "rank_pattern": {k: int(v) for k, v in lora.rank_pattern},
+            "alpha_pattern": dict(lora.alpha_pattern),
+        }
+    alpha = lora.lora_alpha * (math.sqrt(lora.r) if lora.use_rslora else 1.0)
+    return _config(base_model, lora.r, alpha, modules, False)
+
+
+def _config(base_model: str, r: int, alpha: float, modules: list[str], rslora: bool) -> dict:
     return {
         "peft_type": "LORA",
         "task_type": "CAUSAL_LM",
         "base_model_name_or_path": base_model,
-        "r": manifest.lora.r,
+        "r": r,
         "lora_alpha": alpha,
         "target_modules": modules,
         "lora_dropout": 0.0,
         "bias": "none",
-        "use_rslora": False,
+        "use_rslora": rslora,
         "use_dora": False,
         "fan_in_fan_out": False,
         "inference_mode": True,

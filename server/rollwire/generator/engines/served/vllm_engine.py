@@ -292,6 +292,7 @@ class VLLMEngine(ServedEngine):
 
     name = "vllm"
     kind = VLLM
+    serves_patterns = True
     settings: VLLMSection
     returns_kept_tokens = True
     """From processed top logprobs (kept_logprobs_for), within vllm.max_logprobs."""
