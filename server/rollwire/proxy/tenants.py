@@ -45,9 +45,11 @@ log = get_logger(__name__)
 HIDDEN = "(hidden)"
 """What a tenant reads in a sentence where another tenant's name or a replica's address stood."""
 _QUALIFIED = re.compile(
-    r"\[[0-9A-Fa-f:.]+\](?::\d+)?|(?<![\w.:\[-])(?P<tenant>[A-Za-z0-9][\w.-]*):(?P<name>[A-Za-z0-9][\w.-]*)"
+    r"\[[0-9A-Fa-f:.]+\](?::\d+)?"
+    r"|(?<![\w.:\[-])(?!(?:sha256|blake3):)(?P<tenant>[A-Za-z0-9][\w.-]*):(?P<name>[A-Za-z0-9][\w.-]*)"
 )
-"""`TENANT:NAME`, and `HOST:PORT` (a name, an IPv4 or a bracketed IPv6 address), wherever it stands in a sentence."""
+"""`TENANT:NAME`, and `HOST:PORT` (a name, an IPv4 or a bracketed IPv6 address), wherever it stands in a sentence;
+not a digest (`sha256:...`, `blake3:...`: a base-model fingerprint every caller may read)."""
 FLEET = "_fleet"
 """The `tenant` label of the fleet's own tokens (and of calls where auth is off): no tenant can
 be so named (NAME_RE starts with a letter or digit), so the label set is the configured

@@ -29,6 +29,8 @@ def test_a_tenants_sentence_keeps_its_own_names_and_hides_every_other_qualified_
     if other != own:
         assert f"{other}:{adapter}" not in shown and f"(loaded: {HIDDEN}, shared)" in shown
     assert "10.0.0.5:50051" not in shown and "[::1]:7" not in shown
+    fingerprint = "base model sha256:e2e30175f617e3d3 (blake3:0a1b)"
+    assert Scope(own).scrub(fingerprint) == fingerprint  # a digest is no name: the sentence stays actionable
     assert Scope().scrub(text) == text  # the fleet's tokens see every name as held
 
 
