@@ -12,7 +12,10 @@ Invariants:
 - a push takes a slot (`PushSlots`, limits.max_concurrent_pushes) before its manifest is
   judged, and gives it back on every exit; a stripe of a version being assembled shares the
   assembly's slot; what its opening asks of this replica alone (caller, grant, loop, relay
-  plan's shape) is refused before it takes one, so a busy replica answers it the same;
+  plan's shape) is refused before it takes one, so a busy replica answers it the same; a
+  tenant's pushes take at most all but one slot, and a push's bytes must all be in within
+  its total deadline (limits.upload_timeout_s + its size at limits.min_upload_bytes_per_s),
+  so a stalled or trickling sender frees its slot;
 - the reply carries this replica's outcome and its subtree's (in `replicas`, or beside the
   refusal's ErrorInfo), whatever happened here;
 - a replica relays only when relay.enabled, only to nodes its proxy granted (auth on), never
@@ -46,7 +49,7 @@ from rollwire.push.channels import ChannelPool
 from rollwire.push.checks import PayloadInspector
 from rollwire.push.forward import Forwarder
 from rollwire.push.plan import Child, grant_key, is_granted, split_plan, unplanned
-from rollwire.push.reader import Opening, PushReader
+from rollwire.push.reader import Opening, PushReader, total_deadline
 from rollwire.push.results import status_with_results
 from rollwire.runtime.hosts import is_local_ip, resolve_ips
 from rollwire.runtime.logs import REQUEST_ID_KEY, get_logger, request_id_from
@@ -116,12 +119,15 @@ class PushIntake:
         stream = _Stream(PushReader(messages, self.config.limits.push_idle_timeout_s, "replica"), time.monotonic())
         try:
             first, manifest = await self._admit(stream, context)
-            if first.relay.nodes:
-                stream.forward = await self._relay(first, stream.children, context, stream.role)
-            # a bulk stripe lands in its assembly's one buffer, ready before the offer
-            into = await stream.assembly.ready() if stream.assembly is not None and first.bulk and self.bulk else None
-            await stream.reader.agree(first, self.bulk, context.send_initial_metadata, into)
-            await self._receive(stream, first, manifest)
+            async with total_deadline(stream.reader, self.config.limits.upload_deadline_s(manifest.byte_length)):
+                if first.relay.nodes:
+                    stream.forward = await self._relay(first, stream.children, context, stream.role)
+                # a bulk stripe lands in its assembly's one buffer, ready before the offer
+                into = (
+                    await stream.assembly.ready() if stream.assembly is not None and first.bulk and self.bulk else None
+                )
+                await stream.reader.agree(first, self.bulk, context.send_initial_metadata, into)
+                await self._receive(stream, first, manifest)
             if stream.assembly is not None and first.stripe is not None and not stream.assembly.end(first.stripe.index):
                 stream.assembly = None  # its stripe is in: what happens to this call now spoils nothing
                 return await self._stripe_received(stream, first)

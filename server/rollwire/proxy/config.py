@@ -110,13 +110,6 @@ class SpoolSection(PushLimits):
     """Newest versions of each adapter kept for catch-up (set it to the replicas' adapter_keep, the versions a caller
     may name)."""
     upload_idle_timeout_s: float = push_idle_field()
-    upload_timeout_s: float = Field(default=60.0, gt=0, le=86400)
-    """The total deadline of a client's upload, from its manifest to its last byte, is this plus its size at
-    `min_upload_bytes_per_s`; past it the push is refused (DEADLINE_EXCEEDED, PUSH_TOO_SLOW) and its reservation of
-    spool room (and its replicas' push slots) freed, however steadily it trickles."""
-    min_upload_bytes_per_s: float = Field(default=1 << 20, gt=0)
-    """The slowest rate a client's upload may keep on average (see upload_timeout_s); 1 MiB/s by default, so a 1 GiB
-    adapter has 60 s + 17 min."""
 
 
 class PushSection(ForwardSection):

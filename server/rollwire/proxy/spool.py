@@ -18,7 +18,7 @@ Invariants:
   is never evicted to make room for another name's version;
 - an upload in flight is charged to its tenant from its manifest on (`in_flight`, `charge`:
   the tenant's spool quotas count it as a version it holds, so what a tenant reserves is
-  within its own quota), and has a total deadline (`upload_deadline_s`) besides the idle one,
+  within its own quota), and has a total deadline (PushLimits.upload_deadline_s) besides the idle one,
   so a trickle holds its reservation for a bounded time;
 - a full disk refuses a push, never the proxy: a version the disk has no room for (its free
   space less the uploads in flight) is refused at its manifest, and a write that still fails
@@ -92,12 +92,6 @@ class SpooledAdapter:
                 reason=Reason.SPOOL_CHANGED,
                 retry_after_s=1.0,
             ) from None
-
-
-def upload_deadline_s(size: int, base_s: float, min_bytes_per_s: float) -> float:
-    """How long an upload of `size` bytes may take in all, from its manifest: `base_s`, plus
-    its bytes at `min_bytes_per_s` (spool.upload_timeout_s, spool.min_upload_bytes_per_s)."""
-    return base_s + size / min_bytes_per_s
 
 
 @dataclass(eq=False)

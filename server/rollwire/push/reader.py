@@ -7,7 +7,9 @@ Invariants:
   chunks of at most MAX_CHUNK bytes, never more bytes in all than the manifest's
   `byte_length`, fields of the opening only on the opening;
 - a stream that sends nothing for `idle_s` ends with DEADLINE_EXCEEDED (PUSH_IDLE), so a
-  stalled sender cannot hold an upload slot;
+  stalled sender cannot hold an upload slot, and one whose bytes are not all in within its
+  total deadline (`total_deadline`: PushLimits.upload_deadline_s) with DEADLINE_EXCEEDED
+  (PUSH_TOO_SLOW), so a trickle cannot either;
 - the payload is hashed once, incrementally, by the push's `Sink` while it arrives; length
   and digest are checked when the stream ends, before anything may use the payload;
 - `PushReader.chunks()` hands each chunk on as the very `bytes` object received, before the
@@ -19,6 +21,7 @@ Invariants:
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import mmap
 from collections.abc import AsyncIterable, AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
@@ -76,6 +79,30 @@ async def idle_bounded(messages: AsyncIterable, idle_s: float, holder: str):
                 reason=Reason.PUSH_IDLE,
             ) from None
         yield msg
+
+
+def too_slow(m: pb.AdapterManifest, received: int, seconds: float, holder: str) -> DeadlineExceeded:
+    """The refusal of a push whose bytes were not all in within its total deadline."""
+    return DeadlineExceeded(
+        f"the push of adapter {m.name!r} v{m.version} sent {received} of its {m.byte_length} bytes in {seconds:.0f} s, "
+        f"its deadline (upload_timeout_s + its size at min_upload_bytes_per_s), so this {holder} cancelled it and freed "
+        "what it held; push it again at a steady rate",
+        reason=Reason.PUSH_TOO_SLOW,
+    )
+
+
+@contextlib.asynccontextmanager
+async def total_deadline(reader: PushReader, seconds: float) -> AsyncIterator[None]:
+    """The block (the push's bytes) within `seconds`: DEADLINE_EXCEEDED PUSH_TOO_SLOW past it."""
+    budget = asyncio.timeout(seconds)
+    try:
+        async with budget:
+            yield
+    except TimeoutError:
+        if not budget.expired():
+            raise
+        assert reader.manifest is not None  # the deadline is set once the manifest was read
+        raise too_slow(reader.manifest, reader.received, seconds, reader.holder) from None
 
 
 @dataclass(eq=False)

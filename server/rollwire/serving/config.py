@@ -119,6 +119,17 @@ class PushLimits(Section):
     """Largest adapter payload accepted; a larger one is refused before any byte."""
     max_version_step: int = Field(default=1_000_000, ge=1)
     """A pushed version may be at most this far above the newest of its name (0 for a new name)."""
+    upload_timeout_s: float = Field(default=60.0, gt=0, le=86400)
+    """The total deadline of an incoming push, from its manifest to its last byte, is this plus its size at
+    `min_upload_bytes_per_s`; past it the push is refused (DEADLINE_EXCEEDED, PUSH_TOO_SLOW) and what it held (spool
+    room, push slots, its relay's streams) is freed, however steadily it trickles."""
+    min_upload_bytes_per_s: float = Field(default=1 << 20, gt=0)
+    """The slowest rate an incoming push may keep on average (see upload_timeout_s); 1 MiB/s by default, so a 1 GiB
+    adapter has 60 s + 17 min."""
+
+    def upload_deadline_s(self, size: int) -> float:
+        """How long a push of `size` bytes may take in all, from its manifest."""
+        return self.upload_timeout_s + size / self.min_upload_bytes_per_s
 
 
 class ForwardSection(Section):

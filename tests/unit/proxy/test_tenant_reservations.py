@@ -5,6 +5,8 @@ rules, no process; tests/integration/proxy/test_tenant_resources.py runs them on
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING, cast
+
 import grpc
 import pytest
 
@@ -12,8 +14,11 @@ from rollwire.common.errors import ResourceExhausted
 from rollwire.proxy.http.dialect.errors import HttpError
 from rollwire.proxy.http.edge.uploads import UploadBudget
 from rollwire.proxy.routing.shares import TENANT_UPLOAD_SHARE, Shares, upload_room
-from rollwire.proxy.spool import upload_deadline_s
 from rollwire.proxy.tenants import QuotaSection, TenantSection
+from rollwire.serving.config import PushLimits
+
+if TYPE_CHECKING:
+    from rollwire.proxy.spool import Spool
 
 KEEP = 4
 
@@ -73,20 +78,29 @@ class FakeSpool:
         return [h for h in self._in_flight if h[0].startswith(prefix)]
 
 
+def room(s: Shares, spool: FakeSpool, tenant: str) -> int:
+    return upload_room(s, cast("Spool", spool), tenant)  # what upload_room reads of a spool, no folder
+
+
 def test_the_room_an_upload_may_be_given_is_the_least_of_the_spools_the_share_and_the_quota():
     spool = FakeSpool(1000, [("a:x", 1, 100), ("b:y", 1, 300)])
-    assert upload_room(shares(), spool, "") == 600  # the fleet's: the spool less every reservation
-    assert upload_room(shares(), spool, "b") == int(1000 * TENANT_UPLOAD_SHARE) - 300
-    assert upload_room(shares(max_spool_bytes=250), spool, "a") == 150
-    assert upload_room(shares(max_spool_bytes=50), spool, "a") == 0  # never negative
-    assert upload_room(shares(), FakeSpool(1000, [("b:y", 1, 990)]), "a") == 10  # the spool's own room binds
+    assert room(shares(), spool, "") == 600  # the fleet's: the spool less every reservation
+    assert room(shares(), spool, "b") == int(1000 * TENANT_UPLOAD_SHARE) - 300
+    assert room(shares(max_spool_bytes=250), spool, "a") == 150
+    assert room(shares(max_spool_bytes=50), spool, "a") == 0  # never negative
+    assert room(shares(), FakeSpool(1000, [("b:y", 1, 990)]), "a") == 10  # the spool's own room binds
 
 
 def test_an_uploads_total_deadline_grows_with_its_size_at_the_minimum_rate():
-    assert upload_deadline_s(0, 60.0, 1 << 20) == 60.0
-    assert upload_deadline_s(1 << 30, 60.0, 1 << 20) == 60.0 + 1024
+    limits = PushLimits()  # the proxy's spool and every replica's limits alike
+    assert limits.upload_deadline_s(0) == 60.0
+    assert limits.upload_deadline_s(1 << 30) == 60.0 + 1024
     # a trickle of 1 byte per 20 s (audit S1) of a 64 MiB manifest is cut at 124 s, not held forever
-    assert upload_deadline_s(64 << 20, 60.0, 1 << 20) == pytest.approx(124.0)
+    assert limits.upload_deadline_s(64 << 20) == pytest.approx(124.0)
+    assert PushLimits(upload_timeout_s=2, min_upload_bytes_per_s=100).upload_deadline_s(300) == 5.0
+    for bad in ({"upload_timeout_s": 0}, {"min_upload_bytes_per_s": 0}, {"upload_timeout_s": 86401}):
+        with pytest.raises(ValueError):
+            PushLimits(**bad)
 
 
 def test_the_doors_upload_budget_bounds_all_uploads_and_each_tenants_half():

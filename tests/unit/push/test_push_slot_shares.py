@@ -1,13 +1,21 @@
-"""A tenant's pushes hold at most all but one of a receiver's push slots (audit 2026-12-07 S3):
-push.assembly.PushSlots by owner. Pure; a real replica behind a proxy in
+"""What a receiver's push slot is held by (audit 2026-12-07 S3): a tenant's pushes hold at most
+all but one of them (push.assembly.PushSlots by owner), and a push that trickles holds its slot
+until its total deadline, no longer. Pure; a real replica behind a proxy in
 tests/integration/proxy/test_tenant_resources.py."""
 
 from __future__ import annotations
 
-import pytest
+import asyncio
+import time
 
-from rollwire.common.errors import ResourceExhausted
+import pytest
+from support.wire import manifest_for
+
+from rollwire.common.errors import DeadlineExceeded, ResourceExhausted
+from rollwire.common.writer import opening
 from rollwire.push.assembly import PushSlots, slot_owner
+from rollwire.push.reader import PushReader, total_deadline
+from rollwire.v1 import generator_pb2 as pb
 
 
 def slots(limit: int) -> tuple[PushSlots, list[int]]:
@@ -55,3 +63,25 @@ def test_a_receiver_of_one_slot_gives_it_to_whoever_comes_first():
     refused(lambda: s.admit("b:x"))
     s.free("a:x")
     s.admit("b:x")
+
+
+async def test_a_trickling_sender_is_cut_off_at_its_total_deadline_though_never_idle():
+    """The same receiver, its slot's other bound: a push never idle (a byte every 20 ms, idle
+    deadline 1 s) still ends at its total deadline (push.reader.total_deadline), PUSH_TOO_SLOW."""
+
+    async def trickle():
+        yield opening(manifest_for(b"x" * 1000))
+        for _ in range(1000):
+            await asyncio.sleep(0.02)
+            yield pb.PushAdapterRequest(chunk=b"x")
+
+    reader = PushReader(trickle(), 1.0, "replica")
+    await reader.open()
+    start = time.monotonic()
+    with pytest.raises(DeadlineExceeded) as info:
+        async with total_deadline(reader, 0.3):
+            async for _ in reader.chunks():
+                pass
+    reader.close()
+    assert info.value.reason == "PUSH_TOO_SLOW" and time.monotonic() - start < 1.0
+    assert 0 < reader.received < 1000 and f"sent {reader.received} of its 1000 bytes" in info.value.message

@@ -61,13 +61,13 @@ from rollwire.proxy.publish.header_gate import HeaderGate
 from rollwire.proxy.publish.intake import Intake, Piece
 from rollwire.proxy.publish.peers import Peers
 from rollwire.proxy.publish.publication import Outcome, Publication, fence_conflicts, publication_reply
-from rollwire.proxy.spool import Spool, SpooledAdapter, Upload, upload_deadline_s
+from rollwire.proxy.spool import Spool, SpooledAdapter, Upload
 from rollwire.proxy.upstream import relay_credentials
 from rollwire.push.bulk import BulkDial, BulkListener
 from rollwire.push.checks import PayloadInspector
 from rollwire.push.forward import Forwarder
 from rollwire.push.plan import Child, Target, choose_fanout, grant_children, layout, stripe_chunk_bytes, striped_layout
-from rollwire.push.reader import PushReader
+from rollwire.push.reader import PushReader, too_slow
 from rollwire.push.striped import StripedForwarder
 from rollwire.runtime.logs import REQUEST_ID_KEY, get_logger
 from rollwire.v1 import generator_pb2 as pb
@@ -171,20 +171,12 @@ class FanOut:
         return await asyncio.shield(task)
 
     def _upload_s(self, manifest: pb.AdapterManifest) -> float:
-        s = self.config.spool
-        return upload_deadline_s(manifest.byte_length, s.upload_timeout_s, s.min_upload_bytes_per_s)
+        return self.config.spool.upload_deadline_s(manifest.byte_length)
 
     def _too_slow(self, reader: PushReader) -> DeadlineExceeded:
-        m = reader.manifest
-        assert m is not None  # the deadline is set once the manifest was read
-        took = self._upload_s(m)
+        assert reader.manifest is not None  # the deadline is set once the manifest was read
         self.metrics.client_limited.labels("slow_upload").inc()
-        return DeadlineExceeded(
-            f"the upload of adapter {m.name!r} v{m.version} sent {reader.received} of its {m.byte_length} bytes in "
-            f"{took:.0f} s, its deadline (spool.upload_timeout_s + its size at spool.min_upload_bytes_per_s), so the "
-            "proxy cancelled it and freed what it held; push it again at a steady rate",
-            reason=Reason.PUSH_TOO_SLOW,
-        )
+        return too_slow(reader.manifest, reader.received, self._upload_s(reader.manifest), "proxy")
 
     def _reader(self, messages: AsyncIterator[pb.PushAdapterRequest]) -> PushReader:
         """A client's upload, both its digests checked: from here on they name the same bytes (push.digests)."""
