@@ -11,6 +11,8 @@ The engine's own rules over every architecture: tests/unit/generator/test_zoo_mo
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 from support.door_fleet import openai_client
 from support.processes import start_generators, start_proxy, stop_all, wait_routable
@@ -41,11 +43,11 @@ def door_texts(proxy, model, prompt: str, stream: bool, **body) -> tuple[dict[in
     """The door's text and token ids of each sample, whole or from its streamed deltas."""
     client = openai_client(proxy.http_url)
     extra = {"return_token_ids": True, "ignore_eos": True, **body.pop("extra_body", {})}
-    params = dict(n=4, seed=13, max_tokens=20, temperature=1.0) | body
-    got = client.completions.create(model=model.name, prompt=prompt, stream=stream, extra_body=extra, **params)
+    params: dict[str, Any] = dict(n=4, seed=13, max_tokens=20, temperature=1.0) | body
+    got: Any = client.completions.create(model=model.name, prompt=prompt, stream=stream, extra_body=extra, **params)
     texts: dict[int, str] = {}
     ids: dict[int, list[int]] = {}
-    for choices in [e.choices for e in got] if stream else [got.choices]:  # pyright: ignore[reportAttributeAccessIssue]
+    for choices in [e.choices for e in got] if stream else [got.choices]:
         for c in choices:
             texts[c.index] = texts.get(c.index, "") + c.text
             ids.setdefault(c.index, []).extend((c.model_extra or {}).get("token_ids") or [])
@@ -69,14 +71,15 @@ def test_a_stop_string_inside_a_token_ends_the_sample_and_the_door_cuts_there(fl
     ids = free.tokens[0]
     pieces = [tok.decode(ids[:k], skip_special_tokens=True) for k in range(len(ids) + 1)]
     # a one-character stop string that a token of several characters holds before its last one
-    k, stop = next(
+    found = next(
         ((k, pieces[k][len(pieces[k - 1])]) for k in range(2, len(ids))
          if len(pieces[k]) - len(pieces[k - 1]) >= 2 and pieces[k].startswith(pieces[k - 1])
          and pieces[k][len(pieces[k - 1])] not in pieces[k - 1] + "\ufffd"),
-        (None, None),
+        None,
     )  # fmt: skip
-    if stop is None:
+    if found is None:
         pytest.skip("no token of several characters to stop inside")
+    k, stop = found
     got = generate(
         proxy.target, PROMPTS[0], n=1, seed=21, max_new_tokens=24, temperature=1.0, ignore_eos=True, stop=[stop]
     )
