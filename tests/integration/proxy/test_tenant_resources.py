@@ -243,7 +243,7 @@ def answer(s: socket.socket, within: float = 5.0) -> int:
 
 def test_http_uploads_are_bounded_by_the_tenants_room_and_the_doors_budget_before_they_are_held(fleet):
     """S4: team-a (quota 1 MiB) declares 1.5 MiB uploads: refused (429) before their bodies are
-    read; team-b declares two of 0.75 MiB (the door's budget: 2 MiB, a tenant's 1 MiB): the
+    read, and a second 600 KiB upload while one is held (the door's count is the tenant's); team-b declares two of 0.75 MiB (the door's budget: 2 MiB, a tenant's 1 MiB): the
     second is refused (429 UPLOADS_FULL) while the first is held unsent; meanwhile the fleet's
     own upload of a real adapter is published; the proxy's memory grows by less than one upload."""
     rss, held = proxy_rss(fleet), []
@@ -252,6 +252,12 @@ def test_http_uploads_are_bounded_by_the_tenants_room_and_the_doors_budget_befor
             s = upload_head(fleet, "a-pub", 3 * MiB // 2)
             held.append(s)
             assert answer(s) == 429
+        # within its quota: counted whole from its Content-Length as its route starts, which is before
+        # the next connection's can (that one is accepted, then read, in later turns of the proxy's loop)
+        held.append(upload_head(fleet, "a-pub", 600 << 10))
+        s = upload_head(fleet, "a-pub", 600 << 10)  # with the one held, over team-a's 1 MiB
+        held.append(s)
+        assert answer(s) == 429
         first = upload_head(fleet, "b-pub", 3 * MiB // 4)
         held.append(first)
         second = upload_head(fleet, "b-pub", 3 * MiB // 4)

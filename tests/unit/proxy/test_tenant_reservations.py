@@ -89,6 +89,9 @@ def test_the_room_an_upload_may_be_given_is_the_least_of_the_spools_the_share_an
     assert room(shares(max_spool_bytes=250), spool, "a") == 150
     assert room(shares(max_spool_bytes=50), spool, "a") == 0  # never negative
     assert room(shares(), FakeSpool(1000, [("b:y", 1, 990)]), "a") == 10  # the spool's own room binds
+    # the tenant's uploads the door holds and has not handed to the spool yet count as its own
+    assert upload_room(shares(max_spool_bytes=250), cast("Spool", spool), "a", arriving=100) == 50
+    assert upload_room(shares(), cast("Spool", spool), "", arriving=100) == 500
 
 
 def test_an_uploads_total_deadline_grows_with_its_size_at_the_minimum_rate():

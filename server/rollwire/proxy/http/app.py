@@ -318,7 +318,8 @@ async def _upload_parts(door: Door, request: Request, holding: Holding) -> dict[
     take now (routing.shares.upload_room) and its bytes by the door's upload budget, both
     before its bytes are held: a declared Content-Length is checked and counted whole first."""
     state, scope = door.core.state, scope_of(request)
-    room = upload_room(state.dispatcher.shares, state.spool, scope.tenant)
+    arriving = holding.budget.by_tenant[holding.tenant] - holding.size  # the tenant's other uploads at the door
+    room = upload_room(state.dispatcher.shares, state.spool, scope.tenant, arriving)
     limits = {
         "lora_name": 1024,
         CONFIG_FILE: MAX_CONFIG_BYTES,

@@ -198,15 +198,17 @@ def check_spool_quota(shares: Shares, spool: Spool, keep: int, manifest: pb.Adap
     shares.check_spool(held, m.name, m.version, m.byte_length, keep, spool.in_flight(prefix), room)
 
 
-def upload_room(shares: Shares, spool: Spool, tenant: str) -> int:
+def upload_room(shares: Shares, spool: Spool, tenant: str, arriving: int = 0) -> int:
     """At most how many bytes one more version of `tenant`'s ("" : the fleet's) could be given
     in the spool now: its room less the uploads in flight, and for a tenant its share of that
-    room and its max_spool_bytes, less its own uploads in flight. An upload larger is refused
-    before it is held (the HTTP door); the exact check is the spool's admission (`check_spool_quota`)."""
-    room = spool.max_bytes - spool.reserved
+    room and its max_spool_bytes, less its own uploads in flight and `arriving` (the bytes of
+    its uploads the door holds and has not yet handed to the spool). An upload larger is
+    refused before it is held (the HTTP door); the exact check is the spool's admission
+    (`check_spool_quota`)."""
+    room = spool.max_bytes - spool.reserved - arriving
     share = shares.shares.get(tenant) if tenant else None
     if share is not None:
-        pending = sum(b for _, _, b in spool.in_flight(tenant + TENANT_SEPARATOR))
+        pending = sum(b for _, _, b in spool.in_flight(tenant + TENANT_SEPARATOR)) + arriving
         room = min(room, int(spool.max_bytes * TENANT_UPLOAD_SHARE) - pending)
         if share.quotas.max_spool_bytes:
             room = min(room, share.quotas.max_spool_bytes - pending)
