@@ -44,7 +44,8 @@ def test_without_a_model_folder_the_door_reports_what_the_replicas_serve():
         (InvalidArgument("x", reason=Reason.BAD_REQUEST_BODY), True, (C.INVALID_ARGUMENT, True)),  # at the door
         (ResourceExhausted("x", reason=Reason.CLIENT_LIMIT), False, (C.RESOURCE_EXHAUSTED, True)),
         (ResourceExhausted("x", reason=Reason.PROXY_QUEUE_FULL), False, (C.RESOURCE_EXHAUSTED, False)),  # backpressure
-        (NotFound("x", reason=Reason.ADAPTER_NOT_FOUND), False, (C.NOT_FOUND, False)),  # the core's, not relayed
+        (NotFound("x", reason=Reason.ADAPTER_UNLOADED), False, (C.NOT_FOUND, False)),  # the core's, not relayed
+        (NotFound("x", reason=Reason.ADAPTER_NOT_FOUND), False, (C.NOT_FOUND, True)),  # a replica's rule
         (asyncio.CancelledError(), False, (C.CANCELLED, False)),
         (RuntimeError("bug"), True, (C.UNKNOWN, False)),
     ],
