@@ -98,11 +98,11 @@ class ProxyCore:
         return grant.role, Scope(grant.tenant)
 
     def has_adapter(self, name: str) -> bool:
-        """Does the fleet know adapter `name` (a lineage, a spooled version or one a member holds)?"""
+        """Does the fleet hold adapter `name` for a tenant's read (tenants.Scope.read): a lineage or a
+        spooled version. Never only because a member reports it: what a tenant reaches passed a spool
+        (audit 2026-12-07 S6; the fleet's reads name what they mean and never ask this)."""
         internal = self.state.spool.lineages.internal(name)
-        if internal != name or self.state.spool.versions(internal):
-            return True
-        return any(internal in r.versions for r in self.state.replicas.all())
+        return internal != name or bool(self.state.spool.versions(internal))
 
     async def group_events(
         self, request: pb.GenerateRequest, rid: str, client: str, deadline: float, tenant: str = FLEET
@@ -184,6 +184,8 @@ class ProxyCore:
                 adapters.setdefault(name, set()).update(versions)
         for name in adapters:  # unloaded versions are not served (lineages.py); internal names are shown
             adapters[name] -= self.state.spool.lineages.unloaded(name)
+            if scope is not None and scope.tenant:  # a tenant sees what passed a spool, never only a member's word
+                adapters[name] = {v for v in adapters[name] if self.state.spool.get(name, v) is not None}
         shown = [(n, v, (scope or Scope()).shown(n)) for n, v in sorted(adapters.items()) if v]
         return pb.GetStatusResponse(
             role="proxy",

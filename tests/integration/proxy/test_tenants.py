@@ -318,6 +318,12 @@ def test_hostile_a_tenant_reads_no_other_tenants_names_nor_the_topology_and_writ
     for who, name in (("admin", "team-b:policy"), ("b-pub", "policy")):
         status = fleet["stub"].GetStatus(pb.GetStatusRequest(), metadata=meta(who), timeout=10)
         assert [list(a.versions) for a in status.adapters if a.name == name] == [[1]], status.adapters
+    assert "rogue" not in seen(fleet, "b-pub")  # nor a shared name no spool holds, by either door
+    assert not any(
+        m["id"].startswith("rogue") for m in requests.get(f"{url['b-pub']}/v1/models", timeout=10).json()["data"]
+    )
+    err = refused(lambda: greedy(fleet, "b-pub", "rogue"))
+    assert (err.code(), reason(err)) == (grpc.StatusCode.NOT_FOUND, "ADAPTER_NOT_FOUND")
 
     b_started, _ = greedy(fleet, "b-pub", "policy")  # collateral: the other tenant is served its own
     assert (b_started.adapter.name, b_started.adapter.version) == ("policy", 1)

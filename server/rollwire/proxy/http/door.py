@@ -110,7 +110,8 @@ class Door:
                 "max_model_len": max_len,
             }
         ]
-        served = {(a.name, v) for a in status.adapters for v in a.versions}
+        spool = self.core.state.spool  # a tenant is listed what passed a spool, as GetStatus shows it (core.status)
+        served = {(a.name, v) for a in status.adapters for v in a.versions if not scope.tenant or spool.get(a.name, v)}
         promised = self.adapters.state.replicas.answered  # loads answered at "spooled": served once committed
         for name, version in sorted(served | promised):
             listed = self.adapters.listed(
