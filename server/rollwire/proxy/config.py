@@ -352,8 +352,15 @@ class ProxyConfig(ServerConfig):
     @model_validator(mode="after")
     def _own_credentials(self) -> ProxyConfig:
         """What the proxy sends its replicas is no credential it accepts (audit 2026-12-07 S2): every
-        replica holds it, so a replica must not be able to act at the proxy with it. By path here;
-        by content at start (app.check_own_credentials)."""
+        replica holds it, so a replica must not be able to act at the proxy with it (by path here; by
+        content at start: app.check_own_credentials); and a discovered replica, whatever answers the
+        name, is never sent upstream.token_file but its own signed token."""
+        if self.discover and self.upstream.token_file and not self.upstream.member_signing_key_file:
+            raise ValueError(
+                "discover is set, so upstream.token_file would be sent to whatever the name resolves to (any pod "
+                "the Service selects); set upstream.member_signing_key_file, and auth.member_trust_file on the "
+                "replicas, so each replica is dialled with its own token (docs/deploy.md, Credentials)"
+            )
         accepted = {f"auth.{role}_tokens_file": path for role, path in self.auth.files().items() if path}
         for index, tenant in enumerate(self.tenants):
             for role, path in tenant.token_files().items():

@@ -315,3 +315,8 @@ def test_the_config_loader_refuses_a_proxy_that_dials_replicas_with_a_token_it_a
         check_own_credentials(config)
     (tmp_path / "also").write_text("rep-1\n")
     check_own_credentials(config)  # its own token: starts
+    discovering = {**same, "upstream": {"token_file": str(tmp_path / "also")}, "discover": "dns:///r.example:50051"}
+    with pytest.raises(ValueError, match="discover is set, so upstream.token_file would be sent"):
+        ProxyConfig.model_validate(discovering)  # whatever the name resolves to would get the token
+    key = {"token_file": str(tmp_path / "also"), "member_signing_key_file": str(tmp_path / "key")}
+    ProxyConfig.model_validate({**discovering, "upstream": key})  # each discovered replica: its own token
