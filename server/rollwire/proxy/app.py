@@ -100,8 +100,7 @@ async def start_proxy(config: ProxyConfig) -> RunningProxy:
 
     upstream = upstream_dialer(config.upstream, keepalive)
     replicas = ReplicaSet(config, spool, metrics, on_change, upstream)
-    shares = Shares(config.tenants, routing.retry_after_s)  # tenants' weights and quotas
-    spool.charge = lambda m: check_spool_quota(shares, spool, config.spool.keep_versions, m)  # uploads in flight too
+    shares = _shares(config, spool)
     dispatcher = Dispatcher(replicas, make_policy(config.policy, routing), routing, metrics, config.fairness, shares)
     proxy_id = config.proxy_id or default_proxy_id(config.host, endpoint.port)
     spool.lineages.origin = proxy_id  # in the stamps of its unloads, which peers merge
@@ -143,6 +142,14 @@ async def start_proxy(config: ProxyConfig) -> RunningProxy:
     )
     log.info("proxy_settings", policy=config.policy, fanout=config.push.fanout, spool=str(spool.folder))
     return running
+
+
+def _shares(config: ProxyConfig, spool: Spool) -> Shares:
+    """The tenants' weights and quotas, which the spool asks of every upload it admits for a
+    tenant, counting the tenant's uploads in flight (routing.shares.check_spool_quota)."""
+    shares = Shares(config.tenants, config.routing.retry_after_s)
+    spool.charge = lambda m: check_spool_quota(shares, spool, config.spool.keep_versions, m)
+    return shares
 
 
 def check_credentials(config: ProxyConfig) -> None:

@@ -67,7 +67,7 @@ from rollwire.push.bulk import BulkDial, BulkListener
 from rollwire.push.checks import PayloadInspector
 from rollwire.push.forward import Forwarder
 from rollwire.push.plan import Child, Target, choose_fanout, grant_children, layout, stripe_chunk_bytes, striped_layout
-from rollwire.push.reader import PushReader, too_slow
+from rollwire.push.reader import Opening, PushReader, too_slow
 from rollwire.push.striped import StripedForwarder
 from rollwire.runtime.logs import REQUEST_ID_KEY, get_logger
 from rollwire.v1 import generator_pb2 as pb
@@ -124,14 +124,7 @@ class FanOut:
         loop, budget = asyncio.get_running_loop(), asyncio.timeout(None)  # the upload's total deadline, once sized
         try:
             async with budget:
-                first = await reader.open()
-                if first.relay.nodes or first.stage_only or first.stripe is not None:
-                    raise FailedPrecondition(
-                        "a proxy plans its own relay and stripes, and stages and commits by itself: push without relay, "
-                        "stage_only and stripe (those are for replicas)",
-                        reason=Reason.PROXY_PUBLISHES,
-                    )
-                first.manifest.name = self.spool.lineages.internal(first.manifest.name)  # its current lineage
+                first = await self._opening(reader)
                 fingerprint, base_shapes = self.replicas.push_basis(first.manifest.base_model_fingerprint)
                 upload = self.spool.admit(first.manifest, fingerprint, charge=True)  # the tenant's from here
                 name_lock = self._locks[first.manifest.name]
@@ -169,6 +162,18 @@ class FanOut:
             m = pub.manifest  # its sha256 named by now, when the client left it to the proxy
             return pb.PushAdapterResponse(name=m.name, version=m.version, sha256=m.sha256)
         return await asyncio.shield(task)
+
+    async def _opening(self, reader: PushReader) -> Opening:
+        """A client's opening: no transport field of a replica's, its name in its current lineage."""
+        first = await reader.open()
+        if first.relay.nodes or first.stage_only or first.stripe is not None:
+            raise FailedPrecondition(
+                "a proxy plans its own relay and stripes, and stages and commits by itself: push without relay, "
+                "stage_only and stripe (those are for replicas)",
+                reason=Reason.PROXY_PUBLISHES,
+            )
+        first.manifest.name = self.spool.lineages.internal(first.manifest.name)  # its current lineage
+        return first
 
     def _upload_s(self, manifest: pb.AdapterManifest) -> float:
         return self.config.spool.upload_deadline_s(manifest.byte_length)
@@ -355,13 +360,15 @@ class FanOut:
             try:
                 try:  # the spool write becomes durable while the replicas verify and stage
                     await asyncio.to_thread(self.spool.sync, upload)
-                    adapter, created = self.spool.commit(upload)  # consumes the upload on every exit
+                    adapter, created, evicted = await self.spool.commit_async(upload)  # consumes the upload
                     self.replicas.base.adopt(pub.manifest.base_model_fingerprint)
                     spooled.set_result(adapter)  # requests naming it now wait for a replica (ReplicaSet.coming)
                 except BaseException as exc:
                     forward.abort(f"the proxy could not spool the payload: {exc}"[:300])
                     upload.discard()
                     raise
+                if evicted:  # after the answer at "spooled": a load does not wait for old files to go
+                    await asyncio.to_thread(self.spool.delete, evicted)
                 await self._collect(pub, forward, healing=False)
                 await self._heal(pub, payload)
                 del payload
