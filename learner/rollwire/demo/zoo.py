@@ -35,25 +35,27 @@ VOCAB_SIZE = 512
 """The 256 byte symbols, the specials and ~250 merges: small enough for tiny models, large
 enough that common words and multi-byte characters are single tokens while rarer ones split."""
 
-_SHAPE = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)
+_SHAPE = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1)
 ARCHITECTURES: dict[str, dict[str, Any]] = {
     "llama": dict(intermediate_size=128),
     "qwen2": dict(intermediate_size=128),
-    "qwen3": dict(intermediate_size=128, head_dim=16),
+    "qwen3": dict(intermediate_size=128, head_dim=32),
     "mistral": dict(intermediate_size=128, sliding_window=8),
-    "gemma2": dict(intermediate_size=128, head_dim=16, sliding_window=8),
-    "gemma3_text": dict(intermediate_size=128, head_dim=16, sliding_window=8),
+    "gemma2": dict(intermediate_size=128, head_dim=32, sliding_window=8),
+    "gemma3_text": dict(intermediate_size=128, head_dim=32, sliding_window=8),
     "phi3": dict(intermediate_size=128),
     "olmo2": dict(intermediate_size=128),
-    "gpt2": dict(n_embd=64, n_layer=2, n_head=4),
+    "gpt2": dict(n_embd=64, n_layer=2, n_head=2),
     "gpt_neox": dict(intermediate_size=128, num_key_value_heads=None),
     "qwen3_moe": dict(
-        intermediate_size=128, head_dim=16, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32
+        intermediate_size=128, head_dim=32, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32
     ),
     "mixtral": dict(intermediate_size=64, num_local_experts=4, num_experts_per_tok=2),
 }
-"""model_type -> what its tiny config sets beside the shared shape (hidden 64, 2 layers, 4 heads,
-2 KV heads). Sliding windows of 8 tokens, so a prompt of a few words already crosses them."""
+"""model_type -> what its tiny config sets beside the shared shape (hidden 64, 2 layers, 2 heads of
+32 dimensions, 1 KV head: grouped-query attention, and a head size vLLM's CPU attention takes,
+which has no kernel for 16). Sliding windows of 8 tokens, so a prompt of a few words already
+crosses them."""
 
 
 WORDS = (
