@@ -299,14 +299,49 @@ class Spool:
     # -- committing --------------------------------------------------------------------
     def commit(self, upload: Upload) -> tuple[SpooledAdapter, bool]:
         """Make an upload visible, atomically and durably; (the spooled version, False) when
-        it was already there. The upload is consumed. Callers serialise commits of one name."""
+        it was already there. The upload is consumed. Callers serialise commits of one name.
+        Its files are written, and the versions it evicts deleted, on the calling thread."""
+        held = self._held(upload)
+        if held is not None:
+            return held, False
+        adapter = self._adopt(upload.manifest, self._store(upload))
+        self.delete(self._evicted(adapter.name))
+        return adapter, True
+
+    async def commit_async(self, upload: Upload) -> tuple[SpooledAdapter, bool, list[SpooledAdapter]]:
+        """`commit` from the event loop: the payload's rename and the manifest's fsynced write
+        run on a worker thread (several ms on a VM's disk, which stalled every request of the
+        proxy's loop and a load's answer), the spool's maps change on the loop (where they are
+        read without a lock). The versions it evicts are forgotten at once and returned, for the
+        caller to `delete` off its answer's path."""
+        held = self._held(upload)
+        if held is not None:
+            return held, False, []
+        path = await asyncio.to_thread(self._store, upload)
+        adapter = self._adopt(upload.manifest, path)
+        return adapter, True, self._evicted(adapter.name)
+
+    def _held(self, upload: Upload) -> SpooledAdapter | None:
+        """The spooled version when this exact one is held already (the upload is then
+        consumed); raises, consuming it, when the version may not be pushed."""
         m = upload.manifest
         assert m.sha256, "a sha256 left to the proxy is named by the upload's verdict, before any commit"
         try:
-            if self.check_version(m):
-                held = self.get(m.name, m.version)
-                assert held is not None  # check_version says it is spooled
-                return held, False
+            if not self.check_version(m):
+                return None
+        except BaseException:
+            upload.discard()
+            raise
+        upload.discard()
+        held = self.get(m.name, m.version)
+        assert held is not None  # check_version says it is spooled
+        return held
+
+    def _store(self, upload: Upload) -> Path:
+        """The upload's payload and manifest in place, durably (fsynced, renamed, the folder
+        fsynced); on a full disk nothing half-made stays. Consumes the upload."""
+        m = upload.manifest
+        try:
             folder = self.folder / m.name
             created_folder = not folder.exists()
             path, meta = folder / f"{m.version}.safetensors", folder / f"{m.version}.json"
@@ -325,10 +360,12 @@ class Spool:
                 raise self.store_error(exc) from None
         finally:
             upload.discard()
+        return path
+
+    def _adopt(self, m: pb.AdapterManifest, path: Path) -> SpooledAdapter:
         adapter = SpooledAdapter(m, path)
         self._by_name.setdefault(m.name, []).append(adapter)
-        self._evict(m.name)
-        return adapter, True
+        return adapter
 
     def discard(self, adapter: SpooledAdapter) -> None:
         """Forget a version no replica accepted."""
@@ -376,17 +413,25 @@ class Spool:
             log.warning("spool_quarantine_note_failed", file=str(meta), error=str(exc))
         log.error("spool_quarantined", file=str(meta), moved_to=str(target / stem), why=why)
 
-    def _evict(self, name: str) -> None:
-        versions = self._by_name[name]
+    def _evicted(self, name: str) -> list[SpooledAdapter]:
+        """Forget the versions past `keep` of `name`, then the oldest of any name while the
+        spool holds more than `max_bytes`; the forgotten ones, whose files `delete` removes."""
+        versions, gone = self._by_name[name], []
         while len(versions) > self.keep:
-            self._delete(versions.pop(0))
+            gone.append(versions.pop(0))
         while self.total_bytes() > self.max_bytes:
             old = [v for vs in self._by_name.values() for v in vs[:-1]]
             if not old:
                 break
             victim = min(old, key=lambda a: a.path.stat().st_mtime)
             self._by_name[victim.name].remove(victim)
-            self._delete(victim)
+            gone.append(victim)
+        return gone
+
+    def delete(self, adapters: list[SpooledAdapter]) -> None:
+        """Remove the files of versions the spool no longer holds (blocking: a worker thread's job)."""
+        for adapter in adapters:
+            self._delete(adapter)
 
     def _delete(self, adapter: SpooledAdapter) -> None:
         adapter.path.with_suffix(".json").unlink(missing_ok=True)  # manifest first: a payload alone is an orphan
@@ -434,6 +479,6 @@ class Spool:
                 self.quarantined.append((meta.parent.name, 0, str(exc)))
                 continue
             self._by_name.setdefault(m.name, []).append(SpooledAdapter(m, path))
-        for name, versions in self._by_name.items():
+        for name, versions in list(self._by_name.items()):
             versions.sort(key=lambda a: a.version)
-            self._evict(name)
+            self.delete(self._evicted(name))

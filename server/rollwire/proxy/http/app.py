@@ -73,6 +73,7 @@ def create_app(door: Door) -> FastAPI:
     app = FastAPI(title="rollwire", docs_url=None, redoc_url=None, openapi_url=None)
     _observe(app, door)
     _vllm_routes(app, door)
+    _pause_routes(app, door)
     _adapter_routes(app, door)
     _openai_routes(app, door)
     return app
@@ -191,7 +192,7 @@ def _observe(app: FastAPI, door: Door) -> None:
 
 
 def _vllm_routes(app: FastAPI, door: Door) -> None:
-    """The vLLM server calls TRL makes besides sampling: health, server info, models, pause."""
+    """The vLLM server calls TRL makes besides sampling and pausing: health, server info, models, tokens."""
 
     @app.get("/health")
     async def health(request: Request) -> Response:
@@ -231,6 +232,10 @@ def _vllm_routes(app: FastAPI, door: Door) -> None:
         _authorize(door, request, GENERATE)
         body = await _body(door, request, tokens.DetokenizeBody)
         return JSONResponse(await tokens.detokenize(door, body, request.state.scope))
+
+
+def _pause_routes(app: FastAPI, door: Door) -> None:
+    """vLLM's /pause, /resume and /is_paused, per tenant (http/pause.py)."""
 
     @app.post("/pause")
     async def pause(request: Request) -> JSONResponse:

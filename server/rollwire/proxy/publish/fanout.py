@@ -360,13 +360,15 @@ class FanOut:
             try:
                 try:  # the spool write becomes durable while the replicas verify and stage
                     await asyncio.to_thread(self.spool.sync, upload)
-                    adapter, created = self.spool.commit(upload)  # consumes the upload on every exit
+                    adapter, created, evicted = await self.spool.commit_async(upload)  # consumes the upload
                     self.replicas.base.adopt(pub.manifest.base_model_fingerprint)
                     spooled.set_result(adapter)  # requests naming it now wait for a replica (ReplicaSet.coming)
                 except BaseException as exc:
                     forward.abort(f"the proxy could not spool the payload: {exc}"[:300])
                     upload.discard()
                     raise
+                if evicted:  # after the answer at "spooled": a load does not wait for old files to go
+                    await asyncio.to_thread(self.spool.delete, evicted)
                 await self._collect(pub, forward, healing=False)
                 await self._heal(pub, payload)
                 del payload
