@@ -205,3 +205,18 @@ def test_served_engines_write_patterns_for_vllm_and_sglang_refuses_them_by_name(
     VLLMEngine(tmp_path, VLLMSection(), adapter_window=2)._check_adapter(manifest)
     with pytest.raises(FailedPrecondition, match="rank_pattern or alpha_pattern"):
         SGLangEngine(tmp_path, SGLangSection(), adapter_window=2)._check_adapter(manifest)
+
+
+def test_a_server_without_lora_for_the_model_class_is_named_at_start():
+    """vLLM 0.32 has no LoRA for GPT-2 (no SupportsLoRA): launched with --enable-lora, its worker
+    fails with this line deep in its log (the tail shows the engine core's generic failure);
+    the replica's start-up error names it (measured on the zoo's gpt2: 106 s to fail)."""
+    from rollwire.generator.engines.served.process import known_cause
+
+    log = (
+        "(Worker pid=30935) ERROR 12-07 17:17:47 [multiproc_executor.py:953] ValueError: GPT2LMHeadModel does "
+        "not support LoRA yet.\n" + "RuntimeError: Engine core initialization failed. See root cause above.\n" * 30
+    )
+    cause = known_cause("vLLM", log)
+    assert "GPT2LMHeadModel" in cause and "--engine transformers" in cause
+    assert known_cause("vLLM", "RuntimeError: out of memory") == ""

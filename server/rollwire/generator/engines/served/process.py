@@ -22,6 +22,7 @@ import asyncio
 import contextlib
 import ctypes
 import os
+import re
 import signal
 import socket
 import time
@@ -56,6 +57,21 @@ def free_port(host: str) -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind((host, 0))
         return s.getsockname()[1]
+
+
+_NO_LORA = re.compile(r"(\w+) does not support LoRA")
+
+
+def known_cause(label: str, log: str) -> str:
+    """A start-up failure's cause named, when the server's log says one rollwire knows (the tail
+    quoted after it often shows only the exception that followed); "" otherwise."""
+    found = _NO_LORA.search(log)
+    if found:
+        return (
+            f": {label} has no LoRA for this model's class ({found.group(1)}), and rollwire always serves with "
+            "LoRA; serve this model with --engine transformers"
+        )
+    return ""
 
 
 class ServerProcess:
@@ -190,8 +206,9 @@ class Supervisor:
 
     def _raise_if_exited(self) -> None:
         if self.process is not None and self.process.returncode is not None:
+            cause = known_cause(self.kind.label, self.process.log_tail(64 << 10))
             raise FailedPrecondition(
-                f"{self.kind.label} exited with code {self.process.returncode} while starting; its log "
+                f"{self.kind.label} exited with code {self.process.returncode} while starting{cause}; its log "
                 f"({self.process.log_path}) ends with:\n{self.process.log_tail()}",
                 reason=Reason.ENGINE_SERVER_START_FAILED,
             )
