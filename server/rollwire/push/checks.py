@@ -219,14 +219,15 @@ def unservable(name: str) -> str | None:
     if ".experts" in layer:
         return (
             f"tensor {name[:120]} is a LoRA of a MoE model's expert weights ({layer[:80]}: PEFT's "
-            "target_parameters, which 'all-linear' adds for MoE models); rollwire does not serve LoRA on "
-            "experts yet: list the attention projections in target_modules (e.g. q_proj, k_proj, v_proj, o_proj) "
-            "and set target_parameters=[]"
+            "target_parameters, which 'all-linear' adds on MoE models even with target_parameters=[]); rollwire "
+            "does not serve LoRA on experts yet: list the layers in target_modules instead of 'all-linear' "
+            "(e.g. q_proj, k_proj, v_proj, o_proj)"
         )
     if layer.endswith((".gate", ".router")):
         return (
-            f"tensor {name[:120]} is a LoRA of a MoE router ({layer[:80]}), not of a linear layer; rollwire does "
-            "not serve LoRA on routers: leave the router out of target_modules / target_parameters"
+            f"tensor {name[:120]} is a LoRA of a MoE router ({layer[:80]}: PEFT's target_parameters, which "
+            "'all-linear' adds on MoE models), not of a linear layer; rollwire does not serve LoRA on routers: "
+            "list the layers in target_modules instead of 'all-linear' (e.g. q_proj, k_proj, v_proj, o_proj)"
         )
     return None
 
