@@ -220,3 +220,10 @@ def test_a_server_without_lora_for_the_model_class_is_named_at_start():
     cause = known_cause("vLLM", log)
     assert "GPT2LMHeadModel" in cause and "--engine transformers" in cause
     assert known_cause("vLLM", "RuntimeError: out of memory") == ""
+
+
+@pytest.mark.parametrize(("config", "named"), [({"use_dora": True}, "DoRA"), ({"lora_bias": True}, "LoRA bias")])
+def test_dora_and_lora_bias_are_refused_by_name(zoo, config, named):
+    adapter = peft_adapter(zoo["qwen3"], seed=7, target_modules=["q_proj", "v_proj"], **config)
+    with pytest.raises(InvalidArgument, match=named):
+        check_payload(adapter.manifest(), adapter.payload, base_linear_shapes(zoo["qwen3"]))
