@@ -1,6 +1,7 @@
 """The HTTP door's fleet, shared by every module that drives the door (test_http_door.py,
 test_http_conformance.py): two replicas of the tiny model with a chat template, an open proxy
-with the door, and a guarded one over the same replicas (tokens, one request per client).
+with the door (tool calls parsed: http.tool_call_parser hermes), and a guarded one over the same replicas (tokens,
+one request per client, no tool call parser: vLLM's default).
 One fleet for the session (conftest.py registers the fixtures): the suite's time is a budget."""
 
 from __future__ import annotations
@@ -40,7 +41,7 @@ def door(chat_model, tmp_path_factory):
     (work / "generate").write_text(GENERATE_TOKEN + "\n")
     gens = start_generators(chat_model, work, ["h1", "h2"], "--set", "adapter_window=4")
     door_args = ("--http-port", "0", "--http-model", str(chat_model), "--http-adapter-root", str(root))
-    proxy = start_proxy(work, "hp", gens, *door_args)
+    proxy = start_proxy(work, "hp", gens, *door_args, "--set", "http.tool_call_parser=hermes")
     guarded = start_proxy(
         work,
         "hg",

@@ -278,6 +278,12 @@ class HttpSection(Section):
     pacing off. Above 1 leaves a margin for a client that keeps fewer requests in flight than it trains on."""
     pacing_hold_max_s: float = Field(default=0.5, gt=0, le=60)
     """Seconds a paced request waits at most for its lineage's next load before it starts anyway."""
+    tool_call_parser: Literal["", "hermes"] = Field(default="")
+    """How tool calls are read out of a chat sample's text when the request sends `tools` with tool_choice "auto" (its
+    default then): "hermes" (`<tool_call>{"name": ..., "arguments": ...}</tool_call>` blocks, vLLM's
+    `--enable-auto-tool-choice --tool-call-parser hermes`) answers them as `message.tool_calls`; "" (the default, as
+    vLLM without those flags) refuses tool_choice "auto" (400, param tool_choice). The token ids and logprobs of the
+    turn are the sampled ones either way (docs/http.md, "Tool calls")."""
     max_tokenizing: int = Field(default=2, ge=1)
     """Chat prompts rendered and tokenized at once (on worker threads, the tokenizer releasing the GIL); more wait."""
     tokenizing_bytes_per_client: int = Field(default=4 * MiB, ge=1024)

@@ -36,7 +36,7 @@ from rollwire.common.signing import MAX_SIGNATURE_FILE_BYTES, SIGNATURE_FILE
 from rollwire.proxy.accounting import RequestRecord
 from rollwire.proxy.http import tokens
 from rollwire.proxy.http.adapters import CONFIG_FILE, MAX_CONFIG_BYTES, UPLOAD_SLACK, WEIGHTS_FILE
-from rollwire.proxy.http.dialect import convert
+from rollwire.proxy.http.dialect import convert, tools
 from rollwire.proxy.http.dialect.errors import HttpError, error_response, http_status
 from rollwire.proxy.http.dialect.names import parse_model
 from rollwire.proxy.http.dialect.openai import (
@@ -376,6 +376,7 @@ def _openai_routes(app: FastAPI, door: Door) -> None:
             record.tenant = request.state.scope.label
             body: ChatBody = await _body(door, request, ChatBody)
             check_unhonoured(body)
+            tools.check_tool_choice(body, door.config.http.tool_call_parser)
             ref = door.resolve(body.model, request.state.scope)
             prompt = await door.chat_prompt(_as_template_takes_it(door, body), client)
             rid = body.request_id or request.state.rid
@@ -387,7 +388,8 @@ def _openai_routes(app: FastAPI, door: Door) -> None:
                     return await stream_group(door, body, req, client, "chat.completion.chunk", rid, record)
                 group = convert.Group(body.n, body.stop_list())
                 await door.run_group(req, client, group, door.deadline(), record.tenant)
-            return JSONResponse(convert.chat_response(body, group, body.model, rid, door.token_text))
+            parse = tools.parser_for(body, door.config.http.tool_call_parser)
+            return JSONResponse(convert.chat_response(body, group, body.model, rid, door.token_text, parse))
 
 
 def _as_template_takes_it(door: Door, body: ChatBody) -> ChatBody:

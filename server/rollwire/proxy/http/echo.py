@@ -57,6 +57,12 @@ def check_scoring(body: CompletionBody, max_top_k: int) -> None:
         raise unsupported("n", "a prompt is scored once: leave n unset or 1 with echo")
     if body.stream:
         raise unsupported("stream", "scores come back whole: set stream to false with echo")
+    if body.return_tokens_as_token_ids:
+        raise unsupported(
+            "return_tokens_as_token_ids",
+            "a scored prompt's tokens are spelled as text; leave it unset with echo (send the prompt as token ids to "
+            "know them)",
+        )
     if body.logprobs is not None and body.logprobs > max_top_k:
         raise unsupported(
             "logprobs", f"this proxy returns at most {max_top_k} alternatives per token (score.max_top_k)"

@@ -22,6 +22,7 @@ from rollwire.proxy.accounting import RequestRecord
 from rollwire.proxy.http.dialect import convert
 from rollwire.proxy.http.dialect.errors import error_response
 from rollwire.proxy.http.dialect.openai import ChatBody, CompletionBody
+from rollwire.proxy.http.dialect.tools import ToolStream, parser_for
 from rollwire.proxy.http.door import Door
 from rollwire.proxy.routing.passthrough import PassThrough
 from rollwire.runtime.logs import get_logger
@@ -110,6 +111,9 @@ class _Events:
         self.group = convert.Group(body.n, body.stop_list())
         self.sent_text = [0] * body.n
         self.unprompted = set(range(body.n)) if body.return_token_ids else set()
+        parse = parser_for(body, door.config.http.tool_call_parser) if isinstance(body, ChatBody) else None
+        self.tools = [ToolStream(parse) for _ in range(body.n)] if parse is not None else None
+        """Per sample, its text split into content and tool calls (dialect/tools.py), when a parser applies."""
         self.stream: AsyncGenerator[pb.GenerateResponse] | None = None
         self.first: pb.GenerateResponse | None = None
         self.record: RequestRecord | None = None
@@ -201,7 +205,11 @@ class _Events:
                 text = "".join(c.text)
                 upto = max(self.sent_text[index], len(text) - self.holdback)
             delta, self.sent_text[index] = text[self.sent_text[index] : upto], upto
-            choices.append(_delta(body, self.chat, index, delta, chunk, finish, c, self.door.token_text))
+            calls: list[dict[str, Any]] = []
+            if self.tools is not None:
+                delta, calls = self.tools[index].feed(delta, finish is not None)
+                finish = "tool_calls" if finish and self.tools[index].called else finish
+            choices.append(_delta(body, self.chat, index, delta, chunk, finish, c, self.door.token_text, calls))
         choices = _merge_finishes(choices, self.chat)
         if self.chat and message.HasField("started"):
             role = {"delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
@@ -228,6 +236,7 @@ def _delta(
     finish: str | None,
     c: convert.Choice,
     token_text: Callable[[int], str],
+    calls: list[dict[str, Any]] | None = None,
 ) -> dict[str, Any]:
     ids = list(chunk.token_ids) if chunk is not None else []
     lps = list(chunk.logprobs) if chunk is not None else []
@@ -235,11 +244,16 @@ def _delta(
     if finish or not chat:  # vLLM: in every completion chunk, in a chat chunk with the finish
         out["stop_reason"] = c.stop_reason
     if chat:
-        out["delta"] = {"content": text} if text else {}
-        out["logprobs"] = convert.chat_logprobs(ids, lps, token_text) if getattr(body, "logprobs", False) else None
+        delta: dict[str, Any] = {"content": text} if text else {}
+        out["delta"] = delta | {"tool_calls": calls} if calls else delta
+        as_ids = body.return_tokens_as_token_ids
+        logprobs = getattr(body, "logprobs", False)
+        out["logprobs"] = convert.chat_logprobs(ids, lps, token_text, as_ids) if logprobs else None
     else:
         out["text"] = text
-        out["logprobs"] = convert.completion_logprobs(ids, lps, token_text) if body.logprobs is not None else None
+        as_ids = body.return_tokens_as_token_ids
+        logprobs = body.logprobs is not None
+        out["logprobs"] = convert.completion_logprobs(ids, lps, token_text, as_ids=as_ids) if logprobs else None
     if body.return_token_ids:
         out["token_ids"] = ids
     return out
@@ -254,7 +268,8 @@ def _merge_finishes(choices: list[dict[str, Any]], chat: bool) -> list[dict[str,
         if choice["finish_reason"] and last is not None and not last["finish_reason"]:
             if chat:
                 text = last["delta"].get("content", "") + choice["delta"].get("content", "")
-                last["delta"] = {"content": text} if text else {}
+                calls = last["delta"].get("tool_calls", []) + choice["delta"].get("tool_calls", [])
+                last["delta"] = ({"content": text} if text else {}) | ({"tool_calls": calls} if calls else {})
             else:
                 last["text"] += choice["text"]
             last["finish_reason"], last["stop_reason"] = choice["finish_reason"], choice["stop_reason"]

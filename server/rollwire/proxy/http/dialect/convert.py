@@ -21,6 +21,7 @@ from typing import Any
 from rollwire.common import kept
 from rollwire.proxy.http.dialect.names import ModelRef
 from rollwire.proxy.http.dialect.openai import ChatBody, CompletionBody
+from rollwire.proxy.http.dialect.tools import Parser
 from rollwire.v1 import generator_pb2 as pb
 
 FINISH = {pb.FINISH_REASON_EOS: "stop", pb.FINISH_REASON_STOP: "stop", pb.FINISH_REASON_LENGTH: "length"}
@@ -139,10 +140,18 @@ def new_id(prefix: str) -> str:
 TokenText = Callable[[int], str]
 
 
-def completion_logprobs(ids: list[int], logprobs: list[float], token_text: TokenText, start: int = 0) -> dict:
+def as_id(token_id: int) -> str:
+    """vLLM's spelling of a token under `return_tokens_as_token_ids`."""
+    return f"token_id:{token_id}"
+
+
+def completion_logprobs(
+    ids: list[int], logprobs: list[float], token_text: TokenText, start: int = 0, as_ids: bool = False
+) -> dict:
     """vLLM's completion `logprobs` object for sampled tokens: with `logprobs=0`, as vLLM
-    answers it, each token's `top_logprobs` holds the sampled token alone (no alternatives)."""
-    tokens = [token_text(t) for t in ids]
+    answers it, each token's `top_logprobs` holds the sampled token alone (no alternatives);
+    `as_ids` spells each token "token_id:<int>" (offsets then count those spellings, as vLLM's)."""
+    tokens = [as_id(t) if as_ids else token_text(t) for t in ids]
     offsets, at = [], start
     for t in tokens:
         offsets.append(at)
@@ -151,12 +160,14 @@ def completion_logprobs(ids: list[int], logprobs: list[float], token_text: Token
     return {"tokens": tokens, "token_logprobs": list(logprobs), "top_logprobs": top, "text_offset": offsets}
 
 
-def chat_logprobs(ids: list[int], logprobs: list[float], token_text: TokenText) -> dict:
-    """OpenAI's chat `logprobs` object for sampled tokens (no alternatives)."""
+def chat_logprobs(ids: list[int], logprobs: list[float], token_text: TokenText, as_ids: bool = False) -> dict:
+    """OpenAI's chat `logprobs` object for sampled tokens (no alternatives); `as_ids` spells
+    each token "token_id:<int>", its `bytes` still the token's text (as vLLM's)."""
     content = []
     for t, lp in zip(ids, logprobs, strict=True):
         text = token_text(t)
-        content.append({"token": text, "logprob": lp, "bytes": list(text.encode()), "top_logprobs": []})
+        shown = as_id(t) if as_ids else text
+        content.append({"token": shown, "logprob": lp, "bytes": list(text.encode()), "top_logprobs": []})
     return {"content": content}
 
 
@@ -169,7 +180,9 @@ def completion_response(
             choice: dict[str, Any] = {
                 "index": g_index * body.n + i,
                 "text": c.final_text(body.include_stop_str_in_output),
-                "logprobs": completion_logprobs(c.token_ids, c.logprobs, token_text)
+                "logprobs": completion_logprobs(
+                    c.token_ids, c.logprobs, token_text, as_ids=body.return_tokens_as_token_ids
+                )
                 if body.logprobs is not None
                 else None,
                 "finish_reason": c.finish,
@@ -193,14 +206,25 @@ def completion_response(
     }
 
 
-def chat_response(body: ChatBody, group: Group, model: str, rid: str, token_text: TokenText) -> dict[str, Any]:
+def chat_response(
+    body: ChatBody, group: Group, model: str, rid: str, token_text: TokenText, parse: Parser | None = None
+) -> dict[str, Any]:
+    """The chat answer; with `parse` (dialect/tools.py), a sample's tool calls are its
+    `message.tool_calls` and its finish_reason "tool_calls", its ids and logprobs unchanged."""
     choices = []
     for i, c in enumerate(group.choices):
+        message: dict[str, Any] = {"role": "assistant", "content": c.final_text(body.include_stop_str_in_output)}
+        finish = c.finish
+        parsed = parse(message["content"]) if parse is not None else None
+        if parsed is not None and parsed.calls:
+            message = {**message, "content": parsed.content, "tool_calls": [t.openai() for t in parsed.calls]}
+            finish = "tool_calls"
+        as_ids = body.return_tokens_as_token_ids
         choice: dict[str, Any] = {
             "index": i,
-            "message": {"role": "assistant", "content": c.final_text(body.include_stop_str_in_output)},
-            "logprobs": chat_logprobs(c.token_ids, c.logprobs, token_text) if body.logprobs else None,
-            "finish_reason": c.finish,
+            "message": message,
+            "logprobs": chat_logprobs(c.token_ids, c.logprobs, token_text, as_ids) if body.logprobs else None,
+            "finish_reason": finish,
             "stop_reason": c.stop_reason,
             "adapter_version": c.version,
         }

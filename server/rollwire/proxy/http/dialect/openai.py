@@ -76,6 +76,9 @@ class _Sampling(_Body):
     stream_options: StreamOptions | None = None
     return_token_ids: bool = False
     """vLLM's extension: the prompt's and each choice's token ids."""
+    return_tokens_as_token_ids: bool = False
+    """vLLM's extension: the tokens in `logprobs` spelled "token_id:<int>" (every token identifiable, whatever its
+    text)."""
     ignore_eos: bool = False
     follow: bool = False
     """rollwire's extension: with an adapter at its newest version (`NAME`), running samples switch to each newly
@@ -149,9 +152,10 @@ class ChatBody(_Sampling):
     top_logprobs: int | None = Field(default=None, ge=0, le=20)
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
-    """"none" or "auto" (the template sees the tools); anything else is refused (check_unhonoured)."""
+    """"auto" (the default with tools: the calls are parsed, http.tool_call_parser) or "none" (the template sees the
+    tools, nothing is parsed); "required" and a named tool are refused (dialect/tools.check_tool_choice)."""
     parallel_tool_calls: bool | None = None
-    """Accepted and not used: rollwire returns the model's text and does not parse tool calls."""
+    """Accepted and not used: every call the model writes is returned (rollwire constrains no sampling)."""
     response_format: dict[str, Any] | None = None
     add_generation_prompt: bool = True
     continue_final_message: bool = False
@@ -230,12 +234,6 @@ def check_unhonoured(body: _Sampling) -> None:
         fmt = (body.response_format or {}).get("type", "text")
         if fmt != "text":
             raise unsupported("response_format", f"only {{'type': 'text'}} is served (got {fmt!r})")
-        if body.tool_choice not in (None, "none", "auto"):
-            raise unsupported(
-                "tool_choice",
-                f"tools reach the chat template, but rollwire does not force a tool call (got {body.tool_choice!r:.80}); "
-                "send 'auto' or 'none'",
-            )
     if isinstance(body, CompletionBody) and body.logprobs:
         raise unsupported(
             "logprobs",

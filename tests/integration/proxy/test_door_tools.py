@@ -1,0 +1,75 @@
+"""Tool calls and token spellings through the door over real replicas (issue 50, items 1-2), on
+the session's door fleet (tests/support/door_fleet.py: its open proxy parses hermes calls, its
+guarded one has no parser, as vLLM without --enable-auto-tool-choice). The tiny model writes no
+tool calls by itself, so what is checked here is what the door does to a real sample: tools and
+the parser leave its ids and logprobs as sampled, its text the content, and its stream equal to
+its whole answer. The parse and its streaming over texts that hold calls are unit tests
+(tests/unit/proxy/test_tool_calls.py)."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import pytest
+import requests
+from support.door_fleet import GENERATE_TOKEN, post
+
+pytestmark = pytest.mark.integration
+
+TOOLS = [{"type": "function", "function": {"name": "add", "parameters": {"type": "object", "properties": {}}}}]
+
+
+def sse(url: str, body: dict[str, Any]) -> list[dict[str, Any]]:
+    with requests.post(url + "/v1/chat/completions", json=body, stream=True, timeout=60) as r:
+        assert r.status_code == 200, r.text
+        text = [str(line) for line in r.iter_lines(decode_unicode=True)]
+    lines = [line[6:] for line in text if line.startswith("data: ")]
+    assert lines[-1] == "[DONE]"
+    return [json.loads(line) for line in lines[:-1]]
+
+
+def test_tools_with_the_parser_leave_the_sample_as_sampled(door):
+    url, model = door["proxy"].http_url, door["model"].name
+    ask = {"model": model, "messages": [{"role": "user", "content": "12+34="}], "max_tokens": 12, "seed": 5}
+    ask |= {"temperature": 1.0, "logprobs": True, "return_token_ids": True}
+    plain = post(url, "/v1/chat/completions", ask).json()["choices"][0]
+    tooled = post(url, "/v1/chat/completions", {**ask, "tools": TOOLS}).json()["choices"][0]
+    # The fleet's template ignores tools, so the prompt and the seed's sample are the same.
+    assert tooled["token_ids"] == plain["token_ids"] and tooled["logprobs"] == plain["logprobs"]
+    assert tooled["message"]["content"] == plain["message"]["content"] and "tool_calls" not in tooled["message"]
+    assert tooled["finish_reason"] == plain["finish_reason"]
+    frames = sse(url, {**ask, "tools": TOOLS, "stream": True})
+    deltas = [f["choices"][0] for f in frames if f["choices"]]
+    assert "".join(d["delta"].get("content", "") for d in deltas) == tooled["message"]["content"]
+    assert [t for d in deltas for t in d.get("token_ids", [])] == tooled["token_ids"]
+    named = post(url, "/v1/chat/completions", {**ask, "tools": TOOLS, "tool_choice": "required"})
+    assert named.status_code == 400 and named.json()["error"]["param"] == "tool_choice"
+
+
+def test_tool_choice_auto_without_a_parser_is_refused_as_vllm_refuses_it(door):
+    url, model = door["guarded"].http_url, door["model"].name
+    ask = {"model": model, "messages": [{"role": "user", "content": "1+1="}], "max_tokens": 2, "tools": TOOLS}
+    refused = post(url, "/v1/chat/completions", ask, token=GENERATE_TOKEN)
+    error = refused.json()["error"]
+    assert (
+        refused.status_code == 400 and error["param"] == "tool_choice" and "http.tool_call_parser" in error["message"]
+    )
+    templated = post(url, "/v1/chat/completions", {**ask, "tool_choice": "none"}, token=GENERATE_TOKEN)
+    assert templated.status_code == 200, templated.text  # the template sees the tools; nothing is parsed
+
+
+def test_tokens_as_token_ids_spell_the_sampled_ids(door):
+    url, model = door["proxy"].http_url, door["model"].name
+    ask = {"model": model, "max_tokens": 6, "seed": 2, "return_token_ids": True, "return_tokens_as_token_ids": True}
+    completion = post(url, "/v1/completions", {**ask, "prompt": "12+", "logprobs": 0}).json()["choices"][0]
+    assert completion["logprobs"]["tokens"] == [f"token_id:{t}" for t in completion["token_ids"]]
+    assert [list(top) for top in completion["logprobs"]["top_logprobs"]] == [
+        [t] for t in completion["logprobs"]["tokens"]
+    ]
+    chat = post(url, "/v1/chat/completions", {**ask, "messages": [{"role": "user", "content": "1+"}], "logprobs": True})
+    choice = chat.json()
+    assert [e["token"] for e in choice["choices"][0]["logprobs"]["content"]] == [
+        f"token_id:{t}" for t in choice["choices"][0]["token_ids"]
+    ]
+    assert choice["prompt_token_ids"]  # chat's prompt ids, as vLLM's return_token_ids

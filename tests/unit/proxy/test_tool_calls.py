@@ -1,0 +1,233 @@
+"""Tool calls at the door (issue 50, item 1): the hermes parse over generated and hostile texts,
+the streamed split of a sample's text into content and calls at every byte position, the
+refusals of tools and tool_choice by name, and whole answers and SSE frames built from the
+core's messages: the streamed deltas reassemble to the unstreamed answer, the ids and logprobs
+are the sampled ones. The door over a real fleet: tests/integration/proxy/test_door_tools.py."""
+
+from __future__ import annotations
+
+import json
+import random
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+
+from rollwire.proxy.http.dialect import convert
+from rollwire.proxy.http.dialect.errors import HttpError
+from rollwire.proxy.http.dialect.openai import ChatBody
+from rollwire.proxy.http.dialect.tools import ToolStream, check_tool_choice, parse_hermes, parser_for
+from rollwire.proxy.http.stream import _Events
+from rollwire.v1 import generator_pb2 as pb
+
+TOOLS = [{"type": "function", "function": {"name": "add", "parameters": {"type": "object"}}}]
+
+
+def call(name: str, arguments: Any, pad: str = "") -> str:
+    return f"<tool_call>{pad}{json.dumps({'name': name, 'arguments': arguments})}{pad}</tool_call>"
+
+
+TEXTS = [
+    "no call at all",
+    "",
+    call("add", {"a": 1, "b": 2}),
+    "Let me add. " + call("add", {"a": 1}),
+    "\n  " + call("add", {"a": 1}, pad="\n"),
+    call("add", {"a": 1}) + "\n" + call("mul", {"x": [1, {"y": "}{"}]}) + " trailing",
+    call("ünïcode", {"q": "日本語 😀", "nested": {"a": {"b": {"c": "}}}"}}}}),
+    '<tool_call>{"name": "add", "arguments": {"a": 1}}',  # unclosed, complete JSON: a call
+    '<tool_call>{"name": "add", "arguments": {"a": 1}',  # unclosed, incomplete: no call
+    "text <tool_call>not json</tool_call>",
+    call("add", {"a": 1}) + "<tool_call>{broken</tool_call>",  # one bad block: no call at all
+    '<tool_call>{"name": "add"}</tool_call>',  # no arguments
+    '<tool_call>{"name": 7, "arguments": {}}</tool_call>',
+    "<tool_call>[1, 2]</tool_call>",
+    "<tool_call></tool_call>",
+    '<tool_call>{"name": "f", "arguments": "a string"}</tool_call>',
+    '<tool_call>{"name": "f", "arguments": {"s": "</tool_call>"}}</tool_call>',  # the tag inside a string
+    "<tool_call>" + "[" * 100000 + "</tool_call>",
+    "almost <tool_cal",
+    "<tool_call",
+    "a < b and <tool> and </tool_call> alone",
+]
+
+
+def test_hermes_calls_are_parsed_as_vllm_parses_them():
+    one = parse_hermes("Let me add. " + call("add", {"a": 1}))
+    assert one.content == "Let me add. " and [(c.name, c.arguments) for c in one.calls] == [("add", '{"a": 1}')]
+    two = parse_hermes(TEXTS[5])
+    assert [c.name for c in two.calls] == ["add", "mul"] and two.content is None
+    assert json.loads(two.calls[1].arguments) == {"x": [1, {"y": "}{"}]}
+    uni = parse_hermes(TEXTS[6]).calls[0]
+    assert uni.name == "ünïcode" and "日本語 😀" in uni.arguments  # not \\u-escaped (ensure_ascii=False)
+    assert parse_hermes(TEXTS[4]).content is None  # only whitespace before the call
+    assert [c.name for c in parse_hermes(TEXTS[7]).calls] == ["add"]
+    assert parse_hermes(TEXTS[15]).calls[0].arguments == '"a string"'
+    ids = {c.id for c in two.calls}
+    assert len(ids) == 2 and all(i.startswith("chatcmpl-tool-") for i in ids)
+
+
+@pytest.mark.parametrize("text", [TEXTS[i] for i in (0, 1, 8, 9, 10, 11, 12, 13, 14, 16, 17, 18, 19, 20)])
+def test_text_that_is_not_all_calls_stays_the_content(text):
+    parsed = parse_hermes(text)
+    assert parsed.calls == [] and parsed.content == text
+
+
+def reassemble(deltas: list[tuple[str, list[dict[str, Any]]]]) -> tuple[str | None, list[tuple[str, str]]]:
+    content = "".join(c for c, _ in deltas)
+    calls = [(t["function"]["name"], t["function"]["arguments"]) for _, ts in deltas for t in ts]
+    return content or None, calls
+
+
+def unstreamed(text: str) -> tuple[str | None, list[tuple[str, str]]]:
+    parsed = parse_hermes(text)
+    return parsed.content or None, [(c.name, c.arguments) for c in parsed.calls]
+
+
+def streamed(pieces: list[str]) -> list[tuple[str, list[dict[str, Any]]]]:
+    stream = ToolStream(parse_hermes)
+    out = [stream.feed(p, False) for p in pieces]
+    out.append(stream.feed("", True))
+    for content, _ in out[:-1]:
+        assert "<tool_call>" not in content
+    return out
+
+
+def generated(rng: random.Random) -> str:
+    parts = []
+    for _ in range(rng.randint(0, 3)):
+        kind = rng.random()
+        if kind < 0.4:
+            parts.append(rng.choice(["hi ", "a<b ", " \n", "日本 ", "<tool", "}{", "😀"]))
+        elif kind < 0.9:
+            args = {rng.choice("abc"): rng.choice([1, "x}", [1, {"d": None}], "ü"])}
+            parts.append(call(rng.choice(["f", "g_2", "ß"]), args, pad=rng.choice(["", " ", "\n"])))
+        else:
+            parts.append('<tool_call>{"name": "f", "argu')
+    return "".join(parts)
+
+
+def test_streamed_calls_reassemble_to_the_unstreamed_answer_at_every_split():
+    rng = random.Random(50)
+    texts = [t for t in TEXTS if len(t) < 1000] + [generated(rng) for _ in range(150)]
+    for text in texts:
+        want = unstreamed(text)
+        for cut in range(len(text) + 1):  # two deltas, split at every position
+            assert reassemble(streamed([text[:cut], text[cut:]])) == want, (text, cut)
+        assert reassemble(streamed(list(text))) == want, text  # one character a delta
+        pieces, at = [], 0
+        while at < len(text):  # random pieces
+            size = rng.randint(1, 7)
+            pieces.append(text[at : at + size])
+            at += size
+        assert reassemble(streamed(pieces)) == want, text
+
+
+def test_content_before_a_call_streams_before_the_sample_ends():
+    stream = ToolStream(parse_hermes)
+    assert stream.feed("Let me ", False) == ("Let me ", [])
+    assert stream.feed("add <tool", False) == ("add ", [])  # "<tool" could begin a call: held
+    assert stream.feed('_call>{"name": "add", "arguments": {}}</tool_call>', False) == ("", [])
+    content, calls = stream.feed("", True)
+    assert content == "" and [c["function"]["name"] for c in calls] == ["add"] and calls[0]["index"] == 0
+    assert stream.called and calls[0]["type"] == "function" and calls[0]["id"].startswith("chatcmpl-tool-")
+
+
+def body(**kw) -> ChatBody:
+    return ChatBody.model_validate({"model": "m", "messages": [{"role": "user", "content": "x"}], **kw})
+
+
+@pytest.mark.parametrize(
+    ("ask", "setting", "param", "words"),
+    [
+        ({"tools": []}, "hermes", "tools", "must not be an empty array"),
+        ({"tools": [{"type": "function"}]}, "hermes", "tools", "tools[0]"),
+        ({"tools": [{"type": "function", "function": {"name": ""}}]}, "hermes", "tools", "tools[0].function.name"),
+        ({"tool_choice": "auto"}, "hermes", "tool_choice", "`tools` must be set"),
+        ({"tools": TOOLS, "tool_choice": "always"}, "hermes", "tool_choice", "Invalid value for `tool_choice`"),
+        ({"tools": TOOLS, "tool_choice": {"type": "function"}}, "hermes", "tool_choice.function", "Correct usage"),
+        ({"tools": TOOLS, "tool_choice": {"function": {}}}, "hermes", "tool_choice.function.name", "Correct usage"),
+        ({"tools": TOOLS, "tool_choice": {"function": {"name": "mul"}}}, "hermes", "tool_choice", "does not match"),
+        ({"tools": TOOLS}, "", "tool_choice", "http.tool_call_parser"),
+        ({"tools": TOOLS, "tool_choice": "auto"}, "", "tool_choice", "http.tool_call_parser"),
+        ({"tools": TOOLS, "tool_choice": "required"}, "hermes", "tool_choice", "without one"),
+        ({"tools": TOOLS, "tool_choice": {"function": {"name": "add"}}}, "hermes", "tool_choice", "'add'"),
+    ],
+)
+def test_tools_and_tool_choice_are_refused_by_name(ask, setting, param, words):
+    with pytest.raises(HttpError) as caught:
+        check_tool_choice(body(**ask), setting)
+    assert caught.value.param == param and words in caught.value.message, caught.value.message
+
+
+def test_a_parser_applies_only_to_tools_with_tool_choice_auto():
+    for ask, setting, applies in [
+        ({"tools": TOOLS}, "hermes", True),
+        ({"tools": TOOLS, "tool_choice": "auto"}, "hermes", True),
+        ({"tools": TOOLS, "tool_choice": "none"}, "hermes", False),
+        ({"tools": TOOLS, "tool_choice": "none"}, "", False),
+        ({}, "hermes", False),
+    ]:
+        check_tool_choice(body(**ask), setting)  # accepted
+        assert (parser_for(body(**ask), setting) is not None) is applies, ask
+
+
+TEXT = "I will add. " + call("add", {"a": 1, "b": "日本"}) + call("add", {"a": 2})
+
+
+def messages(text: str, step: int) -> list[pb.GenerateResponse]:
+    """The core's messages for one sample of `text`, one character a token, `step` tokens a message."""
+    first = pb.GenerateResponse()
+    first.started.prompt_token_ids.extend([1, 2, 3])
+    out = [first]
+    for at in range(0, len(text), step):
+        m = pb.GenerateResponse()
+        piece = text[at : at + step]
+        ids = [ord(ch) for ch in piece]
+        m.tokens.add(sample_index=0, token_ids=ids, logprobs=[-0.5 - i for i in ids], text=piece, adapter_version=3)
+        out.append(m)
+    end = pb.GenerateResponse()
+    end.finished.add(sample_index=0, finish_reason=pb.FINISH_REASON_EOS, completion_tokens=len(text))
+    return [*out, end]
+
+
+def test_the_whole_answer_carries_the_calls_and_the_sampled_ids():
+    ask = body(tools=TOOLS, logprobs=True, return_token_ids=True, return_tokens_as_token_ids=True)
+    group = convert.Group(1, [])
+    for m in messages(TEXT, 5):
+        group.apply(m)
+    choice = convert.chat_response(ask, group, "m", "r", chr, parse_hermes)["choices"][0]
+    assert choice["finish_reason"] == "tool_calls" and choice["message"]["content"] == "I will add. "
+    assert [json.loads(t["function"]["arguments"]) for t in choice["message"]["tool_calls"]] == [
+        {"a": 1, "b": "日本"},
+        {"a": 2},
+    ]
+    assert choice["token_ids"] == [ord(ch) for ch in TEXT]  # the parse reads the text; the ids are the sampled ones
+    content = choice["logprobs"]["content"]
+    assert [e["token"] for e in content] == [f"token_id:{ord(ch)}" for ch in TEXT]
+    assert [e["logprob"] for e in content] == [-0.5 - ord(ch) for ch in TEXT]
+    assert content[12]["bytes"] == list(TEXT[12].encode())  # the token's own bytes, as vLLM's
+    plain = convert.chat_response(body(tools=TOOLS), group, "m", "r", chr, None)["choices"][0]
+    assert plain["message"] == {"role": "assistant", "content": TEXT} and plain["finish_reason"] == "stop"
+
+
+@pytest.mark.parametrize("step", [1, 2, 3, 7, 64])
+def test_the_sse_frames_reassemble_to_the_whole_answer(step):
+    door = SimpleNamespace(config=SimpleNamespace(http=SimpleNamespace(tool_call_parser="hermes")), token_text=chr)
+    ask = body(tools=TOOLS, stream=True, return_token_ids=True)
+    events = _Events(door, ask, pb.GenerateRequest(), "c", "chat.completion.chunk", "r", "")  # pyright: ignore[reportArgumentType]
+    frames = [f for m in messages(TEXT, step) for f in events.payloads(m)]
+    deltas = [f["choices"][0] for f in frames]
+    content = "".join(d["delta"].get("content", "") for d in deltas)
+    calls = [t for d in deltas for t in d["delta"].get("tool_calls", [])]
+    ids = [t for d in deltas for t in d.get("token_ids", [])]
+    group = convert.Group(1, [])
+    for m in messages(TEXT, step):
+        group.apply(m)
+    whole = convert.chat_response(body(tools=TOOLS), group, "m", "r", chr, parse_hermes)["choices"][0]
+    assert content == whole["message"]["content"]
+    assert [(t["function"]["name"], t["function"]["arguments"]) for t in calls] == [
+        (t["function"]["name"], t["function"]["arguments"]) for t in whole["message"]["tool_calls"]
+    ]
+    assert [t["index"] for t in calls] == [0, 1] and ids == [ord(ch) for ch in TEXT]
+    assert [d["finish_reason"] for d in deltas if d["finish_reason"]] == ["tool_calls"]
