@@ -1,4 +1,4 @@
-"""Tool calls and token spellings through the door over real replicas (issue 50, items 1-2), on
+"""Tool calls, token spellings and vLLM's RL route through the door over real replicas (issue 50), on
 the session's door fleet (tests/support/door_fleet.py: its open proxy parses hermes calls, its
 guarded one has no parser, as vLLM without --enable-auto-tool-choice). The tiny model writes no
 tool calls by itself, so what is checked here is what the door does to a real sample: tools and
@@ -73,3 +73,41 @@ def test_tokens_as_token_ids_spell_the_sampled_ids(door):
         f"token_id:{t}" for t in choice["choices"][0]["token_ids"]
     ]
     assert choice["prompt_token_ids"]  # chat's prompt ids, as vLLM's return_token_ids
+
+
+def test_vllm_rl_route_gives_the_completions_sample_with_its_versions(door):
+    """/inference/v1/generate (vLLM 0.32's tokens-in, tokens-out route) over the same dispatch:
+    the same seed gives the completions route's tokens and logprobs, whole or streamed, with
+    the version that sampled them (the base model: "0") and the prompt's ids."""
+    url, model = door["proxy"].http_url, door["model"].name
+    prompt, sampling = [5, 6, 7, 8], {"max_tokens": 8, "seed": 9, "temperature": 1.0, "logprobs": 0}
+    want = post(url, "/v1/completions", {"model": model, "prompt": prompt, **sampling, "return_token_ids": True})
+    want = want.json()["choices"][0]
+    ask = {"model": model, "token_ids": prompt, "sampling_params": sampling, "return_token_ids": True}
+    whole = post(url, "/inference/v1/generate", ask).json()
+    choice = whole["choices"][0]
+    assert whole["request_id"].startswith("generate-tokens-") and whole["prompt_token_ids"] == prompt
+    assert choice["token_ids"] == want["token_ids"] and choice["finish_reason"] == want["finish_reason"]
+    assert [e["logprob"] for e in choice["logprobs"]["content"]] == want["logprobs"]["token_logprobs"]
+    assert choice["weight_versions"] == [{"version": "0", "start": 0, "end": len(want["token_ids"])}]
+    text = post(url, "/inference/v1/generate", {**ask, "output_mode": "text"}).json()["choices"][0]
+    assert text["text"] == want["text"] and text["token_ids"] == want["token_ids"]
+    with requests.post(url + "/inference/v1/generate", json={**ask, "stream": True}, stream=True, timeout=60) as r:
+        assert r.status_code == 200, r.text
+        lines = [str(line)[6:] for line in r.iter_lines(decode_unicode=True) if str(line).startswith("data: ")]
+    chunks = [json.loads(line) for line in lines[:-1]]
+    assert lines[-1] == "[DONE]" and chunks[0]["prompt_token_ids"] == prompt
+    assert [t for c in chunks for t in c["choices"][0]["token_ids"]] == want["token_ids"]
+    assert chunks[-1]["choices"][0]["weight_versions"] == choice["weight_versions"]
+    assert [c["choices"][0]["finish_reason"] for c in chunks if c["choices"][0]["finish_reason"]] == [
+        want["finish_reason"]
+    ]
+    for field, value, param in [
+        ("sampling_params", {**sampling, "presence_penalty": 0.5}, "sampling_params.presence_penalty"),
+        ("sampling_params", {**sampling, "logprobs": 3}, "sampling_params.logprobs"),
+        ("sampling_params", {**sampling, "bad_words": ["x"]}, "sampling_params.bad_words"),
+        ("kv_transfer_params", {"a": 1}, "kv_transfer_params"),
+        ("token_ids", [], "token_ids"),
+    ]:
+        refused = post(url, "/inference/v1/generate", {**ask, field: value})
+        assert refused.status_code == 400 and refused.json()["error"]["param"] == param, (field, refused.text)

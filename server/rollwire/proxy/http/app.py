@@ -53,6 +53,7 @@ from rollwire.proxy.http.door import Door
 from rollwire.proxy.http.echo import echo_scores, wants_scoring
 from rollwire.proxy.http.edge.bodies import body_chunks, parse_body, read_body
 from rollwire.proxy.http.edge.uploads import Holding, read_form
+from rollwire.proxy.http.generate import GenerateBody, generate
 from rollwire.proxy.http.pause import MODES
 from rollwire.proxy.http.scoped import publication, scope_of, shown
 from rollwire.proxy.http.stream import stream_group
@@ -76,6 +77,7 @@ def create_app(door: Door) -> FastAPI:
     _pause_routes(app, door)
     _adapter_routes(app, door)
     _openai_routes(app, door)
+    _rl_routes(app, door)
     return app
 
 
@@ -390,6 +392,19 @@ def _openai_routes(app: FastAPI, door: Door) -> None:
                 await door.run_group(req, client, group, door.deadline(), record.tenant)
             parse = tools.parser_for(body, door.config.http.tool_call_parser)
             return JSONResponse(convert.chat_response(body, group, body.model, rid, door.token_text, parse))
+
+
+def _rl_routes(app: FastAPI, door: Door) -> None:
+    """vLLM's tokens-in, tokens-out RL route (generate.py), recorded as completions are."""
+
+    @app.post("/inference/v1/generate")
+    async def tokens_out(request: Request) -> Response:
+        client = _authorize(door, request, GENERATE)
+        with door.core.account(edge=True) as record:
+            record.tenant = request.state.scope.label
+            body: GenerateBody = await _body(door, request, GenerateBody)
+            answer = await generate(door, body, client, request.state.rid, record, request.state.scope)
+            return answer if isinstance(answer, Response) else JSONResponse(answer)
 
 
 def _as_template_takes_it(door: Door, body: ChatBody) -> ChatBody:
