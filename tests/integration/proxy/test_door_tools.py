@@ -107,7 +107,13 @@ def test_vllm_rl_route_gives_the_completions_sample_with_its_versions(door):
         ("sampling_params", {**sampling, "logprobs": 3}, "sampling_params.logprobs"),
         ("sampling_params", {**sampling, "bad_words": ["x"]}, "sampling_params.bad_words"),
         ("kv_transfer_params", {"a": 1}, "kv_transfer_params"),
+        ("sampling_params", {**sampling, "max_tokens": 100000}, "sampling_params.max_tokens"),
+        ("sampling_params", {**sampling, "n": 500}, "sampling_params.n"),
+        ("sampling_params", {**sampling, "temperature": 0.0005}, "sampling_params.temperature"),
+        ("token_ids", [5] * 100000, "token_ids"),
+        ("model", "gpt-4o", "model"),
         ("token_ids", [], "token_ids"),
     ]:
         refused = post(url, "/inference/v1/generate", {**ask, field: value})
-        assert refused.status_code == 400 and refused.json()["error"]["param"] == param, (field, refused.text)
+        status = 404 if field == "model" else 400
+        assert refused.status_code == status and refused.json()["error"]["param"] == param, (field, refused.text)

@@ -283,12 +283,24 @@ async def generate(
     if body.sampling_params.stream_interval:
         request.stream_interval = body.sampling_params.stream_interval
     record.edge = False  # the core decides from here
-    with http_terms(Asked(completion, max_tokens, len(body.token_ids), door.limits)):
-        if body.stream:
-            events = _Chunks(door, body, completion, request, client, "generate", rid, record.tenant)
-            await events.begin()
-            events.record = record.hand_over()
-            return BoundedStream(events.run(), door.config.fairness.slow_reader_timeout_s, events.close)
-        group = convert.Group(completion.n, completion.stop_list())
-        await door.run_group(request, client, group, door.deadline(), record.tenant)
+    try:
+        with http_terms(Asked(completion, max_tokens, len(body.token_ids), door.limits)):
+            if body.stream:
+                events = _Chunks(door, body, completion, request, client, "generate", rid, record.tenant)
+                await events.begin()
+                events.record = record.hand_over()
+                return BoundedStream(events.run(), door.config.fairness.slow_reader_timeout_s, events.close)
+            group = convert.Group(completion.n, completion.stop_list())
+            await door.run_group(request, client, group, door.deadline(), record.tenant)
+    except HttpError as err:
+        err.param = _in_route_terms(err.param)
+        raise
     return response(body, group, rid, door)
+
+
+def _in_route_terms(param: str | None) -> str | None:
+    """A refusal's `param` in this route's fields: the prompt is `token_ids`, sampling fields are
+    `sampling_params.X`."""
+    if param == "prompt":
+        return "token_ids"
+    return f"sampling_params.{param}" if param in SamplingBody.model_fields else param
