@@ -163,13 +163,21 @@ class ToolStream:
         self.parse = parse
         self.text = ""
         self.sent = 0
+        self.first = -1
+        """Where the first `<tool_call>` begins, once it has come."""
+        self.blank, self.blank_upto = True, 0
+        """While the content so far is whitespace only, and up to where it was checked (each delta scans only
+        what is new: a sample's stream costs time linear in its length)."""
         self.called = False
         """True once the sample's calls were sent (its finish_reason is then "tool_calls")."""
 
     def feed(self, delta: str, finished: bool) -> tuple[str, list[dict[str, Any]]]:
         """The content to send now for `delta` of the sample's text, and, once `finished`, its
         calls as streamed `delta.tool_calls` entries (each whole: index, id, type, function)."""
+        before = len(self.text)
         self.text += delta
+        if self.first == -1:
+            self.first = self.text.find(OPEN, max(0, before - len(OPEN) + 1))
         if not finished:
             upto = self._safe()
             content = self.text[self.sent : upto] if upto > self.sent else ""
@@ -189,10 +197,13 @@ class ToolStream:
         """How much of the text is content whatever follows: up to the first call, less an
         end that could begin one, and nothing while it is only whitespace (a content of only
         whitespace before calls is none)."""
-        at = self.text.find(OPEN)
-        if at == -1:
-            at = len(self.text) - _partial(self.text, OPEN)
-        return at if self.text[:at].strip() else 0
+        at = self.first if self.first != -1 else len(self.text) - _partial(self.text, OPEN)
+        if self.blank and self.blank_upto < at:
+            if self.text[self.blank_upto : at].strip():
+                self.blank = False
+            else:
+                self.blank_upto = at
+        return 0 if self.blank else at
 
 
 def _partial(text: str, tag: str) -> int:
