@@ -326,7 +326,7 @@ class AdapterRegistry:
         versions = [v for v in self._versions.get(name, []) if v.servable]
         if not versions:  # never the names it holds: they are other callers' (GetStatus lists them to whom it may)
             raise NotFound(
-                f"no adapter named {name!r} is loaded on this replica; push it first",
+                f"no adapter named {name[:256]!r} is loaded on this replica; push it first",
                 reason=Reason.ADAPTER_NOT_FOUND,
             )
         if version == 0:

@@ -17,6 +17,11 @@ import pytest
 from rollwire.demo.plot import Series, line_chart
 from rollwire.demo.run import SUMMARY_KEYS, finish, new_run_folder, print_table, progress_line
 
+try:  # matplotlib's first import on a machine runs fc-list to build its font cache: here, at collection,
+    import matplotlib.font_manager  # noqa: F401  # not inside a unit test, where starting a process fails it
+except ImportError:  # the tests that draw skip without it
+    pass
+
 LEARNER_SUMMARY = {
     "accuracy_before": 0.3,
     "accuracy_after": 0.9,

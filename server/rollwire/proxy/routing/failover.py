@@ -91,7 +91,8 @@ def resolve(request: pb.GenerateRequest, replicas: ReplicaSet) -> Need:
     version = request.adapter.version or _newest_shown(name, replicas)
     if not version and not _known(name, replicas):  # the proxy's own answer, in the words a replica would use
         raise NotFound(
-            f"no adapter named {name!r} is loaded on this replica; push it first", reason=Reason.ADAPTER_NOT_FOUND
+            f"no adapter named {name[:256]!r} is loaded on this replica; push it first",  # a name's length is the client's
+            reason=Reason.ADAPTER_NOT_FOUND,
         )
     if version and (any(r.holds(name, version) for r in replicas.routable()) or replicas.coming(name, version)):
         if not request.adapter.follow:
