@@ -139,7 +139,12 @@ def test_per_client_limits_refuse_only_that_client_with_a_retry_hint():
         for s in f.samples
         if s.name.endswith("_total")
     }
-    assert values == {"in_flight": 1.0, "queued_tokens": 1.0, "slow_reader": 0.0, "slow_upload": 0.0}  # every limit exists from 0
+    assert values == {
+        "in_flight": 1.0,
+        "queued_tokens": 1.0,
+        "slow_reader": 0.0,
+        "slow_upload": 0.0,
+    }  # every limit exists from 0
 
 
 def test_a_client_is_its_token_where_auth_is_on_and_its_host_otherwise():
