@@ -57,7 +57,7 @@ class AdapterRef(_message.Message):
     def __init__(self, name: _Optional[str] = ..., version: _Optional[int] = ..., follow: _Optional[bool] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("request_id", "text", "token_ids", "n", "sampling", "adapter", "group_key", "session", "stream_interval", "resume")
+    __slots__ = ("request_id", "text", "token_ids", "n", "sampling", "adapter", "group_key", "session", "stream_interval", "resume", "return_routed_experts")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TEXT_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -68,6 +68,7 @@ class GenerateRequest(_message.Message):
     SESSION_FIELD_NUMBER: _ClassVar[int]
     STREAM_INTERVAL_FIELD_NUMBER: _ClassVar[int]
     RESUME_FIELD_NUMBER: _ClassVar[int]
+    RETURN_ROUTED_EXPERTS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     text: str
     token_ids: TokenIds
@@ -78,7 +79,8 @@ class GenerateRequest(_message.Message):
     session: SessionTurn
     stream_interval: int
     resume: _containers.RepeatedCompositeFieldContainer[SampleResume]
-    def __init__(self, request_id: _Optional[str] = ..., text: _Optional[str] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., n: _Optional[int] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., adapter: _Optional[_Union[AdapterRef, _Mapping]] = ..., group_key: _Optional[str] = ..., session: _Optional[_Union[SessionTurn, _Mapping]] = ..., stream_interval: _Optional[int] = ..., resume: _Optional[_Iterable[_Union[SampleResume, _Mapping]]] = ...) -> None: ...
+    return_routed_experts: bool
+    def __init__(self, request_id: _Optional[str] = ..., text: _Optional[str] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., n: _Optional[int] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., adapter: _Optional[_Union[AdapterRef, _Mapping]] = ..., group_key: _Optional[str] = ..., session: _Optional[_Union[SessionTurn, _Mapping]] = ..., stream_interval: _Optional[int] = ..., resume: _Optional[_Iterable[_Union[SampleResume, _Mapping]]] = ..., return_routed_experts: _Optional[bool] = ...) -> None: ...
 
 class SampleResume(_message.Message):
     __slots__ = ("sample_index", "token_ids")
@@ -129,16 +131,30 @@ class TokenChunk(_message.Message):
     def __init__(self, sample_index: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[float]] = ..., text: _Optional[str] = ..., adapter_version: _Optional[int] = ..., kept_tokens: _Optional[_Iterable[bytes]] = ...) -> None: ...
 
 class SampleFinished(_message.Message):
-    __slots__ = ("sample_index", "finish_reason", "prompt_tokens", "completion_tokens")
+    __slots__ = ("sample_index", "finish_reason", "prompt_tokens", "completion_tokens", "routed_experts")
     SAMPLE_INDEX_FIELD_NUMBER: _ClassVar[int]
     FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     COMPLETION_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    ROUTED_EXPERTS_FIELD_NUMBER: _ClassVar[int]
     sample_index: int
     finish_reason: FinishReason
     prompt_tokens: int
     completion_tokens: int
-    def __init__(self, sample_index: _Optional[int] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ...) -> None: ...
+    routed_experts: RoutedExperts
+    def __init__(self, sample_index: _Optional[int] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., routed_experts: _Optional[_Union[RoutedExperts, _Mapping]] = ...) -> None: ...
+
+class RoutedExperts(_message.Message):
+    __slots__ = ("positions", "layers", "top_k", "expert_ids")
+    POSITIONS_FIELD_NUMBER: _ClassVar[int]
+    LAYERS_FIELD_NUMBER: _ClassVar[int]
+    TOP_K_FIELD_NUMBER: _ClassVar[int]
+    EXPERT_IDS_FIELD_NUMBER: _ClassVar[int]
+    positions: int
+    layers: int
+    top_k: int
+    expert_ids: bytes
+    def __init__(self, positions: _Optional[int] = ..., layers: _Optional[int] = ..., top_k: _Optional[int] = ..., expert_ids: _Optional[bytes] = ...) -> None: ...
 
 class GroupRestarted(_message.Message):
     __slots__ = ("attempt", "reason")
