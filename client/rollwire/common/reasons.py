@@ -275,6 +275,10 @@ class Reason(StrEnum):
     """FAILED_PRECONDITION; do not retry: The replica's engine cannot continue samples from their tokens (`resume`)."""
     KEPT_TOKENS_UNSUPPORTED = "KEPT_TOKENS_UNSUPPORTED"
     """FAILED_PRECONDITION; do not retry: The replica's engine cannot return kept-token sets (`return_kept_tokens`)."""
+    ROUTED_EXPERTS_UNSUPPORTED = "ROUTED_EXPERTS_UNSUPPORTED"
+    """FAILED_PRECONDITION; do not retry: The replica's model has no MoE layers, or its engine cannot report their routing (`return_routed_experts`)."""
+    ROUTED_EXPERTS_TOO_LARGE = "ROUTED_EXPERTS_TOO_LARGE"
+    """INVALID_ARGUMENT; do not retry: One sample's routing (positions x MoE layers x top_k ids) would exceed what a sample may carry."""
 
     # -- Score: teacher-forced logprobs (docs/protocol.md, "Score") -------------------------
     BAD_SCORE_REQUEST = "BAD_SCORE_REQUEST"

@@ -68,6 +68,7 @@ class RequestConverter:
             follow=self._follows(req.adapter),
             stream_interval=req.stream_interval,
             resume=resume,
+            routed_experts=self._routed_experts(req.return_routed_experts),
         )
 
     def _resume(self, req: pb.GenerateRequest, max_new_tokens: int) -> dict[int, list[int]]:
@@ -224,6 +225,17 @@ class RequestConverter:
                 reason=Reason.BAD_SEED,
             )
         return tuple(s.sample_seeds)
+
+    def _routed_experts(self, asked: bool) -> bool:
+        """The request's `return_routed_experts`, refused when this replica cannot report routing
+        (the engine's own check refuses a dense model and a sample too large to carry it)."""
+        if asked and not getattr(self.engine, "reports_routed_experts", False):
+            raise FailedPrecondition(
+                f"return_routed_experts: this replica ({self.config.engine} engine) cannot report MoE routing: only "
+                "the transformers engine does, on a model with MoE layers; send the request without it",
+                reason=Reason.ROUTED_EXPERTS_UNSUPPORTED,
+            )
+        return asked
 
     def _kept_tokens(self, asked: bool) -> bool:
         """The request's `return_kept_tokens`, refused when this replica's engine cannot honour it."""

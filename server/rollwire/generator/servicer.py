@@ -30,8 +30,10 @@ from rollwire.generator.intake import PushIntake
 from rollwire.generator.metrics import GeneratorMetrics
 from rollwire.generator.score import Scoring
 from rollwire.generator.types import (
+    Event,
     GroupRequest,
     TokenDelta,
+    by_routed_size,
     coalesce,
     worth_sending,
 )
@@ -161,10 +163,12 @@ class GeneratorServicer(generator_pb2_grpc.GeneratorServiceServicer):
                     if first:  # the first token the client gets, gathered or not
                         first = False
                         self.metrics.ttft.observe(time.monotonic() - start)
-                    yield self._to_response(gathered, name)
+                    for msg in self._to_responses(gathered, name):
+                        yield msg
                     gathered = []
             if gathered:
-                yield self._to_response(gathered, name)
+                for msg in self._to_responses(gathered, name):
+                    yield msg
         if turn is not None:
             turn.commit(group.prompt_ids, turn.output, version=group.adapter.version)
 
@@ -229,29 +233,43 @@ class GeneratorServicer(generator_pb2_grpc.GeneratorServiceServicer):
         self.metrics.served_tokens.labels(label, str(behind) if behind < 3 else "3+").inc(tokens)
         self.metrics.served_version.labels(label).set(version)
 
-    def _to_response(self, events: list, adapter: str = "") -> pb.GenerateResponse:
-        """One message for everything ready together: a chunk per sample, then finishes."""
-        msg = pb.GenerateResponse()
-        for ev in coalesce(events):
-            if isinstance(ev, TokenDelta):
-                self.metrics.tokens.labels("completion").inc(len(ev.token_ids))
-                self._count_served(adapter, ev.version, len(ev.token_ids))
-                msg.tokens.add(
-                    sample_index=ev.sample_index,
-                    token_ids=ev.token_ids,
-                    logprobs=ev.logprobs,
-                    text=ev.text,
-                    adapter_version=ev.version,
-                    kept_tokens=ev.kept,
+    def _to_responses(self, events: list, adapter: str = "") -> list[pb.GenerateResponse]:
+        """One message for everything ready together: a chunk per sample, then finishes; a finish
+        carrying routed experts that would take the message's routing over MAX_ROUTED_BYTES goes
+        in a message of its own, after (so no message nears gRPC's size limit)."""
+        msgs = []
+        for part in by_routed_size(coalesce(events)):
+            msg = pb.GenerateResponse()
+            for ev in part:
+                self._add_event(msg, ev, adapter)
+            msgs.append(msg)
+        return msgs
+
+    def _add_event(self, msg: pb.GenerateResponse, ev: Event, adapter: str) -> None:
+        """One event into `msg`: a sample's new tokens, or its finish (with its routing)."""
+        if isinstance(ev, TokenDelta):
+            self.metrics.tokens.labels("completion").inc(len(ev.token_ids))
+            self._count_served(adapter, ev.version, len(ev.token_ids))
+            msg.tokens.add(
+                sample_index=ev.sample_index,
+                token_ids=ev.token_ids,
+                logprobs=ev.logprobs,
+                text=ev.text,
+                adapter_version=ev.version,
+                kept_tokens=ev.kept,
+            )
+        else:
+            done = msg.finished.add(
+                sample_index=ev.sample_index,
+                finish_reason=FINISH[ev.reason],
+                prompt_tokens=ev.prompt_tokens,
+                completion_tokens=ev.completion_tokens,
+            )
+            if ev.routed is not None:
+                r = ev.routed
+                done.routed_experts.CopyFrom(
+                    pb.RoutedExperts(positions=r.positions, layers=r.layers, top_k=r.top_k, expert_ids=r.expert_ids)
                 )
-            else:
-                msg.finished.add(
-                    sample_index=ev.sample_index,
-                    finish_reason=FINISH[ev.reason],
-                    prompt_tokens=ev.prompt_tokens,
-                    completion_tokens=ev.completion_tokens,
-                )
-        return msg
 
     # -- Score (score.py) ----------------------------------------------------------------
     async def Score(self, request: pb.ScoreRequest, context: grpc.aio.ServicerContext) -> pb.ScoreResponse:

@@ -61,6 +61,9 @@ class GroupRequest:
     stream_interval: int = 0
     """New tokens of a sample per message (GenerateRequest.stream_interval); 0: the replica's own."""
     resume: dict[int, list[int]] = field(default_factory=dict)
+    routed_experts: bool = False
+    """GenerateRequest.return_routed_experts, checked (convert.py): each SampleDone carries the
+    experts every forwarded position was routed to. Engines that can set `reports_routed_experts`."""
     """GenerateRequest.resume, checked (convert.py): the samples to run, by index, each with the
     tokens it already has; empty: all n from the start. A resumed sample keeps its index and
     seed, runs for max_new_tokens less what it has, and its events carry only new tokens (its
@@ -97,6 +100,25 @@ class SampleDone:
     reason: str
     prompt_tokens: int
     completion_tokens: int
+    routed: RoutedExperts | None = None
+    """When the request asked for it: the routing of the sample's forwarded positions."""
+
+
+MAX_ROUTED_BYTES = 4 << 20
+"""At most this many bytes of routed expert ids per sample (2 per id): the servicer sends each
+sample's RoutedExperts in a message of its own when several would not fit one gRPC message,
+whose limit is 8 MiB (serving/scaffold.py)."""
+
+
+@dataclass(frozen=True)
+class RoutedExperts:
+    """A sample's MoE routing (pb.RoutedExperts): `positions` x `layers` x `top_k` expert ids as
+    little-endian uint16, position-major; positions = prompt + completion tokens - 1."""
+
+    positions: int
+    layers: int
+    top_k: int
+    expert_ids: bytes
 
 
 Event = TokenDelta | SampleDone
@@ -127,6 +149,22 @@ def coalesce(events: list[Event]) -> list[Event]:
             merged.pop(ev.sample_index, None)
             out.append(ev)
     return out
+
+
+def by_routed_size(events: list[Event], limit: int = MAX_ROUTED_BYTES) -> list[list[Event]]:
+    """`events` in order, cut into runs each of whose finishes carry at most `limit` bytes of
+    routed experts together (a finish over the limit alone still gets a run of its own), so
+    each run fits one message. Without routing: one run."""
+    runs: list[list[Event]] = [[]]
+    held = 0
+    for ev in events:
+        size = len(ev.routed.expert_ids) if isinstance(ev, SampleDone) and ev.routed is not None else 0
+        if size and held and held + size > limit:
+            runs.append([])
+            held = 0
+        held += size
+        runs[-1].append(ev)
+    return runs
 
 
 def worth_sending(events: list[Event], interval: int) -> bool:

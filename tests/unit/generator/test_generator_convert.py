@@ -81,6 +81,7 @@ async def test_each_problem_is_refused_with_its_own_reason(convert, kw, reason):
     [
         (request(adapter=pb.AdapterRef(name="a", follow=True)), Reason.FOLLOW_UNSUPPORTED),
         (request(sampling={"return_kept_tokens": True}), Reason.KEPT_TOKENS_UNSUPPORTED),
+        (request(return_routed_experts=True), Reason.ROUTED_EXPERTS_UNSUPPORTED),
     ],
 )
 async def test_what_the_engine_cannot_honour_is_a_failed_precondition(convert, req, reason):
@@ -121,3 +122,29 @@ def test_the_prompt_size_rule_counts_utf8_bytes_and_ids_exactly_at_the_limit():
             with pytest.raises(InvalidArgument) as err:
                 check_prompt_size(req, tokens, "any replica of this fleet")
             assert err.value.message == f"the prompt has {n} tokens; any replica of this fleet accepts at most {tokens}"
+
+
+def test_finishes_carrying_routing_are_cut_into_messages_that_fit():
+    """types.by_routed_size: runs keep the events' order, each run's routing is within the limit
+    (one finish over it alone), and events without routing stay in one run."""
+    import random
+
+    from rollwire.generator.types import RoutedExperts, SampleDone, TokenDelta, by_routed_size
+
+    rng = random.Random(5)
+    for _ in range(200):
+        events = []
+        for i in range(rng.randint(0, 12)):
+            if rng.random() < 0.4:
+                events.append(TokenDelta(i, [1], [-0.1], "a", 1))
+            else:
+                size = rng.choice([0, 1, 30, 60, 99, 100, 101, 250])
+                routed = RoutedExperts(size // 2, 1, 1, b"x" * size) if size else None
+                events.append(SampleDone(i, "length", 3, 1, routed))
+        runs = by_routed_size(events, limit=100)
+        assert [e for run in runs for e in run] == events and all(runs[1:])
+        for run in runs:
+            sizes = [len(e.routed.expert_ids) for e in run if isinstance(e, SampleDone) and e.routed]
+            assert sum(sizes) <= 100 or len(sizes) == 1
+        if not any(isinstance(e, SampleDone) and e.routed for e in events):
+            assert len(runs) == 1

@@ -136,6 +136,57 @@ async def test_a_stop_string_across_token_seams_ends_the_sample_at_the_token_com
     assert out["text"][0] == pieces[end]  # the whole decode, whatever the last token spells after the stop
 
 
+def router_choices(model, ids: list[int]) -> torch.Tensor:
+    """[positions, MoE layers, top_k]: each position's top_k experts by the router's own logits
+    (output_router_logits) in a teacher-forced forward: computed apart from the engine's hook."""
+    with torch.no_grad():
+        out = model(input_ids=torch.tensor([ids]), output_router_logits=True)
+    k = model.config.num_experts_per_tok
+    return torch.stack([torch.topk(lg.float().softmax(-1), k, -1).indices for lg in out.router_logits], 1)
+
+
+async def test_routed_experts_are_the_routers_choices_for_every_forwarded_position(arch):
+    """Routing replay (issue 49 item 4): each sample's RoutedExperts covers its prompt and its
+    tokens but the last, and equals the router's top-k of a teacher-forced forward; a second
+    run of the prompt (a prefix-cache hit otherwise) and a resumed sample report it whole."""
+    name, folder, engine = arch
+    g = group(engine, max_new_tokens=12)
+    g.routed_experts = True
+    if name not in MOE:
+        from rollwire.common.errors import FailedPrecondition
+        from rollwire.common.reasons import Reason
+
+        with pytest.raises(FailedPrecondition) as err:
+            engine.check(g)
+        assert err.value.reason == Reason.ROUTED_EXPERTS_UNSUPPORTED and "no MoE layers" in err.value.message
+        return
+    from transformers import AutoModelForCausalLM
+
+    from rollwire.generator.types import GroupRequest as Group
+
+    reference = AutoModelForCausalLM.from_pretrained(folder).eval()
+
+    def check(out: dict, have: dict[int, list[int]]) -> None:
+        for i, done in out["done"].items():
+            ids = g.prompt_ids + have.get(i, []) + out["tokens"][i]
+            routed = done.routed
+            assert routed is not None and routed.positions == len(ids) - 1
+            got = torch.frombuffer(bytearray(routed.expert_ids), dtype=torch.int16)
+            got = got.view(routed.positions, routed.layers, routed.top_k).long()
+            assert routed.top_k == reference.config.num_experts_per_tok
+            assert torch.equal(got, router_choices(reference, ids[:-1])), (name, i)
+
+    out = await collect(engine, g)
+    check(out, {})
+    check(await collect(engine, g), {})  # its prompt is in the prefix cache now
+    have = {2: out["tokens"][2][:5]}
+    check(
+        await collect(engine, Group("zoo-resume", g.prompt_ids, 4, g.sampling, resume=have, routed_experts=True)), have
+    )
+    plain = await collect(engine, group(engine, max_new_tokens=4))
+    assert all(d.routed is None for d in plain["done"].values())  # only when asked
+
+
 def seam_span(pieces: list[str], k: int) -> str | None:
     """Three characters of the text across the seam after token k (one before it, two after),
     with no replacement character, found nowhere earlier: a stop string no single token spells."""

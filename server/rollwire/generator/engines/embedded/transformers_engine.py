@@ -60,14 +60,16 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from rollwire.common.errors import FailedPrecondition, Unavailable
+from rollwire.common.errors import FailedPrecondition, InvalidArgument, Unavailable
 from rollwire.common.manifest import Manifest
+from rollwire.common.reasons import Reason
 from rollwire.generator.detokenize import backend
 from rollwire.generator.engines.base import EngineStats
 from rollwire.generator.engines.embedded import kv_batch, kv_memory
 from rollwire.generator.engines.embedded.kv_batch import Batch
 from rollwire.generator.engines.embedded.lora import LoraSet
 from rollwire.generator.engines.embedded.prefix_cache import AdapterKey, PrefixCache, PrefixCacheSettings
+from rollwire.generator.engines.embedded.routing import MAX_ROUTED_BYTES, RoutingTap, encode
 from rollwire.generator.engines.embedded.transformers_groups import END as _END
 from rollwire.generator.engines.embedded.transformers_groups import Group as _Group
 from rollwire.generator.engines.embedded.transformers_groups import Mailbox as _Mailbox
@@ -88,7 +90,7 @@ from rollwire.generator.engines.embedded.transformers_memory import MemoryRules
 from rollwire.generator.engines.embedded.transformers_sampling import sample, sample_by_group
 from rollwire.generator.engines.embedded.transformers_score import ScoreRules, ScoreRun
 from rollwire.generator.sampling import row_uniforms
-from rollwire.generator.types import Event, GroupRequest, SampleDone, TokenDelta
+from rollwire.generator.types import Event, GroupRequest, RoutedExperts, SampleDone, TokenDelta
 from rollwire.push.buffers import Payload, as_bytes
 from rollwire.runtime.logs import get_logger
 
@@ -111,6 +113,7 @@ class TransformersEngine(MemoryRules, ScoreRules):
     resumes_samples = True
     """Continues samples from their tokens so far, exactly (GroupRequest.resume; transformers_groups.new_rows)."""
     _lora: LoraSet  # set by _load, with the model
+    _routing: RoutingTap | None = None  # set by _load: the MoE layers' routing (routing.py)
 
     def __init__(
         self,
@@ -169,6 +172,7 @@ class TransformersEngine(MemoryRules, ScoreRules):
         self.eos_ids = eos_ids(self.model.config, self.tokenizer)
         self._text_backend = backend(self.tokenizer)
         self._lora = LoraSet(self.model)
+        self._routing = RoutingTap(self.model)
         if self.prefix_cache.enabled and not kv_batch.plain_layers(self.model.config):
             log.warning("prefix_cache_off", why="this model's cache has sliding-window or recurrent layers")
             self.prefix_cache = PrefixCache(PrefixCacheSettings(max_tokens=0), self.metrics)
@@ -206,8 +210,35 @@ class TransformersEngine(MemoryRules, ScoreRules):
         with self._cv:
             return EngineStats(running=self._running_groups, queued=len(self._pending))
 
+    @property
+    def reports_routed_experts(self) -> bool:
+        """Whether this model's MoE layers' routing can be reported (GroupRequest.routed_experts)."""
+        return self._routing is not None and self._routing.available
+
     def check(self, group: GroupRequest) -> None:
         check_fits(group, self.max_batch_rows, self.max_batch_tokens)
+        if group.routed_experts:
+            self._check_routed(group)
+
+    def _check_routed(self, group: GroupRequest) -> None:
+        """A group asking for its routing: refused on a dense model, and when one sample's
+        routing could not travel in one message (routing.MAX_ROUTED_BYTES)."""
+        if self._routing is None or not self._routing.available:
+            raise FailedPrecondition(
+                f"return_routed_experts: this replica's model ({self.model_dir.name}) has no MoE layers whose "
+                "routing can be reported; send the request without it, or to a replica of a MoE model",
+                reason=Reason.ROUTED_EXPERTS_UNSUPPORTED,
+            )
+        positions = len(group.prompt_ids) + group.sampling.max_new_tokens
+        size = positions * self._routing.bytes_per_position()
+        if size > MAX_ROUTED_BYTES:
+            raise InvalidArgument(
+                f"return_routed_experts: a sample of {positions} positions (prompt plus max_new_tokens) has "
+                f"{size} bytes of routing ({len(self._routing.layers)} MoE layers x {self._routing.top_k} experts x "
+                f"2 bytes each), over the {MAX_ROUTED_BYTES} a sample may carry; send a shorter prompt or fewer "
+                "max_new_tokens",
+                reason=Reason.ROUTED_EXPERTS_TOO_LARGE,
+            )
 
     async def generate(self, group: GroupRequest) -> AsyncIterator[list[Event]]:
         self.check(group)
@@ -320,11 +351,15 @@ class TransformersEngine(MemoryRules, ScoreRules):
             except Exception as exc:
                 fut.set_exception(exc)
 
-    def _forward(self, adapters: list[str | None], **inputs):
-        """One forward pass whose row i uses adapter handle `adapters[i]`."""
-        with self._lora.routed(adapters):
+    def _forward(self, adapters: list[str | None], routed: bool = False, **inputs):
+        """One forward pass whose row i uses adapter handle `adapters[i]`; with `routed` the MoE
+        layers' routing of every position it computes is kept in `self._recorded` (routing.py)."""
+        assert self._routing is not None
+        wanted = routed and self._routing.available
+        with self._lora.routed(adapters), self._routing.recording(wanted) as rec:
             out = self.model(**inputs, use_cache=True)
         self.on_forward(len(adapters))
+        self._recorded = rec
         return out
 
     def _step(self, batch: Batch | None, admitted: list[_Group]) -> Batch | None:
@@ -350,13 +385,17 @@ class TransformersEngine(MemoryRules, ScoreRules):
         positions = torch.tensor([[r.position] for r in batch.rows], device=self.device)
         out = self._forward(
             [r.adapter for r in batch.rows],
+            any(r.routes is not None for r in batch.rows),
             input_ids=tokens,
             attention_mask=mask,
             position_ids=positions,
             cache=batch.cache,
         )
-        for r in batch.rows:
+        routes = self._recorded.take(len(batch.rows), 1)
+        for i, r in enumerate(batch.rows):
             r.position += 1
+            if routes is not None and r.routes is not None:
+                r.routes.append(routes[i])  # the position just fed: the row's last token
         return self._sample_and_emit(Batch(batch.rows, out.cache, mask), out.logits[:, -1, :])
 
     def _prefill(self, groups: list[_Group]) -> tuple[Batch, torch.Tensor]:
@@ -369,13 +408,16 @@ class TransformersEngine(MemoryRules, ScoreRules):
         units = prefill_units(groups)  # each group's selection read once: a following group may switch meanwhile
         keys: list[AdapterKey] = [u[1] for u in units]
         prompts = [u[2] for u in units]
-        hits = [self.prefix_cache.lookup(k, p) for k, p in zip(keys, prompts, strict=True)]
+        routed = [u[0].req.routed_experts for u in units]
+        # a group asking for its routing computes its whole prompt: reused KV has no routing
+        hits = [None if r else self.prefix_cache.lookup(k, p) for k, p, r in zip(keys, prompts, routed, strict=True)]
         pad = self.tokenizer.pad_token_id or 0
         inputs = kv_batch.prefill_inputs(
             prompts, [h.layers() if h else None for h in hits], pad, self.model.config, self.device
         )
         out = self._forward(
             [k[2] for k in keys],
+            any(routed),
             input_ids=inputs.ids,
             attention_mask=inputs.mask,
             position_ids=inputs.positions,
@@ -388,6 +430,8 @@ class TransformersEngine(MemoryRules, ScoreRules):
             self._remember(key, prompt, out.cache, inputs.mask, k)
         seeds = {id(g): group_seeds(g) for g in groups}
         rows = [r for g, key, _, indices in units for r in new_rows(g, key, indices, seeds[id(g)], self._text_backend)]
+        if any(routed):
+            self._route_prompts(units, rows, inputs.ids.shape[1])
         for g in groups:
             g.open_rows = g.req.rows
         # The n samples of a group share its prompt: its KV cache and first logits are computed
@@ -395,6 +439,19 @@ class TransformersEngine(MemoryRules, ScoreRules):
         samples = torch.tensor([len(u[3]) for u in units], device=self.device)
         batch = kv_batch.repeat_rows(Batch(rows, out.cache, inputs.mask), samples)
         return batch, out.logits[:, -1, :].repeat_interleave(samples, 0)
+
+    def _route_prompts(self, units: list, rows: list[_Row], width: int) -> None:
+        """Each routed unit's prompt routing (its tokens are right-aligned in the pass's `width`
+        columns, none reused) given to each of the rows made from it, in order."""
+        routes = self._recorded.take(len(units), width)
+        if routes is None:
+            return
+        k = 0
+        for u, (g, _, prompt, indices) in enumerate(units):
+            for _ in indices:
+                if g.req.routed_experts:
+                    rows[k].routes = [routes[u, width - len(prompt) :]]
+                k += 1
 
     def _remember(self, key: AdapterKey, tokens: list[int], cache: Any, mask: torch.Tensor, row: int) -> None:
         """Offer row `row`'s KV (exactly `tokens`' keys and values) to the prefix cache."""
@@ -476,9 +533,16 @@ class TransformersEngine(MemoryRules, ScoreRules):
         if reason is None:
             return events, False
         delta.text += row.text.finish()  # the sample's text is now its tokens' whole decode
-        events.append(SampleDone(row.index, reason, len(group.req.prompt_ids), row.generated))
+        events.append(SampleDone(row.index, reason, len(group.req.prompt_ids), row.generated, self._routes(row)))
         group.open_rows -= 1
         return events, True
+
+    def _routes(self, row: _Row) -> RoutedExperts | None:
+        """A finished row's routing: its prompt's (and resumed tokens') then each fed token's."""
+        if row.routes is None or self._routing is None:
+            return None
+        positions, data = encode(row.routes)
+        return RoutedExperts(positions, len(self._routing.layers), self._routing.top_k, data)
 
     def _finish_reason(self, row: _Row, token: int, delta: str) -> str | None:
         params = row.group.req.sampling

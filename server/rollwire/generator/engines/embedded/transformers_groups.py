@@ -65,6 +65,7 @@ class Row:
     generated: int = 0  # tokens sampled so far
     last_token: int = -1
     tokens: list[int] = field(default_factory=list)  # sampled so far
+    routes: list | None = None  # GroupRequest.routed_experts: [positions, layers, top_k] chunks, oldest first
 
 
 _STOP_TAIL = 64  # characters of a sample's text kept for stop strings (at most 64 characters each)
