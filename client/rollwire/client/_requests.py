@@ -67,6 +67,7 @@ class GenerateOptions(TypedDict, total=False):
     seed: int | None
     ignore_eos: bool
     return_kept_tokens: bool
+    return_routed_experts: bool
     adapter: str | AdapterVersion | None
     follow: bool
     group_key: str
@@ -129,6 +130,7 @@ def build_generate_request(
     seed: int | None = None,
     ignore_eos: bool = False,
     return_kept_tokens: bool = False,
+    return_routed_experts: bool = False,
     adapter: str | AdapterVersion | None = None,
     follow: bool = False,
     group_key: str = "",
@@ -150,4 +152,5 @@ def build_generate_request(
     if not isinstance(group_key, str) or not isinstance(request_id, str):
         raise RequestError("group_key and request_id must be strings")
     request.group_key, request.request_id = group_key, request_id
+    request.return_routed_experts = bool(return_routed_experts)
     return request

@@ -60,6 +60,36 @@ class Finished:
     """"eos", "stop" or "length"."""
     prompt_tokens: int
     completion_tokens: int
+    routed_experts: RoutedExperts | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class RoutedExperts:
+    """With `return_routed_experts`: the experts a MoE model routed each forwarded position of a
+    sample to (its prompt, then its tokens but the last), `positions` x `layers` x `top_k` ids,
+    position-major (pb.RoutedExperts)."""
+
+    positions: int
+    layers: int
+    top_k: int
+    expert_ids: bytes
+    """Little-endian uint16 ids; `array()` shapes them."""
+
+    def array(self):
+        """A [positions, layers, top_k] numpy uint16 array (needs numpy)."""
+        import numpy as np
+
+        return np.frombuffer(self.expert_ids, dtype="<u2").reshape(self.positions, self.layers, self.top_k)
+
+    @staticmethod
+    def of(message: pb.RoutedExperts) -> RoutedExperts:
+        size = message.positions * message.layers * message.top_k * 2
+        if len(message.expert_ids) != size:
+            raise _protocol_error(
+                f"routed_experts holds {len(message.expert_ids)} bytes; {message.positions} positions x "
+                f"{message.layers} layers x {message.top_k} experts need {size}"
+            )
+        return RoutedExperts(message.positions, message.layers, message.top_k, bytes(message.expert_ids))
 
 
 @dataclass(frozen=True, slots=True)
@@ -89,7 +119,8 @@ def events_from_pb(message: pb.GenerateResponse) -> list[StreamEvent]:
     for f in message.finished:
         if f.finish_reason not in _FINISH:
             raise _protocol_error(f"sample {f.sample_index} finished without a finish reason")
-        events.append(Finished(f.sample_index, _FINISH[f.finish_reason], f.prompt_tokens, f.completion_tokens))
+        routed = RoutedExperts.of(f.routed_experts) if f.HasField("routed_experts") else None
+        events.append(Finished(f.sample_index, _FINISH[f.finish_reason], f.prompt_tokens, f.completion_tokens, routed))
     if not events:
         raise _protocol_error("a response message carries no event")
     return events
@@ -124,6 +155,8 @@ class Sample:
     completion_tokens: int
     kept_tokens: list[tuple[int, ...]] = field(default_factory=list)
     """With `return_kept_tokens`: parallel to token_ids, each token's kept set (empty: the whole vocabulary)."""
+    routed_experts: RoutedExperts | None = None
+    """With `return_routed_experts`: the MoE routing of its prompt and tokens (for routing replay)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -209,6 +242,7 @@ class GroupAccumulator:
             prompt_tokens=event.prompt_tokens,
             completion_tokens=event.completion_tokens,
             kept_tokens=part.kept,
+            routed_experts=event.routed_experts,
         )
         self._done[event.index] = sample
         return sample

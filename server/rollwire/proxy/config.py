@@ -278,6 +278,10 @@ class HttpSection(Section):
     pacing off. Above 1 leaves a margin for a client that keeps fewer requests in flight than it trains on."""
     pacing_hold_max_s: float = Field(default=0.5, gt=0, le=60)
     """Seconds a paced request waits at most for its lineage's next load before it starts anyway."""
+    return_routed_experts: bool = False
+    """vLLM's `--enable-return-routed-experts`: every unstreamed answer's choices carry `routed_experts` (the experts a
+    MoE model routed each position to, base64 .npy [positions, layers, top_k]) for routing replay. Only for a fleet of
+    MoE models on the transformers engine: any other replica refuses such requests (ROUTED_EXPERTS_UNSUPPORTED)."""
     tool_call_parser: Literal["", "hermes"] = Field(default="")
     """How tool calls are read out of a chat sample's text when the request sends `tools` with tool_choice "auto" (its
     default then): "hermes" (`<tool_call>{"name": ..., "arguments": ...}</tool_call>` blocks, vLLM's

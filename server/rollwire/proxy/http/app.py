@@ -383,7 +383,7 @@ def _openai_routes(app: FastAPI, door: Door) -> None:
             prompt = await door.chat_prompt(_as_template_takes_it(door, body), client)
             rid = body.request_id or request.state.rid
             max_tokens = body.max_completion_tokens or body.max_tokens or door.default_max_tokens(len(prompt))
-            req = convert.generate_request(body, prompt, ref, max_tokens, rid)
+            req = convert.generate_request(body, prompt, ref, max_tokens, rid, door.config.http.return_routed_experts)
             record.edge = False  # the core decides from here
             with http_terms(Asked(body, max_tokens, len(prompt), door.limits)):
                 if body.stream:
@@ -434,7 +434,9 @@ async def _completions(
     rid = body.request_id or rid
     max_tokens = body.max_tokens or 16
     requests = [
-        convert.generate_request(body, p, ref, max_tokens, rid if len(prompts) == 1 else f"{rid}-{i}")
+        convert.generate_request(
+            body, p, ref, max_tokens, rid if len(prompts) == 1 else f"{rid}-{i}", door.config.http.return_routed_experts
+        )
         for i, p in enumerate(prompts)
     ]
     record.edge = False  # the core decides from here

@@ -151,7 +151,7 @@ def _completion(body: GenerateBody) -> CompletionBody:
         raise unsupported("output_mode", "a stream of this route carries tokens only here: send output_mode 'tokens'")
     if body.priority not in (None, 0):
         raise unsupported("priority", "rollwire's queue has no priorities (its shares are per tenant); leave it unset")
-    no_effect = {"detokenize", "stream_interval", "flat_logprobs", "routed_experts_prompt_start"}
+    no_effect = {"detokenize", "stream_interval", "flat_logprobs"}
     fields = set(sp.model_fields_set) - no_effect - {"skip_reading_prefix_cache"}
     fields -= set(ONLY_DEFAULT) | {"logprobs"}
     asked = {name: getattr(sp, name) for name in fields}
@@ -207,7 +207,7 @@ def _choice(
         "finish_reason": finish,
         "stop_reason": c.stop_reason if finish else None,
         "token_ids": ids,
-        "routed_experts": None,
+        "routed_experts": c.routed_experts(body.sampling_params.routed_experts_prompt_start),
         "sampling_mask": kept if body.return_sampling_mask else None,
         "weight_versions": spans(c.versions) if finish else None,
     }
@@ -279,7 +279,8 @@ async def generate(
     max_tokens = body.sampling_params.max_tokens or door.default_max_tokens(len(body.token_ids))
     completion.max_tokens = max_tokens
     rid = f"generate-tokens-{body.request_id or rid}"
-    request = convert.generate_request(completion, list(body.token_ids), ref, max_tokens, rid)
+    routed = door.config.http.return_routed_experts
+    request = convert.generate_request(completion, list(body.token_ids), ref, max_tokens, rid, routed)
     if body.sampling_params.stream_interval:
         request.stream_interval = body.sampling_params.stream_interval
     record.edge = False  # the core decides from here

@@ -12,11 +12,15 @@ the group's events become OpenAI choices. Invariants:
 
 from __future__ import annotations
 
+import base64
+import io
 import time
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
+
+import numpy as np
 
 from rollwire.common import kept
 from rollwire.proxy.http.dialect.names import ModelRef
@@ -32,9 +36,15 @@ WHOLE_SAMPLES = 4096
 
 
 def generate_request(
-    body: CompletionBody | ChatBody, prompt: str | list[int], ref: ModelRef, max_tokens: int, rid: str
+    body: CompletionBody | ChatBody,
+    prompt: str | list[int],
+    ref: ModelRef,
+    max_tokens: int,
+    rid: str,
+    routed_experts: bool = False,
 ) -> pb.GenerateRequest:
-    """The gRPC request for one prompt of `body` (its n samples: one group)."""
+    """The gRPC request for one prompt of `body` (its n samples: one group); `routed_experts`
+    (http.return_routed_experts) asks for the routing of an unstreamed request's samples."""
     sampling = pb.SamplingParams(
         max_new_tokens=max_tokens,
         stop=body.stop_list(),
@@ -59,6 +69,7 @@ def generate_request(
     if not ref.is_base:
         request.adapter.name, request.adapter.version = ref.name, ref.version
     request.adapter.follow = body.follow  # refused by the replica without a name or with a pinned version
+    request.return_routed_experts = routed_experts and not body.stream  # vLLM returns it in whole answers only
     return request
 
 
@@ -77,6 +88,20 @@ class Choice:
     stop_end: int = 0
     """Where the stop string that ended the sample ends in its text (vLLM cuts the text there: a
     token may spell more after it)."""
+    routed: pb.RoutedExperts | None = None
+    """The sample's MoE routing, when the request asked for it (http.return_routed_experts)."""
+
+    def routed_experts(self, prompt_start: int) -> str | None:
+        """vLLM's `routed_experts`: base64 of the .npy of a [positions, layers, top_k] uint16
+        array, less the first `prompt_start` positions (routed_experts_prompt_start; at most
+        the sample's positions)."""
+        if self.routed is None:
+            return None
+        r = self.routed
+        ids = np.frombuffer(r.expert_ids, dtype="<u2").reshape(r.positions, r.layers, r.top_k)
+        with io.BytesIO() as out:
+            np.save(out, ids[min(prompt_start, r.positions) :], allow_pickle=False)
+            return base64.b64encode(out.getbuffer()).decode("ascii")
 
     def final_text(self, keep_stop: bool) -> str:
         text = "".join(self.text)
@@ -119,6 +144,8 @@ class Group:
         for done in message.finished:
             c = self.choices[done.sample_index]
             c.finish = FINISH.get(done.finish_reason, "stop")
+            if done.HasField("routed_experts"):
+                c.routed = done.routed_experts
             if done.finish_reason == pb.FINISH_REASON_STOP:
                 text = "".join(c.text)
                 ends = [(text.find(s) + len(s), s) for s in self.stop if s and s in text]
@@ -195,6 +222,8 @@ def completion_response(
                 choice["token_versions"] = list(c.versions)
             if body.return_kept_tokens:
                 choice["kept_token_ids"] = c.kept
+            if c.routed is not None:
+                choice["routed_experts"] = c.routed_experts(body.routed_experts_prompt_start)
             choices.append(choice)
     return {
         "id": f"cmpl-{rid}",
@@ -233,6 +262,8 @@ def chat_response(
             choice["token_versions"] = list(c.versions)
         if body.return_kept_tokens:
             choice["kept_token_ids"] = c.kept
+        if c.routed is not None:
+            choice["routed_experts"] = c.routed_experts(body.routed_experts_prompt_start)
         choices.append(choice)
     out: dict[str, Any] = {
         "id": f"chatcmpl-{rid}",

@@ -86,6 +86,9 @@ class _Sampling(_Body):
     return_kept_tokens: bool = False
     """rollwire's extension: each choice's `kept_token_ids`, per token the ids top-k/top-p kept (docs/http.md)."""
     include_stop_str_in_output: bool = False
+    routed_experts_prompt_start: Int64 = Field(default=0, ge=0)
+    """vLLM's: with http.return_routed_experts, each choice's `routed_experts` leaves out this many of the prompt's
+    first positions (a multi-turn client already has them); above the prompt's length it leaves the whole prompt out."""
     # Accepted and not used: no sampling meaning (docs/http.md, "Fields").
     user: str | None = Field(default=None, max_length=256)
     """OpenAI's end-user tag."""
