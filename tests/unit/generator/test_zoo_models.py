@@ -145,17 +145,18 @@ def router_choices(model, ids: list[int]) -> torch.Tensor:
     return torch.stack([torch.topk(lg.float().softmax(-1), k, -1).indices for lg in out.router_logits], 1)
 
 
-async def test_routed_experts_are_the_routers_choices_for_every_forwarded_position(arch):
+async def test_routed_experts_are_the_routers_choices_for_every_forwarded_position(arch, monkeypatch):
     """Routing replay (issue 49 item 4): each sample's RoutedExperts covers its prompt and its
     tokens but the last, and equals the router's top-k of a teacher-forced forward; a second
     run of the prompt (a prefix-cache hit otherwise) and a resumed sample report it whole."""
+    from rollwire.common.errors import FailedPrecondition
+    from rollwire.common.reasons import Reason
+    from rollwire.generator.engines.embedded import routing
+
     name, folder, engine = arch
     g = group(engine, max_new_tokens=12)
     g.routed_experts = True
     if name not in MOE:
-        from rollwire.common.errors import FailedPrecondition
-        from rollwire.common.reasons import Reason
-
         with pytest.raises(FailedPrecondition) as err:
             engine.check(g)
         assert err.value.reason == Reason.ROUTED_EXPERTS_UNSUPPORTED and "no MoE layers" in err.value.message
@@ -185,6 +186,13 @@ async def test_routed_experts_are_the_routers_choices_for_every_forwarded_positi
     )
     plain = await collect(engine, group(engine, max_new_tokens=4))
     assert all(d.routed is None for d in plain["done"].values())  # only when asked
+    per_sample = (len(g.prompt_ids) + 12) * engine._routing.bytes_per_position()
+    monkeypatch.setattr(routing, "MAX_ROUTED_BYTES", per_sample)
+    engine.check(g)  # exactly at the limit: served
+    monkeypatch.setattr(routing, "MAX_ROUTED_BYTES", per_sample - 1)  # one byte less: refused before any work
+    with pytest.raises(InvalidArgument) as too_large:
+        engine.check(g)
+    assert too_large.value.reason == Reason.ROUTED_EXPERTS_TOO_LARGE and str(per_sample) in too_large.value.message
 
 
 def seam_span(pieces: list[str], k: int) -> str | None:

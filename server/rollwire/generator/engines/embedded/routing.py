@@ -23,13 +23,20 @@ from __future__ import annotations
 import inspect
 from collections.abc import Iterator
 from contextlib import contextmanager
+from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 
-from rollwire.generator.types import MAX_ROUTED_BYTES
+from rollwire.common.errors import FailedPrecondition, InvalidArgument
+from rollwire.common.reasons import Reason
+from rollwire.generator.types import MAX_ROUTED_BYTES, GroupRequest, RoutedExperts
 
-__all__ = ["MAX_ROUTED_BYTES", "RoutingTap", "encode", "moe_layers"]
+if TYPE_CHECKING:
+    from rollwire.generator.engines.embedded.transformers_groups import Row
+
+__all__ = ["MAX_ROUTED_BYTES", "RoutingRules", "RoutingTap", "encode", "moe_layers"]
 
 
 def moe_layers(model: nn.Module) -> list[nn.Module]:
@@ -109,3 +116,57 @@ def encode(chunks: list[torch.Tensor]) -> tuple[int, bytes]:
     whole = torch.cat(chunks, 0).contiguous()
     data = whole.numpy().astype("<u2", copy=False).tobytes()
     return int(whole.shape[0]), data
+
+
+class RoutingRules:
+    """The transformers engine's routing-replay rules (a mixin, as MemoryRules and ScoreRules):
+    what a group asking for its routing may be, and how its rows' routing is gathered."""
+
+    _routing: RoutingTap | None = None  # set by the engine's _load
+    _recorded: Recording  # the last forward pass's recording (the engine's _forward)
+    model_dir: Path
+
+    @property
+    def reports_routed_experts(self) -> bool:
+        """Whether this model's MoE layers' routing can be reported (GroupRequest.routed_experts)."""
+        return self._routing is not None and self._routing.available
+
+    def _check_routed(self, group: GroupRequest) -> None:
+        """A group asking for its routing: refused on a dense model, and when one sample's
+        routing could not travel in one message (routing.MAX_ROUTED_BYTES)."""
+        if self._routing is None or not self._routing.available:
+            raise FailedPrecondition(
+                f"return_routed_experts: this replica's model ({self.model_dir.name}) has no MoE layers whose "
+                "routing can be reported; send the request without it, or to a replica of a MoE model",
+                reason=Reason.ROUTED_EXPERTS_UNSUPPORTED,
+            )
+        positions = len(group.prompt_ids) + group.sampling.max_new_tokens
+        size = positions * self._routing.bytes_per_position()
+        if size > MAX_ROUTED_BYTES:
+            raise InvalidArgument(
+                f"return_routed_experts: a sample of {positions} positions (prompt plus max_new_tokens) has "
+                f"{size} bytes of routing ({len(self._routing.layers)} MoE layers x {self._routing.top_k} experts x "
+                f"2 bytes each), over the {MAX_ROUTED_BYTES} a sample may carry; send a shorter prompt or fewer "
+                "max_new_tokens",
+                reason=Reason.ROUTED_EXPERTS_TOO_LARGE,
+            )
+
+    def _route_prompts(self, units: list, rows: list[Row], width: int) -> None:
+        """Each routed unit's prompt routing (its tokens are right-aligned in the pass's `width`
+        columns, none reused) given to each of the rows made from it, in order."""
+        routes = self._recorded.take(len(units), width)
+        if routes is None:
+            return
+        k = 0
+        for u, (g, _, prompt, indices) in enumerate(units):
+            for _ in indices:
+                if g.req.routed_experts:
+                    rows[k].routes = [routes[u, width - len(prompt) :]]
+                k += 1
+
+    def _routes(self, row: Row) -> RoutedExperts | None:
+        """A finished row's routing: its prompt's (and resumed tokens') then each fed token's."""
+        if row.routes is None or self._routing is None:
+            return None
+        positions, data = encode(row.routes)
+        return RoutedExperts(positions, len(self._routing.layers), self._routing.top_k, data)

@@ -60,16 +60,15 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from rollwire.common.errors import FailedPrecondition, InvalidArgument, Unavailable
+from rollwire.common.errors import FailedPrecondition, Unavailable
 from rollwire.common.manifest import Manifest
-from rollwire.common.reasons import Reason
 from rollwire.generator.detokenize import backend
 from rollwire.generator.engines.base import EngineStats
 from rollwire.generator.engines.embedded import kv_batch, kv_memory
 from rollwire.generator.engines.embedded.kv_batch import Batch
 from rollwire.generator.engines.embedded.lora import LoraSet
-from rollwire.generator.engines.embedded.prefix_cache import AdapterKey, PrefixCache, PrefixCacheSettings
-from rollwire.generator.engines.embedded.routing import MAX_ROUTED_BYTES, RoutingTap, encode
+from rollwire.generator.engines.embedded.prefix_cache import AdapterKey, PrefixCache, PrefixCacheSettings, PrefixRules
+from rollwire.generator.engines.embedded.routing import RoutingRules, RoutingTap
 from rollwire.generator.engines.embedded.transformers_groups import END as _END
 from rollwire.generator.engines.embedded.transformers_groups import Group as _Group
 from rollwire.generator.engines.embedded.transformers_groups import Mailbox as _Mailbox
@@ -90,7 +89,7 @@ from rollwire.generator.engines.embedded.transformers_memory import MemoryRules
 from rollwire.generator.engines.embedded.transformers_sampling import sample, sample_by_group
 from rollwire.generator.engines.embedded.transformers_score import ScoreRules, ScoreRun
 from rollwire.generator.sampling import row_uniforms
-from rollwire.generator.types import Event, GroupRequest, RoutedExperts, SampleDone, TokenDelta
+from rollwire.generator.types import Event, GroupRequest, SampleDone, TokenDelta
 from rollwire.push.buffers import Payload, as_bytes
 from rollwire.runtime.logs import get_logger
 
@@ -101,7 +100,7 @@ log = get_logger(__name__)
 __all__ = ["TransformersEngine", "_Mailbox"]
 
 
-class TransformersEngine(MemoryRules, ScoreRules):
+class TransformersEngine(MemoryRules, ScoreRules, RoutingRules, PrefixRules):
     """Engine over transformers, LoRA adapters by forward hooks (lora.py); see the module
     docstring for the batching loop."""
 
@@ -113,7 +112,6 @@ class TransformersEngine(MemoryRules, ScoreRules):
     resumes_samples = True
     """Continues samples from their tokens so far, exactly (GroupRequest.resume; transformers_groups.new_rows)."""
     _lora: LoraSet  # set by _load, with the model
-    _routing: RoutingTap | None = None  # set by _load: the MoE layers' routing (routing.py)
 
     def __init__(
         self,
@@ -210,35 +208,10 @@ class TransformersEngine(MemoryRules, ScoreRules):
         with self._cv:
             return EngineStats(running=self._running_groups, queued=len(self._pending))
 
-    @property
-    def reports_routed_experts(self) -> bool:
-        """Whether this model's MoE layers' routing can be reported (GroupRequest.routed_experts)."""
-        return self._routing is not None and self._routing.available
-
     def check(self, group: GroupRequest) -> None:
         check_fits(group, self.max_batch_rows, self.max_batch_tokens)
         if group.routed_experts:
             self._check_routed(group)
-
-    def _check_routed(self, group: GroupRequest) -> None:
-        """A group asking for its routing: refused on a dense model, and when one sample's
-        routing could not travel in one message (routing.MAX_ROUTED_BYTES)."""
-        if self._routing is None or not self._routing.available:
-            raise FailedPrecondition(
-                f"return_routed_experts: this replica's model ({self.model_dir.name}) has no MoE layers whose "
-                "routing can be reported; send the request without it, or to a replica of a MoE model",
-                reason=Reason.ROUTED_EXPERTS_UNSUPPORTED,
-            )
-        positions = len(group.prompt_ids) + group.sampling.max_new_tokens
-        size = positions * self._routing.bytes_per_position()
-        if size > MAX_ROUTED_BYTES:
-            raise InvalidArgument(
-                f"return_routed_experts: a sample of {positions} positions (prompt plus max_new_tokens) has "
-                f"{size} bytes of routing ({len(self._routing.layers)} MoE layers x {self._routing.top_k} experts x "
-                f"2 bytes each), over the {MAX_ROUTED_BYTES} a sample may carry; send a shorter prompt or fewer "
-                "max_new_tokens",
-                reason=Reason.ROUTED_EXPERTS_TOO_LARGE,
-            )
 
     async def generate(self, group: GroupRequest) -> AsyncIterator[list[Event]]:
         self.check(group)
@@ -351,7 +324,7 @@ class TransformersEngine(MemoryRules, ScoreRules):
             except Exception as exc:
                 fut.set_exception(exc)
 
-    def _forward(self, adapters: list[str | None], routed: bool = False, **inputs):
+    def _forward(self, adapters: list[str | None], *, routed: bool = False, **inputs):
         """One forward pass whose row i uses adapter handle `adapters[i]`; with `routed` the MoE
         layers' routing of every position it computes is kept in `self._recorded` (routing.py)."""
         assert self._routing is not None
@@ -385,7 +358,7 @@ class TransformersEngine(MemoryRules, ScoreRules):
         positions = torch.tensor([[r.position] for r in batch.rows], device=self.device)
         out = self._forward(
             [r.adapter for r in batch.rows],
-            any(r.routes is not None for r in batch.rows),
+            routed=any(r.routes is not None for r in batch.rows),
             input_ids=tokens,
             attention_mask=mask,
             position_ids=positions,
@@ -417,7 +390,7 @@ class TransformersEngine(MemoryRules, ScoreRules):
         )
         out = self._forward(
             [k[2] for k in keys],
-            any(routed),
+            routed=any(routed),
             input_ids=inputs.ids,
             attention_mask=inputs.mask,
             position_ids=inputs.positions,
@@ -439,39 +412,6 @@ class TransformersEngine(MemoryRules, ScoreRules):
         samples = torch.tensor([len(u[3]) for u in units], device=self.device)
         batch = kv_batch.repeat_rows(Batch(rows, out.cache, inputs.mask), samples)
         return batch, out.logits[:, -1, :].repeat_interleave(samples, 0)
-
-    def _route_prompts(self, units: list, rows: list[_Row], width: int) -> None:
-        """Each routed unit's prompt routing (its tokens are right-aligned in the pass's `width`
-        columns, none reused) given to each of the rows made from it, in order."""
-        routes = self._recorded.take(len(units), width)
-        if routes is None:
-            return
-        k = 0
-        for u, (g, _, prompt, indices) in enumerate(units):
-            for _ in indices:
-                if g.req.routed_experts:
-                    rows[k].routes = [routes[u, width - len(prompt) :]]
-                k += 1
-
-    def _remember(self, key: AdapterKey, tokens: list[int], cache: Any, mask: torch.Tensor, row: int) -> None:
-        """Offer row `row`'s KV (exactly `tokens`' keys and values) to the prefix cache."""
-        if not self.prefix_cache.enabled or len(tokens) < self.prefix_cache.settings.block_tokens:
-            return
-        keys, values = kv_batch.row_kv(cache, mask, row)
-        if keys[0].shape[-2] != len(tokens):  # never store KV that does not match its tokens
-            log.error("prefix_cache_mismatch", tokens=len(tokens), kv=int(keys[0].shape[-2]))
-            return
-        self.prefix_cache.store(key, tokens, keys, values)
-
-    def _remember_finished(self, batch: Batch, finished: list[int]) -> None:
-        """A finished one-sample group's prompt and tokens but the last (that one was sampled,
-        never fed): what the next turn of its episode starts with. Rows that switched version
-        (follow) are skipped: their KV mixes versions."""
-        for i in finished:
-            row = batch.rows[i]
-            if row.group.req.n != 1 or (row.adapter, row.version) != (row.key[2], row.key[1]):
-                continue
-            self._remember(row.key, row.group.req.prompt_ids + row.tokens[:-1], batch.cache, batch.mask, i)
 
     def _sample_and_emit(self, batch: Batch, logits: torch.Tensor) -> Batch | None:
         """Sample one token for every row at once, emit each group's events, drop finished rows.
@@ -536,13 +476,6 @@ class TransformersEngine(MemoryRules, ScoreRules):
         events.append(SampleDone(row.index, reason, len(group.req.prompt_ids), row.generated, self._routes(row)))
         group.open_rows -= 1
         return events, True
-
-    def _routes(self, row: _Row) -> RoutedExperts | None:
-        """A finished row's routing: its prompt's (and resumed tokens') then each fed token's."""
-        if row.routes is None or self._routing is None:
-            return None
-        positions, data = encode(row.routes)
-        return RoutedExperts(positions, len(self._routing.layers), self._routing.top_k, data)
 
     def _finish_reason(self, row: _Row, token: int, delta: str) -> str | None:
         params = row.group.req.sampling
