@@ -241,6 +241,35 @@ PANELS = [
         ],
     ),
     (
+        "Proofs",
+        "Proof outcomes per replica (re-checks against probes)",
+        "short",
+        [
+            (
+                f"sum by (replica, outcome) (increase(rollwire_proxy_adapter_proofs_total[{W}])) or vector(0)",
+                "{{replica}} {{outcome}}",
+            )
+        ],
+    ),
+    (
+        "Proofs",
+        "Largest logprob gap per replica and adapter (its version: adapter_proof_version)",
+        "short",
+        [("max by (replica, adapter) (rollwire_proxy_adapter_proof_gap) or vector(0)", "{{replica}} {{adapter}}")],
+    ),
+    (
+        "Proofs",
+        "Versions refused at commit by their probe (replicas)",
+        "short",
+        [
+            (
+                f'sum by (instance) (increase(rollwire_generator_adapter_proofs_total{{outcome=~"failed|disputed"}}[{W}]))'
+                " or vector(0)",
+                "{{instance}}",
+            )
+        ],
+    ),
+    (
         "Learner",
         "Reward (mean and std of the last step)",
         "short",

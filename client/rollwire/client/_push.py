@@ -18,9 +18,10 @@ from typing import Any
 
 from rollwire.client._requests import UINT64, check_adapter_name
 from rollwire.common.digest import payload_blake3, payload_digests
-from rollwire.common.errors import RequestError
+from rollwire.common.errors import RequestError, RollwireError
 from rollwire.common.errors import whole_number as _int
 from rollwire.common.lora import LoraShape
+from rollwire.common.probe import check_probe
 from rollwire.common.safetensors_header import HeaderError, read_header
 from rollwire.common.signing import SigningKey, sign
 from rollwire.common.writer import MAX_CHUNK, messages
@@ -80,13 +81,17 @@ def build_manifest(
     base_model_fingerprint: str,
     signing_key: SigningKey | None = None,
     sha256_by_receiver: bool = False,
+    probe: pb.AdapterProbe | None = None,
 ) -> pb.AdapterManifest:
     """The manifest message that opens a push, signed with `signing_key` when given
     (rollwire.common.signing); checks what the server would refuse anyway.
     `sha256_by_receiver`: carry the BLAKE3 alone and leave the sha256 (the version's identity)
     for the receiver to compute from the verified bytes and answer (`PushResult.sha256`), so
     the first byte goes after the BLAKE3's 0.04 s per 296 MB here instead of the sha256's 0.17;
-    a signature covers the sha256, so a signed manifest always carries it."""
+    a signature covers the sha256, so a signed manifest always carries it.
+    `probe`: the version's behavioural proof (rollwire.common.probe.build_probe: sequences and the
+    logprobs the publisher's own model gives them), covered by the signature; every replica
+    serves the version only if its engine agrees within its tolerance (docs/protocol.md, "Proof")."""
     if not isinstance(payload, (bytes, bytearray, memoryview)) or not len(payload):
         raise RequestError("the adapter payload must be non-empty bytes (a safetensors file)")
     if not isinstance(base_model_fingerprint, str) or not base_model_fingerprint:
@@ -103,6 +108,12 @@ def build_manifest(
         sha256=sha256,
         blake3=b3,  # what every hop verifies: twice sha256's speed (docs/protocol.md)
     )
+    if probe is not None:
+        try:
+            check_probe(probe)
+        except RollwireError as err:
+            raise RequestError(err.message) from None
+        manifest.probe.CopyFrom(probe)
     return sign(manifest, signing_key) if signing_key is not None else manifest
 
 

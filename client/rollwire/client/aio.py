@@ -92,14 +92,24 @@ class AsyncClient(ClientBase):
         timeout: float | None = None,
         signing_key: SigningKey | None = None,
         sha256_by_receiver: bool = False,
+        probe: pb.AdapterProbe | None = None,
     ) -> PushResult:
         """Upload one adapter version (a PEFT safetensors payload); returns once it is served.
         With `signing_key` (SigningKey.load(FILE)) the manifest is signed: required by receivers
-        that set trust.keys_file (docs/security.md). `sha256_by_receiver`: the manifest carries
+        that set trust.keys_file (docs/security.md). `probe`: the version's behavioural proof, which
+        every replica holds its engine to before serving it (build_manifest; docs/protocol.md, "Proof"). `sha256_by_receiver`: the manifest carries
         the BLAKE3 alone and the receiver names the sha256 (`PushResult.sha256`; build_manifest)."""
         # the digests read every byte (about 1 s per GiB): off the caller's event loop
         manifest = await asyncio.to_thread(
-            build_manifest, name, version, payload, lora_config, base_model_fingerprint, signing_key, sha256_by_receiver
+            build_manifest,
+            name,
+            version,
+            payload,
+            lora_config,
+            base_model_fingerprint,
+            signing_key,
+            sha256_by_receiver,
+            probe,
         )
         invoke = self._push_invoke(manifest, payload, chunk_size)
         return push_result_from_pb(await self._unary(invoke, timeout, push=True), manifest.sha256)

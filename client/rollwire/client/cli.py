@@ -1,7 +1,7 @@
 """The `rollwire` command: one console script, a subcommand per process.
 
 Startup imports grpc and the stubs only. The SDK's own commands (generate, push-adapter,
-status) are here, `keys` and `score` in keys_cli.py and score_cli.py; every other command comes from an entry point in the
+status) are here, `keys`, `score` and `status` in keys_cli.py, score_cli.py and status_cli.py; every other command comes from an entry point in the
 `rollwire.commands` group (pyproject.toml's `[project.entry-points."rollwire.commands"]`):
 a `register(subparsers)` function that imports nothing heavy, so `--help` answers fast and
 never imports torch, and the SDK names no server or learner module; its module may declare
@@ -15,7 +15,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Sequence
 from importlib import import_module
 from importlib.metadata import EntryPoint, entry_points
 from pathlib import Path
@@ -27,6 +27,7 @@ from rollwire.client._requests import DEFAULT_MAX_NEW_TOKENS, GenerateOptions, b
 from rollwire.client._results import GenerateResult, GroupAccumulator, Restarted, Started, StreamEvent, Tokens
 from rollwire.client.keys_cli import add_keys
 from rollwire.client.score_cli import add_score
+from rollwire.client.status_cli import add_status, format_status, numbers_as_numbers, table
 from rollwire.client.sync import Client
 from rollwire.common.errors import RequestError, RollwireError
 from rollwire.common.secrets import SecretFileError, read_secret_file
@@ -72,7 +73,7 @@ def build_parser(command: str | None = None, *, summaries: bool = False) -> argp
     commands = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     _add_generate(commands)
     _add_push_adapter(commands)
-    _add_status(commands)
+    add_status(commands, add_connection_args, client_from_args, lambda args: (_tls(args), _read_token(args.token_file)))
     add_score(commands, UsageError, add_connection_args, client_from_args, _adapter_arg)
     add_keys(commands, UsageError, _positive)
     for entry_point in command_entry_points():
@@ -381,120 +382,11 @@ def format_push(result: PushResult) -> str:
         *([f"sha256: {result.sha256}"] if result.sha256 else []),  # named by the receiver when the push left it
     ]
     if result.replicas:
-        lines.append(_table(["REPLICA", "CODE", "MESSAGE"], [[r.replica, r.code, r.message] for r in result.replicas]))
+        lines.append(table(["REPLICA", "CODE", "MESSAGE"], [[r.replica, r.code, r.message] for r in result.replicas]))
     return "\n".join(lines)
 
 
-# ---------------------------------------------------------------- status
-
-
-def _add_status(commands: Any) -> None:
-    p = commands.add_parser("status", help="show what a generator or proxy serves and how busy it is")
-    add_connection_args(p, timeout=10.0)
-    p.add_argument("--json", action="store_true", help="print the GetStatusResponse as JSON")
-    p.set_defaults(func=cmd_status)
-
-
-def cmd_status(args: argparse.Namespace) -> int:
-    with client_from_args(args) as client:
-        status = client.get_status()
-    if args.json:
-        from google.protobuf.json_format import MessageToDict
-
-        data = MessageToDict(status, preserving_proto_field_name=True, always_print_fields_with_no_presence=True)
-        print(json.dumps(numbers_as_numbers(status, data), indent=2))
-    else:
-        print(format_status(status))
-    return 0
-
-
-def numbers_as_numbers(message: Any, data: Any) -> Any:
-    """`data` (MessageToDict of `message`) with its 64-bit integers as JSON numbers, not the
-    strings protobuf's JSON mapping writes for them (versions, byte counts), for jq."""
-    from google.protobuf.descriptor import FieldDescriptor as F
-
-    wide = (F.CPPTYPE_INT64, F.CPPTYPE_UINT64)
-    for field in message.DESCRIPTOR.fields:
-        if field.name not in data:
-            continue
-        value, repeated = getattr(message, field.name), field.is_repeated
-        if field.cpp_type in wide:
-            data[field.name] = [int(v) for v in value] if repeated else int(value)
-        elif field.cpp_type == F.CPPTYPE_MESSAGE and not field.message_type.GetOptions().map_entry:
-            items = zip(value, data[field.name], strict=True) if repeated else [(value, data[field.name])]
-            for sub, sub_data in items:
-                numbers_as_numbers(sub, sub_data)
-    return data
-
-
-def format_status(status: Any) -> str:
-    """A GetStatusResponse as a readable report."""
-    lim = status.limits
-    proxy = status.role == "proxy"
-    rows = [
-        ["role", status.role],
-        ["proxy id" if proxy else "replica", status.replica],
-        ["engines" if proxy else "engine", status.engine],
-        ["server version", status.server_version],
-        ["model fingerprint", status.model_fingerprint],
-        ["in flight", str(status.in_flight)],
-        ["queue depth", str(status.queue_depth)],
-        [
-            "limits",
-            f"max_n={lim.max_n} max_new_tokens={lim.max_new_tokens} max_prompt_tokens={lim.max_prompt_tokens} "
-            f"max_context={lim.max_context or '?'} "
-            f"max_adapter_bytes={lim.max_adapter_bytes} adapter_window={lim.adapter_window}",
-        ],
-    ]
-    parts = [_table(None, rows), "", "adapters:"]
-    adapters = [[a.name, _versions(a.versions), _signers(a.versions, a.signers)] for a in status.adapters]
-    parts.append(_indent(_table(["NAME", "VERSIONS", "SIGNED BY"], adapters)) if adapters else "  (none)")
-    if proxy and not status.replicas:
-        parts += ["", "replicas: (listed for an admin token only)"]
-    if status.replicas:
-        header = ["ADDRESS", "REPLICA", "HEALTHY", "DRAINING", "IN FLIGHT", "ADAPTERS", "DETAIL"]
-        replicas = [
-            [
-                r.address,
-                r.replica,
-                _yes(r.healthy),
-                _yes(r.draining),
-                str(r.in_flight),
-                " ".join(f"{a.name}@{_versions(a.versions)}" for a in r.adapters) or "-",
-                r.detail,
-            ]
-            for r in status.replicas
-        ]
-        parts += ["", "replicas:", _indent(_table(header, replicas))]
-    return "\n".join(parts)
-
-
-def _versions(versions: Iterable[int]) -> str:
-    return ",".join(map(str, versions)) or "-"
-
-
-def _signers(versions: Iterable[int], signers: Mapping[int, str]) -> str:
-    """Who signed which version (docs/security.md): the key when one key signed every version,
-    else "v:key" for each signed one; "-" when none is signed."""
-    keys = {signers.get(v, "") for v in versions}
-    if len(keys) == 1 and "" not in keys:
-        return keys.pop()
-    return ",".join(f"{v}:{k}" for v, k in sorted(signers.items())) or "-"
-
-
-def _yes(flag: bool) -> str:
-    return "yes" if flag else "no"
-
-
-def _indent(text: str) -> str:
-    return "\n".join("  " + line for line in text.splitlines())
-
-
-def _table(header: list[str] | None, rows: list[list[str]]) -> str:
-    all_rows = ([header] if header else []) + rows
-    widths = [max(len(row[i]) for row in all_rows) for i in range(len(all_rows[0]))]
-    return "\n".join("  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip() for row in all_rows)
-
+__all__ = ["build_parser", "format_status", "main", "numbers_as_numbers"]
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -94,10 +94,12 @@ class Client(ClientBase):
         signing_key: SigningKey | None = None,
         bulk: bool = False,
         sha256_by_receiver: bool | None = None,
+        probe: pb.AdapterProbe | None = None,
     ) -> PushResult:
         """Upload one adapter version (a PEFT safetensors payload); returns once it is served.
         With `signing_key` (SigningKey.load(FILE)) the manifest is signed: required by receivers
-        that set trust.keys_file (docs/security.md). With `bulk`, the bytes go over the
+        that set trust.keys_file (docs/security.md). `probe`: the version's behavioural proof, which
+        every replica holds its engine to before serving it (build_manifest; docs/protocol.md, "Proof"). With `bulk`, the bytes go over the
         receiver's bulk endpoint when it offers one (and so do its relay hops'), else as chunks
         (rollwire.common.bulk); a client with mutual TLS always sends chunks.
         `sha256_by_receiver` (default: with `bulk` and no `signing_key`): the manifest carries
@@ -106,7 +108,7 @@ class Client(ClientBase):
         if sha256_by_receiver is None:
             sha256_by_receiver = bulk and signing_key is None
         manifest = build_manifest(
-            name, version, payload, lora_config, base_model_fingerprint, signing_key, sha256_by_receiver
+            name, version, payload, lora_config, base_model_fingerprint, signing_key, sha256_by_receiver, probe
         )
         invoke = self._push_invoke(manifest, payload, chunk_size)
         if bulk and not (isinstance(self._tls, TlsConfig) and self._tls.certificate_chain):

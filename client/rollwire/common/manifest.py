@@ -24,10 +24,11 @@ from __future__ import annotations
 
 import math
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from rollwire.common.errors import FailedPrecondition, InvalidArgument, RequestError, ResourceExhausted, clip
 from rollwire.common.lora import MAX_PATTERNS, LoraShape, check_pattern
+from rollwire.common.probe import check_probe
 from rollwire.common.reasons import Reason
 from rollwire.v1 import generator_pb2 as pb
 
@@ -77,6 +78,8 @@ class Manifest:
     """The key id that signed it (rollwire.common.signing); empty when unsigned."""
     blake3: str = ""
     """The payload's BLAKE3 beside its sha256 (empty: none); every hop verifies it when set."""
+    probe: pb.AdapterProbe | None = field(default=None, compare=False, repr=False)
+    """The version's behavioural proof (rollwire.common.probe); None: the publisher sent none."""
 
 
 def identity(m: Manifest | pb.AdapterManifest) -> str:
@@ -96,6 +99,7 @@ def manifest_from_pb(m: pb.AdapterManifest) -> Manifest:
         m.sha256,
         m.signer if m.signature else "",
         m.blake3,
+        m.probe if m.HasField("probe") else None,
     )
 
 
@@ -159,6 +163,8 @@ def check_manifest(m: Manifest, *, fingerprint: str | None, max_bytes: int, hold
             "a signed manifest must carry its sha256 (the signature covers it): compute it before signing",
             reason=Reason.BAD_DIGEST,
         )
+    if m.probe is not None:
+        check_probe(m.probe)
     if m.byte_length < 1:
         raise InvalidArgument("byte_length must be > 0", reason=Reason.BAD_LENGTH)
     if m.byte_length > max_bytes:

@@ -290,6 +290,16 @@ class Reason(StrEnum):
     SCORE_UNSUPPORTED = "SCORE_UNSUPPORTED"
     """UNIMPLEMENTED; do not retry: The replica's engine cannot score (only the transformers engine does); a proxy tries another replica."""
 
+    # -- Proof: a version's probe (docs/protocol.md, "Proof") -------------------------------
+    BAD_PROBE = "BAD_PROBE"
+    """INVALID_ARGUMENT; do not retry: An adapter's probe is malformed (no sequence, uneven lists, an id outside the vocabulary, a logprob that is not a finite number <= 0)."""
+    PROBE_TOO_LARGE = "PROBE_TOO_LARGE"
+    """INVALID_ARGUMENT; do not retry: An adapter's probe has more than 16 sequences or 2,048 tokens."""
+    PROOF_FAILED = "PROOF_FAILED"
+    """FAILED_PRECONDITION; do not retry: The replica's engine gave a signed probe logprobs further than its tolerance from the publisher's: it computes another policy than the version published; the replica keeps serving what it served."""
+    PROOF_DISPUTED = "PROOF_DISPUTED"
+    """FAILED_PRECONDITION; do not retry: The replica's engine gave an unsigned probe logprobs further than its tolerance from the publisher's (either may be wrong); the replica keeps serving what it served."""
+
     # -- LearnerService: scored trajectories from external producers (docs/learner.md) ----
     BAD_TRAJECTORY = "BAD_TRAJECTORY"
     """INVALID_ARGUMENT; do not retry: A trajectory is malformed (a missing field, uneven per-token lists, no trained token, a non-finite number)."""

@@ -3,7 +3,8 @@
 What is signed is `canonical(manifest)`: the fixed prefix `DOMAIN`, then every manifest field that
 decides which policy the bytes are — name, version, base-model fingerprint, LoRA shape (r, alpha as
 the wire's float32, sorted target modules, rslora), byte length, sha256 — and the signer's key id,
-each length-prefixed, in that order. Transport fields (relay plan, stripes, grants, stage_only)
+each length-prefixed, in that order; then, when set, the BLAKE3, the probe's digest
+(rollwire.common.probe) and the rank/alpha patterns. Transport fields (relay plan, stripes, grants, stage_only)
 are not, so the same signature serves every route a version takes.
 
 Invariants:
@@ -34,6 +35,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from rollwire.common.errors import FailedPrecondition, InvalidArgument
+from rollwire.common.probe import probe_digest
 from rollwire.common.reasons import Reason
 from rollwire.v1 import generator_pb2 as pb
 
@@ -77,6 +79,8 @@ def canonical(manifest: pb.AdapterManifest, key_id: str) -> bytes:
     ]
     if manifest.blake3:  # covered when set, so no hop can swap it with the bytes; absent, as before
         parts.append(b"blake3:" + manifest.blake3.encode())
+    if manifest.HasField("probe"):  # covered when set (the numbers a replica is held to); absent, as before
+        parts.append(b"probe:" + probe_digest(manifest.probe))
     for tag, patterns in ((b"rank_pattern:", lora.rank_pattern), (b"alpha_pattern:", lora.alpha_pattern)):
         if patterns:  # covered in their order when set (they change the scaling); absent, as before
             parts.append(tag + b"".join(_field(p.pattern.encode()) + struct.pack(">f", p.value) for p in patterns))
@@ -210,7 +214,7 @@ class TrustedKeys:
         if not verify(manifest, public):
             raise FailedPrecondition(
                 f"{what}'s signature by key {manifest.signer!r} does not match its manifest (name, version, digest, "
-                "size, base model or LoRA shape differ from what was signed); sign this exact manifest again; nothing "
+                "size, base model, LoRA shape or probe differ from what was signed); sign this exact manifest again; nothing "
                 "was applied",
                 reason=Reason.BAD_SIGNATURE,
             )

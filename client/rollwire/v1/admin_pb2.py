@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from rollwire.v1 import generator_pb2 as rollwire_dot_v1_dot_generator__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17rollwire/v1/admin.proto\x12\x0brollwire.v1\x1a\x1brollwire/v1/generator.proto\"@\n\x18RegisterGeneratorRequest\x12\x0f\n\x07\x61\x64\x64ress\x18\x01 \x01(\t\x12\x13\n\x0bttl_seconds\x18\x02 \x01(\r\"Y\n\x19RegisterGeneratorResponse\x12+\n\x07replica\x18\x01 \x01(\x0b\x32\x1a.rollwire.v1.ReplicaStatus\x12\x0f\n\x07\x63reated\x18\x02 \x01(\x08\"-\n\x1a\x44\x65registerGeneratorRequest\x12\x0f\n\x07\x61\x64\x64ress\x18\x01 \x01(\t\"0\n\x1b\x44\x65registerGeneratorResponse\x12\x11\n\trestarted\x18\x01 \x01(\r\"\x17\n\x15ListGeneratorsRequest\"F\n\x16ListGeneratorsResponse\x12,\n\x08replicas\x18\x01 \x03(\x0b\x32\x1a.rollwire.v1.ReplicaStatus\"<\n\x15\x44rainGeneratorRequest\x12\x0f\n\x07\x61\x64\x64ress\x18\x01 \x01(\t\x12\x12\n\nderegister\x18\x02 \x01(\x08\"E\n\x16\x44rainGeneratorResponse\x12+\n\x07replica\x18\x01 \x01(\x0b\x32\x1a.rollwire.v1.ReplicaStatus\"\xbd\x01\n\x14ShareLineagesRequest\x12G\n\x0bgenerations\x18\x01 \x03(\x0b\x32\x32.rollwire.v1.ShareLineagesRequest.GenerationsEntry\x12(\n\x05marks\x18\x02 \x03(\x0b\x32\x19.rollwire.v1.LineageMarks\x1a\x32\n\x10GenerationsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\r:\x02\x38\x01\"H\n\x0cLineageMarks\x12\x0c\n\x04name\x18\x01 \x01(\t\x12*\n\x08versions\x18\x02 \x03(\x0b\x32\x18.rollwire.v1.VersionMark\"K\n\x0bVersionMark\x12\x0f\n\x07version\x18\x01 \x01(\x04\x12\x10\n\x08unloaded\x18\x02 \x01(\x08\x12\r\n\x05\x61t_ns\x18\x03 \x01(\x04\x12\n\n\x02\x62y\x18\x04 \x01(\t\"(\n\x15ShareLineagesResponse\x12\x0f\n\x07\x63hanged\x18\x01 \x01(\r2\xea\x03\n\x0c\x41\x64minService\x12\x62\n\x11RegisterGenerator\x12%.rollwire.v1.RegisterGeneratorRequest\x1a&.rollwire.v1.RegisterGeneratorResponse\x12h\n\x13\x44\x65registerGenerator\x12\'.rollwire.v1.DeregisterGeneratorRequest\x1a(.rollwire.v1.DeregisterGeneratorResponse\x12Y\n\x0eListGenerators\x12\".rollwire.v1.ListGeneratorsRequest\x1a#.rollwire.v1.ListGeneratorsResponse\x12Y\n\x0e\x44rainGenerator\x12\".rollwire.v1.DrainGeneratorRequest\x1a#.rollwire.v1.DrainGeneratorResponse\x12V\n\rShareLineages\x12!.rollwire.v1.ShareLineagesRequest\x1a\".rollwire.v1.ShareLineagesResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17rollwire/v1/admin.proto\x12\x0brollwire.v1\x1a\x1brollwire/v1/generator.proto\"$\n\x14ProveAdaptersRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\"E\n\x15ProveAdaptersResponse\x12,\n\x08replicas\x18\x01 \x03(\x0b\x32\x1a.rollwire.v1.ReplicaStatus\"@\n\x18RegisterGeneratorRequest\x12\x0f\n\x07\x61\x64\x64ress\x18\x01 \x01(\t\x12\x13\n\x0bttl_seconds\x18\x02 \x01(\r\"Y\n\x19RegisterGeneratorResponse\x12+\n\x07replica\x18\x01 \x01(\x0b\x32\x1a.rollwire.v1.ReplicaStatus\x12\x0f\n\x07\x63reated\x18\x02 \x01(\x08\"-\n\x1a\x44\x65registerGeneratorRequest\x12\x0f\n\x07\x61\x64\x64ress\x18\x01 \x01(\t\"0\n\x1b\x44\x65registerGeneratorResponse\x12\x11\n\trestarted\x18\x01 \x01(\r\"\x17\n\x15ListGeneratorsRequest\"F\n\x16ListGeneratorsResponse\x12,\n\x08replicas\x18\x01 \x03(\x0b\x32\x1a.rollwire.v1.ReplicaStatus\"<\n\x15\x44rainGeneratorRequest\x12\x0f\n\x07\x61\x64\x64ress\x18\x01 \x01(\t\x12\x12\n\nderegister\x18\x02 \x01(\x08\"E\n\x16\x44rainGeneratorResponse\x12+\n\x07replica\x18\x01 \x01(\x0b\x32\x1a.rollwire.v1.ReplicaStatus\"\xbd\x01\n\x14ShareLineagesRequest\x12G\n\x0bgenerations\x18\x01 \x03(\x0b\x32\x32.rollwire.v1.ShareLineagesRequest.GenerationsEntry\x12(\n\x05marks\x18\x02 \x03(\x0b\x32\x19.rollwire.v1.LineageMarks\x1a\x32\n\x10GenerationsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\r:\x02\x38\x01\"H\n\x0cLineageMarks\x12\x0c\n\x04name\x18\x01 \x01(\t\x12*\n\x08versions\x18\x02 \x03(\x0b\x32\x18.rollwire.v1.VersionMark\"K\n\x0bVersionMark\x12\x0f\n\x07version\x18\x01 \x01(\x04\x12\x10\n\x08unloaded\x18\x02 \x01(\x08\x12\r\n\x05\x61t_ns\x18\x03 \x01(\x04\x12\n\n\x02\x62y\x18\x04 \x01(\t\"(\n\x15ShareLineagesResponse\x12\x0f\n\x07\x63hanged\x18\x01 \x01(\r2\xc2\x04\n\x0c\x41\x64minService\x12\x62\n\x11RegisterGenerator\x12%.rollwire.v1.RegisterGeneratorRequest\x1a&.rollwire.v1.RegisterGeneratorResponse\x12h\n\x13\x44\x65registerGenerator\x12\'.rollwire.v1.DeregisterGeneratorRequest\x1a(.rollwire.v1.DeregisterGeneratorResponse\x12Y\n\x0eListGenerators\x12\".rollwire.v1.ListGeneratorsRequest\x1a#.rollwire.v1.ListGeneratorsResponse\x12Y\n\x0e\x44rainGenerator\x12\".rollwire.v1.DrainGeneratorRequest\x1a#.rollwire.v1.DrainGeneratorResponse\x12V\n\rShareLineages\x12!.rollwire.v1.ShareLineagesRequest\x1a\".rollwire.v1.ShareLineagesResponse\x12V\n\rProveAdapters\x12!.rollwire.v1.ProveAdaptersRequest\x1a\".rollwire.v1.ProveAdaptersResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -34,32 +34,36 @@ if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_SHARELINEAGESREQUEST_GENERATIONSENTRY']._loaded_options = None
   _globals['_SHARELINEAGESREQUEST_GENERATIONSENTRY']._serialized_options = b'8\001'
-  _globals['_REGISTERGENERATORREQUEST']._serialized_start=69
-  _globals['_REGISTERGENERATORREQUEST']._serialized_end=133
-  _globals['_REGISTERGENERATORRESPONSE']._serialized_start=135
-  _globals['_REGISTERGENERATORRESPONSE']._serialized_end=224
-  _globals['_DEREGISTERGENERATORREQUEST']._serialized_start=226
-  _globals['_DEREGISTERGENERATORREQUEST']._serialized_end=271
-  _globals['_DEREGISTERGENERATORRESPONSE']._serialized_start=273
-  _globals['_DEREGISTERGENERATORRESPONSE']._serialized_end=321
-  _globals['_LISTGENERATORSREQUEST']._serialized_start=323
-  _globals['_LISTGENERATORSREQUEST']._serialized_end=346
-  _globals['_LISTGENERATORSRESPONSE']._serialized_start=348
-  _globals['_LISTGENERATORSRESPONSE']._serialized_end=418
-  _globals['_DRAINGENERATORREQUEST']._serialized_start=420
-  _globals['_DRAINGENERATORREQUEST']._serialized_end=480
-  _globals['_DRAINGENERATORRESPONSE']._serialized_start=482
-  _globals['_DRAINGENERATORRESPONSE']._serialized_end=551
-  _globals['_SHARELINEAGESREQUEST']._serialized_start=554
-  _globals['_SHARELINEAGESREQUEST']._serialized_end=743
-  _globals['_SHARELINEAGESREQUEST_GENERATIONSENTRY']._serialized_start=693
-  _globals['_SHARELINEAGESREQUEST_GENERATIONSENTRY']._serialized_end=743
-  _globals['_LINEAGEMARKS']._serialized_start=745
-  _globals['_LINEAGEMARKS']._serialized_end=817
-  _globals['_VERSIONMARK']._serialized_start=819
-  _globals['_VERSIONMARK']._serialized_end=894
-  _globals['_SHARELINEAGESRESPONSE']._serialized_start=896
-  _globals['_SHARELINEAGESRESPONSE']._serialized_end=936
-  _globals['_ADMINSERVICE']._serialized_start=939
-  _globals['_ADMINSERVICE']._serialized_end=1429
+  _globals['_PROVEADAPTERSREQUEST']._serialized_start=69
+  _globals['_PROVEADAPTERSREQUEST']._serialized_end=105
+  _globals['_PROVEADAPTERSRESPONSE']._serialized_start=107
+  _globals['_PROVEADAPTERSRESPONSE']._serialized_end=176
+  _globals['_REGISTERGENERATORREQUEST']._serialized_start=178
+  _globals['_REGISTERGENERATORREQUEST']._serialized_end=242
+  _globals['_REGISTERGENERATORRESPONSE']._serialized_start=244
+  _globals['_REGISTERGENERATORRESPONSE']._serialized_end=333
+  _globals['_DEREGISTERGENERATORREQUEST']._serialized_start=335
+  _globals['_DEREGISTERGENERATORREQUEST']._serialized_end=380
+  _globals['_DEREGISTERGENERATORRESPONSE']._serialized_start=382
+  _globals['_DEREGISTERGENERATORRESPONSE']._serialized_end=430
+  _globals['_LISTGENERATORSREQUEST']._serialized_start=432
+  _globals['_LISTGENERATORSREQUEST']._serialized_end=455
+  _globals['_LISTGENERATORSRESPONSE']._serialized_start=457
+  _globals['_LISTGENERATORSRESPONSE']._serialized_end=527
+  _globals['_DRAINGENERATORREQUEST']._serialized_start=529
+  _globals['_DRAINGENERATORREQUEST']._serialized_end=589
+  _globals['_DRAINGENERATORRESPONSE']._serialized_start=591
+  _globals['_DRAINGENERATORRESPONSE']._serialized_end=660
+  _globals['_SHARELINEAGESREQUEST']._serialized_start=663
+  _globals['_SHARELINEAGESREQUEST']._serialized_end=852
+  _globals['_SHARELINEAGESREQUEST_GENERATIONSENTRY']._serialized_start=802
+  _globals['_SHARELINEAGESREQUEST_GENERATIONSENTRY']._serialized_end=852
+  _globals['_LINEAGEMARKS']._serialized_start=854
+  _globals['_LINEAGEMARKS']._serialized_end=926
+  _globals['_VERSIONMARK']._serialized_start=928
+  _globals['_VERSIONMARK']._serialized_end=1003
+  _globals['_SHARELINEAGESRESPONSE']._serialized_start=1005
+  _globals['_SHARELINEAGESRESPONSE']._serialized_end=1045
+  _globals['_ADMINSERVICE']._serialized_start=1048
+  _globals['_ADMINSERVICE']._serialized_end=1626
 # @@protoc_insertion_point(module_scope)

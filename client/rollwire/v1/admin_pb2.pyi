@@ -7,6 +7,18 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
+class ProveAdaptersRequest(_message.Message):
+    __slots__ = ("name",)
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    def __init__(self, name: _Optional[str] = ...) -> None: ...
+
+class ProveAdaptersResponse(_message.Message):
+    __slots__ = ("replicas",)
+    REPLICAS_FIELD_NUMBER: _ClassVar[int]
+    replicas: _containers.RepeatedCompositeFieldContainer[_generator_pb2.ReplicaStatus]
+    def __init__(self, replicas: _Optional[_Iterable[_Union[_generator_pb2.ReplicaStatus, _Mapping]]] = ...) -> None: ...
+
 class RegisterGeneratorRequest(_message.Message):
     __slots__ = ("address", "ttl_seconds")
     ADDRESS_FIELD_NUMBER: _ClassVar[int]

@@ -62,6 +62,11 @@ class AdminServiceStub:
                 request_serializer=rollwire_dot_v1_dot_admin__pb2.ShareLineagesRequest.SerializeToString,
                 response_deserializer=rollwire_dot_v1_dot_admin__pb2.ShareLineagesResponse.FromString,
                 _registered_method=True)
+        self.ProveAdapters = channel.unary_unary(
+                '/rollwire.v1.AdminService/ProveAdapters',
+                request_serializer=rollwire_dot_v1_dot_admin__pb2.ProveAdaptersRequest.SerializeToString,
+                response_deserializer=rollwire_dot_v1_dot_admin__pb2.ProveAdaptersResponse.FromString,
+                _registered_method=True)
 
 
 class AdminServiceServicer:
@@ -113,6 +118,16 @@ class AdminServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ProveAdapters(self, request, context):
+        """ProveAdapters re-checks now, on every routable replica, the versions it
+        serves that have a probe (AdapterManifest.probe, or the one the proxy made)
+        and answers the outcomes; a replica that fails a signed probe stops being
+        routed that version (docs/protocol.md, "Proof").
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_AdminServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -140,6 +155,11 @@ def add_AdminServiceServicer_to_server(servicer, server):
                     servicer.ShareLineages,
                     request_deserializer=rollwire_dot_v1_dot_admin__pb2.ShareLineagesRequest.FromString,
                     response_serializer=rollwire_dot_v1_dot_admin__pb2.ShareLineagesResponse.SerializeToString,
+            ),
+            'ProveAdapters': grpc.unary_unary_rpc_method_handler(
+                    servicer.ProveAdapters,
+                    request_deserializer=rollwire_dot_v1_dot_admin__pb2.ProveAdaptersRequest.FromString,
+                    response_serializer=rollwire_dot_v1_dot_admin__pb2.ProveAdaptersResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -280,6 +300,33 @@ class AdminService:
             '/rollwire.v1.AdminService/ShareLineages',
             rollwire_dot_v1_dot_admin__pb2.ShareLineagesRequest.SerializeToString,
             rollwire_dot_v1_dot_admin__pb2.ShareLineagesResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ProveAdapters(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/rollwire.v1.AdminService/ProveAdapters',
+            rollwire_dot_v1_dot_admin__pb2.ProveAdaptersRequest.SerializeToString,
+            rollwire_dot_v1_dot_admin__pb2.ProveAdaptersResponse.FromString,
             options,
             channel_credentials,
             insecure,

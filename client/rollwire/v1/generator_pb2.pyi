@@ -201,7 +201,7 @@ class LoraPattern(_message.Message):
     def __init__(self, pattern: _Optional[str] = ..., value: _Optional[float] = ...) -> None: ...
 
 class AdapterManifest(_message.Message):
-    __slots__ = ("name", "version", "base_model_fingerprint", "lora_config", "byte_length", "sha256", "signature", "signer", "blake3")
+    __slots__ = ("name", "version", "base_model_fingerprint", "lora_config", "byte_length", "sha256", "signature", "signer", "blake3", "probe")
     NAME_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
     BASE_MODEL_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
@@ -211,6 +211,7 @@ class AdapterManifest(_message.Message):
     SIGNATURE_FIELD_NUMBER: _ClassVar[int]
     SIGNER_FIELD_NUMBER: _ClassVar[int]
     BLAKE3_FIELD_NUMBER: _ClassVar[int]
+    PROBE_FIELD_NUMBER: _ClassVar[int]
     name: str
     version: int
     base_model_fingerprint: str
@@ -220,7 +221,34 @@ class AdapterManifest(_message.Message):
     signature: bytes
     signer: str
     blake3: str
-    def __init__(self, name: _Optional[str] = ..., version: _Optional[int] = ..., base_model_fingerprint: _Optional[str] = ..., lora_config: _Optional[_Union[LoraConfig, _Mapping]] = ..., byte_length: _Optional[int] = ..., sha256: _Optional[str] = ..., signature: _Optional[bytes] = ..., signer: _Optional[str] = ..., blake3: _Optional[str] = ...) -> None: ...
+    probe: AdapterProbe
+    def __init__(self, name: _Optional[str] = ..., version: _Optional[int] = ..., base_model_fingerprint: _Optional[str] = ..., lora_config: _Optional[_Union[LoraConfig, _Mapping]] = ..., byte_length: _Optional[int] = ..., sha256: _Optional[str] = ..., signature: _Optional[bytes] = ..., signer: _Optional[str] = ..., blake3: _Optional[str] = ..., probe: _Optional[_Union[AdapterProbe, _Mapping]] = ...) -> None: ...
+
+class AdapterProbe(_message.Message):
+    __slots__ = ("sequences", "expected", "seed")
+    SEQUENCES_FIELD_NUMBER: _ClassVar[int]
+    EXPECTED_FIELD_NUMBER: _ClassVar[int]
+    SEED_FIELD_NUMBER: _ClassVar[int]
+    sequences: _containers.RepeatedCompositeFieldContainer[ScoreSequence]
+    expected: _containers.RepeatedCompositeFieldContainer[SequenceScore]
+    seed: int
+    def __init__(self, sequences: _Optional[_Iterable[_Union[ScoreSequence, _Mapping]]] = ..., expected: _Optional[_Iterable[_Union[SequenceScore, _Mapping]]] = ..., seed: _Optional[int] = ...) -> None: ...
+
+class AdapterProof(_message.Message):
+    __slots__ = ("outcome", "max_abs_gap", "where", "tolerance", "proved_at", "reference")
+    OUTCOME_FIELD_NUMBER: _ClassVar[int]
+    MAX_ABS_GAP_FIELD_NUMBER: _ClassVar[int]
+    WHERE_FIELD_NUMBER: _ClassVar[int]
+    TOLERANCE_FIELD_NUMBER: _ClassVar[int]
+    PROVED_AT_FIELD_NUMBER: _ClassVar[int]
+    REFERENCE_FIELD_NUMBER: _ClassVar[int]
+    outcome: str
+    max_abs_gap: float
+    where: str
+    tolerance: float
+    proved_at: float
+    reference: str
+    def __init__(self, outcome: _Optional[str] = ..., max_abs_gap: _Optional[float] = ..., where: _Optional[str] = ..., tolerance: _Optional[float] = ..., proved_at: _Optional[float] = ..., reference: _Optional[str] = ...) -> None: ...
 
 class PushAdapterRequest(_message.Message):
     __slots__ = ("manifest", "chunk", "relay", "stage_only", "stripe", "granted", "bulk")
@@ -349,7 +377,7 @@ class GetStatusRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class LoadedAdapter(_message.Message):
-    __slots__ = ("name", "versions", "digests", "signers")
+    __slots__ = ("name", "versions", "digests", "signers", "proofs")
     class DigestsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -364,15 +392,24 @@ class LoadedAdapter(_message.Message):
         key: int
         value: str
         def __init__(self, key: _Optional[int] = ..., value: _Optional[str] = ...) -> None: ...
+    class ProofsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: int
+        value: AdapterProof
+        def __init__(self, key: _Optional[int] = ..., value: _Optional[_Union[AdapterProof, _Mapping]] = ...) -> None: ...
     NAME_FIELD_NUMBER: _ClassVar[int]
     VERSIONS_FIELD_NUMBER: _ClassVar[int]
     DIGESTS_FIELD_NUMBER: _ClassVar[int]
     SIGNERS_FIELD_NUMBER: _ClassVar[int]
+    PROOFS_FIELD_NUMBER: _ClassVar[int]
     name: str
     versions: _containers.RepeatedScalarFieldContainer[int]
     digests: _containers.ScalarMap[int, str]
     signers: _containers.ScalarMap[int, str]
-    def __init__(self, name: _Optional[str] = ..., versions: _Optional[_Iterable[int]] = ..., digests: _Optional[_Mapping[int, str]] = ..., signers: _Optional[_Mapping[int, str]] = ...) -> None: ...
+    proofs: _containers.MessageMap[int, AdapterProof]
+    def __init__(self, name: _Optional[str] = ..., versions: _Optional[_Iterable[int]] = ..., digests: _Optional[_Mapping[int, str]] = ..., signers: _Optional[_Mapping[int, str]] = ..., proofs: _Optional[_Mapping[int, AdapterProof]] = ...) -> None: ...
 
 class ReplicaStatus(_message.Message):
     __slots__ = ("address", "replica", "healthy", "draining", "in_flight", "adapters", "detail")

@@ -111,12 +111,16 @@ class AdapterRegistry:
         max_loaded: int = 0,
         tenant_slots: eviction.TenantSlotsSection | None = None,
         on_decision: Callable[[str], None] = lambda outcome: None,
+        prove: Callable[[str, Manifest], Awaitable[None]] | None = None,
     ) -> None:
         """`keep`: versions of a name a caller may name (at least `window`; 0 = `window`);
         `keep_bytes`: the bytes of every servable version's payload held, over all names;
         `max_loaded`: versions the engine can hold at once over all names (0 = no limit);
         `tenant_slots`: versions one tenant's names may have loaded; `on_decision` is told each
-        step of the eviction policy (eviction.OUTCOMES: the replica's metric)."""
+        step of the eviction policy (eviction.OUTCOMES: the replica's metric); `prove(handle, manifest)`
+        holds a loaded version to its probe before it becomes servable and raises to refuse it
+        (generator/proof.py)."""
+        self._prove = prove
         self._load, self._unload, self.window = load, unload, window
         self.keep, self.keep_bytes, self.max_loaded = max(keep, window), keep_bytes, max_loaded
         self.tenant_slots, self._on_decision = tenant_slots or eviction.TenantSlotsSection(), on_decision
@@ -149,8 +153,14 @@ class AdapterRegistry:
             assert m.sha256, "a new version is served under its sha256: its receiver names one the manifest left out"
             staged = self._staged.get(m.name)
             if staged is not None and (staged.version, staged.identity) == (m.version, identity(m)):
+                await self._proven_staged(m.name, staged, m)
                 return self._make_servable(m.name, self._unstage(m.name))
             handle = await self._load_new(m, payload)
+            try:
+                await self._proven(handle, m)
+            except BaseException:
+                await self._unload(handle)  # never servable: the replica keeps what it served
+                raise
             return self._make_servable(m.name, _Staged(m.version, identity(m), handle, m, payload))
 
     async def stage(self, m: Manifest, payload: Payload, max_step: int = DEFAULT_MAX_VERSION_STEP) -> PushOutcome:
@@ -201,11 +211,27 @@ class AdapterRegistry:
                     f"(committed meanwhile); versions only increase, push v{newest + 1} or higher",
                     reason=Reason.VERSION_NOT_MONOTONIC,
                 )
+            await self._proven_staged(name, staged, staged.manifest)
             item = self._unstage(name)
             if item.identity != sha256:  # staged under its BLAKE3: the commit names its sha256
                 item.identity = sha256
                 item.manifest = replace(item.manifest, sha256=sha256) if item.manifest is not None else None
             return self._make_servable(name, item)
+
+    async def _proven(self, handle: str, m: Manifest | None) -> None:
+        """Hold a version loaded under `handle` to its probe (raises to refuse it)."""
+        if self._prove is not None and m is not None:
+            await self._prove(handle, m)
+
+    async def _proven_staged(self, name: str, staged: _Staged, m: Manifest | None) -> None:
+        """`_proven` for a staged version: a refused proof drops the stage (the same bytes give the
+        same numbers: a commit again would fail again); another failure (an engine's OOM) keeps it."""
+        try:
+            await self._proven(staged.handle, m)
+        except FailedPrecondition as err:
+            if err.reason in (Reason.PROOF_FAILED, Reason.PROOF_DISPUTED):
+                self._drop_staged(name)
+            raise
 
     def staged(self) -> dict[str, int]:
         """The staged (not servable) version of each name."""

@@ -16,6 +16,7 @@ from rollwire.generator.config import GeneratorConfig
 from rollwire.generator.engines import ENGINES
 from rollwire.generator.engines.base import Engine
 from rollwire.generator.metrics import GeneratorMetrics
+from rollwire.generator.proof import Prover
 from rollwire.generator.servicer import GeneratorServicer
 from rollwire.generator.shapes import base_linear_shapes
 from rollwire.runtime.logs import get_logger
@@ -58,19 +59,10 @@ async def start_generator(config: GeneratorConfig) -> RunningGenerator:
     metrics.queue_depth.set_function(lambda: engine.stats().queued)
     metrics.running.set_function(lambda: engine.stats().running)
     fingerprint = await asyncio.wrap_future(hashing)
-    registry = AdapterRegistry(
-        engine.load_adapter,
-        engine.unload_adapter,
-        config.adapter_window,
-        config.limits.stage_timeout_s,
-        keep=config.adapter_keep,
-        keep_bytes=config.adapter_keep_bytes,
-        max_loaded=getattr(engine, "max_adapters", 0),  # a served engine's LoRA slots; the embedded engine has no limit
-        tenant_slots=config.tenant_slots,  # every engine, the embedded one too
-        on_decision=lambda outcome: metrics.adapter_slot_decisions.labels(outcome).inc(),
-    )
+    registry, prover = _registry(config, engine, metrics)
     endpoint = listen("generator", config, metrics.registry)
     replica = config.replica_id or f"{config.host}:{endpoint.port}"
+    prover.replica = replica
     servicer = GeneratorServicer(
         config,
         engine,
@@ -81,6 +73,7 @@ async def start_generator(config: GeneratorConfig) -> RunningGenerator:
         replica=replica,
         auth=endpoint.auth,
         port=endpoint.port,
+        prover=prover,
     )
     key = read_member_key(config.auth.member_key_file, "auth.member_key_file")
     trusted = read_trusted(config.auth.member_trust_file, "auth.member_trust_file")
@@ -104,6 +97,25 @@ async def start_generator(config: GeneratorConfig) -> RunningGenerator:
         fingerprint=fingerprint,
     )
     return RunningGenerator(endpoint, servicer)
+
+
+def _registry(config: GeneratorConfig, engine: Engine, metrics: GeneratorMetrics) -> tuple[AdapterRegistry, Prover]:
+    """The replica's adapter registry over its engine, and the prover that holds each version to its probe."""
+    trusted = config.trust.trusted().required
+    prover = Prover(engine, metrics, tolerance=config.proof.tolerance, trusted=trusted, replica=config.replica_id)
+    registry = AdapterRegistry(
+        engine.load_adapter,
+        engine.unload_adapter,
+        config.adapter_window,
+        config.limits.stage_timeout_s,
+        keep=config.adapter_keep,
+        keep_bytes=config.adapter_keep_bytes,
+        max_loaded=getattr(engine, "max_adapters", 0),  # a served engine's LoRA slots; the embedded engine has no limit
+        tenant_slots=config.tenant_slots,  # every engine, the embedded one too
+        on_decision=lambda outcome: metrics.adapter_slot_decisions.labels(outcome).inc(),
+        prove=prover.prove,  # every version with a probe is held to it before it is served
+    )
+    return registry, prover
 
 
 def _in_background(fn: Callable[..., T], *args: Any, **kwargs: Any) -> Future[T]:

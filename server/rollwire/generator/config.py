@@ -4,13 +4,22 @@ from __future__ import annotations
 
 from typing import Annotated
 
-from pydantic import Field
+from pydantic import BaseModel, ConfigDict, Field
 
 from rollwire.generator.engines import ENGINES
 from rollwire.generator.engines.settings import ScriptedSection, SGLangSection, TransformersSection, VLLMSection
 from rollwire.generator.eviction import TenantSlotsSection
 from rollwire.runtime.dialing import DialSection
 from rollwire.serving.config import ForwardSection, PushLimits, ServerConfig, port_field, push_idle_field
+
+
+class ProofSection(BaseModel):
+    """Behavioural proofs of adapter versions (generator/proof.py, docs/protocol.md "Proof")."""
+
+    model_config = ConfigDict(extra="forbid")
+    tolerance: float = Field(default=0.0, ge=0.0)
+    """Largest |logprob - probe| a version's probe may show here and the version still be served; 0 takes the
+    engine's default (transformers 1e-4, vllm and sglang 5e-3, scripted 1e-6: rollwire.common.probe)."""
 
 
 class Limits(PushLimits):
@@ -104,6 +113,7 @@ class GeneratorConfig(ServerConfig):
     every token as it is made. Larger values cut the per-message cost of gRPC, the proxy and the caller when the
     callers want whole groups (a learner), at the price of later first tokens."""
     limits: Limits = Field(default_factory=Limits)
+    proof: ProofSection = Field(default_factory=ProofSection)
     transformers: TransformersSection = Field(default_factory=TransformersSection)
     sglang: SGLangSection = Field(default_factory=SGLangSection)
     vllm: VLLMSection = Field(default_factory=VLLMSection)

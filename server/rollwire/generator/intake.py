@@ -31,6 +31,7 @@ from __future__ import annotations
 import asyncio
 import secrets
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import grpc
@@ -96,8 +97,11 @@ class PushIntake:
         base_shapes: dict[str, tuple[int, int]],
         auth: TokenAuth | None,
         port: int,
+        check_probe: Callable[[Manifest], None] | None = None,
     ) -> None:
         self.config, self.registry, self.metrics = config, registry, metrics
+        self.check_probe = check_probe
+        """Refuses a probe this replica's engine could never score (proof.py), before any byte is read."""
         self.fingerprint, self.base_shapes, self.auth, self.port = fingerprint, base_shapes, auth, port
         lim = config.limits
         self.slots = PushSlots(lim.max_concurrent_pushes, lim.stripe_linger_s, metrics.push_slots.set)
@@ -166,6 +170,8 @@ class PushIntake:
             stream.admitted = True
         check_manifest(manifest, fingerprint=self.fingerprint, max_bytes=lim.max_adapter_bytes)
         self.trust.check(first.manifest)  # every route (push, relay, heal, catch-up) opens here
+        if self.check_probe is not None:
+            self.check_probe(manifest)
         self.registry.check_version(manifest, lim.max_version_step)
         if first.stripe is not None:
             if joining is None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import grpc
 from prometheus_client import CollectorRegistry
 
+from rollwire.common.probe import OUTCOMES as PROOF_OUTCOMES
 from rollwire.generator.eviction import OUTCOMES
 from rollwire.runtime.metrics import MetricFactory
 from rollwire.serving.sessions import SessionMetrics
@@ -26,6 +27,7 @@ class GeneratorMetrics:
         # so rate() sees the first failure instead of a series that appears at 1
         self._serving(m)
         self._adapters(m)
+        self._proofs(m)
         self._prefix_cache(m)
 
     def _serving(self, m: MetricFactory) -> None:
@@ -116,6 +118,27 @@ class GeneratorMetrics:
             self.pushes.labels(code.name)
         for outcome in OUTCOMES:
             self.adapter_slot_decisions.labels(outcome)
+
+    def _proofs(self, m: MetricFactory) -> None:
+        """Behavioural proofs of adapter versions before they are served (proof.py)."""
+        self.proofs = m.counter(
+            "adapter_proofs_total",
+            "Behavioural proofs of adapter versions before they are served (generator/proof.py), by outcome (passed, "
+            "failed: a signed probe this replica disagrees with; disputed: an unsigned one; unsupported).",
+            ["outcome"],
+        )
+        self.proof_gap = m.gauge(
+            "adapter_proof_gap",
+            "Largest |logprob - probe| of the last proof of each adapter name on this replica.",
+            ["adapter"],
+        )
+        self.proof_latency = m.histogram(
+            "adapter_proof_duration_seconds",
+            "Scoring one version's probe before it is served.",
+            buckets=LATENCY_BUCKETS,
+        )
+        for outcome in PROOF_OUTCOMES:
+            self.proofs.labels(outcome)
 
     def _prefix_cache(self, m: MetricFactory) -> None:
         """The transformers engine's prefill and prefix KV cache."""

@@ -28,6 +28,7 @@ from rollwire.generator.convert import RequestConverter
 from rollwire.generator.engines.base import Engine
 from rollwire.generator.intake import PushIntake
 from rollwire.generator.metrics import GeneratorMetrics
+from rollwire.generator.proof import Prover
 from rollwire.generator.score import Scoring
 from rollwire.generator.types import (
     Event,
@@ -62,8 +63,11 @@ class GeneratorServicer(generator_pb2_grpc.GeneratorServiceServicer):
         replica: str,
         auth: TokenAuth | None = None,
         port: int = 0,
+        prover: Prover | None = None,
     ) -> None:
         self.config, self.engine, self.registry, self.metrics = config, engine, registry, metrics
+        self.prover = prover
+        """Holds versions to their probes (proof.py); its records are GetStatus's `proofs`."""
         self.fingerprint, self.base_shapes, self.replica = fingerprint, base_shapes, replica
         self.in_flight = 0
         self._following: dict[str, dict[int, GroupRequest]] = {}
@@ -72,7 +76,14 @@ class GeneratorServicer(generator_pb2_grpc.GeneratorServiceServicer):
         self.auth, self.port = auth, port
         """The tokens this replica checks (None: auth off) and the port it serves on."""
         self.intake = PushIntake(
-            config, registry, metrics, fingerprint=fingerprint, base_shapes=base_shapes, auth=auth, port=port
+            config,
+            registry,
+            metrics,
+            fingerprint=fingerprint,
+            base_shapes=base_shapes,
+            auth=auth,
+            port=port,
+            check_probe=prover.check if prover is not None else None,
         )
         """PushAdapter and CommitAdapter: the push package's intake on this replica."""
         self.member: tuple[bytes, str] | None = None
@@ -298,14 +309,18 @@ class GeneratorServicer(generator_pb2_grpc.GeneratorServiceServicer):
         stats = self.engine.stats()
         lim = self.config.limits
         digests, signers = self.registry.digests(), self.registry.signers()
+        loaded = self.registry.loaded()
+        proofs = self.prover.of(loaded) if self.prover is not None else {}
         return pb.GetStatusResponse(
             role="generator",
             replica=self.replica,
             model_fingerprint=self.fingerprint,
             engine=self.engine.name,
             adapters=[
-                pb.LoadedAdapter(name=n, versions=v, digests=digests.get(n, {}), signers=signers.get(n, {}))
-                for n, v in sorted(self.registry.loaded().items())
+                pb.LoadedAdapter(
+                    name=n, versions=v, digests=digests.get(n, {}), signers=signers.get(n, {}), proofs=proofs.get(n, {})
+                )
+                for n, v in sorted(loaded.items())
             ],
             in_flight=self.in_flight,
             queue_depth=stats.queued,

@@ -75,6 +75,7 @@ class RunningProxy(Running):
         for task in self.tasks:
             task.cancel()
         self.servicer.state.fanout.close()
+        await self.servicer.state.fanout.proofs.close()
         if self.peers is not None:
             await self.peers.close()
         await self.replicas.close()
@@ -109,10 +110,8 @@ async def start_proxy(config: ProxyConfig) -> RunningProxy:
     await peers.refuse_shared_id()
     core = ProxyCore(ProxyState(config, proxy_id, replicas, metrics, dispatcher, fanout, peers, endpoint.auth))
     servicer = ProxyServicer(core)
-    generator_pb2_grpc.add_GeneratorServiceServicer_to_server(servicer, endpoint.server)
-    admin_pb2_grpc.add_AdminServiceServicer_to_server(
-        AdminServicer(replicas, config.registration, endpoint.auth, peers.receive_lineages), endpoint.server
-    )
+    admin = AdminServicer(replicas, config.registration, endpoint.auth, peers.receive_lineages, fanout.proofs.prove_all)
+    _add_services(endpoint, servicer, admin)
     await endpoint.start([SERVICE, ADMIN_SERVICE], config.host, config.tls)
     await endpoint.set_health("", True)
     await endpoint.set_health(SERVICE, False)
@@ -126,6 +125,7 @@ async def start_proxy(config: ProxyConfig) -> RunningProxy:
         running.http = HttpServer(Door.build(config, core))
         await running.http.start()
     peers.start()
+    running.tasks.append(asyncio.create_task(fanout.proofs.run()))
     if config.discover:
         discovery = DnsDiscovery(
             config.discover, config.discover_interval_s, lambda found: replicas.reconcile("dns", found)
@@ -142,6 +142,12 @@ async def start_proxy(config: ProxyConfig) -> RunningProxy:
     )
     log.info("proxy_settings", policy=config.policy, fanout=config.push.fanout, spool=str(spool.folder))
     return running
+
+
+def _add_services(endpoint, servicer: ProxyServicer, admin: AdminServicer) -> None:
+    """The proxy's GeneratorService and AdminService on its endpoint."""
+    generator_pb2_grpc.add_GeneratorServiceServicer_to_server(servicer, endpoint.server)
+    admin_pb2_grpc.add_AdminServiceServicer_to_server(admin, endpoint.server)
 
 
 def _shares(config: ProxyConfig, spool: Spool) -> Shares:

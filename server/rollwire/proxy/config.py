@@ -74,6 +74,23 @@ class ScoreSection(Section):
     """Largest top_k of a Score request."""
 
 
+class ProofSection(Section):
+    """Re-checks of adapter versions against their probes on every replica (publish/proof.py, docs/protocol.md
+    "Proof")."""
+
+    recheck_interval_s: float = Field(default=300.0, ge=0)
+    """Seconds between re-checks of every version each routable replica serves that has a probe (the publisher's,
+    or the one this proxy made from the first replica that committed it); 0 = only on demand (ProveAdapters,
+    `rollwire status --prove`, POST /weight_info) and after each commit."""
+    tolerance: float = Field(default=0.0, ge=0)
+    """Largest |logprob - reference| a replica may show and pass; 0 takes its engine's default (transformers 1e-4,
+    vllm and sglang 5e-3: rollwire.common.probe)."""
+    timeout_s: float = Field(default=30.0, gt=0)
+    """Deadline of one replica's Score of a probe."""
+    max_concurrent: int = Field(default=4, ge=1)
+    """Probe Scores in flight at once over the whole fleet (a re-check is background work)."""
+
+
 class HealthSection(Section):
     """Active health checks, ejection (circuit breaking) and recovery."""
 
@@ -282,12 +299,13 @@ class HttpSection(Section):
     """vLLM's `--enable-return-routed-experts`: every unstreamed answer's choices carry `routed_experts` (the experts a
     MoE model routed each position to, base64 .npy [positions, layers, top_k]) for routing replay. Only for a fleet of
     MoE models on the transformers engine: any other replica refuses such requests (ROUTED_EXPERTS_UNSUPPORTED)."""
-    tool_call_parser: Literal["", "hermes"] = Field(default="")
+    tool_call_parser: Literal["", "hermes", "llama3_json", "qwen3_xml", "qwen3_coder", "mistral"] = Field(default="")
     """How tool calls are read out of a chat sample's text when the request sends `tools` with tool_choice "auto" (its
-    default then): "hermes" (`<tool_call>{"name": ..., "arguments": ...}</tool_call>` blocks, vLLM's
-    `--enable-auto-tool-choice --tool-call-parser hermes`) answers them as `message.tool_calls`; "" (the default, as
-    vLLM without those flags) refuses tool_choice "auto" (400, param tool_choice). The token ids and logprobs of the
-    turn are the sampled ones either way (docs/http.md, "Tool calls")."""
+    default then), as vLLM's `--enable-auto-tool-choice --tool-call-parser NAME` reads them into `message.tool_calls`:
+    "hermes", "llama3_json", "qwen3_xml" (= "qwen3_coder"), "mistral" (http/dialect/toolcalls/, one module each),
+    checked against http.model_path's tokenizer at start; "" (the default, as vLLM without those flags) refuses
+    tool_choice "auto" (400, param tool_choice). The token ids and logprobs of the turn are the sampled ones either
+    way (docs/http.md, "Tool calls")."""
     max_tokenizing: int = Field(default=2, ge=1)
     """Chat prompts rendered and tokenized at once (on worker threads, the tokenizer releasing the GIL); more wait."""
     tokenizing_bytes_per_client: int = Field(default=4 * MiB, ge=1024)
@@ -338,6 +356,7 @@ class ProxyConfig(ServerConfig):
     first push names; never learned from a replica."""
     routing: RoutingSection = Field(default_factory=RoutingSection)
     score: ScoreSection = Field(default_factory=ScoreSection)
+    proof: ProofSection = Field(default_factory=ProofSection)
     health: HealthSection = Field(default_factory=HealthSection)
     spool: SpoolSection = Field(default_factory=SpoolSection)
     fairness: FairnessSection = Field(default_factory=FairnessSection)

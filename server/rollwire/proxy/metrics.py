@@ -16,6 +16,7 @@ import grpc
 from prometheus_client import CollectorRegistry, Histogram
 
 from rollwire.common.manifest import TENANT_SEPARATOR
+from rollwire.common.probe import OUTCOMES as PROOF_OUTCOMES
 from rollwire.common.retries import CLIENT_CAUSED
 from rollwire.proxy.policies.prefix import OUTCOMES as PREFIX_OUTCOMES
 from rollwire.proxy.tenants import FLEET
@@ -92,6 +93,7 @@ class ProxyMetrics:
         self._requests(make, policy)
         self._routes(make)
         self._replica_families(make)
+        self._proof_families(make)
         self._push_families(make)
         self._peer_families(make)
         self._tenant_families(make, (FLEET, *tenants))
@@ -328,6 +330,28 @@ class ProxyMetrics:
             "Names and versions of this proxy's lineage map a peer proxy's map changed (new lineages, unloads, loads).",
         )
 
+    def _proof_families(self, make: MetricFactory) -> None:
+        """Each replica's re-checks against adapter versions' probes (publish/proof.py)."""
+        counter, gauge = make.counter, make.gauge
+        self.proofs = counter(
+            "adapter_proofs_total",
+            "Re-checks of adapter versions on each replica against their probes (publish/proof.py), by outcome: passed, "
+            "failed (a signed probe: the replica computes another policy and is not routed that version), disputed "
+            "(an unsigned probe or another replica's numbers), unsupported (its engine cannot score).",
+            ["replica", "outcome"],
+        )
+        self.proof_gap = gauge(
+            "adapter_proof_gap",
+            "Largest |logprob - reference| of the last re-check of each adapter's newest re-checked version on each "
+            "replica (the version: adapter_proof_version); a tenant's adapters as one series, TENANT:* (their worst).",
+            ["replica", "adapter"],
+        )
+        self.proof_version = gauge(
+            "adapter_proof_version",
+            "The version that adapter_proof_gap was measured on (a tenant's adapters: TENANT:*).",
+            ["replica", "adapter"],
+        )
+
     def know_replica(self, address: str) -> None:
         """Create a new replica's series at 0, so its first retry, restart, ejection or failed
         push is seen by rate() (a series that appears at 1 has no rate)."""
@@ -343,6 +367,8 @@ class ProxyMetrics:
             metric.labels(address)
         for code in REPLICA_CODES:
             self.attempts.labels(address, code)
+        for outcome in PROOF_OUTCOMES:
+            self.proofs.labels(address, outcome)
             self.pushes.labels(address, code)
         self.in_flight.labels(address).set(0)
 
@@ -385,6 +411,9 @@ class ProxyMetrics:
             self.catchup_pushes,
             self.catchup_gave_up,
             self.push_heals,
+            self.proofs,
+            self.proof_gap,
+            self.proof_version,
         ):
             for labels in list(metric._metrics):  # prometheus_client keeps children by label tuple
                 if labels and labels[0] == address:

@@ -67,6 +67,7 @@ METHOD_ROLES = {
     "/rollwire.v1.AdminService/ListGenerators": ADMIN,
     "/rollwire.v1.AdminService/DrainGenerator": REGISTER,
     "/rollwire.v1.AdminService/ShareLineages": PEER,  # from that role only, not admin (PEER_ONLY)
+    "/rollwire.v1.AdminService/ProveAdapters": ADMIN,  # Score traffic on every replica: an operator's call
     "/rollwire.v1.LearnerService/SubmitTrajectories": ADMIN,  # ingest: a trajectory steers the published weights
     "/rollwire.v1.LearnerService/GetIngestStatus": ADMIN,
 }

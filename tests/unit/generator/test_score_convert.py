@@ -4,13 +4,14 @@ generated hostile requests never get anything else. The proxy's own check of the
 tests/unit/proxy/test_score_limits.py.
 
 The engine is the real scripted engine over a config-only model folder (no model, no process);
-it cannot score, which is refused with UNIMPLEMENTED. The numbers of a real Score are checked
+an engine that cannot score (a stand-in without Score's methods) is refused with UNIMPLEMENTED. The numbers of a real Score are checked
 in test_engine_score.py (in-process) and tests/integration/proxy/test_score.py (over gRPC).
 """
 
 from __future__ import annotations
 
 import json
+from types import SimpleNamespace
 
 import grpc
 import pytest
@@ -103,8 +104,9 @@ def test_generated_hostile_requests_are_taken_whole_or_refused_as_invalid(engine
         assert all(0 <= t < VOCAB for t in (*prompt, *continuation))
 
 
-def test_an_engine_that_cannot_score_refuses_with_unimplemented(engine, config):
-    scoring = Scoring(config, engine, registry=None, metrics=GeneratorMetrics(), fingerprint="fp", replica="r")  # type: ignore[arg-type]  # never reached
+def test_an_engine_that_cannot_score_refuses_with_unimplemented(config):
+    no_score = SimpleNamespace(name="scripted", vocab_size=VOCAB, max_context=CONTEXT)  # no check_score / score
+    scoring = Scoring(config, no_score, registry=None, metrics=GeneratorMetrics(), fingerprint="fp", replica="r")  # type: ignore[arg-type]  # never reached
     with pytest.raises(RollwireError) as refused:
         scoring._scorer()
     assert refused.value.code == grpc.StatusCode.UNIMPLEMENTED

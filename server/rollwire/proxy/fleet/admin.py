@@ -19,6 +19,9 @@ PERMISSION_DENIED (MEMBER_UNPROVEN), counted in `member_refusals_total{why="unpr
 member is dialled with its own member token, never the proxy's admin token, and serves only
 after its canary (canary.py).
 
+ProveAdapters re-checks every version that has a probe on every routable replica now (publish/proof.py's
+ProofBook.prove_all, handed in) and answers the replicas with their proofs; an admin's call.
+
 ShareLineages is not about replicas: a peer proxy's lineage map, from the `peer` role only
 (security.PEER_ONLY, checked before the handler), merged by publish/peers.py (`Peers.receive_lineages`, handed in: the
 fleet imports no publishing).
@@ -41,6 +44,7 @@ from rollwire.common.errors import (
     RollwireError,
     to_status,
 )
+from rollwire.common.manifest import NAME_RULE, QUALIFIED_RE
 from rollwire.common.reasons import Reason
 from rollwire.proxy.config import RegistrationSection
 from rollwire.proxy.fleet.replica import Replica
@@ -57,6 +61,9 @@ from rollwire.v1 import generator_pb2 as pb
 log = get_logger(__name__)
 LineagesReceiver = Callable[[apb.ShareLineagesRequest, object], Awaitable[apb.ShareLineagesResponse]]
 """Merges a peer's lineage map, given the call's metadata (publish/peers.py, Peers.receive_lineages)."""
+Prover = Callable[[str], Awaitable[list[Replica]]]
+"""Re-checks every version with a probe on every routable replica, of one name or all (publish/proof.py,
+ProofBook.prove_all); handed in: the fleet imports no publishing."""
 
 
 class AdminServicer(admin_pb2_grpc.AdminServiceServicer):
@@ -66,9 +73,10 @@ class AdminServicer(admin_pb2_grpc.AdminServiceServicer):
         limits: RegistrationSection | None = None,
         auth: TokenAuth | None = None,
         lineages: LineagesReceiver | None = None,
+        prove: Prover | None = None,
     ) -> None:
         self.replicas, self.limits, self.auth = replicas, limits or RegistrationSection(), auth
-        self.lineages = lineages
+        self.lineages, self.prove = lineages, prove
 
     async def RegisterGenerator(self, request: apb.RegisterGeneratorRequest, context) -> apb.RegisterGeneratorResponse:
         try:
@@ -206,6 +214,19 @@ class AdminServicer(admin_pb2_grpc.AdminServiceServicer):
             return await self.lineages(request, context.invocation_metadata())
         except RollwireError as err:
             return await _abort(context, err)
+
+    async def ProveAdapters(self, request: apb.ProveAdaptersRequest, context) -> apb.ProveAdaptersResponse:
+        """Re-check now (publish/proof.py); the replicas checked, with their proofs."""
+        try:
+            if request.name and not QUALIFIED_RE.fullmatch(request.name):
+                raise InvalidArgument(
+                    f"adapter name {request.name[:80]!r} is invalid: use {NAME_RULE} (a tenant's as TENANT:NAME)",
+                    reason=Reason.BAD_ADAPTER_NAME,
+                )
+            checked = await self.prove(request.name) if self.prove is not None else []
+        except RollwireError as err:
+            return await _abort(context, err)
+        return apb.ProveAdaptersResponse(replicas=[r.status() for r in checked])
 
     async def _owned_member(self, address: str, context) -> None:
         """Abort unless the caller may act on `address` (an admin, or its own member) and it is

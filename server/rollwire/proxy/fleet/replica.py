@@ -129,6 +129,11 @@ class Replica:
         self.conflicts: dict[tuple[str, int], str] = {}
         """(name, version) it holds with other bytes than the spool's, and its digest ("" when only
         a refusal said so): left out of `versions`, so never routed there (replicas.py)."""
+        self.proofs: dict[tuple[str, int], pb.AdapterProof] = {}
+        """The proxy's last re-check of each (name, version) here (publish/proof.py): its status shows them."""
+        self.disproved: dict[tuple[str, int], str] = {}
+        """(name, version) whose signed probe it failed, and why: left out of `versions`, so never routed there, until
+        a re-check passes again."""
         self.push_lock = asyncio.Lock()
         self.attempts: set[Attempt] = set()
         self.wake = asyncio.Event()
@@ -149,8 +154,11 @@ class Replica:
         return self.healthy and self.synced and not self.foreign and not self.draining and self.breaker.allows(now)
 
     def set_versions(self, name: str, versions) -> None:
-        """What the replica says it serves of `name`, less the versions it holds other bytes for."""
-        self.versions[name] = [v for v in versions if (name, v) not in self.conflicts]
+        """What the replica says it serves of `name`, less the versions it holds other bytes for or failed a signed
+        probe of (publish/proof.py)."""
+        self.versions[name] = [
+            v for v in versions if (name, v) not in self.conflicts and (name, v) not in self.disproved
+        ]
 
     def holds(self, name: str, version: int) -> bool:
         return version in self.versions.get(name, ())
@@ -186,9 +194,20 @@ class Replica:
             healthy=self.routable(),
             draining=self.draining,
             in_flight=self.in_flight,
-            adapters=[pb.LoadedAdapter(name=n, versions=v) for n, v in sorted(self.versions.items())],
+            adapters=self._adapters_status(),
             detail=self.state() or self.lacking,
         )
+
+    def _adapters_status(self) -> list[pb.LoadedAdapter]:
+        """Its routed versions per name, with the last re-check of those and of the versions it failed."""
+        names = sorted({*self.versions, *(n for n, _ in self.disproved)})
+        out = []
+        for n in names:
+            versions = self.versions.get(n, [])
+            shown = {*versions, *(v for m, v in self.disproved if m == n)}
+            proofs = {v: p for (m, v), p in self.proofs.items() if m == n and v in shown}
+            out.append(pb.LoadedAdapter(name=n, versions=versions, proofs=proofs))
+        return out
 
     def abandon_all(self, reason: str) -> int:
         """Cut every live group off this replica; their runs restart them elsewhere."""

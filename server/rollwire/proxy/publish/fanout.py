@@ -60,6 +60,7 @@ from rollwire.proxy.metrics import ProxyMetrics
 from rollwire.proxy.publish.header_gate import HeaderGate
 from rollwire.proxy.publish.intake import Intake, Piece
 from rollwire.proxy.publish.peers import Peers
+from rollwire.proxy.publish.proof import ProofBook
 from rollwire.proxy.publish.publication import Outcome, Publication, fence_conflicts, publication_reply
 from rollwire.proxy.spool import Spool, SpooledAdapter, Upload
 from rollwire.proxy.upstream import relay_credentials
@@ -85,6 +86,8 @@ class FanOut:
     ) -> None:
         self.spool, self.replicas, self.config, self.metrics = spool, replicas, config, metrics
         self.peers = peers
+        self.proofs = ProofBook(spool, replicas, config, metrics)
+        """Re-checks each version against its probe after its commit, on demand and on a period (publish/proof.py)."""
         self._locks: defaultdict[str, asyncio.Lock] = defaultdict(asyncio.Lock)
         self._tasks: set[asyncio.Task] = set()
         self._suspect: dict[str, float] = {}  # address -> when its own relay hop last failed
@@ -392,6 +395,8 @@ class FanOut:
         ready = [o.replica for o in pub.outcomes.values() if o.ok]
         committed = await asyncio.gather(*(r.commit(pub.manifest, timeout, pub.request_id) for r in ready))
         self.replicas.on_change()  # requests waiting for this version may go now
+        # in the background: each replica proved a probed version already; an unprobed one is derived and held to it
+        self.proofs.after_commit(pub.manifest, [r.replica for r in committed if r.ok])
         by_address = {r.replica.address: r for r in committed}
         results = []
         for address in sorted(pub.outcomes):

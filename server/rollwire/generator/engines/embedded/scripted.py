@@ -7,7 +7,7 @@ them). Token ids are a deterministic function of (seed, sample, position), every
 is the same constant, samples never stop early (finish reason "length"), a resumed sample
 (GroupRequest.resume) goes on from its position (so a continuation is exact), and adapter
 load/unload is bookkeeping only: the payload was fully checked by the servicer and is
-dropped here. It needs only the model folder's config.json (vocab_size,
+dropped here; a Score gives every token `logprob`. It needs only the model folder's config.json (vocab_size,
 max_position_embeddings); never use it to serve real rollouts.
 
 Invariants: a group's k-th token is due at start + k / tokens_per_s; a consumer that falls
@@ -26,7 +26,7 @@ from pathlib import Path
 from rollwire.common.errors import FailedPrecondition
 from rollwire.common.manifest import Manifest
 from rollwire.generator.engines.base import EngineStats, GroupSlots
-from rollwire.generator.types import Event, GroupRequest, SampleDone, TokenDelta
+from rollwire.generator.types import Event, GroupRequest, SampleDone, ScoreJob, SequenceScore, TokenDelta
 from rollwire.push.buffers import Payload
 
 _PRINTABLE = 95  # token id t decodes to chr(32 + t % 95): deterministic, printable text
@@ -125,6 +125,15 @@ class ScriptedEngine:
         if self.tokens_per_s <= 0:
             return sent + 1
         return min(total, int((time.monotonic() - start) * self.tokens_per_s) + 1)
+
+    def check_score(self, job: ScoreJob) -> None:
+        """Any job is scored: there is no model to run out of memory."""
+
+    async def score(self, job: ScoreJob) -> list[SequenceScore]:
+        """Every continuation token at `logprob` (what its samples report), whatever the version:
+        a Score (and a version's proof, generator/proof.py) costs the wire and the checks only."""
+        await asyncio.sleep(0)
+        return [SequenceScore([self.logprob] * len(c), [], []) for _, c in job.sequences]
 
     async def load_adapter(self, handle: str, manifest: Manifest, payload: Payload) -> None:
         self.adapters[handle] = manifest.version
