@@ -51,3 +51,104 @@ def generated(rng: random.Random) -> str:
         else:
             parts.append('<tool_call>{"name": "f", "argu')
     return "".join(parts)
+
+
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "f",
+            "parameters": {
+                "type": "object",
+                "properties": {
+                    "a": {"type": "integer"},
+                    "s": {"type": "string"},
+                    "o": {"type": "object", "properties": {"k": {"type": "number"}}},
+                    "b": {"type": "boolean"},
+                    "n": {"type": ["number", "null"]},
+                    "l": {"type": "array", "items": {"type": "integer"}},
+                    "e": {"enum": ["x", 1, None]},
+                },
+            },
+        },
+    },
+    {"type": "function", "function": {"name": "g"}},
+    {
+        "type": "function",
+        "function": {"name": "ß x", "parameters": {"type": "object", "properties": {"q": {"type": "str"}}}},
+    },
+]
+"""Tools whose schemas name every type the engine parsers read values as (tool_calls' schema.py)."""
+
+_TEXT = ["hi ", "a<b ", " \n", "日本 ", "}{", "😀", "{", "[", "<", ">", "; ", "\n\n", "<think>", "</think>"]
+_VALUES = [1, "x}", [1, {"d": None}], "ü", "12", "true", "1.5", "null", {"k": "2"}, ["3", 4], "[1]", "", "a\nb", 0]
+_NAMES = ["f", "g", "ß x", "f ", "", "nope"]
+
+
+def _args(rng: random.Random) -> dict[str, Any]:
+    return {rng.choice("asobnlezq"): rng.choice(_VALUES) for _ in range(rng.randint(0, 3))}
+
+
+def _cut(rng: random.Random, text: str) -> str:
+    """A sample's text, sometimes ended early (max_tokens) at any place."""
+    return text[: rng.randint(0, len(text))] if text and rng.random() < 0.25 else text
+
+
+def llama3(rng: random.Random) -> str:
+    parts = []
+    for _ in range(rng.randint(0, 3)):
+        kind = rng.random()
+        if kind < 0.3:
+            parts.append(rng.choice([*_TEXT, "<|python_tag|>"]))
+        else:
+            call: dict[str, Any] = {"name": rng.choice([*_NAMES, 7])}
+            key = rng.choice(["arguments", "parameters", "arguments", "args"])
+            call[key] = rng.choice([_args(rng), "s", None, 2])
+            parts.append(json.dumps(call, ensure_ascii=rng.random() < 0.5))
+            parts.append(rng.choice(["; ", "", " ", ";"]))
+    return _cut(rng, "".join(parts))
+
+
+def _qwen3_call(rng: random.Random) -> str:
+    nl = rng.choice(["\n", "", "\n\n"])
+    params = "".join(
+        f"<parameter={key}>{nl}{value if isinstance(value, str) else json.dumps(value)}{nl}"
+        + rng.choice(["</parameter>", "</parameter>", ""])
+        + nl
+        for key, value in _args(rng).items()
+    )
+    head = rng.choice(["<tool_call>" + nl, "<tool_call>" + nl, ""])
+    tail = rng.choice(["</function>" + nl + "</tool_call>", "</function>", "</tool_call>", ""])
+    return f"{head}<function={rng.choice(_NAMES)}>{nl}{params}{tail}"
+
+
+def qwen3(rng: random.Random) -> str:
+    parts = [rng.choice(_TEXT) if rng.random() < 0.35 else _qwen3_call(rng) for _ in range(rng.randint(0, 3))]
+    return _cut(rng, rng.choice(["", "\n", " "]).join(parts))
+
+
+def mistral(rng: random.Random) -> str:
+    parts = []
+    for _ in range(rng.randint(0, 3)):
+        if rng.random() < 0.3:
+            parts.append(rng.choice([*_TEXT, "[ARGS]"]))
+            continue
+        args = rng.choice([json.dumps(_args(rng)), "[1, 2]", '"s"', "not json", "", '{"a": '])
+        sep = rng.choice(["[ARGS]", "[ARGS]", "", " [ARGS] "])
+        parts.append(f"[TOOL_CALLS]{rng.choice(_NAMES)}{sep}{args}{rng.choice(['', ' trailing', '{}'])}")
+    return _cut(rng, "".join(parts))
+
+
+def mistral_pre_v11(rng: random.Random) -> str:
+    parts = []
+    for _ in range(rng.randint(1, 2)):
+        if rng.random() < 0.2:
+            parts.append(rng.choice(_TEXT))
+            continue
+        entries = [
+            {"name": rng.choice([*_NAMES, 5]), "arguments": rng.choice([_args(rng), "raw", None])}
+            for _ in range(rng.randint(1, 2))
+        ]
+        body = rng.choice([json.dumps(entries), json.dumps(entries[0]) if entries else "{}", "not json", '[{"x": 1}]'])
+        parts.append(f"[TOOL_CALLS]{rng.choice(['', ' ', '[TOOL_CALLS]'])}{body}{rng.choice(['', ' tail'])}")
+    return _cut(rng, "".join(parts))

@@ -12,12 +12,17 @@ from types import SimpleNamespace
 from typing import Any
 
 import pytest
+from support import tool_texts
 from support.tool_texts import TEXTS, call, generated
+from support.tool_texts import TOOLS as SCHEMA_TOOLS
 
 from rollwire.proxy.http.dialect import convert
 from rollwire.proxy.http.dialect.errors import HttpError
 from rollwire.proxy.http.dialect.openai import ChatBody
-from rollwire.proxy.http.dialect.tools import ToolStream, check_tool_choice, parse_hermes, parser_for
+from rollwire.proxy.http.dialect.tokenizer import ChatTokenizer
+from rollwire.proxy.http.dialect.toolcalls import format_for
+from rollwire.proxy.http.dialect.toolcalls.hermes import HERMES
+from rollwire.proxy.http.dialect.tools import Parser, ToolStream, check_tool_choice, parse_hermes, parser_for
 from rollwire.proxy.http.stream import _Events
 from rollwire.v1 import generator_pb2 as pb
 
@@ -81,6 +86,40 @@ def test_streamed_calls_reassemble_to_the_unstreamed_answer_at_every_split():
         assert reassemble(streamed(pieces)) == want, text
 
 
+FORMATS = {
+    "llama3_json": (format_for("llama3_json", ["<|python_tag|>"]), tool_texts.llama3),
+    "qwen3_xml": (format_for("qwen3_xml"), tool_texts.qwen3),
+    "mistral": (format_for("mistral", ["[TOOL_CALLS]", "[ARGS]"]), tool_texts.mistral),
+    "mistral_pre_v11": (format_for("mistral", ["[TOOL_CALLS]"]), tool_texts.mistral_pre_v11),
+}
+
+
+@pytest.mark.parametrize("key", list(FORMATS))
+def test_every_format_streams_to_its_unstreamed_answer_at_every_split(key):
+    """Each format's stream (content while settled, then the calls at the end) reassembles to its
+    whole answer, for texts split in two at every place, one character a delta and in random pieces;
+    content sent before the end never holds a call's opener."""
+    fmt, generate = FORMATS[key]
+    parse = Parser(fmt, SCHEMA_TOOLS)
+    rng = random.Random(key)
+    texts = [generate(rng) for _ in range(120)] + ["plain text, no call", "  lead", "tail  ", ""]
+    early = 0
+    for text in texts:
+        whole = parse(text)
+        want = (whole.content or None, [(c.name, c.arguments) for c in whole.calls])
+        cuts = [[text[:cut], text[cut:]] for cut in range(len(text) + 1)] + [list(text)]
+        for pieces in cuts:
+            stream = ToolStream(parse)
+            out = [stream.feed(p, False) for p in pieces]
+            early += sum(len(c) for c, _ in out)
+            for content, _ in out:
+                assert not any(o in content for o in fmt.openers), (text, pieces)
+            out.append(stream.feed("", True))
+            assert reassemble(out) == want, (key, text, pieces)
+            assert stream.called is bool(whole.calls)
+    assert (early > 0) is not fmt.hold_all  # content streams before the end unless the format holds it all
+
+
 def test_content_before_a_call_streams_before_the_sample_ends():
     stream = ToolStream(parse_hermes)
     assert stream.feed("Let me ", False) == ("Let me ", [])
@@ -127,7 +166,7 @@ def test_a_parser_applies_only_to_tools_with_tool_choice_auto():
         ({}, "hermes", False),
     ]:
         check_tool_choice(body(**ask), setting)  # accepted
-        assert (parser_for(body(**ask), setting) is not None) is applies, ask
+        assert (parser_for(body(**ask), HERMES if setting else None) is not None) is applies, ask
 
 
 TEXT = "I will add. " + call("add", {"a": 1, "b": "日本"}) + call("add", {"a": 2})
@@ -154,7 +193,7 @@ def test_the_whole_answer_carries_the_calls_and_the_sampled_ids():
     group = convert.Group(1, [])
     for m in messages(TEXT, 5):
         group.apply(m)
-    choice = convert.chat_response(ask, group, "m", "r", chr, parse_hermes)["choices"][0]
+    choice = convert.chat_response(ask, group, "m", "r", chr, Parser(HERMES, TOOLS))["choices"][0]
     assert choice["finish_reason"] == "tool_calls" and choice["message"]["content"] == "I will add. "
     assert [json.loads(t["function"]["arguments"]) for t in choice["message"]["tool_calls"]] == [
         {"a": 1, "b": "日本"},
@@ -171,7 +210,7 @@ def test_the_whole_answer_carries_the_calls_and_the_sampled_ids():
 
 @pytest.mark.parametrize("step", [1, 2, 3, 7, 64])
 def test_the_sse_frames_reassemble_to_the_whole_answer(step):
-    door = SimpleNamespace(config=SimpleNamespace(http=SimpleNamespace(tool_call_parser="hermes")), token_text=chr)
+    door = SimpleNamespace(tool_format=HERMES, token_text=chr)
     ask = body(tools=TOOLS, stream=True, return_token_ids=True)
     events = _Events(door, ask, pb.GenerateRequest(), "c", "chat.completion.chunk", "r", "")  # pyright: ignore[reportArgumentType]
     frames = [f for m in messages(TEXT, step) for f in events.payloads(m)]
@@ -182,10 +221,29 @@ def test_the_sse_frames_reassemble_to_the_whole_answer(step):
     group = convert.Group(1, [])
     for m in messages(TEXT, step):
         group.apply(m)
-    whole = convert.chat_response(body(tools=TOOLS), group, "m", "r", chr, parse_hermes)["choices"][0]
+    whole = convert.chat_response(body(tools=TOOLS), group, "m", "r", chr, Parser(HERMES, TOOLS))["choices"][0]
     assert content == whole["message"]["content"]
     assert [(t["function"]["name"], t["function"]["arguments"]) for t in calls] == [
         (t["function"]["name"], t["function"]["arguments"]) for t in whole["message"]["tool_calls"]
     ]
     assert [t["index"] for t in calls] == [0, 1] and ids == [ord(ch) for ch in TEXT]
     assert [d["finish_reason"] for d in deltas if d["finish_reason"]] == ["tool_calls"]
+
+
+def test_a_parser_the_tokenizer_cannot_serve_is_refused_by_name(tiny_model, tmp_path):
+    """As vLLM refuses to start: llama3_json without `<|python_tag|>`, mistral without `[TOOL_CALLS]`; and
+    a tag the replicas' text would leave out (a special token)."""
+    plain = ChatTokenizer(tiny_model).vocabulary()
+    for parser, token in [("llama3_json", "<|python_tag|>"), ("mistral", "[TOOL_CALLS]")]:
+        with pytest.raises(
+            ValueError, match=f"{parser} cannot be used.*no {token!r}".replace("[", r"\[").replace("|", r"\|")
+        ):
+            format_for(parser, *plain)
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model)
+    tokenizer.add_special_tokens({"additional_special_tokens": ["[TOOL_CALLS]"]})
+    tokenizer.save_pretrained(tmp_path / "special")
+    with pytest.raises(ValueError, match="is a special token"):
+        format_for("mistral", *ChatTokenizer(tmp_path / "special").vocabulary())
+    assert format_for("qwen3_xml", *plain).name == "qwen3_xml" and format_for("hermes", *plain).name == "hermes"

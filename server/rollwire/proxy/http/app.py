@@ -390,7 +390,7 @@ def _openai_routes(app: FastAPI, door: Door) -> None:
                     return await stream_group(door, body, req, client, "chat.completion.chunk", rid, record)
                 group = convert.Group(body.n, body.stop_list())
                 await door.run_group(req, client, group, door.deadline(), record.tenant)
-            parse = tools.parser_for(body, door.config.http.tool_call_parser)
+            parse = tools.parser_for(body, door.tool_format)
             return JSONResponse(convert.chat_response(body, group, body.model, rid, door.token_text, parse))
 
 

@@ -19,12 +19,13 @@ from rollwire.common.reasons import Reason
 from rollwire.proxy.config import ProxyConfig
 from rollwire.proxy.core import ProxyCore
 from rollwire.proxy.http.adapters import AdapterDoor
-from rollwire.proxy.http.dialect import convert
+from rollwire.proxy.http.dialect import convert, toolcalls
 from rollwire.proxy.http.dialect.errors import HttpError
 from rollwire.proxy.http.dialect.names import ModelRef, parse_model
 from rollwire.proxy.http.dialect.openai import ChatBody
 from rollwire.proxy.http.dialect.prompts import PromptGate
 from rollwire.proxy.http.dialect.tokenizer import ChatTokenizer
+from rollwire.proxy.http.dialect.toolcalls import Format
 from rollwire.proxy.http.pacing import Pacing
 from rollwire.proxy.http.pause import Pauses
 from rollwire.proxy.tenants import FLEET, Scope
@@ -48,6 +49,9 @@ class Door:
     base_names: frozenset[str]
     context_len: int
     """max_position_embeddings of the base model (0: unknown)."""
+    tool_format: Format | None = None
+    """The tool-call format http.tool_call_parser names, checked against the tokenizer at start (None: no parser,
+    or no tokenizer, so no chat)."""
 
     @classmethod
     def build(cls, config: ProxyConfig, core: ProxyCore) -> Door:
@@ -64,6 +68,12 @@ class Door:
             base_id = http.served_model_name or folder.resolve().name
             names |= {base_id, http.model_path, str(folder.resolve())}
         adapters = AdapterDoor(core.state, http.adapter_root, config.spool.max_adapter_bytes)
+        tool_format = None
+        if http.tool_call_parser and tokenizer is not None:
+            try:  # as vLLM refuses a parser its tokenizer cannot serve, at start, with the sentence
+                tool_format = toolcalls.format_for(http.tool_call_parser, *tokenizer.vocabulary())
+            except ValueError as refused:
+                raise SystemExit(str(refused)) from None
         return cls(
             config,
             core,
@@ -73,6 +83,7 @@ class Door:
             base_id,
             frozenset(names),
             context_len,
+            tool_format,
         )
 
     # -- what the fleet is -------------------------------------------------------------------

@@ -111,7 +111,7 @@ class _Events:
         self.group = convert.Group(body.n, body.stop_list())
         self.sent_text = [0] * body.n
         self.unprompted = set(range(body.n)) if body.return_token_ids else set()
-        parse = parser_for(body, door.config.http.tool_call_parser) if isinstance(body, ChatBody) else None
+        parse = parser_for(body, door.tool_format) if isinstance(body, ChatBody) else None
         self.tools = [ToolStream(parse) for _ in range(body.n)] if parse is not None else None
         """Per sample, its text split into content and tool calls (dialect/tools.py), when a parser applies."""
         self.stream: AsyncGenerator[pb.GenerateResponse] | None = None

@@ -57,6 +57,11 @@ class ChatTokenizer:
             )
         return encoding.ids
 
+    def vocabulary(self) -> tuple[set[str], set[str]]:
+        """Every token's text, and those of the special tokens (which the replicas' text leaves out)."""
+        special = {t.content for t in self.tokenizer.get_added_tokens_decoder().values() if t.special}
+        return set(self.tokenizer.get_vocab(with_added_tokens=True)), special
+
     def token_text(self, token_id: int) -> str:
         """One token as text, special tokens included (what vLLM names in `logprobs`)."""
         return self.tokenizer.decode([token_id], skip_special_tokens=False)

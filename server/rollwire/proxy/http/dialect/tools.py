@@ -1,4 +1,5 @@
-"""Tool calls as vLLM returns them: which requests a parser applies to, and the parse.
+"""Tool calls as vLLM returns them: which requests a parser applies to, and the streamed split of
+a sample's text into content and calls. The formats themselves are toolcalls/, one module each.
 
 The parse reads the sample's text only; its token ids and logprobs are never changed (a
 learner trains on the ids the model sampled, not on a re-rendering of the calls).
@@ -7,94 +8,50 @@ Invariants:
 - a parser applies only where vLLM's would: `http.tool_call_parser` set (vLLM's
   `--enable-auto-tool-choice --tool-call-parser NAME`), the request has `tools`, and
   `tool_choice` is "auto" (its default when tools are sent);
-- `parse_hermes` is all or nothing, as vLLM's hermes parser: every `<tool_call>` block parses
-  into a call, or the sample has no calls and its whole text is the content;
-- `ToolStream` sends content only while it cannot be part of a call and holds the rest until
-  the sample ends, then sends what `parse_hermes` of the whole text says: the streamed deltas
-  reassemble to the unstreamed answer exactly, for any split of the text into deltas.
+- `ToolStream` sends content only while it is settled (toolcalls/base.py: content whatever
+  follows) and holds the rest until the sample ends, then sends what the format's parse of the
+  whole text says: the streamed deltas reassemble to the unstreamed answer exactly, for any
+  split of the text into deltas.
 """
 
 from __future__ import annotations
 
-import json
-import uuid
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from typing import Any
 
 import grpc
 
 from rollwire.common.reasons import Reason
 from rollwire.proxy.http.dialect.errors import HttpError, unsupported
+from rollwire.proxy.http.dialect.toolcalls import NAMES, Format, Parsed, ToolCall
+from rollwire.proxy.http.dialect.toolcalls.base import partial
+from rollwire.proxy.http.dialect.toolcalls.hermes import HERMES
 
-OPEN, CLOSE = "<tool_call>", "</tool_call>"
-PARSERS = ("hermes",)
+PARSERS = NAMES
 """The values http.tool_call_parser takes (besides "", no parser)."""
 
-
-@dataclass
-class ToolCall:
-    name: str
-    arguments: str
-    """The call's arguments as a JSON string (json.dumps of the object the model wrote, as vLLM sends it)."""
-    id: str = field(default_factory=lambda: f"chatcmpl-tool-{uuid.uuid4().hex}")
-
-    def openai(self) -> dict[str, Any]:
-        return {"id": self.id, "type": "function", "function": {"name": self.name, "arguments": self.arguments}}
+__all__ = ["PARSERS", "Parsed", "Parser", "ToolCall", "ToolStream", "check_tool_choice", "parse_hermes", "parser_for"]
 
 
-@dataclass
-class Parsed:
-    content: str | None
-    calls: list[ToolCall]
+class Parser:
+    """A format bound to one request's tools: called with a sample's whole text."""
 
+    def __init__(self, fmt: Format, tools: Any) -> None:
+        self.format, self.tools = fmt, tools or []
 
-Parser = Callable[[str], Parsed]
-
-
-def _blocks(text: str) -> list[str]:
-    """The bodies of the `<tool_call>` blocks in `text`; an unclosed last one runs to the end."""
-    bodies, at = [], text.find(OPEN)
-    while at != -1:
-        start = at + len(OPEN)
-        end = text.find(CLOSE, start)
-        if end == -1:
-            bodies.append(text[start:])
-            break
-        bodies.append(text[start:end])
-        at = text.find(OPEN, end + len(CLOSE))
-    return bodies
+    def __call__(self, text: str) -> Parsed:
+        return self.format.parse(text, self.tools)
 
 
 def parse_hermes(text: str) -> Parsed:
-    """vLLM's hermes parse: `<tool_call>{"name": ..., "arguments": ...}</tool_call>` blocks
-    become calls, the text before the first block the content (None when only whitespace);
-    any block that is not such an object leaves the text as the content, with no calls."""
-    first = text.find(OPEN)
-    if first == -1:
-        return Parsed(text, [])
-    calls = []
-    try:
-        for body in _blocks(text):
-            call = json.loads(body)
-            name = call["name"]
-            if not isinstance(name, str):
-                raise TypeError("a tool call's name is a string")
-            calls.append(ToolCall(name, json.dumps(call["arguments"], ensure_ascii=False)))
-    except (ValueError, TypeError, KeyError, IndexError, RecursionError):
-        return Parsed(text, [])
-    content = text[:first]
-    return Parsed(content if content.strip() else None, calls)
+    return HERMES.parse(text, ())
 
 
-_PARSE: dict[str, Parser] = {"hermes": parse_hermes}
-
-
-def parser_for(body: Any, setting: str) -> Parser | None:
+def parser_for(body: Any, fmt: Format | None) -> Parser | None:
     """The parse that applies to a chat body (check_tool_choice passed), or None."""
-    if not setting or not body.tools or (body.tool_choice or "auto") != "auto":
+    if fmt is None or not body.tools or (body.tool_choice or "auto") != "auto":
         return None
-    return _PARSE[setting]
+    return Parser(fmt, body.tools)
 
 
 def check_tool_choice(body: Any, setting: str) -> None:
@@ -159,12 +116,14 @@ def _bad(message: str, param: str) -> HttpError:
 class ToolStream:
     """One streamed sample's text, split into content sent at once and the calls sent at its end."""
 
-    def __init__(self, parse: Parser) -> None:
+    def __init__(self, parse: Parser | Callable[[str], Parsed], fmt: Format = HERMES) -> None:
         self.parse = parse
+        self.format = parse.format if isinstance(parse, Parser) else fmt
         self.text = ""
         self.sent = 0
         self.first = -1
-        """Where the first `<tool_call>` begins, once it has come."""
+        """Where the first opener of a call begins, once one has come."""
+        self.longest = max((len(o) for o in self.format.openers), default=1)
         self.blank, self.blank_upto = True, 0
         """While the content so far is whitespace only, and up to where it was checked (each delta scans only
         what is new: a sample's stream costs time linear in its length)."""
@@ -177,38 +136,42 @@ class ToolStream:
         before = len(self.text)
         self.text += delta
         if self.first == -1:
-            self.first = self.text.find(OPEN, max(0, before - len(OPEN) + 1))
+            since = max(0, before - self.longest + 1)
+            found = [i for i in (self.text.find(o, since) for o in self.format.openers) if i != -1]
+            self.first = min(found, default=-1)
         if not finished:
-            upto = self._safe()
+            upto = self._settled()
             content = self.text[self.sent : upto] if upto > self.sent else ""
             self.sent = max(self.sent, upto)
             return content, []
         parsed = self.parse(self.text)
+        whole = parsed.content or ""
+        content, self.sent = whole[self.sent :], len(self.text)
         if not parsed.calls:
-            content, self.sent = self.text[self.sent :], len(self.text)
             return content, []
         self.called = True
-        whole = parsed.content or ""
-        content = whole[self.sent :]
-        self.sent = len(self.text)
         return content, [{"index": i, **call.openai()} for i, call in enumerate(parsed.calls)]
 
-    def _safe(self) -> int:
-        """How much of the text is content whatever follows: up to the first call, less an
-        end that could begin one, and nothing while it is only whitespace (a content of only
-        whitespace before calls is none)."""
-        at = self.first if self.first != -1 else len(self.text) - _partial(self.text, OPEN)
+    def _settled(self) -> int:
+        """How much of the text is content whatever follows (toolcalls/base.py, Format): up to the
+        first call, less an end that could begin one; nothing while it is only whitespace (hermes:
+        such content before calls is none) or, where content with calls is stripped, while it
+        begins with whitespace, and never its trailing whitespace."""
+        fmt = self.format
+        if fmt.hold_all or not self.text:
+            return 0
+        at = self.first
+        if at == -1:
+            at = len(self.text) - max(partial(self.text, o) for o in fmt.openers)
+        if fmt.strip:
+            if self.text[0].isspace():
+                return 0
+            while at > 0 and self.text[at - 1].isspace():  # scans only the trailing whitespace, never copies
+                at -= 1
+            return at
         if self.blank and self.blank_upto < at:
             if self.text[self.blank_upto : at].strip():
                 self.blank = False
             else:
                 self.blank_upto = at
         return 0 if self.blank else at
-
-
-def _partial(text: str, tag: str) -> int:
-    """The length of the longest end of `text` that begins `tag` (and is not all of it)."""
-    for size in range(min(len(tag) - 1, len(text)), 0, -1):
-        if text.endswith(tag[:size]):
-            return size
-    return 0
