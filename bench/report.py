@@ -635,6 +635,48 @@ def signed_push(d: dict) -> str:
     )
 
 
+def proof_cost(d: dict) -> str:
+    names = {"tiny": "tiny model, transformers", "1.5b": "Qwen2.5-1.5B-shaped r=16, scripted"}
+    rows = []
+    for arm, r in d["arms"].items():
+        rows.append(
+            [
+                names.get(arm, arm),
+                f"{r['payload_bytes'] / 1e6:.2f} MB",
+                s(r["plain"], 1e3, 1, " ms"),
+                s(r["probed"], 1e3, 1, " ms"),
+                f"{r['share_of_push'] * 100:+.1f}%",
+                f"{r['replica_proof']['mean_s'] * 1e3:.2f} ms",
+            ]
+        )
+    sequences, prompt, continuation = d["probe"]
+    n = next(iter(d["arms"].values()))["plain"]["n"]
+    publisher = d["arms"].get("tiny", {}).get("publisher_probe_s")
+    extra = (
+        f" The publisher's own numbers for the probe (tiny model, PEFT): {publisher * 1e3:.1f} ms." if publisher else ""
+    )
+    return "\n\n".join(
+        [
+            provenance(d) + f" A proxy in front of {d['replicas']} replicas, every version signed; a probe of "
+            f"{sequences} sequences of {prompt} + {continuation} tokens; median (min–max) of {n} pushes per arm, "
+            "alternating with and without the probe.",
+            table(
+                [
+                    "stack",
+                    "payload",
+                    "push (no probe)",
+                    "push with probe",
+                    "proof's share of the push",
+                    "one replica's proof",
+                ],
+                rows,
+            ),
+            "A push is timed until the proxy's reply (the version committed on every replica; each replica's proof is "
+            "part of its commit)." + extra,
+        ]
+    )
+
+
 def prefix_cache(d: dict) -> str:
     rows = []
     for name, m in d["models"].items():
@@ -973,6 +1015,7 @@ SECTIONS = {
     "trl_shapes": trl_shapes,
     "prefix_cache": prefix_cache,
     "signed_push": signed_push,
+    "proof_cost": proof_cost,
     "sessions": sessions,
     "startup": startup,
     "resume_vs_restart": resume_vs_restart,
