@@ -117,3 +117,49 @@ def test_vllm_rl_route_gives_the_completions_sample_with_its_versions(door):
         refused = post(url, "/inference/v1/generate", {**ask, field: value})
         status = 404 if field == "model" else 400
         assert refused.status_code == status and refused.json()["error"]["param"] == param, (field, refused.text)
+
+
+def test_turn_k_plus_1_reuses_turn_ks_sampled_ids_exactly(door):
+    """Multi-turn tokens (issue 50, item 2; docs/http.md "What is exact and what is re-rendered"): a
+    harness that builds turn k+1's prompt from turn k's `prompt_token_ids` and sampled `token_ids`
+    (as verifiers' renderer client bridges turns) and sends it as ids gets it back exactly, and the
+    same sample as the completions route; the chat route re-renders turn k from its text, so its
+    prompt holds the sampled ids only where they are the tokenization of that text (no EOS, which
+    the text leaves out), and otherwise drifts from them."""
+    url, model = door["proxy"].http_url, door["model"].name
+    user, more = {"role": "user", "content": "12+34="}, {"role": "user", "content": "more"}
+    drifted = exact = 0
+    for seed in range(6):
+        ask = {"model": model, "max_tokens": 6, "seed": seed, "temperature": 1.0, "return_token_ids": True}
+        first = post(url, "/v1/chat/completions", {**ask, "messages": [user]}).json()
+        prompt, sampled = first["prompt_token_ids"], first["choices"][0]["token_ids"]
+        text = first["choices"][0]["message"]["content"]
+
+        def ids(t: str) -> list[int]:
+            return post(url, "/tokenize", {"model": model, "prompt": t, "add_special_tokens": False}).json()["tokens"]
+
+        # The template writes turn k as "a:TEXT\n", then "u:more\na:": the harness appends the sampled ids and the
+        # rendered rest, the template renders all of it from text.
+        bridged = prompt + sampled + ids("\nu:more\na:")
+        again = {**ask, "messages": [user, {"role": "assistant", "content": text}, more]}
+        rerendered = post(url, "/v1/chat/completions", again).json()["prompt_token_ids"]
+        assert rerendered == prompt + ids(text + "\nu:more\na:")
+        if sampled == ids(text):
+            assert rerendered == bridged
+            exact += 1
+        else:
+            assert rerendered != bridged  # the sampled ids are not what the text tokenizes to (an EOS, most often)
+            drifted += 1
+        sampling = {"max_tokens": 6, "seed": seed, "temperature": 1.0, "logprobs": 0}
+        second = post(
+            url,
+            "/inference/v1/generate",
+            {"model": model, "token_ids": bridged, "sampling_params": sampling, "return_token_ids": True},
+        ).json()
+        assert second["prompt_token_ids"] == bridged  # exact: what was sent is what was sampled from
+        want = post(url, "/v1/completions", {"model": model, "prompt": bridged, **sampling, "return_token_ids": True})
+        want = want.json()["choices"][0]
+        assert second["choices"][0]["token_ids"] == want["token_ids"]
+        got = [e["logprob"] for e in second["choices"][0]["logprobs"]["content"]]
+        assert got == pytest.approx(want["logprobs"]["token_logprobs"], abs=1e-5)  # either replica may serve it
+    assert exact and drifted  # these seeds meet both rules (5 and 1 here)
