@@ -47,8 +47,12 @@ class Episode:
     logprobs: list[float] = field(default_factory=list)
     token_versions: list[int] = field(default_factory=list)
     reward: float = 0.0
+    receipts: list[lpb.ReceiptSpan] = field(default_factory=list)
+    """Each model turn's receipt (from a replica with a receipt key), placed where its tokens start."""
 
-    def model_turn(self, token_ids, logprobs, versions) -> None:
+    def model_turn(self, token_ids, logprobs, versions, receipt=None) -> None:
+        if receipt is not None:
+            self.receipts.append(lpb.ReceiptSpan(start=len(self.token_ids), receipt=receipt))
         self.token_ids += token_ids
         self.loss_mask += [True] * len(token_ids)
         self.logprobs += logprobs
@@ -66,22 +70,44 @@ def first_number(text: str) -> int | None:
     return int(match.group()) if match else None
 
 
-def play(client: Client, tokenizer, adapter: str, a: int, b: int, c: int, n: int, seed: int, max_new_tokens: int = 4):
+def play(
+    client: Client,
+    tokenizer,
+    adapter: str,
+    a: int,
+    b: int,
+    c: int,
+    n: int,
+    seed: int,
+    max_new_tokens: int = 4,
+    temperature: float | None = None,
+):
     """The n episodes of one prompt: (prompt token ids, episodes)."""
     first = client.generate(
-        f"{a:02d}+{b:02d}=", n, max_new_tokens=max_new_tokens, adapter=adapter, seed=seed, ignore_eos=True
+        f"{a:02d}+{b:02d}=",
+        n,
+        max_new_tokens=max_new_tokens,
+        adapter=adapter,
+        seed=seed,
+        ignore_eos=True,
+        temperature=temperature,
     )
     prompt = list(first.prompt_token_ids)
     episodes = []
     environment = tokenizer.encode(f"+{c:02d}=", add_special_tokens=False)
     for sample in first.samples:
         episode = Episode()
-        episode.model_turn(sample.token_ids, sample.logprobs, sample.token_versions)
+        episode.model_turn(sample.token_ids, sample.logprobs, sample.token_versions, sample.receipt)
         episode.environment_turn(environment)
         second = client.generate(
-            prompt + episode.token_ids, 1, max_new_tokens=max_new_tokens, adapter=adapter, seed=seed + 1 + sample.index
+            prompt + episode.token_ids,
+            1,
+            max_new_tokens=max_new_tokens,
+            adapter=adapter,
+            seed=seed + 1 + sample.index,
+            temperature=temperature,
         ).samples[0]
-        episode.model_turn(second.token_ids, second.logprobs, second.token_versions)
+        episode.model_turn(second.token_ids, second.logprobs, second.token_versions, second.receipt)
         episode.reward = float(first_number(second.text) == a + b + c)
         episodes.append(episode)
     return prompt, episodes
@@ -100,6 +126,7 @@ def trajectories(group_id: str, prompt: list[int], episodes: list[Episode]) -> l
             reward=e.reward,
             correct=e.reward == 1.0,
             trajectory_id=f"{group_id}/{i}",
+            receipts=e.receipts,
         )
         for i, e in enumerate(episodes)
     ]

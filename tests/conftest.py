@@ -96,8 +96,24 @@ def workdir(tmp_path_factory, request) -> Path:
 
 
 @pytest.fixture(scope="session")
-def generator(tiny_model, tmp_path_factory):
-    """One generator replica shared by the tests that do not need special settings."""
+def receipt_keys(tmp_path_factory) -> Path:
+    """The shared replica's receipt key (a file beside it) and the trust file naming it, which a
+    learner that requires receipts is given (ingest.receipt_keys_file)."""
+    import json
+
+    from rollwire.common.signing import SigningKey
+
+    folder = tmp_path_factory.mktemp("receipt-keys")
+    key = SigningKey.generate("shared-replica")
+    key.save(folder / "replica.key")
+    (folder / "trust.json").write_text(json.dumps({"keys": [key.trust_entry()]}))
+    return folder
+
+
+@pytest.fixture(scope="session")
+def generator(tiny_model, tmp_path_factory, receipt_keys):
+    """One generator replica shared by the tests that do not need special settings; it signs a
+    receipt for every sample (receipt_key_file)."""
     svc = start_generator(
         tiny_model,
         tmp_path_factory.mktemp("generator"),
@@ -106,6 +122,8 @@ def generator(tiny_model, tmp_path_factory):
         "limits.max_n=16",
         "--set",
         "limits.max_new_tokens=200",
+        "--set",
+        f"receipt_key_file={receipt_keys / 'replica.key'}",
     )
     yield svc
     svc.stop()

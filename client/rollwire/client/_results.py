@@ -61,6 +61,7 @@ class Finished:
     prompt_tokens: int
     completion_tokens: int
     routed_experts: RoutedExperts | None = None
+    receipt: pb.SampleReceipt | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -120,7 +121,10 @@ def events_from_pb(message: pb.GenerateResponse) -> list[StreamEvent]:
         if f.finish_reason not in _FINISH:
             raise _protocol_error(f"sample {f.sample_index} finished without a finish reason")
         routed = RoutedExperts.of(f.routed_experts) if f.HasField("routed_experts") else None
-        events.append(Finished(f.sample_index, _FINISH[f.finish_reason], f.prompt_tokens, f.completion_tokens, routed))
+        receipt = f.receipt if f.HasField("receipt") else None
+        events.append(
+            Finished(f.sample_index, _FINISH[f.finish_reason], f.prompt_tokens, f.completion_tokens, routed, receipt)
+        )
     if not events:
         raise _protocol_error("a response message carries no event")
     return events
@@ -157,6 +161,9 @@ class Sample:
     """With `return_kept_tokens`: parallel to token_ids, each token's kept set (empty: the whole vocabulary)."""
     routed_experts: RoutedExperts | None = None
     """With `return_routed_experts`: the MoE routing of its prompt and tokens (for routing replay)."""
+    receipt: pb.SampleReceipt | None = None
+    """From a replica with a receipt key: its signed word for this sample (rollwire.common.receipts), which a
+    producer attaches to the trajectory it submits (Trajectory.receipts)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -243,6 +250,7 @@ class GroupAccumulator:
             completion_tokens=event.completion_tokens,
             kept_tokens=part.kept,
             routed_experts=event.routed_experts,
+            receipt=event.receipt,
         )
         self._done[event.index] = sample
         return sample

@@ -204,6 +204,12 @@ def _add_generate(commands: Any) -> None:
         help="with --json: each token's kept set under top-k/top-p (kept_token_ids, parallel to token_ids)",
     )
     p.add_argument(
+        "--routed-experts",
+        dest="return_routed_experts",
+        action="store_true",
+        help="with --json: a MoE model's routing of each sample (routed_experts: positions x layers x top_k ids)",
+    )
+    p.add_argument(
         "--adapter",
         type=_adapter_arg,
         metavar="NAME@VERSION",
@@ -304,6 +310,7 @@ def result_to_json(result: GenerateResult) -> dict[str, Any]:
             "adapter_version": s.adapter_version,
             "token_versions": s.token_versions,
             **({"kept_token_ids": [list(k) for k in s.kept_tokens]} if s.kept_tokens else {}),
+            **({"routed_experts": s.routed_experts.array().tolist()} if s.routed_experts else {}),
         }
         for s in result.samples
     ]

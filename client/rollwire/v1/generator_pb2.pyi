@@ -131,18 +131,44 @@ class TokenChunk(_message.Message):
     def __init__(self, sample_index: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[float]] = ..., text: _Optional[str] = ..., adapter_version: _Optional[int] = ..., kept_tokens: _Optional[_Iterable[bytes]] = ...) -> None: ...
 
 class SampleFinished(_message.Message):
-    __slots__ = ("sample_index", "finish_reason", "prompt_tokens", "completion_tokens", "routed_experts")
+    __slots__ = ("sample_index", "finish_reason", "prompt_tokens", "completion_tokens", "routed_experts", "receipt")
     SAMPLE_INDEX_FIELD_NUMBER: _ClassVar[int]
     FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     COMPLETION_TOKENS_FIELD_NUMBER: _ClassVar[int]
     ROUTED_EXPERTS_FIELD_NUMBER: _ClassVar[int]
+    RECEIPT_FIELD_NUMBER: _ClassVar[int]
     sample_index: int
     finish_reason: FinishReason
     prompt_tokens: int
     completion_tokens: int
     routed_experts: RoutedExperts
-    def __init__(self, sample_index: _Optional[int] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., routed_experts: _Optional[_Union[RoutedExperts, _Mapping]] = ...) -> None: ...
+    receipt: SampleReceipt
+    def __init__(self, sample_index: _Optional[int] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., routed_experts: _Optional[_Union[RoutedExperts, _Mapping]] = ..., receipt: _Optional[_Union[SampleReceipt, _Mapping]] = ...) -> None: ...
+
+class SampleReceipt(_message.Message):
+    __slots__ = ("signer", "signature", "adapter", "context_sha256", "tokens_sha256", "logprobs_sha256", "versions_sha256", "tokens", "sample_id", "issued_unix_ms")
+    SIGNER_FIELD_NUMBER: _ClassVar[int]
+    SIGNATURE_FIELD_NUMBER: _ClassVar[int]
+    ADAPTER_FIELD_NUMBER: _ClassVar[int]
+    CONTEXT_SHA256_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_SHA256_FIELD_NUMBER: _ClassVar[int]
+    LOGPROBS_SHA256_FIELD_NUMBER: _ClassVar[int]
+    VERSIONS_SHA256_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_FIELD_NUMBER: _ClassVar[int]
+    SAMPLE_ID_FIELD_NUMBER: _ClassVar[int]
+    ISSUED_UNIX_MS_FIELD_NUMBER: _ClassVar[int]
+    signer: str
+    signature: bytes
+    adapter: str
+    context_sha256: bytes
+    tokens_sha256: bytes
+    logprobs_sha256: bytes
+    versions_sha256: bytes
+    tokens: int
+    sample_id: str
+    issued_unix_ms: int
+    def __init__(self, signer: _Optional[str] = ..., signature: _Optional[bytes] = ..., adapter: _Optional[str] = ..., context_sha256: _Optional[bytes] = ..., tokens_sha256: _Optional[bytes] = ..., logprobs_sha256: _Optional[bytes] = ..., versions_sha256: _Optional[bytes] = ..., tokens: _Optional[int] = ..., sample_id: _Optional[str] = ..., issued_unix_ms: _Optional[int] = ...) -> None: ...
 
 class RoutedExperts(_message.Message):
     __slots__ = ("positions", "layers", "top_k", "expert_ids")

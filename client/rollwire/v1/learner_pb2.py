@@ -22,27 +22,30 @@ _runtime_version.ValidateProtobufRuntimeVersion(
 _sym_db = _symbol_database.Default()
 
 
+from rollwire.v1 import generator_pb2 as rollwire_dot_v1_dot_generator__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19rollwire/v1/learner.proto\x12\x0brollwire.v1\"\xd4\x01\n\nTrajectory\x12\x10\n\x08group_id\x18\x01 \x01(\t\x12\x12\n\ngroup_size\x18\x02 \x01(\r\x12\x18\n\x10prompt_token_ids\x18\x03 \x03(\x05\x12\x11\n\ttoken_ids\x18\x04 \x03(\x05\x12\x11\n\tloss_mask\x18\x05 \x03(\x08\x12\x10\n\x08logprobs\x18\x06 \x03(\x02\x12\x16\n\x0etoken_versions\x18\x07 \x03(\x04\x12\x0e\n\x06reward\x18\x08 \x01(\x01\x12\x0f\n\x07\x63orrect\x18\t \x01(\x08\x12\x15\n\rtrajectory_id\x18\n \x01(\t\"H\n\x19SubmitTrajectoriesRequest\x12+\n\ntrajectory\x18\x01 \x01(\x0b\x32\x17.rollwire.v1.Trajectory\"\xcb\x01\n\x1aSubmitTrajectoriesResponse\x12\r\n\x05index\x18\x01 \x01(\x04\x12\x15\n\rtrajectory_id\x18\x02 \x01(\t\x12\x10\n\x08group_id\x18\x03 \x01(\t\x12-\n\x06status\x18\x04 \x01(\x0b\x32\x1d.rollwire.v1.TrajectoryStatus\x12\x16\n\x0egroup_complete\x18\x05 \x01(\x08\x12\x16\n\x0enewest_version\x18\x06 \x01(\x04\x12\x16\n\x0eoldest_version\x18\x07 \x01(\x04\"Y\n\x10TrajectoryStatus\x12\x0c\n\x04\x63ode\x18\x01 \x01(\r\x12\x0e\n\x06reason\x18\x02 \x01(\t\x12\x0f\n\x07message\x18\x03 \x01(\t\x12\x16\n\x0eretry_after_ms\x18\x04 \x01(\r\"\x18\n\x16GetIngestStatusRequest\"\xc2\x01\n\x17GetIngestStatusResponse\x12\x16\n\x0enewest_version\x18\x01 \x01(\x04\x12\x16\n\x0eoldest_version\x18\x02 \x01(\x04\x12\x16\n\x0epending_groups\x18\x03 \x01(\r\x12\x1a\n\x12max_pending_groups\x18\x04 \x01(\r\x12\x14\n\x0c\x61\x64\x61pter_name\x18\x05 \x01(\t\x12\x19\n\x11model_fingerprint\x18\x06 \x01(\t\x12\x12\n\nvocab_size\x18\x07 \x01(\r2\xd9\x01\n\x0eLearnerService\x12i\n\x12SubmitTrajectories\x12&.rollwire.v1.SubmitTrajectoriesRequest\x1a\'.rollwire.v1.SubmitTrajectoriesResponse(\x01\x30\x01\x12\\\n\x0fGetIngestStatus\x12#.rollwire.v1.GetIngestStatusRequest\x1a$.rollwire.v1.GetIngestStatusResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19rollwire/v1/learner.proto\x12\x0brollwire.v1\x1a\x1brollwire/v1/generator.proto\"\x80\x02\n\nTrajectory\x12\x10\n\x08group_id\x18\x01 \x01(\t\x12\x12\n\ngroup_size\x18\x02 \x01(\r\x12\x18\n\x10prompt_token_ids\x18\x03 \x03(\x05\x12\x11\n\ttoken_ids\x18\x04 \x03(\x05\x12\x11\n\tloss_mask\x18\x05 \x03(\x08\x12\x10\n\x08logprobs\x18\x06 \x03(\x02\x12\x16\n\x0etoken_versions\x18\x07 \x03(\x04\x12\x0e\n\x06reward\x18\x08 \x01(\x01\x12\x0f\n\x07\x63orrect\x18\t \x01(\x08\x12\x15\n\rtrajectory_id\x18\n \x01(\t\x12*\n\x08receipts\x18\x0b \x03(\x0b\x32\x18.rollwire.v1.ReceiptSpan\"I\n\x0bReceiptSpan\x12\r\n\x05start\x18\x01 \x01(\r\x12+\n\x07receipt\x18\x02 \x01(\x0b\x32\x1a.rollwire.v1.SampleReceipt\"H\n\x19SubmitTrajectoriesRequest\x12+\n\ntrajectory\x18\x01 \x01(\x0b\x32\x17.rollwire.v1.Trajectory\"\xcb\x01\n\x1aSubmitTrajectoriesResponse\x12\r\n\x05index\x18\x01 \x01(\x04\x12\x15\n\rtrajectory_id\x18\x02 \x01(\t\x12\x10\n\x08group_id\x18\x03 \x01(\t\x12-\n\x06status\x18\x04 \x01(\x0b\x32\x1d.rollwire.v1.TrajectoryStatus\x12\x16\n\x0egroup_complete\x18\x05 \x01(\x08\x12\x16\n\x0enewest_version\x18\x06 \x01(\x04\x12\x16\n\x0eoldest_version\x18\x07 \x01(\x04\"Y\n\x10TrajectoryStatus\x12\x0c\n\x04\x63ode\x18\x01 \x01(\r\x12\x0e\n\x06reason\x18\x02 \x01(\t\x12\x0f\n\x07message\x18\x03 \x01(\t\x12\x16\n\x0eretry_after_ms\x18\x04 \x01(\r\"\x18\n\x16GetIngestStatusRequest\"\xc2\x01\n\x17GetIngestStatusResponse\x12\x16\n\x0enewest_version\x18\x01 \x01(\x04\x12\x16\n\x0eoldest_version\x18\x02 \x01(\x04\x12\x16\n\x0epending_groups\x18\x03 \x01(\r\x12\x1a\n\x12max_pending_groups\x18\x04 \x01(\r\x12\x14\n\x0c\x61\x64\x61pter_name\x18\x05 \x01(\t\x12\x19\n\x11model_fingerprint\x18\x06 \x01(\t\x12\x12\n\nvocab_size\x18\x07 \x01(\r2\xd9\x01\n\x0eLearnerService\x12i\n\x12SubmitTrajectories\x12&.rollwire.v1.SubmitTrajectoriesRequest\x1a\'.rollwire.v1.SubmitTrajectoriesResponse(\x01\x30\x01\x12\\\n\x0fGetIngestStatus\x12#.rollwire.v1.GetIngestStatusRequest\x1a$.rollwire.v1.GetIngestStatusResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'rollwire.v1.learner_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_TRAJECTORY']._serialized_start=43
-  _globals['_TRAJECTORY']._serialized_end=255
-  _globals['_SUBMITTRAJECTORIESREQUEST']._serialized_start=257
-  _globals['_SUBMITTRAJECTORIESREQUEST']._serialized_end=329
-  _globals['_SUBMITTRAJECTORIESRESPONSE']._serialized_start=332
-  _globals['_SUBMITTRAJECTORIESRESPONSE']._serialized_end=535
-  _globals['_TRAJECTORYSTATUS']._serialized_start=537
-  _globals['_TRAJECTORYSTATUS']._serialized_end=626
-  _globals['_GETINGESTSTATUSREQUEST']._serialized_start=628
-  _globals['_GETINGESTSTATUSREQUEST']._serialized_end=652
-  _globals['_GETINGESTSTATUSRESPONSE']._serialized_start=655
-  _globals['_GETINGESTSTATUSRESPONSE']._serialized_end=849
-  _globals['_LEARNERSERVICE']._serialized_start=852
-  _globals['_LEARNERSERVICE']._serialized_end=1069
+  _globals['_TRAJECTORY']._serialized_start=72
+  _globals['_TRAJECTORY']._serialized_end=328
+  _globals['_RECEIPTSPAN']._serialized_start=330
+  _globals['_RECEIPTSPAN']._serialized_end=403
+  _globals['_SUBMITTRAJECTORIESREQUEST']._serialized_start=405
+  _globals['_SUBMITTRAJECTORIESREQUEST']._serialized_end=477
+  _globals['_SUBMITTRAJECTORIESRESPONSE']._serialized_start=480
+  _globals['_SUBMITTRAJECTORIESRESPONSE']._serialized_end=683
+  _globals['_TRAJECTORYSTATUS']._serialized_start=685
+  _globals['_TRAJECTORYSTATUS']._serialized_end=774
+  _globals['_GETINGESTSTATUSREQUEST']._serialized_start=776
+  _globals['_GETINGESTSTATUSREQUEST']._serialized_end=800
+  _globals['_GETINGESTSTATUSRESPONSE']._serialized_start=803
+  _globals['_GETINGESTSTATUSRESPONSE']._serialized_end=997
+  _globals['_LEARNERSERVICE']._serialized_start=1000
+  _globals['_LEARNERSERVICE']._serialized_end=1217
 # @@protoc_insertion_point(module_scope)

@@ -1,3 +1,4 @@
+from rollwire.v1 import generator_pb2 as _generator_pb2
 from google.protobuf.internal import containers as _containers
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
@@ -7,7 +8,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class Trajectory(_message.Message):
-    __slots__ = ("group_id", "group_size", "prompt_token_ids", "token_ids", "loss_mask", "logprobs", "token_versions", "reward", "correct", "trajectory_id")
+    __slots__ = ("group_id", "group_size", "prompt_token_ids", "token_ids", "loss_mask", "logprobs", "token_versions", "reward", "correct", "trajectory_id", "receipts")
     GROUP_ID_FIELD_NUMBER: _ClassVar[int]
     GROUP_SIZE_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -18,6 +19,7 @@ class Trajectory(_message.Message):
     REWARD_FIELD_NUMBER: _ClassVar[int]
     CORRECT_FIELD_NUMBER: _ClassVar[int]
     TRAJECTORY_ID_FIELD_NUMBER: _ClassVar[int]
+    RECEIPTS_FIELD_NUMBER: _ClassVar[int]
     group_id: str
     group_size: int
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
@@ -28,7 +30,16 @@ class Trajectory(_message.Message):
     reward: float
     correct: bool
     trajectory_id: str
-    def __init__(self, group_id: _Optional[str] = ..., group_size: _Optional[int] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., token_ids: _Optional[_Iterable[int]] = ..., loss_mask: _Optional[_Iterable[bool]] = ..., logprobs: _Optional[_Iterable[float]] = ..., token_versions: _Optional[_Iterable[int]] = ..., reward: _Optional[float] = ..., correct: _Optional[bool] = ..., trajectory_id: _Optional[str] = ...) -> None: ...
+    receipts: _containers.RepeatedCompositeFieldContainer[ReceiptSpan]
+    def __init__(self, group_id: _Optional[str] = ..., group_size: _Optional[int] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., token_ids: _Optional[_Iterable[int]] = ..., loss_mask: _Optional[_Iterable[bool]] = ..., logprobs: _Optional[_Iterable[float]] = ..., token_versions: _Optional[_Iterable[int]] = ..., reward: _Optional[float] = ..., correct: _Optional[bool] = ..., trajectory_id: _Optional[str] = ..., receipts: _Optional[_Iterable[_Union[ReceiptSpan, _Mapping]]] = ...) -> None: ...
+
+class ReceiptSpan(_message.Message):
+    __slots__ = ("start", "receipt")
+    START_FIELD_NUMBER: _ClassVar[int]
+    RECEIPT_FIELD_NUMBER: _ClassVar[int]
+    start: int
+    receipt: _generator_pb2.SampleReceipt
+    def __init__(self, start: _Optional[int] = ..., receipt: _Optional[_Union[_generator_pb2.SampleReceipt, _Mapping]] = ...) -> None: ...
 
 class SubmitTrajectoriesRequest(_message.Message):
     __slots__ = ("trajectory",)

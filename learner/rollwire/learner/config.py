@@ -212,6 +212,13 @@ class IngestSection(Section):
     names) before it is taken, and one whose claimed behaviour logprob is further than this from the scored one is
     refused (INVALID_ARGUMENT BEHAVIOUR_MISMATCH). Score's logprobs are temperature 1, untruncated: for producers that
     sample so (ingest_check.py); 1e-3 leaves room for float rounding."""
+    receipt_keys_file: str = Field(default="")
+    """The replicas' public receipt keys (a trust file: {"keys": [{"id", "public_key"}]}, each replica's entry from
+    `rollwire keys generate`). When set, a trajectory is taken only if every trained token lies in a span a trusted
+    replica signed (Trajectory.receipts; RECEIPT_MISSING / BAD_RECEIPT otherwise): provenance, not plausibility
+    (ingest_receipts.py, docs/security.md "Sample receipts"). "": no receipts required."""
+    receipt_max_age_s: float = Field(default=86400.0, gt=0)
+    """Oldest receipt taken, in seconds since the replica signed it; each receipt trains once whatever its age."""
     max_group_size: int = Field(default=64, ge=2, le=4096)
     """Largest group_size a trajectory may declare."""
     max_prompt_tokens: int = Field(default=8192, ge=1, le=1_000_000)

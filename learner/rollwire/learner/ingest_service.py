@@ -24,6 +24,7 @@ from rollwire.common.keepalive import DEFAULT as DEFAULT_KEEPALIVE
 from rollwire.learner.config import IngestSection
 from rollwire.learner.ingest import Ingest, Trajectory, bad_trajectory, check_shape
 from rollwire.learner.ingest_check import BehaviourCheck
+from rollwire.learner.ingest_receipts import ReceiptCheck
 from rollwire.runtime.logs import get_logger
 from rollwire.runtime.security import TokenAuth, add_port, caller_identity, interceptors, warn_if_exposed
 from rollwire.v1 import learner_pb2 as lpb
@@ -60,11 +61,18 @@ class LearnerServicer(learner_pb2_grpc.LearnerServiceServicer):
     """Answers every trajectory with its status; the judging is Ingest's."""
 
     def __init__(
-        self, ingest: Ingest, adapter_name: str, fingerprint: str, check: BehaviourCheck | None = None
+        self,
+        ingest: Ingest,
+        adapter_name: str,
+        fingerprint: str,
+        check: BehaviourCheck | None = None,
+        receipts: ReceiptCheck | None = None,
     ) -> None:
         self.ingest, self.adapter_name, self.fingerprint = ingest, adapter_name, fingerprint
         self.check = check
         """ingest.max_logprob_gap's check (ingest_check.py), run after the shape check; None: off."""
+        self.receipts = receipts
+        """ingest.receipt_keys_file's check (ingest_receipts.py), run after the shape check; None: off."""
 
     async def SubmitTrajectories(
         self, request_iterator: AsyncIterator[lpb.SubmitTrajectoriesRequest], context
@@ -78,9 +86,8 @@ class LearnerServicer(learner_pb2_grpc.LearnerServiceServicer):
                 if not request.HasField("trajectory"):
                     bad_trajectory("the request carries no trajectory")
                 taken = trajectory(t)
-                if self.check is not None:
-                    await self._verify(taken)
-                complete = self.ingest.submit(taken, producer)
+                claims = await self._verify(taken, t) if self.check or self.receipts else []
+                complete = self._submit(taken, producer, claims)
             except RollwireError as err:
                 result = status(err)
                 log.info(
@@ -102,16 +109,31 @@ class LearnerServicer(learner_pb2_grpc.LearnerServiceServicer):
             index += 1
             await asyncio.sleep(0)  # the other producers' streams and the learner's loop get their turn
 
-    async def _verify(self, t: Trajectory) -> None:
-        """The behaviour check, on a well-formed trajectory only (limits before work); its refusal
-        is counted as Ingest counts its own."""
-        assert self.check is not None
+    async def _verify(self, t: Trajectory, message: lpb.Trajectory) -> list[str]:
+        """The provenance check, then the behaviour check, on a well-formed trajectory only (limits
+        before work; the cheap check before the one that scores); a refusal is counted as Ingest
+        counts its own. Returns the receipts' sample ids, to claim when it is taken."""
         try:
             check_shape(t, self.ingest.cfg, self.ingest.vocab_size)
-            await self.check.verify(t.prompt_token_ids, t.token_ids, t.logprobs, t.token_versions, t.loss_mask)
+            claims = self.receipts.verify(message) if self.receipts is not None else []
+            if self.check is not None:
+                await self.check.verify(t.prompt_token_ids, t.token_ids, t.logprobs, t.token_versions, t.loss_mask)
         except RollwireError as err:
             self.ingest.counts[err.reason] += 1
             self.ingest.on_outcome(err.reason, None)
+            raise
+        return claims
+
+    def _submit(self, t: Trajectory, producer: str, claims: list[str]) -> bool:
+        """Into the buffer, its receipts claimed at once (no await between: two streams cannot
+        both take one receipt) and given back if the buffer refuses it (a producer may resend)."""
+        if self.receipts is None:
+            return self.ingest.submit(t, producer)
+        self.receipts.claim(claims)
+        try:
+            return self.ingest.submit(t, producer)
+        except BaseException:
+            self.receipts.release(claims)
             raise
 
     async def GetIngestStatus(self, request: lpb.GetIngestStatusRequest, context) -> lpb.GetIngestStatusResponse:

@@ -216,7 +216,9 @@ def _log_ready(session: Session, fingerprint: str, saved: checkpoint.Checkpoint 
 
 async def open_ingest(session: Session, fingerprint: str) -> None:
     """Serve LearnerService into the session's buffer (ingest.enabled)."""
+    from rollwire.common.signing import TrustedKeys
     from rollwire.learner.ingest_check import BehaviourCheck
+    from rollwire.learner.ingest_receipts import ReceiptCheck
     from rollwire.learner.ingest_service import LearnerServicer, serve_ingest
 
     cfg = session.cfg
@@ -229,7 +231,11 @@ async def open_ingest(session: Session, fingerprint: str) -> None:
     session.metrics.ingest_held_bytes.set_function(lambda: ingest.room.held)
     gap = cfg.ingest.max_logprob_gap
     check = BehaviourCheck(gap, session.client.score, cfg.adapter_name) if gap else None
-    servicer = LearnerServicer(session.ingest, cfg.adapter_name, fingerprint, check)
+    receipts = None
+    if cfg.ingest.receipt_keys_file:
+        keys = TrustedKeys.load(cfg.ingest.receipt_keys_file)
+        receipts = ReceiptCheck(keys, cfg.adapter_name, cfg.ingest.receipt_max_age_s, cfg.ingest.max_closed_ids)
+    servicer = LearnerServicer(session.ingest, cfg.adapter_name, fingerprint, check, receipts)
     session.ingest_server, session.ingest_port = await serve_ingest(cfg.ingest, servicer)
 
 

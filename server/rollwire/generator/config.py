@@ -98,6 +98,11 @@ class GeneratorConfig(ServerConfig):
     metrics_port: int = port_field(9400, "Prometheus /metrics")
     replica_id: str = Field(default="")
     """Name in logs and status; defaults to host:port."""
+    receipt_key_file: str = Field(default="")
+    """This replica's Ed25519 signing key file (`rollwire keys generate`): with it every finished sample carries a
+    SampleReceipt, the replica's signed word for what it was conditioned on and sampled, which a learner with
+    ingest.receipt_keys_file requires of ingested trajectories (docs/security.md, "Sample receipts"). Its own key,
+    never a publisher's: a receipt proves sampling, not publishing."""
     adapter_window: int = Field(default=3, ge=1)
     """Newest versions of each adapter kept loaded in the engine (a cache of the adapter_keep newest)."""
     adapter_keep: int = Field(default=8, ge=1)

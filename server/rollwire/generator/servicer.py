@@ -28,6 +28,7 @@ from rollwire.generator.convert import RequestConverter
 from rollwire.generator.engines.base import Engine
 from rollwire.generator.intake import PushIntake
 from rollwire.generator.metrics import GeneratorMetrics
+from rollwire.generator.receipts import Receipts, StreamReceipts
 from rollwire.generator.proof import Prover
 from rollwire.generator.score import Scoring
 from rollwire.generator.types import (
@@ -69,6 +70,8 @@ class GeneratorServicer(generator_pb2_grpc.GeneratorServiceServicer):
         self.prover = prover
         """Holds versions to their probes (proof.py); its records are GetStatus's `proofs`."""
         self.fingerprint, self.base_shapes, self.replica = fingerprint, base_shapes, replica
+        self.receipts = Receipts.from_file(config.receipt_key_file)
+        """This replica's signed word for each sample it finishes (receipts.py); off without a key."""
         self.in_flight = 0
         self._following: dict[str, dict[int, GroupRequest]] = {}
         """Running groups that follow an adapter's newest version, by adapter name."""
@@ -164,6 +167,7 @@ class GeneratorServicer(generator_pb2_grpc.GeneratorServiceServicer):
         (config.stream_interval); a session turn collects its reply and is committed once the
         group ended."""
         name, first = group.adapter.name, True
+        receipts = self.receipts.stream(group)
         async with contextlib.aclosing(self.engine.generate(group)) as stream:  # pyright: ignore[reportArgumentType]  # the library's annotation is narrower than what it accepts
             gathered: list = []
             async for events in stream:
@@ -174,11 +178,11 @@ class GeneratorServicer(generator_pb2_grpc.GeneratorServiceServicer):
                     if first:  # the first token the client gets, gathered or not
                         first = False
                         self.metrics.ttft.observe(time.monotonic() - start)
-                    for msg in self._to_responses(gathered, name):
+                    for msg in self._to_responses(gathered, name, receipts):
                         yield msg
                     gathered = []
             if gathered:
-                for msg in self._to_responses(gathered, name):
+                for msg in self._to_responses(gathered, name, receipts):
                     yield msg
         if turn is not None:
             turn.commit(group.prompt_ids, turn.output, version=group.adapter.version)
@@ -244,7 +248,9 @@ class GeneratorServicer(generator_pb2_grpc.GeneratorServiceServicer):
         self.metrics.served_tokens.labels(label, str(behind) if behind < 3 else "3+").inc(tokens)
         self.metrics.served_version.labels(label).set(version)
 
-    def _to_responses(self, events: list, adapter: str = "") -> list[pb.GenerateResponse]:
+    def _to_responses(
+        self, events: list, adapter: str = "", receipts: StreamReceipts | None = None
+    ) -> list[pb.GenerateResponse]:
         """One message for everything ready together: a chunk per sample, then finishes; a finish
         carrying routed experts that would take the message's routing over MAX_ROUTED_BYTES goes
         in a message of its own, after (so no message nears gRPC's size limit)."""
@@ -252,13 +258,15 @@ class GeneratorServicer(generator_pb2_grpc.GeneratorServiceServicer):
         for part in by_routed_size(coalesce(events)):
             msg = pb.GenerateResponse()
             for ev in part:
-                self._add_event(msg, ev, adapter)
+                self._add_event(msg, ev, adapter, receipts)
             msgs.append(msg)
         return msgs
 
-    def _add_event(self, msg: pb.GenerateResponse, ev: Event, adapter: str) -> None:
-        """One event into `msg`: a sample's new tokens, or its finish (with its routing)."""
+    def _add_event(self, msg: pb.GenerateResponse, ev: Event, adapter: str, receipts: StreamReceipts | None) -> None:
+        """One event into `msg`: a sample's new tokens, or its finish (with its routing and receipt)."""
         if isinstance(ev, TokenDelta):
+            if receipts is not None:
+                receipts.add(ev)
             self.metrics.tokens.labels("completion").inc(len(ev.token_ids))
             self._count_served(adapter, ev.version, len(ev.token_ids))
             msg.tokens.add(
@@ -281,6 +289,8 @@ class GeneratorServicer(generator_pb2_grpc.GeneratorServiceServicer):
                 done.routed_experts.CopyFrom(
                     pb.RoutedExperts(positions=r.positions, layers=r.layers, top_k=r.top_k, expert_ids=r.expert_ids)
                 )
+            if receipts is not None:
+                done.receipt.CopyFrom(receipts.finish(ev))
 
     # -- Score (score.py) ----------------------------------------------------------------
     async def Score(self, request: pb.ScoreRequest, context: grpc.aio.ServicerContext) -> pb.ScoreResponse:

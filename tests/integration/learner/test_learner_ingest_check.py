@@ -1,7 +1,14 @@
-"""The ingestion's behaviour check (ingest.max_logprob_gap, ingest_check.py) in a real learner
-over a real replica: a trajectory whose claimed behaviour logprob was forged is refused with
-BEHAVIOUR_MISMATCH, honest ones (the example producer's, sampled by the same replica at
-temperature 1) are taken and trained. The check's own logic: tests/unit/learner/test_ingest_check.py."""
+"""The ingestion's provenance and behaviour checks in a real learner over a real replica that signs
+a receipt for every sample (the shared replica's receipt_key_file):
+- provenance (ingest.receipt_keys_file, ingest_receipts.py; audit S11): a trajectory whose claimed
+  behaviour logprob was forged, and one whose token the model never sampled (carrying the true
+  logprob Score gives it, which the behaviour check alone would take), are refused with
+  BAD_RECEIPT; one without receipts with RECEIPT_MISSING; a receipt already trained on is refused;
+- behaviour (ingest.max_logprob_gap, ingest_check.py): a genuinely sampled trajectory whose
+  logprobs are not temperature 1's (sampled at T=0.5) is refused with BEHAVIOUR_MISMATCH;
+- honest ones (the example producer's, sampled by the same replica at temperature 1, with their
+  receipts) are taken and trained.
+The checks' own logic: tests/unit/learner/test_ingest_check.py, test_ingest_receipts.py."""
 
 from __future__ import annotations
 
@@ -27,7 +34,7 @@ AUTH = [("authorization", f"Bearer {ADMIN}")]
 
 
 @pytest.fixture(scope="module")
-def learner(generator, tiny_model, tmp_path_factory):
+def learner(generator, tiny_model, tmp_path_factory, receipt_keys):
     work = tmp_path_factory.mktemp("ingest-check")
     (work / "admin.tokens").write_text(ADMIN + "\n")
     run = work / "run"
@@ -41,6 +48,7 @@ def learner(generator, tiny_model, tmp_path_factory):
         "ingest.port=0",
         "ingest.exclusive=true",
         "ingest.max_logprob_gap=0.001",
+        f"ingest.receipt_keys_file={receipt_keys / 'trust.json'}",
         f"ingest.auth.admin_tokens_file={work / 'admin.tokens'}",
     ]
     svc = start(args, work, "learner", timeout=120)
@@ -64,19 +72,53 @@ def test_a_forged_trajectory_is_refused_and_honest_ones_are_trained(learner, gen
     )
     v = status.newest_version
     tokenizer = AutoTokenizer.from_pretrained(tiny_model)
+    adapter = f"policy-check@{v}"
     with Client(generator.target, timeout=60) as client:
-        prompt, episodes = ingest_producer.play(client, tokenizer, f"policy-check@{v}", 12, 30, 4, 2, seed=1)
-    honest = ingest_producer.trajectories("checked", prompt, episodes)
-    forged = lpb.Trajectory()
-    forged.CopyFrom(honest[0])
-    j = next(i for i, m in enumerate(forged.loss_mask) if m)
-    forged.logprobs[j] = max(-49.0, forged.logprobs[j] - 0.5)  # within the shape's bounds, off by 0.5
+        prompt, episodes = ingest_producer.play(client, tokenizer, adapter, 12, 30, 4, 2, seed=1)
+        hot_prompt, hot = ingest_producer.play(client, tokenizer, adapter, 21, 13, 2, 2, seed=2, temperature=0.5)
+        honest = ingest_producer.trajectories("checked", prompt, episodes)
+        j = next(i for i, m in enumerate(honest[0].loss_mask) if m)
+        forged = copy(honest[0], "forged-logprob")
+        forged.logprobs[j] = max(-49.0, forged.logprobs[j] - 0.5)  # within the shape's bounds, off by 0.5
+        unsampled = copy(honest[0], "unsampled")  # S11: a token no policy sampled, with its true logprob
+        unsampled.token_ids[j] = (unsampled.token_ids[j] + 1) % tokenizer.vocab_size
+        rest = list(unsampled.token_ids)
+        score = client.score([(list(unsampled.prompt_token_ids), rest)], adapter=adapter)
+        unsampled.logprobs[j] = score.logprobs[0][j]
+        bare = copy(honest[0], "bare")
+        bare.ClearField("receipts")
+        tempered = ingest_producer.trajectories("tempered", hot_prompt, hot)[0]
+        again = copy(honest[1], "again")  # its receipts trained a moment before, now under another group
+        again.group_id = "checked-again"
 
-    answers = ingest_producer.submit(s, [forged, *honest], AUTH)
-    assert [a.status.reason for a in answers] == [Reason.BEHAVIOUR_MISMATCH, "", ""], answers
-    assert answers[0].status.code == grpc.StatusCode.INVALID_ARGUMENT.value[0]
-    assert f"token {j} " in answers[0].status.message and "ingest.max_logprob_gap" in answers[0].status.message
-    assert answers[2].group_complete
+    assert all(len(t.receipts) == 2 for t in honest)  # the replica signed both model turns of each episode
+    answers = ingest_producer.submit(s, [forged, unsampled, bare, tempered, *honest, again], AUTH)
+    reasons = [a.status.reason for a in answers]
+    assert reasons == [
+        Reason.BAD_RECEIPT,
+        Reason.BAD_RECEIPT,
+        Reason.RECEIPT_MISSING,
+        Reason.BEHAVIOUR_MISMATCH,
+        "",
+        "",
+        Reason.BAD_RECEIPT,
+    ], answers
+    assert all(a.status.code == grpc.StatusCode.INVALID_ARGUMENT.value[0] for a in answers[:4])
+    assert "logprobs are not those the replica sampled" in answers[0].status.message
+    assert "ids are not those the replica sampled" in answers[1].status.message
+    assert f"token {j} " in answers[2].status.message
+    assert "ingest.max_logprob_gap" in answers[3].status.message
+    assert answers[5].group_complete
+    assert "already trained on" in answers[6].status.message
     assert svc.proc.wait(timeout=120) == 0, svc.log_path.read_text()[-3000:]
     counts = json.loads((run / "summary.json").read_text())["ingest"]["trajectories"]
-    assert counts["accepted"] == counts["trained"] == 2 and counts[Reason.BEHAVIOUR_MISMATCH] == 1, counts
+    assert counts["accepted"] == counts["trained"] == 2, counts
+    assert counts[Reason.BAD_RECEIPT] == 3 and counts[Reason.RECEIPT_MISSING] == 1, counts
+    assert counts[Reason.BEHAVIOUR_MISMATCH] == 1, counts
+
+
+def copy(t: lpb.Trajectory, name: str) -> lpb.Trajectory:
+    out = lpb.Trajectory()
+    out.CopyFrom(t)
+    out.trajectory_id = name
+    return out

@@ -67,7 +67,7 @@ from rollwire.generator.engines.base import EngineStats
 from rollwire.generator.engines.embedded import kv_batch, kv_memory
 from rollwire.generator.engines.embedded.kv_batch import Batch
 from rollwire.generator.engines.embedded.lora import LoraSet
-from rollwire.generator.engines.embedded.prefix_cache import AdapterKey, PrefixCache, PrefixCacheSettings, PrefixRules
+from rollwire.generator.engines.embedded.prefix_cache import AdapterKey, PrefixCache, PrefixCacheSettings
 from rollwire.generator.engines.embedded.routing import RoutingRules, RoutingTap
 from rollwire.generator.engines.embedded.transformers_groups import END as _END
 from rollwire.generator.engines.embedded.transformers_groups import Group as _Group
@@ -86,6 +86,7 @@ from rollwire.generator.engines.embedded.transformers_groups import (
 )
 from rollwire.generator.engines.embedded.transformers_groups import Row as _Row
 from rollwire.generator.engines.embedded.transformers_memory import MemoryRules
+from rollwire.generator.engines.embedded.transformers_prefix import PrefixRules
 from rollwire.generator.engines.embedded.transformers_sampling import sample, sample_by_group
 from rollwire.generator.engines.embedded.transformers_score import ScoreRules, ScoreRun
 from rollwire.generator.sampling import row_uniforms
