@@ -4,9 +4,9 @@ What both halves agree on (the offer, the token, the hello) is `rollwire.common.
 the SDK shares. Here:
 
 - `BulkListener`: a receiver's TCP listener (TLS with the server's own certificates when its
-  gRPC port uses TLS). `expect` issues an offer for one admitted push; a connection whose
-  hello carries that push's token is handed to it, once, before the offer expires; any other
-  connection is closed. Accepting and the hello run on threads. A connection that has not
+  gRPC port uses TLS). `expect` issues an offer for one admitted push (`Offers` keeps them); a
+  connection whose hello carries that push's token is handed to it, once, before the offer
+  expires; any other connection is closed. Accepting and the hello run on threads. A connection that has not
   proved a token yet holds one of `bulk.max_connections` hello places (one peer address at
   most HELLO_PEER_SHARE of them) for `connect_timeout_s` in all, however it trickles; a
   newcomer past its peer's share displaces that peer's oldest unproven connection, and past
@@ -92,6 +92,41 @@ class Expected:
     conn: asyncio.Future[Accepted]
 
 
+class Offers:
+    """The offers a listener has issued and not yet seen taken: no socket, so it is unit-tested.
+
+    Invariants: a hello's token opens its push once (`claim` removes the offer) and only before
+    the offer expires, `ttl_s` after it was issued (`clock`: time.monotonic); any other hello
+    (wrong magic, an unknown, taken, withdrawn or expired token) claims nothing."""
+
+    def __init__(self, ttl_s: float, clock: Callable[[], float] = time.monotonic) -> None:
+        self.ttl_s, self.clock = ttl_s, clock
+        self._expected: dict[bytes, Expected] = {}
+        self._lock = threading.Lock()
+
+    def issue(self, proof: bytes, loop: asyncio.AbstractEventLoop) -> Expected:
+        """What waits for the connection that proves `proof` (expired and settled offers are dropped)."""
+        expected = Expected(proof, loop, self.clock() + self.ttl_s, loop.create_future())
+        with self._lock:
+            now = self.clock()
+            self._expected = {k: e for k, e in self._expected.items() if e.expires > now and not e.conn.done()}
+            self._expected[proof] = expected
+        return expected
+
+    def claim(self, hello: bytes | bytearray) -> Expected | None:
+        """The offer this hello (MAGIC + token) proves, taken once; None for any other hello."""
+        with self._lock:
+            expected = self._expected.pop(bytes(hello[len(wire.MAGIC) :]), None)
+        if hello[: len(wire.MAGIC)] != wire.MAGIC or expected is None or expected.expires < self.clock():
+            return None
+        return expected
+
+    def withdraw(self, expected: Expected) -> None:
+        """The offer is over: a hello that comes now claims nothing."""
+        with self._lock:
+            self._expected.pop(expected.proof, None)
+
+
 class Accepted:
     """A bulk connection that proved its push's token; `release` gives its listener slot back (once)."""
 
@@ -121,7 +156,7 @@ class BulkListener:
         self.port: int = self.sock.getsockname()[1]
         self.pool = BufferPool(section.reuse_bytes)
         """The buffers its pushes are received into, reused across pushes of the same size."""
-        self._expected: dict[bytes, Expected] = {}
+        self.offers = Offers(section.connect_timeout_s)
         self._lock = threading.Lock()
         self._open = threading.BoundedSemaphore(section.max_connections)
         """Places of proved connections (a push's bytes)."""
@@ -137,13 +172,7 @@ class BulkListener:
     def expect(self, manifest: pb.AdapterManifest, stripe: pb.Stripe | None) -> tuple[wire.Offer, Expected]:
         """A fresh offer for this push, and what waits for its connection (`connection`)."""
         offer = wire.Offer(self.port, secrets.token_bytes(32))
-        proof = wire.token(offer.secret, manifest, stripe)
-        loop = asyncio.get_running_loop()
-        expected = Expected(proof, loop, time.monotonic() + self.section.connect_timeout_s, loop.create_future())
-        with self._lock:
-            now = time.monotonic()
-            self._expected = {k: e for k, e in self._expected.items() if e.expires > now and not e.conn.done()}
-            self._expected[proof] = expected
+        expected = self.offers.issue(wire.token(offer.secret, manifest, stripe), asyncio.get_running_loop())
         return offer, expected
 
     async def connection(self, expected: Expected, timeout: float) -> Accepted | None:
@@ -159,8 +188,7 @@ class BulkListener:
 
     def withdraw(self, expected: Expected) -> None:
         """The offer is over (taken, refused, or the push ended): a connection that comes now is closed."""
-        with self._lock:
-            self._expected.pop(expected.proof, None)
+        self.offers.withdraw(expected)
         if not expected.conn.done():
             expected.conn.cancel()
 
@@ -205,11 +233,10 @@ class BulkListener:
             conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             if self.tls is not None:
                 conn = hello.sock = self.tls.wrap_socket(conn, server_side=True)
-            data = _read_exact(conn, wire.HELLO_BYTES, deadline)
+            expected = self.offers.claim(_read_exact(conn, wire.HELLO_BYTES, deadline))
             with self._lock:
-                expected = self._expected.pop(bytes(data[len(wire.MAGIC) :]), None)
                 self._forget(hello)
-            if data[: len(wire.MAGIC)] != wire.MAGIC or expected is None or expected.expires < time.monotonic():
+            if expected is None:
                 raise ConnectionRefusedError("no push expects this token")
             if not self._open.acquire(blocking=False):
                 raise ConnectionRefusedError("every push place is taken")
