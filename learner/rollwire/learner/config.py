@@ -173,6 +173,23 @@ class EvalSection(Section):
     """Held-out requests in flight at once."""
 
 
+BYTES_PER_TOKEN = 17
+"""A held ingested token (ingest_room.py): int32 id, float32 logprob, int64 version, int8 mask."""
+SAMPLE_OVERHEAD = 1024
+"""A held sample's objects (the sample, its four arrays: ~620 bytes measured), in bytes, rounded up."""
+
+
+def sample_bytes(tokens: int) -> int:
+    """What a held ingested sample of `tokens` tokens is charged (ingest_room.py's byte budget)."""
+    return SAMPLE_OVERHEAD + BYTES_PER_TOKEN * tokens
+
+
+def group_reservation(group_size: int, prompt_tokens: int, max_tokens: int) -> int:
+    """What an ingested group reserves when it opens: its prompt and `group_size` samples of the largest
+    size. Here, below every room, so IngestSection checks its sizes by the rule the room charges."""
+    return 4 * prompt_tokens + group_size * sample_bytes(max_tokens)
+
+
 class IngestSection(Section):
     """LearnerService: scored trajectories from external producers (ingest.py, docs/learner.md)."""
 
@@ -238,8 +255,6 @@ class IngestSection(Section):
                 "ingest.max_message_bytes is too small for ingest.max_prompt_tokens and ingest.max_tokens "
                 "(about 4 bytes per prompt token and 12 per later token)"
             )
-        from rollwire.learner.ingest_room import group_reservation
-
         largest = group_reservation(self.max_group_size, self.max_prompt_tokens, self.max_tokens)
         if largest > self.producer_share * self.max_pending_bytes:
             raise ValueError(

@@ -51,9 +51,9 @@ from rollwire.common.errors import (
 )
 from rollwire.common.reasons import Reason
 from rollwire.learner.buffer import Buffer
-from rollwire.learner.config import IngestSection
+from rollwire.learner.config import IngestSection, group_reservation, sample_bytes
 from rollwire.learner.groups import ScoredGroup, ScoredSample
-from rollwire.learner.ingest_room import Room, compact_sample, group_reservation, sample_bytes
+from rollwire.learner.ingest_room import Room, compact_sample
 from rollwire.learner.task import Example
 
 MAX_ID_CHARS = 256

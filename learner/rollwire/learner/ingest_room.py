@@ -15,7 +15,9 @@ Invariants:
   leaves a group half accepted. Once complete it holds what its samples take;
 - every hold is released exactly once: when its group is trained, dropped or expires;
 - a held sample is arrays (int32 ids, float32 logprobs, int64 versions, int8 mask), about
-  BYTES_PER_TOKEN bytes a token, not lists of Python objects (~85 bytes a token).
+  BYTES_PER_TOKEN bytes a token, not lists of Python objects (~85 bytes a token); what a sample
+  and a group are charged (`sample_bytes`, `group_reservation`) is config.py's, so the config
+  checks its sizes by the same rule.
 """
 
 from __future__ import annotations
@@ -28,21 +30,6 @@ from dataclasses import dataclass
 from rollwire.common.errors import ResourceExhausted
 from rollwire.common.reasons import Reason
 from rollwire.learner.groups import ScoredSample
-
-BYTES_PER_TOKEN = 17
-"""A held token: int32 id, float32 logprob, int64 version, int8 mask."""
-SAMPLE_OVERHEAD = 1024
-"""A held sample's objects (the sample, its four arrays: ~620 bytes measured), in bytes, rounded up."""
-
-
-def sample_bytes(tokens: int) -> int:
-    """What a held sample of `tokens` tokens is charged."""
-    return SAMPLE_OVERHEAD + BYTES_PER_TOKEN * tokens
-
-
-def group_reservation(group_size: int, prompt_tokens: int, max_tokens: int) -> int:
-    """What a group reserves when it opens: its prompt and `group_size` samples of the largest size."""
-    return 4 * prompt_tokens + group_size * sample_bytes(max_tokens)
 
 
 def compact_sample(

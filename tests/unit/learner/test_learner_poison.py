@@ -24,11 +24,11 @@ from hypothesis import strategies as st
 from rollwire.common.errors import InvalidArgument, ResourceExhausted
 from rollwire.common.reasons import Reason
 from rollwire.learner.buffer import Buffer, GroupLedger
-from rollwire.learner.config import IngestSection, TrainSection
+from rollwire.learner.config import IngestSection, TrainSection, group_reservation, sample_bytes
 from rollwire.learner.groups import ScoredGroup, ScoredSample
 from rollwire.learner.grpo import group_advantages, policy_loss
 from rollwire.learner.ingest import Ingest, Trajectory, check_shape
-from rollwire.learner.ingest_room import compact_sample, group_reservation, sample_bytes
+from rollwire.learner.ingest_room import compact_sample
 from rollwire.learner.metrics import LearnerMetrics
 from rollwire.learner.task import Example
 from rollwire.learner.trainer import Trainer
