@@ -72,7 +72,7 @@ MUTANTS = (
     ),
     Mutant(
         "bulk: an expired offer's token is refused",
-        "server/rollwire/push/bulk.py",
+        "server/rollwire/push/offers.py",
         "expected is None or expected.expires < self.clock():",
         "expected is None:",
         ("tests/unit/push/test_bulk_offers.py::test_a_token_opens_its_push_once_and_only_before_its_offer_expires",),
@@ -80,7 +80,7 @@ MUTANTS = (
     # -- invariants the unit tier already guarded ----------------------------------------------------
     Mutant(
         "bulk: an offer's token opens its push once",
-        "server/rollwire/push/bulk.py",
+        "server/rollwire/push/offers.py",
         "expected = self._expected.pop(bytes(hello[len(wire.MAGIC) :]), None)",
         "expected = self._expected.get(bytes(hello[len(wire.MAGIC) :]), None)",
         ("tests/unit/push/test_bulk_offers.py",),

@@ -4,7 +4,7 @@ What both halves agree on (the offer, the token, the hello) is `rollwire.common.
 the SDK shares. Here:
 
 - `BulkListener`: a receiver's TCP listener (TLS with the server's own certificates when its
-  gRPC port uses TLS). `expect` issues an offer for one admitted push (`Offers` keeps them); a
+  gRPC port uses TLS). `expect` issues an offer for one admitted push (offers.py keeps them); a
   connection whose hello carries that push's token is handed to it, once, before the offer
   expires; any other connection is closed. Accepting and the hello run on threads. A connection that has not
   proved a token yet holds one of `bulk.max_connections` hello places (one peer address at
@@ -44,6 +44,7 @@ from rollwire.common.addresses import split_address
 from rollwire.common.errors import DeadlineExceeded, InvalidArgument
 from rollwire.common.reasons import Reason
 from rollwire.push.buffers import BufferPool, payload_buffer
+from rollwire.push.offers import Accepted, Expected, Offers
 from rollwire.runtime.dialing import DialSection
 from rollwire.runtime.logs import get_logger
 from rollwire.runtime.security import TlsSection
@@ -80,63 +81,6 @@ def client_tls(root: str, cert: str = "", key: str = "") -> ssl.SSLContext:
     if cert:
         context.load_cert_chain(cert, key or None)
     return context
-
-
-@dataclass(eq=False)
-class Expected:
-    """One offer: the connection that proves its token, delivered to the push's event loop."""
-
-    proof: bytes
-    loop: asyncio.AbstractEventLoop
-    expires: float
-    conn: asyncio.Future[Accepted]
-
-
-class Offers:
-    """The offers a listener has issued and not yet seen taken: no socket, so it is unit-tested.
-
-    Invariants: a hello's token opens its push once (`claim` removes the offer) and only before
-    the offer expires, `ttl_s` after it was issued (`clock`: time.monotonic); any other hello
-    (wrong magic, an unknown, taken, withdrawn or expired token) claims nothing."""
-
-    def __init__(self, ttl_s: float, clock: Callable[[], float] = time.monotonic) -> None:
-        self.ttl_s, self.clock = ttl_s, clock
-        self._expected: dict[bytes, Expected] = {}
-        self._lock = threading.Lock()
-
-    def issue(self, proof: bytes, loop: asyncio.AbstractEventLoop) -> Expected:
-        """What waits for the connection that proves `proof` (expired and settled offers are dropped)."""
-        expected = Expected(proof, loop, self.clock() + self.ttl_s, loop.create_future())
-        with self._lock:
-            now = self.clock()
-            self._expected = {k: e for k, e in self._expected.items() if e.expires > now and not e.conn.done()}
-            self._expected[proof] = expected
-        return expected
-
-    def claim(self, hello: bytes | bytearray) -> Expected | None:
-        """The offer this hello (MAGIC + token) proves, taken once; None for any other hello."""
-        with self._lock:
-            expected = self._expected.pop(bytes(hello[len(wire.MAGIC) :]), None)
-        if hello[: len(wire.MAGIC)] != wire.MAGIC or expected is None or expected.expires < self.clock():
-            return None
-        return expected
-
-    def withdraw(self, expected: Expected) -> None:
-        """The offer is over: a hello that comes now claims nothing."""
-        with self._lock:
-            self._expected.pop(expected.proof, None)
-
-
-class Accepted:
-    """A bulk connection that proved its push's token; `release` gives its listener slot back (once)."""
-
-    def __init__(self, sock: socket.socket, release: Callable[[], None]) -> None:
-        self.sock, self._release = sock, release
-
-    def release(self) -> None:
-        release, self._release = self._release, None
-        if release is not None:
-            release()
 
 
 @dataclass(eq=False)

@@ -1,4 +1,4 @@
-"""The bulk listener's book of offers (rollwire.push.bulk.Offers): a hello's token opens its push
+"""The bulk listener's book of offers (rollwire.push.offers): a hello's token opens its push
 once and only before the offer expires. The connections themselves: tests/integration/push."""
 
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 
 from rollwire.common import bulk as wire
-from rollwire.push.bulk import Offers
+from rollwire.push.offers import Offers
 
 PROOF = bytes(range(32))
 
