@@ -54,7 +54,7 @@ MUTANTS = (
     ),
     Mutant(
         "trainer: a token one version staler than buffer.max_token_staleness never reaches the loss",
-        "learner/rollwire/learner/trainer.py",
+        "learner/rollwire/learner/train/trainer.py",
         "[float(version - v <= max_token_staleness) for v in sample.token_versions]",
         "[float(version - v <= max_token_staleness + 1) for v in sample.token_versions]",
         (
@@ -63,7 +63,7 @@ MUTANTS = (
     ),
     Mutant(
         "grpo: the log-ratio clamp keeps exp finite in float32",
-        "learner/rollwire/learner/grpo.py",
+        "learner/rollwire/learner/train/grpo.py",
         "LOG_RATIO_BOUND = 20.0",
         "LOG_RATIO_BOUND = 100.0",
         (
@@ -117,42 +117,42 @@ MUTANTS = (
     ),
     Mutant(
         "admission: a group at most max_staleness versions behind is fresh",
-        "learner/rollwire/learner/admission.py",
+        "learner/rollwire/learner/rollouts/admission.py",
         "fresh = [g for g in groups if staleness(g, version) <= max_staleness]",
         "fresh = [g for g in groups if staleness(g, version) < max_staleness]",
         ("tests/unit/learner/test_learner_admission.py", "tests/unit/learner/test_buffer.py"),
     ),
     Mutant(
         "grpo: advantages are divided by the population std (ddof 0)",
-        "learner/rollwire/learner/grpo.py",
+        "learner/rollwire/learner/train/grpo.py",
         "centred = centred / (rewards.std(dim=1, unbiased=False, keepdim=True) + eps)",
         "centred = centred / (rewards.std(dim=1, unbiased=True, keepdim=True) + eps)",
         ("tests/unit/learner/test_grpo.py",),
     ),
     Mutant(
         "grpo: the dual clip bounds a negative advantage's surrogate by ratio_cap x A",
-        "learner/rollwire/learner/grpo.py",
+        "learner/rollwire/learner/train/grpo.py",
         "surrogate = torch.where(advantages < 0, torch.max(surrogate, ratio_cap * advantages), surrogate)",
         "surrogate = torch.where(advantages < 0, surrogate, surrogate)",
         ("tests/unit/learner/test_grpo.py",),
     ),
     Mutant(
         "grpo: logprobs are taken under softmax(logits / temperature)",
-        "learner/rollwire/learner/grpo.py",
+        "learner/rollwire/learner/train/grpo.py",
         "scaled = logits.float() / temperature",
         "scaled = logits.float()",
         ("tests/unit/learner/test_grpo.py",),
     ),
     Mutant(
         "ingest: a trained token's logprob below ingest.min_logprob is refused",
-        "learner/rollwire/learner/ingest.py",
+        "learner/rollwire/learner/ingest/intake.py",
         "if m and not floor <= lp <= 0), None)",
         "if m and not lp <= 0), None)",
         ("tests/unit/learner/test_learner_poison.py::test_the_bounds_are_named_in_the_refusal",),
     ),
     Mutant(
         "trainer: a step whose loss is not finite is never applied",
-        "learner/rollwire/learner/trainer.py",
+        "learner/rollwire/learner/train/trainer.py",
         'if not math.isfinite(loss):\n        return "nonfinite_loss"',
         'if False:\n        return "nonfinite_loss"',
         (

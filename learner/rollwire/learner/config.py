@@ -174,13 +174,13 @@ class EvalSection(Section):
 
 
 BYTES_PER_TOKEN = 17
-"""A held ingested token (ingest_room.py): int32 id, float32 logprob, int64 version, int8 mask."""
+"""A held ingested token (ingest/room.py): int32 id, float32 logprob, int64 version, int8 mask."""
 SAMPLE_OVERHEAD = 1024
 """A held sample's objects (the sample, its four arrays: ~620 bytes measured), in bytes, rounded up."""
 
 
 def sample_bytes(tokens: int) -> int:
-    """What a held ingested sample of `tokens` tokens is charged (ingest_room.py's byte budget)."""
+    """What a held ingested sample of `tokens` tokens is charged (ingest/room.py's byte budget)."""
     return SAMPLE_OVERHEAD + BYTES_PER_TOKEN * tokens
 
 
@@ -191,7 +191,7 @@ def group_reservation(group_size: int, prompt_tokens: int, max_tokens: int) -> i
 
 
 class IngestSection(Section):
-    """LearnerService: scored trajectories from external producers (ingest.py, docs/learner.md)."""
+    """LearnerService: scored trajectories from external producers (ingest/intake.py, docs/learner.md)."""
 
     enabled: bool = Field(default=False)
     """Serve LearnerService, so producers outside the learner submit scored trajectories to train on."""
@@ -206,7 +206,7 @@ class IngestSection(Section):
     (RESOURCE_EXHAUSTED INGEST_FULL)."""
     max_pending_bytes: int = Field(default=1 << 30, ge=1 << 16, le=1 << 40)
     """Memory the ingested groups being assembled, buffered or trained may hold, in bytes (17 per token and 1024 per
-    sample, ingest_room.py): a group reserves group_size samples of ingest.max_tokens when it opens, so its later
+    sample, ingest/room.py): a group reserves group_size samples of ingest.max_tokens when it opens, so its later
     samples always fit, and holds what its samples take once complete. A trajectory opening a group past it is pushed
     back (RESOURCE_EXHAUSTED INGEST_FULL)."""
     producer_share: float = Field(default=0.5, gt=0, le=1)
@@ -228,7 +228,7 @@ class IngestSection(Section):
     """0: off. Above 0, each trajectory's trained tokens are scored on the replicas (Score, under the version each
     names) before it is taken, and one whose claimed behaviour logprob is further than this from the scored one is
     refused (INVALID_ARGUMENT BEHAVIOUR_MISMATCH). Score's logprobs are temperature 1, untruncated: for producers that
-    sample so (ingest_check.py); 1e-3 leaves room for float rounding."""
+    sample so (ingest/check.py); 1e-3 leaves room for float rounding."""
     max_group_size: int = Field(default=64, ge=2, le=4096)
     """Largest group_size a trajectory may declare."""
     max_prompt_tokens: int = Field(default=8192, ge=1, le=1_000_000)

@@ -1,4 +1,4 @@
-"""The ingestion's behaviour check (ingest.max_logprob_gap, ingest_check.py) in a real learner
+"""The ingestion's behaviour check (ingest.max_logprob_gap, ingest/check.py) in a real learner
 over a real replica: a trajectory whose claimed behaviour logprob was forged is refused with
 BEHAVIOUR_MISMATCH, honest ones (the example producer's, sampled by the same replica at
 temperature 1) are taken and trained. The check's own logic: tests/unit/learner/test_ingest_check.py."""

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from rollwire.learner.config import TrainSection
-from rollwire.learner.grpo import LOG_RATIO_BOUND, group_advantages, importance_ratio, policy_loss, token_logprobs
+from rollwire.learner.train.grpo import LOG_RATIO_BOUND, group_advantages, importance_ratio, policy_loss, token_logprobs
 
 
 def test_advantages_are_centred_and_std_normalised_per_group():

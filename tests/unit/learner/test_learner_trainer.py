@@ -6,9 +6,9 @@ import pytest
 import torch
 
 from rollwire.learner.config import TrainSection
-from rollwire.learner.groups import ScoredGroup, ScoredSample
-from rollwire.learner.task import Example
-from rollwire.learner.trainer import Trainer
+from rollwire.learner.rollouts.groups import ScoredGroup, ScoredSample
+from rollwire.learner.tasks.task import Example
+from rollwire.learner.train.trainer import Trainer
 
 
 def groups(trainer: Trainer | None, count=2, n=4) -> list[ScoredGroup]:

@@ -2,7 +2,7 @@
 of it, and the compact form samples are held in.
 
 A producer is who the ingest service says sent a trajectory (security.caller_identity: its
-bearer token's hash with auth on, else its peer host). Ingest (ingest.py) asks here before a
+bearer token's hash with auth on, else its peer host). Ingest (ingest/intake.py) asks here before a
 trajectory opens a group and tells here when a group completes and when it leaves.
 
 Invariants:
@@ -29,7 +29,7 @@ from dataclasses import dataclass
 
 from rollwire.common.errors import ResourceExhausted
 from rollwire.common.reasons import Reason
-from rollwire.learner.groups import ScoredSample
+from rollwire.learner.rollouts.groups import ScoredSample
 
 
 def compact_sample(
@@ -63,7 +63,7 @@ class Hold:
 
 
 class Room:
-    """The holds of every ingested group the learner has not let go of, by key (ingest.py's)."""
+    """The holds of every ingested group the learner has not let go of, by key (ingest/intake.py's)."""
 
     def __init__(self, max_bytes: int, max_groups: int, share: float, retry_after_s: float) -> None:
         self.max_bytes, self.max_groups, self.share, self.retry_after_s = max_bytes, max_groups, share, retry_after_s
