@@ -9,7 +9,7 @@ PROTOS := $(wildcard proto/rollwire/v1/*.proto)
 VLLM_VENV  := .venv-vllm
 VLLM_STAMP := $(VLLM_VENV)/.installed
 
-.PHONY: help install system-deps .venv-vllm test suite lint-quiet test-fast test-integration test-e2e coverage lint breaking proto demo demo-trl demo-agent bench clean
+.PHONY: help install system-deps .venv-vllm test suite lint-quiet test-fast test-integration test-e2e coverage mutants lint breaking proto demo demo-trl demo-agent bench clean
 
 help:
 	@echo "make demo     teach the tiny model, run a replica + proxy + learner, watch GRPO learn"
@@ -21,6 +21,7 @@ help:
 	@echo "make test-integration  tests/integration: real processes, one room's behaviour at a time"
 	@echo "make test-e2e  tests/e2e: the demos, TRL, vLLM-backed replicas, teaching runs"
 	@echo "make coverage  the whole suite under coverage.py, every process measured: line coverage of server/ client/ learner/"
+	@echo "make mutants  break each of a listed set of invariants in a copy of the tree; fails if its unit tests still pass"
 	@echo "make install  create .venv (CPU torch first, then rollwire with pinned dependencies)"
 	@echo "make .venv-vllm  create .venv-vllm: vLLM's CPU build (pinned) for the vllm engine's tests, ~2 min"
 	@echo "make proto    regenerate the Python stubs from proto/"
@@ -124,6 +125,11 @@ coverage: install system-deps $(VLLM_STAMP) $(BUF)
 	  done && \
 	  printf "coverage %-8s %s%%  (coverage.txt, htmlcov/index.html)\n" all "$$($(BIN)/coverage report --rcfile=.coveragerc --format=total --precision=1)"; \
 	  exit $$status
+
+# A mutation spot-check (scripts/mutants.py): each listed invariant broken in a temporary copy of the
+# tree, its named unit tests run there; fails when any mutant survives or a snippet no longer matches.
+mutants: install
+	$(BIN)/python scripts/mutants.py
 
 proto: install
 	$(BIN)/python -m grpc_tools.protoc -Iproto --python_out=client --pyi_out=client --grpc_python_out=client $(PROTOS)

@@ -143,8 +143,8 @@ class Watcher:
 
     async def _watch(self) -> None:
         from rollwire.client import AsyncClient
-        from rollwire.learner.evaluate import held_out_accuracy
-        from rollwire.learner.task import addition_examples, eval_subset
+        from rollwire.learner.tasks.evaluate import held_out_accuracy
+        from rollwire.learner.tasks.task import addition_examples, eval_subset
 
         examples = eval_subset(addition_examples(0.1)[1], EVAL_SIZE, SEED)  # the learner's defaults
         async with AsyncClient(self.target, timeout=60, max_attempts=1) as client:

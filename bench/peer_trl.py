@@ -68,8 +68,8 @@ from common import WORK, cpu_seconds, spread, stop_all, write_result
 
 from rollwire.demo.stack import LOCAL_REPLICAS, WHOLE_GROUPS, Placement, local_placement, pin
 from rollwire.learner.config import LORA_TARGETS
-from rollwire.learner.rewards import exact_match
-from rollwire.learner.task import Example, addition_examples, eval_subset
+from rollwire.learner.tasks.rewards import exact_match
+from rollwire.learner.tasks.task import Example, addition_examples, eval_subset
 
 TARGET, EVAL_SIZE, SEED = avs.TARGET, avs.EVAL_SIZE, avs.SEED
 N, GROUPS_PER_STEP, LR, LORA_R, LORA_ALPHA, MAX_NEW_TOKENS, TEMPERATURE = 8, 8, 1e-3, 8, 16.0, 8, 1.0

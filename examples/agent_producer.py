@@ -1,6 +1,6 @@
 """An agent harness outside the learner: multi-turn episodes through rollwire, scored and submitted.
 
-It plays the built-in chained-addition task (rollwire.learner.chain): the model answers
+It plays the built-in chained-addition task (rollwire.learner.tasks.chain): the model answers
 `12+30=`, the environment turns its answer into the next question (`|42+05=`), and so on for
 three turns; an episode succeeds when every turn is right and is rewarded with its share of
 right turns. Each turn is sent through the proxy with the episode's whole token history as
@@ -33,7 +33,7 @@ from pathlib import Path
 import grpc
 
 from rollwire.client import AsyncClient
-from rollwire.learner.chain import Episode, Play, chain_examples, from_example, play_group
+from rollwire.learner.tasks.chain import Episode, Play, chain_examples, from_example, play_group
 from rollwire.v1 import learner_pb2 as lpb
 from rollwire.v1 import learner_pb2_grpc
 

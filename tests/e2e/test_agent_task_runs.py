@@ -1,4 +1,4 @@
-"""The multi-turn chain task (learner/chain.py) with its external producers, end to end.
+"""The multi-turn chain task (learner/tasks/chain.py) with its external producers, end to end.
 
 Real episodes through a real replica of the taught chain model, whose loss masks are checked
 against an independent reading of the tokens (the character tokenizer's text: the
@@ -22,7 +22,7 @@ from support.learner import learner_args, taught_dir
 from support.processes import start, start_generator
 
 from rollwire.demo.teach_chain import CHAIN_SPEC
-from rollwire.learner.chain import (
+from rollwire.learner.tasks.chain import (
     TURNS,
     Play,
     chain,

@@ -27,8 +27,8 @@ def accuracy(target: str, token: str, adapter: str | None) -> float:
     """Greedy held-out accuracy of `adapter` (as the tenant names it) through the proxy's gRPC door."""
     from rollwire.client import AsyncClient
     from rollwire.demo.trl import ROLLOUT, SEED, TASK
-    from rollwire.learner.evaluate import held_out_accuracy
-    from rollwire.learner.task import addition_examples, eval_subset
+    from rollwire.learner.tasks.evaluate import held_out_accuracy
+    from rollwire.learner.tasks.task import addition_examples, eval_subset
 
     _train, held = addition_examples(TASK.held_out_fraction)
     examples = eval_subset(held, TASK.eval_size, SEED)

@@ -187,9 +187,9 @@ def _preload() -> None:
     import rollwire.generator.cli
     import rollwire.generator.engines.embedded.transformers_engine
     import rollwire.learner.cli
-    import rollwire.learner.loop
-    import rollwire.learner.trainer
-    import rollwire.learner.wiring
+    import rollwire.learner.run.loop
+    import rollwire.learner.run.wiring
+    import rollwire.learner.train.trainer
     import rollwire.proxy.app
     import rollwire.proxy.cli  # noqa: F401
 

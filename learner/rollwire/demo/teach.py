@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from rollwire.demo.tiny_model import TinyModelSpec, save_tokenizer
-from rollwire.learner.task import Example, addition_examples, carry_free_answer, eval_subset, is_correct
+from rollwire.learner.tasks.task import Example, addition_examples, carry_free_answer, eval_subset, is_correct
 from rollwire.runtime.durable import atomic_dir
 
 TEACH_FORMAT = 2
@@ -54,7 +54,7 @@ class TeachSpec:
     seed: int = 0
     threads: int = 1
     chain_turns: int = 0
-    """0: the single-turn addition task; else chained addition over this many turns (learner/chain.py)."""
+    """0: the single-turn addition task; else chained addition over this many turns (learner/tasks/chain.py)."""
 
     def key(self) -> str:
         fields = dataclasses.asdict(self)
@@ -137,7 +137,7 @@ def lr_factor(spec: TeachSpec, step: int) -> float:
 def task_examples(spec: TeachSpec) -> tuple[list[Example], list[Example]]:
     """(train, held_out) of the task `spec` teaches."""
     if spec.chain_turns:
-        from rollwire.learner.chain import chain_examples
+        from rollwire.learner.tasks.chain import chain_examples
 
         return chain_examples(spec.held_out_fraction)
     return addition_examples(spec.held_out_fraction)
@@ -146,7 +146,7 @@ def task_examples(spec: TeachSpec) -> tuple[list[Example], list[Example]]:
 def teacher_example(spec: TeachSpec, ex: Example, rng: random.Random, accuracy: float) -> list[tuple[str, bool]]:
     """The teacher's text for `ex` as (text, trained) segments; EOS follows each trained one."""
     if spec.chain_turns:
-        from rollwire.learner.chain import from_example, teacher_segments
+        from rollwire.learner.tasks.chain import from_example, teacher_segments
 
         return teacher_segments(from_example(ex), rng, accuracy)
     prompt, answer = teacher_pair(ex, rng, accuracy)
@@ -216,7 +216,7 @@ def greedy_accuracy(model, encode, tokenizer, examples: list[Example], max_new_t
 
 def greedy_chain_success(model, encode, tokenizer, examples: list[Example], max_new_tokens: int = 4) -> float:
     """Share of held-out episodes whose every turn the model answers right, greedily, in-process."""
-    from rollwire.learner.chain import TURNS, from_example, question, read_answer
+    from rollwire.learner.tasks.chain import TURNS, from_example, question, read_answer
 
     chains = [from_example(e) for e in examples]
     histories = [encode(c.prompt) for c in chains]

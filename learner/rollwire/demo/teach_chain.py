@@ -1,7 +1,7 @@
 """The chained-addition build of the taught model (`make demo-agent`): its spec.
 
 The chain model is taught like the single-turn one (teach.py: an exact teacher first, then
-one that forgets carries in most answers), on whole episodes of learner/chain.py with the
+one that forgets carries in most answers), on whole episodes of learner/tasks/chain.py with the
 environment's questions in the context but out of the loss, so RL has room on every turn; its
 build report checks whole episodes (teach.greedy_chain_success).
 """
@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from rollwire.demo.teach import TeachSpec
 from rollwire.demo.tiny_model import TinyModelSpec
-from rollwire.learner.chain import TURNS
+from rollwire.learner.tasks.chain import TURNS
 
 CHAIN_SPEC = TeachSpec(
     model=TinyModelSpec(max_position_embeddings=64),

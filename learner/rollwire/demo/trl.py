@@ -200,8 +200,8 @@ def wait_healthy(url: str, timeout: float) -> None:
 def held_out_accuracy(target: str, adapter: str | None) -> float | None:
     """Greedy accuracy on the held-out prompts `make demo` scores, through the proxy (gRPC)."""
     from rollwire.client import AsyncClient
-    from rollwire.learner.evaluate import held_out_accuracy as score
-    from rollwire.learner.task import addition_examples, eval_subset
+    from rollwire.learner.tasks.evaluate import held_out_accuracy as score
+    from rollwire.learner.tasks.task import addition_examples, eval_subset
 
     _train, held = addition_examples(TASK.held_out_fraction)
     examples = eval_subset(held, TASK.eval_size, SEED)

@@ -11,7 +11,7 @@ at the time budget. Where there is no GPU, the stand-ins of rollwire.demo.trl_cp
 first (CPU kernels for TRL's GPU-only parts).
 
 Invariants:
-- the task is the learner's: the training split of rollwire.learner.task's addition problems
+- the task is the learner's: the training split of rollwire.learner.tasks.task's addition problems
   (never a held-out prompt), in an order fixed by the seed, each a one-message chat the tiny
   tokenizer's chat template renders as the raw prompt; rewarded by the learner's exact_match;
 - the settings are the learner's defaults where both have one (n, groups per step, LoRA,
@@ -42,8 +42,8 @@ from rollwire.learner.config import (
     TaskSection,
     TrainSection,
 )
-from rollwire.learner.rewards import exact_match
-from rollwire.learner.task import Example, addition_examples
+from rollwire.learner.tasks.rewards import exact_match
+from rollwire.learner.tasks.task import Example, addition_examples
 
 ROLLOUT, TRAIN, TASK = RolloutSection(), TrainSection(), TaskSection()
 """The learner's defaults, which this demo matches."""

@@ -43,9 +43,9 @@ def run_learner(args: argparse.Namespace) -> int:
         return config
     import asyncio
 
-    from rollwire.learner.loop import run_learner as run
-    from rollwire.learner.publisher import NonFiniteWeights
-    from rollwire.learner.wiring import LearnerError
+    from rollwire.learner.publish.publisher import NonFiniteWeights
+    from rollwire.learner.run.loop import run_learner as run
+    from rollwire.learner.run.wiring import LearnerError
     from rollwire.runtime.logs import setup_logging
 
     setup_logging("learner", config.log_level)

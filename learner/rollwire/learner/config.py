@@ -173,8 +173,25 @@ class EvalSection(Section):
     """Held-out requests in flight at once."""
 
 
+BYTES_PER_TOKEN = 17
+"""A held ingested token (ingest/room.py): int32 id, float32 logprob, int64 version, int8 mask."""
+SAMPLE_OVERHEAD = 1024
+"""A held sample's objects (the sample, its four arrays: ~620 bytes measured), in bytes, rounded up."""
+
+
+def sample_bytes(tokens: int) -> int:
+    """What a held ingested sample of `tokens` tokens is charged (ingest/room.py's byte budget)."""
+    return SAMPLE_OVERHEAD + BYTES_PER_TOKEN * tokens
+
+
+def group_reservation(group_size: int, prompt_tokens: int, max_tokens: int) -> int:
+    """What an ingested group reserves when it opens: its prompt and `group_size` samples of the largest
+    size. Here, below every room, so IngestSection checks its sizes by the rule the room charges."""
+    return 4 * prompt_tokens + group_size * sample_bytes(max_tokens)
+
+
 class IngestSection(Section):
-    """LearnerService: scored trajectories from external producers (ingest.py, docs/learner.md)."""
+    """LearnerService: scored trajectories from external producers (ingest/intake.py, docs/learner.md)."""
 
     enabled: bool = Field(default=False)
     """Serve LearnerService, so producers outside the learner submit scored trajectories to train on."""
@@ -189,7 +206,7 @@ class IngestSection(Section):
     (RESOURCE_EXHAUSTED INGEST_FULL)."""
     max_pending_bytes: int = Field(default=1 << 30, ge=1 << 16, le=1 << 40)
     """Memory the ingested groups being assembled, buffered or trained may hold, in bytes (17 per token and 1024 per
-    sample, ingest_room.py): a group reserves group_size samples of ingest.max_tokens when it opens, so its later
+    sample, ingest/room.py): a group reserves group_size samples of ingest.max_tokens when it opens, so its later
     samples always fit, and holds what its samples take once complete. A trajectory opening a group past it is pushed
     back (RESOURCE_EXHAUSTED INGEST_FULL)."""
     producer_share: float = Field(default=0.5, gt=0, le=1)
@@ -211,12 +228,12 @@ class IngestSection(Section):
     """0: off. Above 0, each trajectory's trained tokens are scored on the replicas (Score, under the version each
     names) before it is taken, and one whose claimed behaviour logprob is further than this from the scored one is
     refused (INVALID_ARGUMENT BEHAVIOUR_MISMATCH). Score's logprobs are temperature 1, untruncated: for producers that
-    sample so (ingest_check.py); 1e-3 leaves room for float rounding."""
+    sample so (ingest/check.py); 1e-3 leaves room for float rounding."""
     receipt_keys_file: str = Field(default="")
     """The replicas' public receipt keys (a trust file: {"keys": [{"id", "public_key"}]}, each replica's entry from
     `rollwire keys generate`). When set, a trajectory is taken only if every trained token lies in a span a trusted
     replica signed (Trajectory.receipts; RECEIPT_MISSING / BAD_RECEIPT otherwise): provenance, not plausibility
-    (ingest_receipts.py, docs/security.md "Sample receipts"). "": no receipts required."""
+    (ingest/receipts.py, docs/security.md "Sample receipts"). "": no receipts required."""
     receipt_max_age_s: float = Field(default=86400.0, gt=0)
     """Oldest receipt taken, in seconds since the replica signed it; each receipt trains once whatever its age."""
     max_group_size: int = Field(default=64, ge=2, le=4096)
@@ -245,8 +262,6 @@ class IngestSection(Section):
                 "ingest.max_message_bytes is too small for ingest.max_prompt_tokens and ingest.max_tokens "
                 "(about 4 bytes per prompt token and 12 per later token)"
             )
-        from rollwire.learner.ingest_room import group_reservation
-
         largest = group_reservation(self.max_group_size, self.max_prompt_tokens, self.max_tokens)
         if largest > self.producer_share * self.max_pending_bytes:
             raise ValueError(

@@ -80,7 +80,7 @@ Loss = Callable[[LossBatch, LossSettings], LossTerms]
 LOSSES: Registry[Loss] = Registry("loss")
 LOSSES.register(
     "clipped",
-    "rollwire.learner.grpo:clipped_loss",
+    "rollwire.learner.train.grpo:clipped_loss",
     "PPO's clipped surrogate (clip_low/clip_high), truncated at ratio_cap for negative advantages, "
     "+ kl_coef x k3 KL to the base model; per-token mean over the step",
 )

@@ -4,9 +4,9 @@ What both halves agree on (the offer, the token, the hello) is `rollwire.common.
 the SDK shares. Here:
 
 - `BulkListener`: a receiver's TCP listener (TLS with the server's own certificates when its
-  gRPC port uses TLS). `expect` issues an offer for one admitted push; a connection whose
-  hello carries that push's token is handed to it, once, before the offer expires; any other
-  connection is closed. Accepting and the hello run on threads. A connection that has not
+  gRPC port uses TLS). `expect` issues an offer for one admitted push (offers.py keeps them); a
+  connection whose hello carries that push's token is handed to it, once, before the offer
+  expires; any other connection is closed. Accepting and the hello run on threads. A connection that has not
   proved a token yet holds one of `bulk.max_connections` hello places (one peer address at
   most HELLO_PEER_SHARE of them) for `connect_timeout_s` in all, however it trickles; a
   newcomer past its peer's share displaces that peer's oldest unproven connection, and past
@@ -44,6 +44,7 @@ from rollwire.common.addresses import split_address
 from rollwire.common.errors import DeadlineExceeded, InvalidArgument
 from rollwire.common.reasons import Reason
 from rollwire.push.buffers import BufferPool, payload_buffer
+from rollwire.push.offers import Accepted, Expected, Offers
 from rollwire.runtime.dialing import DialSection
 from rollwire.runtime.logs import get_logger
 from rollwire.runtime.security import TlsSection
@@ -83,28 +84,6 @@ def client_tls(root: str, cert: str = "", key: str = "") -> ssl.SSLContext:
 
 
 @dataclass(eq=False)
-class Expected:
-    """One offer: the connection that proves its token, delivered to the push's event loop."""
-
-    proof: bytes
-    loop: asyncio.AbstractEventLoop
-    expires: float
-    conn: asyncio.Future[Accepted]
-
-
-class Accepted:
-    """A bulk connection that proved its push's token; `release` gives its listener slot back (once)."""
-
-    def __init__(self, sock: socket.socket, release: Callable[[], None]) -> None:
-        self.sock, self._release = sock, release
-
-    def release(self) -> None:
-        release, self._release = self._release, None
-        if release is not None:
-            release()
-
-
-@dataclass(eq=False)
 class _Unproven:
     """A connection in its hello: its socket (TLS-wrapped once its handshake began) and peer."""
 
@@ -121,7 +100,7 @@ class BulkListener:
         self.port: int = self.sock.getsockname()[1]
         self.pool = BufferPool(section.reuse_bytes)
         """The buffers its pushes are received into, reused across pushes of the same size."""
-        self._expected: dict[bytes, Expected] = {}
+        self.offers = Offers(section.connect_timeout_s)
         self._lock = threading.Lock()
         self._open = threading.BoundedSemaphore(section.max_connections)
         """Places of proved connections (a push's bytes)."""
@@ -137,13 +116,7 @@ class BulkListener:
     def expect(self, manifest: pb.AdapterManifest, stripe: pb.Stripe | None) -> tuple[wire.Offer, Expected]:
         """A fresh offer for this push, and what waits for its connection (`connection`)."""
         offer = wire.Offer(self.port, secrets.token_bytes(32))
-        proof = wire.token(offer.secret, manifest, stripe)
-        loop = asyncio.get_running_loop()
-        expected = Expected(proof, loop, time.monotonic() + self.section.connect_timeout_s, loop.create_future())
-        with self._lock:
-            now = time.monotonic()
-            self._expected = {k: e for k, e in self._expected.items() if e.expires > now and not e.conn.done()}
-            self._expected[proof] = expected
+        expected = self.offers.issue(wire.token(offer.secret, manifest, stripe), asyncio.get_running_loop())
         return offer, expected
 
     async def connection(self, expected: Expected, timeout: float) -> Accepted | None:
@@ -159,8 +132,7 @@ class BulkListener:
 
     def withdraw(self, expected: Expected) -> None:
         """The offer is over (taken, refused, or the push ended): a connection that comes now is closed."""
-        with self._lock:
-            self._expected.pop(expected.proof, None)
+        self.offers.withdraw(expected)
         if not expected.conn.done():
             expected.conn.cancel()
 
@@ -205,11 +177,10 @@ class BulkListener:
             conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             if self.tls is not None:
                 conn = hello.sock = self.tls.wrap_socket(conn, server_side=True)
-            data = _read_exact(conn, wire.HELLO_BYTES, deadline)
+            expected = self.offers.claim(_read_exact(conn, wire.HELLO_BYTES, deadline))
             with self._lock:
-                expected = self._expected.pop(bytes(data[len(wire.MAGIC) :]), None)
                 self._forget(hello)
-            if data[: len(wire.MAGIC)] != wire.MAGIC or expected is None or expected.expires < time.monotonic():
+            if expected is None:
                 raise ConnectionRefusedError("no push expects this token")
             if not self._open.acquire(blocking=False):
                 raise ConnectionRefusedError("every push place is taken")

@@ -33,8 +33,9 @@ from rollwire.common.errors import DeadlineExceeded, InvalidArgument
 from rollwire.common.reasons import Reason
 from rollwire.common.writer import MAX_CHUNK, stripe_layout
 from rollwire.push.buffers import Payload
-from rollwire.push.bulk import Accepted, BulkListener, BulkSource
+from rollwire.push.bulk import BulkListener, BulkSource
 from rollwire.push.digests import Digests
+from rollwire.push.offers import Accepted
 from rollwire.push.sink import Inspector, Sink, verdict
 
 if TYPE_CHECKING:

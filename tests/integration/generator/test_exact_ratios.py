@@ -16,8 +16,8 @@ import torch
 
 from rollwire.client import Client
 from rollwire.learner.config import TrainSection
-from rollwire.learner.groups import ScoredGroup, ScoredSample
-from rollwire.learner.task import Example
+from rollwire.learner.rollouts.groups import ScoredGroup, ScoredSample
+from rollwire.learner.tasks.task import Example
 
 pytestmark = pytest.mark.integration
 TOP_P, TOP_K = 0.8, 20
@@ -66,7 +66,7 @@ def test_kept_sets_are_the_truncated_distributions_support(groups, reference_mod
 
 
 def test_the_learners_ratio_is_exact_over_the_kept_set_and_biased_without(groups, tiny_model):
-    from rollwire.learner.trainer import Trainer
+    from rollwire.learner.train.trainer import Trainer
 
     trainer = Trainer(tiny_model, TrainSection(threads=1), temperature=1.0, seed=0)  # LoRA B = 0: the base model
 

@@ -9,7 +9,7 @@ from support.learner import learner_args, log_events, steps, summary, wait_for_s
 from support.processes import FAST_STOP, start, start_stack
 
 from rollwire.common.reasons import Reason
-from rollwire.learner.task import Example, addition_examples, write_jsonl
+from rollwire.learner.tasks.task import Example, addition_examples, write_jsonl
 
 pytestmark = pytest.mark.slow
 

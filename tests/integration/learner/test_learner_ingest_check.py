@@ -1,14 +1,14 @@
 """The ingestion's provenance and behaviour checks in a real learner over a real replica that signs
 a receipt for every sample (the shared replica's receipt_key_file):
-- provenance (ingest.receipt_keys_file, ingest_receipts.py; audit S11): a trajectory whose claimed
+- provenance (ingest.receipt_keys_file, ingest/receipts.py; audit S11): a trajectory whose claimed
   behaviour logprob was forged, and one whose token the model never sampled (carrying the true
   logprob Score gives it, which the behaviour check alone would take), are refused with
   BAD_RECEIPT; one without receipts with RECEIPT_MISSING; a receipt already trained on is refused;
-- behaviour (ingest.max_logprob_gap, ingest_check.py): a genuinely sampled trajectory whose
+- behaviour (ingest.max_logprob_gap, ingest/check.py): a genuinely sampled trajectory whose
   logprobs are not temperature 1's (sampled at T=0.5) is refused with BEHAVIOUR_MISMATCH;
 - honest ones (the example producer's, sampled by the same replica at temperature 1, with their
   receipts) are taken and trained.
-The checks' own logic: tests/unit/learner/test_ingest_check.py, test_ingest_receipts.py."""
+The checks' own logic: tests/unit/learner/test_ingest/check.py, test_ingest/receipts.py."""
 
 from __future__ import annotations
 

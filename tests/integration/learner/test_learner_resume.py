@@ -10,7 +10,7 @@ import pytest
 from support.learner import adapter_versions, learner_args, log_events, run_learner, steps, summary, wait_for_steps
 from support.processes import start
 
-from rollwire.learner.checkpoint import load_latest
+from rollwire.learner.run.checkpoint import load_latest
 
 pytestmark = pytest.mark.slow
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from rollwire.learner.task import (
+from rollwire.learner.tasks.task import (
     addition_examples,
     eval_subset,
 )
@@ -17,7 +17,7 @@ def test_batched_greedy_completions_equal_each_prompt_alone(taught_model):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from rollwire.demo.teach import greedy_accuracy, greedy_completions
-    from rollwire.learner.task import is_correct
+    from rollwire.learner.tasks.task import is_correct
 
     model: Any = AutoModelForCausalLM.from_pretrained(taught_model).eval()  # transformers types generate() loosely
     tokenizer = AutoTokenizer.from_pretrained(taught_model)

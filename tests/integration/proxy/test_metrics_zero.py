@@ -84,7 +84,7 @@ def test_a_fresh_replica_exports_its_rated_counters_at_zero(stack):
 
 
 def test_the_learner_exports_its_rated_counters_at_zero():
-    from rollwire.learner.metrics import DROP_REASONS, PUSH_OUTCOMES, LearnerMetrics
+    from rollwire.learner.run.metrics import DROP_REASONS, PUSH_OUTCOMES, LearnerMetrics
 
     metrics = LearnerMetrics()
     metrics.know_rewards(["exact_match", "format"])

@@ -262,7 +262,7 @@ class Smuggled:
 
 
 def _state(step=1):
-    from rollwire.learner import checkpoint
+    from rollwire.learner.run import checkpoint
 
     return checkpoint.LearnerState(step=step, version=step, data_cursor=0, python_rng=[3, [1], None])
 
@@ -270,7 +270,7 @@ def _state(step=1):
 def test_checkpoint_loads_as_data_only(tmp_path):
     import torch
 
-    from rollwire.learner import checkpoint
+    from rollwire.learner.run import checkpoint
 
     checkpoint.save(tmp_path, _state(), b"adapter", {"state": {}, "param_groups": [{"lr": 1e-3, "betas": (0.9, 0.99)}]})
     loaded = checkpoint.load_latest(tmp_path)
@@ -283,7 +283,7 @@ def test_checkpoint_loads_as_data_only(tmp_path):
 
 
 def test_checkpoint_files_and_folders_are_fsynced(tmp_path, monkeypatch):
-    from rollwire.learner import checkpoint
+    from rollwire.learner.run import checkpoint
 
     synced: list[str] = []
     real_fsync = os.fsync

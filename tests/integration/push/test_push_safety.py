@@ -434,8 +434,8 @@ def test_a_version_every_replica_refuses_is_quarantined(workdir, replicas, adapt
 async def test_the_publisher_never_pushes_non_finite_weights(adapter):
     import torch
 
-    from rollwire.learner.buffer import Signal
-    from rollwire.learner.publisher import NonFiniteWeights, Publisher
+    from rollwire.learner.publish.publisher import NonFiniteWeights, Publisher
+    from rollwire.learner.rollouts.buffer import Signal
 
     class Target:
         pushed: list[int] = []
@@ -455,8 +455,8 @@ def test_the_trainer_stops_on_non_finite_weights_naming_tensor_and_step(tiny_mod
     import torch
 
     from rollwire.learner.config import TrainSection
-    from rollwire.learner.publisher import NonFiniteWeights
-    from rollwire.learner.trainer import Trainer
+    from rollwire.learner.publish.publisher import NonFiniteWeights
+    from rollwire.learner.train.trainer import Trainer
 
     trainer = Trainer(tiny_model, TrainSection(), temperature=1.0, seed=0)
     assert trainer.adapter_payload()  # finite: fine

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from rollwire.learner.task import addition_examples
+from rollwire.learner.tasks.task import addition_examples
 
 
 def test_the_chat_template_renders_a_user_message_as_the_raw_task_prompt():

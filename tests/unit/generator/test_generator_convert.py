@@ -90,6 +90,27 @@ async def test_what_the_engine_cannot_honour_is_a_failed_precondition(convert, r
     assert refused.value.reason == reason
 
 
+def test_a_text_of_wide_characters_is_measured_in_bytes_at_every_length():
+    """The rule's shortcut (a text's length alone settles it when even 4 bytes a character would
+    fit) must encode every other text: runs of one character of 1, 2, 3 and 4 UTF-8 bytes at
+    every length from 0 to past the cap, the 4-byte runs between cap/4 and cap/3 characters
+    included (over the cap in bytes, under it at 3 bytes a character)."""
+    from rollwire.serving.config import PROMPT_BYTES_PER_TOKEN
+    from rollwire.serving.sizes import check_prompt_size, text_over
+
+    for tokens in (1, 3):
+        cap = tokens * PROMPT_BYTES_PER_TOKEN
+        for char in ("a", "é", "€", "😀"):
+            width = len(char.encode())
+            over = [n for n in range(cap + 2) if text_over(char * n, cap)]
+            assert over == [n for n in range(cap + 2) if width * n > cap], (cap, char)
+        wide = "😀" * (cap // 4 + 1)  # cap/4 < characters <= cap/3, over the cap by 4 bytes
+        assert len(wide) * 3 <= cap < len(wide.encode())
+        with pytest.raises(InvalidArgument) as err:
+            check_prompt_size(pb.GenerateRequest(text=wide), tokens)
+        assert err.value.reason == Reason.PROMPT_TOO_LONG
+
+
 def test_the_prompt_size_rule_counts_utf8_bytes_and_ids_exactly_at_the_limit():
     """serving.sizes, the one rule of the replica and the proxy: generated texts of 1- to 4-byte
     characters on both sides of the cap, and id lists on both sides of the limit, against an

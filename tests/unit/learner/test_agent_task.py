@@ -1,4 +1,4 @@
-"""The multi-turn chain task (learner/chain.py), pure checks of the environment: chains,
+"""The multi-turn chain task (learner/tasks/chain.py), pure checks of the environment: chains,
 the held-out split, questions, answers and the teacher's segments. Real episodes through a
 replica and producers feeding a learner: tests/e2e/test_agent_task_runs.py."""
 
@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import random
 
-from rollwire.learner.chain import (
+from rollwire.learner.tasks.chain import (
     MAX_TOTAL,
     TURNS,
     chain,
@@ -16,7 +16,7 @@ from rollwire.learner.chain import (
     read_answer,
     teacher_segments,
 )
-from rollwire.learner.task import is_held_out
+from rollwire.learner.tasks.task import is_held_out
 
 
 def test_chains_keep_every_number_below_100_and_the_split_is_disjoint():

@@ -6,10 +6,10 @@ import asyncio
 
 import pytest
 
-from rollwire.learner.admission import split_stale, staleness
-from rollwire.learner.buffer import Buffer, GroupLedger, LedgerError, Signal
-from rollwire.learner.groups import ScoredGroup, ScoredSample
-from rollwire.learner.task import Example
+from rollwire.learner.rollouts.admission import split_stale, staleness
+from rollwire.learner.rollouts.buffer import Buffer, GroupLedger, LedgerError, Signal
+from rollwire.learner.rollouts.groups import ScoredGroup, ScoredSample
+from rollwire.learner.tasks.task import Example
 
 
 def group(versions: list[list[int]], rewards: list[float], gid: int = 0) -> ScoredGroup:

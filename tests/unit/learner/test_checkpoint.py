@@ -7,11 +7,11 @@ import random
 import pytest
 import torch
 
-from rollwire.learner import checkpoint
 from rollwire.learner.config import TrainSection
-from rollwire.learner.groups import ScoredGroup, ScoredSample
-from rollwire.learner.task import Example
-from rollwire.learner.trainer import Trainer
+from rollwire.learner.rollouts.groups import ScoredGroup, ScoredSample
+from rollwire.learner.run import checkpoint
+from rollwire.learner.tasks.task import Example
+from rollwire.learner.train.trainer import Trainer
 
 
 def batch(prompt=(20, 21, 22), n=4) -> list[ScoredGroup]:

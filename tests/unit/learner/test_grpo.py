@@ -7,7 +7,8 @@ import math
 import pytest
 import torch
 
-from rollwire.learner.grpo import group_advantages, policy_loss, token_logprobs
+from rollwire.learner.config import TrainSection
+from rollwire.learner.train.grpo import LOG_RATIO_BOUND, group_advantages, importance_ratio, policy_loss, token_logprobs
 
 
 def test_advantages_are_centred_and_std_normalised_per_group():
@@ -87,3 +88,19 @@ def test_kl_to_the_reference_uses_the_k3_estimator():
     k3 = 0.5 - math.log(0.5) - 1  # exp(ref - logp) - (ref - logp) - 1 with ref - logp = ln 0.5; 0 for token 2
     assert terms.kl_sum == pytest.approx(k3, abs=1e-6)
     assert terms.loss.item() == pytest.approx(0.5 * k3 / 2, abs=1e-6)
+
+
+def test_the_log_ratio_clamp_keeps_every_ratio_and_its_report_finite_in_float32():
+    """The bound sits below float32's exp overflow (log of its largest value, ~88.72), so a
+    log-ratio of any size gives a finite ratio, and not below log of the largest train.ratio_cap,
+    so the clamp changes nothing the surrogate uses (grpo.py's docstring)."""
+    (cap_bound,) = [m.le for m in TrainSection.model_fields["ratio_cap"].metadata if hasattr(m, "le")]
+    assert math.log(cap_bound) <= LOG_RATIO_BOUND < math.log(torch.finfo(torch.float32).max)
+    gaps = torch.tensor([-1e4, -1000.0, -100.0, -89.0, -LOG_RATIO_BOUND, 0.0, LOG_RATIO_BOUND, 89.0, 100.0, 1e4])
+    ratio = importance_ratio(gaps, torch.zeros_like(gaps))
+    assert ratio.dtype == torch.float32 and bool(torch.isfinite(ratio).all()) and bool((ratio > 0).all())
+    assert ratio.max().item() == pytest.approx(math.exp(LOG_RATIO_BOUND), rel=1e-6)
+    terms = policy_loss(
+        gaps.unsqueeze(0), torch.zeros(1, len(gaps)), torch.ones(1, len(gaps)), torch.ones(1, len(gaps))
+    )
+    assert math.isfinite(terms.ratio_max) and math.isfinite(terms.ratio_sum) and math.isfinite(terms.loss.item())

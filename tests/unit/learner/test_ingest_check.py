@@ -1,4 +1,4 @@
-"""The behaviour check's logic (rollwire.learner.ingest_check): which tokens it compares under
+"""The behaviour check's logic (rollwire.learner.ingest.check): which tokens it compares under
 which version, and the bound. `score` here is a table of logprobs per version standing in for
 the fleet; the check against real replicas is tests/integration/learner/test_learner_ingest_check.py."""
 
@@ -11,7 +11,7 @@ import pytest
 
 from rollwire.common.errors import InvalidArgument
 from rollwire.common.reasons import Reason
-from rollwire.learner.ingest_check import BehaviourCheck, first_gap, trained_by_version
+from rollwire.learner.ingest.check import BehaviourCheck, first_gap, trained_by_version
 
 TRUE = {1: [-0.5, -1.0, -2.0, -0.25], 2: [-0.6, -1.5, -2.5, -0.3]}
 

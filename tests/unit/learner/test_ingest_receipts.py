@@ -1,4 +1,4 @@
-"""Ingestion's provenance check (ingest_receipts.py, audit S11) over generated trajectories.
+"""Ingestion's provenance check (ingest/receipts.py, audit S11) over generated trajectories.
 
 Receipts are made as a replica makes them (rollwire.generator.receipts over the events it
 sends); random multi-turn trajectories with their receipts are taken, and every single forgery
@@ -21,7 +21,7 @@ from rollwire.common.reasons import Reason
 from rollwire.common.signing import SigningKey, TrustedKeys
 from rollwire.generator.receipts import Receipts
 from rollwire.generator.types import AdapterSelection, GroupRequest, SampleDone, SamplingParams, TokenDelta
-from rollwire.learner.ingest_receipts import MAX_RECEIPTS, ReceiptCheck
+from rollwire.learner.ingest.receipts import MAX_RECEIPTS, ReceiptCheck
 from rollwire.v1 import learner_pb2 as lpb
 
 KEY = SigningKey.generate("replica-a")

@@ -9,8 +9,8 @@ from test_learner_trainer import groups, make
 from transformers import AutoModelForCausalLM
 
 from rollwire.learner.config import LearnerConfig
-from rollwire.learner.groups import ScoredGroup
-from rollwire.learner.reference import MAX_SEQUENCES, MAX_TOKENS, packed
+from rollwire.learner.rollouts.groups import ScoredGroup
+from rollwire.learner.train.reference import MAX_SEQUENCES, MAX_TOKENS, packed
 
 
 def base_logprobs(tiny_model, data: list[ScoredGroup]) -> list[list[float]]:

@@ -8,10 +8,10 @@ import itertools
 
 import pytest
 
-from rollwire.learner.admission import buffer_refusal, may_request
-from rollwire.learner.buffer import Buffer, GroupLedger
-from rollwire.learner.groups import ScoredGroup, ScoredSample
-from rollwire.learner.task import Example
+from rollwire.learner.rollouts.admission import buffer_refusal, may_request
+from rollwire.learner.rollouts.buffer import Buffer, GroupLedger
+from rollwire.learner.rollouts.groups import ScoredGroup, ScoredSample
+from rollwire.learner.tasks.task import Example
 
 
 def group(version: int, rewards: tuple[float, ...] = (1.0, 0.0)) -> ScoredGroup:

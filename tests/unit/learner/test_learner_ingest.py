@@ -9,12 +9,12 @@ import pytest
 import torch
 
 from rollwire.common.reasons import Reason
-from rollwire.learner.buffer import Buffer, GroupLedger
 from rollwire.learner.config import IngestSection, TrainSection
-from rollwire.learner.groups import ScoredGroup, ScoredSample
-from rollwire.learner.ingest import Ingest, Trajectory
-from rollwire.learner.task import Example
-from rollwire.learner.trainer import Trainer
+from rollwire.learner.ingest.intake import Ingest, Trajectory
+from rollwire.learner.rollouts.buffer import Buffer, GroupLedger
+from rollwire.learner.rollouts.groups import ScoredGroup, ScoredSample
+from rollwire.learner.tasks.task import Example
+from rollwire.learner.train.trainer import Trainer
 
 C = grpc.StatusCode
 VOCAB = 100

@@ -19,12 +19,12 @@ from rollwire.common.errors import (
 )
 from rollwire.common.reasons import Reason
 from rollwire.common.signing import SigningKey
-from rollwire.learner.buffer import Buffer, GroupLedger, Signal
 from rollwire.learner.config import RewardSpec, RolloutSection
-from rollwire.learner.producer import Producer
-from rollwire.learner.publisher import Publisher
-from rollwire.learner.rewards import build_rewards
-from rollwire.learner.task import DataStream, Example
+from rollwire.learner.publish.publisher import Publisher
+from rollwire.learner.rollouts.buffer import Buffer, GroupLedger, Signal
+from rollwire.learner.rollouts.producer import Producer
+from rollwire.learner.tasks.rewards import build_rewards
+from rollwire.learner.tasks.task import DataStream, Example
 
 
 def result(prompt: str, texts: list[str], version: int = 3) -> GenerateResult:
@@ -239,7 +239,7 @@ async def test_start_moves_above_a_version_that_landed_after_the_learner_looked(
     """A push cut off by a killed learner may reach the replicas after the new run read their versions."""
     from types import SimpleNamespace
 
-    from rollwire.learner import session
+    from rollwire.learner.run import session
 
     target = FakeTarget([FailedPrecondition("v3 is not above v4", reason=Reason.VERSION_NOT_MONOTONIC)])
     target.release.set()

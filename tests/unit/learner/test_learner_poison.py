@@ -23,15 +23,15 @@ from hypothesis import strategies as st
 
 from rollwire.common.errors import InvalidArgument, ResourceExhausted
 from rollwire.common.reasons import Reason
-from rollwire.learner.buffer import Buffer, GroupLedger
-from rollwire.learner.config import IngestSection, TrainSection
-from rollwire.learner.groups import ScoredGroup, ScoredSample
-from rollwire.learner.grpo import group_advantages, policy_loss
-from rollwire.learner.ingest import Ingest, Trajectory, check_shape
-from rollwire.learner.ingest_room import compact_sample, group_reservation, sample_bytes
-from rollwire.learner.metrics import LearnerMetrics
-from rollwire.learner.task import Example
-from rollwire.learner.trainer import Trainer
+from rollwire.learner.config import IngestSection, TrainSection, group_reservation, sample_bytes
+from rollwire.learner.ingest.intake import Ingest, Trajectory, check_shape
+from rollwire.learner.ingest.room import compact_sample
+from rollwire.learner.rollouts.buffer import Buffer, GroupLedger
+from rollwire.learner.rollouts.groups import ScoredGroup, ScoredSample
+from rollwire.learner.run.metrics import LearnerMetrics
+from rollwire.learner.tasks.task import Example
+from rollwire.learner.train.grpo import group_advantages, policy_loss
+from rollwire.learner.train.trainer import Trainer
 
 CFG = IngestSection(enabled=True)
 VOCAB = 100

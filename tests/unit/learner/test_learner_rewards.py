@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 
 from rollwire.learner.config import RewardSpec
-from rollwire.learner.rewards import build_rewards, exact_match, numeric, score
-from rollwire.learner.task import Example
+from rollwire.learner.tasks.rewards import build_rewards, exact_match, numeric, score
+from rollwire.learner.tasks.task import Example
 
 EX = Example(1, "07+45=", "052")
 
@@ -25,7 +25,7 @@ def test_weighted_sum_with_a_format_reward():
 
 
 def test_user_function_by_module_path_and_by_file(tmp_path):
-    module = build_rewards([RewardSpec(kind="python", function="rollwire.learner.rewards:numeric")])
+    module = build_rewards([RewardSpec(kind="python", function="rollwire.learner.tasks.rewards:numeric")])
     assert module[0].name == "python" and module[0].fn("52", EX) == 1.0
     path = tmp_path / "my_reward.py"
     path.write_text("def length(completion, example):\n    return len(completion)\n")
@@ -35,7 +35,7 @@ def test_user_function_by_module_path_and_by_file(tmp_path):
 
 def test_bad_import_path_fails_at_start_up(tmp_path):
     with pytest.raises(ValueError, match="not a function"):
-        build_rewards([RewardSpec(kind="python", function="rollwire.learner.rewards:nothing_here")])
+        build_rewards([RewardSpec(kind="python", function="rollwire.learner.tasks.rewards:nothing_here")])
     with pytest.raises(ValueError, match="does not exist"):
         build_rewards([RewardSpec(kind="python", function=f"{tmp_path}/missing.py:f")])
 

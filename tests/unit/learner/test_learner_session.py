@@ -22,11 +22,11 @@ from rollwire.client import AsyncClient
 from rollwire.common.errors import InvalidArgument, Unavailable
 from rollwire.common.fingerprint import model_fingerprint
 from rollwire.common.reasons import Reason
-from rollwire.learner import checkpoint
 from rollwire.learner.config import LearnerConfig
-from rollwire.learner.loop import train
-from rollwire.learner.task import Example, write_jsonl
-from rollwire.learner.wiring import LearnerError, open_session
+from rollwire.learner.run import checkpoint
+from rollwire.learner.run.loop import train
+from rollwire.learner.run.wiring import LearnerError, open_session
+from rollwire.learner.tasks.task import Example, write_jsonl
 from rollwire.runtime.config import load_config
 
 EXAMPLES = [Example(i, f"q{i}", str(i % 7)) for i in range(40)]

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from rollwire.demo.teach import TeachSpec, lr_factor
-from rollwire.learner.task import (
+from rollwire.learner.tasks.task import (
     DataStream,
     Example,
     addition_examples,

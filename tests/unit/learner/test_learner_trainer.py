@@ -6,9 +6,9 @@ import pytest
 import torch
 
 from rollwire.learner.config import TrainSection
-from rollwire.learner.groups import ScoredGroup, ScoredSample
-from rollwire.learner.task import Example
-from rollwire.learner.trainer import Trainer
+from rollwire.learner.rollouts.groups import ScoredGroup, ScoredSample
+from rollwire.learner.tasks.task import Example
+from rollwire.learner.train.trainer import Trainer
 
 
 def groups(trainer: Trainer | None, count=2, n=4) -> list[ScoredGroup]:
@@ -126,3 +126,24 @@ def test_tokens_older_than_the_token_limit_never_reach_the_loss(tiny_model):
         followed(-9.0), version=5
     )
     assert unmasked.stale_tokens_masked == 0 and unmasked.loss != pytest.approx(a.loss, abs=1e-4)
+
+
+def test_a_token_one_version_past_the_token_limit_never_reaches_the_loss(tiny_model):
+    """The limit's edge: with buffer.max_token_staleness 2 and the batch trained at version 5, a
+    token of version 3 (2 behind) is trained, one of version 2 (3 behind: one past the limit)
+    is not, whatever its behaviour logprob says."""
+
+    def step(past: float, edge: float):
+        data = groups(None)
+        for g in data:
+            for s in g.samples:
+                s.token_versions = [2, 3, 5]
+                s.logprobs = [past, edge, -1.0]
+        trainer = Trainer(tiny_model, TrainSection(lr=1e-2, groups_per_step=2), 1.0, seed=0, max_token_staleness=2)
+        stats = trainer.step(data, version=5)
+        return stats, trainer.adapter_payload()
+
+    (a, payload_a), (b, payload_b), (c, payload_c) = step(-1.0, -1.0), step(-9.0, -1.0), step(-1.0, -9.0)
+    assert a.stale_tokens_masked == b.stale_tokens_masked == 2 * 4  # one token of each sample
+    assert a.loss == pytest.approx(b.loss, abs=1e-7) and payload_a == payload_b  # version 2 reaches nothing
+    assert c.loss != pytest.approx(a.loss, abs=1e-4) and payload_c != payload_a  # version 3 is trained

@@ -11,7 +11,7 @@ ROW = re.compile(r"^\| `(rollwire_[a-z_]+)` \| (counter|gauge|histogram) \| (.*?
 
 def registered() -> dict[str, tuple[str, tuple[str, ...]]]:
     from rollwire.generator.metrics import GeneratorMetrics
-    from rollwire.learner.metrics import LearnerMetrics
+    from rollwire.learner.run.metrics import LearnerMetrics
     from rollwire.proxy.metrics import ProxyMetrics
 
     out = {}
@@ -43,7 +43,7 @@ def test_every_registered_metric_is_documented_and_nothing_else():
 
 def test_documented_labels_match_the_code():
     from rollwire.generator.metrics import GeneratorMetrics
-    from rollwire.learner.metrics import LearnerMetrics
+    from rollwire.learner.run.metrics import LearnerMetrics
     from rollwire.proxy.metrics import ProxyMetrics
 
     doc = documented()

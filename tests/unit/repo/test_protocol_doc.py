@@ -22,7 +22,7 @@ from rollwire.common import errors
 from rollwire.common.errors import RollwireError, error_class, from_rpc_error, status_detail, to_status
 from rollwire.common.reasons import Reason
 from rollwire.common.retries import PUSH_TRANSIENT, TABLE
-from rollwire.learner.producer import BACK_OFF, drop_reason
+from rollwire.learner.rollouts.producer import BACK_OFF, drop_reason
 from rollwire.proxy.routing import faults
 from rollwire.v1 import generator_pb2 as pb
 

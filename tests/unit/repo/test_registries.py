@@ -54,7 +54,7 @@ def test_a_name_is_registered_once_and_a_path_is_imported_only_when_loaded():
 
 
 def test_registered_factories_resolve_to_the_real_implementations():
-    from rollwire.learner.grpo import clipped_loss
+    from rollwire.learner.train.grpo import clipped_loss
 
     assert LOSSES.load("clipped") is clipped_loss
     assert ENGINES.names()[0] == GeneratorConfig().engine  # the default is the first registered
@@ -112,7 +112,7 @@ def test_an_engine_registered_by_path_is_valid_config_without_importing_it(tmp_p
 def test_a_loss_registered_at_run_time_is_valid_config():
     with pytest.raises(ConfigError, match=r"train\.loss: .*unknown loss 'mine'; choose one of clipped"):
         load_config(LearnerConfig, overrides=["base_model=/m", "train.loss=mine"])
-    LOSSES.register("mine", "rollwire.learner.grpo:clipped_loss", "the default under another name (test only)")
+    LOSSES.register("mine", "rollwire.learner.train.grpo:clipped_loss", "the default under another name (test only)")
     try:
         assert load_config(LearnerConfig, overrides=["base_model=/m", "train.loss=mine"]).train.loss == "mine"
     finally:
@@ -132,8 +132,8 @@ def test_make_policy_tunes_the_policies_from_the_routing_section():
 def test_the_default_loss_is_policy_loss_with_the_runs_settings():
     import torch
 
-    from rollwire.learner.grpo import clipped_loss, policy_loss
     from rollwire.learner.losses import LossBatch
+    from rollwire.learner.train.grpo import clipped_loss, policy_loss
 
     gen = torch.Generator().manual_seed(0)
     logp, behaviour = -torch.rand(2, 5, generator=gen), -torch.rand(2, 5, generator=gen)
@@ -163,10 +163,10 @@ def test_the_default_loss_is_policy_loss_with_the_runs_settings():
 
 
 def test_the_trainer_steps_with_the_loss_named_in_its_config(tiny_model):
-    from rollwire.learner.groups import ScoredGroup, ScoredSample
-    from rollwire.learner.grpo import clipped_loss
-    from rollwire.learner.task import Example
-    from rollwire.learner.trainer import Trainer
+    from rollwire.learner.rollouts.groups import ScoredGroup, ScoredSample
+    from rollwire.learner.tasks.task import Example
+    from rollwire.learner.train.grpo import clipped_loss
+    from rollwire.learner.train.trainer import Trainer
 
     calls = []
 

@@ -23,21 +23,21 @@ from pathlib import Path
 from rollwire.client import AsyncClient, TlsConfig
 from rollwire.common.fingerprint import model_fingerprint
 from rollwire.common.signing import KeyFileError, SigningKey
-from rollwire.learner import checkpoint
-from rollwire.learner.admission import may_request
-from rollwire.learner.buffer import Buffer, GroupLedger
-from rollwire.learner.chain import chain_examples
 from rollwire.learner.config import LearnerConfig
-from rollwire.learner.groups import ScoredGroup
-from rollwire.learner.ingest import Ingest
-from rollwire.learner.metrics import LearnerMetrics
-from rollwire.learner.producer import Producer
-from rollwire.learner.publisher import Publisher
-from rollwire.learner.report import Report
-from rollwire.learner.rewards import build_rewards
-from rollwire.learner.session import Session, target_versions
-from rollwire.learner.task import DataStream, addition_examples, eval_subset, is_held_out, read_jsonl
-from rollwire.learner.trainer import Trainer
+from rollwire.learner.ingest.intake import Ingest
+from rollwire.learner.publish.publisher import Publisher
+from rollwire.learner.rollouts.admission import may_request
+from rollwire.learner.rollouts.buffer import Buffer, GroupLedger
+from rollwire.learner.rollouts.groups import ScoredGroup
+from rollwire.learner.rollouts.producer import Producer
+from rollwire.learner.run import checkpoint
+from rollwire.learner.run.metrics import LearnerMetrics
+from rollwire.learner.run.report import Report
+from rollwire.learner.run.session import Session, target_versions
+from rollwire.learner.tasks.chain import chain_examples
+from rollwire.learner.tasks.rewards import build_rewards
+from rollwire.learner.tasks.task import DataStream, addition_examples, eval_subset, is_held_out, read_jsonl
+from rollwire.learner.train.trainer import Trainer
 from rollwire.runtime.dialing import dial_credentials
 from rollwire.runtime.logs import get_logger
 
@@ -217,9 +217,9 @@ def _log_ready(session: Session, fingerprint: str, saved: checkpoint.Checkpoint 
 async def open_ingest(session: Session, fingerprint: str) -> None:
     """Serve LearnerService into the session's buffer (ingest.enabled)."""
     from rollwire.common.signing import TrustedKeys
-    from rollwire.learner.ingest_check import BehaviourCheck
-    from rollwire.learner.ingest_receipts import ReceiptCheck
-    from rollwire.learner.ingest_service import LearnerServicer, serve_ingest
+    from rollwire.learner.ingest.check import BehaviourCheck
+    from rollwire.learner.ingest.receipts import ReceiptCheck
+    from rollwire.learner.ingest.service import LearnerServicer, serve_ingest
 
     cfg = session.cfg
     vocab_size = int(session.trainer.model.config.vocab_size)

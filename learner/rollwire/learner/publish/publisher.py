@@ -30,7 +30,7 @@ from rollwire.common.lora import LoraShape
 from rollwire.common.retries import PUSH_TRANSIENT
 from rollwire.common.safetensors_header import HeaderError, header_length, nonfinite_tensor, read_entries
 from rollwire.common.signing import SigningKey
-from rollwire.learner.buffer import Signal
+from rollwire.learner.rollouts.buffer import Signal
 from rollwire.runtime.logs import get_logger
 
 log = get_logger(__name__)

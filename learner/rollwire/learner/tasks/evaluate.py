@@ -12,7 +12,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from rollwire.common.errors import RollwireError
-from rollwire.learner.task import Example, is_correct
+from rollwire.learner.tasks.task import Example, is_correct
 from rollwire.runtime.logs import get_logger
 
 log = get_logger(__name__)
@@ -67,7 +67,7 @@ async def held_out_episodes(
 ) -> EvalResult:
     """Greedy episode success of the multi-turn chain task (chain.py): the share of held-out
     episodes whose every turn is right; an episode whose request fails is unanswered."""
-    from rollwire.learner.chain import episode_success
+    from rollwire.learner.tasks.chain import episode_success
 
     encode = await asyncio.to_thread(_encoder, base_model)
     succeeded, answered, failed = await episode_success(client, examples, encode, adapter, concurrency)

@@ -14,12 +14,12 @@ import sys
 import time
 from pathlib import Path
 
-from rollwire.learner.buffer import GroupLedger
-from rollwire.learner.evaluate import EvalResult
-from rollwire.learner.groups import ScoredGroup
-from rollwire.learner.metrics import LearnerMetrics
-from rollwire.learner.publisher import PushRecord
-from rollwire.learner.trainer import StepStats
+from rollwire.learner.publish.publisher import PushRecord
+from rollwire.learner.rollouts.buffer import GroupLedger
+from rollwire.learner.rollouts.groups import ScoredGroup
+from rollwire.learner.run.metrics import LearnerMetrics
+from rollwire.learner.tasks.evaluate import EvalResult
+from rollwire.learner.train.trainer import StepStats
 from rollwire.runtime.durable import write_atomic
 from rollwire.runtime.logs import get_logger
 

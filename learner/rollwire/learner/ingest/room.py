@@ -2,7 +2,7 @@
 of it, and the compact form samples are held in.
 
 A producer is who the ingest service says sent a trajectory (security.caller_identity: its
-bearer token's hash with auth on, else its peer host). Ingest (ingest.py) asks here before a
+bearer token's hash with auth on, else its peer host). Ingest (ingest/intake.py) asks here before a
 trajectory opens a group and tells here when a group completes and when it leaves.
 
 Invariants:
@@ -15,7 +15,9 @@ Invariants:
   leaves a group half accepted. Once complete it holds what its samples take;
 - every hold is released exactly once: when its group is trained, dropped or expires;
 - a held sample is arrays (int32 ids, float32 logprobs, int64 versions, int8 mask), about
-  BYTES_PER_TOKEN bytes a token, not lists of Python objects (~85 bytes a token).
+  BYTES_PER_TOKEN bytes a token, not lists of Python objects (~85 bytes a token); what a sample
+  and a group are charged (`sample_bytes`, `group_reservation`) is config.py's, so the config
+  checks its sizes by the same rule.
 """
 
 from __future__ import annotations
@@ -27,22 +29,7 @@ from dataclasses import dataclass
 
 from rollwire.common.errors import ResourceExhausted
 from rollwire.common.reasons import Reason
-from rollwire.learner.groups import ScoredSample
-
-BYTES_PER_TOKEN = 17
-"""A held token: int32 id, float32 logprob, int64 version, int8 mask."""
-SAMPLE_OVERHEAD = 1024
-"""A held sample's objects (the sample, its four arrays: ~620 bytes measured), in bytes, rounded up."""
-
-
-def sample_bytes(tokens: int) -> int:
-    """What a held sample of `tokens` tokens is charged."""
-    return SAMPLE_OVERHEAD + BYTES_PER_TOKEN * tokens
-
-
-def group_reservation(group_size: int, prompt_tokens: int, max_tokens: int) -> int:
-    """What a group reserves when it opens: its prompt and `group_size` samples of the largest size."""
-    return 4 * prompt_tokens + group_size * sample_bytes(max_tokens)
+from rollwire.learner.rollouts.groups import ScoredSample
 
 
 def compact_sample(
@@ -76,7 +63,7 @@ class Hold:
 
 
 class Room:
-    """The holds of every ingested group the learner has not let go of, by key (ingest.py's)."""
+    """The holds of every ingested group the learner has not let go of, by key (ingest/intake.py's)."""
 
     def __init__(self, max_bytes: int, max_groups: int, share: float, retry_after_s: float) -> None:
         self.max_bytes, self.max_groups, self.share, self.retry_after_s = max_bytes, max_groups, share, retry_after_s

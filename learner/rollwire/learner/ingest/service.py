@@ -1,4 +1,4 @@
-"""LearnerService over gRPC: the wire edge of ingest.py.
+"""LearnerService over gRPC: the wire edge of ingest/intake.py.
 
 Messages become `ingest.Trajectory` here and nowhere else; each request of the stream is
 answered, in order, with its own TrajectoryStatus, so one refusal never ends the stream. The
@@ -22,9 +22,9 @@ import grpc
 from rollwire.common.errors import RollwireError
 from rollwire.common.keepalive import DEFAULT as DEFAULT_KEEPALIVE
 from rollwire.learner.config import IngestSection
-from rollwire.learner.ingest import Ingest, Trajectory, bad_trajectory, check_shape
-from rollwire.learner.ingest_check import BehaviourCheck
-from rollwire.learner.ingest_receipts import ReceiptCheck
+from rollwire.learner.ingest.check import BehaviourCheck
+from rollwire.learner.ingest.intake import Ingest, Trajectory, bad_trajectory, check_shape
+from rollwire.learner.ingest.receipts import ReceiptCheck
 from rollwire.runtime.logs import get_logger
 from rollwire.runtime.security import TokenAuth, add_port, caller_identity, interceptors, warn_if_exposed
 from rollwire.v1 import learner_pb2 as lpb
@@ -35,7 +35,7 @@ OK = lpb.TrajectoryStatus()
 
 
 def trajectory(message: lpb.Trajectory) -> Trajectory:
-    """The wire message as ingest.py judges it."""
+    """The wire message as ingest/intake.py judges it."""
     return Trajectory(
         group_id=message.group_id,
         group_size=message.group_size,
@@ -70,9 +70,9 @@ class LearnerServicer(learner_pb2_grpc.LearnerServiceServicer):
     ) -> None:
         self.ingest, self.adapter_name, self.fingerprint = ingest, adapter_name, fingerprint
         self.check = check
-        """ingest.max_logprob_gap's check (ingest_check.py), run after the shape check; None: off."""
+        """ingest.max_logprob_gap's check (ingest/check.py), run after the shape check; None: off."""
         self.receipts = receipts
-        """ingest.receipt_keys_file's check (ingest_receipts.py), run after the shape check; None: off."""
+        """ingest.receipt_keys_file's check (ingest/receipts.py), run after the shape check; None: off."""
 
     async def SubmitTrajectories(
         self, request_iterator: AsyncIterator[lpb.SubmitTrajectoriesRequest], context

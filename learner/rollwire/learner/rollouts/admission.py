@@ -19,7 +19,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from rollwire.learner.groups import ScoredGroup
+    from rollwire.learner.rollouts.groups import ScoredGroup
 
 
 def staleness(group: ScoredGroup, version: int) -> int:

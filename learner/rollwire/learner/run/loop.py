@@ -14,8 +14,8 @@ import os
 import signal
 
 from rollwire.learner.config import LearnerConfig
-from rollwire.learner.session import Session
-from rollwire.learner.wiring import open_session
+from rollwire.learner.run.session import Session
+from rollwire.learner.run.wiring import open_session
 from rollwire.runtime.durable import write_ready_file
 from rollwire.runtime.logs import get_logger
 

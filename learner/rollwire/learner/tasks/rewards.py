@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import cast
 
 from rollwire.learner.config import RewardSpec
-from rollwire.learner.task import Example, is_correct
+from rollwire.learner.tasks.task import Example, is_correct
 
 RewardFn = Callable[[str, Example], float]
 _NUMBER = re.compile(r"[-+]?\d+(?:\.\d+)?")

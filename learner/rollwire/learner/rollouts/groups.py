@@ -3,7 +3,7 @@ and the loss read. A types module with no logic beyond derived properties, so th
 admission rules, the trainer and the reports can all import it without importing each other.
 
 Invariants: a ScoredSample's token sequences are parallel (lists from the learner's producer,
-compact arrays from ingestion: ingest_room.compact_sample); a group's min_version is the oldest
+compact arrays from ingestion: ingest.room.compact_sample); a group's min_version is the oldest
 adapter version among its trained tokens (environment tokens carry none), else the version the
 request was served with.
 """
@@ -14,7 +14,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from rollwire.learner.task import Example
+from rollwire.learner.tasks.task import Example
 
 
 @dataclass
@@ -65,7 +65,7 @@ class ScoredGroup:
     """Version the request was served with ("latest" resolved); used when a sample has no tokens."""
     replica: str = ""
     source: str = "producer"
-    """Who made it: "producer" (the learner's own) or "ingest" (an external producer, ingest.py)."""
+    """Who made it: "producer" (the learner's own) or "ingest" (an external producer, ingest/intake.py)."""
     producer: str = ""
     """For an ingested group, the external producer that sent it (security.caller_identity); logs name it."""
     created_at: float = field(default_factory=time.monotonic)

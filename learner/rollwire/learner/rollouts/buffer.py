@@ -15,8 +15,8 @@ import asyncio
 from collections import Counter, deque
 from collections.abc import Callable
 
-from rollwire.learner.admission import buffer_refusal, split_stale
-from rollwire.learner.groups import ScoredGroup
+from rollwire.learner.rollouts.admission import buffer_refusal, split_stale
+from rollwire.learner.rollouts.groups import ScoredGroup
 
 
 class Signal:

@@ -32,10 +32,10 @@ import torch
 
 from rollwire.common.lora import LoraShape
 from rollwire.learner.config import TrainSection
-from rollwire.learner.groups import ScoredGroup
-from rollwire.learner.grpo import group_advantages, importance_ratio, token_logprobs
 from rollwire.learner.losses import LOSSES, LossBatch
-from rollwire.learner.publisher import NonFiniteWeights
+from rollwire.learner.publish.publisher import NonFiniteWeights
+from rollwire.learner.rollouts.groups import ScoredGroup
+from rollwire.learner.train.grpo import group_advantages, importance_ratio, token_logprobs
 from rollwire.runtime.logs import get_logger
 
 log = get_logger(__name__)

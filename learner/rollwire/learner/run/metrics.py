@@ -10,8 +10,8 @@ from __future__ import annotations
 from prometheus_client import CollectorRegistry, start_http_server
 
 from rollwire.common.reasons import Reason
-from rollwire.learner.publisher import PushRecord
-from rollwire.learner.trainer import SKIP_REASONS, StepStats
+from rollwire.learner.publish.publisher import PushRecord
+from rollwire.learner.train.trainer import SKIP_REASONS, StepStats
 from rollwire.runtime.metrics import MetricFactory
 
 SECONDS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
@@ -48,7 +48,7 @@ INGEST_OUTCOMES = (
         )
     ),
 )
-"""What ingest.py answers a trajectory: accepted, or the refusal's reason."""
+"""What ingest/intake.py answers a trajectory: accepted, or the refusal's reason."""
 INGEST_STATES = ("open", "buffered")
 
 

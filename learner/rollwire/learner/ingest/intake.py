@@ -1,7 +1,7 @@
 """Scored trajectories from producers outside the learner, checked, grouped and buffered.
 
 External producers (agent harnesses, environment servers, in any language) hand the learner
-complete, scored samples through LearnerService.SubmitTrajectories (ingest_service.py turns
+complete, scored samples through LearnerService.SubmitTrajectories (ingest/service.py turns
 the messages into `Trajectory` here). Each one is judged on its own, in this order, and
 answered with one typed status:
 
@@ -18,7 +18,7 @@ answered with one typed status:
    being assembled or buffered, or past `ingest.max_pending_bytes`, is pushed back
    (RESOURCE_EXHAUSTED INGEST_FULL, retry hint); one past its producer's share of either
    (`ingest.producer_share`) too (INGEST_QUOTA). The byte budget, the shares and the compact
-   form samples are held in are ingest_room.py's.
+   form samples are held in are ingest/room.py's.
 
 Invariants:
 - every accepted trajectory ends exactly once and is counted: trained, or dropped with its
@@ -50,11 +50,11 @@ from rollwire.common.errors import (
     Unavailable,
 )
 from rollwire.common.reasons import Reason
-from rollwire.learner.buffer import Buffer
-from rollwire.learner.config import IngestSection
-from rollwire.learner.groups import ScoredGroup, ScoredSample
-from rollwire.learner.ingest_room import Room, compact_sample, group_reservation, sample_bytes
-from rollwire.learner.task import Example
+from rollwire.learner.config import IngestSection, group_reservation, sample_bytes
+from rollwire.learner.ingest.room import Room, compact_sample
+from rollwire.learner.rollouts.buffer import Buffer
+from rollwire.learner.rollouts.groups import ScoredGroup, ScoredSample
+from rollwire.learner.tasks.task import Example
 
 MAX_ID_CHARS = 256
 

@@ -21,11 +21,11 @@ from typing import Protocol
 import grpc
 
 from rollwire.common.errors import RollwireError
-from rollwire.learner.buffer import Buffer
 from rollwire.learner.config import RolloutSection
-from rollwire.learner.groups import ScoredGroup, ScoredSample
-from rollwire.learner.rewards import Reward, score
-from rollwire.learner.task import DataStream, Example, is_correct
+from rollwire.learner.rollouts.buffer import Buffer
+from rollwire.learner.rollouts.groups import ScoredGroup, ScoredSample
+from rollwire.learner.tasks.rewards import Reward, score
+from rollwire.learner.tasks.task import DataStream, Example, is_correct
 from rollwire.runtime.logs import get_logger
 
 log = get_logger(__name__)

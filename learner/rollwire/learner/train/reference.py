@@ -20,7 +20,7 @@ import asyncio
 from collections.abc import Sequence
 
 from rollwire.client import AsyncClient
-from rollwire.learner.groups import ScoredGroup, ScoredSample
+from rollwire.learner.rollouts.groups import ScoredGroup, ScoredSample
 from rollwire.runtime.logs import get_logger
 
 log = get_logger(__name__)

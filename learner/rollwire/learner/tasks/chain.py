@@ -31,7 +31,7 @@ import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-from rollwire.learner.task import Example, addition_answer, addition_prompt, carry_free_answer, is_held_out
+from rollwire.learner.tasks.task import Example, addition_answer, addition_prompt, carry_free_answer, is_held_out
 
 TURNS = 3
 SEPARATOR = "|"

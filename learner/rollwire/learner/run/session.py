@@ -24,20 +24,20 @@ import grpc
 from rollwire.client import AsyncClient
 from rollwire.common.errors import FailedPrecondition
 from rollwire.common.retries import VERSION_TAKEN
-from rollwire.learner import checkpoint
-from rollwire.learner.admission import staleness
-from rollwire.learner.buffer import Buffer, GroupLedger
 from rollwire.learner.config import LearnerConfig
-from rollwire.learner.evaluate import held_out_accuracy, held_out_episodes
-from rollwire.learner.groups import ScoredGroup
-from rollwire.learner.ingest import Ingest
-from rollwire.learner.metrics import LearnerMetrics
-from rollwire.learner.producer import Producer
-from rollwire.learner.publisher import Publisher
-from rollwire.learner.reference import score_reference
-from rollwire.learner.report import Report
-from rollwire.learner.task import DataStream, Example
-from rollwire.learner.trainer import StepStats, Trainer
+from rollwire.learner.ingest.intake import Ingest
+from rollwire.learner.publish.publisher import Publisher
+from rollwire.learner.rollouts.admission import staleness
+from rollwire.learner.rollouts.buffer import Buffer, GroupLedger
+from rollwire.learner.rollouts.groups import ScoredGroup
+from rollwire.learner.rollouts.producer import Producer
+from rollwire.learner.run import checkpoint
+from rollwire.learner.run.metrics import LearnerMetrics
+from rollwire.learner.run.report import Report
+from rollwire.learner.tasks.evaluate import held_out_accuracy, held_out_episodes
+from rollwire.learner.tasks.task import DataStream, Example
+from rollwire.learner.train.reference import score_reference
+from rollwire.learner.train.trainer import StepStats, Trainer
 from rollwire.runtime.logs import get_logger
 from rollwire.runtime.waits import wait_at_most
 
