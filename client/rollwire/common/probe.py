@@ -18,8 +18,9 @@ Invariants:
   as an infinite gap (never as a pass).
 
 Tolerances are per engine (`DEFAULT_TOLERANCES`): float32 forwards of one model agree to ~1e-6
-(docs/engines.md), so 1e-4 on transformers leaves room for a different batch shape while a
-LoRA scaled by even 1% moves the tiny model's logprobs by ~1e-3.
+(an honest transformers or vLLM replica of the tiny model: 4.8e-7 from the publisher's PEFT
+forward), while a LoRA whose B matrices are scaled by 1.05 moved them by 2e-2 to 4.5e-2
+(measured 2026-12-07), so 1e-4 on transformers and 1e-3 on the served engines separate the two.
 """
 
 from __future__ import annotations
@@ -43,9 +44,10 @@ PASSED, FAILED, DISPUTED, UNSUPPORTED = "passed", "failed", "disputed", "unsuppo
 OUTCOMES = (PASSED, FAILED, DISPUTED, UNSUPPORTED)
 """AdapterProof.outcome and the proof metrics' `outcome` label."""
 
-DEFAULT_TOLERANCES = {"transformers": 1e-4, "vllm": 5e-3, "sglang": 5e-3, "scripted": 1e-6}
+DEFAULT_TOLERANCES = {"transformers": 1e-4, "vllm": 1e-3, "sglang": 1e-3, "scripted": 1e-6}
 """Largest |Δlogprob| a replica of each engine may show and still pass; an engine not named: 1e-3.
-vLLM and SGLang score with their own kernels (and often bf16): raise it for bf16 there."""
+vLLM and SGLang score with their own kernels: an honest float32 vLLM replica of the tiny model measured 4.8e-7;
+in bf16 a replica differs from a float32 publisher by far more: raise it there (docs/protocol.md, "Proof")."""
 DEFAULT_TOLERANCE = 1e-3
 
 

@@ -125,8 +125,10 @@ class TrainSection(Section):
     """LoRA rank."""
     lora_alpha: float = Field(default=16.0, gt=0)
     """LoRA alpha (scale alpha/r)."""
-    target_modules: list[str] = Field(default_factory=lambda: list(LORA_TARGETS))
-    """Linear layers that get LoRA."""
+    target_modules: list[str] = Field(default_factory=list)
+    """Linear layers that get LoRA, by name; [] (the default): every linear layer of the base model (trainer.
+    linear_targets: PEFT's all-linear, the output head and a MoE model's experts and routers left out), so GPT-2's
+    c_attn, Phi-3's qkv_proj and GPT-NeoX's query_key_value are trained as a Llama's q_proj is."""
     loss: Annotated[str, LOSSES] = Field(default="clipped")
     """Policy loss, a name registered in rollwire.learner.losses (docs/learner.md); clipped is the clipped, truncated
     surrogate below."""
@@ -294,6 +296,11 @@ class LearnerConfig(Section):
     signing_key_file: str = Field(default="")
     """A signing key (`rollwire keys generate`) every pushed version is signed with: required where the replicas and
     proxies set trust.keys_file (docs/security.md). Empty: versions are pushed unsigned."""
+    publish_probe: bool = Field(default=False)
+    """Push every version with its probe (publisher.probe_of: this learner's logprobs of 4 fixed sequences of 16
+    tokens under the weights pushed), which every replica holds its engine to before serving the version
+    (docs/protocol.md, "Proof"). Off by default: a learner that trains in bf16 against float32 replicas differs from
+    them by more than their tolerance (raise proof.tolerance there first)."""
     run_dir: str = Field(default="runs/learner")
     """Folder for checkpoints, steps.jsonl and summary.json."""
     seed: int = Field(default=0, ge=0)

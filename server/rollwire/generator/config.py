@@ -19,7 +19,7 @@ class ProofSection(BaseModel):
     model_config = ConfigDict(extra="forbid")
     tolerance: float = Field(default=0.0, ge=0.0)
     """Largest |logprob - probe| a version's probe may show here and the version still be served; 0 takes the
-    engine's default (transformers 1e-4, vllm and sglang 5e-3, scripted 1e-6: rollwire.common.probe)."""
+    engine's default (transformers 1e-4, vllm and sglang 1e-3, scripted 1e-6: rollwire.common.probe)."""
 
 
 class Limits(PushLimits):

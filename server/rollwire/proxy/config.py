@@ -84,7 +84,7 @@ class ProofSection(Section):
     `rollwire status --prove`, POST /weight_info) and after each commit."""
     tolerance: float = Field(default=0.0, ge=0)
     """Largest |logprob - reference| a replica may show and pass; 0 takes its engine's default (transformers 1e-4,
-    vllm and sglang 5e-3: rollwire.common.probe)."""
+    vllm and sglang 1e-3: rollwire.common.probe)."""
     timeout_s: float = Field(default=30.0, gt=0)
     """Deadline of one replica's Score of a probe."""
     max_concurrent: int = Field(default=4, ge=1)

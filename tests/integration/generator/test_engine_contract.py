@@ -16,19 +16,26 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import itertools
+from dataclasses import replace
 
 import pytest
 import pytest_asyncio
 import torch
+from safetensors.torch import load as load_safetensors
+from safetensors.torch import save as save_safetensors
 from support.engines import collect, forward_logprobs, manifest_for
 from support.sglang_double import DoubleModel, DoubleServer, Options
 from support.wire import make_adapter, peft_reference
 
+from rollwire.common import probe as probes
+from rollwire.common.errors import FailedPrecondition
+from rollwire.common.reasons import Reason
 from rollwire.generator.app import make_engine
 from rollwire.generator.config import GeneratorConfig
 from rollwire.generator.engines import ENGINES
 from rollwire.generator.engines.settings import SGLangSection
 from rollwire.generator.metrics import GeneratorMetrics
+from rollwire.generator.proof import Prover
 from rollwire.generator.types import AdapterSelection, GroupRequest, SamplingParams
 
 _ids = itertools.count()
@@ -194,6 +201,42 @@ async def test_adapter_logprobs_equal_a_local_peft_model(engine, tiny_model):
         assert greedy["tokens"][0] != base["tokens"][0]  # the adapter really changes the policy
     finally:
         await engine.unload_adapter("c-load-1")
+
+
+async def test_a_published_version_is_proved_and_one_given_other_weights_is_refused(engine, tiny_model):
+    """The proof (generator/proof.py) through each engine's own Score: an honest engine passes a
+    signed probe of the publisher's PEFT numbers within its documented tolerance; the same engine
+    given another file (the adapter's B matrices x 1.05) is refused with PROOF_FAILED. An engine
+    that cannot score serves the version recorded "unsupported", never as a pass."""
+    needs_model(engine)
+    adapter = make_adapter(tiny_model, seed=71, r=8, scale=0.1)  # small weights: float32 sums stay exact
+    peft = peft_reference(tiny_model, adapter)
+    seqs = [(prompt_of(engine, p), prompt_of(engine, c)) for p, c in (("12+34=", "46"), ("abc", "defgh"))]
+    probe = probes.build_probe(seqs, [forward_logprobs(peft, p, c).tolist() for p, c in seqs])
+    prover = Prover(engine, GeneratorMetrics(), trusted=True, replica="contract")
+    honest = replace(manifest_for(adapter, "proof", 1), signer="publisher", probe=probe)
+    await engine.load_adapter("c-proof-1", honest, adapter.payload)
+    try:
+        await prover.prove("c-proof-1", honest)
+    finally:
+        await engine.unload_adapter("c-proof-1")
+    proof = prover.proofs[("proof", 1)]
+    scores = callable(getattr(engine, "score", None))  # engines/base.Scorer
+    if not scores:
+        assert proof.outcome == probes.UNSUPPORTED
+        return
+    assert proof.outcome == probes.PASSED and proof.max_abs_gap <= probes.DEFAULT_TOLERANCES[engine.name]
+    tensors = load_safetensors(adapter.payload)
+    other = save_safetensors({k: v * 1.05 if "lora_B" in k else v for k, v in tensors.items()})
+    wrong = replace(honest, version=2)
+    await engine.load_adapter("c-proof-2", wrong, other)
+    try:
+        with pytest.raises(FailedPrecondition) as refused:
+            await prover.prove("c-proof-2", wrong)
+    finally:
+        await engine.unload_adapter("c-proof-2")
+    assert refused.value.reason == Reason.PROOF_FAILED and "contract" in refused.value.message
+    assert prover.proofs[("proof", 2)].max_abs_gap > 4 * proof.tolerance  # 2e-2 and more, measured
 
 
 async def test_unload_then_load_a_new_version(engine, tiny_model):

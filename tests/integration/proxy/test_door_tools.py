@@ -1,10 +1,11 @@
 """Tool calls, token spellings and vLLM's RL route through the door over real replicas (issue 50), on
 the session's door fleet (tests/support/door_fleet.py: its open proxy parses hermes calls, its
 guarded one has no parser, as vLLM without --enable-auto-tool-choice). The tiny model writes no
-tool calls by itself, so what is checked here is what the door does to a real sample: tools and
-the parser leave its ids and logprobs as sampled, its text the content, and its stream equal to
-its whole answer. The parse and its streaming over texts that hold calls are unit tests
-(tests/unit/proxy/test_tool_calls.py)."""
+tool calls by itself: a LoRA adapter taught here in seconds (tests/support/tool_model.py) does, so
+real samples with calls are parsed, streamed, run as a Python tool in an agent loop, and their ids
+and logprobs held against a teacher-forced forward. Multi-turn token reuse: turn k+1 sent as ids
+is exact, the chat route re-renders. The parse and its streaming over generated texts are unit
+tests (tests/unit/proxy/test_tool_calls.py)."""
 
 from __future__ import annotations
 
@@ -13,7 +14,8 @@ from typing import Any
 
 import pytest
 import requests
-from support.door_fleet import GENERATE_TOKEN, post
+from support.door_fleet import GENERATE_TOKEN, openai_client, post
+from support.tool_model import ADD_TOOL, PAIRS, call_text, prompt_text, teach_tool_calls
 
 pytestmark = pytest.mark.integration
 
@@ -163,3 +165,83 @@ def test_turn_k_plus_1_reuses_turn_ks_sampled_ids_exactly(door):
         got = [e["logprob"] for e in second["choices"][0]["logprobs"]["content"]]
         assert got == pytest.approx(want["logprobs"]["token_logprobs"], abs=1e-5)  # either replica may serve it
     assert exact and drifted  # these seeds meet both rules (5 and 1 here)
+
+
+@pytest.fixture(scope="module")
+def tool_caller(door, tiny_model):
+    """A LoRA adapter taught here to write hermes calls (support/tool_model.py, ~7 s), loaded
+    through the door as `tool-caller`; a request naming it waits until a replica serves it."""
+    folder = teach_tool_calls(tiny_model, door["root"] / "tool-caller")
+    loaded = post(
+        door["proxy"].http_url, "/v1/load_lora_adapter", {"lora_name": "tool-caller", "lora_path": str(folder)}
+    )
+    assert loaded.status_code == 200, loaded.text
+    return folder
+
+
+def test_a_model_that_writes_calls_gets_them_as_tool_calls_with_its_sampled_ids(door, tool_caller, tiny_model):
+    """A real sample with calls (issue 50, "Must show"): the door's hermes parse gives the call the
+    adapter wrote as message.tool_calls and finish_reason tool_calls, whole and streamed alike; its
+    token_ids are the sampled ones (the call's text and EOS) and its logprobs equal a teacher-forced
+    forward of the PEFT model within 1e-4."""
+    import torch
+    from peft import PeftModel
+    from support.engines import forward_logprobs
+    from transformers import AutoModelForCausalLM
+
+    url = door["proxy"].http_url
+    reference = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(tiny_model), tool_caller).eval()
+
+    def tokens(text: str) -> dict[str, Any]:
+        return post(url, "/tokenize", {"model": "tool-caller", "prompt": text, "add_special_tokens": False}).json()
+
+    for a, b in PAIRS[:2]:
+        ask = {"model": "tool-caller", "messages": [{"role": "user", "content": f"{a}+{b}="}], "tools": [ADD_TOOL]}
+        ask |= {"temperature": 0, "max_tokens": 80, "logprobs": True, "return_token_ids": True}  # greedy: as taught
+        answer = post(url, "/v1/chat/completions", ask).json()
+        choice = answer["choices"][0]
+        assert choice["finish_reason"] == "tool_calls" and choice["message"]["content"] is None, choice
+        [call] = choice["message"]["tool_calls"]
+        assert call["type"] == "function" and call["id"].startswith("chatcmpl-tool-")
+        assert call["function"] == {"name": "add", "arguments": json.dumps({"a": a, "b": b})}
+        assert answer["prompt_token_ids"] == tokens(prompt_text(a, b))["tokens"]
+        eos = tokens("</s>")["tokens"]
+        assert choice["token_ids"] == tokens(call_text(a, b))["tokens"] + eos  # the sampled ids, EOS included
+        want = forward_logprobs(reference, answer["prompt_token_ids"], choice["token_ids"])
+        got = torch.tensor([e["logprob"] for e in choice["logprobs"]["content"]])
+        assert torch.allclose(got, want, atol=1e-4), (got - want).abs().max()
+        frames = sse(url, {**ask, "stream": True})
+        deltas = [f["choices"][0] for f in frames if f["choices"]]
+        streamed = [t for d in deltas for t in d["delta"].get("tool_calls", [])]
+        assert [(t["index"], t["function"]) for t in streamed] == [(0, call["function"])]
+        assert "".join(d["delta"].get("content") or "" for d in deltas) == ""
+        assert [t for d in deltas for t in d.get("token_ids", [])] == choice["token_ids"]
+        assert [d["finish_reason"] for d in deltas if d["finish_reason"]] == ["tool_calls"]
+
+
+def test_an_agent_loop_calls_a_python_tool_through_the_openai_client(door, tool_caller):
+    """What a ToolEnv does, with the `openai` client (verifiers 0.4.0 has no ToolEnv; docs/http.md): the
+    model's call is run as a Python function, its result sent back as a tool message, and the next
+    turn's prompt holds it as the chat template renders it."""
+    client = openai_client(door["proxy"].http_url)
+    tools = {"add": lambda a, b: a + b}
+    messages: list[Any] = [{"role": "user", "content": "12+34="}]
+    first = client.chat.completions.create(model="tool-caller", messages=messages, tools=[ADD_TOOL], temperature=0)  # pyright: ignore[reportArgumentType]  # plain dicts, as a harness sends them
+    message = first.choices[0].message
+    assert first.choices[0].finish_reason == "tool_calls" and message.tool_calls
+    messages.append(message.model_dump(exclude_none=True))
+    for call in message.tool_calls:
+        assert call.type == "function"
+        result = tools[call.function.name](**json.loads(call.function.arguments))
+        messages.append({"role": "tool", "tool_call_id": call.id, "content": str(result)})
+    second = client.chat.completions.create(
+        model="tool-caller",
+        messages=messages,
+        tools=[ADD_TOOL],  # pyright: ignore[reportArgumentType]
+        temperature=0,
+        max_tokens=4,
+        extra_body={"return_token_ids": True},
+    )
+    ids = second.model_dump()["prompt_token_ids"]  # vLLM's extension field, kept by the client's model
+    prompt = post(door["proxy"].http_url, "/detokenize", {"model": "tool-caller", "tokens": ids})
+    assert prompt.json()["prompt"].endswith("t:46\na:")  # the tool's result, as the template writes a tool turn

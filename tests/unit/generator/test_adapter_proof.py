@@ -9,6 +9,8 @@ what it served; a malformed probe is the client's fault, refused before any work
 
 from __future__ import annotations
 
+import asyncio
+
 import pytest
 import pytest_asyncio
 import torch
@@ -16,14 +18,16 @@ from support.engines import forward_logprobs
 from support.wire import make_adapter, peft_reference
 
 from rollwire.common import probe as probes
-from rollwire.common.errors import FailedPrecondition, InvalidArgument
+from rollwire.common.errors import FailedPrecondition, Internal, InvalidArgument
 from rollwire.common.manifest import Manifest, check_manifest
 from rollwire.common.reasons import Reason
 from rollwire.common.signing import SigningKey, sign, verify
 from rollwire.generator.adapters import AdapterRegistry
 from rollwire.generator.engines.embedded import transformers_engine as te
+from rollwire.generator.engines.served.vllm_score import ScoreGate, read_score, score_body
 from rollwire.generator.metrics import GeneratorMetrics
 from rollwire.generator.proof import Prover
+from rollwire.generator.types import ScoreJob
 from rollwire.push.buffers import as_bytes
 from rollwire.v1 import generator_pb2 as pb
 
@@ -202,3 +206,49 @@ def test_compare_names_the_largest_gap_and_never_passes_a_nan():
     assert not probes.compare([[-1.0]], [[float("nan")]]).within(1.0)
     assert not probes.compare([[-1.0, -1.0]], [[-1.0]]).within(1.0)
     assert torch.isfinite(torch.tensor(probes.compare([[-1.0]], [[-1.0]]).max_abs))
+
+
+def test_vllm_prompt_logprobs_are_read_by_token_id_at_their_own_position():
+    job = ScoreJob("s", (((5, 6), (7, 8)),))
+    entries = [
+        None,
+        {"6": {"logprob": -0.1}},
+        {"7": {"logprob": -0.2}, "9": {"logprob": -0.05}},
+        {"8": {"logprob": -0.3}},
+    ]
+    assert read_score(job, 0, {"choices": [{"index": 0, "prompt_logprobs": entries}]}).logprobs == [-0.2, -0.3]
+    del entries[2]["7"]  # vLLM left the token out: never scored from a neighbour
+    with pytest.raises(Internal):
+        read_score(job, 0, {"choices": [{"index": 0, "prompt_logprobs": entries}]})
+    assert score_body((5, 6), (7, 8), "lora", "r")["prompt"] == [5, 6, 7, 8]
+
+
+async def test_a_vllm_score_runs_alone_and_new_segments_wait_for_it():
+    gate, order = ScoreGate(), []
+    segment_open, release = asyncio.Event(), asyncio.Event()
+
+    async def running_segment():
+        async with gate.segment():
+            order.append("segment")
+            segment_open.set()
+            await release.wait()
+        order.append("segment done")
+
+    async def scoring():
+        async with gate.score():
+            order.append("score")
+
+    async def late_segment():
+        async with gate.segment():
+            order.append("late segment")
+
+    first = asyncio.create_task(running_segment())
+    await segment_open.wait()
+    score = asyncio.create_task(scoring())
+    await asyncio.sleep(0)  # the score is waiting now
+    late = asyncio.create_task(late_segment())
+    await asyncio.sleep(0)
+    assert order == ["segment"]  # the score waits for the running segment; the late one for the score
+    release.set()
+    await asyncio.gather(first, score, late)
+    assert order == ["segment", "segment done", "score", "late segment"]

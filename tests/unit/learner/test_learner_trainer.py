@@ -147,3 +147,35 @@ def test_a_token_one_version_past_the_token_limit_never_reaches_the_loss(tiny_mo
     assert a.stale_tokens_masked == b.stale_tokens_masked == 2 * 4  # one token of each sample
     assert a.loss == pytest.approx(b.loss, abs=1e-7) and payload_a == payload_b  # version 2 reaches nothing
     assert c.loss != pytest.approx(a.loss, abs=1e-4) and payload_c != payload_a  # version 3 is trained
+
+
+def test_the_default_targets_are_every_linear_layer_of_each_architecture(tmp_path):
+    """train.target_modules [] (the default): the learner's adapter covers each zoo model's own linear
+    layers (GPT-2's Conv1D, fused projections; a MoE model's attention only), nothing the replicas
+    refuse: the adapter it would push passes the push checks against the layers the replica derives."""
+    import hashlib
+
+    from support.zoo import MOE
+
+    from rollwire.common.manifest import Manifest
+    from rollwire.demo.zoo import build_zoo
+    from rollwire.generator.shapes import base_linear_shapes
+    from rollwire.push.checks import check_payload
+
+    zoo = build_zoo(tmp_path)
+    expected = {"llama": {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"}}
+    expected |= {
+        "gpt2": {"c_attn", "c_proj", "c_fc"},
+        "gpt_neox": {"query_key_value", "dense", "dense_h_to_4h", "dense_4h_to_h"},
+    }
+    for name, folder in zoo.items():
+        trainer = Trainer(folder, TrainSection(), 1.0, seed=0)
+        targets = set(trainer.targets)
+        assert targets and "lm_head" not in targets and "embed_out" not in targets, (name, targets)
+        if name in expected:
+            assert targets == expected[name], (name, targets)
+        if name in MOE:
+            assert not targets & {"gate", "experts", "router"}, targets
+        payload = trainer.adapter_payload()
+        manifest = Manifest(name, 1, "fp", trainer.lora_shape, len(payload), hashlib.sha256(payload).hexdigest())
+        check_payload(manifest, payload, base_linear_shapes(folder))

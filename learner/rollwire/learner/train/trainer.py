@@ -91,10 +91,12 @@ class Trainer:
         self.max_token_staleness = max_token_staleness
         self.device = torch.device(cfg.device)
         base = AutoModelForCausalLM.from_pretrained(base_model, dtype=torch.float32).to(self.device)  # pyright: ignore[reportArgumentType]  # the library's annotation is narrower than what it accepts
+        self.targets = list(cfg.target_modules) or linear_targets(base)
+        """The layers that get LoRA: train.target_modules, or every linear layer of this model by name."""
         self.lora = LoraConfig(
             r=cfg.lora_r,
             lora_alpha=cfg.lora_alpha,  # pyright: ignore[reportArgumentType]  # the library's annotation is narrower than what it accepts
-            target_modules=list(cfg.target_modules),
+            target_modules=self.targets,
             lora_dropout=0.0,
             bias="none",
         )
@@ -107,7 +109,7 @@ class Trainer:
     @property
     def lora_shape(self) -> LoraShape:
         """The adapter's shape as the push manifest carries it."""
-        return LoraShape(self.cfg.lora_r, self.cfg.lora_alpha, tuple(sorted(self.cfg.target_modules)))
+        return LoraShape(self.cfg.lora_r, self.cfg.lora_alpha, tuple(sorted(self.targets)))
 
     def adapter_payload(self) -> bytes:
         """The adapter as replicas load it: PEFT state dict keys, safetensors bytes."""
@@ -226,6 +228,23 @@ class Trainer:
             kept = rows.kept.to(self.device) if rows.kept is not None else None
             logp = token_logprobs(logits[:, :-1], rows.ids[:, 1:].to(self.device), self.temperature, kept).cpu()
         return [logp[i][rows.completion[i] > 0].tolist() for i in range(len(logp))]
+
+
+def linear_targets(model) -> list[str]:
+    """The names (last dotted part) of every linear layer LoRA may target in `model`: PEFT's
+    rule for "all-linear" (nn.Linear and GPT-2's Conv1D, the output head left out), without the
+    MoE experts and routers that "all-linear" also adds on transformers 5 MoE models (their
+    fused parameters are not linear modules, and the replicas refuse LoRA on them)."""
+    from torch import nn
+    from transformers.pytorch_utils import Conv1D
+
+    head = model.get_output_embeddings()
+    names = {
+        name.rsplit(".", 1)[-1]
+        for name, module in model.named_modules()
+        if isinstance(module, (nn.Linear, Conv1D)) and module is not head
+    }
+    return sorted(names)
 
 
 def _adapter_views(model, params: Sequence[torch.Tensor]) -> dict[str, torch.Tensor] | None:

@@ -39,18 +39,28 @@ from __future__ import annotations
 
 import sys
 import time
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from rollwire.common import kept
-from rollwire.common.errors import FailedPrecondition, Internal, RollwireError, Unavailable
+from rollwire.common.errors import FailedPrecondition, Internal, RollwireError, Unavailable, Unimplemented
 from rollwire.common.reasons import Reason
 from rollwire.generator.detokenize import TextStream
 from rollwire.generator.engines.served.engine import NO_TEXT, ServedAdapter, ServedEngine, ServerCall
 from rollwire.generator.engines.served.files import read_secret
 from rollwire.generator.engines.served.http import ServerKind, error_from_body, status_of
+from rollwire.generator.engines.served.vllm_score import ScoreGate, read_score, score_body
 from rollwire.generator.engines.settings import VLLMSection
-from rollwire.generator.types import Event, GroupRequest, SampleDone, SamplingParams, TokenDelta
+from rollwire.generator.types import (
+    Event,
+    GroupRequest,
+    SampleDone,
+    SamplingParams,
+    ScoreJob,
+    SequenceScore,
+    TokenDelta,
+)
 from rollwire.runtime.logs import get_logger
 
 log = get_logger(__name__)
@@ -301,6 +311,7 @@ class VLLMEngine(ServedEngine):
         super().__init__(model_dir, settings, adapter_window=adapter_window)
         self.base_name = str(model_dir)  # the model name vLLM serves the base under; read at start
         self._can_abort = True  # until vLLM says it has no /abort_requests (no VLLM_SERVER_DEV_MODE)
+        self._gate = ScoreGate()
 
     # -- lifecycle -------------------------------------------------------------------------
     def _read_keys(self) -> tuple[str | None, str | None]:
@@ -374,6 +385,39 @@ class VLLMEngine(ServedEngine):
         ids = [f"cmpl-{rid}-{i}" for i in range(prompts)]  # vLLM's ids for a request id and its prompts
         tracker = CompletionTracker.of(segment, NO_TEXT, k, self.vocab_size)
         return ServerCall("/v1/completions", body, tracker, lambda: ids)
+
+    def check_score(self, job: ScoreJob) -> None:
+        """vLLM gives each prompt token's own logprob (`prompt_logprobs`); a Score's top-k is not read from it."""
+        if job.top_k:
+            raise Unimplemented(
+                "this replica's vLLM engine scores sequences without top_k; send the Score with top_k 0, or to a "
+                "transformers replica (a proxy routes it there)",
+                reason=Reason.SCORE_UNSUPPORTED,
+            )
+
+    async def score(self, job: ScoreJob) -> list[SequenceScore]:
+        """The job's sequences as one /v1/completions request of token-id prompts with `prompt_logprobs`
+        (vLLM's raw float32 log-softmax of the prompt's logits, whatever --logprobs-mode says: score.py's
+        contract); the continuation tokens' entries are read back by token id (vllm_score.py)."""
+        self.check_up()
+        self.check_score(job)
+        label = f"{job.adapter.name!r} v{job.adapter.version}"
+        model = self._lora_name(job.adapter.handle, label) or self.base_name
+        out = []
+        async with self._gate.score():  # alone in the server: vllm_score.py says why
+            with self._using(job.adapter.handle):
+                for i, (prompt, continuation) in enumerate(job.sequences):
+                    rid = f"{job.request_id}.{i}.{next(self._rids)}.{self._nonce}"
+                    reply = await self.api.post_json(
+                        "/v1/completions", score_body(prompt, continuation, model, rid), f"scoring {job.request_id}"
+                    )
+                    out.append(read_score(job, i, reply))
+        return out
+
+    async def _segment(self, segment: GroupRequest) -> AsyncIterator[list[Event]]:
+        async with self._gate.segment():  # never beside a Score (vllm_score.py)
+            async for events in super()._segment(segment):
+                yield events
 
     async def _send_abort(self, ids: list[str]) -> None:
         """Ask vLLM to abort requests now (closing their stream aborts them too, a step later)."""
