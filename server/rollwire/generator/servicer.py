@@ -28,8 +28,8 @@ from rollwire.generator.convert import RequestConverter
 from rollwire.generator.engines.base import Engine
 from rollwire.generator.intake import PushIntake
 from rollwire.generator.metrics import GeneratorMetrics
-from rollwire.generator.receipts import Receipts, StreamReceipts
 from rollwire.generator.proof import Prover
+from rollwire.generator.receipts import Receipts, StreamReceipts
 from rollwire.generator.score import Scoring
 from rollwire.generator.types import (
     Event,
