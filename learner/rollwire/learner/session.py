@@ -33,7 +33,7 @@ from rollwire.learner.groups import ScoredGroup
 from rollwire.learner.ingest import Ingest
 from rollwire.learner.metrics import LearnerMetrics
 from rollwire.learner.producer import Producer
-from rollwire.learner.publisher import Publisher
+from rollwire.learner.publisher import Publisher, probe_of
 from rollwire.learner.reference import score_reference
 from rollwire.learner.report import Report
 from rollwire.learner.task import DataStream, Example
@@ -162,8 +162,13 @@ class Session:
                 self.publisher.clear_error()
 
     async def publish(self, *, wait: bool) -> None:
-        payload = await asyncio.to_thread(self.trainer.adapter_payload)
-        await self.publisher.publish(self.version, payload, wait=wait)
+        payload, probe = await asyncio.to_thread(self._snapshot)
+        await self.publisher.publish(self.version, payload, wait=wait, probe=probe)
+
+    def _snapshot(self):
+        """The weights to push and, with publish_probe, their probe: taken together, before the next step."""
+        probe = probe_of(self.trainer.model, self.version) if self.cfg.publish_probe else None
+        return self.trainer.adapter_payload(), probe
 
     @contextlib.contextmanager
     def phase(self, name: str, seconds: dict):
