@@ -47,6 +47,7 @@ overloaded, draining, down (ejected, unhealthy or gone), lacked the version, or 
 HTTP_ROUTES = (
     "/health",
     "/server_info",
+    "/weight_info",
     "/v1/models",
     "/v1/models/{id}",
     "/version",

@@ -19,6 +19,7 @@ import asyncio
 import json
 
 import grpc
+import httpx2 as httpx
 import pytest
 import pytest_asyncio
 from safetensors.torch import load, save
@@ -75,6 +76,7 @@ async def fleet(tiny_model, tmp_path_factory):
                 "health": {"interval_s": 0.2},
                 "trust": {"keys_file": str(trust)},
                 "proof": {"recheck_interval_s": 0},
+                "http": {"port": 0, "model_path": str(tiny_model)},
             }
         )
     )
@@ -185,6 +187,15 @@ async def test_a_drift_after_commit_is_caught_by_the_next_recheck(fleet, tiny_mo
     metrics = fleet["proxy"].servicer.state.metrics
     assert metrics.proofs.labels(f"127.0.0.1:{r1.port}", "failed")._value.get() == 1
     assert metrics.proof_gap.labels(f"127.0.0.1:{r1.port}", "proof")._value.get() == pytest.approx(drifted.max_abs_gap)
+    door = f"http://127.0.0.1:{fleet['proxy'].http_port}"  # the HTTP door says the same, vLLM-checker-shaped
+    async with httpx.AsyncClient(timeout=30) as http:
+        info = (await http.get(f"{door}/weight_info")).json()
+        listed = (await http.get(f"{door}/v1/models")).json()["data"]
+    assert info["match"] is False and "proof-1:proof:v2" in info["mismatches"]
+    row = next(a for r in info["replicas"] if r["replica"] == "proof-1" for a in r["adapters"] if a["version"] == 2)
+    assert row["proof"]["outcome"] == "failed" and row["sha256"] == m.sha256 and row["signer"] == "publisher"
+    entry = next(e for e in listed if e.get("rollwire", {}).get("version") == 2)
+    assert entry["rollwire"]["proofs"]["outcomes"]["failed"] == 1
     # the honest weights back under the handle: the next re-check passes, and routing follows the replica's status
     await r1.servicer.engine.unload_adapter(selection.handle)
     await r1.servicer.engine.load_adapter(selection.handle, m, a.payload)

@@ -16,6 +16,9 @@ A payload holding a NaN or an infinity is never pushed: `publish` raises NonFini
 (the same torch-free check the replicas and the proxy run), which stops the run.
 An unsigned version leaves its sha256 to the target (`sha256_by_receiver`): the push starts
 after the payload's BLAKE3 alone, and the target names the sha256 from the verified bytes.
+A version may go with its probe (`probe_of`: the learner's own logprobs of a few fixed token
+sequences under the very weights pushed, docs/protocol.md "Proof"), which every replica holds its
+engine to before it serves the version; the probe travels with its version, superseded with it.
 """
 
 from __future__ import annotations
@@ -27,11 +30,13 @@ from dataclasses import dataclass
 
 from rollwire.common.errors import Internal, RollwireError
 from rollwire.common.lora import LoraShape
+from rollwire.common.probe import build_probe, fixed_sequences
 from rollwire.common.retries import PUSH_TRANSIENT
 from rollwire.common.safetensors_header import HeaderError, header_length, nonfinite_tensor, read_entries
 from rollwire.common.signing import SigningKey
 from rollwire.learner.rollouts.buffer import Signal
 from rollwire.runtime.logs import get_logger
+from rollwire.v1 import generator_pb2 as pb
 
 log = get_logger(__name__)
 
@@ -84,13 +89,15 @@ class Publisher:
         self.retry_backoff_s = retry_backoff_s
         self.on_push = on_push
         self.served = 0
-        self._pending: tuple[int, bytes] | None = None
-        self._last: tuple[int, bytes] | None = None
+        self._pending: tuple[int, bytes, pb.AdapterProbe | None] | None = None
+        self._last: tuple[int, bytes, pb.AdapterProbe | None] | None = None
         self._worker: asyncio.Task | None = None
         self._fatal: RollwireError | None = None
 
-    async def publish(self, version: int, payload: bytes, *, wait: bool = False) -> None:
-        """Queue `version` for pushing; with `wait`, return once it is served."""
+    async def publish(
+        self, version: int, payload: bytes, *, wait: bool = False, probe: pb.AdapterProbe | None = None
+    ) -> None:
+        """Queue `version` for pushing (with its `probe`, when given); with `wait`, return once it is served."""
         self._raise_fatal()
         if len(payload) > 1 << 16:
             await asyncio.to_thread(check_finite, version, payload)
@@ -98,7 +105,7 @@ class Publisher:
             check_finite(version, payload)
         if self._pending is not None:
             self.on_push(PushRecord(self._pending[0], 0.0, "superseded"))
-        self._pending = (version, payload)
+        self._pending = (version, payload, probe)
         self._ensure_worker()
         if wait:
             await self.wait_served(version)
@@ -139,9 +146,9 @@ class Publisher:
         version = 0
         try:
             while self._pending is not None and self._fatal is None:
-                version, payload = self._pending
+                version, payload, probe = self._pending
                 self._pending = None
-                await self._push(version, payload)
+                await self._push(version, payload, probe)
         except Exception as exc:  # a fault of ours or the client's, not a refusal: never a silent hang
             log.exception("publisher_failed", version=version, error=f"{type(exc).__name__}: {exc}"[:300])
             self.on_push(PushRecord(version, 0.0, "failed"))
@@ -151,8 +158,9 @@ class Publisher:
             )
             self.changed.notify()
 
-    async def _push(self, version: int, payload: bytes) -> None:
+    async def _push(self, version: int, payload: bytes, probe: pb.AdapterProbe | None = None) -> None:
         started = time.monotonic()
+        extra = {"probe": probe} if probe is not None else {}  # a client that predates probes is called as before
         while True:
             try:
                 result = await self.client.push_adapter(
@@ -163,6 +171,7 @@ class Publisher:
                     self.fingerprint,
                     signing_key=self.signing_key,
                     sha256_by_receiver=self.signing_key is None,  # its BLAKE3 alone before the first byte
+                    **extra,
                 )
                 break
             except RollwireError as exc:
@@ -183,7 +192,29 @@ class Publisher:
         if failed:
             log.warning("push_partial", version=version, failed_replicas=failed)
         log.info("pushed", version=version, seconds=round(seconds, 4), already_loaded=result.already_loaded)
-        self._last = (version, payload)
+        self._last = (version, payload, probe)
         self.served = max(self.served, version)
         self.on_push(PushRecord(version, seconds, "ok"))
         self.changed.notify()
+
+
+def probe_of(model, version: int, count: int = 4, prompt: int = 8, continuation: int = 8) -> pb.AdapterProbe:
+    """The probe of the weights `model` (the learner's PEFT model) holds now: fixed token sequences
+    (seeded by `version`) and its own raw log-softmax of their continuations, in eval mode (no
+    dropout) and float32, as a replica's Score computes them. Call it where the payload is taken,
+    before the next step changes the weights."""
+    import torch
+
+    sequences = fixed_sequences(seed=version, count=count, prompt=prompt, continuation=continuation)
+    device = next(model.parameters()).device
+    training = model.training
+    model.eval()
+    try:
+        with torch.no_grad():
+            ids = torch.tensor([p + c for p, c in sequences], device=device)  # equal lengths: no padding
+            lsm = torch.log_softmax(model(input_ids=ids).logits[:, prompt - 1 : -1].float(), -1)
+            targets = torch.tensor([c for _, c in sequences], device=device)
+            logprobs = lsm.gather(-1, targets[..., None])[..., 0].tolist()
+    finally:
+        model.train(training)
+    return build_probe(sequences, logprobs, seed=version)

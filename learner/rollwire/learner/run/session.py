@@ -26,7 +26,7 @@ from rollwire.common.errors import FailedPrecondition
 from rollwire.common.retries import VERSION_TAKEN
 from rollwire.learner.config import LearnerConfig
 from rollwire.learner.ingest.intake import Ingest
-from rollwire.learner.publish.publisher import Publisher
+from rollwire.learner.publish.publisher import Publisher, probe_of
 from rollwire.learner.rollouts.admission import staleness
 from rollwire.learner.rollouts.buffer import Buffer, GroupLedger
 from rollwire.learner.rollouts.groups import ScoredGroup
@@ -162,8 +162,13 @@ class Session:
                 self.publisher.clear_error()
 
     async def publish(self, *, wait: bool) -> None:
-        payload = await asyncio.to_thread(self.trainer.adapter_payload)
-        await self.publisher.publish(self.version, payload, wait=wait)
+        payload, probe = await asyncio.to_thread(self._snapshot)
+        await self.publisher.publish(self.version, payload, wait=wait, probe=probe)
+
+    def _snapshot(self):
+        """The weights to push and, with publish_probe, their probe: taken together, before the next step."""
+        probe = probe_of(self.trainer.model, self.version) if self.cfg.publish_probe else None
+        return self.trainer.adapter_payload(), probe
 
     @contextlib.contextmanager
     def phase(self, name: str, seconds: dict):

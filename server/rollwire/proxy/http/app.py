@@ -57,6 +57,7 @@ from rollwire.proxy.http.generate import GenerateBody, generate
 from rollwire.proxy.http.pause import MODES
 from rollwire.proxy.http.scoped import publication, scope_of, shown
 from rollwire.proxy.http.stream import stream_group
+from rollwire.proxy.http.weights import add_weight_routes
 from rollwire.proxy.metrics import HTTP_ROUTES
 from rollwire.proxy.routing.passthrough import PassThrough
 from rollwire.proxy.routing.shares import upload_room
@@ -74,6 +75,7 @@ def create_app(door: Door) -> FastAPI:
     app = FastAPI(title="rollwire", docs_url=None, redoc_url=None, openapi_url=None)
     _observe(app, door)
     _vllm_routes(app, door)
+    add_weight_routes(app, door, _authorize)  # /weight_info: the fleet's proofs (http/weights.py)
     _pause_routes(app, door)
     _adapter_routes(app, door)
     _openai_routes(app, door)

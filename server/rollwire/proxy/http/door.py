@@ -28,6 +28,7 @@ from rollwire.proxy.http.dialect.tokenizer import ChatTokenizer
 from rollwire.proxy.http.dialect.toolcalls import Format
 from rollwire.proxy.http.pacing import Pacing
 from rollwire.proxy.http.pause import Pauses
+from rollwire.proxy.http.weights import proof_summary
 from rollwire.proxy.tenants import FLEET, Scope
 from rollwire.runtime.logs import get_logger
 from rollwire.runtime.security import TokenAuth
@@ -124,6 +125,8 @@ class Door:
         spool = self.core.state.spool  # a tenant is listed what passed a spool, as GetStatus shows it (core.status)
         served = {(a.name, v) for a in status.adapters for v in a.versions if not scope.tenant or spool.get(a.name, v)}
         promised = self.adapters.state.replicas.answered  # loads answered at "spooled": served once committed
+        digests = {(a.name, v): d for a in status.adapters for v, d in a.digests.items()}
+        proofs = proof_summary(status)  # docs/protocol.md, "Proof": counts per outcome, no replica named
         for name, version in sorted(served | promised):
             listed = self.adapters.listed(
                 name, version, scope
@@ -138,6 +141,11 @@ class Door:
                         "root": listed,
                         "parent": self.base_id,
                         "max_model_len": max_len,
+                        "rollwire": {
+                            "version": version,
+                            "sha256": digests.get((name, version), ""),
+                            "proofs": proofs.get((name, version), {}),
+                        },
                     }
                 )
         return {"object": "list", "data": data}
