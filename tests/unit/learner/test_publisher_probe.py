@@ -21,8 +21,8 @@ from rollwire.generator.adapters import AdapterRegistry
 from rollwire.generator.engines.embedded import transformers_engine as te
 from rollwire.generator.metrics import GeneratorMetrics
 from rollwire.generator.proof import Prover
-from rollwire.learner.buffer import Signal
-from rollwire.learner.publisher import Publisher, probe_of
+from rollwire.learner.publish.publisher import Publisher, probe_of
+from rollwire.learner.rollouts.buffer import Signal
 
 
 @pytest.fixture(scope="module")
