@@ -111,11 +111,13 @@ def covers(
     ids: Sequence[int],
     logprobs: Sequence[float],
     versions: Sequence[int],
+    context_digest: bytes | None = None,
 ) -> str | None:
-    """Why the receipt does not describe these tokens sampled after `context`, or None if it does."""
+    """Why the receipt does not describe these tokens sampled after `context`, or None if it does
+    (`context_digest`: ids_digest(context), when the caller keeps a running one)."""
     if r.tokens != len(ids):
         return f"it covers {r.tokens} tokens, not {len(ids)}"
-    if r.context_sha256 != ids_digest(context):
+    if r.context_sha256 != (context_digest if context_digest is not None else ids_digest(context)):
         return "the tokens before them are not those the replica was given"
     digest = SampleDigest()
     digest.add(ids, logprobs, versions)

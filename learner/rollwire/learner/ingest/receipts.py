@@ -22,6 +22,8 @@ Invariants:
 
 from __future__ import annotations
 
+import hashlib
+import struct
 import time
 from collections import OrderedDict
 from collections.abc import Sequence
@@ -34,7 +36,7 @@ from rollwire.common.signing import TrustedKeys
 from rollwire.v1 import generator_pb2 as pb
 from rollwire.v1 import learner_pb2 as lpb
 
-MAX_RECEIPTS = 4096
+MAX_RECEIPTS = 256
 """Receipts one trajectory may carry (one per model turn)."""
 
 
@@ -52,8 +54,8 @@ class ReceiptCheck:
     def verify(self, t: lpb.Trajectory) -> list[str]:
         """The sample ids of `t`'s receipts when they cover its trained tokens; raise the refusal otherwise."""
         spans = self._spans(t)
-        context = list(t.prompt_token_ids)
         ids, logprobs, versions = list(t.token_ids), list(t.logprobs), list(t.token_versions)
+        running, hashed = hashlib.sha256(struct.pack(f"<{len(t.prompt_token_ids)}i", *t.prompt_token_ids)), 0
         now_ms = time.time() * 1000
         for k, (start, end, r) in enumerate(spans):
             where = f"receipt {k} (tokens {start}..{end - 1})"
@@ -64,7 +66,9 @@ class ReceiptCheck:
             age_s = (now_ms - r.issued_unix_ms) / 1000
             if age_s > self.max_age_s:
                 raise _bad(f"{where} is {age_s:.0f} s old, over ingest.receipt_max_age_s ({self.max_age_s:g})")
-            why = receipts.covers(r, context + ids[:start], ids[start:end], logprobs[start:end], versions[start:end])
+            running.update(struct.pack(f"<{start - hashed}i", *ids[hashed:start]))  # one pass over the context
+            hashed = start
+            why = receipts.covers(r, (), ids[start:end], logprobs[start:end], versions[start:end], running.digest())
             if why is not None:
                 raise _bad(f"{where} does not describe them: {why}")
             if r.sample_id in self._claimed:
