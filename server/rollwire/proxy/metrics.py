@@ -368,9 +368,9 @@ class ProxyMetrics:
             metric.labels(address)
         for code in REPLICA_CODES:
             self.attempts.labels(address, code)
+            self.pushes.labels(address, code)
         for outcome in PROOF_OUTCOMES:
             self.proofs.labels(address, outcome)
-            self.pushes.labels(address, code)
         self.in_flight.labels(address).set(0)
 
     def know_peer(self, peer: str) -> None:
