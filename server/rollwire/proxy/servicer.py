@@ -14,7 +14,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import AsyncIterator
 
 import grpc
 import structlog
@@ -22,12 +21,10 @@ import structlog
 from rollwire.common.errors import FailedPrecondition, ResourceExhausted, RollwireError, to_status
 from rollwire.common.reasons import Reason
 from rollwire.proxy.core import ProxyCore
-from rollwire.proxy.publish.peers import Peers
 from rollwire.proxy.routing.passthrough import PassThrough
-from rollwire.proxy.routing.shares import check_spool_quota
-from rollwire.proxy.tenants import Scope, audit
+from rollwire.proxy.tenants import Scope
 from rollwire.runtime.logs import get_logger, request_id_from
-from rollwire.runtime.security import ADMIN, caller_identity, require_peer, require_stage_only
+from rollwire.runtime.security import ADMIN, caller_identity
 from rollwire.v1 import generator_pb2 as pb
 from rollwire.v1 import generator_pb2_grpc
 
@@ -129,28 +126,15 @@ class ProxyServicer(generator_pb2_grpc.GeneratorServiceServicer):
             raise asyncio.CancelledError from None
 
     async def PushAdapter(self, request_iterator, context: grpc.aio.ServicerContext) -> pb.PushAdapterResponse:
-        """Receive (bounded, idle-timed, checked as a replica would), relay as it arrives, then
-        stage everywhere and commit (publish/fanout.py). Until the upload is complete every exit,
-        cancellation included, leaves nothing behind."""
-        rid = request_id_from(context.invocation_metadata())
+        """The core's push (core.py): received, relayed as it arrives, staged everywhere and
+        committed (publish/fanout.py). Until the upload is complete every exit, cancellation
+        included, leaves nothing behind."""
+        metadata = context.invocation_metadata()
+        rid = request_id_from(metadata)
         structlog.contextvars.bind_contextvars(request_id=rid)
         try:
-            origin = Peers.origin(context.invocation_metadata())
-            if origin and self.state.peers is not None:  # a peer proxy's copy: spool it, no fan-out (publish/peers.py)
-                require_peer(self.state.auth, context)
-                return await self.state.peers.receive(request_iterator, origin, rid)
-            role, scope = self.core.caller(context.invocation_metadata())
-            require_stage_only(role, False)  # a relay or peer token publishes nothing
-            named = _Named(request_iterator, scope, self.core)
-            try:
-                reply = await self.state.fanout.push(named.each(), rid, send_metadata=context.send_initial_metadata)
-            except RollwireError as err:
-                if named.name:  # refused once its name was known: audited
-                    audit(self.state.metrics.tenant_publishes, scope, role, "push", named.name, named.version, err)
-                err.message = scope.scrub(err.message)
-                raise
-            audit(self.state.metrics.tenant_publishes, scope, role, "push", reply.name, reply.version, None)
-            return _reply_shown(reply, scope)
+            caller = self.core.caller(metadata)
+            return await self.core.push(caller, request_iterator, rid, metadata, context.send_initial_metadata)
         except RollwireError as err:
             log.info("adapter_push_refused", code=err.code.name, reason=err.reason, error=err.message)
             await context.abort_with_status(to_status(err))  # pyright: ignore[reportAttributeAccessIssue]  # grpc's stubs lack it; it exists at run time
@@ -178,30 +162,6 @@ class ProxyServicer(generator_pb2_grpc.GeneratorServiceServicer):
         return full
 
 
-class _Named:
-    """A push's messages, its manifest's name qualified for the caller's tenant (a name a
-    tenant may not give, or a version over its spool quotas, is refused by the reader's first
-    read, before any byte is taken)."""
-
-    def __init__(self, messages: AsyncIterator[pb.PushAdapterRequest], scope: Scope, core: ProxyCore) -> None:
-        self.messages, self.scope, self.core = messages, scope, core
-        self.name, self.version = "", 0
-        """The fleet's name and the version of the push, once its manifest was read."""
-
-    async def each(self) -> AsyncIterator[pb.PushAdapterRequest]:
-        first = True
-        async for message in self.messages:
-            if first and message.WhichOneof("part") == "manifest":
-                message.manifest.name = self.scope.own(message.manifest.name)
-                self.name, self.version = message.manifest.name, message.manifest.version
-                state = self.core.state
-                check_spool_quota(
-                    state.dispatcher.shares, state.spool, state.config.spool.keep_versions, message.manifest
-                )
-            first = False
-            yield message
-
-
 def _shown(message: pb.GenerateResponse, scope: Scope, role: str) -> pb.GenerateResponse:
     """`message` as the caller sees it: its `started` names the adapter by the caller's name; the
     replica's address (HOST:PORT, the fleet's topology: GetStatus's rule) only to an admin, its
@@ -216,11 +176,3 @@ def _shown(message: pb.GenerateResponse, scope: Scope, role: str) -> pb.Generate
     if scope.tenant and message.started.adapter.name:
         shown.started.adapter.name = scope.shown(message.started.adapter.name) or ""
     return shown
-
-
-def _reply_shown(reply: pb.PushAdapterResponse, scope: Scope) -> pb.PushAdapterResponse:
-    if scope.tenant:
-        reply.name = scope.shown(reply.name) or ""
-        for result in reply.replicas:
-            result.message, result.address = scope.scrub(result.message), ""
-    return reply

@@ -6,7 +6,7 @@ A tenant is a name, the token files of the roles its callers may have (`generate
 quotas. A token belongs to at most one tenant (runtime/security.py refuses a token listed for
 two, or for a tenant and the fleet); a token in no tenant is the fleet's, as without tenants.
 
-Invariants (`Scope`, applied by both doors at their edge, before anything else sees a name):
+Invariants (`Scope`, applied by the core's verbs for both doors, core.py, before anything else sees a name):
 - a tenant's adapter name NAME is `TENANT:NAME` to the core, the spool, lineages, peers and
   replicas; ':' is in no name a client gives (manifest.NAME_RE), so no name a tenant gives can
   spell another tenant's, nor a shared one;

@@ -302,11 +302,11 @@ def require_stage_only(role: str, stage_only: bool) -> None:
         )
 
 
-def require_peer(auth: TokenAuth | None, context) -> None:
+def require_peer(auth: TokenAuth | None, role: str) -> None:
     """The peer marker (a proxy's spool copy, never fanned out) is honoured from the `peer`
-    role only, so no admin can make one proxy's spool diverge from the fleet's; from anyone
-    where auth is off, as every call is."""
-    if auth is not None and auth.role(context.invocation_metadata()) != PEER:
+    role only (the caller's `role`), so no admin can make one proxy's spool diverge from the
+    fleet's; from anyone where auth is off, as every call is."""
+    if auth is not None and role != PEER:
         raise PermissionDenied(
             "only a peer proxy's token (auth.peer_tokens_file here, peering.token_file there) may mark a push as a "
             "peer's copy; push without the x-rollwire-peer metadata to publish a version",

@@ -32,18 +32,13 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from rollwire.common.errors import Internal, RollwireError, Unavailable
 from rollwire.common.reasons import Reason
-from rollwire.common.signing import MAX_SIGNATURE_FILE_BYTES, SIGNATURE_FILE
 from rollwire.proxy.accounting import RequestRecord
 from rollwire.proxy.http import tokens
-from rollwire.proxy.http.adapters import CONFIG_FILE, MAX_CONFIG_BYTES, UPLOAD_SLACK, WEIGHTS_FILE
 from rollwire.proxy.http.dialect import convert, tools
 from rollwire.proxy.http.dialect.errors import HttpError, error_response, http_status
-from rollwire.proxy.http.dialect.names import parse_model
 from rollwire.proxy.http.dialect.openai import (
     ChatBody,
     CompletionBody,
-    LoadLoraBody,
-    UnloadLoraBody,
     check_unhonoured,
     flatten_content,
     template_takes_parts,
@@ -51,16 +46,15 @@ from rollwire.proxy.http.dialect.openai import (
 from rollwire.proxy.http.dialect.vocabulary import Asked, http_terms
 from rollwire.proxy.http.door import Door
 from rollwire.proxy.http.echo import echo_scores, wants_scoring
-from rollwire.proxy.http.edge.bodies import body_chunks, parse_body, read_body
-from rollwire.proxy.http.edge.uploads import Holding, read_form
+from rollwire.proxy.http.edge.bodies import parse_body, read_body
 from rollwire.proxy.http.generate import GenerateBody, generate
+from rollwire.proxy.http.loads import add_adapter_routes
 from rollwire.proxy.http.pause import MODES
-from rollwire.proxy.http.scoped import publication, scope_of, shown
+from rollwire.proxy.http.scoped import scope_of
 from rollwire.proxy.http.stream import stream_group
 from rollwire.proxy.http.weights import add_weight_routes
 from rollwire.proxy.metrics import HTTP_ROUTES
 from rollwire.proxy.routing.passthrough import PassThrough
-from rollwire.proxy.routing.shares import upload_room
 from rollwire.proxy.tenants import Scope
 from rollwire.runtime.logs import Throttled, get_logger
 from rollwire.runtime.security import ADMIN, GENERATE, PUBLISH, caller_identity
@@ -77,7 +71,7 @@ def create_app(door: Door) -> FastAPI:
     _vllm_routes(app, door)
     add_weight_routes(app, door, _authorize)  # /weight_info: the fleet's proofs (http/weights.py)
     _pause_routes(app, door)
-    _adapter_routes(app, door)
+    add_adapter_routes(app, door, _authorize, _body)
     _openai_routes(app, door)
     _rl_routes(app, door)
     return app
@@ -98,9 +92,9 @@ def _authorize(door: Door, request: Request, role: str) -> str:
 
 def _health(door: Door, request: Request) -> Response:
     """Open for probes; what each replica is doing (addresses, errors) only for an admin (audit A12)."""
-    if door.core.state.replicas.routable():
+    routable, detail = door.core.fleet_health()
+    if routable:
         return Response(status_code=200)
-    detail = door.core.state.replicas.describe()
     _health_log(level="info", replicas=detail[:1000])
     header = request.headers.get("authorization", "")
     admin = door.auth is not None and door.auth.role([("authorization", header)]) == ADMIN
@@ -267,91 +261,6 @@ def _pause_routes(app: FastAPI, door: Door) -> None:
     async def is_paused(request: Request) -> JSONResponse:
         _authorize(door, request, GENERATE)
         return JSONResponse({"is_paused": door.pauses.paused(request.state.scope.label)})
-
-
-def _adapter_routes(app: FastAPI, door: Door) -> None:
-    """Adapter loads (by path under the root, or uploaded) and unloads: each load one push."""
-
-    @app.post("/v1/load_lora_adapter")
-    async def load_lora(request: Request) -> JSONResponse:
-        _authorize(door, request, ADMIN)
-        body: LoadLoraBody = await _body(door, request, LoadLoraBody)
-        if body.load_inplace:
-            raise HttpError(
-                grpc.StatusCode.INVALID_ARGUMENT,
-                "load_inplace: a rollwire version never changes its bytes; load new weights under the next name "
-                "(NAME-vN+1)",
-                reason=Reason.UNSUPPORTED_FIELD,
-                param="load_inplace",
-            )
-        async with publication(door, request, "load", body.lora_name) as (name, done):
-            done.append(await door.adapters.load_path(name, body.lora_path, request.state.rid))
-        door.pacing.loaded(done[0]["name"], done[0]["version"])
-        return JSONResponse(shown(request, done[0]))
-
-    @app.post("/v1/upload_lora_adapter")
-    async def upload_lora(request: Request) -> JSONResponse:
-        """multipart/form-data: `lora_name`, and the files adapter_config.json and
-        adapter_model.safetensors (the fields are named after them), and optionally
-        rollwire-signature.json (a signed version, docs/security.md)."""
-        _authorize(door, request, ADMIN)
-        adapters = door.adapters
-        with adapters.uploads.hold(scope_of(request).label) as holding:  # its bytes in the door's budget (S4)
-            parts = await _upload_parts(door, request, holding)
-            name = parts.pop("lora_name", b"").decode("utf-8", "replace")
-            if not name:
-                raise HttpError(
-                    grpc.StatusCode.INVALID_ARGUMENT,
-                    "lora_name is required",
-                    reason=Reason.BAD_REQUEST_BODY,
-                    param="lora_name",
-                )
-            config, payload, signed = await adapters.read_upload(parts.items())
-            async with publication(door, request, "upload", name) as (qualified, done):
-                done.append(await adapters.publish(qualified, config, payload, request.state.rid, signed))
-        return JSONResponse(shown(request, done[0]))
-
-    @app.post("/v1/unload_lora_adapter")
-    async def unload_lora(request: Request) -> JSONResponse:
-        _authorize(door, request, ADMIN)
-        body: UnloadLoraBody = await _body(door, request, UnloadLoraBody)
-        async with publication(door, request, "unload", body.lora_name) as (name, done):
-            done.append(await door.adapters.unload(name, door.base_names))
-            unloaded = parse_model(name, door.base_names)
-        door.pacing.unloaded(unloaded.name, unloaded.version)
-        return JSONResponse(shown(request, done[0]))
-
-
-async def _upload_parts(door: Door, request: Request, holding: Holding) -> dict[str, bytes]:
-    """An upload's fields, its weights bounded by what the spool and the caller's tenant could
-    take now (routing.shares.upload_room) and its bytes by the door's upload budget, both
-    before its bytes are held: a declared Content-Length is checked and counted whole first."""
-    state, scope = door.core.state, scope_of(request)
-    arriving = holding.budget.by_tenant[holding.tenant] - holding.size  # the tenant's other uploads at the door
-    room = upload_room(state.dispatcher.shares, state.spool, scope.tenant, arriving)
-    limits = {
-        "lora_name": 1024,
-        CONFIG_FILE: MAX_CONFIG_BYTES,
-        WEIGHTS_FILE: min(door.adapters.max_bytes, room),
-        SIGNATURE_FILE: MAX_SIGNATURE_FILE_BYTES,
-    }
-    total = sum(limits.values()) + UPLOAD_SLACK - 1024  # lora_name is among the limits
-    no_room = HttpError(
-        grpc.StatusCode.RESOURCE_EXHAUSTED,
-        f"the proxy's spool can take at most {room} more bytes of adapters from this caller now (the room it has, "
-        "less uploads in flight, within the tenant's quotas: docs/deploy.md, Tenants), and this upload's weights are "
-        "larger; unload versions, push a smaller adapter, or retry when uploads in flight have ended",
-        reason=Reason.SPOOL_FULL,
-        retry_after_s=door.core.state.config.routing.retry_after_s,
-    )
-    declared = request.headers.get("content-length", "")
-    if room < door.adapters.max_bytes and declared.isdigit() and int(declared) > total:
-        raise no_room
-    if declared.isdigit() and int(declared) <= total:
-        holding.reach(int(declared))  # the whole declared body, before its first byte
-    chunks = body_chunks(request, total, door.config.http.body_timeout_s)
-    refusals = {WEIGHTS_FILE: no_room} if room < door.adapters.max_bytes else {}
-    return await read_form(request.headers.get("content-type", ""), chunks, limits, total, holding, refusals)
 
 
 def _openai_routes(app: FastAPI, door: Door) -> None:

@@ -21,7 +21,7 @@ from rollwire.proxy.core import ProxyCore
 from rollwire.proxy.http.adapters import AdapterDoor
 from rollwire.proxy.http.dialect import convert, toolcalls
 from rollwire.proxy.http.dialect.errors import HttpError
-from rollwire.proxy.http.dialect.names import ModelRef, parse_model
+from rollwire.proxy.http.dialect.names import ModelRef, model_id, parse_model
 from rollwire.proxy.http.dialect.openai import ChatBody
 from rollwire.proxy.http.dialect.prompts import PromptGate
 from rollwire.proxy.http.dialect.tokenizer import ChatTokenizer
@@ -68,7 +68,7 @@ class Door:
             context_len = int(model_config.get("max_position_embeddings") or 0)
             base_id = http.served_model_name or folder.resolve().name
             names |= {base_id, http.model_path, str(folder.resolve())}
-        adapters = AdapterDoor(core.state, http.adapter_root, config.spool.max_adapter_bytes)
+        adapters = AdapterDoor(config, frozenset(names))
         tool_format = None
         if http.tool_call_parser and tokenizer is not None:
             try:  # as vLLM refuses a parser its tokenizer cannot serve, at start, with the sentence
@@ -122,32 +122,26 @@ class Door:
                 "max_model_len": max_len,
             }
         ]
-        spool = self.core.state.spool  # a tenant is listed what passed a spool, as GetStatus shows it (core.status)
-        served = {(a.name, v) for a in status.adapters for v in a.versions if not scope.tenant or spool.get(a.name, v)}
-        promised = self.adapters.state.replicas.answered  # loads answered at "spooled": served once committed
         digests = {(a.name, v): d for a in status.adapters for v, d in a.digests.items()}
         proofs = proof_summary(status)  # docs/protocol.md, "Proof": counts per outcome, no replica named
-        for name, version in sorted(served | promised):
-            listed = self.adapters.listed(
-                name, version, scope
-            )  # its client's name, unless retired, unloaded or not theirs
-            if listed is not None:
-                data.append(
-                    {
-                        "id": listed,
-                        "object": "model",
-                        "created": created,
-                        "owned_by": "rollwire",
-                        "root": listed,
-                        "parent": self.base_id,
-                        "max_model_len": max_len,
-                        "rollwire": {
-                            "version": version,
-                            "sha256": digests.get((name, version), ""),
-                            "proofs": proofs.get((name, version), {}),
-                        },
-                    }
-                )
+        for name, version, shown in self.core.listing(status, scope):  # by its client's name, theirs only
+            listed = model_id(shown, version)
+            data.append(
+                {
+                    "id": listed,
+                    "object": "model",
+                    "created": created,
+                    "owned_by": "rollwire",
+                    "root": listed,
+                    "parent": self.base_id,
+                    "max_model_len": max_len,
+                    "rollwire": {
+                        "version": version,
+                        "sha256": digests.get((name, version), ""),
+                        "proofs": proofs.get((name, version), {}),
+                    },
+                }
+            )
         return {"object": "list", "data": data}
 
     def model(self, model: str, scope: Scope) -> dict[str, Any]:
@@ -207,7 +201,7 @@ class Door:
                 ref = ModelRef(scope.read(ref.name, self.core.has_adapter), ref.version)
         except InvalidArgument as err:  # a name no adapter can have: about the request's `model`
             raise HttpError(err.code, err.message, reason=err.reason, param="model") from None
-        if not ref.is_base and self.adapters.is_hidden(ref):
+        if not ref.is_base and self.core.is_hidden(ref.name, ref.version):
             raise HttpError(
                 grpc.StatusCode.NOT_FOUND,
                 f"{model} was unloaded; load it again or name another version (GET /v1/models)",

@@ -96,5 +96,5 @@ def add_weight_routes(app: FastAPI, door: Any, authorize: Callable[[Any, Request
                 "re-checking the fleet's versions sends Score traffic to every replica: it needs an admin token",
                 reason=Reason.WRONG_ROLE,
             )
-        await door.core.state.fanout.proofs.prove_all()
+        await door.core.prove()
         return JSONResponse(weight_info(door.core.status(), True))
