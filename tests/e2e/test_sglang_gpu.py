@@ -32,14 +32,23 @@ def _why_skip() -> str | None:
 if (_reason := _why_skip()) is not None:
     pytest.skip(_reason, allow_module_level=True)
 
+import dataclasses  # noqa: E402
+
 import torch  # noqa: E402
+from safetensors.torch import load as load_safetensors  # noqa: E402
+from safetensors.torch import save as save_safetensors  # noqa: E402
 from support.engines import collect, forward_logprobs, manifest_for  # noqa: E402
 from support.wire import make_adapter, peft_reference  # noqa: E402
 
+from rollwire.common import probe as probes  # noqa: E402
+from rollwire.common.errors import FailedPrecondition  # noqa: E402
+from rollwire.common.reasons import Reason  # noqa: E402
 from rollwire.generator.adapters import AdapterRegistry  # noqa: E402
 from rollwire.generator.engines.served.sglang_engine import SGLangEngine  # noqa: E402
 from rollwire.generator.engines.settings import SGLangSection  # noqa: E402
-from rollwire.generator.types import AdapterSelection, GroupRequest, SamplingParams  # noqa: E402
+from rollwire.generator.metrics import GeneratorMetrics  # noqa: E402
+from rollwire.generator.proof import Prover  # noqa: E402
+from rollwire.generator.types import AdapterSelection, GroupRequest, SamplingParams, ScoreJob  # noqa: E402
 
 ATOL = 2e-3
 _ids = itertools.count()
@@ -125,3 +134,42 @@ async def test_closing_a_stream_aborts_it_on_real_sglang(engine):
     assert engine.stats().running == 0
     out = await collect(engine, group(prompt, max_new_tokens=3, ignore_eos=True))
     assert out["done"][0].completion_tokens == 3
+
+
+async def test_real_sglang_scores_and_proves_a_version_and_refuses_other_weights(engine, tiny_model, reference_model):
+    """Score through real SGLang's prompt logprobs (/generate, max_new_tokens 0, logprob_start_len,
+    meta_info.input_token_logprobs) against a teacher-forced pass, then a version's proof: the
+    publisher's PEFT numbers pass; the same engine given another file (B x 1.05) is refused
+    PROOF_FAILED. Held to ATOL, the tolerance this file holds SGLang's kernels to; the served
+    default (1e-3) is what the double and vLLM in float32 meet: the honest gap is printed."""
+    seqs = ((tuple(engine.tokenize("The cat")), tuple(engine.tokenize(" sat on"))), ((5, 6), (7, 8, 9)))
+    base = await engine.score(ScoreJob("gpu-score", seqs))
+    for (prompt, continuation), got in zip(seqs, base, strict=True):
+        want = forward_logprobs(reference_model, list(prompt), list(continuation))
+        assert torch.allclose(torch.tensor(got.logprobs), want, atol=ATOL)
+    adapter = make_adapter(tiny_model, seed=71, r=8, scale=0.1)
+    peft = peft_reference(tiny_model, adapter)
+    probe = probes.build_probe(list(seqs), [forward_logprobs(peft, list(p), list(c)).tolist() for p, c in seqs])
+    prover = Prover(engine, GeneratorMetrics(), tolerance=ATOL, trusted=True, replica="gpu")
+    honest = dataclasses.replace(manifest_for(adapter, "gpu-proof", 1), signer="publisher", probe=probe)
+    await engine.load_adapter("gpu-proof-1", honest, adapter.payload)
+    try:
+        await prover.prove("gpu-proof-1", honest)
+    finally:
+        await engine.unload_adapter("gpu-proof-1")
+    proof = prover.proofs[("gpu-proof", 1)]
+    print(
+        f"real SGLang's honest proof gap: {proof.max_abs_gap:.3g} (served default {probes.DEFAULT_TOLERANCES['sglang']})"
+    )
+    assert proof.outcome == probes.PASSED
+    other = save_safetensors(
+        {k: v * 1.05 if "lora_B" in k else v for k, v in load_safetensors(adapter.payload).items()}
+    )
+    wrong = dataclasses.replace(honest, version=2)
+    await engine.load_adapter("gpu-proof-2", wrong, other)
+    try:
+        with pytest.raises(FailedPrecondition) as refused:
+            await prover.prove("gpu-proof-2", wrong)
+    finally:
+        await engine.unload_adapter("gpu-proof-2")
+    assert refused.value.reason == Reason.PROOF_FAILED

@@ -6,6 +6,11 @@ managers/tokenizer_manager.py), backed by the tiny model through transformers + 
 the logprobs it streams are real numbers a test can check against a teacher-forced pass.
 
 What it reproduces, because rollwire depends on it:
+- POST /generate prefill-only (`max_new_tokens: 0`, `stream: false`, how rollwire scores): one JSON
+  reply whose `meta_info.input_token_logprobs` holds [logprob, token_id, null] for each position
+  from `logprob_start_len` on, the first with a null logprob (SGLang's alignment, read in its
+  schedule_batch.py and scheduler_output_processor_mixin.py), computed from a real forward of
+  the tiny model under the named LoRA; other unstreamed requests are refused;
 - POST /generate with `stream: true`: `data: {...}` chunks then `data: [DONE]`; cumulative
   `output_ids`, `text` and `meta_info.output_token_logprobs` ([logprob, token_id, null])
   by default, deltas with --incremental-streaming-output; `index` on batch and `n` outputs;
@@ -21,7 +26,9 @@ What it reproduces, because rollwire depends on it:
 - /health, /health_generate, /model_info, /server_info, /abort_request, and SGLang's
   --api-key / --admin-api-key rules (401 {"error": "Unauthorized"}).
 
-For tests it records every request, can inject an error reply or cut a stream, and can die:
+For tests it records every request, can inject an error reply or cut a stream, can compute with
+other weights than the files it loads (`lora_b_scale`: a server that serves another policy than
+the published one, which a version's proof must catch), and can die:
 in a thread (`DoubleServer.die`, connections reset) or as a process (`POST /_double/die`,
 exit code 17). Run as a process it takes SGLang's launch flags:
     python tests/sglang_double.py --model-path DIR --port P --enable-lora ...
@@ -130,7 +137,8 @@ class DoubleModel:
         self.peft = None
         self.lock = threading.Lock()
 
-    def load(self, name: str, folder: str) -> None:
+    def load(self, name: str, folder: str, b_scale: float = 1.0) -> None:
+        """Load a PEFT folder; `b_scale` != 1 multiplies its B matrices (a server computing with other weights)."""
         from peft import PeftModel
 
         name = _peft_name(name)
@@ -140,6 +148,11 @@ class DoubleModel:
             else:
                 self.peft.load_adapter(folder, adapter_name=name)
                 self.peft.eval()
+            if b_scale != 1.0:
+                with self.torch.no_grad():
+                    for key, param in self.peft.named_parameters():
+                        if f".lora_B.{name}." in key:
+                            param.mul_(b_scale)
 
     def unload(self, name: str) -> None:
         name = _peft_name(name)
@@ -149,16 +162,26 @@ class DoubleModel:
 
     def last_logits(self, rows: list[list[int]], lora: str | None):
         """Logits of the next token for rows of equal length: a full forward, no cache."""
+        return self._logits(rows, lora)[:, -1, :]
+
+    def input_logprobs(self, ids: list[int], lora: str | None, temperature: float = 1.0) -> list[float]:
+        """Entry p (p >= 1): the logprob of ids[p] given ids[:p], log softmax(logits / T) as SGLang's
+        input logprobs are (T = 1 for a Score); entry 0 has none and is left out."""
+        torch = self.torch
+        lsm = torch.log_softmax(self._logits([ids], lora)[0, :-1] / temperature, -1)
+        return lsm.gather(-1, torch.tensor(ids[1:])[:, None])[:, 0].tolist()
+
+    def _logits(self, rows: list[list[int]], lora: str | None):
         torch = self.torch
         with self.lock, torch.no_grad():
             ids = torch.tensor(rows)
             if self.peft is None:
-                return self.base(input_ids=ids).logits[:, -1, :].float()
+                return self.base(input_ids=ids).logits.float()
             if lora is None:
                 with self.peft.disable_adapter():
-                    return self.peft(input_ids=ids).logits[:, -1, :].float()
+                    return self.peft(input_ids=ids).logits.float()
             self.peft.set_adapter(_peft_name(lora))
-            return self.peft(input_ids=ids).logits[:, -1, :].float()
+            return self.peft(input_ids=ids).logits.float()
 
 
 def _peft_name(name: str) -> str:
@@ -194,6 +217,8 @@ class DoubleServer:
         self.aborted: set[str] = set()
         self.injected: dict[str, list[tuple[int, object]]] = {}
         self.cut_after_tokens: int | None = None
+        self.lora_b_scale = 1.0
+        """Test only: loads multiply the adapter's B matrices by this, as a server that loaded another file would."""
         self.hold_at_tokens: int | None = None
         """Once a row of a request has this many tokens, that request waits for `release` (once)."""
         self.release = threading.Event()
@@ -362,7 +387,7 @@ class DoubleServer:
                 "configuration. Please ensure that the LoRA adapter's rank is within the configured `--max-lora-rank` "
                 "and that the target modules are included in `--lora-target-modules`."
             )
-        await asyncio.to_thread(self.model.load, name, path)
+        await asyncio.to_thread(self.model.load, name, path, self.lora_b_scale)
         self.loras[name] = {"path": path, "uses": 0}
         while self.o.max_loaded_loras is not None and len(self.loras) > self.o.max_loaded_loras:
             victim = next(iter(self.loras))  # SGLang unloads the least recently used adapter
@@ -404,7 +429,7 @@ class DoubleServer:
         if unknown:
             return await _reply(writer, 400, {"error": f"unknown field(s) in /generate body: {sorted(unknown)}"})
         if not body.get("stream"):
-            return await _reply(writer, 400, {"error": {"message": "the double only streams"}})
+            return await self._prefill_only(body, writer)
         await _start_stream(writer)
         rows: list[Row] = []
         loras: list[dict] = []
@@ -434,6 +459,57 @@ class DoubleServer:
                 self._unloaded.notify_all()
         await _chunk(writer, "[DONE]")
         await _end_stream(writer)
+
+    async def _prefill_only(self, body, writer) -> None:
+        """A request answered whole: only prefill-only ones (max_new_tokens 0, how rollwire scores), one
+        sequence each, with SGLang's input logprobs from `logprob_start_len` s on: one [logprob, id, null]
+        per position from s, the entry at s carrying none (SGLang reports a token's logprob given the ones
+        before it and starts computing at s)."""
+        ids, params = body.get("input_ids"), body.get("sampling_params") or {}
+        try:
+            if not ids or not isinstance(ids, list) or isinstance(ids[0], list):
+                raise GenerateError("the double answers one token-id sequence per whole (unstreamed) request")
+            if not isinstance(params, dict) or params.get("max_new_tokens") != 0:
+                raise GenerateError("the double streams generation; only a prefill-only request is answered whole")
+            self._check_params(params)
+            start = body.get("logprob_start_len", -1)
+            if start >= len(ids):
+                raise GenerateError(f"logprob_start_len ({start}) must be smaller than the prompt length ({len(ids)}).")
+            lora = body.get("lora_path")
+            if lora is not None and lora not in self.loras:
+                raise GenerateError(
+                    f"The following requested LoRA adapters are not loaded: {lora}\nLoaded adapters: {list(self.loras)}"
+                )
+        except GenerateError as exc:
+            return await _reply(writer, 400, {"error": {"message": str(exc)}})
+        entry = self.loras.get(lora) if lora is not None else None
+        if entry is not None:
+            entry["uses"] += 1
+            self.loras.move_to_end(lora)
+        try:
+            entries = []
+            if body.get("return_logprob") and start >= 0:
+                temperature = params.get("temperature", 1.0)
+                logprobs = await asyncio.to_thread(self.model.input_logprobs, ids, lora, temperature)
+                entries = [[None, ids[start], None]] + [
+                    [logprobs[p - 1], ids[p], None] for p in range(start + 1, len(ids))
+                ]
+        finally:
+            if entry is not None:
+                entry["uses"] -= 1
+                async with self._unloaded:
+                    self._unloaded.notify_all()
+        meta = {
+            "id": body.get("rid") or uuid.uuid4().hex,
+            "finish_reason": {"type": "length", "length": 0},
+            "prompt_tokens": len(ids),
+            "weight_version": "default",
+            "completion_tokens": 0,
+            "cached_tokens": 0,
+            "input_token_logprobs": entries,
+            "output_token_logprobs": [],
+        }
+        await _reply(writer, 200, {"text": "", "output_ids": [], "meta_info": meta})
 
     def _rows(self, body) -> tuple[list[Row], list[str | None]]:
         ids, params, rid, lora = (

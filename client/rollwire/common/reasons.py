@@ -288,7 +288,7 @@ class Reason(StrEnum):
     BAD_SCORE_TOP_K = "BAD_SCORE_TOP_K"
     """INVALID_ARGUMENT; do not retry: A Score's `top_k` is above `limits.max_score_top_k` (or the vocabulary)."""
     SCORE_UNSUPPORTED = "SCORE_UNSUPPORTED"
-    """UNIMPLEMENTED; do not retry: The replica's engine cannot score (the SGLang engine; the vLLM engine with top_k); a proxy tries another replica."""
+    """UNIMPLEMENTED; do not retry: The replica's engine cannot run this Score (the vLLM and SGLang engines with top_k; an engine without Score); a proxy tries another replica."""
 
     # -- Proof: a version's probe (docs/protocol.md, "Proof") -------------------------------
     BAD_PROBE = "BAD_PROBE"

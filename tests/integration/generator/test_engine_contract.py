@@ -206,9 +206,12 @@ async def test_adapter_logprobs_equal_a_local_peft_model(engine, tiny_model):
 async def test_a_published_version_is_proved_and_one_given_other_weights_is_refused(engine, tiny_model):
     """The proof (generator/proof.py) through each engine's own Score: an honest engine passes a
     signed probe of the publisher's PEFT numbers within its documented tolerance; the same engine
-    given another file (the adapter's B matrices x 1.05) is refused with PROOF_FAILED. An engine
-    that cannot score serves the version recorded "unsupported", never as a pass."""
+    given another file (the adapter's B matrices x 1.05) is refused with PROOF_FAILED. Every engine
+    that runs a model scores (sglang: SGLang's prompt logprobs, here the double's real forward), so
+    none of them serves a probed version "unsupported"."""
     needs_model(engine)
+    scores = callable(getattr(engine, "score", None))  # engines/base.Scorer, as proof.py asks
+    assert scores, f"the {engine.name} engine runs a model but cannot score, so cannot prove a version"
     adapter = make_adapter(tiny_model, seed=71, r=8, scale=0.1)  # small weights: float32 sums stay exact
     peft = peft_reference(tiny_model, adapter)
     seqs = [(prompt_of(engine, p), prompt_of(engine, c)) for p, c in (("12+34=", "46"), ("abc", "defgh"))]
@@ -221,10 +224,6 @@ async def test_a_published_version_is_proved_and_one_given_other_weights_is_refu
     finally:
         await engine.unload_adapter("c-proof-1")
     proof = prover.proofs[("proof", 1)]
-    scores = callable(getattr(engine, "score", None))  # engines/base.Scorer
-    if not scores:
-        assert proof.outcome == probes.UNSUPPORTED
-        return
     assert proof.outcome == probes.PASSED and proof.max_abs_gap <= probes.DEFAULT_TOLERANCES[engine.name]
     tensors = load_safetensors(adapter.payload)
     other = save_safetensors({k: v * 1.05 if "lora_B" in k else v for k, v in tensors.items()})

@@ -21,7 +21,7 @@ import torch
 from support.engines import collect, forward_logprobs, manifest_for
 from support.processes import ROOT, start_generator
 from support.sglang_double import DoubleModel, DoubleServer, Options
-from support.wire import fingerprint, generate, make_adapter, push
+from support.wire import fingerprint, generate, make_adapter, peft_reference, push
 
 from rollwire.common.errors import (
     DeadlineExceeded,
@@ -31,9 +31,11 @@ from rollwire.common.errors import (
     ResourceExhausted,
     Unauthenticated,
     Unavailable,
+    Unimplemented,
 )
 from rollwire.common.lora import LoraShape
 from rollwire.common.manifest import Manifest
+from rollwire.common.reasons import Reason
 from rollwire.generator.adapters import AdapterRegistry
 from rollwire.generator.engines.served.sglang_engine import SGLangEngine, peft_config
 from rollwire.generator.engines.served.sglang_protocol import (
@@ -44,7 +46,14 @@ from rollwire.generator.engines.served.sglang_protocol import (
     parse_sse_line,
 )
 from rollwire.generator.engines.settings import SGLangSection
-from rollwire.generator.types import AdapterSelection, GroupRequest, SampleDone, SamplingParams, TokenDelta
+from rollwire.generator.types import (
+    AdapterSelection,
+    GroupRequest,
+    SampleDone,
+    SamplingParams,
+    ScoreJob,
+    TokenDelta,
+)
 
 DOUBLE = [sys.executable, str(ROOT / "tests" / "support" / "sglang_double.py")]
 _ids = itertools.count()
@@ -323,6 +332,105 @@ async def test_registry_orders_loads_and_unloads_and_never_exceeds_sglang_s_limi
     await push_version(4)
     assert double.evicted == []  # SGLang's own LRU eviction never had to run
     assert registry.loaded() == {"pol": [3, 4]}
+
+
+async def test_score_reads_sglang_s_prompt_logprobs_under_the_version(engine, double, tiny_model, reference_model):
+    """Score (and so every proof) through SGLang's prefill-only /generate: each continuation token's
+    logprob equals an independent teacher-forced pass, under the version's LoRA and under the base
+    model; the requests on the wire are SGLang's shape; a refused request fails the Score with
+    SGLang's message and leaves the version unleased; a Score with top_k is refused by name."""
+    adapter = make_adapter(tiny_model, seed=5, r=4, scale=0.1)
+    await engine.load_adapter("rs1", manifest_for(adapter, "pol", 1), adapter.payload)
+    name = [c.body["lora_name"] for c in double.calls if c.path == "/load_lora_adapter"][-1]
+    seqs = (((10, 11, 12), (13, 14)), ((20,), (21, 22, 23)))
+    selection = AdapterSelection("pol", 1, "rs1")
+    try:
+        under = await engine.score(ScoreJob("sc1", seqs, 0, selection))
+        base = await engine.score(ScoreJob("sc2", seqs))
+        double.inject("/generate", 400, {"error": {"message": "The following requested LoRA adapters are not loaded"}})
+        with pytest.raises(InvalidArgument, match="not loaded"):
+            await engine.score(ScoreJob("sc3", seqs, 0, selection))
+        assert not engine._in_use  # every request of the failed Score ended with it
+    finally:
+        await engine.unload_adapter("rs1")
+    peft = peft_reference(tiny_model, adapter)
+    for (prompt, continuation), v1, v0 in zip(seqs, under, base, strict=True):
+        want_v1 = forward_logprobs(peft, list(prompt), list(continuation))
+        want_v0 = forward_logprobs(reference_model, list(prompt), list(continuation))
+        assert torch.allclose(torch.tensor(v1.logprobs), want_v1, atol=1e-5)
+        assert torch.allclose(torch.tensor(v0.logprobs), want_v0, atol=1e-5)
+        assert not torch.allclose(want_v1, want_v0, atol=1e-4)  # the adapter really moves them
+    bodies = [b for b in double.generate_calls() if b["rid"].startswith(("sc1.", "sc2."))]
+    assert len(bodies) == 4 and {b["stream"] for b in bodies} == {False}
+    assert {(tuple(b["input_ids"]), b["logprob_start_len"], b.get("lora_path")) for b in bodies} == {
+        (tuple(p + c), len(p) - 1, lora) for p, c in seqs for lora in (name, None)
+    }
+    assert all(b["sampling_params"]["max_new_tokens"] == 0 and b["return_logprob"] for b in bodies)
+    with pytest.raises(Unimplemented) as refused:
+        engine.check_score(ScoreJob("sc4", seqs, top_k=2))
+    assert refused.value.reason == Reason.SCORE_UNSUPPORTED
+
+
+async def test_a_replica_over_sglang_proves_a_version_and_refuses_one_its_server_computes_wrongly(
+    tiny_model, double_model, tmp_path
+):
+    """Issue 52 on an SGLang-backed replica, over gRPC: a signed version whose probe holds the
+    publisher's PEFT numbers passes within the served tolerance (1e-3) through SGLang's prompt
+    logprobs; the next version, loaded by an SGLang that computes with other weights (B x 1.05), is
+    refused with PROOF_FAILED naming the replica and the gap, and the replica keeps serving v1."""
+    from rollwire.client.aio import AsyncClient
+    from rollwire.common import probe as probes
+    from rollwire.common.fingerprint import model_fingerprint
+    from rollwire.common.signing import SigningKey
+    from rollwire.generator.app import start_generator
+    from rollwire.generator.config import GeneratorConfig
+
+    key = SigningKey.generate("publisher")
+    (tmp_path / "trust.json").write_text(json.dumps({"keys": [key.trust_entry()]}))
+    server = DoubleServer(options(tiny_model), double_model).start()
+    replica = await start_generator(
+        GeneratorConfig.model_validate(
+            {
+                "model": str(tiny_model),
+                "engine": "sglang",
+                "host": "127.0.0.1",
+                "port": 0,
+                "metrics_port": 0,
+                "replica_id": "sgl-proof",
+                "sglang": {"url": server.url, "adapter_dir": str(tmp_path / "adapters")},
+                "trust": {"keys_file": str(tmp_path / "trust.json")},
+            }
+        )
+    )
+    client = AsyncClient(f"127.0.0.1:{replica.port}", timeout=60)
+    tokenize = replica.servicer.engine.tokenize
+    seqs = [(tokenize(p), tokenize(c)) for p, c in (("12+34=", "46"), ("abc", "defgh"))]
+
+    async def push_version(version: int):
+        adapter = make_adapter(tiny_model, seed=90 + version, r=4, scale=0.1)
+        peft = peft_reference(tiny_model, adapter)
+        probe = probes.build_probe(seqs, [forward_logprobs(peft, p, c).tolist() for p, c in seqs], seed=version)
+        shape = LoraShape(adapter.r, adapter.lora_alpha, adapter.targets)
+        return await client.push_adapter(
+            "pol", version, adapter.payload, shape, model_fingerprint(tiny_model), signing_key=key, probe=probe
+        )
+
+    try:
+        await push_version(1)
+        proof = replica.servicer.status().adapters[0].proofs[1]
+        assert proof.outcome == probes.PASSED and proof.max_abs_gap <= probes.DEFAULT_TOLERANCES["sglang"] == 1e-3
+        server.lora_b_scale = 1.05  # SGLang now computes with other weights than the files it is given
+        with pytest.raises(FailedPrecondition) as refused:
+            await push_version(2)
+        assert refused.value.reason == Reason.PROOF_FAILED
+        assert "sgl-proof" in refused.value.message and "differ by up to" in refused.value.message
+        assert replica.servicer.registry.loaded() == {"pol": [1]}  # it keeps serving what it served
+        assert replica.servicer.metrics.proofs.labels("failed")._value.get() == 1
+        assert replica.servicer.metrics.proofs.labels("passed")._value.get() == 1
+    finally:
+        await client.close()
+        await replica.stop(0)
+        server.stop()
 
 
 async def test_cancelled_seeded_group_is_aborted_by_request_id(engine, double):

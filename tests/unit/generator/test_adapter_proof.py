@@ -18,12 +18,13 @@ from support.engines import forward_logprobs
 from support.wire import make_adapter, peft_reference
 
 from rollwire.common import probe as probes
-from rollwire.common.errors import FailedPrecondition, Internal, InvalidArgument
+from rollwire.common.errors import FailedPrecondition, Internal, InvalidArgument, RollwireError
 from rollwire.common.manifest import Manifest, check_manifest
 from rollwire.common.reasons import Reason
 from rollwire.common.signing import SigningKey, sign, verify
 from rollwire.generator.adapters import AdapterRegistry
 from rollwire.generator.engines.embedded import transformers_engine as te
+from rollwire.generator.engines.served import sglang_protocol as sglang
 from rollwire.generator.engines.served.vllm_score import ScoreGate, read_score, score_body
 from rollwire.generator.metrics import GeneratorMetrics
 from rollwire.generator.proof import Prover
@@ -221,6 +222,35 @@ def test_vllm_prompt_logprobs_are_read_by_token_id_at_their_own_position():
     with pytest.raises(Internal):
         read_score(job, 0, {"choices": [{"index": 0, "prompt_logprobs": entries}]})
     assert score_body((5, 6), (7, 8), "lora", "r")["prompt"] == [5, 6, 7, 8]
+
+
+def test_sglang_input_logprobs_are_read_by_token_id_at_their_own_position():
+    """SGLang's input_token_logprobs start at logprob_start_len (the prompt's last token, no logprob),
+    then one [logprob, id, text] per later position: each continuation token is read at its own place."""
+    job = ScoreJob("s", (((5, 6), (7, 8)),))
+    body = sglang.score_body((5, 6), (7, 8), "lora-v1", "r")
+    assert body["input_ids"] == [5, 6, 7, 8] and body["logprob_start_len"] == 1 and body["lora_path"] == "lora-v1"
+    assert body["sampling_params"] == {"max_new_tokens": 0, "temperature": 1.0, "top_p": 1.0, "top_k": -1}
+    assert body["return_logprob"] is True and body["stream"] is False
+    assert "lora_path" not in sglang.score_body((5,), (7,), None, "r")  # the base model
+
+    def reply(entries):
+        return {"text": "", "output_ids": [], "meta_info": {"input_token_logprobs": entries}}
+
+    entries = [[None, 6, None], [-0.2, 7, None], [-0.3, 8, "x"]]
+    assert sglang.read_score(job, 0, reply(entries)).logprobs == [-0.2, -0.3]
+    for broken in (
+        entries[1:],  # one position late: the first entry is not the prompt's last token
+        [[None, 6, None], [-0.2, 9, None], [-0.3, 8, None]],  # another token at a continuation position
+        [[None, 6, None], [None, 7, None], [-0.3, 8, None]],  # a continuation token without its logprob
+        entries[:2],  # a position missing
+    ):
+        with pytest.raises(Internal) as missing:
+            sglang.read_score(job, 0, reply(broken))
+        assert missing.value.reason == Reason.ENGINE_FAILED
+    aborted = {"meta_info": {"finish_reason": {"type": "abort", "message": "overloaded", "status_code": 503}}}
+    with pytest.raises(RollwireError, match="overloaded"):
+        sglang.read_score(job, 0, aborted)
 
 
 async def test_a_vllm_score_runs_alone_and_new_segments_wait_for_it():

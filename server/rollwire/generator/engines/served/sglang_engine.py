@@ -19,14 +19,19 @@ Invariants:
   replica serves again;
 - closing a generate stream closes the HTTP stream and aborts its SGLang requests;
 - a following group switches by continuation (follow.py): SGLang fixes a request's
-  LoRA at admission, so each unfinished sample goes on as a new request under the new one.
+  LoRA at admission, so each unfinished sample goes on as a new request under the new one;
+- Score (and so the proof of a version, generator/proof.py) reads SGLang's prompt logprobs: one
+  prefill-only /generate request per sequence (sglang_protocol.py, "scoring"), under the
+  version's own LoRA name, all of a Score's requests ended (answered or cancelled) before it
+  returns, and the version counted as in use meanwhile, so it is never unloaded under a Score.
 """
 
 from __future__ import annotations
 
+import asyncio
 from pathlib import Path
 
-from rollwire.common.errors import FailedPrecondition, RollwireError
+from rollwire.common.errors import FailedPrecondition, RollwireError, Unimplemented
 from rollwire.common.reasons import Reason
 from rollwire.generator.engines.served.engine import NO_TEXT, ServedAdapter, ServedEngine, ServerCall
 from rollwire.generator.engines.served.files import find_key, peft_config, read_secret, write_peft_folder
@@ -38,10 +43,12 @@ from rollwire.generator.engines.served.sglang_protocol import (
     abort_body,
     generate_body,
     load_lora_body,
+    read_score,
+    score_body,
     unload_lora_body,
 )
 from rollwire.generator.engines.settings import SGLangSection
-from rollwire.generator.types import GroupRequest
+from rollwire.generator.types import GroupRequest, ScoreJob, SequenceScore
 from rollwire.runtime.logs import get_logger
 
 log = get_logger(__name__)
@@ -122,6 +129,39 @@ class SGLangEngine(ServedEngine):
 
         seeds = sample_seeds(group.sampling.seed, group.sampling.sample_seeds, group.n) or []
         return [s % (1 << 31) for s in seeds]
+
+    def check_score(self, job: ScoreJob) -> None:
+        """SGLang gives each prompt token's own logprob (`input_token_logprobs`); a Score's top-k is not read."""
+        if job.top_k:
+            raise Unimplemented(
+                "this replica's SGLang engine scores sequences without top_k; send the Score with top_k 0, or to a "
+                "transformers replica (a proxy routes it there)",
+                reason=Reason.SCORE_UNSUPPORTED,
+            )
+
+    async def score(self, job: ScoreJob) -> list[SequenceScore]:
+        """The job's sequences as prefill-only /generate requests with their input logprobs, one per sequence,
+        sent together (SGLang batches them); each continuation token's logprob is read back by id (sglang_protocol.py)."""
+        self.check_up()
+        self.check_score(job)
+        lora = self._lora_name(job.adapter.handle, f"{job.adapter.name!r} v{job.adapter.version}")
+
+        async def one(i: int) -> SequenceScore:
+            prompt, continuation = job.sequences[i]
+            rid = f"{job.request_id}.{i}.{next(self._rids)}.{self._nonce}"
+            reply = await self.api.post_json(
+                "/generate", score_body(prompt, continuation, lora, rid), f"scoring {job.request_id}"
+            )
+            return read_score(job, i, reply)
+
+        with self._using(job.adapter.handle):
+            calls = [asyncio.ensure_future(one(i)) for i in range(len(job.sequences))]
+            try:
+                return list(await asyncio.gather(*calls))
+            finally:  # one failed (or the caller went away): the others end here, not after the version's unload
+                for call in calls:
+                    call.cancel()
+                await asyncio.gather(*calls, return_exceptions=True)
 
     async def _send_abort(self, ids: list[str]) -> None:
         """Ask SGLang to stop the given requests now (closing the stream stops them too, later)."""

@@ -13,7 +13,10 @@ Invariants:
 - each streamed chunk is read the same way whether SGLang streams cumulative output (its
   default) or deltas (`--incremental-streaming-output`): the new tokens of a sample are the
   last `completion_tokens - seen` entries, and a chunk that would skip tokens is an error;
-- every SGLang failure becomes a RollwireError that keeps SGLang's own message.
+- every SGLang failure becomes a RollwireError that keeps SGLang's own message;
+- a Score reads each continuation token's logprob by its own id from its own position of
+  `input_token_logprobs` (the reply's ids checked against the sequence), and a reply with an entry
+  missing or misplaced fails the Score (INTERNAL ENGINE_FAILED) instead of scoring with a gap.
 """
 
 from __future__ import annotations
@@ -22,11 +25,20 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from rollwire.common.errors import Internal, RollwireError
+from rollwire.common.reasons import Reason
 from rollwire.generator.detokenize import TextStream
 from rollwire.generator.engines.served import http as served
 from rollwire.generator.engines.served.http import DONE as DONE  # the `data: [DONE]` sentinel, re-exported
 from rollwire.generator.engines.served.http import ServerKind
-from rollwire.generator.types import Event, GroupRequest, SampleDone, SamplingParams, TokenDelta
+from rollwire.generator.types import (
+    Event,
+    GroupRequest,
+    SampleDone,
+    SamplingParams,
+    ScoreJob,
+    SequenceScore,
+    TokenDelta,
+)
 
 TARGET_VERSION = "0.5.23"
 
@@ -109,6 +121,72 @@ def unload_lora_body(lora_name: str) -> dict:
 
 def abort_body(rid: str) -> dict:
     return {"rid": rid}
+
+
+# -- scoring (Score, and so the proofs) ------------------------------------------------------
+# SGLang's prompt logprobs, as read in its 0.5 source (managers/schedule_batch.py,
+# scheduler_output_processor_mixin.py, tokenizer_manager.py, layers/logits_processor.py): with
+# `return_logprob` and `logprob_start_len` s >= 0, `meta_info.input_token_logprobs` holds one
+# [logprob, token id, text or null] entry for each input position from s to the end, in order; the
+# entry at s carries no logprob (null), since what is reported at a position is its token's logprob
+# given the tokens before it, and SGLang computes those from s on. So the first continuation token's
+# logprob needs s = len(prompt) - 1. `max_new_tokens: 0` makes the request prefill-only (nothing is
+# sampled). The values are log-softmax of the logits, scaled by the request's temperature and
+# renormalised over top_p only when those differ from 1, which they do not here: a Score asks for
+# the raw distribution (score.py's contract).
+SCORE_PARAMS = {"max_new_tokens": 0, "temperature": 1.0, "top_p": 1.0, "top_k": -1}
+
+
+def score_body(prompt: tuple[int, ...], continuation: tuple[int, ...], lora_name: str | None, rid: str) -> dict:
+    """The /generate body that scores one sequence: prefill only, the input logprobs from the
+    prompt's last position on (the module's scoring note), answered whole (not streamed)."""
+    body: dict = {
+        "input_ids": [*prompt, *continuation],
+        "sampling_params": dict(SCORE_PARAMS),
+        "return_logprob": True,
+        "logprob_start_len": len(prompt) - 1,
+        "stream": False,
+        "rid": rid,
+    }
+    if lora_name:
+        body["lora_path"] = lora_name
+    return body
+
+
+def read_score(job: ScoreJob, i: int, reply: dict) -> SequenceScore:
+    """Sequence `i`'s continuation logprobs from SGLang's reply to `score_body` (the module's invariants)."""
+    prompt, continuation = job.sequences[i]
+    meta = reply.get("meta_info") if isinstance(reply, dict) else None
+    meta = meta if isinstance(meta, dict) else {}
+    finish = meta.get("finish_reason")
+    if isinstance(finish, dict) and finish.get("type") == "abort":
+        raise error_from_body(
+            finish.get("status_code") or 500, {"error": {"message": finish.get("message")}}, f"Score {job.request_id}"
+        )
+    entries = meta.get("input_token_logprobs")
+    if not isinstance(entries, list) or len(entries) < len(continuation) + 1:
+        raise _missing(job, f"the input logprobs of sequence {i}")
+    if not _entry_of(entries[0], prompt[-1]):
+        raise _missing(job, f"the prompt's last token {prompt[-1]} where sequence {i}'s input logprobs start")
+    logprobs = []
+    for k, token in enumerate(continuation):
+        entry = entries[1 + k]
+        if not _entry_of(entry, token) or not isinstance(entry[0], (int, float)):
+            raise _missing(job, f"token {token}'s logprob at position {len(prompt) + k} of sequence {i}")
+        logprobs.append(float(entry[0]))
+    return SequenceScore(logprobs)
+
+
+def _entry_of(entry, token: int) -> bool:
+    """Whether an input_token_logprobs entry is [logprob, token, text] for `token`."""
+    return isinstance(entry, (list, tuple)) and len(entry) >= 2 and entry[1] == token
+
+
+def _missing(job: ScoreJob, what: str) -> Internal:
+    return Internal(
+        f"SGLang's reply to Score {job.request_id} lacks {what}; retry it, on another replica",
+        reason=Reason.ENGINE_FAILED,
+    )
 
 
 # -- streamed responses --------------------------------------------------------------------
