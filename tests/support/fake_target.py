@@ -9,7 +9,10 @@ What it keeps of the real target's contract, and nothing more:
   VERSION_NOT_MONOTONIC, as a replica does (the rule a resumed learner must respect);
 - `name@latest` samples with the newest pushed version, and each sample says so;
 - a prompt's answer is the test's: completion texts, or an exception to raise (the typed
-  errors the SDK raises for a refused or failed call).
+  errors the SDK raises for a refused or failed call);
+- each accepted push is kept as the SDK would send it: its manifest built by the SDK's own
+  `build_manifest` (probe and signature included) and its payload, so a test can hand a version
+  to a real replica's registry and see it proved.
 What a replica does over a socket (streams, restarts, deadlines) is tested with real processes.
 """
 
@@ -19,10 +22,12 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from types import SimpleNamespace
 
+from rollwire.client._push import build_manifest
 from rollwire.client._requests import AdapterVersion
 from rollwire.client._results import GenerateResult, Sample
 from rollwire.common.errors import FailedPrecondition
 from rollwire.common.reasons import Reason
+from rollwire.v1 import generator_pb2 as pb
 
 Answer = Callable[[str], "list[str] | Exception"]
 """A prompt's answer: the texts of its samples, or the exception the call raises."""
@@ -37,6 +42,9 @@ class FakeTarget:
     """The versions of `adapter_name` the target holds, oldest first (a test may seed them)."""
     requests: list[tuple[str, dict]] = field(default_factory=list)
     pushed: list[int] = field(default_factory=list)
+    manifests: dict[int, pb.AdapterManifest] = field(default_factory=dict)
+    """Each accepted version's manifest, as the SDK builds it."""
+    payloads: dict[int, bytes] = field(default_factory=dict)
     closed: bool = False
 
     async def get_status(self):
@@ -44,8 +52,9 @@ class FakeTarget:
         return SimpleNamespace(model_fingerprint=self.fingerprint, adapters=adapters, replicas=[])
 
     async def push_adapter(
-        self, name, version, payload, lora, fingerprint, *, signing_key=None, sha256_by_receiver=False
+        self, name, version, payload, lora, fingerprint, *, signing_key=None, sha256_by_receiver=False, probe=None
     ):
+        manifest = build_manifest(name, version, payload, lora, fingerprint, signing_key, sha256_by_receiver, probe)
         if fingerprint != self.fingerprint:
             raise FailedPrecondition(f"base model {fingerprint} is not {self.fingerprint}")
         if name == self.adapter_name and self.versions and version <= self.versions[-1]:
@@ -54,6 +63,7 @@ class FakeTarget:
             )
         self.versions.append(version)
         self.pushed.append(version)
+        self.manifests[version], self.payloads[version] = manifest, bytes(payload)
         return SimpleNamespace(replicas=[], already_loaded=False)
 
     async def generate(self, prompt: str, n: int, **options) -> GenerateResult:

@@ -246,7 +246,7 @@ async def test_start_moves_above_a_version_that_landed_after_the_learner_looked(
     s = session.Session.__new__(session.Session)
     s.publisher = Publisher(target, "policy", "fp", {}, Signal(), 0.01)
     s.trainer = SimpleNamespace(adapter_payload=lambda: b"x")
-    s.cfg, s.client = SimpleNamespace(adapter_name="policy"), None
+    s.cfg, s.client = SimpleNamespace(adapter_name="policy", publish_probe=False), None
     s.buffer = SimpleNamespace(next_train_version=3)
     s.version = s.first_version = 3
 

@@ -143,15 +143,17 @@ class Session:
         return stats
 
     async def publish_start(self, attempts: int = 5) -> None:
-        """Publish the starting weights and wait until served.
+        """Publish the starting weights and wait until served, with their probe as every later version
+        (publish_probe), so the first version is proved on the replicas too.
 
         A push cut off by a killed learner can still land on the replicas after this run
-        looked at their versions; a version refusal then moves the start above what they hold.
+        looked at their versions; a version refusal then moves the start above what they hold
+        (and the probe, seeded by the version, is taken again for the new number).
         """
-        payload = await asyncio.to_thread(self.trainer.adapter_payload)
         for attempt in range(1, attempts + 1):
+            payload, probe = await asyncio.to_thread(self._snapshot)
             try:
-                return await self.publisher.publish(self.version, payload, wait=True)
+                return await self.publisher.publish(self.version, payload, wait=True, probe=probe)
             except FailedPrecondition as exc:
                 if exc.reason not in VERSION_TAKEN or attempt == attempts:
                     raise
