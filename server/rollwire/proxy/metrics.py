@@ -61,6 +61,7 @@ HTTP_ROUTES = (
     "/v1/upload_lora_adapter",
     "/v1/completions",
     "/v1/chat/completions",
+    "/v1/chat/completions/tokens",
     "/inference/v1/generate",
 )
 """Every route the HTTP front door serves (http/app.py declares each): the label set of

@@ -38,6 +38,7 @@ from rollwire.proxy.http.dialect import convert, tools
 from rollwire.proxy.http.dialect.errors import HttpError, error_response, http_status
 from rollwire.proxy.http.dialect.openai import (
     ChatBody,
+    ChatTokensBody,
     CompletionBody,
     check_unhonoured,
     flatten_content,
@@ -284,25 +285,40 @@ def _openai_routes(app: FastAPI, door: Door) -> None:
 
     @app.post("/v1/chat/completions")
     async def chat(request: Request) -> Response:
-        client = _authorize(door, request, GENERATE)
-        with door.core.account(edge=True) as record:
-            record.tenant = request.state.scope.label
-            body: ChatBody = await _body(door, request, ChatBody)
-            check_unhonoured(body)
-            tools.check_tool_choice(body, door.config.http.tool_call_parser)
-            ref = door.resolve(body.model, request.state.scope)
+        return await _chat(door, request, ChatBody)
+
+    @app.post("/v1/chat/completions/tokens")
+    async def chat_tokens(request: Request) -> Response:
+        """prime-rl's vLLM extension (verifiers' training client, from turn 2): a chat completion
+        sampled from the body's `tokens` as sent, answered as /v1/chat/completions answers."""
+        return await _chat(door, request, ChatTokensBody)
+
+
+async def _chat(door: Door, request: Request, kind: type[ChatBody]) -> Response:
+    """A chat completion: the chat rendered by the model's template, or a ChatTokensBody's `tokens`
+    as its prompt; its calls parsed (http.tool_call_parser)."""
+    client = _authorize(door, request, GENERATE)
+    with door.core.account(edge=True) as record:
+        record.tenant = request.state.scope.label
+        body: ChatBody = await _body(door, request, kind)
+        check_unhonoured(body)
+        tools.check_tool_choice(body, door.config.http.tool_call_parser)
+        ref = door.resolve(body.model, request.state.scope)
+        if isinstance(body, ChatTokensBody):
+            prompt = list(body.tokens)
+        else:
             prompt = await door.chat_prompt(_as_template_takes_it(door, body), client)
-            rid = body.request_id or request.state.rid
-            max_tokens = body.max_completion_tokens or body.max_tokens or door.default_max_tokens(len(prompt))
-            req = convert.generate_request(body, prompt, ref, max_tokens, rid, door.config.http.return_routed_experts)
-            record.edge = False  # the core decides from here
-            with http_terms(Asked(body, max_tokens, len(prompt), door.limits)):
-                if body.stream:
-                    return await stream_group(door, body, req, client, "chat.completion.chunk", rid, record)
-                group = convert.Group(body.n, body.stop_list())
-                await door.run_group(req, client, group, door.deadline(), record.tenant)
-            parse = tools.parser_for(body, door.tool_format)
-            return JSONResponse(convert.chat_response(body, group, body.model, rid, door.token_text, parse))
+        rid = body.request_id or request.state.rid
+        max_tokens = body.max_completion_tokens or body.max_tokens or door.default_max_tokens(len(prompt))
+        req = convert.generate_request(body, prompt, ref, max_tokens, rid, door.config.http.return_routed_experts)
+        record.edge = False  # the core decides from here
+        with http_terms(Asked(body, max_tokens, len(prompt), door.limits)):
+            if body.stream:
+                return await stream_group(door, body, req, client, "chat.completion.chunk", rid, record)
+            group = convert.Group(body.n, body.stop_list())
+            await door.run_group(req, client, group, door.deadline(), record.tenant)
+        parse = tools.parser_for(body, door.tool_format)
+        return JSONResponse(convert.chat_response(body, group, body.model, rid, door.token_text, parse))
 
 
 def _rl_routes(app: FastAPI, door: Door) -> None:

@@ -180,6 +180,15 @@ class ChatBody(_Sampling):
         return kwargs
 
 
+class ChatTokensBody(ChatBody):
+    """POST /v1/chat/completions/tokens (prime-rl's vLLM server extension; verifiers' training client sends every
+    turn after the first here): a chat completion sampled from `tokens`, the prompt's ids as sent (turn k's prompt
+    and sampled ids and the rendered rest: nothing is retokenized); `messages` are the conversation those ids hold,
+    checked as a chat's are but not rendered."""
+
+    tokens: list[TokenId] = Field(min_length=1)
+
+
 class LoadLoraBody(_Body):
     """POST /v1/load_lora_adapter (vLLM)."""
 

@@ -19,6 +19,8 @@ from typing import Any
 
 from rollwire.common.errors import FailedPrecondition, InvalidArgument
 from rollwire.common.reasons import Reason
+from rollwire.proxy.http.dialect.messages import conversation
+from rollwire.proxy.http.dialect.openai import template_takes_parts
 
 
 class ChatTokenizer:
@@ -75,8 +77,9 @@ class ChatTokenizer:
         continue_final_message: bool,
         kwargs: Mapping[str, Any],
     ) -> str:
-        """The chat as the template writes it; FAILED_PRECONDITION without a template and
-        INVALID_ARGUMENT when the template refuses the messages (its `raise_exception`)."""
+        """The chat as the template writes it, given the messages as vLLM hands them to it
+        (dialect/messages.py); FAILED_PRECONDITION without a template and INVALID_ARGUMENT when
+        the template refuses the messages (its `raise_exception`)."""
         if self.chat_template is None:
             raise FailedPrecondition(
                 "this model's tokenizer has no chat template; send the prompt to /v1/completions instead",
@@ -85,9 +88,10 @@ class ChatTokenizer:
         from jinja2 import TemplateError
 
         variables = {**self.special, **kwargs}
+        turns = conversation([dict(m) for m in messages], template_takes_parts(self.chat_template))
         try:
             text = _compiled(self.chat_template).render(
-                messages=list(messages),
+                messages=turns,
                 tools=list(tools) if tools else None,
                 add_generation_prompt=add_generation_prompt,
                 **variables,
