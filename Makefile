@@ -8,8 +8,10 @@ PYRIGHT := .tools/node_modules/.bin/pyright
 PROTOS := $(wildcard proto/rollwire/v1/*.proto)
 VLLM_VENV  := .venv-vllm
 VLLM_STAMP := $(VLLM_VENV)/.installed
+VERIFIERS_VENV  := .venv-verifiers
+VERIFIERS_STAMP := $(VERIFIERS_VENV)/.installed
 
-.PHONY: help install system-deps .venv-vllm test suite lint-quiet test-fast test-integration test-e2e coverage mutants lint breaking proto demo demo-trl demo-agent bench clean
+.PHONY: help install system-deps .venv-vllm .venv-verifiers test suite lint-quiet test-fast test-integration test-e2e coverage mutants lint breaking proto demo demo-trl demo-agent bench clean
 
 help:
 	@echo "make demo     teach the tiny model, run a replica + proxy + learner, watch GRPO learn"
@@ -24,6 +26,7 @@ help:
 	@echo "make mutants  break each of a listed set of invariants in a copy of the tree; fails if its unit tests still pass"
 	@echo "make install  create .venv (CPU torch first, then rollwire with pinned dependencies)"
 	@echo "make .venv-vllm  create .venv-vllm: vLLM's CPU build (pinned) for the vllm engine's tests, ~2 min"
+	@echo "make .venv-verifiers  create .venv-verifiers: verifiers 0.1.14 (pinned, no torch) for the door's conformance suite, ~1.5 min cold"
 	@echo "make proto    regenerate the Python stubs from proto/"
 	@echo "make bench    run every benchmark (about 15 min on 2 cores) and rewrite docs/benchmarks.md"
 
@@ -52,6 +55,19 @@ $(VLLM_STAMP): constraints-vllm.txt
 	$(VLLM_VENV)/bin/python -c "import vllm.entrypoints.openai.api_server"
 	touch $(VLLM_STAMP)
 
+# verifiers' own environment, for the door's conformance suite (tests/e2e/test_verifiers_conformance.py runs
+# its environments and clients unmodified in a subprocess from here): verifiers pins openai and its own
+# dependency tree apart from rollwire's, so it never shares .venv. 0.1.14, the newest 0.1 release, has
+# SingleTurnEnv and ToolEnv as its top-level API (0.3.1 keeps them under verifiers.legacy, 0.4.0 is the
+# verifiers.v1 rewrite); its `rl` extra (torch, vLLM) is left out. 83 s from an empty pip cache, 0.7 GB.
+.venv-verifiers: $(VERIFIERS_STAMP)
+$(VERIFIERS_STAMP): constraints-verifiers.txt
+	test -x $(VERIFIERS_VENV)/bin/python || $(PYTHON) -m venv $(VERIFIERS_VENV)
+	$(VERIFIERS_VENV)/bin/pip install --quiet --upgrade pip
+	$(VERIFIERS_VENV)/bin/pip install --quiet -c constraints-verifiers.txt verifiers==0.1.14
+	$(VERIFIERS_VENV)/bin/python -c "import verifiers; verifiers.SingleTurnEnv, verifiers.ToolEnv"
+	touch $(VERIFIERS_STAMP)
+
 $(BUF): .tools/package.json .tools/package-lock.json
 	npm ci --prefix .tools --no-audit --no-fund --silent
 	touch $(BUF)
@@ -78,7 +94,7 @@ system-deps:
 	  { $(SUDO) apt-get update -qq && $(SUDO) apt-get install -y -qq --no-install-recommends prometheus openssl; }
 
 # The folder is the tier (docs/testing.md): tests/unit, tests/integration, tests/e2e.
-# `make test` runs its independent parts beside each other (a sub-make with -j3): the two venvs and
+# `make test` runs its independent parts beside each other (a sub-make with -j3): the three venvs and
 # npm install at once (pip and npm mostly wait on disk and the package index), then lint (pyright
 # is one core for about a minute) beside the suite, which leaves a core idle much of its time. Its
 # outcome is the same as running them in turn: any part that fails fails `make test`. Lint's output
@@ -94,7 +110,7 @@ lint-quiet: install $(BUF)
 # (tests/conftest.py's worker_group), as do the vLLM server's and the network labs'.
 WORKERS ?= 2
 PARALLEL := -n $(WORKERS) --dist loadscope
-suite: install system-deps $(VLLM_STAMP)
+suite: install system-deps $(VLLM_STAMP) $(VERIFIERS_STAMP)
 	$(BIN)/python -m pytest -q $(PARALLEL) --durations=25 tests/unit tests/integration tests/e2e
 
 # No processes, no sockets (tests/unit/conftest.py makes either fail the test).
@@ -104,7 +120,7 @@ test-fast: install
 test-integration: install system-deps
 	$(BIN)/python -m pytest -q $(PARALLEL) --durations=25 tests/integration
 
-test-e2e: install system-deps $(VLLM_STAMP)
+test-e2e: install system-deps $(VLLM_STAMP) $(VERIFIERS_STAMP)
 	$(BIN)/python -m pytest -q $(PARALLEL) --durations=25 tests/e2e
 
 # The whole suite under coverage.py (.coveragerc): every process it starts measures itself (xdist
@@ -113,7 +129,7 @@ test-e2e: install system-deps $(VLLM_STAMP)
 # printed, in all and per package, and the whole table written to coverage.txt (htmlcov/ has the
 # lines). A failing test fails the target, after the report. Slower than `make test` (docs/testing.md).
 # $(BUF) installs .tools' npm packages, whose grpc-js the Node.js client tests use (make test's lint does).
-coverage: install system-deps $(VLLM_STAMP) $(BUF)
+coverage: install system-deps $(VLLM_STAMP) $(VERIFIERS_STAMP) $(BUF)
 	rm -f .coverage .coverage.*
 	$(BIN)/coverage run --rcfile=.coveragerc -m pytest -q $(PARALLEL) --durations=25 tests/unit tests/integration tests/e2e; \
 	  status=$$?; \
@@ -160,4 +176,4 @@ bench: install
 	$(BIN)/python bench/report.py
 
 clean:
-	rm -rf $(VENV) $(VLLM_VENV) .tools/node_modules .pytest_cache
+	rm -rf $(VENV) $(VLLM_VENV) $(VERIFIERS_VENV) .tools/node_modules .pytest_cache

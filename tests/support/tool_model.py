@@ -2,10 +2,18 @@
 a CPU, as the demo teaches addition (no hub). Given the door fleet's chat prompt for "A+B="
 (support.door_fleet.TEMPLATE: `u:A+B=\\na:`) it writes
 `<tool_call>{"name": "add", "arguments": {"a": A, "b": B}}</tool_call>` and EOS, greedily, for the
-pairs it was taught (PAIRS); teaching stops once greedy decoding writes every one of them."""
+pairs it was taught (PAIRS); given the tool's result back it writes A+B and EOS, for the next
+turn's prompt as the chat route renders it (`u:A+B=\\na:\\nt:SUM\\na:`: the template writes no calls)
+and as a harness stitches it from the sampled ids (the call's text, EOS, then `t:SUM\\na:`, as
+verifiers' training client does). Teaching stops once greedy decoding writes every one of them.
+`tool_caller` keeps the taught folder once per machine (support.learner.CACHE), keyed by this file
+and the model's weights."""
 
 from __future__ import annotations
 
+import fcntl
+import hashlib
+import shutil
 from pathlib import Path
 
 PAIRS = [(12, 34), (7, 45), (50, 21), (3, 9)]
@@ -31,8 +39,31 @@ def call_text(a: int, b: int) -> str:
     return f'<tool_call>{{"name": "add", "arguments": {{"a": {a}, "b": {b}}}}}</tool_call>'
 
 
-def teach_tool_calls(model_dir: Path, dest: Path, max_steps: int = 400) -> Path:
-    """A PEFT folder (save_pretrained) at `dest` whose adapter writes PAIRS' calls greedily."""
+def answer_prompt_text(a: int, b: int) -> str:
+    """The turn after the call, as the door fleet's template renders it (a tool-call turn's null content is "")."""
+    return f"u:{a}+{b}=\na:\nt:{a + b}\na:"
+
+
+def tool_caller(model_dir: Path) -> Path:
+    """The taught adapter's folder, taught here unless this machine's cache holds it (a lock file keeps
+    two test processes from teaching it at once); copy it under an adapter root to load it."""
+    from support.learner import CACHE
+
+    digest = hashlib.sha256(Path(__file__).read_bytes() + (Path(model_dir) / "model.safetensors").read_bytes())
+    folder = CACHE / f"tool-caller-{digest.hexdigest()[:16]}"
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    with open(folder.with_name(folder.name + ".lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not (folder / "adapter_config.json").is_file():
+            aside = folder.with_name(folder.name + ".partial")
+            shutil.rmtree(aside, ignore_errors=True)
+            teach_tool_calls(model_dir, aside)
+            aside.rename(folder)
+    return folder
+
+
+def teach_tool_calls(model_dir: Path, dest: Path, max_steps: int = 600) -> Path:
+    """A PEFT folder (save_pretrained) at `dest` whose adapter writes PAIRS' calls and answers greedily."""
     import torch
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -43,13 +74,17 @@ def teach_tool_calls(model_dir: Path, dest: Path, max_steps: int = 400) -> Path:
     model = get_peft_model(
         AutoModelForCausalLM.from_pretrained(model_dir), LoraConfig(r=16, lora_alpha=32, target_modules=targets)
     )
-    rows = [
-        (
-            tokenizer.encode(prompt_text(a, b), add_special_tokens=False),
-            [*tokenizer.encode(call_text(a, b), add_special_tokens=False), tokenizer.eos_token_id],
-        )
-        for a, b in PAIRS
-    ]
+
+    def ids(text: str) -> list[int]:
+        return tokenizer.encode(text, add_special_tokens=False)
+
+    eos = tokenizer.eos_token_id
+    rows = []
+    for a, b in PAIRS:
+        call = [*ids(call_text(a, b)), eos]
+        rows.append((ids(prompt_text(a, b)), call))
+        rows.append((ids(answer_prompt_text(a, b)), [*ids(str(a + b)), eos]))
+        rows.append((ids(prompt_text(a, b)) + call + ids(f"t:{a + b}\na:"), [*ids(str(a + b)), eos]))
     width = max(len(p) + len(c) for p, c in rows)
     ids = torch.zeros((len(rows), width), dtype=torch.long)
     labels = torch.full((len(rows), width), -100)

@@ -6,9 +6,10 @@ the reason, except under CI=true (`make test` builds it), where they fail instea
 never pass by skipping the real server.
 
 One vLLM server per run serves every test that only talks to one (`vllm_server`, a session
-fixture conftest.py registers: ~30-100 s to start on 2 cores); the vllm engine's own tests
-(tests/e2e/test_vllm_engine.py) launch theirs, because launching, supervising and killing
-the server is what they check.
+fixture conftest.py registers: ~30-100 s to start on 2 cores), started as agent-RL users start
+it (`TOOL_FLAGS`: hermes tool calls parsed, a request's own chat template taken); the vllm
+engine's own tests (tests/e2e/test_vllm_engine.py) launch theirs, because launching,
+supervising and killing the server is what they check.
 """
 
 from __future__ import annotations
@@ -16,10 +17,12 @@ from __future__ import annotations
 import os
 from collections.abc import Iterator
 from pathlib import Path
+from unittest import mock
 
 import pytest
 
 from rollwire.demo.stack import VLLM_CPU_ENV, VLLMServer
+from rollwire.generator.engines.served import vllm_engine
 from rollwire.generator.engines.settings import VLLMSection
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -27,6 +30,11 @@ VLLM_PYTHON = ROOT / ".venv-vllm" / "bin" / "python"
 VLLM_STAMP = ROOT / ".venv-vllm" / ".installed"
 SERVER = [str(VLLM_PYTHON), "-m", "vllm.entrypoints.openai.api_server"]
 CPU_ENV = VLLM_CPU_ENV  # the demo's: a 1 GiB KV cache, dev mode, no core pinning, one OpenMP thread
+TOOL_FLAGS = ("--enable-auto-tool-choice", "--tool-call-parser", "hermes", "--trust-request-chat-template")
+"""The shared server's flags beyond VLLMServer's: tool calls parsed as the issue's harnesses expect
+(tests/e2e/test_verifiers_conformance.py), and a request's `chat_template` taken, so a test can give
+the tiny model the door fleet's template per request; neither changes an answer to a request
+without tools or a template."""
 
 
 def require_vllm() -> None:
@@ -58,11 +66,13 @@ def vllm_section(adapter_dir: Path, **changes) -> VLLMSection:
 @pytest.fixture(scope="session")
 def vllm_server(tiny_model, tmp_path_factory) -> Iterator[VLLMServer]:
     """A real vLLM server on the tiny model, healthy, serving it as its folder's name and its
-    path, LoRA loads at run time, no API key; stopped (its process group) at the session's end.
+    path, LoRA loads at run time, no API key, TOOL_FLAGS; stopped (its process group) at the session's end.
     Tests share it: each loads adapters under names of its own."""
     require_vllm()
     work = tmp_path_factory.mktemp("vllm-server")
-    server = VLLMServer(tiny_model, work / "vllm.log", names=(tiny_model.name, str(tiny_model)), python=VLLM_PYTHON)
+    argv = vllm_engine.launch_argv
+    with mock.patch.object(vllm_engine, "launch_argv", lambda **kw: [*argv(**kw), *TOOL_FLAGS]):  # VLLMServer's argv
+        server = VLLMServer(tiny_model, work / "vllm.log", names=(tiny_model.name, str(tiny_model)), python=VLLM_PYTHON)
     try:
         server.wait_healthy()
         yield server

@@ -10,12 +10,14 @@ tests (tests/unit/proxy/test_tool_calls.py)."""
 from __future__ import annotations
 
 import json
+import shutil
 from typing import Any
 
 import pytest
 import requests
 from support.door_fleet import GENERATE_TOKEN, openai_client, post
-from support.tool_model import ADD_TOOL, PAIRS, call_text, prompt_text, teach_tool_calls
+from support.tool_model import ADD_TOOL, PAIRS, call_text, prompt_text
+from support.tool_model import tool_caller as taught_tool_caller
 
 pytestmark = pytest.mark.integration
 
@@ -169,9 +171,10 @@ def test_turn_k_plus_1_reuses_turn_ks_sampled_ids_exactly(door):
 
 @pytest.fixture(scope="module")
 def tool_caller(door, tiny_model):
-    """A LoRA adapter taught here to write hermes calls (support/tool_model.py, ~7 s), loaded
-    through the door as `tool-caller`; a request naming it waits until a replica serves it."""
-    folder = teach_tool_calls(tiny_model, door["root"] / "tool-caller")
+    """A LoRA adapter taught to write hermes calls (support/tool_model.py: ~10 s, once per machine),
+    loaded through the door as `tool-caller`; a request naming it waits until a replica serves it."""
+    folder = door["root"] / "tool-caller"
+    shutil.copytree(taught_tool_caller(tiny_model), folder)
     loaded = post(
         door["proxy"].http_url, "/v1/load_lora_adapter", {"lora_name": "tool-caller", "lora_path": str(folder)}
     )
