@@ -16,9 +16,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from rollwire.proxy.admin import AdminServicer
 from rollwire.proxy.config import ProxyConfig
 from rollwire.proxy.core import ProxyCore, ProxyState
-from rollwire.proxy.fleet.admin import AdminServicer
 from rollwire.proxy.fleet.discovery import DnsDiscovery
 from rollwire.proxy.fleet.replicas import SERVICE, ReplicaSet
 from rollwire.proxy.metrics import ProxyMetrics

@@ -105,7 +105,7 @@ class Replica:
         """Added by a `register` token: it proved its address, and is vetted by its canary before it serves."""
         self.registrant = ""
         """The identity (runtime.security.caller_identity) of the `register` token that added it: the only one
-        that may refresh, drain or remove it (fleet/admin.py); "" for a static, discovered or admin's member."""
+        that may refresh, drain or remove it (../admin.py); "" for a static, discovered or admin's member."""
         self.vetted = not self.member
         self.refused = ""
         """Why it is kept out of rotation although it answers (a failed canary, limits under the floor)."""

@@ -16,7 +16,7 @@ Invariants:
   (basemodel.py); a member serving another one is refused membership: it is never routed
   to, pushed to or caught up, its refusals never count towards quarantine, it is named in
   its status, a log line and `replica_foreign_base_model`; a registered one is told so at
-  its next heartbeat (admin.py). BASE_MODEL_MISMATCH from a replica means "wrong replica",
+  its next heartbeat (../admin.py). BASE_MODEL_MISMATCH from a replica means "wrong replica",
   never "wrong bytes": the replica is checked again, the version stays;
 - what catch-up pushes, what a refusal or a failure decides, and when a replica counts as
   caught up: catchup.py; a replica that refused (or was given up on for) versions is routed
@@ -98,7 +98,7 @@ class ReplicaSet:
     # -- membership --------------------------------------------------------------------
     def add(self, address: str, source: str, ttl_s: float | None = None, member: bool = False) -> tuple[Replica, bool]:
         """Add a replica, or refresh its registration; (replica, created). A `member` (added by a
-        `register` token, admin.py) is dialled with its member token and vetted by its canary."""
+        `register` token, ../admin.py) is dialled with its member token and vetted by its canary."""
         expires = time.monotonic() + ttl_s if ttl_s else None
         replica = self.members.get(address)
         if replica is not None:

@@ -1,8 +1,9 @@
-"""AdminService: which generator replicas the proxy routes to.
+"""AdminService, the proxy's third door (gRPC, beside servicer.py and http/): for operators,
+registering replicas and peer proxies; which generator replicas the proxy routes to (fleet/).
 
 Invariants: registering an address twice refreshes it (a heartbeat) and never duplicates
-it; a heartbeat of a replica refused membership (another base model, replicas.py) removes it
-and is refused with FAILED_PRECONDITION (BASE_MODEL_MISMATCH) naming it; a new replica takes work only after the catch-up (replicas.py); deregistering cuts
+it; a heartbeat of a replica refused membership (another base model, fleet/replicas.py) removes it
+and is refused with FAILED_PRECONDITION (BASE_MODEL_MISMATCH) naming it; a new replica takes work only after the catch-up (fleet/replicas.py); deregistering cuts
 its live groups off, and their runs restart them elsewhere; draining stops new work and
 returns only when the replica has no group left, so a drain loses nothing.
 
@@ -17,14 +18,14 @@ A `register` token adds a new address only once the process listening there prov
 that it holds the fleet key and advertises that very HOST:PORT (runtime/members.py): otherwise
 PERMISSION_DENIED (MEMBER_UNPROVEN), counted in `member_refusals_total{why="unproven"}`. Such a
 member is dialled with its own member token, never the proxy's admin token, and serves only
-after its canary (canary.py).
+after its canary (fleet/canary.py).
 
 ProveAdapters re-checks every version that has a probe on every routable replica now (publish/proof.py's
 ProofBook.prove_all, handed in) and answers the replicas with their proofs; an admin's call.
 
 ShareLineages is not about replicas: a peer proxy's lineage map, from the `peer` role only
-(security.PEER_ONLY, checked before the handler), merged by publish/peers.py (`Peers.receive_lineages`, handed in: the
-fleet imports no publishing).
+(security.PEER_ONLY, checked before the handler), merged by publish/peers.py (`Peers.receive_lineages`, handed in by app.py
+as ProofBook.prove_all is, so this door stays a thin edge).
 """
 
 from __future__ import annotations
