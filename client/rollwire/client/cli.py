@@ -341,6 +341,12 @@ def _add_push_adapter(commands: Any) -> None:
     base.add_argument("--base-fingerprint", metavar="FP", help="base model fingerprint, as GetStatus reports it")
     p.add_argument("--signing-key", metavar="FILE", help="sign the version with this key (`rollwire keys generate`)")
     p.add_argument("--bulk", action="store_true", help="the bytes by the receiver's bulk endpoint where offered")
+    p.add_argument(
+        "--probe",
+        action="store_true",
+        help="attach the version's behavioural proof: this adapter's own logprobs of 4 fixed sequences over the base "
+        "model folder, which every replica checks before it serves the version (needs torch, transformers, peft)",
+    )
     p.add_argument("peft_dir", metavar="PEFT_DIR", help="folder written by PEFT's save_pretrained")
     p.set_defaults(func=cmd_push_adapter)
 
@@ -352,11 +358,25 @@ def cmd_push_adapter(args: argparse.Namespace) -> int:
         key = SigningKey.load(args.signing_key) if args.signing_key else None
     except KeyFileError as exc:
         raise UsageError(str(exc)) from None
+    probe = None
+    if args.probe:
+        from rollwire.client.probes import peft_probe
+
+        probe = peft_probe(base_folder(adapter, args.base_model), args.peft_dir, args.version)
     with client_from_args(args) as client:
         result = client.push_adapter(
-            args.name, args.version, adapter.payload, adapter.lora, fingerprint, signing_key=key, bulk=args.bulk
+            args.name,
+            args.version,
+            adapter.payload,
+            adapter.lora,
+            fingerprint,
+            signing_key=key,
+            bulk=args.bulk,
+            probe=probe,
         )
     print(format_push(result))
+    if probe is not None:
+        print(f"probe: {len(probe.sequences)} sequences, proved by every replica that took the version")
     return 0
 
 
@@ -366,19 +386,23 @@ def base_fingerprint(adapter: PeftAdapter, base_model: str | None, fingerprint: 
 
     if fingerprint:
         return fingerprint
+    try:
+        return model_fingerprint(base_folder(adapter, base_model, "or --base-fingerprint FP"))
+    except FileNotFoundError as exc:
+        raise UsageError(str(exc)) from None
+
+
+def base_folder(adapter: PeftAdapter, base_model: str | None, other: str = "") -> str:
+    """--base-model, else the config's base_model_name_or_path when it is a local folder."""
     folder = base_model
     if folder is None and adapter.base_model_name_or_path and Path(adapter.base_model_name_or_path).is_dir():
         folder = adapter.base_model_name_or_path
     if folder is None:
         raise UsageError(
             "cannot tell which base model the adapter belongs to: its base_model_name_or_path "
-            f"({adapter.base_model_name_or_path!r}) is not a local folder; "
-            "pass --base-model DIR or --base-fingerprint FP"
+            f"({adapter.base_model_name_or_path!r}) is not a local folder; pass --base-model DIR {other}".rstrip()
         )
-    try:
-        return model_fingerprint(folder)
-    except FileNotFoundError as exc:
-        raise UsageError(str(exc)) from None
+    return folder
 
 
 def format_push(result: PushResult) -> str:

@@ -117,6 +117,32 @@ def test_cli_push_adapter_and_status(generator, tiny_model, tmp_path):
     assert f"sha256: {digest}" in proc.stdout.splitlines()
 
 
+def test_cli_push_adapter_probe_is_proved_by_the_replica_and_a_probe_of_other_weights_is_refused(
+    generator, tiny_model, tmp_path
+):
+    """`push-adapter --probe`: the adapter's own logprobs over the base model folder travel with
+    the version and the replica proves them before serving it (issue 52: the CLI as a publisher);
+    the same numbers attached to other weights are refused, so the probe is what was proved."""
+    from rollwire.client.probes import peft_probe
+    from rollwire.common.fingerprint import model_fingerprint
+
+    ours, other = (make_adapter(tiny_model, seed=s, r=4) for s in (35, 36))
+    ours_dir = save_peft_dir(tiny_model, ours, tmp_path / "ours")
+    args = ["--target", generator.target, "--name", "cli-probe", "--base-model", str(tiny_model)]
+    proc = run_cli("push-adapter", "--version", "1", "--probe", *args, str(ours_dir))
+    assert proc.returncode == 0, proc.stderr
+    assert "probe: 4 sequences" in proc.stdout
+    with Client(generator.target, timeout=60) as c:
+        (entry,) = [a for a in c.get_status().adapters if a.name == "cli-probe"]
+        proof = entry.proofs[1]
+        assert (proof.outcome, proof.reference) == ("passed", "publisher") and proof.max_abs_gap <= 1e-4
+        probe = peft_probe(tiny_model, ours_dir, 2)  # ours' numbers, sent with the other adapter's bytes
+        with pytest.raises(FailedPrecondition) as refused:
+            c.push_adapter("cli-probe", 2, other.payload, other.shape, model_fingerprint(tiny_model), probe=probe)
+        assert refused.value.reason == Reason.PROOF_DISPUTED  # an unsigned probe: one of the two is wrong
+        assert [a.versions for a in c.get_status().adapters if a.name == "cli-probe"] == [[1]]
+
+
 def test_cli_reports_status_code_and_exits_nonzero(generator):
     proc = run_cli("generate", "--target", generator.target, "--adapter", "nope@2", "x")
     assert proc.returncode == 1

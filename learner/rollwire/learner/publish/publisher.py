@@ -28,9 +28,9 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from rollwire.client.probes import model_probe
 from rollwire.common.errors import Internal, RollwireError
 from rollwire.common.lora import LoraShape
-from rollwire.common.probe import build_probe, fixed_sequences
 from rollwire.common.retries import PUSH_TRANSIENT
 from rollwire.common.safetensors_header import HeaderError, header_length, nonfinite_tensor, read_entries
 from rollwire.common.signing import SigningKey
@@ -198,23 +198,8 @@ class Publisher:
         self.changed.notify()
 
 
-def probe_of(model, version: int, count: int = 4, prompt: int = 8, continuation: int = 8) -> pb.AdapterProbe:
-    """The probe of the weights `model` (the learner's PEFT model) holds now: fixed token sequences
-    (seeded by `version`) and its own raw log-softmax of their continuations, in eval mode (no
-    dropout) and float32, as a replica's Score computes them. Call it where the payload is taken,
-    before the next step changes the weights."""
-    import torch
-
-    sequences = fixed_sequences(seed=version, count=count, prompt=prompt, continuation=continuation)
-    device = next(model.parameters()).device
-    training = model.training
-    model.eval()
-    try:
-        with torch.no_grad():
-            ids = torch.tensor([p + c for p, c in sequences], device=device)  # equal lengths: no padding
-            lsm = torch.log_softmax(model(input_ids=ids).logits[:, prompt - 1 : -1].float(), -1)
-            targets = torch.tensor([c for _, c in sequences], device=device)
-            logprobs = lsm.gather(-1, targets[..., None])[..., 0].tolist()
-    finally:
-        model.train(training)
-    return build_probe(sequences, logprobs, seed=version)
+def probe_of(model, version: int) -> pb.AdapterProbe:
+    """The probe of the weights `model` (the learner's PEFT model) holds now, taken as every
+    publisher takes one (rollwire.client.probes.model_probe: float32, eval mode, 4 fixed sequences
+    seeded by `version`). Call it where the payload is taken, before the next step changes the weights."""
+    return model_probe(model, version)
