@@ -83,8 +83,9 @@ class ReceiptCheck:
         return [r.sample_id for _, _, r in spans]
 
     def claim(self, sample_ids: Sequence[str]) -> None:
-        """Mark a taken trajectory's receipts as used (no await may come between `verify`'s last
-        look and this call and the buffer's submit)."""
+        """Mark a taken trajectory's receipts as used, on the event loop (no await between this
+        call and the buffer's submit). `verify` runs in a worker thread, so its look at the claimed
+        ids may be stale: this is the check that holds, two streams' copies of one receipt included."""
         for sample_id in sample_ids:
             if sample_id in self._claimed:
                 raise _bad(f"sample {sample_id[:128]!r} was already trained on; each sample trains once")
