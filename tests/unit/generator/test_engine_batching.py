@@ -10,6 +10,7 @@ forward pass of the tiny model and of a local PEFT model.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import math
 import random
 import time
@@ -282,6 +283,13 @@ async def test_text_is_the_decode_of_the_tokens(engine):
         assert out["text"].get(i, "") == engine.tokenizer.decode(tokens, skip_special_tokens=True)
 
 
+_NOTHING = contextlib.nullcontext()
+
+
+def _tokens(messages) -> int:
+    return sum(len(ev.token_ids) for events in messages for ev in events if isinstance(ev, TokenDelta))
+
+
 async def test_events_reach_a_busy_loop_in_order_with_few_wake_ups(engine, monkeypatch):
     """While the event loop is blocked the worker keeps stepping; the loop then finds every
     step's events queued in order, delivered by far fewer callbacks than steps."""
@@ -290,7 +298,14 @@ async def test_events_reach_a_busy_loop_in_order_with_few_wake_ups(engine, monke
     monkeypatch.setattr(te._Mailbox, "_drain", lambda self: (drains.append(1), real(self)))
     stream = engine.generate(group(engine, "busy", 2, seed=9, max_new_tokens=30))
     received = [await anext(stream)]  # the group is running
-    time.sleep(0.5)  # block the loop on purpose (the condition under test): the worker runs on
+    loop, deadline = asyncio.get_running_loop(), time.monotonic() + 60
+    while time.monotonic() < deadline:  # block the loop on purpose (the condition under test) until
+        box = engine._mailboxes.get(loop)  # the worker has posted every token, however slow it runs
+        with box._lock if box is not None else _NOTHING:
+            posted = [ev for _, events in (box._items if box is not None else []) for ev in events]
+        if _tokens(received) + _tokens([posted]) >= 60:
+            break
+        time.sleep(0.01)
     received += [events async for events in stream]
     tokens: dict[int, list[int]] = {0: [], 1: []}
     for events in received:
