@@ -224,11 +224,11 @@ def test_the_peer_role_shares_versions_between_proxies_and_nothing_else():
             auth.check(method, Call("peer").metadata)
     with pytest.raises(security.PermissionDenied, match="peer token only shares"):
         security.require_stage_only(security.caller_role(auth, Call("peer")), stage_only=True)  # a replica's check
-    security.require_peer(auth, Call("peer"))
+    security.require_peer(auth, security.caller_role(auth, Call("peer")))
     for other in ("adm", "gen"):  # the marker from anyone else, an admin included, is refused
         with pytest.raises(security.PermissionDenied, match="only a peer proxy's token"):
-            security.require_peer(auth, Call(other))
-    security.require_peer(None, Call("anyone"))  # auth off: every call may do anything
+            security.require_peer(auth, security.caller_role(auth, Call(other)))
+    security.require_peer(None, security.caller_role(None, Call("anyone")))  # auth off: every call may do anything
 
 
 def test_metadata_check_costs_at_most_one_stat_per_interval(tmp_path, monkeypatch):
