@@ -20,6 +20,9 @@ class Followed:
     versions: dict[int, list[int]] = field(default_factory=dict)
     text: dict[int, str] = field(default_factory=dict)
     finished: dict[int, Finished] = field(default_factory=dict)
+    pushed_in_time: bool = True
+    """The push had answered (the version committed) before the first sample finished. When it
+    had not, the group could not switch: a slow push on a loaded machine, not a failure to follow."""
 
     def of_version(self, index: int, version: int) -> tuple[list[int], list[float]]:
         """The tokens and logprobs of one sample produced by `version`."""
@@ -52,6 +55,8 @@ def follow_with_push(target: str, prompt: list[int], n: int, push_next: Callable
                 out.versions.setdefault(event.index, []).extend([event.adapter_version] * len(event.token_ids))
                 out.text[event.index] = out.text.get(event.index, "") + event.text
             elif isinstance(event, Finished):
+                if not out.finished:
+                    out.pushed_in_time = pushed.done()
                 out.finished[event.index] = event
         first.set()
         pushed.result()
