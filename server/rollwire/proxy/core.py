@@ -228,18 +228,20 @@ class ProxyCore:
         caller: Caller,
         action: str,
         asked: str,
-        read: Callable[[], Awaitable[tuple[str, int, LoraShape, bytes, SignatureFile | None]]],
+        named: Callable[[], tuple[str, int]],
+        files: Callable[[], Awaitable[tuple[LoraShape, bytes, SignatureFile | None]]],
         rid: str,
     ) -> Loaded:
-        """A version published by name: `read()` is the door's part (its naming of the version,
-        e.g. vLLM's NAME-vN for `asked`, and its files, checked): (name, version or 0 for the
-        next, LoRA shape, payload, signature). The name is the caller's own, published by the
-        load and lineage rules (publish/loads.py), audited as `action` however it ends (a refusal
-        of the door's own included), answered in the caller's words."""
+        """A version published by name. The door's part: `named()`, its naming of the version
+        the caller `asked` for (e.g. vLLM's NAME-vN): name and version (0: the next); `files()`,
+        the adapter's LoRA shape, payload and signature, read and checked. The name is the
+        caller's own, published by the load and lineage rules (publish/loads.py), audited as
+        `action` however it ends (a refusal of the door's own included), answered in the caller's words."""
         held = asked
         try:
-            name, version, lora, payload, signed = await read()
+            name, version = named()
             held = caller.scope.own(name)
+            lora, payload, signed = await files()
             loaded = await self.loads.load(held, version, lora, payload, rid, signed)
         except RollwireError as err:
             self._audit(caller, action, held, 0, err)

@@ -253,6 +253,8 @@ def test_over_http_trls_clients_carry_each_tenants_token_in_the_base_url(fleet):
     assert ("team-b", "publish", "unload", "trl-policy", "ok") in loads
     assert ("_fleet", "admin", "push", "shared-sft", "ok") in loads
     assert ("team-a", "publish", "push", "policy", "refused") in loads  # the conflicting overwrite
+    held = {(e["tenant"], e["action"], e["adapter"], e["internal"], e["outcome"]) for e in audits}
+    assert ("team-b", "load", "extra", "team-b:extra", "refused") in held  # the quota's refusal, by its held name
 
 
 def test_hostile_a_tenant_reads_no_other_tenants_names_nor_the_topology_and_writes_no_shared_name(fleet):

@@ -15,10 +15,9 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel
 
 from rollwire.common.errors import NotFound
-from rollwire.common.lora import LoraShape
 from rollwire.common.reasons import Reason
-from rollwire.common.signing import MAX_SIGNATURE_FILE_BYTES, SIGNATURE_FILE, SignatureFile
-from rollwire.proxy.http.adapters import CONFIG_FILE, MAX_CONFIG_BYTES, UPLOAD_SLACK, WEIGHTS_FILE, answer
+from rollwire.common.signing import MAX_SIGNATURE_FILE_BYTES, SIGNATURE_FILE
+from rollwire.proxy.http.adapters import CONFIG_FILE, MAX_CONFIG_BYTES, UPLOAD_SLACK, WEIGHTS_FILE, Files, answer
 from rollwire.proxy.http.dialect.errors import HttpError
 from rollwire.proxy.http.dialect.names import model_id
 from rollwire.proxy.http.dialect.openai import LoadLoraBody, UnloadLoraBody
@@ -50,11 +49,14 @@ def add_adapter_routes(app: FastAPI, door: Door, authorize: Authorize, read_body
                 param="load_inplace",
             )
 
-        async def read() -> tuple[str, int, LoraShape, bytes, SignatureFile | None]:
+        def named() -> tuple[str, int]:
             ref = door.adapters.load_ref(body.lora_name)
-            return ref.name, ref.version, *await door.adapters.read_path(body.lora_path)
+            return ref.name, ref.version
 
-        loaded = await door.core.load(caller_of(request), "load", body.lora_name, read, request.state.rid)
+        async def files() -> Files:
+            return await door.adapters.read_path(body.lora_path)
+
+        loaded = await door.core.load(caller_of(request), "load", body.lora_name, named, files, request.state.rid)
         door.pacing.loaded(loaded.held, loaded.version)
         return JSONResponse(answer(loaded))
 
@@ -76,11 +78,14 @@ def add_adapter_routes(app: FastAPI, door: Door, authorize: Authorize, read_body
                     param="lora_name",
                 )
 
-            async def read() -> tuple[str, int, LoraShape, bytes, SignatureFile | None]:
+            def named() -> tuple[str, int]:
                 ref = adapters.load_ref(name)
-                return ref.name, ref.version, *adapters.read_upload(parts.items())
+                return ref.name, ref.version
 
-            loaded = await door.core.load(caller_of(request), "upload", name, read, request.state.rid)
+            async def files() -> Files:
+                return adapters.read_upload(parts.items())
+
+            loaded = await door.core.load(caller_of(request), "upload", name, named, files, request.state.rid)
         return JSONResponse(answer(loaded))
 
     @app.post("/v1/unload_lora_adapter")
