@@ -593,12 +593,12 @@ def trl_shapes(d: dict) -> str:
         ("dropped_stale_share", "stale dropped (%)", 100, 0),
         ("accuracy_after", "accuracy after (%)", 100, 1),
     ]
-    header = ["cell"]
+    header = ["cell", "measured"]
     for _, label, _, _ in figures:
         header += [f"{label}: vLLM", "rollwire", "ratio"]
     rows = []
     for cell, c in d["cells"].items():
-        row = [f"`{cell}`"]
+        row = [f"`{cell}`", c.get("measured", d["machine"]["date"])]
         for k, _, scale, digits in figures:
             for arm in ("vllm", "rollwire"):
                 spread = c["per_arm"][arm].get(k)
@@ -608,7 +608,8 @@ def trl_shapes(d: dict) -> str:
         rows.append(row)
     return "\n\n".join(
         [
-            provenance(d) + f" Median (min–max) of {w['repeats']} alternating runs per arm and cell, "
+            provenance(d) + " Cells measured by earlier runs keep their own date (their commands are in "
+            f"bench/results/trl_shapes.json). Median (min–max) of {w['repeats']} alternating runs per arm and cell, "
             f"{w['budget_s']:.0f} s of TRL training each, TRL's max_staleness {w['max_staleness']}; held-out "
             f"accuracy before: {100 * w['accuracy_before']:.1f}%. Ratios are rollwire / vLLM per repeat.",
             table(header, rows),

@@ -16,17 +16,20 @@ two arms (vllm, rollwire) alternate per repeat, the order reversed every other r
 the first core, the server side on the other (vLLM's server always there).
 Figures per run and arm: steps/s, TRL's weight sync per step, its rollout wait per step, the
 share of generated samples it dropped as stale, the staleness it trained on, held-out accuracy after.
-Run: .venv/bin/python bench/trl_shapes.py [--cells all|CELL,CELL,...] [--repeats 3] [--budget-s 20]
-(needs `make .venv-vllm`; the whole matrix is 64 cells, about 6 minutes a cell at the defaults).
+Run: .venv/bin/python bench/trl_shapes.py [--cells all|CELL,CELL,...] [--repeats 3] [--budget-s 20] [--fresh]
+(needs `make .venv-vllm`; the whole matrix is 64 cells, about 6 minutes a cell at the defaults). The
+matrix is long, so a run adds its cells to those bench/results/trl_shapes.json holds (each cell keeps
+the date and command that measured it; a cell measured again is replaced); --fresh starts over.
 """
 
 from __future__ import annotations
 
 import argparse
 import itertools
+import json
 from dataclasses import dataclass
 
-from common import ROOT, WORK, spread, write_result
+from common import RESULTS, ROOT, WORK, machine, spread, write_result
 from trl_vllm_vs_rollwire import TAUGHT, TRL_MAX_STALENESS, run_arm
 
 from rollwire.demo.stack import ONE_THREAD, start_generators, stop_all
@@ -116,6 +119,18 @@ def run_cell(cell: Cell, repeats: int, budget_s: float, model, scorer) -> dict:
     }
 
 
+def measured_before() -> dict[str, dict]:
+    """The cells of the last results file, each with the date and command that measured it."""
+    path = RESULTS / "trl_shapes.json"
+    if not path.is_file():
+        return {}
+    old = json.loads(path.read_text())
+    return {
+        name: {"measured": old["machine"]["date"], "command": old["command"]} | cell
+        for name, cell in old.get("cells", {}).items()
+    }
+
+
 def _spread(values: list) -> dict | None:
     known = [v for v in values if v is not None]
     return spread(known) if known else None
@@ -126,20 +141,25 @@ def main() -> int:
     p.add_argument("--cells", default="all", help="all, or comma-separated cell names (g4.b8.l8.gc.r1.serving)")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--budget-s", type=float, default=20.0)
+    p.add_argument("--fresh", action="store_true", help="forget the cells measured before")
     args = p.parse_args()
     cells = all_cells() if args.cells == "all" else [Cell.parse(c) for c in args.cells.split(",") if c]
     if not (ROOT / ".venv-vllm" / "bin" / "python").is_file():
         raise SystemExit("run `make .venv-vllm` first")
     model = build_taught_model(TAUGHT, log=lambda line: None).resolve()
     (scorer,) = start_generators(model, WORK, ["trl-scorer"], *ONE_THREAD, "--set", "adapter_keep=512")
-    results: dict[str, dict] = {}
+    results = {} if args.fresh else measured_before()
+    command = f"python bench/trl_shapes.py --cells {args.cells} --repeats {args.repeats} --budget-s {args.budget_s:g}"
     try:
         before = held_out_accuracy(scorer.target, None)
         for cell in cells:
-            results[cell.name] = run_cell(cell, args.repeats, args.budget_s, model, scorer)
+            results[cell.name] = run_cell(cell, args.repeats, args.budget_s, model, scorer) | {
+                "measured": machine()["date"],
+                "command": command,
+            }
             write_result(  # after every cell: a long matrix keeps what it measured
                 "trl_shapes",
-                f"python bench/trl_shapes.py --cells {args.cells} --repeats {args.repeats} --budget-s {args.budget_s:g}",
+                command,
                 {
                     "workload": {
                         "budget_s": args.budget_s,
