@@ -43,7 +43,16 @@ def test_history_is_rebuilt_as_vllm_rebuilds_it():
 
 @pytest.mark.parametrize(
     ("arguments", "want"),
-    [('{"a": 1}', {"a": 1}), ({"a": 1}, {"a": 1}), ("not json", {}), ("[1, 2]", {}), ("", {}), (None, {}), (7, {})],
+    [
+        ('{"a": 1}', {"a": 1}),
+        ({"a": 1}, {"a": 1}),
+        ("not json", {}),
+        ("[1, 2]", {}),
+        ("", {}),
+        (None, {}),
+        (7, {}),
+        ("[" * 100_000, {}),  # a hostile nesting: the client's mistake, never the door's RecursionError (a 500)
+    ],
 )
 def test_call_arguments_are_an_object_as_vllm_makes_them(arguments, want):
     call = {"id": "c", "type": "function", "function": {"name": "f", "arguments": arguments}}

@@ -70,6 +70,6 @@ def _arguments(arguments: Any) -> dict[str, Any]:
     if isinstance(arguments, str) and arguments:
         try:
             arguments = json.loads(arguments)
-        except ValueError:
+        except (ValueError, RecursionError):  # a hostile nesting is not JSON the template can take either
             return {}
     return arguments if isinstance(arguments, dict) else {}
