@@ -17,12 +17,10 @@ from __future__ import annotations
 import os
 from collections.abc import Iterator
 from pathlib import Path
-from unittest import mock
 
 import pytest
 
 from rollwire.demo.stack import VLLM_CPU_ENV, VLLMServer
-from rollwire.generator.engines.served import vllm_engine
 from rollwire.generator.engines.settings import VLLMSection
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -70,9 +68,8 @@ def vllm_server(tiny_model, tmp_path_factory) -> Iterator[VLLMServer]:
     Tests share it: each loads adapters under names of its own."""
     require_vllm()
     work = tmp_path_factory.mktemp("vllm-server")
-    argv = vllm_engine.launch_argv
-    with mock.patch.object(vllm_engine, "launch_argv", lambda **kw: [*argv(**kw), *TOOL_FLAGS]):  # VLLMServer's argv
-        server = VLLMServer(tiny_model, work / "vllm.log", names=(tiny_model.name, str(tiny_model)), python=VLLM_PYTHON)
+    names = (tiny_model.name, str(tiny_model))
+    server = VLLMServer(tiny_model, work / "vllm.log", names=names, python=VLLM_PYTHON, extra_args=TOOL_FLAGS)
     try:
         server.wait_healthy()
         yield server

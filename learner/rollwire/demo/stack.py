@@ -333,7 +333,9 @@ class VLLMServer:
         max_loras: int = 4,
         python: Path = Path(".venv-vllm/bin/python"),
         cpus: Collection[int] = (),
+        extra_args: Sequence[str] = (),
     ) -> None:
+        """`extra_args`: vLLM flags beyond these (a test's tool-call parser, say)."""
         from rollwire.generator.engines.served.engine import free_port
         from rollwire.generator.engines.served.vllm_engine import SERVER_MODULE, launch_argv
 
@@ -348,7 +350,7 @@ class VLLMServer:
             max_loras=max_loras,
             dtype="float32",
             max_model_len=0,
-            extra_args=["--served-model-name", *names] if names else [],
+            extra_args=[*(["--served-model-name", *names] if names else []), *extra_args],
         )
         env = {**os.environ, **VLLM_CPU_ENV, "VLLM_ALLOW_RUNTIME_LORA_UPDATING": "1"}
         self.log_path = log_path

@@ -36,7 +36,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol, cast
 
-from rollwire.common.errors import FailedPrecondition, Internal, ResourceExhausted, RollwireError, Unavailable
+from rollwire.common.errors import (
+    FailedPrecondition,
+    Internal,
+    ResourceExhausted,
+    RollwireError,
+    Unavailable,
+    Unimplemented,
+)
 from rollwire.common.manifest import Manifest
 from rollwire.common.reasons import Reason
 from rollwire.generator.detokenize import TextStream, backend
@@ -55,7 +62,7 @@ from rollwire.generator.engines.served.http import (
 )
 from rollwire.generator.engines.served.process import ServerProcess, Supervisor, free_port
 from rollwire.generator.engines.settings import ServedSection
-from rollwire.generator.types import Event, GroupRequest
+from rollwire.generator.types import Event, GroupRequest, ScoreJob
 from rollwire.push.buffers import Payload
 from rollwire.runtime.logs import get_logger
 
@@ -266,6 +273,16 @@ class ServedEngine:
 
     def check(self, group: GroupRequest) -> None:
         """Refuse, before any work, what this server cannot honour (FAILED_PRECONDITION)."""
+
+    def check_score(self, job: ScoreJob) -> None:
+        """Both servers give each prompt token's own logprob (vLLM's `prompt_logprobs`, SGLang's
+        `input_token_logprobs`); a Score's top-k is not read from either."""
+        if job.top_k:
+            raise Unimplemented(
+                f"this replica's {self.kind.label} engine scores sequences without top_k; send the Score with "
+                "top_k 0, or to a transformers replica (a proxy routes it there)",
+                reason=Reason.SCORE_UNSUPPORTED,
+            )
 
     def _call(self, segment: GroupRequest, lora: str | None, rid: str) -> ServerCall:
         raise NotImplementedError

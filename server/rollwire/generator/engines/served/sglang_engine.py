@@ -31,7 +31,7 @@ from __future__ import annotations
 import asyncio
 from pathlib import Path
 
-from rollwire.common.errors import FailedPrecondition, RollwireError, Unimplemented
+from rollwire.common.errors import FailedPrecondition, RollwireError
 from rollwire.common.reasons import Reason
 from rollwire.generator.engines.served.engine import NO_TEXT, ServedAdapter, ServedEngine, ServerCall
 from rollwire.generator.engines.served.files import find_key, peft_config, read_secret, write_peft_folder
@@ -129,15 +129,6 @@ class SGLangEngine(ServedEngine):
 
         seeds = sample_seeds(group.sampling.seed, group.sampling.sample_seeds, group.n) or []
         return [s % (1 << 31) for s in seeds]
-
-    def check_score(self, job: ScoreJob) -> None:
-        """SGLang gives each prompt token's own logprob (`input_token_logprobs`); a Score's top-k is not read."""
-        if job.top_k:
-            raise Unimplemented(
-                "this replica's SGLang engine scores sequences without top_k; send the Score with top_k 0, or to a "
-                "transformers replica (a proxy routes it there)",
-                reason=Reason.SCORE_UNSUPPORTED,
-            )
 
     async def score(self, job: ScoreJob) -> list[SequenceScore]:
         """The job's sequences as prefill-only /generate requests with their input logprobs, one per sequence,

@@ -44,7 +44,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from rollwire.common import kept
-from rollwire.common.errors import FailedPrecondition, Internal, RollwireError, Unavailable, Unimplemented
+from rollwire.common.errors import FailedPrecondition, Internal, RollwireError, Unavailable
 from rollwire.common.reasons import Reason
 from rollwire.generator.detokenize import TextStream
 from rollwire.generator.engines.served.engine import NO_TEXT, ServedAdapter, ServedEngine, ServerCall
@@ -385,15 +385,6 @@ class VLLMEngine(ServedEngine):
         ids = [f"cmpl-{rid}-{i}" for i in range(prompts)]  # vLLM's ids for a request id and its prompts
         tracker = CompletionTracker.of(segment, NO_TEXT, k, self.vocab_size)
         return ServerCall("/v1/completions", body, tracker, lambda: ids)
-
-    def check_score(self, job: ScoreJob) -> None:
-        """vLLM gives each prompt token's own logprob (`prompt_logprobs`); a Score's top-k is not read from it."""
-        if job.top_k:
-            raise Unimplemented(
-                "this replica's vLLM engine scores sequences without top_k; send the Score with top_k 0, or to a "
-                "transformers replica (a proxy routes it there)",
-                reason=Reason.SCORE_UNSUPPORTED,
-            )
 
     async def score(self, job: ScoreJob) -> list[SequenceScore]:
         """The job's sequences as one /v1/completions request of token-id prompts with `prompt_logprobs`
